@@ -1,0 +1,329 @@
+"""Communication on the TSP axis: async collectives with byte counters, and the three TSP primitives.
+
+Every primitive is a forward/backward pair that returns handles, so layers can start the next transfer before
+computing on the current one:
+
+| primitive            | forward                                  | backward                                      |
+|----------------------|------------------------------------------|-----------------------------------------------|
+| shard broadcast      | broadcast rank j's packed shard to all   | reduce (sum) weight grads to owner j          |
+| weight ring          | pass shards to rank p+1, D-1 hops        | grads travel with the shard, D hops to owner  |
+| sequence all-gather  | all-gather local K/V, rank order         | reduce-scatter dK/dV back to the local tokens |
+
+Byte accounting (`CommCounter`) follows the algorithm's logical volume per rank: a broadcast counts on receivers,
+a reduce on senders, all-gather counts the (D-1)/D of its output that arrives, reduce-scatter the (D-1)/D of its
+input that leaves, a ring hop counts what is sent. Summed over a full head-block loop every rank counts the same.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.10 renamed all_gather_into_tensor; the old name warns on every call.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+WEIGHT_TAG = 7101
+GRAD_TAG = 7102
+
+
+class CommCounter:
+    """Bytes moved and seconds spent blocked on handles, per primitive kind (one instance per model)."""
+
+    def __init__(self):
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.wait_s = 0.0
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.wait_s = 0.0
+
+    def snapshot(self) -> dict:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls), "total_bytes": self.total_bytes,
+                "wait_s": self.wait_s}
+
+
+class Handle:
+    """Pending communication; `wait()` blocks and charges the blocked time to the counter."""
+
+    def __init__(self, works: list, counter: CommCounter, keep_alive: tuple = ()):
+        self._works = [w for w in works if w is not None]
+        self._counter = counter
+        self._keep_alive = keep_alive  # buffers a pending op reads or writes must outlive it
+
+    def wait(self) -> None:
+        if not self._works:
+            return
+        start = time.perf_counter()
+        for work in self._works:
+            work.wait()
+        self._counter.wait_s += time.perf_counter() - start
+        self._works = []
+        self._keep_alive = ()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class TSPComm:
+    """The TSP process group plus its counter. Passed explicitly to every layer; no module-global state."""
+
+    group: dist.ProcessGroup | None
+    counter: CommCounter = field(default_factory=CommCounter)
+
+    def __post_init__(self):
+        if self.group is None or not dist.is_initialized():
+            self.rank, self.size = 0, 1
+        else:
+            self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    @classmethod
+    def single(cls) -> "TSPComm":
+        """A degree-1 group: every primitive is a local no-op (D=1 runs without torch.distributed)."""
+        return cls(group=None)
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    # --- raw async collectives ---------------------------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        if self.size == 1:
+            return Handle([], self.counter)
+        if self.rank != src:
+            self.counter.add("broadcast", _nbytes(tensor))
+        work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
+        return Handle([work], self.counter, (tensor,))
+
+    def reduce(self, tensor: torch.Tensor, dst: int) -> Handle:
+        """Sum into `tensor` on dst. The buffer is clobbered elsewhere by some backends: never reuse it there."""
+        if self.size == 1:
+            return Handle([], self.counter)
+        if self.rank != dst:
+            self.counter.add("reduce", _nbytes(tensor))
+        work = dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Handle([work], self.counter, (tensor,))
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Handle:
+        """out: D * local.numel() elements (any shape, contiguous), filled in rank order."""
+        if self.size == 1:
+            out.copy_(local.reshape(out.shape))
+            return Handle([], self.counter)
+        self.counter.add("all_gather", _nbytes(out) * (self.size - 1) // self.size)
+        work = _all_gather_single(out.view(-1), local.contiguous().view(-1), group=self.group, async_op=True)
+        return Handle([work], self.counter, (out, local))
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Handle:
+        """full in rank order (chunk r goes to rank r); out receives the sum of every rank's chunk `self.rank`."""
+        if self.size == 1:
+            out.copy_(full.reshape(out.shape))
+            return Handle([], self.counter)
+        self.counter.add("reduce_scatter", _nbytes(full) * (self.size - 1) // self.size)
+        work = _reduce_scatter_single(out.view(-1), full.contiguous().view(-1), op=dist.ReduceOp.SUM,
+                                      group=self.group, async_op=True)
+        return Handle([work], self.counter, (out, full))
+
+    def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce") -> Handle:
+        if self.size == 1:
+            return Handle([], self.counter)
+        self.counter.add(kind, 2 * _nbytes(tensor) * (self.size - 1) // self.size)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Handle([work], self.counter, (tensor,))
+
+    def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Handle:
+        """Send to rank p+1 and receive from rank p-1 (the ring order of the weight ring)."""
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.counter.add("ring", _nbytes(send))
+        works = [dist.isend(send, dst=self._global(nxt), group=self.group, tag=tag),
+                 dist.irecv(recv, src=self._global(prv), group=self.group, tag=tag)]
+        return Handle(works, self.counter, (send, recv))
+
+
+# --- shard broadcast --------------------------------------------------------------------------------------
+def broadcast_shards(comm: TSPComm, own_shard: torch.Tensor, order: range | None = None):
+    """Yield (owner j, packed shard of j) for every head block, prefetching j+1 while the caller computes on j.
+
+    At most two shards are live: the one yielded and the one in flight. The own shard is yielded without a copy.
+    """
+    order = list(range(comm.size)) if order is None else list(order)
+
+    def start(j: int):
+        if j == comm.rank:
+            return own_shard.detach(), comm.broadcast(own_shard.detach(), src=j)
+        buf = torch.empty_like(own_shard, memory_format=torch.contiguous_format)
+        return buf, comm.broadcast(buf, src=j)
+
+    pending = start(order[0])
+    for i, j in enumerate(order):
+        shard, handle = pending
+        handle.wait()
+        pending = start(order[i + 1]) if i + 1 < len(order) else None
+        yield j, shard
+    return
+
+
+class ShardGradReducer:
+    """Backward dual of the shard broadcast: every rank's grad contribution for block j is summed on owner j."""
+
+    def __init__(self, comm: TSPComm):
+        self.comm = comm
+        self._pending: list[Handle] = []
+        self.own_grad: torch.Tensor | None = None
+
+    def reduce(self, owner: int, grad_contribution: torch.Tensor) -> None:
+        # A fresh buffer per block: non-owners must not reuse a reduce buffer.
+        handle = self.comm.reduce(grad_contribution, dst=owner)
+        self._pending.append(handle)
+        if owner == self.comm.rank:
+            self.own_grad = grad_contribution
+
+    def finish(self) -> torch.Tensor:
+        for handle in self._pending:
+            handle.wait()
+        self._pending = []
+        return self.own_grad
+
+
+# --- weight ring --------------------------------------------------------------------------------------------
+def ring_forward(comm: TSPComm, own_shard: torch.Tensor, step: Callable[[int, torch.Tensor], None]) -> None:
+    """Call step(owner, shard) D times; at step k rank p holds the shard of (p - k) mod D.
+
+    The next hop is posted before `step` runs, so the transfer overlaps the caller's GEMMs.
+    """
+    shard = own_shard.detach()
+    for k in range(comm.size):
+        owner = (comm.rank - k) % comm.size
+        hop = None
+        if k < comm.size - 1:
+            nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
+            hop = comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG)
+        step(owner, shard)
+        if hop is not None:
+            hop.wait()
+            shard = nxt
+
+
+def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
+                  step: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Run the ring again; step(owner, shard) returns this rank's grad contribution for that owner's shard.
+
+    The grad buffer travels with the shard and every rank adds its part, so after D hops it lands on the owner
+    holding the sum: a reduce-scatter folded into the ring. Returns the summed grad of `own_shard`.
+    The grad hop of step k overlaps the GEMMs of step k+1 (it is only awaited when the next sum is formed).
+    """
+    if comm.size == 1:
+        return step(comm.rank, own_shard.detach())
+    shard = own_shard.detach()
+    grad_in: torch.Tensor | None = None
+    grad_hop: Handle | None = None
+    sent: list[Handle] = []
+    for k in range(comm.size):
+        owner = (comm.rank - k) % comm.size
+        weight_hop = None
+        if k < comm.size - 1:
+            nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
+            weight_hop = comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG)
+        contribution = step(owner, shard)
+        if grad_hop is not None:
+            grad_hop.wait()
+            contribution = contribution + grad_in
+        grad_in = torch.empty_like(contribution)
+        grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG)
+        sent.append(grad_hop)
+        if weight_hop is not None:
+            weight_hop.wait()
+            shard = nxt
+    for handle in sent:
+        handle.wait()
+    return grad_in
+
+
+# --- sequence all-gather ------------------------------------------------------------------------------------
+def gather_sequence(comm: TSPComm, local: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    """Start gathering `local` from every rank; returns ([D, *local.shape] in rank order, handle)."""
+    out = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
+    return out, comm.all_gather(out.view(-1), local.reshape(-1))
+
+
+def scatter_sequence_grad(comm: TSPComm, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    """Backward dual of gather_sequence: full [D, *local_shape] in rank order -> summed local [*local_shape]."""
+    out = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
+    return out, comm.reduce_scatter(out.view(-1), full.reshape(-1))
+
+
+# --- differentiable wrappers (composable outside the fused layers, and the unit of the primitive tests) ---
+class _BroadcastShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, owner, comm):
+        ctx.owner, ctx.comm = owner, comm
+        out = shard.detach().clone() if comm.rank == owner else torch.empty_like(shard)
+        comm.broadcast(out, src=owner).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.reduce(grad, dst=ctx.owner).wait()
+        return (grad if ctx.comm.rank == ctx.owner else None), None, None
+
+
+def broadcast_shard(shard: torch.Tensor, owner: int, comm: TSPComm) -> torch.Tensor:
+    """forward: broadcast from `owner`; backward: reduce (sum) to `owner` (others get no grad)."""
+    return _BroadcastShard.apply(shard, owner, comm)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, comm):
+        ctx.comm = comm
+        out, handle = gather_sequence(comm, local)
+        handle.wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, handle = scatter_sequence_grad(ctx.comm, grad.contiguous())
+        handle.wait()
+        return out, None
+
+
+def all_gather_sequence(local: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+    """forward: all-gather into [D, *local.shape] (rank order); backward: reduce-scatter (sum)."""
+    return _GatherSequence.apply(local, comm)
+
+
+class _ReplicatedParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param, comm):
+        ctx.comm = comm
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad, kind="replicated_grad").wait()
+        return grad, None
+
+
+def replicated_param(param: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+    """forward: identity; backward: all-reduce (sum) over the TSP group.
+
+    For parameters every rank holds whole (norm weights): each rank saw different tokens, so the true gradient
+    is the sum of the per-rank ones, and summing keeps the replicas identical after the optimizer step.
+    """
+    return _ReplicatedParam.apply(param, comm)

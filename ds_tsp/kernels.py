@@ -1,0 +1,354 @@
+"""Local causal attention with log-sum-exp: forward and backward as plain functions.
+
+The TSP attention layer calls these from its own autograd.Function: it saves `out` and `lse` (both O(local
+tokens)) in forward and hands them back to `attention_backward`, so K/V never need to be kept or recomputed.
+
+Geometry (one call)::
+
+    q    [B, Lq, Hq, d]    queries at global positions q_start .. q_start+Lq-1
+    k, v [B, Lk, Hkv, d]   keys at positions 0 .. Lk-1, Lk == q_start + Lq (the causal prefix of the chunk)
+    out  [B, Lq, Hq, d]    query t attends keys 0..t (causal mask aligned bottom-right)
+    lse  opaque            log-sum-exp of the scaled scores; only ever passed back to attention_backward
+
+Query head i reads kv head i // (Hq // Hkv) (GQA; MQA when Hkv == 1).
+
+No [Lq, Lk] mask is ever built. The keys split into two blocks::
+
+    keys [0, q_start)              seen by every query: no mask             -> (o1, lse1)
+    keys [q_start, q_start + Lq)   square and causal (top-left == bottom-right) -> (o2, lse2)
+    lse = logaddexp(lse1, lse2);  out = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)
+
+Backward runs each block's kernel backward with the MERGED out and lse: a flash backward forms
+P = exp(S * scale - lse) and Dv = rowsum(dout * out), so with the final values each call returns the exact
+partial gradients; dq = dq1 + dq2 and dk, dv are the two blocks concatenated on the sequence dim.
+
+Backends (`select_backend`):
+
+    "flash_attn"  CUDA, fp16/bf16, head_dim <= 256, flash-attn 2.x importable (GQA native). Not runnable here:
+                  this repository is developed without a GPU, so that path is untested.
+    "cpu_flash"   CPU, float64/float32/bfloat16/float16: aten::_scaled_dot_product_flash_attention_for_cpu
+                  and its _backward (both take and return the LSE; they need Hq == Hkv, handled below).
+    "math"        pure torch, any device and dtype; the readable definition and the fallback.
+
+Every backend returns lse as [B, Hq, Lq] in float32 (float64 for float64 inputs), but that is a detail: the
+contract is that `attention_backward` must use the SAME backend as the `attention_forward` that produced
+`lse` (pass the same `backend=` override, or none on both with the same device and dtype).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+
+BACKENDS = ("flash_attn", "cpu_flash", "math")
+
+_HALF = (torch.float16, torch.bfloat16)
+_MATH_BLOCK_ROWS = 256  # query rows per block in the math backend: temporaries are [B, H, 256, Lk]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public API
+
+
+def select_backend(device: torch.device | str, dtype: torch.dtype, *, head_dim: int | None = None) -> str:
+    """The backend attention_forward / attention_backward use for tensors on `device` with `dtype`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if dtype in _HALF and (head_dim is None or head_dim <= 256) and _flash_attn_usable(device):
+            return "flash_attn"
+        return "math"
+    if device.type == "cpu" and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        return "cpu_flash"
+    return "math"
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int, scale: float,
+                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q (positions q_start..) over the key prefix k, v. Returns (out, lse); see module doc."""
+    _check_shapes(q, k, v, q_start)
+    impl = _backend_impl(backend, q)
+    B, Lq, Hq, d = q.shape
+    if Lq == 0:
+        return q.new_empty(q.shape), torch.empty(B, Hq, 0, dtype=_lse_dtype(q.dtype), device=q.device)
+    if q_start == 0:
+        return impl.forward(q, k, v, causal=True, scale=scale)
+    o1, lse1 = impl.forward(q, k[:, :q_start], v[:, :q_start], causal=False, scale=scale)
+    o2, lse2 = impl.forward(q, k[:, q_start:], v[:, q_start:], causal=True, scale=scale)
+    return _merge(o1, lse1, o2, lse2)
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, *, q_start: int, scale: float,
+                       backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of attention_forward; `out`, `lse` are what it returned (same backend!)."""
+    _check_shapes(q, k, v, q_start)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+    impl = _backend_impl(backend, q)
+    if q.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if q_start == 0:
+        return impl.backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+    dq1, dk1, dv1 = impl.backward(dout, q, k[:, :q_start], v[:, :q_start], out, lse, causal=False, scale=scale)
+    dq2, dk2, dv2 = impl.backward(dout, q, k[:, q_start:], v[:, q_start:], out, lse, causal=True, scale=scale)
+    dq = (dq1.float() + dq2.float()).to(q.dtype) if q.dtype in _HALF else dq1 + dq2
+    return dq, torch.cat((dk1, dk2), dim=1), torch.cat((dv1, dv2), dim=1)
+
+
+def default_scale(head_dim: int) -> float:
+    """1/sqrt(head_dim), the softmax scale of Llama-family attention."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shared plumbing
+
+
+def _check_shapes(q, k, v, q_start):
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"expected q [B, Lq, Hq, d] and k, v [B, Lk, Hkv, d] (equal); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, Lq, Hq, d = q.shape
+    if k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    if Hq % k.shape[2]:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={k.shape[2]}")
+    if q_start < 0 or k.shape[1] != q_start + Lq:
+        raise ValueError(f"keys must be the causal prefix of the queries: Lk={k.shape[1]} != q_start={q_start} + "
+                         f"Lq={Lq}")
+
+
+def _backend_impl(backend, q):
+    if backend is None:
+        backend = select_backend(q.device, q.dtype, head_dim=q.shape[-1])
+    if backend not in _IMPLS:
+        raise ValueError(f"backend={backend!r}: choose one of {BACKENDS} or None (automatic)")
+    if backend == "cpu_flash" and q.device.type != "cpu":
+        raise ValueError(f"backend='cpu_flash' needs CPU tensors, got {q.device}")
+    if backend == "flash_attn" and (q.device.type != "cuda" or q.dtype not in _HALF):
+        raise ValueError(f"backend='flash_attn' needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}")
+    return _IMPLS[backend]
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Combine two softmax blocks over disjoint keys. o: [B, Lq, H, d]; lse: [B, H, Lq] (float32 or wider)."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).transpose(1, 2).unsqueeze(-1)  # [B, Lq, H, 1]
+    w2 = torch.exp(lse2 - lse).transpose(1, 2).unsqueeze(-1)
+    acc = lse.dtype
+    out = o1.to(acc) * w1 + o2.to(acc) * w2
+    return out.to(o1.dtype), lse
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# math backend: pure torch, blocked over queries. Layout inside: [B, Hkv, g, L, d] with g = Hq // Hkv.
+
+
+def _grouped(x, hkv):
+    """[B, L, Hq, d] -> view [B, Hkv, g, L, d]."""
+    B, L, H, d = x.shape
+    return x.view(B, L, hkv, H // hkv, d).permute(0, 2, 3, 1, 4)
+
+
+def _ungroup(x):
+    """[B, Hkv, g, L, d] -> [B, L, Hkv*g, d]."""
+    B, hkv, g, L, d = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(B, L, hkv * g, d)
+
+
+class _Math:
+    @staticmethod
+    def _scores(qb, k, r0, r1, causal, scale):
+        """Scaled scores of query rows [r0, r1) against the keys they may see, and that key count."""
+        n_keys = r1 if causal else k.shape[-2]  # causal blocks are square: row r sees keys 0..r
+        s = torch.matmul(qb, k[..., :n_keys, :].transpose(-1, -2)) * scale  # [B, Hkv, g, r1-r0, n_keys]
+        if causal:
+            rows = torch.arange(r0, r1, device=qb.device)
+            cols = torch.arange(n_keys, device=qb.device)
+            s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        return s, n_keys
+
+    @staticmethod
+    def forward(q, k, v, *, causal, scale):
+        acc = _lse_dtype(q.dtype)
+        hkv = k.shape[2]
+        qg = _grouped(q.to(acc), hkv)
+        kg = k.to(acc).transpose(1, 2).unsqueeze(2)  # [B, Hkv, 1, Lk, d]
+        vg = v.to(acc).transpose(1, 2).unsqueeze(2)
+        Lq = q.shape[1]
+        out = torch.empty_like(qg)
+        lse = qg.new_empty(qg.shape[:-1])  # [B, Hkv, g, Lq]
+        for r0 in range(0, Lq, _MATH_BLOCK_ROWS):
+            r1 = min(r0 + _MATH_BLOCK_ROWS, Lq)
+            s, n = _Math._scores(qg[..., r0:r1, :], kg, r0, r1, causal, scale)
+            lse_b = torch.logsumexp(s, dim=-1)
+            out[..., r0:r1, :] = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), vg[..., :n, :])
+            lse[..., r0:r1] = lse_b
+        B, _, Hq, _ = q.shape
+        return _ungroup(out).to(q.dtype), lse.reshape(B, Hq, Lq)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, *, causal, scale):
+        acc = _lse_dtype(q.dtype)
+        B, Lq, Hq, d = q.shape
+        hkv = k.shape[2]
+        g = Hq // hkv
+        qg = _grouped(q.to(acc), hkv)
+        dog = _grouped(dout.to(acc), hkv)
+        og = _grouped(out.to(acc), hkv)
+        lseg = lse.to(acc).reshape(B, hkv, g, Lq)
+        kg = k.to(acc).transpose(1, 2).unsqueeze(2)
+        vg = v.to(acc).transpose(1, 2).unsqueeze(2)
+        dq = torch.empty_like(qg)
+        dk = torch.zeros(B, hkv, k.shape[1], d, dtype=acc, device=q.device)
+        dv = torch.zeros_like(dk)
+        for r0 in range(0, Lq, _MATH_BLOCK_ROWS):
+            r1 = min(r0 + _MATH_BLOCK_ROWS, Lq)
+            qb, dob = qg[..., r0:r1, :], dog[..., r0:r1, :]
+            s, n = _Math._scores(qb, kg, r0, r1, causal, scale)
+            p = torch.exp(s - lseg[..., r0:r1].unsqueeze(-1))  # [B, Hkv, g, rows, n]
+            dp = torch.matmul(dob, vg[..., :n, :].transpose(-1, -2))
+            dv_rows = (dob * og[..., r0:r1, :]).sum(-1, keepdim=True)  # rowsum(dO * O)
+            ds = p * (dp - dv_rows)
+            dq[..., r0:r1, :] = torch.matmul(ds, kg[..., :n, :]) * scale
+            rows = g * (r1 - r0)  # fold the query group into the rows: the matmul sums over it
+            dv[..., :n, :] += torch.matmul(p.reshape(B, hkv, rows, n).transpose(-1, -2), dob.reshape(B, hkv, rows, d))
+            dk[..., :n, :] += torch.matmul(ds.reshape(B, hkv, rows, n).transpose(-1, -2),
+                                           qb.reshape(B, hkv, rows, d)) * scale
+        return (_ungroup(dq).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cpu_flash backend: aten's CPU flash kernel (layout [B, H, L, d], needs Hq == Hkv).
+# Unmasked block: fold the g query heads of a kv head into the query length ([B, Hkv, g*Lq, d]) - K/V are never
+# copied per group. Causal block: folding would break the row positions, so expand K/V (only the Lq-long diagonal
+# slice) with repeat_interleave and sum dk/dv back over the group.
+
+
+def _fold(x, hkv):
+    """[B, Lq, Hq, d] -> [B, Hkv, g*Lq, d]."""
+    B, L, H, d = x.shape
+    return _grouped(x, hkv).reshape(B, hkv, (H // hkv) * L, d)
+
+
+def _unfold(x, g):
+    """[B, Hkv, g*Lq, d] -> [B, Lq, Hkv*g, d]."""
+    B, hkv, gl, d = x.shape
+    return _ungroup(x.view(B, hkv, g, gl // g, d))
+
+
+class _CpuFlash:
+    @staticmethod
+    def forward(q, k, v, *, causal, scale):
+        B, Lq, Hq, d = q.shape
+        hkv = k.shape[2]
+        g = Hq // hkv
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Lk, d]
+        if not causal:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _fold(q, hkv), kt, vt, 0.0, False, scale=scale)
+            return _unfold(o, g), lse.reshape(B, Hq, Lq)
+        if g > 1:
+            kt, vt = kt.repeat_interleave(g, dim=1), vt.repeat_interleave(g, dim=1)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), kt, vt, 0.0, True,
+                                                                            scale=scale)
+        return o.transpose(1, 2), lse.contiguous()
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, *, causal, scale):
+        B, Lq, Hq, d = q.shape
+        hkv = k.shape[2]
+        g = Hq // hkv
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+        if not causal:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _fold(dout, hkv), _fold(q, hkv), kt, vt, _fold(out, hkv), lse.reshape(B, hkv, g * Lq),
+                0.0, False, scale=scale)
+            return _unfold(dq, g), dk.transpose(1, 2), dv.transpose(1, 2)
+        if g > 1:
+            kt, vt = kt.repeat_interleave(g, dim=1), vt.repeat_interleave(g, dim=1)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), kt, vt, out.transpose(1, 2), lse, 0.0, True, scale=scale)
+        if g > 1:
+            Lk = k.shape[1]
+            dk = dk.view(B, hkv, g, Lk, d).sum(2)
+            dv = dv.view(B, hkv, g, Lk, d).sum(2)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# flash_attn backend (CUDA). UNTESTED HERE: no GPU in this repository's CI. Layout [B, L, H, d] natively, GQA
+# native, causal=True aligned bottom-right. `_flash_attn_forward` / `_flash_attn_backward` changed signatures
+# across 2.x (window_size tuple -> window_size_left/right, softcap, alibi_slopes, deterministic; forward returns
+# 8 values up to 2.6 and 4 from 2.7 on; head_dim padding moved from C++ to Python), so arguments are passed by
+# name from the installed signature and head_dim is padded to a multiple of 8 here.
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_module():
+    try:
+        from flash_attn import flash_attn_interface
+    except ImportError:  # not installed, or built for another torch/CUDA
+        return None
+    return flash_attn_interface
+
+
+def _flash_attn_usable(device):
+    if _flash_attn_module() is None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8  # flash-attn 2 needs Ampere or newer
+
+
+def _call_by_name(fn, values):
+    """Call a flash-attn private function with the arguments its installed signature names."""
+    python_fn = getattr(fn, "_init_fn", fn)  # flash-attn >= 2.7 wraps them in torch.library.custom_op
+    params = inspect.signature(python_fn).parameters
+    kwargs = {}
+    for name, param in params.items():
+        if name in values:
+            kwargs[name] = values[name]
+        elif param.default is inspect.Parameter.empty:
+            raise RuntimeError(f"unsupported flash-attn version: {python_fn.__name__} needs argument {name!r}; "
+                               "this adapter maps the flash-attn 2.x signatures by argument name (untested on GPU here)")
+    return fn(**kwargs)
+
+
+_FLASH_STATIC_ARGS = dict(dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1,
+                          softcap=0.0, alibi_slopes=None, return_softmax=False, deterministic=False, rng_state=None)
+
+
+def _pad8(x):
+    d = x.shape[-1]
+    return x if d % 8 == 0 else torch.nn.functional.pad(x, (0, 8 - d % 8))
+
+
+class _FlashAttn:
+    @staticmethod
+    def forward(q, k, v, *, causal, scale):
+        fa = _flash_attn_module()
+        d = q.shape[-1]
+        res = _call_by_name(fa._flash_attn_forward, dict(_FLASH_STATIC_ARGS, q=_pad8(q).contiguous(),
+                                                         k=_pad8(k).contiguous(), v=_pad8(v).contiguous(),
+                                                         softmax_scale=scale, causal=causal))
+        out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+        return out[..., :d], lse[..., :q.shape[1]]
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, *, causal, scale):
+        fa = _flash_attn_module()
+        d = q.shape[-1]
+        q8, k8, v8 = _pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous()
+        dq, dk, dv = torch.empty_like(q8), torch.empty_like(k8), torch.empty_like(v8)
+        _call_by_name(fa._flash_attn_backward, dict(_FLASH_STATIC_ARGS, dout=_pad8(dout).contiguous(), q=q8, k=k8,
+                                                    v=v8, out=_pad8(out).contiguous(), softmax_lse=lse.contiguous(),
+                                                    dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal))
+        return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+_IMPLS = {"flash_attn": _FlashAttn, "cpu_flash": _CpuFlash, "math": _Math}

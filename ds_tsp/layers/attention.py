@@ -1,0 +1,189 @@
+"""TSP attention: head blocks are streamed by broadcast, tokens never leave their rank except K/V.
+
+Shapes (rank p of D, local tokens L = S_pad/D = two zigzag chunks of c = L/2):
+| tensor            | shape                         | sharding                                   |
+|-------------------|-------------------------------|--------------------------------------------|
+| x                 | [B, L, h]                     | tokens of rank p (zigzag chunks p, 2D-1-p) |
+| packed shard j    | [layout.numel]                | Wq_j [nq*d, h], Wk_j, Wv_j [nkv*d, h], Wo_j [h, nq*d], biases |
+| q_j               | [B, L, nq, d]                 | local tokens, head block j                 |
+| k_j, v_j          | [B, L, nkv, d]                | local tokens, head block j                 |
+| K_j, V_j gathered | [B, S_pad, nkv, d]            | all tokens (global order), head block j; transient |
+| y                 | [B, L, h]                     | local tokens, summed over head blocks      |
+nq = n_heads/D and nkv = n_kv_heads/D are the heads of ONE block. With fewer kv heads than ranks (MQA, or GQA at
+large D) each block holds the one kv head its query heads read (nkv = 1) and D/n_kv_heads blocks share it; their
+kv weight grads are summed across those replicas so the copies stay identical.
+
+Backward re-broadcasts each block's shard, re-gathers its K/V from the saved local k/v, runs the kernel backward
+with the saved output and log-sum-exp, reduce-scatters dK/dV to the token owners and reduces the packed weight
+grad to the block owner. Saved tensors are all local (O(S/D)); no foreign shard and no gathered K/V is kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp import kernels
+from ds_tsp.comm import ShardGradReducer, TSPComm, broadcast_shards, gather_sequence, scatter_sequence_grad
+from ds_tsp.layers.packing import PackedLayout
+from ds_tsp.partition import global_to_rank_order_index, rank_order_to_global_index
+from ds_tsp.rope import apply_rope, apply_rope_backward
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    hidden: int
+    heads_per_block: int  # query heads owned by one rank
+    kv_heads_per_block: int
+    head_dim: int
+    qkv_bias: bool
+    kv_replicas: int = 1  # > 1 when num_kv_heads < D: that many consecutive ranks hold the same kv head
+    kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @cached_property
+    def layout(self) -> PackedLayout:
+        q, kv, h = self.heads_per_block * self.head_dim, self.kv_heads_per_block * self.head_dim, self.hidden
+        pieces = [("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q))]
+        if self.qkv_bias:
+            pieces += [("bq", (q,)), ("bk", (kv,)), ("bv", (kv,))]
+        return PackedLayout(tuple(pieces))
+
+
+def _chunks(rank: int, tsp: int, local_len: int):
+    """(local slice, global start position) of the two zigzag chunks held by `rank`."""
+    c = local_len // 2
+    return [(slice(0, c), rank * c), (slice(c, 2 * c), (2 * tsp - 1 - rank) * c)]
+
+
+def _project_kv(x, w, spec: AttentionSpec, cos, sin):
+    B, L, _ = x.shape
+    k = F.linear(x, w["wk"], w.get("bk")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+    v = F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+    return torch.stack([apply_rope(k, cos, sin), v])  # [2, B, L, nkv, d]
+
+
+def _to_global_order(kv_rank_order: torch.Tensor, to_global: torch.Tensor) -> torch.Tensor:
+    """[D, 2, B, L, nkv, d] in rank order -> [2, B, D*L, nkv, d] in global token order."""
+    D, two, B, L, n, d = kv_rank_order.shape
+    merged = kv_rank_order.permute(1, 2, 0, 3, 4, 5).reshape(two, B, D * L, n, d)
+    return merged.index_select(2, to_global)
+
+
+def _to_rank_order(kv_global: torch.Tensor, to_rank: torch.Tensor, tsp: int) -> torch.Tensor:
+    """Inverse of _to_global_order: [2, B, S, nkv, d] -> [D, 2, B, L, nkv, d] (contiguous, for reduce-scatter)."""
+    two, B, S, n, d = kv_global.shape
+    ranked = kv_global.index_select(2, to_rank).view(two, B, tsp, S // tsp, n, d)
+    return ranked.permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+class _TSPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, packed_shard, cos, sin, spec: AttentionSpec, comm: TSPComm):
+        B, L, h = x.shape
+        D, p = comm.size, comm.rank
+        S = L * D
+        to_global = rank_order_to_global_index(S, D, device=x.device)
+        y = torch.zeros_like(x)
+        saved = []
+        for j, shard in broadcast_shards(comm, packed_shard):
+            w = spec.layout.unpack(shard)
+            kv_local = _project_kv(x, w, spec, cos, sin)
+            kv_ranked, gather = gather_sequence(comm, kv_local)
+            q = F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim)
+            q = apply_rope(q, cos, sin)
+            gather.wait()
+            kv_all = _to_global_order(kv_ranked, to_global)
+            del kv_ranked
+            outs, lses = [], []
+            for local, start in _chunks(p, D, L):
+                end = start + local.stop - local.start
+                o, lse = kernels.attention_forward(q[:, local], kv_all[0, :, :end], kv_all[1, :, :end],
+                                                   q_start=start, scale=spec.scale, backend=spec.kernel_backend)
+                outs.append(o)
+                lses.append(lse)
+            del kv_all
+            out = torch.cat(outs, dim=1)
+            y.add_(F.linear(out.reshape(B, L, -1), w["wo"]))
+            saved += [q, kv_local, out, *lses]
+        ctx.spec, ctx.comm = spec, comm
+        ctx.save_for_backward(x, packed_shard, cos, sin, *saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, comm = ctx.spec, ctx.comm
+        x, packed_shard, cos, sin, *saved = ctx.saved_tensors
+        dy = dy.contiguous()
+        B, L, h = x.shape
+        D, p = comm.size, comm.rank
+        S = L * D
+        to_global = rank_order_to_global_index(S, D, device=x.device)
+        to_rank = global_to_rank_order_index(S, D, device=x.device)
+        dx = torch.zeros_like(x)
+        x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
+        reducer = ShardGradReducer(comm)
+        for j, shard in broadcast_shards(comm, packed_shard):
+            w = spec.layout.unpack(shard)
+            q, kv_local, out, *lses = saved[5 * j:5 * j + 5]
+            kv_ranked, gather = gather_sequence(comm, kv_local)
+            # Work that needs no foreign K/V runs while the gather is in flight.
+            dout = (dy2d @ w["wo"]).view_as(out)
+            grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])}
+            gather.wait()
+            kv_all = _to_global_order(kv_ranked, to_global)
+            del kv_ranked
+            dkv_all = torch.zeros_like(kv_all)
+            dq_chunks = []
+            for (local, start), lse in zip(_chunks(p, D, L), lses):
+                end = start + local.stop - local.start
+                dq_c, dk_c, dv_c = kernels.attention_backward(
+                    dout[:, local], q[:, local], kv_all[0, :, :end], kv_all[1, :, :end], out[:, local], lse,
+                    q_start=start, scale=spec.scale, backend=spec.kernel_backend)
+                dq_chunks.append(dq_c)
+                dkv_all[0, :, :end] += dk_c
+                dkv_all[1, :, :end] += dv_c
+            del kv_all
+            dkv_local, scatter = scatter_sequence_grad(comm, _to_rank_order(dkv_all, to_rank, D))
+            del dkv_all
+            dq = apply_rope_backward(torch.cat(dq_chunks, dim=1), cos, sin).reshape(-1, w["wq"].shape[0])
+            dx.view(-1, h).addmm_(dq, w["wq"])
+            grads["wq"] = dq.t() @ x2d
+            scatter.wait()
+            dk = apply_rope_backward(dkv_local[0], cos, sin).reshape(-1, w["wk"].shape[0])
+            dv = dkv_local[1].reshape(-1, w["wv"].shape[0])
+            dx.view(-1, h).addmm_(dk, w["wk"]).addmm_(dv, w["wv"])
+            grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
+            if spec.qkv_bias:
+                grads["bq"], grads["bk"], grads["bv"] = dq.sum(0), dk.sum(0), dv.sum(0)
+            reducer.reduce(j, spec.layout.pack(grads))
+        grad_shard = reducer.finish()
+        if spec.kv_replicas > 1:
+            _sum_kv_grads_over_replicas(grad_shard, spec, comm)
+        return dx, grad_shard, None, None, None, None
+
+
+def _sum_kv_grads_over_replicas(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
+    """In place: every replica of a kv head gets the sum of the kv weight grads of all blocks that read it."""
+    views = spec.layout.unpack(grad_shard)
+    names = [n for n in ("wk", "wv", "bk", "bv") if n in views]
+    local = torch.cat([views[n].reshape(-1) for n in names])
+    everyone = torch.empty(comm.size, local.numel(), dtype=local.dtype, device=local.device)
+    comm.all_gather(everyone, local).wait()
+    mine = everyone.view(comm.size // spec.kv_replicas, spec.kv_replicas, -1)[comm.rank // spec.kv_replicas].sum(0)
+    offset = 0
+    for n in names:
+        numel = views[n].numel()
+        views[n].copy_(mine[offset:offset + numel].view_as(views[n]))
+        offset += numel
+
+
+def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  spec: AttentionSpec, comm: TSPComm) -> torch.Tensor:
+    """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner."""
+    return _TSPAttention.apply(x, packed_shard, cos, sin, spec, comm)

@@ -1,0 +1,82 @@
+"""LM head fused with cross-entropy, streaming vocab shards: the [tokens, vocab] logits never exist.
+
+Per ring step rank p computes logits of its local tokens against one vocab shard ([B, L, Vd] at most), folds
+them into a running log-sum-exp and picks the target logit when the target falls in that shard. Backward
+recomputes each shard's logits from the saved input and log-sum-exp; the weight grad rides the ring home.
+
+Loss normalisation: each rank returns sum(local token losses) / (valid tokens in the whole TSP group), so the
+per-rank losses add up to the mean loss and the sharded weight grads add up to the true mean-loss gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_tsp.comm import TSPComm, ring_backward, ring_forward
+
+
+def _shard_logits(x2d, shard, owner, vocab_size, compute_dtype):
+    rows = shard.shape[0]
+    logits = (x2d @ shard.t()).to(compute_dtype)
+    pad = (owner + 1) * rows - vocab_size
+    if pad > 0:  # rows past the real vocabulary (padding to a multiple of D) never win
+        logits[:, rows - pad:] = float("-inf")
+    return logits
+
+
+class _TSPLMHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, vocab_shard, shift_labels, n_valid_total, vocab_size: int, comm: TSPComm):
+        h = x.shape[-1]
+        x2d, labels = x.reshape(-1, h), shift_labels.reshape(-1)
+        compute_dtype = torch.promote_types(x.dtype, torch.float32)
+        rows = vocab_shard.shape[0]
+        running_max = torch.full(labels.shape, float("-inf"), dtype=compute_dtype, device=x.device)
+        running_sum = torch.zeros(labels.shape, dtype=compute_dtype, device=x.device)
+        target = torch.zeros(labels.shape, dtype=compute_dtype, device=x.device)
+
+        def step(owner, shard):
+            nonlocal running_max, running_sum
+            logits = _shard_logits(x2d, shard, owner, vocab_size, compute_dtype)
+            new_max = torch.maximum(running_max, logits.max(dim=1).values)
+            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(
+                logits - new_max[:, None]).sum(dim=1)
+            running_max = new_max
+            local = labels - owner * rows
+            hit = (local >= 0) & (local < rows)
+            target[hit] = logits[hit, local[hit]]
+
+        ring_forward(comm, vocab_shard, step)
+        lse = running_max + torch.log(running_sum)
+        valid = labels != -100
+        loss = ((lse - target) * valid).sum() / n_valid_total
+        ctx.vocab_size, ctx.comm = vocab_size, comm
+        ctx.save_for_backward(x, vocab_shard, shift_labels, lse, n_valid_total)
+        return loss.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x, vocab_shard, shift_labels, lse, n_valid_total = ctx.saved_tensors
+        h = x.shape[-1]
+        x2d, labels = x.reshape(-1, h), shift_labels.reshape(-1)
+        rows = vocab_shard.shape[0]
+        coef = (labels != -100).to(lse.dtype) * (dloss.to(lse.dtype) / n_valid_total)
+        dx2d = torch.zeros_like(x2d)
+
+        def step(owner, shard):
+            logits = _shard_logits(x2d, shard, owner, ctx.vocab_size, lse.dtype)
+            dlogits = torch.exp(logits - lse[:, None])
+            local = labels - owner * rows
+            hit = (local >= 0) & (local < rows)
+            dlogits[hit, local[hit]] -= 1.0
+            dlogits = (dlogits * coef[:, None]).to(x.dtype)
+            dx2d.addmm_(dlogits, shard)
+            return dlogits.t() @ x2d
+
+        grad_shard = ring_backward(ctx.comm, vocab_shard, step)
+        return dx2d.view_as(x), grad_shard, None, None, None, None
+
+
+def tsp_lm_head_loss(x: torch.Tensor, vocab_shard: torch.Tensor, shift_labels: torch.Tensor,
+                     n_valid_total: torch.Tensor, vocab_size: int, comm: TSPComm) -> torch.Tensor:
+    """This rank's share of the mean next-token loss (labels already shifted; -100 ignored)."""
+    return _TSPLMHeadLoss.apply(x, vocab_shard, shift_labels, n_valid_total, vocab_size, comm)

@@ -1,0 +1,52 @@
+"""run_on_local_ranks: results come back in rank order, and a failing rank raises fast instead of hanging."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_tsp.launch import run_on_local_ranks
+
+
+def _rank_info(scale: int) -> dict:
+    rank = dist.get_rank()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return {"rank": rank, "world": dist.get_world_size(), "sum": float(total),
+            "tensor": torch.full((2,), rank * scale), "threads": torch.get_num_threads()}
+
+
+def _fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom from the test")
+    dist.barrier()  # the other ranks wait here for a rank that never comes
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_results_in_rank_order():
+    results = run_on_local_ranks(_rank_info, 3, 10, timeout_s=120)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    for rank, r in enumerate(results):
+        assert r["world"] == 3 and r["sum"] == 3.0 and r["threads"] == 1
+        assert torch.equal(r["tensor"], torch.full((2,), rank * 10))
+
+
+def test_failing_rank_raises_without_hanging():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        run_on_local_ranks(_fail_on_rank_one, 2, timeout_s=120)
+    assert time.monotonic() - start < 60
+    assert "rank 1" in str(info.value) and "boom from the test" in str(info.value)
+    assert "ValueError" in str(info.value)
+
+
+def test_overall_timeout():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        run_on_local_ranks(_sleep, 1, 60.0, timeout_s=4)
+    assert time.monotonic() - start < 30
