@@ -24,8 +24,8 @@ partial gradients; dq = dq1 + dq2 and dk, dv are the two blocks concatenated on 
 
 Backends (`select_backend`):
 
-    "flash_attn"  CUDA, fp16/bf16, head_dim <= 256, flash-attn 2.x importable (GQA native). Not runnable here:
-                  this repository is developed without a GPU, so that path is untested.
+    "flash_attn"  CUDA, fp16/bf16, head_dim <= 256, flash-attn 2.x importable (GQA native). Never run on a GPU
+                  yet (developed without one); only its argument adapter is tested, with a fake module.
     "cpu_flash"   CPU, float64/float32/bfloat16/float16: aten::_scaled_dot_product_flash_attention_for_cpu
                   and its _backward (both take and return the LSE; they need Hq == Hkv, handled below).
     "math"        pure torch, any device and dtype; the readable definition and the fallback.

@@ -1,0 +1,53 @@
+"""Saved-for-backward bytes per rank fall ~1/D, and nothing saved is a foreign shard or a full-sequence tensor."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ds_tsp.comm import TSPComm
+from ds_tsp.launch import run_on_local_ranks
+from ds_tsp.model import TSPCausalLM
+from ds_tsp.model_config import ModelShape
+from ds_tsp.partition import shard_batch
+
+SEQ = 256  # global sequence: no model dimension equals it, so a saved full-sequence tensor is recognisable
+SHAPE = ModelShape(vocab_size=96, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=8, num_kv_heads=4)
+
+
+def _saved_for_backward():
+    group = dist.group.WORLD if dist.is_initialized() else None
+    comm = TSPComm(group)
+    model = TSPCausalLM(SHAPE, comm)
+    ids = torch.randint(0, SHAPE.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    batch = shard_batch(ids, tsp=comm.size, rank=comm.rank)
+    saved = {}
+
+    def pack(t):
+        saved[(t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    by_storage = {}
+    for (ptr, _, _), t in saved.items():
+        by_storage[ptr] = max(by_storage.get(ptr, 0), t.untyped_storage().nbytes())
+    shard_sizes = {p.numel() for n, p in model.named_parameters() if getattr(p, "tsp_sharded", False)}
+    foreign = [tuple(t.shape) for (ptr, _, _), t in saved.items() if t.numel() in shard_sizes and ptr not in own]
+    full_seq = [tuple(t.shape) for t in saved.values() if SEQ in t.shape]
+    loss.backward()
+    return {"saved_bytes": sum(by_storage.values()), "foreign_shards": foreign, "full_sequence": full_seq}
+
+
+def test_saved_bytes_fall_with_degree():
+    measured = {1: _saved_for_backward()}
+    for tsp in (2, 4):
+        measured[tsp] = run_on_local_ranks(_saved_for_backward, tsp, timeout_s=180)[0]
+    for tsp, m in measured.items():
+        assert m["foreign_shards"] == [], (tsp, m)
+        assert tsp == 1 or m["full_sequence"] == [], (tsp, m)
+    ratio2 = measured[2]["saved_bytes"] / measured[1]["saved_bytes"]
+    ratio4 = measured[4]["saved_bytes"] / measured[1]["saved_bytes"]
+    print({tsp: m["saved_bytes"] for tsp, m in measured.items()}, ratio2, ratio4)
+    assert ratio2 < 0.55, measured
+    assert ratio4 < 0.30, measured
