@@ -32,7 +32,10 @@ from ds_tsp.rope import rope_cos_sin
 
 @dataclass(frozen=True)
 class TSPOptions:
+    """How the TSP schedule trades memory for speed; the defaults are the memory-optimal schedule."""
+
     kernel_backend: str | None = None  # None: flash-attn on CUDA when importable, the CPU flash kernel on CPU
+    keep_gathered_kv: bool = False  # keep each block's gathered K/V for backward: O(S) memory, no re-gather
 
 
 def _mark_sharded(param: nn.Parameter) -> nn.Parameter:
@@ -56,7 +59,8 @@ class TSPAttention(nn.Module):
                                   kv_heads_per_block=max(shape.num_kv_heads // comm.size, 1),
                                   head_dim=shape.dim_per_head, qkv_bias=shape.qkv_bias,
                                   kv_replicas=shape.kv_replicas(comm.size),
-                                  kernel_backend=options.kernel_backend)
+                                  kernel_backend=options.kernel_backend,
+                                  keep_gathered_kv=options.keep_gathered_kv)
         self.packed_shard = _mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
 

@@ -41,10 +41,11 @@ class DemoConfig:
     tsp: int = 2
     steps: int = 30
     seq: int = 128
-    batch: int = 2
+    batch: int = 4
     lr: float = 3e-3
     seed: int = 0
-    num_patterns: int = 16
+    num_patterns: int = 8
+    alphabet: int = 64  # patterns use this many distinct tokens out of the vocab
     vocab: int = 256
     hidden: int = 64
     layers: int = 2
@@ -59,10 +60,11 @@ class DemoConfig:
 
 
 def pattern_pool(cfg: DemoConfig) -> list[torch.Tensor]:
-    """`num_patterns` random token patterns of length 8..24, fixed by the seed (the 'language' to learn)."""
+    """`num_patterns` random token patterns of length 8..24 over `alphabet` tokens, fixed by the seed."""
     g = torch.Generator().manual_seed(cfg.seed)
+    alphabet = torch.randperm(cfg.vocab, generator=g)[:cfg.alphabet]
     lengths = torch.randint(8, 25, (cfg.num_patterns,), generator=g)
-    return [torch.randint(0, cfg.vocab, (int(n),), generator=g) for n in lengths]
+    return [alphabet[torch.randint(0, cfg.alphabet, (int(n),), generator=g)] for n in lengths]
 
 
 def global_batch(cfg: DemoConfig, patterns: list[torch.Tensor], step: int) -> torch.Tensor:
@@ -163,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, float]:
     p.add_argument("--tsp", type=int, default=defaults.tsp, help="TSP degree D = number of ranks (default 2)")
     p.add_argument("--steps", type=int, default=defaults.steps, help="training steps (default 30)")
     p.add_argument("--seq", type=int, default=defaults.seq, help="global sequence length (default 128)")
-    p.add_argument("--batch", type=int, default=defaults.batch, help="batch size (default 2)")
+    p.add_argument("--batch", type=int, default=defaults.batch, help="batch size (default 4)")
     p.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="data and weights seed (default 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")

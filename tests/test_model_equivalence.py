@@ -48,3 +48,14 @@ def test_fp64_is_exact_at_odd_degree():
     cases = [VerifyCase(shape=_shape(6, 3, bias=True), seq=41, batch=1, dtype="float64", seed=5)]
     report = run_on_local_ranks(_run_all, 3, cases, timeout_s=300)[0][0]
     assert report["loss_rel_err"] < 1e-12 and report["grad_rel_err"] < 1e-12, report
+
+
+def _run_keep_kv(case):
+    from ds_tsp.model import TSPOptions
+    return run_case_on_world(case, TSPOptions(keep_gathered_kv=True))
+
+
+def test_keep_gathered_kv_option_is_exact():
+    case = VerifyCase(shape=_shape(4, 2, bias=True), seq=27, batch=2, dtype="float64", seed=7)
+    report = run_on_local_ranks(_run_keep_kv, 2, case, timeout_s=120)[0]
+    assert report["loss_rel_err"] < 1e-12 and report["grad_rel_err"] < 1e-12, report

@@ -13,9 +13,12 @@ nq = n_heads/D and nkv = n_kv_heads/D are the heads of ONE block. With fewer kv 
 large D) each block holds the one kv head its query heads read (nkv = 1) and D/n_kv_heads blocks share it; their
 kv weight grads are summed across those replicas so the copies stay identical.
 
-Backward re-broadcasts each block's shard, re-gathers its K/V from the saved local k/v, runs the kernel backward
-with the saved output and log-sum-exp, reduce-scatters dK/dV to the token owners and reduces the packed weight
-grad to the block owner. Saved tensors are all local (O(S/D)); no foreign shard and no gathered K/V is kept.
+Saved per block: the attention output and its log-sum-exp (local, O(S/D)); plus x once. Backward re-broadcasts
+each block's shard, recomputes the cheap local projections q, k, v from x (three small GEMMs instead of keeping
+[B, L, (nq + 2 nkv) d] per block), re-gathers K/V, runs the kernel backward with the saved output and
+log-sum-exp (no attention recomputation), reduce-scatters dK/dV to the token owners and reduces the packed weight
+grad to the block owner. No foreign shard and no gathered K/V is kept, unless `keep_gathered_kv` trades O(S)
+memory per block for skipping the backward re-gather.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class AttentionSpec:
     head_dim: int
     qkv_bias: bool
     kv_replicas: int = 1  # > 1 when num_kv_heads < D: that many consecutive ranks hold the same kv head
+    keep_gathered_kv: bool = False  # save every block's gathered K/V (O(S) memory) to skip the backward re-gather
     kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
 
     @property
@@ -59,6 +63,11 @@ def _chunks(rank: int, tsp: int, local_len: int):
     """(local slice, global start position) of the two zigzag chunks held by `rank`."""
     c = local_len // 2
     return [(slice(0, c), rank * c), (slice(c, 2 * c), (2 * tsp - 1 - rank) * c)]
+
+
+def _project_q(x, w, spec: AttentionSpec, cos, sin):
+    B, L, _ = x.shape
+    return apply_rope(F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim), cos, sin)
 
 
 def _project_kv(x, w, spec: AttentionSpec, cos, sin):
@@ -95,8 +104,7 @@ class _TSPAttention(torch.autograd.Function):
             w = spec.layout.unpack(shard)
             kv_local = _project_kv(x, w, spec, cos, sin)
             kv_ranked, gather = gather_sequence(comm, kv_local)
-            q = F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim)
-            q = apply_rope(q, cos, sin)
+            q = _project_q(x, w, spec, cos, sin)
             gather.wait()
             kv_all = _to_global_order(kv_ranked, to_global)
             del kv_ranked
@@ -107,10 +115,10 @@ class _TSPAttention(torch.autograd.Function):
                                                    q_start=start, scale=spec.scale, backend=spec.kernel_backend)
                 outs.append(o)
                 lses.append(lse)
-            del kv_all
             out = torch.cat(outs, dim=1)
             y.add_(F.linear(out.reshape(B, L, -1), w["wo"]))
-            saved += [q, kv_local, out, *lses]
+            saved += [out, *lses] + ([kv_all] if spec.keep_gathered_kv else [])
+            del kv_all
         ctx.spec, ctx.comm = spec, comm
         ctx.save_for_backward(x, packed_shard, cos, sin, *saved)
         return y
@@ -128,16 +136,22 @@ class _TSPAttention(torch.autograd.Function):
         dx = torch.zeros_like(x)
         x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
         reducer = ShardGradReducer(comm)
+        per_block = 4 if spec.keep_gathered_kv else 3
         for j, shard in broadcast_shards(comm, packed_shard):
             w = spec.layout.unpack(shard)
-            q, kv_local, out, *lses = saved[5 * j:5 * j + 5]
-            kv_ranked, gather = gather_sequence(comm, kv_local)
+            out, *lses = saved[per_block * j:per_block * j + 3]
+            if spec.keep_gathered_kv:
+                kv_all = saved[per_block * j + 3]
+            else:
+                kv_ranked, gather = gather_sequence(comm, _project_kv(x, w, spec, cos, sin))
             # Work that needs no foreign K/V runs while the gather is in flight.
+            q = _project_q(x, w, spec, cos, sin)
             dout = (dy2d @ w["wo"]).view_as(out)
             grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])}
-            gather.wait()
-            kv_all = _to_global_order(kv_ranked, to_global)
-            del kv_ranked
+            if not spec.keep_gathered_kv:
+                gather.wait()
+                kv_all = _to_global_order(kv_ranked, to_global)
+                del kv_ranked
             dkv_all = torch.zeros_like(kv_all)
             dq_chunks = []
             for (local, start), lse in zip(_chunks(p, D, L), lses):

@@ -1,0 +1,61 @@
+"""`ds-tsp verify` end to end: spawns the ranks itself, prints one JSON report, exit code says ok; bad input exits 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ds_tsp.cli import main
+
+
+def _report(capsys) -> dict:
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return json.loads(lines[0])
+
+
+@pytest.fixture(autouse=True)
+def _not_under_a_launcher(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # else verify would join the launcher's group
+
+
+def test_verify_d2_float64(capsys):
+    assert main(["verify", "--tsp", "2", "--dtype", "float64", "--timeout", "120"]) == 0
+    report = _report(capsys)
+    assert report["ok"] is True and report["tsp"] == 2 and report["dtype"] == "float64"
+    assert report["loss_rel_err"] < 1e-10 and report["grad_rel_err"] < 1e-10
+
+
+def test_verify_d3_mqa_bias_tied_float64(capsys):
+    # MQA: one kv head replicated on all 3 ranks; plus Qwen2-style q/k/v bias and a tied LM head.
+    argv = ["verify", "--tsp", "3", "--heads", "6", "--kv-heads", "1", "--hidden", "96", "--ffn", "96",
+            "--vocab", "100", "--seq", "50", "--qkv-bias", "--tie-embeddings", "--dtype", "float64", "--timeout", "120"]
+    assert main(argv) == 0
+    report = _report(capsys)
+    assert report["ok"] is True and report["tsp"] == 3
+    assert report["loss_rel_err"] < 1e-10 and report["grad_rel_err"] < 1e-10
+
+
+def test_bad_shape_exits_2_with_one_line_naming_the_field():
+    # Through the module entry point in a fresh interpreter: validation happens before any rank starts.
+    proc = subprocess.run([sys.executable, "-m", "ds_tsp.cli", "verify", "--heads", "6", "--hidden", "96",
+                           "--tsp", "4"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "num_heads=6" in err[0] and "tsp=4" in err[0], proc.stderr
+
+
+def test_ffn_not_divisible_exits_2(capsys):
+    assert main(["verify", "--tsp", "3", "--heads", "6", "--hidden", "96", "--ffn", "128"]) == 2
+    assert "intermediate_size=128" in capsys.readouterr().err
+
+
+def test_tsp_must_match_launcher_world(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["verify", "--tsp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--tsp=4" in err and "WORLD_SIZE=2" in err

@@ -1,0 +1,37 @@
+"""examples/demo_train.py: the loss goes down and every rank reports its peak-memory breakdown."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo_train.py"
+
+
+def test_demo_trains_and_reports_memory():
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(DEMO), "--steps", "8", "--timeout", "120"], capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+    config = next(r for r in records if "config" in r)
+    tsp = config["config"]["tsp"]
+    assert tsp == 2 and config["params_per_rank"] < 0.51 * config["params_full"]  # 1/D of the weights (+ norms)
+
+    losses = [r["loss"] for r in records if "step" in r]
+    assert len(losses) == 8
+    summary = next(r["summary"] for r in records if "summary" in r)
+    assert summary["decreased"] is True and losses[-1] < losses[0]
+    assert summary["loss_first"] == losses[0] and summary["loss_last"] == losses[-1]
+
+    memory = [r["memory"] for r in records if "memory" in r]
+    assert [m["rank"] for m in memory] == list(range(tsp))
+    param_mib = config["params_per_rank"] * 4 / 2 ** 20  # float32
+    for m in memory:
+        peak = m["peak_mib"]
+        assert set(peak) >= {"PARAM", "GRAD", "OPT", "ACT", "TEMP", "total"}
+        assert abs(peak["PARAM"] - param_mib) < 0.01, peak
+        assert peak["ACT"] > 0 and peak["total"] >= peak["PARAM"] + peak["ACT"]
