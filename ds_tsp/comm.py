@@ -60,6 +60,13 @@ class CommCounter:
 class Handle:
     """Pending communication; `wait()` blocks and charges the blocked time to the counter."""
 
+    @classmethod
+    def started(cls, works: list, counter: CommCounter, keep_alive: tuple, overlap: bool) -> "Handle":
+        handle = cls(works, counter, keep_alive)
+        if not overlap:
+            handle.wait()
+        return handle
+
     def __init__(self, works: list, counter: CommCounter, keep_alive: tuple = ()):
         self._works = [w for w in works if w is not None]
         self._counter = counter
@@ -86,6 +93,7 @@ class TSPComm:
 
     group: dist.ProcessGroup | None
     counter: CommCounter = field(default_factory=CommCounter)
+    overlap: bool = True  # False: every transfer completes before compute resumes (to measure what overlap hides)
 
     def __post_init__(self):
         if self.group is None or not dist.is_initialized():
@@ -108,7 +116,7 @@ class TSPComm:
         if self.rank != src:
             self.counter.add("broadcast", _nbytes(tensor))
         work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
-        return Handle([work], self.counter, (tensor,))
+        return Handle.started([work], self.counter, (tensor,), self.overlap)
 
     def reduce(self, tensor: torch.Tensor, dst: int) -> Handle:
         """Sum into `tensor` on dst. The buffer is clobbered elsewhere by some backends: never reuse it there."""
@@ -117,7 +125,7 @@ class TSPComm:
         if self.rank != dst:
             self.counter.add("reduce", _nbytes(tensor))
         work = dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return Handle([work], self.counter, (tensor,))
+        return Handle.started([work], self.counter, (tensor,), self.overlap)
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Handle:
         """out: D * local.numel() elements (any shape, contiguous), filled in rank order."""
@@ -126,7 +134,7 @@ class TSPComm:
             return Handle([], self.counter)
         self.counter.add("all_gather", _nbytes(out) * (self.size - 1) // self.size)
         work = _all_gather_single(out.view(-1), local.contiguous().view(-1), group=self.group, async_op=True)
-        return Handle([work], self.counter, (out, local))
+        return Handle.started([work], self.counter, (out, local), self.overlap)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Handle:
         """full in rank order (chunk r goes to rank r); out receives the sum of every rank's chunk `self.rank`."""
@@ -136,14 +144,14 @@ class TSPComm:
         self.counter.add("reduce_scatter", _nbytes(full) * (self.size - 1) // self.size)
         work = _reduce_scatter_single(out.view(-1), full.contiguous().view(-1), op=dist.ReduceOp.SUM,
                                       group=self.group, async_op=True)
-        return Handle([work], self.counter, (out, full))
+        return Handle.started([work], self.counter, (out, full), self.overlap)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce") -> Handle:
         if self.size == 1:
             return Handle([], self.counter)
         self.counter.add(kind, 2 * _nbytes(tensor) * (self.size - 1) // self.size)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return Handle([work], self.counter, (tensor,))
+        return Handle.started([work], self.counter, (tensor,), self.overlap)
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Handle:
         """Send to rank p+1 and receive from rank p-1 (the ring order of the weight ring)."""
@@ -151,7 +159,7 @@ class TSPComm:
         self.counter.add("ring", _nbytes(send))
         works = [dist.isend(send, dst=self._global(nxt), group=self.group, tag=tag),
                  dist.irecv(recv, src=self._global(prv), group=self.group, tag=tag)]
-        return Handle(works, self.counter, (send, recv))
+        return Handle.started(works, self.counter, (send, recv), self.overlap)
 
 
 # --- shard broadcast --------------------------------------------------------------------------------------

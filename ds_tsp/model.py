@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ds_tsp.comm import TSPComm
 from ds_tsp.errors import TSPConfigError
@@ -36,6 +37,7 @@ class TSPOptions:
 
     kernel_backend: str | None = None  # None: flash-attn on CUDA when importable, the CPU flash kernel on CPU
     keep_gathered_kv: bool = False  # keep each block's gathered K/V for backward: O(S) memory, no re-gather
+    activation_checkpointing: bool = False  # save only each decoder layer's input; recompute the layer in backward
 
 
 def _mark_sharded(param: nn.Parameter) -> nn.Parameter:
@@ -147,6 +149,30 @@ class TSPVocabShard(nn.Module):
         return f"vocab={self.vocab_size}, rows/rank={self.rows}, tsp_rank={self.comm.rank}/{self.comm.size}"
 
 
+class TSPVocabEmbedding(TSPVocabShard):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return tsp_embedding(input_ids, self.vocab_shard, self.comm)
+
+
+class TSPLMHeadLoss(TSPVocabShard):
+    """LM head fused with the loss. Tied: owns no weight and reads the embedding's shard (which ZeRO-3 must then
+    treat as an external parameter of this module)."""
+
+    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, tied_to: TSPVocabShard | None = None):
+        super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device)
+        self.tied = tied_to is not None
+        if self.tied:
+            del self.vocab_shard
+            self._tied_to = [tied_to]  # a list: not a submodule, so the tied weight is listed once
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self._tied_to[0].vocab_shard if self.tied else self.vocab_shard
+
+    def forward(self, h, shift_labels, n_valid_total):
+        return tsp_lm_head_loss(h, self.weight, shift_labels, n_valid_total, self.vocab_size, self.comm)
+
+
 class TSPDecoderLayer(nn.Module):
     def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device):
         super().__init__()
@@ -163,7 +189,7 @@ class TSPDecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device):
         super().__init__()
-        self.embed_tokens = TSPVocabShard(shape.vocab_size, shape.hidden_size, comm, dtype, device)
+        self.embed_tokens = TSPVocabEmbedding(shape.vocab_size, shape.hidden_size, comm, dtype, device)
         self.layers = nn.ModuleList(TSPDecoderLayer(shape, comm, options, dtype, device)
                                     for _ in range(shape.num_layers))
         self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
@@ -171,30 +197,45 @@ class _Backbone(nn.Module):
 
 class TSPCausalLM(nn.Module):
     def __init__(self, shape: ModelShape, comm: TSPComm, *, options: TSPOptions = TSPOptions(),
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 data_group: dist.ProcessGroup | None = None):
         super().__init__()
         shape.check_tsp_degree(comm.size)
         self.shape, self.comm, self.options = shape, comm, options
         self.model = _Backbone(shape, comm, options, dtype, device)
-        self.lm_head = None if shape.tie_word_embeddings else TSPVocabShard(
-            shape.vocab_size, shape.hidden_size, comm, dtype, device)
+        self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device,
+                                     tied_to=self.model.embed_tokens if shape.tie_word_embeddings else None)
+        self.set_data_parallel_group(data_group)
 
-    @property
-    def lm_head_shard(self) -> nn.Parameter:
-        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).vocab_shard
+    def set_data_parallel_group(self, data_group: dist.ProcessGroup | None) -> None:
+        """Normalise the loss over the tokens of the whole data x TSP batch.
+
+        Data-parallel engines (DeepSpeed, DDP, FSDP) AVERAGE grads over the data group, so each replica's loss is
+        scaled by data_size / (valid tokens of all replicas): the average then equals the gradient of the
+        token-weighted mean over the global batch, even when replicas hold different numbers of labelled tokens.
+        """
+        self.data_group = data_group
+        self.data_size = dist.get_world_size(data_group) if data_group is not None else 1
 
     # --- forward ---------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, shift_labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        n_valid_total = self._check_inputs(input_ids, shift_labels, position_ids)
-        dtype = self.model.embed_tokens.vocab_shard.dtype
-        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, dtype)
-        h = tsp_embedding(input_ids, self.model.embed_tokens.vocab_shard, self.comm)
+        n_valid = self._check_inputs(input_ids, shift_labels, position_ids)
+        if self.data_group is not None:
+            dist.all_reduce(n_valid, group=self.data_group)
+        n_valid = (n_valid / self.data_size).to(self.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, self.dtype)
+        h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            h = layer(h, cos, sin)
-        h = self.model.norm(h)
-        return tsp_lm_head_loss(h, self.lm_head_shard, shift_labels, n_valid_total, self.shape.vocab_size,
-                                self.comm)
+            if self.options.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        return self.lm_head(self.model.norm(h), shift_labels, n_valid)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
 
     def _check_inputs(self, input_ids, shift_labels, position_ids) -> torch.Tensor:
         """Validate on every rank at once (one tiny all-gather) so a bad shard fails every rank, none hangs.
@@ -229,17 +270,20 @@ class TSPCausalLM(nn.Module):
             raise TSPConfigError(
                 f"local shapes [batch, seq] differ across TSP ranks or are odd: {everyone[:, 2:].tolist()}; every rank "
                 "must hold its zigzag shard (two equal chunks) of the same batch: use ds_tsp.partition.shard_batch")
-        n_valid_total = everyone[:, 0].sum()
-        if n_valid_total == 0:
+        n_valid = everyone[:, 0].sum()
+        if n_valid == 0:
             raise TSPConfigError("shift_labels: no token has a target (all -100) in the whole TSP group; "
                                  "a batch needs at least one labelled token")
-        return n_valid_total.to(self.model.embed_tokens.vocab_shard.dtype)
+        return n_valid
 
     def loss_for_logging(self, loss_share: torch.Tensor) -> torch.Tensor:
-        """The full mean loss (sum of every rank's share), detached, identical on all TSP ranks."""
+        """The global mean loss (TSP shares summed, data replicas averaged), detached, identical on all ranks."""
         total = loss_share.detach().clone()
         if self.comm.size > 1:
             dist.all_reduce(total, group=self.comm.group)
+        if self.data_group is not None and self.data_size > 1:
+            dist.all_reduce(total, group=self.data_group)
+            total /= self.data_size
         return total
 
     # --- conversion to / from full (HF-named) state dicts ---------------------------------------------------
@@ -249,7 +293,7 @@ class TSPCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             out.append((f"model.layers.{i}.self_attn.", layer.self_attn, layer.self_attn.packed_shard))
             out.append((f"model.layers.{i}.mlp.", layer.mlp, layer.mlp.packed_shard))
-        if self.lm_head is not None:
+        if not self.lm_head.tied:
             out.append(("lm_head.", self.lm_head, self.lm_head.vocab_shard))
         return out
 
@@ -290,6 +334,6 @@ class TSPCausalLM(nn.Module):
                 shards = [local]
             full.update({prefix + k: v for k, v in module.unshard(shards).items()})
         full.update({k: value(p).clone() for k, p in self._replicated_params().items()})
-        if self.lm_head is None:
+        if self.lm_head.tied:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
         return full

@@ -64,9 +64,10 @@ def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
     return loss.detach(), grads
 
 
-def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOptions = TSPOptions()) -> dict | None:
+def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOptions = TSPOptions(),
+             overlap: bool = True) -> dict | None:
     """Collective over `group`. Returns the report on TSP rank 0, None elsewhere."""
-    comm = TSPComm(group)
+    comm = TSPComm(group, overlap=overlap)
     dtype = DTYPES[case.dtype]
     reference = ReferenceCausalLM(case.shape, dtype=dtype)
     init_weights_(reference, case.seed)
@@ -101,10 +102,10 @@ def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOpti
     return report
 
 
-def run_case_on_world(case: VerifyCase, options: TSPOptions = TSPOptions()) -> dict | None:
+def run_case_on_world(case: VerifyCase, options: TSPOptions = TSPOptions(), overlap: bool = True) -> dict | None:
     """Entry for an already-initialised default group (torchrun) or a spawned one: the whole world is one TSP group."""
     group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
-    return run_case(case, group, options)
+    return run_case(case, group, options, overlap)
 
 
 def case_to_dict(case: VerifyCase) -> dict:

@@ -50,12 +50,13 @@ def test_fp64_is_exact_at_odd_degree():
     assert report["loss_rel_err"] < 1e-12 and report["grad_rel_err"] < 1e-12, report
 
 
-def _run_keep_kv(case):
+@pytest.mark.parametrize("options, overlap", [
+    ({"keep_gathered_kv": True}, True),
+    ({"activation_checkpointing": True}, True),
+    ({}, False),
+], ids=["keep_gathered_kv", "activation_checkpointing", "no_overlap"])
+def test_schedule_options_are_exact(options, overlap):
     from ds_tsp.model import TSPOptions
-    return run_case_on_world(case, TSPOptions(keep_gathered_kv=True))
-
-
-def test_keep_gathered_kv_option_is_exact():
     case = VerifyCase(shape=_shape(4, 2, bias=True), seq=27, batch=2, dtype="float64", seed=7)
-    report = run_on_local_ranks(_run_keep_kv, 2, case, timeout_s=120)[0]
+    report = run_on_local_ranks(run_case_on_world, 2, case, TSPOptions(**options), overlap, timeout_s=120)[0]
     assert report["loss_rel_err"] < 1e-12 and report["grad_rel_err"] < 1e-12, report
