@@ -13,6 +13,7 @@ position_ids, each [B, S_pad/D]. forward returns this rank's share of the mean l
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -303,6 +304,33 @@ class TSPCausalLM(nn.Module):
             out[f"model.layers.{i}.input_layernorm.weight"] = layer.input_layernorm.weight
             out[f"model.layers.{i}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         return out
+
+    @torch.no_grad()
+    def init_weights_(self, seed: int = 0, std: float = 0.02) -> "TSPCausalLM":
+        """Initialise shards in place without ever building a full weight: N(0, std) matrices, zero biases and
+        padded vocab rows, unit norms. Each piece draws from a generator keyed by (seed, name, piece, owner block),
+        so data-parallel replicas and replicated kv heads agree; the values differ from a single-device init."""
+        def normal(key: str, shape) -> torch.Tensor:
+            g = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}/{key}".encode()))
+            return torch.randn(shape, generator=g, dtype=torch.float64).mul_(std)
+
+        rank = self.comm.rank
+        for name, module, param in self._sharded_modules():
+            if isinstance(module, TSPVocabShard):
+                param.copy_(normal(f"{name}{rank}", param.shape))
+                first_pad = module.vocab_size - rank * module.rows
+                if first_pad < module.rows:
+                    param[max(first_pad, 0):] = 0
+                continue
+            layout = module.spec.layout
+            views = layout.unpack(param)
+            kv_owner = rank // getattr(module.spec, "kv_replicas", 1)
+            for piece, shape in layout.pieces:
+                owner = kv_owner if piece in ("wk", "wv") else rank
+                views[piece].copy_(torch.zeros(shape) if piece.startswith("b") else normal(f"{name}{piece}{owner}", shape))
+        for param in self._replicated_params().values():
+            param.fill_(1.0)
+        return self
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:

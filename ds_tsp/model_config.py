@@ -58,12 +58,41 @@ class ModelShape:
                 f"intermediate_size={self.intermediate_size} is not divisible by tsp={tsp}: every rank owns "
                 f"intermediate_size/tsp MLP columns; pick tsp among {_divisors(self.intermediate_size)}")
 
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelShape":
+        """From a transformers Llama/Mistral/Qwen2 config (object or config.json dict); no transformers import."""
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        model_type = get("model_type", "llama")
+        if model_type not in SUPPORTED_HF_MODEL_TYPES:
+            raise TSPConfigError(f"model_type={model_type!r} is not supported; TSP converts "
+                                 f"{', '.join(SUPPORTED_HF_MODEL_TYPES)} (Llama-family: RMSNorm, RoPE, SwiGLU)")
+        rope = get("rope_parameters") or get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type != "default":
+            raise TSPConfigError(f"rope type {rope_type!r} is not supported yet; only default RoPE")
+        if get("mlp_bias", False):
+            raise TSPConfigError("mlp_bias=True is not supported: TSP's MLP has no biases")
+        qkv_bias = bool(get("attention_bias", False)) or model_type == "qwen2"
+        if qkv_bias and model_type != "qwen2":
+            raise TSPConfigError("attention_bias=True on a Llama config adds an o_proj bias, which TSP does not "
+                                 "support; Qwen2's q/k/v-only bias is supported")
+        theta = get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
+        heads = get("num_attention_heads")
+        return cls(vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+                   intermediate_size=get("intermediate_size"), num_layers=get("num_hidden_layers"),
+                   num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads, head_dim=get("head_dim"),
+                   rope_theta=float(theta), rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+                   tie_word_embeddings=bool(get("tie_word_embeddings", False)), qkv_bias=qkv_bias)
+
     def kv_replicas(self, tsp: int) -> int:
         """How many TSP ranks share one kv head (1 unless num_kv_heads < tsp, e.g. MQA)."""
         return max(tsp // self.num_kv_heads, 1)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def _multiples(n: int, limit: int) -> list[int]:
