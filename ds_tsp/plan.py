@@ -71,9 +71,9 @@ PRESETS: dict[str, ModelShape] = {
 class PlanInputError(TSPConfigError):
     """Bad planner input; `field` names the PlanInput field (the CLI maps it to its flag)."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field_name: str, message: str):
         super().__init__(message)
-        self.field = field
+        self.field = field_name
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,7 @@ class LayoutPlan:
     comm_bytes_per_layer_fwd: int
     comm_bytes_per_layer_bwd: int
     comm_bytes_per_step: int
+    activation_bytes_per_layer: int  # saved for backward by one decoder layer without checkpointing
     stage: str  # "only" (pp=1), or the pipeline stage whose peak is reported ("first" / "last")
     layers_per_stage: int
     layer_fwd_terms: tuple[CommTerm, ...]
@@ -313,7 +314,7 @@ def _check_heads(inp: PlanInput, layout: str) -> _Dims:
 
 
 def _layout_plan(layout: str, inp: PlanInput, stage_fn: Callable[[_Stage], dict], layer_fwd, layer_bwd,
-                 notes: tuple[str, ...]) -> LayoutPlan:
+                 per_layer: int, notes: tuple[str, ...]) -> LayoutPlan:
     """Evaluate every pipeline stage with stage_fn and report the one with the highest peak."""
     best = None
     comm_max = 0
@@ -330,7 +331,7 @@ def _layout_plan(layout: str, inp: PlanInput, stage_fn: Callable[[_Stage], dict]
         layout=layout, params_bytes=s["params"], grads_bytes=s["grads"], optimizer_bytes=s["optimizer"],
         activations_bytes=s["activations"], transients_bytes=transient, peak_bytes_per_rank=peak,
         comm_bytes_per_layer_fwd=_total(layer_fwd), comm_bytes_per_layer_bwd=_total(layer_bwd),
-        comm_bytes_per_step=comm_max, stage=stage.name, layers_per_stage=stage.layers,
+        comm_bytes_per_step=comm_max, activation_bytes_per_layer=per_layer, stage=stage.name, layers_per_stage=stage.layers,
         layer_fwd_terms=_nonzero(layer_fwd), layer_bwd_terms=_nonzero(layer_bwd),
         step_terms=_nonzero(s["step_terms"]), transients=dict(s["transients"]), notes=notes)
 
@@ -508,7 +509,8 @@ def plan_tsp(inp: PlanInput) -> LayoutPlan:
             act += T * 8  # input ids
         if stage.head:
             params += dims.h + (0 if (dims.tied and stage.embed) else g["Vd"] * dims.h)
-            act += _norm_saved(T, dims, b) + T * dims.h * b + T * cb + T * 8  # final norm, head input, lse, labels
+            # final norm; LM head: input, lse, labels and the loss denominator (a scalar in dtype)
+            act += _norm_saved(T, dims, b) + T * dims.h * b + T * cb + T * 8 + b
         act *= stage.in_flight
         grad_elems = params
         s = _state(inp, params, **_zero_divs(inp))
@@ -523,7 +525,7 @@ def plan_tsp(inp: PlanInput) -> LayoutPlan:
                      f"gather it {g['kv_replicas']}x (K/V traffic D/n_kv x the design's rho*2KV)")
     if inp.keep_gathered_kv:
         notes.append("keep_gathered_kv: every block's gathered K/V saved (O(S) per rank), no backward re-gather")
-    return _layout_plan("tsp", inp, stage_fn, fwd, bwd, tuple(notes))
+    return _layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes))
 
 
 # --- peers: common activation pieces ----------------------------------------------------------------------------------
@@ -624,7 +626,7 @@ def plan_tp(inp: PlanInput) -> LayoutPlan:
                            + _p2p(inp, stage, _ceil_div(tokens, T)))
         return s
 
-    return _layout_plan("tp", inp, stage_fn, fwd, bwd,
+    return _layout_plan("tp", inp, stage_fn, fwd, bwd, per_layer,
                         ("all-reduce counted 2(T-1)/T of its payload (ring); the textbook '2x' is its upper bound",))
 
 
@@ -693,7 +695,7 @@ def plan_tp_sp(inp: PlanInput, *, save_gathered_inputs: bool = True) -> LayoutPl
     notes = [f"seq padded to {S} (multiple of T)"]
     if save_gathered_inputs:
         notes.append("gathered linear inputs saved for backward (no re-gather; 10 collectives/layer otherwise)")
-    return _layout_plan("tp_sp", inp, stage_fn, fwd, bwd, tuple(notes))
+    return _layout_plan("tp_sp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes))
 
 
 # --- ZeRO-3 / FSDP weight traffic (ulysses, fsdp_cp) ----------------------------------------------------------------
@@ -794,7 +796,8 @@ def plan_ulysses(inp: PlanInput, *, zero3: bool = True) -> LayoutPlan:
         notes.append(f"num_kv_heads={dims.nkv} < D={D}: kv heads replicated to {kv_eff} for the all-to-all")
     if zero3:
         notes.append(f"ZeRO-3 over D*dp={G} ranks: params, grads, optimizer / {G}; transient gathered layer")
-    return _layout_plan("ulysses" if zero3 else "ulysses_replicated", inp, stage_fn, fwd, bwd, tuple(notes))
+    return _layout_plan("ulysses" if zero3 else "ulysses_replicated", inp, stage_fn, fwd, bwd, per_layer,
+                        tuple(notes))
 
 
 def plan_ulysses_replicated(inp: PlanInput) -> LayoutPlan:
@@ -841,7 +844,7 @@ def plan_fsdp_cp(inp: PlanInput) -> LayoutPlan:
         s["step_terms"] = _head_extras_sharded(inp, dims, stage, G) + _p2p(inp, stage, local)
         return s
 
-    return _layout_plan("fsdp_cp", inp, stage_fn, fwd, bwd,
+    return _layout_plan("fsdp_cp", inp, stage_fn, fwd, bwd, per_layer,
                         (f"seq padded to {S} (multiple of 2D)", f"FSDP over D*dp={G} ranks",
                          "ring attention backward counted as 2(D-1) hops of K/V size"))
 

@@ -1,0 +1,178 @@
+"""`ds-tsp plan`: per-rank memory and communication of TSP and its peers side by side (ds_tsp.plan does the math).
+
+    ds-tsp plan --model 7b --seq 128k --tsp 8                  rich table: tsp, tp, tp_sp, ulysses, fsdp_cp
+    ds-tsp plan --hf-config path/config.json --seq 32768 --layout tsp,tp --json    one JSON object per layout
+
+Exit codes: 0 success, 2 bad input (one line on stderr naming the flag and the fix).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ds_tsp.errors import TSPConfigError
+
+__all__ = ["register", "run"]
+
+EXIT_OK, EXIT_USAGE = 0, 2
+_FLAGS = {"degree": "--tsp/--tp", "seq": "--seq", "batch": "--batch", "dp": "--dp", "pp": "--pp", "dtype": "--dtype",
+          "hf_config": "--hf-config", "model": "--model", "layout": "--layout", "zero_stage": "--zero-stage"}
+_GIB, _MIB = 2 ** 30, 2 ** 20
+
+
+class _UsageError(Exception):
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `plan` subcommand; its handler is `run` (set as the `run` default)."""
+    from ds_tsp.plan import DEFAULT_LAYOUTS, LAYOUTS, PRESETS
+
+    p = subparsers.add_parser(
+        "plan", help="analytic per-rank memory and communication of TSP, TP, TP+SP, Ulysses and FSDP+CP",
+        description="Per-rank memory (params, grads, AdamW optimizer, saved activations, transients) and "
+                    "communication (per layer forward/backward, per step) of each layout, from formulas checked "
+                    "against ds_tsp's byte counters. Integers accept k/m suffixes (128k = 131072).")
+    p.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default 7b)")
+    p.add_argument("--hf-config", default=None, metavar="PATH", help="a Hugging Face config.json (or its directory)")
+    p.add_argument("--seq", default="4096", help="global sequence length per sample (default 4096)")
+    p.add_argument("--batch", default="1", help="micro-batch size in sequences (default 1)")
+    p.add_argument("--tsp", default=None, help="degree D of the one parallel axis (default 8)")
+    p.add_argument("--tp", default=None, help="alias of --tsp")
+    p.add_argument("--dp", default="1", help="data-parallel degree (default 1)")
+    p.add_argument("--pp", default="1", help="pipeline stages (default 1)")
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (default bf16; AdamW states are fp32)")
+    p.add_argument("--zero-stage", default="0", help="ZeRO stage over dp for tsp/tp/tp_sp: 0, 1 or 2 (default 0)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute every decoder layer")
+    p.add_argument("--keep-gathered-kv", action="store_true", help="TSP keeps gathered K/V (no backward re-gather)")
+    p.add_argument("--layout", action="append", default=None, metavar="NAMES",
+                   help=f"comma list, repeatable: {', '.join(LAYOUTS)} or all (default: {','.join(DEFAULT_LAYOUTS)})")
+    p.add_argument("--json", action="store_true", help="one JSON object per layout per line")
+    p.set_defaults(run=run)
+    return p
+
+
+def _int(flag: str, text, minimum: int = 1) -> int:
+    s = str(text).strip().lower()
+    scale = {"k": 1024, "m": 1024 ** 2}.get(s[-1:], 1)
+    digits = s[:-1] if scale > 1 else s
+    if not digits.isdigit():
+        raise _UsageError(flag, f"{text!r} is not an integer; write e.g. {flag} 4096 (or 128k)")
+    value = int(digits) * scale
+    if value < minimum:
+        raise _UsageError(flag, f"{value} must be >= {minimum}")
+    return value
+
+
+def _layouts(values: list[str] | None) -> tuple[str, ...]:
+    from ds_tsp.plan import DEFAULT_LAYOUTS, LAYOUTS
+
+    if not values:
+        return DEFAULT_LAYOUTS
+    names: list[str] = []
+    for value in values:
+        for name in (n.strip().lower().replace("-", "_").replace("+", "_") for n in value.split(",")):
+            if not name:
+                continue
+            if name == "all":
+                names += [n for n in DEFAULT_LAYOUTS if n not in names]
+            elif name not in LAYOUTS:
+                raise _UsageError("--layout", f"unknown layout {name!r}; choose among {', '.join(LAYOUTS)} or all")
+            elif name not in names:
+                names.append(name)
+    if not names:
+        raise _UsageError("--layout", "no layout named; e.g. --layout tsp,tp")
+    return tuple(names)
+
+
+def _plan_input(args: argparse.Namespace):
+    from ds_tsp.plan import DTYPE_BYTES, PRESETS, PlanInput, shape_from_hf_config
+
+    if args.model is not None and args.hf_config is not None:
+        raise _UsageError("--model", "give either --model PRESET or --hf-config PATH, not both")
+    if args.hf_config is not None:
+        shape, model_name = shape_from_hf_config(args.hf_config), args.hf_config
+    else:
+        model_name = (args.model or "7b").lower()
+        if model_name not in PRESETS:
+            raise _UsageError("--model", f"unknown preset {args.model!r}; choose among {', '.join(PRESETS)} or pass "
+                                         "--hf-config PATH")
+        shape = PRESETS[model_name]
+    degrees = {flag: _int(flag, v) for flag, v in (("--tsp", args.tsp), ("--tp", args.tp)) if v is not None}
+    if len(set(degrees.values())) > 1:
+        raise _UsageError("--tsp/--tp", f"--tsp {degrees['--tsp']} and --tp {degrees['--tp']} disagree; they name "
+                                        "the same degree: give one")
+    dtype = str(args.dtype).lower()
+    if dtype not in DTYPE_BYTES:
+        raise _UsageError("--dtype", f"{args.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+    inp = PlanInput(model=shape, seq=_int("--seq", args.seq), batch=_int("--batch", args.batch),
+                    degree=next(iter(degrees.values()), 8), dp=_int("--dp", args.dp), pp=_int("--pp", args.pp),
+                    dtype=dtype, activation_checkpointing=args.activation_checkpointing,
+                    keep_gathered_kv=args.keep_gathered_kv, zero_stage=_int("--zero-stage", args.zero_stage, 0))
+    return inp, model_name
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds_tsp.plan import PlanInputError, plan_layouts
+
+    try:
+        layouts = _layouts(args.layout)
+        inp, model_name = _plan_input(args)
+        plans = plan_layouts(inp, layouts)
+    except _UsageError as exc:
+        return _error(str(exc))
+    except PlanInputError as exc:
+        return _error(f"{_FLAGS.get(exc.field, exc.field)}: {exc}")
+    except TSPConfigError as exc:
+        return _error(str(exc))
+    if args.json:
+        for plan in plans:
+            print(json.dumps({**plan.to_dict(), "model": model_name, "input": inp.to_dict()}), flush=True)
+    else:
+        _print_table(plans, inp, model_name)
+    return EXIT_OK
+
+
+def _error(message: str) -> int:
+    print(f"ds-tsp plan: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def _print_table(plans, inp, model_name: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = inp.model
+    title = (f"{model_name}: h={m.hidden_size} layers={m.num_layers} heads={m.num_heads}/{m.num_kv_heads} "
+             f"ffn={m.intermediate_size} vocab={m.vocab_size} | seq={inp.seq} batch={inp.batch} D={inp.degree} "
+             f"dp={inp.dp} pp={inp.pp} {inp.dtype}{' +AC' if inp.activation_checkpointing else ''}")
+    table = Table(title=title, title_justify="left")
+    table.add_column("per rank", style="bold")
+    for plan in plans:
+        table.add_column(plan.layout, justify="right")
+
+    def row(label, fn):
+        table.add_row(label, *(fn(p) for p in plans))
+
+    gib = lambda v: f"{v / _GIB:.2f}"  # noqa: E731
+    row("params GiB", lambda p: gib(p.params_bytes))
+    row("grads GiB", lambda p: gib(p.grads_bytes))
+    row("optimizer GiB (AdamW)", lambda p: gib(p.optimizer_bytes))
+    row("activations GiB", lambda p: gib(p.activations_bytes))
+    row("transients GiB", lambda p: f"{gib(p.transients_bytes)} ({max(p.transients, key=p.transients.get)})")
+    row("peak GiB", lambda p: f"[bold]{gib(p.peak_bytes_per_rank)}[/bold]")
+    row("comm / layer fwd MiB", lambda p: f"{p.comm_bytes_per_layer_fwd / _MIB:.1f}")
+    row("comm / layer bwd MiB", lambda p: f"{p.comm_bytes_per_layer_bwd / _MIB:.1f}")
+    row("comm / step GiB", lambda p: gib(p.comm_bytes_per_step))
+    if inp.pp > 1:
+        row("reported stage", lambda p: f"{p.stage} ({p.layers_per_stage} layers)")
+    console = Console()
+    console.print(table)
+    for plan in plans:
+        for note in plan.notes:
+            console.print(f"  {plan.layout}: {note}", highlight=False)
+    console.print("  peak = params + grads + optimizer + activations + largest transient; comm in bytes per rank "
+                  "(all-reduce 2(n-1)/n, all-gather/reduce-scatter/all-to-all (n-1)/n); see ds_tsp/plan.py",
+                  highlight=False)
