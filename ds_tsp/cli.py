@@ -1,6 +1,8 @@
 """`ds-tsp` command line: one subcommand per task, each a thin layer over a library function.
 
     ds-tsp verify [--tsp D] [shape flags]   TSP model vs the single-device reference (ds_tsp.verify.run_case)
+    ds-tsp plan   [--model 7b] [--seq ...]  analytic per-rank memory and communication per layout (ds_tsp.plan)
+    ds-tsp bench  [--quick] [--out DIR]     TSP side by side with its peers, measured (ds_tsp.bench)
 
 Exit codes: 0 success, 1 the check failed (or a rank crashed), 2 bad input (one line on stderr naming the field).
 """
@@ -141,7 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ds-tsp", description="TSP: tensor and sequence parallelism folded onto one mesh axis.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_verify(sub)
+    from ds_tsp import plan_cli  # torch-free, so `ds-tsp plan` and --help stay fast
+
+    plan_cli.register(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    try:
+        from ds_tsp.bench import cli as bench_cli
+    except ImportError:  # the bench package is optional at import time (matplotlib); say so when used
+        return
+    bench_cli.register(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

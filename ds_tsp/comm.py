@@ -186,19 +186,24 @@ def broadcast_shards(comm: TSPComm, own_shard: torch.Tensor, order: range | None
 
 
 class ShardGradReducer:
-    """Backward dual of the shard broadcast: every rank's grad contribution for block j is summed on owner j."""
+    """Backward dual of the shard broadcast: every rank's grad contribution for block j is summed on owner j.
 
-    def __init__(self, comm: TSPComm):
-        self.comm = comm
+    At most `in_flight` reductions stay pending (each holds a packed-shard-sized buffer), so backward keeps O(1)
+    shards alive instead of one per head block.
+    """
+
+    def __init__(self, comm: TSPComm, in_flight: int = 2):
+        self.comm, self.in_flight = comm, in_flight
         self._pending: list[Handle] = []
         self.own_grad: torch.Tensor | None = None
 
     def reduce(self, owner: int, grad_contribution: torch.Tensor) -> None:
         # A fresh buffer per block: non-owners must not reuse a reduce buffer.
-        handle = self.comm.reduce(grad_contribution, dst=owner)
-        self._pending.append(handle)
+        self._pending.append(self.comm.reduce(grad_contribution, dst=owner))
         if owner == self.comm.rank:
             self.own_grad = grad_contribution
+        while len(self._pending) > self.in_flight:
+            self._pending.pop(0).wait()
 
     def finish(self) -> torch.Tensor:
         for handle in self._pending:

@@ -41,6 +41,22 @@ class TSPOptions:
     activation_checkpointing: bool = False  # save only each decoder layer's input; recompute the layer in backward
 
 
+def normalise_over_data(n_valid_tsp: torch.Tensor, data_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Loss denominator: labelled tokens of the whole data x TSP batch / data size (see set_data_parallel_group)."""
+    if data_group is None or dist.get_world_size(data_group) == 1:
+        return n_valid_tsp
+    total = n_valid_tsp.clone()
+    dist.all_reduce(total, group=data_group)
+    return total / dist.get_world_size(data_group)
+
+
+def count_valid_tokens(shift_labels: torch.Tensor, comm: TSPComm, data_group=None) -> torch.Tensor:
+    """normalise_over_data of the labelled tokens of this TSP group (for stages that see only the labels)."""
+    n_valid = (shift_labels != -100).sum().to(torch.int64)
+    comm.all_reduce(n_valid).wait()
+    return normalise_over_data(n_valid, data_group)
+
+
 def _mark_sharded(param: nn.Parameter) -> nn.Parameter:
     # DeepSpeed/Megatron read these to count a sharded param on every model-parallel rank in the grad norm.
     param.tensor_model_parallel = True
@@ -221,10 +237,8 @@ class TSPCausalLM(nn.Module):
     # --- forward ---------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, shift_labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        n_valid = self._check_inputs(input_ids, shift_labels, position_ids)
-        if self.data_group is not None:
-            dist.all_reduce(n_valid, group=self.data_group)
-        n_valid = (n_valid / self.data_size).to(self.dtype)
+        n_valid = normalise_over_data(self._check_inputs(input_ids, shift_labels, position_ids),
+                                      self.data_group).to(self.dtype)
         cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, self.dtype)
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:

@@ -2,14 +2,14 @@
 
 Layouts (D = the degree of the one parallel axis, `PlanInput.degree`):
 
-| layout               | weights per rank                 | tokens per rank | per-layer traffic (per rank)            |
-|----------------------|----------------------------------|-----------------|-----------------------------------------|
-| tsp                  | 1/D (head block, F/D, V/D)       | S/D (zigzag)    | shard broadcast + MLP ring, K/V gather  |
-| tp                   | 1/D (Megatron, no SP)            | S (replicated)  | 2 all-reduces of B*S*h each way         |
-| tp_sp                | 1/D (Megatron sequence parallel) | S/D outside attn/MLP | 4 all-gather/reduce-scatter each way |
-| ulysses              | 1/(D*dp) (ZeRO-3)                | S/D             | 4 all-to-alls + ZeRO-3 layer gather     |
-| ulysses_replicated   | whole model                      | S/D             | 4 all-to-alls (grads all-reduced)       |
-| fsdp_cp              | 1/(D*dp) (FSDP)                  | S/D (zigzag)    | ring K/V passes + FSDP layer gather     |
+| layout             | weights per rank             | tokens per rank      | per-layer traffic (per rank)           |
+|--------------------|------------------------------|----------------------|----------------------------------------|
+| tsp                | 1/D (head block, F/D, V/D)   | S/D (zigzag)         | shard broadcast + MLP ring, K/V gather |
+| tp                 | 1/D (Megatron, no SP)        | S (replicated)       | 2 all-reduces of B*S*h each way        |
+| tp_sp              | 1/D (Megatron seq. parallel) | S/D outside attn/MLP | 4 all-gathers/reduce-scatters each way |
+| ulysses            | 1/(D*dp) (ZeRO-3)            | S/D                  | 4 all-to-alls + ZeRO-3 layer gather    |
+| ulysses_replicated | whole model                  | S/D                  | 4 all-to-alls (grads all-reduced)      |
+| fsdp_cp            | 1/(D*dp) (FSDP)              | S/D (zigzag)         | ring K/V passes + FSDP layer gather    |
 
 Accounting (the same for every layout; it is ds_tsp.comm.CommCounter's): bytes per rank, logical volume —
 broadcast counts on receivers, reduce on senders, all-gather (D-1)/D of its output, reduce-scatter (D-1)/D of its
@@ -331,7 +331,8 @@ def _layout_plan(layout: str, inp: PlanInput, stage_fn: Callable[[_Stage], dict]
         layout=layout, params_bytes=s["params"], grads_bytes=s["grads"], optimizer_bytes=s["optimizer"],
         activations_bytes=s["activations"], transients_bytes=transient, peak_bytes_per_rank=peak,
         comm_bytes_per_layer_fwd=_total(layer_fwd), comm_bytes_per_layer_bwd=_total(layer_bwd),
-        comm_bytes_per_step=comm_max, activation_bytes_per_layer=per_layer, stage=stage.name, layers_per_stage=stage.layers,
+        comm_bytes_per_step=comm_max, activation_bytes_per_layer=per_layer, stage=stage.name,
+        layers_per_stage=stage.layers,
         layer_fwd_terms=_nonzero(layer_fwd), layer_bwd_terms=_nonzero(layer_bwd),
         step_terms=_nonzero(s["step_terms"]), transients=dict(s["transients"]), notes=notes)
 
@@ -738,7 +739,8 @@ def _local_logits(inp: PlanInput, dims: _Dims, tokens: int) -> tuple[int, int]:
 
 def plan_ulysses(inp: PlanInput, *, zero3: bool = True) -> LayoutPlan:
     """DeepSpeed-Ulysses (ALST) sequence parallelism of degree D, with ZeRO-3 over the D*dp ranks (zero3=True) or
-    replicated weights (zero3=False: grads all-reduced over D*dp each step, optimizer / dp with zero_stage >= 1).
+    replicated weights (zero3=False: grads all-reduced over D*dp each step; zero_stage 1/2 partitions the
+    optimizer / grads over those D*dp ranks).
 
     Tokens S/D per rank outside attention; 4 all-to-alls per layer forward (q, k, v to head-sharded full
     sequence, the output back), 4 in backward, each (D-1)/D of its input B*S/D*(width). With n_kv < D the kv
@@ -766,9 +768,9 @@ def plan_ulysses(inp: PlanInput, *, zero3: bool = True) -> LayoutPlan:
         fwd, bwd = fwd + wf, bwd + wb
         layer_p, embed_p, head_p = _zero3_params(inp, dims, G)
         state_kw = {}
-    else:
+    else:  # the D sequence ranks are data-parallel for the weights: ZeRO-1/2 partitions over all D*dp of them
         layer_p, embed_p, head_p = dims.layer, dims.V * dims.h, dims.V * dims.h + dims.h
-        state_kw = _zero_divs(inp)
+        state_kw = {"grads_div": G if inp.zero_stage >= 2 else 1, "opt_div": G if inp.zero_stage >= 1 else 1}
     per_layer = _peer_layer_saved(inp, dims, norm_tokens=local, linear_in_tokens=local, attn_tokens=local,
                                   heads_div=1, kv_heads=kv_eff, mlp_tokens=local, mlp_div=1,
                                   extra_attn_out_tokens=local)

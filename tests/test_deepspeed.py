@@ -22,11 +22,11 @@ STEPS = 5
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-def ds_config(tsp: int, stage: int, **extra) -> dict:
+def ds_config(tsp: int, stage: int, pipeline_stages: int = 1, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
-            "gradient_clipping": 0.5, "tsp": {"size": tsp}, **extra}
+            "gradient_clipping": 0.5, "tsp": {"size": tsp, "pipeline_stages": pipeline_stages}, **extra}
 
 
 def _train(configs: list[dict], steps: int = STEPS) -> list[dict]:
@@ -88,3 +88,31 @@ def test_incompatible_or_bad_config_fails_clearly(extra, match):
     cfg = {**ds_config(2, 1), **extra}
     with pytest.raises(TSPConfigError, match=match):
         ds_tsp.initialize(model=SHAPE, config=cfg)
+
+
+def _train_pipeline(cfg: dict, steps: int = STEPS) -> list[float]:
+    import torch.distributed as dist
+
+    import ds_tsp
+    from ds_tsp.data import pipeline_batches
+
+    ref = ReferenceCausalLM(SHAPE)
+    init_weights_(ref, 0)
+    data = RepeatingPatterns(vocab_size=SHAPE.vocab_size, seq_len=30, num_samples=64)
+    engine, _, loader, _ = ds_tsp.initialize(model=SHAPE, config=cfg, training_data=data,
+                                             state_dict=full_state_dict(ref))
+    batches = pipeline_batches(loader)
+    losses = []
+    for _ in range(steps):
+        share = engine.train_batch(batches)
+        dist.all_reduce(share, group=engine.tsp_groups.tsp_group)
+        losses.append(float(share))
+    return losses
+
+
+def test_pipeline_stages_times_tsp_match_single_rank():
+    reference = run_on_local_ranks(_train, 1, [ds_config(1, 1)], timeout_s=300, env=ENV)[0][0]["losses"]
+    cfg = ds_config(2, 1, pipeline_stages=2)
+    got = run_on_local_ranks(_train_pipeline, 4, cfg, timeout_s=300, env=ENV)
+    for rank_losses in got:  # every stage and TSP rank reports the same global loss
+        assert torch.allclose(torch.tensor(rank_losses), torch.tensor(reference), rtol=1e-5), (got, reference)

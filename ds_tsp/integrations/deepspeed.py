@@ -119,20 +119,26 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     ds_config = load_ds_config(config, args)
     tsp = parse_tsp_config(ds_config.pop("tsp", None))
     check_compatible(ds_config, tsp)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timedelta(seconds=tsp.timeout_s))
+    # Also when torch.distributed is up already: deepspeed.comm must adopt the group (PipelineModule asks it).
+    deepspeed.init_distributed(timeout=timedelta(seconds=tsp.timeout_s))
     layout = ParallelLayout.from_world_size(dist.get_world_size(), tsp=tsp.size, pipe=tsp.pipeline_stages)
     groups = ProcessGroups.build(layout)
     comm = TSPComm(groups.tsp_group, overlap=tsp.overlap)
     if dtype is None:
         dtype = torch.bfloat16 if (ds_config.get("bf16") or {}).get("enabled") else torch.float32
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    tsp_model = build_tsp_model(model, comm, options_from_config(tsp), data_group=groups.data_group,
-                                state_dict=state_dict, seed=seed, dtype=dtype, device=device)
     if tsp.pipeline_stages > 1:
-        from ds_tsp.integrations.pipeline import build_pipeline_module
-        module, mpu = build_pipeline_module(tsp_model, groups), None
+        from ds_tsp.integrations.pipeline import build_pipeline_module, unpartitioned_pipeline_config
+        ds_config["pipeline"] = unpartitioned_pipeline_config(ds_config.get("pipeline"))
+        shape = model if isinstance(model, ModelShape) else ModelShape.from_hf_config(getattr(model, "config", model))
+        if state_dict is None and hasattr(model, "state_dict") and not isinstance(model, ModelShape):
+            state_dict = model.state_dict()
+        tsp_model = None
+        module, mpu = build_pipeline_module(shape, groups, comm, options_from_config(tsp), dtype=dtype,
+                                            device=device, state_dict=state_dict, seed=seed), None
     else:
+        tsp_model = build_tsp_model(model, comm, options_from_config(tsp), data_group=groups.data_group,
+                                    state_dict=state_dict, seed=seed, dtype=dtype, device=device)
         module, mpu = tsp_model, TSPModelParallelUnit(groups)
         _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
     if model_parameters is None:

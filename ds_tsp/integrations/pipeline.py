@@ -1,0 +1,118 @@
+"""Pipeline stages of TSP blocks on the outer axis: a DeepSpeed PipelineModule built from LayerSpecs.
+
+Each stage builds only its own layers. Activations between stages are (hidden [B, L, h], position_ids [B, L],
+shift_labels [B, L]) for this rank's zigzag shard: the integer tensors ride along so every stage has the global
+positions for RoPE and the last one the targets. DeepSpeed's PipeModelDataParallelTopology orders ranks
+(pipe, data, model) with model innermost, which is exactly ds_tsp's (pipe, data, tsp), so its model-parallel
+slice of each stage is the TSP group.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds_tsp.comm import TSPComm
+from ds_tsp.errors import TSPConfigError
+from ds_tsp.model import TSPDecoderLayer, TSPLMHeadLoss, TSPOptions, TSPVocabEmbedding, count_valid_tokens
+from ds_tsp.layers.norm import TSPRMSNorm
+from ds_tsp.model_config import ModelShape
+from ds_tsp.rope import rope_cos_sin
+from ds_tsp.topology import ProcessGroups
+
+
+class EmbeddingPipe(TSPVocabEmbedding):
+    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device):
+        super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device)
+
+    def forward(self, inputs):
+        input_ids, position_ids, shift_labels = inputs
+        return super().forward(input_ids), position_ids, shift_labels
+
+    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+        self.vocab_shard.data.copy_(self.shard_full({"weight": full["model.embed_tokens.weight"]}))
+
+
+class DecoderPipe(TSPDecoderLayer):
+    def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device, index: int):
+        super().__init__(shape, comm, options, dtype, device)
+        self.shape, self.index = shape, index
+
+    def forward(self, inputs):
+        h, position_ids, shift_labels = inputs
+        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, h.dtype)
+        return super().forward(h, cos, sin), position_ids, shift_labels
+
+    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+        prefix = f"model.layers.{self.index}."
+        sub = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        with torch.no_grad():
+            self.self_attn.packed_shard.copy_(self.self_attn.shard_full(
+                {k[len("self_attn."):]: v for k, v in sub.items() if k.startswith("self_attn.")}))
+            self.mlp.packed_shard.copy_(self.mlp.shard_full(
+                {k[len("mlp."):]: v for k, v in sub.items() if k.startswith("mlp.")}))
+            self.input_layernorm.weight.copy_(sub["input_layernorm.weight"])
+            self.post_attention_layernorm.weight.copy_(sub["post_attention_layernorm.weight"])
+
+
+class NormHeadLossPipe(nn.Module):
+    """Final norm + LM head + loss share; returns a scalar (the pipeline's loss_fn passes it through)."""
+
+    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, data_group):
+        super().__init__()
+        self.comm, self.data_group = comm, data_group
+        self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
+        self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device)
+
+    def forward(self, inputs):
+        h, _, shift_labels = inputs
+        n_valid = count_valid_tokens(shift_labels, self.comm, self.data_group).to(h.dtype)
+        return self.lm_head(self.norm(h), shift_labels, n_valid)
+
+    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.norm.weight.copy_(full["model.norm.weight"])
+            self.lm_head.vocab_shard.copy_(self.lm_head.shard_full({"weight": full["lm_head.weight"]}))
+
+
+def unpartitioned_pipeline_config(pipeline: dict | None) -> dict:
+    """DeepSpeed's pipeline partitions stage-to-stage activations over the model-parallel group, assuming (as in
+    Megatron TP) that every model-parallel rank holds the same activation. TSP ranks hold different tokens, so
+    each must send its own whole shard."""
+    pipeline = dict(pipeline or {})
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.get(key):
+            raise TSPConfigError(f"pipeline.{key}=true with TSP: stage activations differ across TSP ranks and "
+                                 f"cannot be partitioned over them; remove pipeline.{key}")
+        pipeline[key] = False
+    return pipeline
+
+
+def _loss_passthrough(loss_share, _labels):
+    return loss_share
+
+
+def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPComm, options: TSPOptions, *,
+                          dtype=torch.float32, device=None, state_dict=None, seed: int = 0):
+    """A PipelineModule [embedding, decoder layers..., norm+head+loss] split over groups.pipe_size stages."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    if shape.tie_word_embeddings:
+        raise TSPConfigError("tie_word_embeddings=True with tsp.pipeline_stages > 1 is not supported: the tied "
+                             "embedding and LM head live on different stages; untie them or use one stage")
+    if shape.num_layers < groups.pipe_size:
+        raise TSPConfigError(f"tsp.pipeline_stages={groups.pipe_size} exceeds num_layers={shape.num_layers}")
+    specs = [LayerSpec(EmbeddingPipe, shape, comm, dtype, device)]
+    specs += [LayerSpec(DecoderPipe, shape, comm, options, dtype, device, i) for i in range(shape.num_layers)]
+    specs.append(LayerSpec(NormHeadLossPipe, shape, comm, dtype, device, groups.data_group))
+    topology = PipeModelDataParallelTopology(num_pp=groups.pipe_size, num_mp=groups.tsp_size,
+                                             num_dp=groups.data_size)
+    module = PipelineModule(layers=specs, topology=topology, loss_fn=_loss_passthrough,
+                            partition_method="type:DecoderPipe",
+                            activation_checkpoint_interval=1 if options.activation_checkpointing else 0)
+    if state_dict is None:
+        raise TSPConfigError("pipeline stages need the initial weights: pass state_dict= (HF-named full weights)")
+    for layer in module.forward_funcs:
+        if hasattr(layer, "load_full"):
+            layer.load_full(state_dict)
+    return module
