@@ -1,0 +1,123 @@
+"""Train a small Llama-style model with TSP under DeepSpeed: the launch line users already know.
+
+    deepspeed --num_gpus 4 examples/train.py --ds_config ds_configs/tsp.json
+    torchrun --standalone --nproc_per_node 4 examples/train.py --ds_config ds_configs/tsp_zero3.json
+
+The "tsp" block of the config turns TSP on ({"size": D}); ZeRO shards over the data axis, pipeline_stages adds
+an outer pipe axis. Works on CPU (gloo) and on GPUs (NCCL) unchanged. Rank 0 shows a progress bar and prints one
+JSON line per step ({"step", "loss", "step_s"}); at the end every rank's peak memory is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import ds_tsp
+from ds_tsp.checkpoint import save_consolidated
+from ds_tsp.data import pipeline_batches
+from ds_tsp.model_config import ModelShape
+from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_
+from ds_tsp.synthetic import RepeatingPatterns
+
+MODELS = {
+    "tiny": ModelShape(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
+                       num_kv_heads=2),
+    "small": ModelShape(vocab_size=2048, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+                        num_kv_heads=8),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ds_config", required=True, help="DeepSpeed JSON config with a \"tsp\" block")
+    p.add_argument("--max_steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--export", default=None, help="write a consolidated safetensors checkpoint here at the end")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                   help="set by the deepspeed launcher")
+    return p.parse_args(argv)
+
+
+def peak_memory_mib(step_fn) -> float:
+    """Run one step and return this rank's peak memory in MiB (CUDA allocator, or MemTracker on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        step_fn()
+        return torch.cuda.max_memory_allocated() / 2**20
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        step_fn()
+    peak = tracker.get_tracker_snapshot("peak")
+    return sum(v for dev in peak.values() for k, v in dev.items() if str(k) == "Total") / 2**20
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shape = MODELS[args.model]
+    reference = ReferenceCausalLM(shape)  # one deterministic init, identical on every rank and every layout
+    init_weights_(reference, args.seed)
+    data = RepeatingPatterns(vocab_size=shape.vocab_size, seq_len=args.seq_len, num_samples=100_000, seed=args.seed)
+    engine, _, loader, _ = ds_tsp.initialize(model=shape, config=args.ds_config, training_data=data,
+                                             state_dict=full_state_dict(reference), seed=args.seed)
+    del reference
+    rank = dist.get_rank()
+    groups = engine.tsp_groups
+    pipelined = groups.pipe_size > 1
+    batches = pipeline_batches(loader) if pipelined else iter(loader)
+
+    def train_step() -> float:
+        if pipelined:
+            share = engine.train_batch(batches)
+        else:
+            share = 0.0
+            for _ in range(engine.gradient_accumulation_steps()):
+                b = next(batches)
+                loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
+                engine.backward(loss)
+                engine.step()
+                share += loss.detach() / engine.gradient_accumulation_steps()
+        share = torch.as_tensor(share, dtype=torch.float32).clone()
+        dist.all_reduce(share, group=groups.tsp_group)  # TSP ranks hold shares of the loss
+        if not pipelined and groups.data_size > 1:
+            dist.all_reduce(share, group=groups.data_group)
+            share /= groups.data_size
+        return float(share)
+
+    if rank == 0:
+        print(json.dumps({"layout": {"pipe": groups.pipe_size, "data": groups.data_size, "tsp": groups.tsp_size},
+                          "model": args.model, "seq_len": args.seq_len}), flush=True)
+    losses = []
+    for step in tqdm(range(1, args.max_steps), disable=rank != 0, desc="train", file=sys.stderr):
+        start = time.perf_counter()
+        losses.append(train_step())
+        if rank == 0:
+            tqdm.write(json.dumps({"step": step, "loss": round(losses[-1], 6),
+                                   "step_s": round(time.perf_counter() - start, 4)}))
+    last = []
+    peak = peak_memory_mib(lambda: last.append(train_step()))
+    losses += last
+    if rank == 0:
+        print(json.dumps({"step": args.max_steps, "loss": round(losses[-1], 6)}), flush=True)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, round(peak, 2))
+    if rank == 0:
+        print(json.dumps({"peak_memory_mib_per_rank": peaks, "first_loss": losses[0], "last_loss": losses[-1]}),
+              flush=True)
+    if args.export and not pipelined:
+        save_consolidated(engine.tsp_model, args.export)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
