@@ -30,6 +30,7 @@ from ds_tsp.model import TSPCausalLM
 from ds_tsp.model_config import ModelShape
 from ds_tsp.partition import shard_batch
 from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_
+from ds_tsp.synthetic import RepeatingPatterns
 
 MIB = 2 ** 20
 # MemTracker's category names -> the short names printed here.
@@ -59,24 +60,9 @@ class DemoConfig:
                           num_layers=self.layers, num_heads=self.heads, num_kv_heads=self.kv_heads)
 
 
-def pattern_pool(cfg: DemoConfig) -> list[torch.Tensor]:
-    """`num_patterns` random token patterns of length 8..24 over `alphabet` tokens, fixed by the seed."""
-    g = torch.Generator().manual_seed(cfg.seed)
-    alphabet = torch.randperm(cfg.vocab, generator=g)[:cfg.alphabet]
-    lengths = torch.randint(8, 25, (cfg.num_patterns,), generator=g)
-    return [alphabet[torch.randint(0, cfg.alphabet, (int(n),), generator=g)] for n in lengths]
-
-
-def global_batch(cfg: DemoConfig, patterns: list[torch.Tensor], step: int) -> torch.Tensor:
-    """input_ids [batch, seq] for `step`: each row one pattern, from a random phase, repeated. Same on every rank."""
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step + 1)
-    rows = []
-    for _ in range(cfg.batch):
-        pattern = patterns[int(torch.randint(len(patterns), (1,), generator=g))]
-        phase = int(torch.randint(len(pattern), (1,), generator=g))
-        reps = -(-(cfg.seq + phase) // len(pattern))
-        rows.append(pattern.repeat(reps)[phase:phase + cfg.seq])
-    return torch.stack(rows)
+def global_batch(cfg: DemoConfig, data: RepeatingPatterns, step: int) -> torch.Tensor:
+    """input_ids [batch, seq] for `step`: samples step*batch .. of the dataset. Same on every rank."""
+    return torch.stack([data[step * cfg.batch + i]["input_ids"] for i in range(cfg.batch)])
 
 
 def peak_memory_mib(tracker: MemTracker) -> dict[str, float]:
@@ -110,11 +96,12 @@ def train(cfg: DemoConfig) -> dict:
 
     log({"config": asdict(cfg), "params_full": params_full,
          "params_per_rank": sum(p.numel() for p in model.parameters())})
-    patterns = pattern_pool(cfg)
+    data = RepeatingPatterns(vocab_size=cfg.vocab, seq_len=cfg.seq, num_samples=cfg.batch * cfg.steps,
+                             num_patterns=cfg.num_patterns, alphabet=cfg.alphabet, seed=cfg.seed)
     tracked_step = max(cfg.steps - 1, 0)  # a late step, so the optimizer state already exists
     losses, peak, start = [], {}, time.perf_counter()
     for step in range(cfg.steps):
-        batch = shard_batch(global_batch(cfg, patterns, step), tsp=comm.size, rank=comm.rank)
+        batch = shard_batch(global_batch(cfg, data, step), tsp=comm.size, rank=comm.rank)
         tracker = MemTracker() if step == tracked_step else None
         if tracker is not None:
             tracker.track_external(model, optimizer)
