@@ -18,6 +18,8 @@ class TSPConfig(BaseModel):
     size: int = Field(1, ge=1, description="TSP degree D: ranks that share every layer's weights and tokens")
     pipeline_stages: int = Field(1, ge=1, description="pipeline stages on the outer axis (ZeRO <= 1 with > 1)")
     keep_gathered_kv: bool = Field(False, description="keep gathered K/V for backward: O(S) memory, no re-gather")
+    recompute_projections: bool = Field(True, description="recompute local q/k/v and MLP gate/up in backward "
+                                                          "instead of saving them")
     overlap: bool = Field(True, description="prefetch the next shard / K/V while computing on the current one")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
     timeout_s: int = Field(1800, ge=1, description="collective timeout; a failed rank never hangs the others")

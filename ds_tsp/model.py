@@ -39,6 +39,12 @@ class TSPOptions:
     kernel_backend: str | None = None  # None: flash-attn on CUDA when importable, the CPU flash kernel on CPU
     keep_gathered_kv: bool = False  # keep each block's gathered K/V for backward: O(S) memory, no re-gather
     activation_checkpointing: bool = False  # save only each decoder layer's input; recompute the layer in backward
+    recompute_projections: bool = True  # recompute cheap local q/k/v and MLP gate/up GEMMs in backward
+
+    @classmethod
+    def speed(cls, **overrides) -> "TSPOptions":
+        """The speed mode: keep gathered K/V and every local projection; O(S) per layer instead of O(S/D)."""
+        return cls(**{"keep_gathered_kv": True, "recompute_projections": False, **overrides})
 
 
 def normalise_over_data(n_valid_tsp: torch.Tensor, data_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -79,7 +85,8 @@ class TSPAttention(nn.Module):
                                   head_dim=shape.dim_per_head, qkv_bias=shape.qkv_bias,
                                   kv_replicas=shape.kv_replicas(comm.size),
                                   kernel_backend=options.kernel_backend,
-                                  keep_gathered_kv=options.keep_gathered_kv)
+                                  keep_gathered_kv=options.keep_gathered_kv,
+                                  recompute_projections=options.recompute_projections)
         self.packed_shard = _mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
 
@@ -118,10 +125,11 @@ class TSPAttention(nn.Module):
 
 
 class TSPGatedMLP(nn.Module):
-    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device):
+    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, recompute_projections: bool = True):
         super().__init__()
         self.comm = comm
-        self.spec = MLPSpec(hidden=shape.hidden_size, ffn_per_rank=shape.intermediate_size // comm.size)
+        self.spec = MLPSpec(hidden=shape.hidden_size, ffn_per_rank=shape.intermediate_size // comm.size,
+                            recompute_projections=recompute_projections)
         self.packed_shard = _mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
 
@@ -196,7 +204,7 @@ class TSPDecoderLayer(nn.Module):
         self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
         self.self_attn = TSPAttention(shape, comm, options, dtype, device)
         self.post_attention_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
-        self.mlp = TSPGatedMLP(shape, comm, dtype, device)
+        self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
 
     def forward(self, h, cos, sin):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)

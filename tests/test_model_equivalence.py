@@ -54,7 +54,9 @@ def test_fp64_is_exact_at_odd_degree():
     ({"keep_gathered_kv": True}, True),
     ({"activation_checkpointing": True}, True),
     ({}, False),
-], ids=["keep_gathered_kv", "activation_checkpointing", "no_overlap"])
+    ({"recompute_projections": False}, True),
+    ({"keep_gathered_kv": True, "recompute_projections": False}, True),
+], ids=["keep_gathered_kv", "activation_checkpointing", "no_overlap", "saved_projections", "speed"])
 def test_schedule_options_are_exact(options, overlap):
     from ds_tsp.model import TSPOptions
     case = VerifyCase(shape=_shape(4, 2, bias=True), seq=27, batch=2, dtype="float64", seed=7)

@@ -44,6 +44,16 @@ class AttentionSpec:
     qkv_bias: bool
     kv_replicas: int = 1  # > 1 when num_kv_heads < D: that many consecutive ranks hold the same kv head
     keep_gathered_kv: bool = False  # save every block's gathered K/V (O(S) memory) to skip the backward re-gather
+    recompute_projections: bool = True  # False: save local q (and k/v) per block instead of recomputing them
+
+    def saved_per_block(self) -> tuple[str, ...]:
+        """Names of the tensors forward saves for each head block, in order."""
+        names = ["out", "lse0", "lse1"]
+        if self.keep_gathered_kv:
+            names.append("kv_all")
+        if not self.recompute_projections:
+            names += ["q"] + ([] if self.keep_gathered_kv else ["kv_local"])
+        return tuple(names)
     kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
 
     @property
@@ -117,7 +127,8 @@ class _TSPAttention(torch.autograd.Function):
                 lses.append(lse)
             out = torch.cat(outs, dim=1)
             y.add_(F.linear(out.reshape(B, L, -1), w["wo"]))
-            saved += [out, *lses] + ([kv_all] if spec.keep_gathered_kv else [])
+            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "kv_all": kv_all, "q": q, "kv_local": kv_local}
+            saved += [block[name] for name in spec.saved_per_block()]
             del kv_all
         ctx.spec, ctx.comm = spec, comm
         ctx.save_for_backward(x, packed_shard, cos, sin, *saved)
@@ -136,16 +147,20 @@ class _TSPAttention(torch.autograd.Function):
         dx = torch.zeros_like(x)
         x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
         reducer = ShardGradReducer(comm)
-        per_block = 4 if spec.keep_gathered_kv else 3
+        names = spec.saved_per_block()
         for j, shard in broadcast_shards(comm, packed_shard):
             w = spec.layout.unpack(shard)
-            out, *lses = saved[per_block * j:per_block * j + 3]
+            block = dict(zip(names, saved[len(names) * j:len(names) * (j + 1)]))
+            out, lses = block["out"], (block["lse0"], block["lse1"])
             if spec.keep_gathered_kv:
-                kv_all = saved[per_block * j + 3]
+                kv_all = block["kv_all"]
             else:
-                kv_ranked, gather = gather_sequence(comm, _project_kv(x, w, spec, cos, sin))
+                kv_local = block.get("kv_local")
+                if kv_local is None:
+                    kv_local = _project_kv(x, w, spec, cos, sin)
+                kv_ranked, gather = gather_sequence(comm, kv_local)
             # Work that needs no foreign K/V runs while the gather is in flight.
-            q = _project_q(x, w, spec, cos, sin)
+            q = block["q"] if "q" in block else _project_q(x, w, spec, cos, sin)
             dout = (dy2d @ w["wo"]).view_as(out)
             grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])}
             if not spec.keep_gathered_kv:

@@ -3,8 +3,8 @@
 Rank p owns F/D intermediate columns: packed [Wg_p [F/D, h], Wu_p [F/D, h], Wd_p [h, F/D]].
 At ring step k rank p holds the shard of (p - k) mod D and adds that slice's output to its local tokens:
     y_p = sum_j down_j(silu(x_p gate_j^T) * (x_p up_j^T))
-Only x_p is saved; backward recomputes the gate/up activations per shard (2 of 3 GEMMs) instead of keeping
-[B, L, F] of them, and the weight grad rides the ring back to its owner.
+By default only x_p is saved; backward recomputes the gate/up activations per shard (2 of 3 GEMMs) instead of
+keeping [B, L, F] of them (recompute_projections=False keeps them), and the weight grad rides the ring home.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ds_tsp.layers.packing import PackedLayout
 class MLPSpec:
     hidden: int
     ffn_per_rank: int  # intermediate_size / D
+    recompute_projections: bool = True  # False: save every shard's gate/up pre-activations ([B, L, F] in all)
 
     @cached_property
     def layout(self) -> PackedLayout:
@@ -33,27 +34,35 @@ class _TSPGatedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed_shard, spec: MLPSpec, comm: TSPComm):
         y = torch.zeros_like(x)
+        kept = []
 
         def step(owner, shard):
             w = spec.layout.unpack(shard)
-            y.add_(F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"]))
+            gate, up = F.linear(x, w["gate"]), F.linear(x, w["up"])
+            y.add_(F.linear(F.silu(gate) * up, w["down"]))
+            if not spec.recompute_projections:
+                kept.extend((gate, up))
 
         ring_forward(comm, packed_shard, step)
         ctx.spec, ctx.comm = spec, comm
-        ctx.save_for_backward(x, packed_shard)
+        ctx.save_for_backward(x, packed_shard, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, packed_shard = ctx.saved_tensors
+        x, packed_shard, *kept = ctx.saved_tensors
         spec = ctx.spec
         h = x.shape[-1]
         x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
         dx2d = torch.zeros_like(x2d)
+        kept = iter(kept)  # ring order is the same as in forward: owner (p - k) mod D at step k
 
         def step(owner, shard):
             w = spec.layout.unpack(shard)
-            gate, up = x2d @ w["gate"].t(), x2d @ w["up"].t()
+            if spec.recompute_projections:
+                gate, up = x2d @ w["gate"].t(), x2d @ w["up"].t()
+            else:
+                gate, up = next(kept).reshape(-1, spec.ffn_per_rank), next(kept).reshape(-1, spec.ffn_per_rank)
             silu_gate = F.silu(gate)
             act = silu_gate * up
             dact = dy2d @ w["down"]
