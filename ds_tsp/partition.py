@@ -62,15 +62,19 @@ def padded_length(seq_len: int, tsp: int) -> int:
     return -(-seq_len // step) * step
 
 
+def zigzag_chunks(tsp: int, rank: int) -> tuple[int, int]:
+    """The global chunk indices (of 2*tsp) that `rank` holds, in local order: (rank, 2*tsp-1-rank)."""
+    _check_tsp(tsp)
+    _check_rank(rank, tsp)
+    return rank, 2 * tsp - 1 - rank
+
+
 def zigzag_positions(padded_len: int, tsp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Global positions held by `rank`, in local order: LongTensor [padded_len // tsp]."""
     _check_padded(padded_len, tsp)
     _check_rank(rank, tsp)
     c = padded_len // (2 * tsp)
-    first = torch.arange(rank * c, (rank + 1) * c, device=device)
-    mirror = 2 * tsp - 1 - rank
-    second = torch.arange(mirror * c, (mirror + 1) * c, device=device)
-    return torch.cat((first, second))
+    return torch.cat([torch.arange(g * c, (g + 1) * c, device=device) for g in zigzag_chunks(tsp, rank)])
 
 
 def global_to_rank_order_index(padded_len: int, tsp: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -38,7 +38,6 @@ plus one gradient synchronisation over dp (grads in `dtype`) and the pipeline ho
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ds_tsp import kernels
 from ds_tsp.comm import ShardGradReducer, TSPComm, broadcast_shards, gather_sequence, scatter_sequence_grad
 from ds_tsp.layers.packing import PackedLayout
-from ds_tsp.partition import global_to_rank_order_index, rank_order_to_global_index
+from ds_tsp.partition import zigzag_chunks
 from ds_tsp.rope import apply_rope, apply_rope_backward
 
 
@@ -72,7 +72,7 @@ class AttentionSpec:
 def _chunks(rank: int, tsp: int, local_len: int):
     """(local slice, global start position) of the two zigzag chunks held by `rank`."""
     c = local_len // 2
-    return [(slice(0, c), rank * c), (slice(c, 2 * c), (2 * tsp - 1 - rank) * c)]
+    return [(slice(i * c, (i + 1) * c), g * c) for i, g in enumerate(zigzag_chunks(tsp, rank))]
 
 
 def _project_q(x, w, spec: AttentionSpec, cos, sin):
@@ -87,18 +87,26 @@ def _project_kv(x, w, spec: AttentionSpec, cos, sin):
     return torch.stack([apply_rope(k, cos, sin), v])  # [2, B, L, nkv, d]
 
 
-def _to_global_order(kv_rank_order: torch.Tensor, to_global: torch.Tensor) -> torch.Tensor:
-    """[D, 2, B, L, nkv, d] in rank order -> [2, B, D*L, nkv, d] in global token order."""
+def _to_global_order(kv_rank_order: torch.Tensor) -> torch.Tensor:
+    """[D, 2, B, L, nkv, d] in rank order -> [2, B, D*L, nkv, d] in global token order (one copy, by chunks)."""
     D, two, B, L, n, d = kv_rank_order.shape
-    merged = kv_rank_order.permute(1, 2, 0, 3, 4, 5).reshape(two, B, D * L, n, d)
-    return merged.index_select(2, to_global)
+    c = L // 2
+    out = kv_rank_order.new_empty((two, B, D * L, n, d))
+    for r in range(D):
+        for i, g in enumerate(zigzag_chunks(D, r)):
+            out[:, :, g * c:(g + 1) * c].copy_(kv_rank_order[r, :, :, i * c:(i + 1) * c])
+    return out
 
 
-def _to_rank_order(kv_global: torch.Tensor, to_rank: torch.Tensor, tsp: int) -> torch.Tensor:
+def _to_rank_order(kv_global: torch.Tensor, tsp: int) -> torch.Tensor:
     """Inverse of _to_global_order: [2, B, S, nkv, d] -> [D, 2, B, L, nkv, d] (contiguous, for reduce-scatter)."""
     two, B, S, n, d = kv_global.shape
-    ranked = kv_global.index_select(2, to_rank).view(two, B, tsp, S // tsp, n, d)
-    return ranked.permute(2, 0, 1, 3, 4, 5).contiguous()
+    c = S // (2 * tsp)
+    out = kv_global.new_empty((tsp, two, B, 2 * c, n, d))
+    for r in range(tsp):
+        for i, g in enumerate(zigzag_chunks(tsp, r)):
+            out[r, :, :, i * c:(i + 1) * c].copy_(kv_global[:, :, g * c:(g + 1) * c])
+    return out
 
 
 class _TSPAttention(torch.autograd.Function):
@@ -106,8 +114,6 @@ class _TSPAttention(torch.autograd.Function):
     def forward(ctx, x, packed_shard, cos, sin, spec: AttentionSpec, comm: TSPComm):
         B, L, h = x.shape
         D, p = comm.size, comm.rank
-        S = L * D
-        to_global = rank_order_to_global_index(S, D, device=x.device)
         y = torch.zeros_like(x)
         saved = []
         for j, shard in broadcast_shards(comm, packed_shard):
@@ -116,7 +122,7 @@ class _TSPAttention(torch.autograd.Function):
             kv_ranked, gather = gather_sequence(comm, kv_local)
             q = _project_q(x, w, spec, cos, sin)
             gather.wait()
-            kv_all = _to_global_order(kv_ranked, to_global)
+            kv_all = _to_global_order(kv_ranked)
             del kv_ranked
             outs, lses = [], []
             for local, start in _chunks(p, D, L):
@@ -141,9 +147,6 @@ class _TSPAttention(torch.autograd.Function):
         dy = dy.contiguous()
         B, L, h = x.shape
         D, p = comm.size, comm.rank
-        S = L * D
-        to_global = rank_order_to_global_index(S, D, device=x.device)
-        to_rank = global_to_rank_order_index(S, D, device=x.device)
         dx = torch.zeros_like(x)
         x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
         reducer = ShardGradReducer(comm)
@@ -165,7 +168,7 @@ class _TSPAttention(torch.autograd.Function):
             grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])}
             if not spec.keep_gathered_kv:
                 gather.wait()
-                kv_all = _to_global_order(kv_ranked, to_global)
+                kv_all = _to_global_order(kv_ranked)
                 del kv_ranked
             dkv_all = torch.zeros_like(kv_all)
             dq_chunks = []
@@ -178,7 +181,7 @@ class _TSPAttention(torch.autograd.Function):
                 dkv_all[0, :, :end] += dk_c
                 dkv_all[1, :, :end] += dv_c
             del kv_all
-            dkv_local, scatter = scatter_sequence_grad(comm, _to_rank_order(dkv_all, to_rank, D))
+            dkv_local, scatter = scatter_sequence_grad(comm, _to_rank_order(dkv_all, D))
             del dkv_all
             dq = apply_rope_backward(torch.cat(dq_chunks, dim=1), cos, sin).reshape(-1, w["wq"].shape[0])
             dx.view(-1, h).addmm_(dq, w["wq"])
