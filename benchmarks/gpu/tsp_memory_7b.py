@@ -1,0 +1,172 @@
+"""One-GPU check for a lent H200: per-rank peak CUDA memory of TSP vs PyTorch TP+SP at a Zyphra-like 7B shape
+(h=4096, 32 heads MHA, SwiGLU 11008, 32 layers, bf16 on CUDA) for S=16K and 128K at D=8, and flash-attn time of one rank's
+zigzag attention.
+
+    python benchmarks/gpu/tsp_memory_7b.py --out $OUT          # on the GPU machine, < 8 minutes
+    python benchmarks/gpu/tsp_memory_7b.py --device cpu --tiny  # self-test of the script on CPU (CI)
+
+How: one process is TSP rank 0 of a D=8 group through torch's fake process group (FakeStore): collectives move
+no data, but every buffer a rank would hold is allocated, so torch.cuda.max_memory_allocated is that rank's peak.
+TP+SP is HF Llama parallelised with DTensor on the same fake mesh. Ulysses (+ZeRO-3) is not runnable on a fake
+group (DeepSpeed's engine needs real peers): its figure is `ds-tsp plan`'s, labelled so. Prints one JSON line per
+measurement and writes results.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_tsp.model_config import ModelShape
+
+ZYPHRA_7B = ModelShape(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+                       num_kv_heads=32)
+TINY = ModelShape(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8, num_kv_heads=8)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> dict:
+    from ds_tsp.comm import TSPComm
+    from ds_tsp.model import TSPCausalLM
+    from ds_tsp.partition import shard_batch
+
+    _reset_peak(device)
+    model = TSPCausalLM(shape, TSPComm(dist.group.WORLD), options=options, dtype=dtype, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, shape.vocab_size, (1, seq), device=device)
+    batch = shard_batch(ids, tsp=tsp, rank=0)
+    start = time.perf_counter()
+    model(batch["input_ids"], batch["shift_labels"], batch["position_ids"]).backward()
+    opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    result = {"peak_bytes_per_rank": _peak(device), "step_s_no_comm": time.perf_counter() - start}
+    del model, opt
+    return result
+
+
+def tp_sp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ds_tsp.bench.dtensor_tp_sp import parallelize
+
+    _reset_peak(device)
+    config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                         max_position_embeddings=seq, attn_implementation="sdpa")
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    parallelize(model, init_device_mesh(device.type, (tsp,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, shape.vocab_size, (1, seq), device=device)
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    positions = torch.arange(seq, device=device)[None]  # the embedding output is sequence-sharded
+    logits = model.lm_head(model.model(input_ids=ids, position_ids=positions).last_hidden_state)
+    with loss_parallel():
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+    opt.step()
+    result = {"peak_bytes_per_rank": _peak(device)}
+    del model, opt
+    return result
+
+
+def zigzag_kernel_time(shape: ModelShape, seq: int, tsp: int, device, dtype, repeats: int = 3) -> dict:
+    """Forward+backward time of one head block's attention for the two zigzag chunks of ranks 0 and D-1."""
+    from ds_tsp import kernels
+
+    c, heads, d = seq // (2 * tsp), shape.num_heads // tsp, shape.dim_per_head
+    times = {}
+    for rank in (0, tsp - 1):
+        chunks = (rank, 2 * tsp - 1 - rank)
+        k = torch.randn(1, seq, max(shape.num_kv_heads // tsp, 1), d, device=device, dtype=dtype)
+        q = torch.randn(1, c, heads, d, device=device, dtype=dtype)
+        best = float("inf")
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for g in chunks:
+                end = (g + 1) * c
+                out, lse = kernels.attention_forward(q, k[:, :end], k[:, :end], q_start=g * c, scale=d ** -0.5)
+                kernels.attention_backward(out, q, k[:, :end], k[:, :end], out, lse, q_start=g * c, scale=d ** -0.5)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        times[f"rank{rank}_s"] = best
+    times["backend"] = kernels.select_backend(device, dtype, head_dim=d)
+    return times
+
+
+def plan_figures(shape: ModelShape, seq: int, tsp: int) -> dict:
+    from ds_tsp.plan import PlanInput, plan_layouts
+
+    plans = plan_layouts(PlanInput(model=shape, seq=seq, degree=tsp, dtype="bf16"), ["tsp", "tp_sp", "ulysses"])
+    return {p.layout: p.peak_bytes_per_rank for p in plans}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tsp", type=int, default=8)
+    p.add_argument("--seqs", type=int, nargs="+", default=[16384, 131072])
+    p.add_argument("--tiny", action="store_true", help="tiny model and sequences: a CPU self-test")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ds_tsp.model import TSPOptions
+
+    shape, seqs = (TINY, [256]) if args.tiny else (ZYPHRA_7B, args.seqs)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 GEMMs are slow
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.tsp)
+    results = []
+
+    def record(entry: dict) -> None:
+        results.append(entry)
+        print(json.dumps(entry), flush=True)
+
+    for seq in seqs:
+        planned = plan_figures(shape, seq, args.tsp)
+        runs = [("tsp", lambda: tsp_peak(shape, seq, args.tsp, device, dtype, TSPOptions())),
+                ("tsp_checkpointed", lambda: tsp_peak(shape, seq, args.tsp, device, dtype,
+                                                      TSPOptions(activation_checkpointing=True))),
+                ("tp_sp", lambda: tp_sp_peak(shape, seq, args.tsp, device, dtype))]
+        for layout, run in runs:
+            entry = {"layout": layout, "seq": seq, "tsp": args.tsp, "planned_peak_bytes": planned.get(
+                layout.removesuffix("_checkpointed"))}
+            try:
+                entry.update(run())
+            except torch.OutOfMemoryError as err:
+                entry.update(error=f"out of memory: {str(err).splitlines()[0]}")
+            record(entry)
+        record({"layout": "ulysses_zero3", "seq": seq, "tsp": args.tsp, "planned_peak_bytes": planned["ulysses"],
+                "source": "ds-tsp plan (not measured: needs real peers)"})
+        record({"kernel": "zigzag attention, one head block", "seq": seq, "tsp": args.tsp,
+                **zigzag_kernel_time(shape, seq, args.tsp, device, dtype)})
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
