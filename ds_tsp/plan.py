@@ -83,6 +83,7 @@ class PlanInput:
     dp, pp: data-parallel and pipeline degrees (world size = degree * dp * pp).
     zero_stage: ZeRO stage over the dp axis for tsp / tp / tp_sp / ulysses_replicated (0, 1 or 2).
     keep_gathered_kv: TSP keeps each block's gathered K/V for backward (ds_tsp.model.TSPOptions).
+    recompute_projections: False = TSP saves local q (k/v) per block and the MLP gate/up (TSPOptions.speed()).
     """
 
     model: ModelShape
@@ -94,6 +95,7 @@ class PlanInput:
     dtype: str = "bf16"
     activation_checkpointing: bool = False
     keep_gathered_kv: bool = False
+    recompute_projections: bool = True
     zero_stage: int = 0
 
     def __post_init__(self):
@@ -461,6 +463,10 @@ def _tsp_layer_saved(inp: PlanInput, g: dict) -> int:
     saved = 2 * _norm_saved(T, dims, b) + 2 * T * dims.h * b + T * dims.nq * dims.d * b + T * dims.nq * 4
     if inp.keep_gathered_kv:
         saved += g["D"] * 2 * inp.batch * g["S_pad"] * g["nkv_b"] * dims.d * b
+    if not inp.recompute_projections:
+        saved += T * dims.nq * dims.d * b + 2 * T * dims.F * b  # q of every block; MLP gate and up
+        if not inp.keep_gathered_kv:
+            saved += g["D"] * 2 * T * g["nkv_b"] * dims.d * b  # local k/v of every block
     return saved
 
 
@@ -472,8 +478,7 @@ def plan_tsp(inp: PlanInput) -> LayoutPlan:
     Activations: _tsp_layer_saved per layer plus cos/sin [B, L, d] x2, the final norm, the LM head input and its
     LSE, ids and labels. Transients (the implementation, not an ideal): layer forward = 2 attention shards (current
     + prefetch) + a block's gathered K/V twice (rank order and global order) + q and the kernel's partial outputs;
-    attention backward = 2 shards + D grad contributions (ShardGradReducer keeps every block's reduce buffer until
-    the layer ends) + gathered K/V, dK/dV and their rank-order copy + q, dout, dq + activation grads; MLP = 2 weight
+    attention backward = 2 shards + up to 3 grad contributions in flight (ShardGradReducer) + the own grad + gathered K/V, dK/dV and their rank-order copy + q, dout, dq + activation grads; MLP = 2 weight
     shards (+ 4 grad shards in backward) + gate/up/act temporaries of [B*L, F/D]; LM head = 2 vocab shards +
     logits of one vocab shard [B*L, V/D] (+ their exp / grad).
     """
@@ -489,7 +494,7 @@ def plan_tsp(inp: PlanInput) -> LayoutPlan:
     f_r = dims.F // D
     transients = {
         "attention_fwd": (2 * g["A"] + 2 * kvb + 2 * T * g["nkv_b"] * dims.d + 3 * qb) * b,
-        "attention_bwd": ((2 + D + 1) * g["A"] + 3 * kvb + 4 * qb) * b + act_grads,
+        "attention_bwd": ((2 + min(D, 3) + 1) * g["A"] + 3 * kvb + 4 * qb) * b + act_grads,
         "mlp_fwd": (2 * g["M"] + 4 * T * f_r) * b,
         "mlp_bwd": (6 * g["M"] + 8 * T * f_r) * b + act_grads,
         "lm_head_fwd": 2 * g["Vd"] * dims.h * b + T * g["Vd"] * (b + 2 * cb),

@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", default="0", help="ZeRO stage over dp for tsp/tp/tp_sp: 0, 1 or 2 (default 0)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute every decoder layer")
     p.add_argument("--keep-gathered-kv", action="store_true", help="TSP keeps gathered K/V (no backward re-gather)")
+    p.add_argument("--save-projections", action="store_true",
+                   help="TSP saves local q/k/v and MLP gate/up instead of recomputing them (with --keep-gathered-kv: "
+                        "TSPOptions.speed())")
     p.add_argument("--layout", action="append", default=None, metavar="NAMES",
                    help=f"comma list, repeatable: {', '.join(LAYOUTS)} or all (default: {','.join(DEFAULT_LAYOUTS)})")
     p.add_argument("--json", action="store_true", help="one JSON object per layout per line")
@@ -110,7 +113,8 @@ def _plan_input(args: argparse.Namespace):
     inp = PlanInput(model=shape, seq=_int("--seq", args.seq), batch=_int("--batch", args.batch),
                     degree=next(iter(degrees.values()), 8), dp=_int("--dp", args.dp), pp=_int("--pp", args.pp),
                     dtype=dtype, activation_checkpointing=args.activation_checkpointing,
-                    keep_gathered_kv=args.keep_gathered_kv, zero_stage=_int("--zero-stage", args.zero_stage, 0))
+                    keep_gathered_kv=args.keep_gathered_kv,
+                    recompute_projections=not args.save_projections, zero_stage=_int("--zero-stage", args.zero_stage, 0))
     return inp, model_name
 
 
