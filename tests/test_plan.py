@@ -40,6 +40,10 @@ CASES = {
     "mqa": (_shape(num_kv_heads=1, head_dim=6), 30, 2, "fp32", {}, (2, 4)),  # kv head replicated; nq*d != h
     "gqa_keep_kv": (_shape(num_heads=8, num_kv_heads=2), 30, 2, "fp32", {"keep_gathered_kv": True}, (2, 4)),
     "mha_bf16": (_shape(), 64, 2, "bf16", {}, (2,)),
+    "gqa_saved_projections": (_shape(num_heads=8, num_kv_heads=2), 30, 2, "fp32",
+                              {"recompute_projections": False}, (2,)),
+    "gqa_speed": (_shape(num_heads=8, num_kv_heads=2), 30, 2, "fp32",
+                  {"keep_gathered_kv": True, "recompute_projections": False}, (4,)),
 }
 if _HAS_AC:
     CASES["mha_checkpointing"] = (_shape(), 30, 2, "fp32", {"activation_checkpointing": True}, (2,))
@@ -94,6 +98,7 @@ def _input(name: str, world: int) -> PlanInput:
     shape, seq, batch, dtype, options, _ = CASES[name]
     return PlanInput(model=shape, seq=seq, batch=batch, degree=world, dtype=dtype,
                      keep_gathered_kv=options.get("keep_gathered_kv", False),
+                     recompute_projections=options.get("recompute_projections", True),
                      activation_checkpointing=options.get("activation_checkpointing", False))
 
 
