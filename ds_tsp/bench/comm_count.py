@@ -47,10 +47,18 @@ _KINDS = {
     "all_gather_into_tensor_coalesced": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "all_to_all_single": "all_to_all", "shard_dim_alltoall": "all_to_all", "broadcast": "broadcast",
-    # DeepSpeed's shared-memory all-reduce (AutoTP inference path)
+    # DeepSpeed: the shared-memory all-reduce (AutoTP inference path), Ulysses' all-to-all custom op
     "inference_all_reduce_": "all_reduce", "inference_all_reduce": "all_reduce",
+    "dim_zero_all_to_all": "all_to_all",
 }
+# Other libraries' custom ops are opaque to a dispatch mode (their inner c10d call runs below it), so an unknown
+# op outside aten/prims is classified by its name; one that hides a collective under another name is missed.
+_NAME_HINTS = (("all_to_all", "all_to_all"), ("alltoall", "all_to_all"), ("reduce_scatter", "reduce_scatter"),
+               ("all_gather", "all_gather"), ("allgather", "all_gather"), ("all_reduce", "all_reduce"),
+               ("allreduce", "all_reduce"), ("broadcast", "broadcast"))
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor", "deepspeed")
+_TORCH_COMM_NAMESPACES = _NAMESPACES[:-1]  # all but "deepspeed"
+_COMPUTE_NAMESPACES = ("aten", "prims", "prim", "quantized", "profiler", "debugprims")
 
 
 def logical_bytes(kind: str, nbytes: int, group_size: int, is_root: bool = False) -> int:
@@ -159,12 +167,22 @@ def _inputs(named: dict) -> list:
     return [v for v in named.values() if isinstance(v, torch.Tensor)][:1]
 
 
+_KIND_CACHE: dict = {}
+
+
 def _kind(func) -> str | None:
-    schema_name = func._schema.name  # "namespace::op"
-    namespace, _, name = schema_name.partition("::")
-    if namespace not in _NAMESPACES:
-        return None
-    return _KINDS.get(name)
+    if func in _KIND_CACHE:
+        return _KIND_CACHE[func]
+    namespace, _, name = func._schema.name.partition("::")
+    if namespace in _NAMESPACES and name in _KINDS:
+        kind = _KINDS[name]
+    elif namespace in _COMPUTE_NAMESPACES or namespace in _TORCH_COMM_NAMESPACES:
+        kind = None  # compute, or a torch comm op that moves no data (barrier, wait_tensor, ...)
+    else:
+        lowered = name.lower()
+        kind = next((k for hint, k in _NAME_HINTS if hint in lowered), None)
+    _KIND_CACHE[func] = kind
+    return kind
 
 
 _DTENSOR_CLS = None

@@ -55,7 +55,7 @@ def build_hf_model(cfg: BenchConfig):
     torch.manual_seed(cfg.seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.shape, max(cfg.seqs)))
     model.train()
-    if cfg.activation_checkpointing:
+    if cfg.checkpointing():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 

@@ -28,8 +28,8 @@ class LayoutSpec:
 
 LAYOUTS: dict[str, LayoutSpec] = {spec.name: spec for spec in (
     LayoutSpec("single", "single", "single device (HF Llama)", single_rank=True, requires=("transformers",)),
-    LayoutSpec("tsp", "tsp", "TSP memory-optimal", options=(("keep_gathered_kv", False),)),
-    LayoutSpec("tsp_speed", "tsp", "TSP speed (keep gathered K/V)", options=(("keep_gathered_kv", True),)),
+    LayoutSpec("tsp", "tsp", "TSP memory-optimal", options=(("mode", "memory"),)),
+    LayoutSpec("tsp_speed", "tsp", "TSP speed mode", options=(("mode", "speed"),)),
     LayoutSpec("dtensor_tp_sp", "dtensor_tp_sp", "TP+SP (DTensor)", requires=("transformers",)),
     LayoutSpec("ulysses_zero3", "ulysses", "Ulysses + ZeRO-3", options=(("zero_stage", 3),),
                requires=("deepspeed", "transformers")),
@@ -57,10 +57,16 @@ class BenchConfig:
     shape: ModelShape = DEFAULT_SHAPE
     steps: int = 3
     warmup: int = 1
-    activation_checkpointing: bool = False  # peers only: HF gradient checkpointing (TSP never needs it)
+    activation_checkpointing: str = "none"  # "none" | "peers" (HF gradient checkpointing) | "all" (TSP too)
     seed: int = 0
     lr: float = 1e-4
     ds_bucket_elements: int = DEFAULT_DS_BUCKET
+
+    def checkpointing(self) -> bool:
+        """Whether this run uses activation checkpointing (peers with "peers"/"all", TSP only with "all")."""
+        if self.spec.module == "tsp":
+            return self.activation_checkpointing == "all"
+        return self.activation_checkpointing in ("peers", "all")
 
     @property
     def spec(self) -> LayoutSpec:

@@ -45,6 +45,7 @@ class Workload:
     tsp_counter: object | None = None  # ds_tsp.comm.CommCounter for TSP layouts
     before_tracked: Callable[[], None] | None = None  # e.g. make sure no mask is first built inside MemTracker
     loss_reduce: str = "mean"  # how ranks' step() losses combine into the model's loss: "mean" or "sum" (shares)
+    info: dict = field(default_factory=dict)  # layout settings worth recording in results.json
 
 
 def _barrier() -> None:
@@ -53,16 +54,18 @@ def _barrier() -> None:
 
 
 def timed_steps(workload: Workload, n: int, on_step: Callable[[int, float], None] | None = None) -> dict:
-    """Run n steps; per step: seconds, TSP counter bytes and wait seconds (if the layout has a counter)."""
-    seconds, tsp_bytes, tsp_wait, tsp_by_kind, losses = [], [], [], {}, []
+    """Run n steps; per step: wall seconds, this process's CPU seconds (all its threads, gloo's included: less
+    sensitive than wall time to other load on a shared machine), TSP counter bytes and wait seconds."""
+    seconds, cpu_seconds, tsp_bytes, tsp_wait, tsp_by_kind, losses = [], [], [], [], {}, []
     for i in range(n):
         _barrier()
         if workload.tsp_counter is not None:
             workload.tsp_counter.reset()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = workload.step()
         elapsed = time.perf_counter() - start
         seconds.append(elapsed)
+        cpu_seconds.append(time.process_time() - cpu_start)
         if loss is not None:
             losses.append(float(loss))
         if workload.tsp_counter is not None:
@@ -72,7 +75,7 @@ def timed_steps(workload: Workload, n: int, on_step: Callable[[int, float], None
             tsp_by_kind = dict(snap["bytes"])
         if on_step is not None:
             on_step(i, elapsed)
-    out = {"step_s": seconds, "loss": losses[-1] if losses else None}
+    out = {"step_s": seconds, "cpu_s": cpu_seconds, "loss": losses[-1] if losses else None}
     if workload.tsp_counter is not None:
         out.update(tsp_comm_bytes=tsp_bytes, tsp_wait_s=tsp_wait, tsp_comm_by_kind=tsp_by_kind)
     return out
@@ -166,6 +169,7 @@ def measure_workload(workload: Workload, *, steps: int, warmup: int,
     report("memory", 1, 1)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return {"rank": rank, "tokens_per_step": workload.tokens_per_step, "loss_reduce": workload.loss_reduce,
+            "info": workload.info,
             **timed, **tracked,
             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from ds_tsp.bench.config import INSTALL_HINT, LAYOUTS, BenchConfig
 
+SETUP_FAILED = "layout setup failed"  # marks errors raised before any sequence length ran: no per-S retry
 # Environment for every rank: DeepSpeed on CPU without accelerator detection noise; never download anything.
 RANK_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -34,8 +35,11 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(1)
     spec = cfg.spec
-    layout_module = importlib.import_module(f"ds_tsp.bench.{spec.module}")
-    session = layout_module.build(cfg, spec.option_dict)
+    try:
+        layout_module = importlib.import_module(f"ds_tsp.bench.{spec.module}")
+        session = layout_module.build(cfg, spec.option_dict)
+    except Exception as exc:
+        raise RuntimeError(f"{SETUP_FAILED}: {type(exc).__name__}: {exc}") from exc
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out = []
     for seq in cfg.seqs:
@@ -45,7 +49,7 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
 
         workload = session.workload(seq)
         result = measure_workload(workload, steps=cfg.steps, warmup=cfg.warmup, progress=progress)
-        result["setup"] = getattr(layout_module, "SETUP", "")
+        result["setup"] = getattr(layout_module, "SETUP", "").format(stage=spec.option_dict.get("zero_stage"))
         out.append(result)
         del workload
     return out
@@ -60,6 +64,8 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
     spec = cfg.spec
     per_step = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
     step_s = statistics.median(per_step)
+    cpu_s = statistics.median(sum(r["cpu_s"][i] for r in ranks) for i in range(len(per_step))) \
+        if "cpu_s" in ranks[0] else None
     peak_rank = max(ranks, key=lambda r: r["peak_bytes"])
     c10d_bytes = max(r["c10d"]["total_bytes"] for r in ranks)
     losses = [r["loss"] for r in ranks if r["loss"] is not None]
@@ -75,14 +81,21 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         "comm_bytes": c10d_bytes, "comm_source": "c10d dispatch counter (ds_tsp.bench.comm_count)",
         "comm_by_op": peak_rank["c10d"]["bytes"], "comm_calls": peak_rank["c10d"]["calls"],
         "comm_bytes_c10d": c10d_bytes,
+        # seconds inside collective calls in the tracked step (max over ranks): synchronous calls block, async
+        # ones return at once, so this is a lower bound of exposed communication for the peers
+        "comm_call_s_tracked": max(r["c10d"]["blocking_s"] for r in ranks),
         "step_s": step_s, "step_s_per_step": per_step,
         "tokens_per_s": cfg.batch * seq / step_s,
+        # CPU seconds of all ranks together per step (median over steps): the work a step costs, which other
+        # load on the machine disturbs much less than wall time
+        "cpu_s_per_step": cpu_s, "tokens_per_cpu_s": cfg.batch * seq / cpu_s if cpu_s else None,
         "exposed_comm_s": None, "exposed_comm_fraction": None,
         "loss": loss,
-        "activation_checkpointing": bool(cfg.activation_checkpointing and spec.module != "tsp"),
+        "activation_checkpointing": cfg.checkpointing(),
         "max_rss_bytes": max(r["max_rss_bytes"] for r in ranks),
         "steps": cfg.steps, "warmup": cfg.warmup,
         "shape": cfg.shape.to_dict(), "setup": ranks[0].get("setup", ""),
+        **ranks[0].get("info", {}),
     }
     if "tsp_comm_bytes" in ranks[0]:
         # TSP's own counter: the same logical convention, counted on every timed step (deterministic per step).
@@ -99,7 +112,7 @@ def failure(cfg: BenchConfig, seq: int, error: str) -> dict:
     return {"layout": cfg.layout, "title": cfg.spec.title, "ok": False, "error": error, "seq": seq,
             "tsp": cfg.world, "world": cfg.world, "batch": cfg.batch, "peak_bytes_per_rank": None,
             "comm_bytes": None, "step_s": None, "tokens_per_s": None, "exposed_comm_fraction": None,
-            "activation_checkpointing": bool(cfg.activation_checkpointing and cfg.spec.module != "tsp"),
+            "activation_checkpointing": cfg.checkpointing(),
             "shape": cfg.shape.to_dict()}
 
 
@@ -123,7 +136,7 @@ def run_layout(cfg: BenchConfig, *, timeout_s: float, progress_queue=None) -> li
     try:
         per_rank = run_on_local_ranks(rank_main, cfg.world, cfg, progress_queue, timeout_s=timeout_s, env=env)
     except Exception as exc:  # noqa: BLE001 - a failing peer becomes an "ok": false object
-        if len(cfg.seqs) > 1:
+        if len(cfg.seqs) > 1 and SETUP_FAILED not in str(exc):
             out = []
             for seq in cfg.seqs:
                 out.extend(run_layout(replace(cfg, seqs=(seq,)), timeout_s=timeout_s, progress_queue=progress_queue))
@@ -132,10 +145,17 @@ def run_layout(cfg: BenchConfig, *, timeout_s: float, progress_queue=None) -> li
     return [aggregate(cfg, seq, [rank[i] for rank in per_rank]) for i, seq in enumerate(cfg.seqs)]
 
 
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def run_layouts(configs: list[BenchConfig], *, timeout_s: float,
                 on_event: Callable[[tuple], None] | None = None) -> list[dict]:
-    """Run each layout's group in turn; on_event receives progress tuples (layout, seq, phase, i, n, seconds)
-    from rank 0 and ("done", result) after each result."""
+    """Run each layout's group in turn. on_event receives ("start", layout, seqs, world) before a group starts,
+    progress tuples (layout, seq, phase, i, n, seconds) from its rank 0, and ("done", result) per result."""
     import threading
 
     import torch.multiprocessing as mp
@@ -159,9 +179,13 @@ def run_layouts(configs: list[BenchConfig], *, timeout_s: float,
     results = []
     try:
         for cfg in configs:
-            start = time.monotonic()
+            start, load_before = time.monotonic(), _loadavg()
+            if on_event is not None:
+                on_event(("start", cfg.layout, cfg.seqs, cfg.world))
             for result in run_layout(cfg, timeout_s=timeout_s, progress_queue=queue):
                 result["group_wall_s"] = round(time.monotonic() - start, 1)
+                # other processes on the machine skew step times: record the 1-minute load around the group
+                result["loadavg_before_after"] = [load_before, _loadavg()]
                 results.append(result)
                 if on_event is not None:
                     on_event(("done", result))

@@ -1,11 +1,14 @@
 """TSP: ds_tsp's TSPCausalLM on D ranks (1/D of every weight, zigzag 1/D of the tokens), torch AdamW.
 
-Modes: memory-optimal (TSPOptions(), the default) and speed (TSPOptions(keep_gathered_kv=True): keeps each head
-block's gathered K/V for backward, O(S) memory, no re-gather). Activation checkpointing does not apply: the
-schedule already saves only O(S/D) per layer. Comm bytes come from the model's own CommCounter (logical volume,
-see ds_tsp.comm); its wait_s per step is the exposed (not overlapped) communication.
+Modes: memory-optimal (TSPOptions(), the default) and speed (TSPOptions.speed(): keeps each head block's gathered
+K/V and the local projections for backward, O(S) memory, no re-gather; TSPOptions(keep_gathered_kv=True) on
+versions without it). The schedule already saves only O(S/D) per layer, so activation checkpointing applies to
+TSP only with `--activation-checkpointing all`. Comm bytes come from the model's own CommCounter (logical
+volume, see ds_tsp.comm); its wait_s per step is the exposed (not overlapped) communication.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -20,12 +23,25 @@ from ds_tsp.partition import shard_batch
 SETUP = "ds_tsp TSPCausalLM on one TSP group of D ranks; torch.optim.AdamW; streaming vocab-sharded loss"
 
 
+def tsp_options(mode: str, activation_checkpointing: bool) -> TSPOptions:
+    fields = {f.name for f in dataclasses.fields(TSPOptions)}
+    extra = {"activation_checkpointing": True} if activation_checkpointing else {}
+    if extra and "activation_checkpointing" not in fields:
+        raise ValueError("this ds_tsp version's TSPOptions has no activation_checkpointing")
+    if mode == "memory":
+        return TSPOptions(**extra)
+    if hasattr(TSPOptions, "speed"):
+        return TSPOptions.speed(**extra)
+    return TSPOptions(keep_gathered_kv=True, **extra)
+
+
 class Session:
     def __init__(self, cfg: BenchConfig, options: dict):
         self.cfg = cfg
         group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
         self.comm = TSPComm(group)
-        self.model = TSPCausalLM(cfg.shape, self.comm, options=TSPOptions(**options))
+        self.options = tsp_options(options["mode"], cfg.activation_checkpointing == "all")
+        self.model = TSPCausalLM(cfg.shape, self.comm, options=self.options)
         self._init_weights()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
 
@@ -51,7 +67,8 @@ class Session:
             return loss.detach()  # this rank's share; the shares sum to the mean loss
 
         return Workload(step=step, tokens_per_step=ids.numel(), modules=[self.model], optimizers=[self.optimizer],
-                        tsp_counter=self.comm.counter, loss_reduce="sum")
+                        tsp_counter=self.comm.counter, loss_reduce="sum",
+                        info={"tsp_options": dataclasses.asdict(self.options)})
 
 
 def build(cfg: BenchConfig, options: dict) -> Session:

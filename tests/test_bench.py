@@ -1,0 +1,164 @@
+"""`ds-tsp bench`: the quick path end to end at tiny shapes, the collective byte counter, reports and failures."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_tsp.bench.cli import build_parser
+from ds_tsp.bench.comm_count import CollectiveBytes
+from ds_tsp.bench.config import BenchConfig
+from ds_tsp.bench.report import PLOTS, markdown_table, write_report
+from ds_tsp.bench.runner import run_layout
+from ds_tsp.launch import run_on_local_ranks
+from ds_tsp.model_config import ModelShape
+
+REQUIRED_KEYS = ("layout", "seq", "tsp", "peak_bytes_per_rank", "comm_bytes", "step_s", "tokens_per_s")
+TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64"]
+MIB = 2 ** 20
+
+
+def test_quick_end_to_end(tmp_path, capsys):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(["--quick", "--layouts", "tsp,ulysses_zero1", "--tsp", "2", "--seq", "32", "64",
+                                      "--steps", "1", "--out", str(out), *TINY])
+    assert args.run(args) == 0, capsys.readouterr().err[-3000:]
+
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["layout"], r["seq"]) for r in results] == [("tsp", 32), ("tsp", 64), ("ulysses_zero1", 32),
+                                                         ("ulysses_zero1", 64)]
+    for r in results:
+        assert r["ok"] and r["error"] is None, r
+        assert all(key in r for key in REQUIRED_KEYS), sorted(r)
+        assert r["tsp"] == 2 and r["batch"] == 1
+        assert 0 < r["peak_bytes_per_rank"] < 512 * MIB, r
+        assert r["peak_bytes_per_rank"] >= max(r["peak_bytes_ranks"]) > 0
+        assert sum(r["peak_breakdown"].values()) == pytest.approx(r["peak_bytes_per_rank"], rel=0.01)
+        assert r["peak_breakdown"]["params"] > 0
+        assert r["comm_bytes"] > 0 and r["step_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["seq"] / r["step_s"])
+        assert r["cpu_s_per_step"] > 0
+        assert 2.0 < r["loss"] < 8.0  # ~ln(64) = 4.16 at init
+    tsp = {r["seq"]: r for r in results if r["layout"] == "tsp"}
+    for r in tsp.values():
+        # TSP's own counter and the dispatcher-level counter see the same collectives
+        assert r["comm_bytes"] == r["comm_bytes_c10d"], r
+        assert 0.0 <= r["exposed_comm_fraction"] <= 1.0
+        assert r["peak_breakdown"]["optimizer"] > 0 or r["state_breakdown"]["optimizer"] > 0
+    # K/V gathers grow with S, weight traffic does not
+    assert tsp[64]["comm_by_op"]["all_gather"] > tsp[32]["comm_by_op"]["all_gather"]
+    assert tsp[64]["comm_by_op"]["ring"] == tsp[32]["comm_by_op"]["ring"]
+
+    table = (out / "results.md").read_text()
+    assert "| tsp | 64 |" in table and "| ulysses_zero1 | 32 |" in table
+    if importlib.util.find_spec("matplotlib") is None:  # plots are optional (ds_tsp[bench]); the table says so
+        assert "No plots: matplotlib is not installed" in table
+    else:
+        for name in PLOTS:
+            assert (out / name).stat().st_size > 1000, name
+
+
+def test_failing_layout_is_reported_not_raised():
+    pytest.importorskip("transformers")
+    shape = ModelShape(vocab_size=63, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                       num_kv_heads=2)
+    [result] = run_layout(BenchConfig(layout="dtensor_tp_sp", seqs=(32,), tsp=2, shape=shape, steps=1, warmup=0),
+                          timeout_s=120)
+    assert result["ok"] is False and result["layout"] == "dtensor_tp_sp" and result["seq"] == 32
+    assert "divisible" in result["error"]
+    assert result["peak_bytes_per_rank"] is None and result["tokens_per_s"] is None
+
+
+def _count_collectives():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(1000)  # 4000 bytes
+    with CollectiveBytes() as counter:
+        dist.all_reduce(x)
+        dist.broadcast(x, src=0)
+        dist.all_gather_into_tensor(torch.empty(world * 1000), x)
+        dist.reduce_scatter_tensor(torch.empty(1000), torch.ones(world * 1000))
+        dist.all_to_all_single(torch.empty(1000), torch.ones(1000))
+        send = dist.isend(x, dst=(rank + 1) % world)
+        dist.irecv(torch.empty(1000), src=(rank - 1) % world).wait()
+        send.wait()
+        torch.mm(x[None], x[:, None])  # compute is not counted
+    return rank, counter.snapshot()
+
+
+def test_collective_bytes_follow_the_logical_convention():
+    for rank, snap in run_on_local_ranks(_count_collectives, 2, timeout_s=120):
+        share = 4000 // 2  # (D-1)/D of 4000 bytes
+        assert snap["bytes"]["all_reduce"] == 2 * share
+        assert snap["bytes"]["broadcast"] == (0 if rank == 0 else 4000)  # received, not sent, by the root
+        assert snap["bytes"]["all_gather"] == share * 2  # (D-1)/D of the 8000-byte output
+        assert snap["bytes"]["reduce_scatter"] == share * 2  # (D-1)/D of the 8000-byte input
+        assert snap["bytes"]["all_to_all"] == share
+        assert snap["bytes"]["send"] == 4000 and snap["bytes"]["recv"] == 0
+        assert sum(snap["calls"].values()) == 7
+
+
+def test_report_writes_table_plots_and_failures(tmp_path):
+    pytest.importorskip("matplotlib")
+    breakdown = {"params": MIB, "grads": 0, "optimizer": 2 * MIB, "activations": 3 * MIB, "temporaries": 0,
+                 "other": 0}
+    results = [{"layout": layout, "title": layout, "ok": True, "seq": seq, "tsp": 4,
+                "peak_bytes_per_rank": 6 * MIB * seq // 512, "peak_breakdown": breakdown, "comm_bytes": MIB,
+                "step_s": 0.5, "tokens_per_s": seq / 0.5,
+                "exposed_comm_fraction": 0.25 if layout == "tsp" else None}
+               for layout in ("tsp", "ulysses_zero3") for seq in (512, 1024)]
+    results.append({"layout": "autotp_zero1", "title": "AutoTP", "ok": False, "seq": 512, "tsp": 4,
+                    "error": "Traceback ...\nValueError: boom", "peak_bytes_per_rank": None})
+    paths = write_report(results, str(tmp_path), {"tsp": 4, "batch": 1, "shape": {}, "steps": 2, "warmup": 1})
+    assert json.loads(open(paths["json"]).read())[0]["layout"] == "tsp"
+    table = open(paths["md"]).read()
+    assert "| tsp | 1024 | 12.0 | 1.0 | 0.0 | 2.0 | 3.0 |" in table and "| 25% |" in table
+    assert "autotp_zero1 S=512: FAILED: ValueError: boom" in table
+    assert sorted(os.path.basename(p) for p in paths["plots"]) == sorted(PLOTS)
+    assert "| tsp | 512 |" in markdown_table(results)
+
+
+def test_report_without_matplotlib_still_writes_json_and_table(tmp_path, monkeypatch):
+    import ds_tsp.bench.report as report
+
+    def no_matplotlib(*args, **kwargs):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(report, "write_plots", no_matplotlib)
+    paths = report.write_report([{"layout": "tsp", "ok": True, "seq": 64, "peak_bytes_per_rank": MIB}], str(tmp_path))
+    assert paths["plots"] == [] and os.path.exists(paths["json"])
+    assert "pip install 'ds_tsp[bench]'" in open(paths["md"]).read()
+
+
+def test_flags_map_to_configs():
+    from ds_tsp.bench.cli import configs_from_args
+    from ds_tsp.bench.tsp import tsp_options
+
+    quick = configs_from_args(build_parser().parse_args(["--quick"]))
+    assert [c.layout for c in quick] == ["single", "tsp", "tsp_speed", "dtensor_tp_sp", "ulysses_zero3",
+                                         "ulysses_zero1", "autotp_zero1"]
+    assert {(c.seqs, c.steps, c.shape.num_layers, c.tsp) for c in quick} == {((512, 1024), 2, 2, 4)}
+    peers = configs_from_args(build_parser().parse_args(["--activation-checkpointing", "--seq", "64,32"]))
+    assert {c.layout: c.checkpointing() for c in peers}["tsp"] is False
+    assert {c.layout: c.checkpointing() for c in peers}["ulysses_zero3"] is True
+    assert peers[0].seqs == (32, 64) and peers[0].shape.num_layers == 4
+    every = configs_from_args(build_parser().parse_args(["--activation-checkpointing", "all", "--layouts", "tsp"]))
+    assert every[0].checkpointing() is True
+    assert tsp_options("speed", False).keep_gathered_kv and not tsp_options("memory", False).keep_gathered_kv
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layouts", "tsp,nope"], "unknown ['nope']"),
+    (["--seq", "100", "--tsp", "4"], "multiple of 2*--tsp=8"),
+    (["--heads", "6", "--tsp", "4"], "num_heads=6"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, message, capsys, tmp_path):
+    args = build_parser().parse_args([*argv, "--out", str(tmp_path)])
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
