@@ -213,6 +213,14 @@ class ShardGradReducer:
 
 
 # --- weight ring --------------------------------------------------------------------------------------------
+def _post_weight_hop(comm: TSPComm, shard: torch.Tensor, step: int):
+    """Post the hop that brings the shard for step+1 (send to p+1, receive from p-1); nothing after the last step."""
+    if step == comm.size - 1:
+        return None, None
+    nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
+    return nxt, comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG)
+
+
 def ring_forward(comm: TSPComm, own_shard: torch.Tensor, step: Callable[[int, torch.Tensor], None]) -> None:
     """Call step(owner, shard) D times; at step k rank p holds the shard of (p - k) mod D.
 
@@ -221,10 +229,7 @@ def ring_forward(comm: TSPComm, own_shard: torch.Tensor, step: Callable[[int, to
     shard = own_shard.detach()
     for k in range(comm.size):
         owner = (comm.rank - k) % comm.size
-        hop = None
-        if k < comm.size - 1:
-            nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
-            hop = comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG)
+        nxt, hop = _post_weight_hop(comm, shard, k)
         step(owner, shard)
         if hop is not None:
             hop.wait()
@@ -247,10 +252,7 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
     sent: list[Handle] = []
     for k in range(comm.size):
         owner = (comm.rank - k) % comm.size
-        weight_hop = None
-        if k < comm.size - 1:
-            nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
-            weight_hop = comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG)
+        nxt, weight_hop = _post_weight_hop(comm, shard, k)
         contribution = step(owner, shard)
         if grad_hop is not None:
             grad_hop.wait()
