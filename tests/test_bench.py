@@ -115,8 +115,10 @@ def test_report_writes_table_plots_and_failures(tmp_path):
     results.append({"layout": "autotp_zero1", "title": "AutoTP", "ok": False, "seq": 512, "tsp": 4,
                     "error": "Traceback ...\nValueError: boom", "peak_bytes_per_rank": None})
     paths = write_report(results, str(tmp_path), {"tsp": 4, "batch": 1, "shape": {}, "steps": 2, "warmup": 1})
-    assert json.loads(open(paths["json"]).read())[0]["layout"] == "tsp"
-    table = open(paths["md"]).read()
+    with open(paths["json"]) as f:
+        assert json.load(f)[0]["layout"] == "tsp"
+    with open(paths["md"]) as f:
+        table = f.read()
     assert "| tsp | 1024 | 12.0 | 1.0 | 0.0 | 2.0 | 3.0 |" in table and "| 25% |" in table
     assert "autotp_zero1 S=512: FAILED: ValueError: boom" in table
     assert sorted(os.path.basename(p) for p in paths["plots"]) == sorted(PLOTS)
@@ -124,7 +126,7 @@ def test_report_writes_table_plots_and_failures(tmp_path):
 
 
 def test_report_without_matplotlib_still_writes_json_and_table(tmp_path, monkeypatch):
-    import ds_tsp.bench.report as report
+    from ds_tsp.bench import report
 
     def no_matplotlib(*args, **kwargs):
         raise ImportError("No module named 'matplotlib'")
@@ -132,7 +134,8 @@ def test_report_without_matplotlib_still_writes_json_and_table(tmp_path, monkeyp
     monkeypatch.setattr(report, "write_plots", no_matplotlib)
     paths = report.write_report([{"layout": "tsp", "ok": True, "seq": 64, "peak_bytes_per_rank": MIB}], str(tmp_path))
     assert paths["plots"] == [] and os.path.exists(paths["json"])
-    assert "pip install 'ds_tsp[bench]'" in open(paths["md"]).read()
+    with open(paths["md"]) as f:
+        assert "pip install 'ds_tsp[bench]'" in f.read()
 
 
 def test_flags_map_to_configs():

@@ -2,8 +2,9 @@
 
 Modes: memory-optimal (TSPOptions(), the default) and speed (TSPOptions.speed(): keeps each head block's gathered
 K/V and the local projections for backward, O(S) memory, no re-gather). The schedule already saves only O(S/D)
-per layer, so activation checkpointing applies to TSP only with `--activation-checkpointing all`. Comm bytes come from the model's own CommCounter (logical
-volume, see ds_tsp.comm); its wait_s per step is the exposed (not overlapped) communication.
+per layer, so activation checkpointing applies to TSP only with `--activation-checkpointing all`. Comm bytes
+come from the model's own CommCounter (logical volume, see ds_tsp.comm); its wait_s per step is the exposed
+(not overlapped) communication.
 """
 from __future__ import annotations
 
