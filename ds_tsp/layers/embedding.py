@@ -18,9 +18,10 @@ class _TSPEmbedding(torch.autograd.Function):
         out = vocab_shard.new_zeros((*input_ids.shape, vocab_shard.shape[1]))
 
         def step(owner, shard):
+            # Masks with torch.where rather than boolean indexing: no device-to-host sync inside the ring.
             local = input_ids - owner * rows
             hit = (local >= 0) & (local < rows)
-            out[hit] = shard[local[hit]]
+            out.copy_(torch.where(hit[..., None], shard[local.clamp(0, rows - 1)], out))
 
         ring_forward(comm, vocab_shard, step)
         ctx.comm = comm
@@ -37,7 +38,8 @@ class _TSPEmbedding(torch.autograd.Function):
             local = input_ids - owner * rows
             hit = (local >= 0) & (local < rows)
             grad = torch.zeros_like(shard)
-            grad.index_add_(0, local[hit], dout[hit])
+            grad.index_add_(0, local.clamp(0, rows - 1).reshape(-1),
+                            (dout * hit[..., None]).reshape(-1, dout.shape[-1]))
             return grad
 
         return None, ring_backward(ctx.comm, vocab_shard, step), None

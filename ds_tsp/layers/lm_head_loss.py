@@ -43,7 +43,8 @@ class _TSPLMHeadLoss(torch.autograd.Function):
             running_max = new_max
             local = labels - owner * rows
             hit = (local >= 0) & (local < rows)
-            target[hit] = logits[hit, local[hit]]
+            picked = logits.gather(1, local.clamp(0, rows - 1)[:, None]).squeeze(1)
+            target.copy_(torch.where(hit, picked, target))  # no device-to-host sync inside the ring
 
         ring_forward(comm, vocab_shard, step)
         lse = running_max + torch.log(running_sum)
@@ -67,7 +68,7 @@ class _TSPLMHeadLoss(torch.autograd.Function):
             dlogits = torch.exp(logits - lse[:, None])
             local = labels - owner * rows
             hit = (local >= 0) & (local < rows)
-            dlogits[hit, local[hit]] -= 1.0
+            dlogits.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -hit.to(dlogits.dtype)[:, None])
             dlogits = (dlogits * coef[:, None]).to(x.dtype)
             dx2d.addmm_(dlogits, shard)
             return dlogits.t() @ x2d
