@@ -74,6 +74,12 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights and batch seed (default 0)")
     p.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding")
     p.add_argument("--qkv-bias", action="store_true", help="Qwen2-style bias on q/k/v")
+    p.add_argument("--hf-model", metavar="DIR", default=None,
+                   help="a local HF checkpoint: the reference is transformers' own model loaded from DIR, TSP loads "
+                        "DIR by slices; the shape flags are then taken from the checkpoint")
+    p.add_argument("--documents", type=_int_at_least(1), default=1,
+                   help="pack K documents of random lengths into every sequence (position_ids restarting); the "
+                        "reference runs every document on its own (default 1)")
     p.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="seconds before the ranks are stopped (default 600)")
     p.set_defaults(run=_verify)
@@ -104,17 +110,30 @@ def _verify_under_launcher(case, tsp: int, timeout_s: float) -> tuple[dict | Non
     return report, bool(verdict[0])
 
 
+def _shape_from_checkpoint(directory: str) -> ModelShape:
+    from pathlib import Path
+
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        raise TSPConfigError(f"--hf-model {directory}: no config.json there; pass a local HF checkpoint directory")
+    return ModelShape.from_hf_config(json.loads(config.read_text()))
+
+
 def _verify(args: argparse.Namespace) -> int:
     try:
-        shape = _shape_from_args(args)
+        shape = _shape_from_checkpoint(args.hf_model) if args.hf_model else _shape_from_args(args)
         shape.check_tsp_degree(args.tsp)
+        if args.documents > args.seq:
+            raise TSPConfigError(f"--documents {args.documents} is more than --seq {args.seq}: every document needs "
+                                 "at least one token")
     except TSPConfigError as exc:
         return _error("verify", str(exc))
 
     from ds_tsp.launch import run_on_local_ranks
     from ds_tsp.verify import VerifyCase, run_case_on_world
 
-    case = VerifyCase(shape=shape, seq=args.seq, batch=args.batch, dtype=args.dtype, seed=args.seed)
+    case = VerifyCase(shape=shape, seq=args.seq, batch=args.batch, dtype=args.dtype, seed=args.seed,
+                      documents=args.documents, hf_model=args.hf_model)
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world != args.tsp:

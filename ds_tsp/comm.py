@@ -153,6 +153,20 @@ class TSPComm:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return Handle.started([work], self.counter, (tensor,), self.overlap)
 
+    def gather_to(self, local: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Blocking: every rank's `local` (same shape) on group rank `dst`, in rank order; None elsewhere.
+
+        Unlike all_gather only the destination holds D copies: what a checkpoint writer needs.
+        """
+        if self.size == 1:
+            return [local]
+        local = local.contiguous()
+        out = [torch.empty_like(local) for _ in range(self.size)] if self.rank == dst else None
+        if self.rank != dst:
+            self.counter.add("gather", _nbytes(local))
+        dist.gather(local, out, dst=self._global(dst), group=self.group)
+        return out
+
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Handle:
         """Send to rank p+1 and receive from rank p-1 (the ring order of the weight ring)."""
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size

@@ -24,8 +24,10 @@ def _stack(samples: list[dict], key: str) -> torch.Tensor | None:
 class TSPDataLoader:
     """Iterate micro-batches of this rank's zigzag shard: dicts with input_ids, shift_labels, position_ids.
 
-    Samples are dicts with "input_ids" [S] and optionally "labels" [S] (unshifted, -100 ignored) and
-    "position_ids" [S]; all samples of a micro-batch must have the same length.
+    Samples are dicts with "input_ids" [S] and optionally "labels" [S] (unshifted, -100 ignored),
+    "position_ids" [S] (restarting per packed document) and "attention_mask" [S]; all samples of a micro-batch
+    must have the same length. Batches also carry "tsp_shard" = (tsp rank, tsp size) and "seq_len", so
+    `ds_tsp.hf.TSPForCausalLM(**batch)` knows they are already sharded.
     """
 
     def __init__(self, dataset: Dataset, groups: ProcessGroups, *, micro_batch_size: int, shuffle: bool = True,
@@ -48,8 +50,10 @@ class TSPDataLoader:
             samples = [self.dataset[i] for i in indices]
             batch = shard_batch(_stack(samples, "input_ids"), tsp=self.groups.tsp_size, rank=self.groups.tsp_rank,
                                 labels=_stack(samples, "labels"), position_ids=_stack(samples, "position_ids"),
-                                pad_token_id=self.pad_token_id)
-            yield {k: batch[k] for k in ("input_ids", "shift_labels", "position_ids")}
+                                attention_mask=_stack(samples, "attention_mask"), pad_token_id=self.pad_token_id)
+            out = {k: batch[k] for k in ("input_ids", "shift_labels", "position_ids", "attention_mask") if k in batch}
+            out.update(tsp_shard=(self.groups.tsp_rank, self.groups.tsp_size), seq_len=batch["seq_len"])
+            yield out
 
 
 def pipeline_batches(loader) -> Iterator[tuple]:

@@ -9,12 +9,14 @@ Parameters per rank (D = TSP degree, p = TSP rank; names keep HF's module path s
 | model.layers.i.*_layernorm.weight, norm     | [h]                          | replicated, grads summed     |
 | lm_head.vocab_shard (absent when tied)      | [ceil(V/D), h]               | vocab rows of rank p         |
 Inputs are this rank's zigzag shard (ds_tsp.partition.shard_batch): input_ids, shift_labels and the GLOBAL
-position_ids, each [B, S_pad/D]. forward returns this rank's share of the mean loss (the shares sum to it).
+position_ids (restarting per packed document), optionally attention_mask, each [B, S_pad/D]. forward returns this
+rank's share of the mean loss (the shares sum to it); ds_tsp.hf.TSPForCausalLM is the HF-shaped face of it.
 """
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from math import prod
 
 import torch
 import torch.distributed as dist
@@ -22,13 +24,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ds_tsp.comm import TSPComm
+from ds_tsp.documents import DocStarts, document_starts
 from ds_tsp.errors import TSPConfigError
-from ds_tsp.layers.attention import AttentionSpec, tsp_attention
-from ds_tsp.layers.embedding import tsp_embedding
-from ds_tsp.layers.lm_head_loss import tsp_lm_head_loss
-from ds_tsp.layers.mlp import MLPSpec, tsp_gated_mlp
 from ds_tsp.layers.norm import TSPRMSNorm
 from ds_tsp.model_config import ModelShape
+from ds_tsp.modules import (HeadNorm, TSPAttention, TSPDecoderLayer, TSPGatedMLP, TSPLMHeadLoss,  # noqa: F401
+                            TSPVocabEmbedding, TSPVocabShard, mark_sharded)
+from ds_tsp.partition import unshard, zigzag_positions
 from ds_tsp.rope import rope_cos_sin
 
 
@@ -63,160 +65,12 @@ def count_valid_tokens(shift_labels: torch.Tensor, comm: TSPComm, data_group=Non
     return normalise_over_data(n_valid, data_group)
 
 
-def _mark_sharded(param: nn.Parameter) -> nn.Parameter:
-    # DeepSpeed/Megatron read these to count a sharded param on every model-parallel rank in the grad norm.
-    param.tensor_model_parallel = True
-    param.partition_dim = 0
-    param.partition_stride = 1
-    param.tsp_sharded = True
-    return param
-
-
-def _block(t: torch.Tensor, index: int, size: int, dim: int = 0) -> torch.Tensor:
-    return t.narrow(dim, index * size, size)
-
-
-class TSPAttention(nn.Module):
-    def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device):
-        super().__init__()
-        self.comm = comm
-        self.spec = AttentionSpec(hidden=shape.hidden_size, heads_per_block=shape.num_heads // comm.size,
-                                  kv_heads_per_block=max(shape.num_kv_heads // comm.size, 1),
-                                  head_dim=shape.dim_per_head, qkv_bias=shape.qkv_bias,
-                                  kv_replicas=shape.kv_replicas(comm.size),
-                                  kernel_backend=options.kernel_backend,
-                                  keep_gathered_kv=options.keep_gathered_kv,
-                                  recompute_projections=options.recompute_projections)
-        self.packed_shard = _mark_sharded(nn.Parameter(
-            torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
-
-    def forward(self, x, cos, sin):
-        return tsp_attention(x, self.packed_shard, cos, sin, self.spec, self.comm)
-
-    def shard_full(self, full: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Pack this rank's head block from HF-named full weights (q_proj.weight, ..., o_proj.weight)."""
-        p, q, kv = self.comm.rank, self.spec.heads_per_block * self.spec.head_dim, \
-            self.spec.kv_heads_per_block * self.spec.head_dim
-        pk = p // self.spec.kv_replicas
-        pieces = {"wq": _block(full["q_proj.weight"], p, q), "wk": _block(full["k_proj.weight"], pk, kv),
-                  "wv": _block(full["v_proj.weight"], pk, kv), "wo": _block(full["o_proj.weight"], p, q, dim=1)}
-        if self.spec.qkv_bias:
-            pieces.update(bq=_block(full["q_proj.bias"], p, q), bk=_block(full["k_proj.bias"], pk, kv),
-                          bv=_block(full["v_proj.bias"], pk, kv))
-        return self.spec.layout.pack(pieces)
-
-    def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        views = [self.spec.layout.unpack(s) for s in shards]
-        kv_owners = views[::self.spec.kv_replicas]  # one copy of each replicated kv head
-
-        def cat(key, dim=0):
-            return torch.cat([v[key] for v in (kv_owners if key[1] in "kv" else views)], dim=dim)
-
-        full = {"q_proj.weight": cat("wq"), "k_proj.weight": cat("wk"), "v_proj.weight": cat("wv"),
-                "o_proj.weight": cat("wo", 1)}
-        if self.spec.qkv_bias:
-            full.update({"q_proj.bias": cat("bq"), "k_proj.bias": cat("bk"), "v_proj.bias": cat("bv")})
-        return full
-
-    def extra_repr(self) -> str:
-        s = self.spec
-        return (f"heads/block={s.heads_per_block}, kv_heads/block={s.kv_heads_per_block}, head_dim={s.head_dim}, "
-                f"tsp_rank={self.comm.rank}/{self.comm.size}")
-
-
-class TSPGatedMLP(nn.Module):
-    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, recompute_projections: bool = True):
-        super().__init__()
-        self.comm = comm
-        self.spec = MLPSpec(hidden=shape.hidden_size, ffn_per_rank=shape.intermediate_size // comm.size,
-                            recompute_projections=recompute_projections)
-        self.packed_shard = _mark_sharded(nn.Parameter(
-            torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
-
-    def forward(self, x):
-        return tsp_gated_mlp(x, self.packed_shard, self.spec, self.comm)
-
-    def shard_full(self, full: dict[str, torch.Tensor]) -> torch.Tensor:
-        p, f = self.comm.rank, self.spec.ffn_per_rank
-        return self.spec.layout.pack({"gate": _block(full["gate_proj.weight"], p, f),
-                                      "up": _block(full["up_proj.weight"], p, f),
-                                      "down": _block(full["down_proj.weight"], p, f, dim=1)})
-
-    def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        views = [self.spec.layout.unpack(s) for s in shards]
-        return {"gate_proj.weight": torch.cat([v["gate"] for v in views]),
-                "up_proj.weight": torch.cat([v["up"] for v in views]),
-                "down_proj.weight": torch.cat([v["down"] for v in views], dim=1)}
-
-    def extra_repr(self) -> str:
-        return f"ffn/rank={self.spec.ffn_per_rank}, tsp_rank={self.comm.rank}/{self.comm.size}"
-
-
-class TSPVocabShard(nn.Module):
-    """Rows [p*Vd, (p+1)*Vd) of a vocab table padded to D*Vd rows (embedding or LM head)."""
-
-    def __init__(self, vocab_size: int, hidden: int, comm: TSPComm, dtype, device):
-        super().__init__()
-        self.comm, self.vocab_size = comm, vocab_size
-        self.rows = -(-vocab_size // comm.size)
-        self.vocab_shard = _mark_sharded(nn.Parameter(torch.zeros(self.rows, hidden, dtype=dtype, device=device)))
-
-    def shard_full(self, full: dict[str, torch.Tensor]) -> torch.Tensor:
-        table = full["weight"]
-        padded = table.new_zeros(self.rows * self.comm.size, table.shape[1])
-        padded[:self.vocab_size] = table
-        return _block(padded, self.comm.rank, self.rows)
-
-    def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"weight": torch.cat(shards)[:self.vocab_size]}
-
-    def extra_repr(self) -> str:
-        return f"vocab={self.vocab_size}, rows/rank={self.rows}, tsp_rank={self.comm.rank}/{self.comm.size}"
-
-
-class TSPVocabEmbedding(TSPVocabShard):
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return tsp_embedding(input_ids, self.vocab_shard, self.comm)
-
-
-class TSPLMHeadLoss(TSPVocabShard):
-    """LM head fused with the loss. Tied: owns no weight and reads the embedding's shard (which ZeRO-3 must then
-    treat as an external parameter of this module)."""
-
-    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, tied_to: TSPVocabShard | None = None):
-        super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device)
-        self.tied = tied_to is not None
-        if self.tied:
-            del self.vocab_shard
-            self._tied_to = [tied_to]  # a list: not a submodule, so the tied weight is listed once
-
-    @property
-    def weight(self) -> nn.Parameter:
-        return self._tied_to[0].vocab_shard if self.tied else self.vocab_shard
-
-    def forward(self, h, shift_labels, n_valid_total):
-        return tsp_lm_head_loss(h, self.weight, shift_labels, n_valid_total, self.vocab_size, self.comm)
-
-
-class TSPDecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device):
-        super().__init__()
-        self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
-        self.self_attn = TSPAttention(shape, comm, options, dtype, device)
-        self.post_attention_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
-        self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
-
-    def forward(self, h, cos, sin):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class _Backbone(nn.Module):
     def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device):
         super().__init__()
         self.embed_tokens = TSPVocabEmbedding(shape.vocab_size, shape.hidden_size, comm, dtype, device)
-        self.layers = nn.ModuleList(TSPDecoderLayer(shape, comm, options, dtype, device)
-                                    for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(TSPDecoderLayer(shape, comm, options, dtype, device, layer=i)
+                                    for i in range(shape.num_layers))
         self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
 
 
@@ -244,60 +98,126 @@ class TSPCausalLM(nn.Module):
 
     # --- forward ---------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, shift_labels: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        n_valid = normalise_over_data(self._check_inputs(input_ids, shift_labels, position_ids),
-                                      self.data_group).to(self.dtype)
-        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, self.dtype)
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's share of the mean loss (the shares of the TSP group sum to it).
+
+        All inputs are this rank's zigzag shard [B, L]. attention_mask (1 = real token) marks left/right padding:
+        padded tokens are neither keys nor queries with a target. position_ids restarting (not continuing by +1)
+        start a new packed document; attention stays inside documents.
+        """
+        h, n_valid = self.final_hidden(input_ids, position_ids, attention_mask, shift_labels)
+        return self.head_loss(h, shift_labels, n_valid, attention_mask)
+
+    def head_loss(self, h: torch.Tensor, shift_labels: torch.Tensor, n_valid: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head + streaming cross-entropy on final hidden states: this rank's share of the mean loss."""
+        if attention_mask is not None:
+            shift_labels = shift_labels.masked_fill(attention_mask == 0, -100)
+        return self.lm_head(h, shift_labels, n_valid)
+
+    def last_logits(self, h: torch.Tensor, seq_len: int, keep: int) -> torch.Tensor:
+        """Full-vocab logits [B, keep, V] of global positions seq_len-keep .. seq_len-1, on every rank (collective).
+
+        h is final_hidden's output. Only those rows of logits are built (HF's logits_to_keep).
+        """
+        L = h.shape[1]
+        if not 1 <= keep <= seq_len <= L * self.comm.size:
+            raise TSPConfigError(f"logits_to_keep={keep}: must be between 1 and the sequence length {seq_len}")
+        positions = zigzag_positions(L * self.comm.size, self.comm.size, self.comm.rank, device=h.device)
+        first = seq_len - keep
+        local_index = ((positions >= first) & (positions < seq_len)).nonzero().squeeze(1)
+        return self.lm_head(h, select=(local_index, positions[local_index] - first, keep))
+
+    def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                     attention_mask: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None):
+        """(final-norm hidden states of the local tokens [B, L, h], loss denominator or None without labels)."""
+        n_valid, doc_starts = self._check_inputs(input_ids, shift_labels, position_ids, attention_mask)
+        if n_valid is not None:
+            n_valid = normalise_over_data(n_valid, self.data_group).to(self.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, self.dtype,
+                                self.shape.rope_scaling)
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             if self.options.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, doc_starts, use_reentrant=False)
             else:
-                h = layer(h, cos, sin)
-        return self.lm_head(self.model.norm(h), shift_labels, n_valid)
+                h = layer(h, cos, sin, doc_starts)
+        return self.model.norm(h), n_valid
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
 
-    def _check_inputs(self, input_ids, shift_labels, position_ids) -> torch.Tensor:
-        """Validate on every rank at once (one tiny all-gather) so a bad shard fails every rank, none hangs.
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
 
-        Returns the number of tokens with a target in the whole TSP group (the loss denominator).
+    def _check_inputs(self, input_ids, shift_labels, position_ids, attention_mask) -> tuple[torch.Tensor | None,
+                                                                                             DocStarts | None]:
+        """Validate on every rank at once (ONE all-gather of a few ints per token) so a bad shard fails every rank
+        and none hangs; the same gather gives every rank the global positions that locate packed documents.
+
+        Returns (labelled tokens of the whole TSP group or None without labels, document starts or None).
         """
         if position_ids is None:
             raise TSPConfigError(
                 "position_ids is missing: TSP ranks hold non-contiguous zigzag chunks, so RoPE needs the GLOBAL "
                 "position of every local token; build the batch with ds_tsp.partition.shard_batch")
-        for name, t in (("shift_labels", shift_labels), ("position_ids", position_ids)):
-            if t.shape != input_ids.shape:
-                raise TSPConfigError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}: "
-                                     "pass the same zigzag shard of every field")
         if input_ids.dim() != 2:
             raise TSPConfigError(f"input_ids must be [batch, local_seq], got shape {tuple(input_ids.shape)}")
-        local_len = input_ids.shape[1]
+        for name, t in (("shift_labels", shift_labels), ("position_ids", position_ids),
+                        ("attention_mask", attention_mask)):
+            if t is not None and t.shape != input_ids.shape:
+                raise TSPConfigError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}: "
+                                     "pass the same zigzag shard of every field")
+        B, local_len = input_ids.shape
         n_bad = ((input_ids < 0) | (input_ids >= self.shape.vocab_size)).sum()
-        n_valid = (shift_labels != -100).sum()
-        stats = torch.stack([n_valid, n_bad, torch.tensor(local_len), torch.tensor(input_ids.shape[0])]).to(
+        n_valid = (shift_labels != -100).sum() if shift_labels is not None else torch.zeros((), dtype=torch.int64)
+        stats = torch.stack([n_valid, n_bad, torch.tensor(local_len), torch.tensor(B)]).to(
             device=input_ids.device, dtype=torch.int64)
-        if self.comm.size > 1:
-            everyone = torch.empty(self.comm.size, 4, dtype=torch.int64, device=stats.device)
-            self.comm.all_gather(everyone, stats).wait()
+        pieces = [stats, position_ids.reshape(-1).to(torch.int64)]
+        if attention_mask is not None:
+            pieces.append(attention_mask.reshape(-1).to(torch.int64))
+        local = torch.cat(pieces)
+        if self.comm.size > 1:  # a size mismatch would break the gather below: agree on sizes first
+            sizes = torch.empty(self.comm.size, dtype=torch.int64, device=local.device)
+            self.comm.all_gather(sizes, torch.tensor([local.numel()], device=local.device)).wait()
+            if (sizes != local.numel()).any():
+                raise TSPConfigError(
+                    f"local shapes [batch, seq] differ across TSP ranks, or attention_mask is given on some ranks "
+                    f"only (sizes {sizes.tolist()}): every rank must hold its zigzag shard (two equal chunks) of the "
+                    "same batch: use ds_tsp.partition.shard_batch")
+            everyone = torch.empty(self.comm.size, local.numel(), dtype=torch.int64, device=local.device)
+            self.comm.all_gather(everyone, local).wait()
         else:
-            everyone = stats[None]
+            everyone = local[None]
         if everyone[:, 1].sum() > 0:
             raise TSPConfigError(
                 f"input_ids: {int(everyone[:, 1].sum())} token id(s) are outside [0, vocab_size={self.shape.vocab_size}):"
                 " check the tokenizer matches the model's vocab_size")
-        if (everyone[:, 2] != local_len).any() or (everyone[:, 3] != input_ids.shape[0]).any() or local_len % 2:
+        if (everyone[:, 2] != local_len).any() or (everyone[:, 3] != B).any() or local_len % 2:
             raise TSPConfigError(
-                f"local shapes [batch, seq] differ across TSP ranks or are odd: {everyone[:, 2:].tolist()}; every rank "
-                "must hold its zigzag shard (two equal chunks) of the same batch: use ds_tsp.partition.shard_batch")
-        n_valid = everyone[:, 0].sum()
-        if n_valid == 0:
-            raise TSPConfigError("shift_labels: no token has a target (all -100) in the whole TSP group; "
-                                 "a batch needs at least one labelled token")
-        return n_valid
+                f"local shapes [batch, seq] differ across TSP ranks or are odd: {everyone[:, 2:4].tolist()}; every "
+                "rank must hold its zigzag shard (two equal chunks) of the same batch: use ds_tsp.partition.shard_batch")
+        total = None
+        if shift_labels is not None:
+            total = everyone[:, 0].sum()
+            if total == 0:
+                raise TSPConfigError("shift_labels: no token has a target (all -100) in the whole TSP group; "
+                                     "a batch needs at least one labelled token")
+        n = B * local_len
+        positions = unshard(list(everyone[:, 4:4 + n].view(-1, B, local_len).unbind(0)), dim=1)
+        masks = None if attention_mask is None else unshard(list(everyone[:, 4 + n:].view(-1, B, local_len).unbind(0)),
+                                                            dim=1)
+        return total, document_starts(positions, masks)
+
+    def global_loss(self, loss_share: torch.Tensor) -> torch.Tensor:
+        """The global mean loss as its value, this rank's share as its gradient (so backward stays exact).
+
+        What an HF causal LM returns as `loss`: every rank prints what a single device would, and calling
+        backward on it on every rank gives each rank exactly its own share of the gradients.
+        """
+        return loss_share + (self.loss_for_logging(loss_share) - loss_share).detach()
 
     def loss_for_logging(self, loss_share: torch.Tensor) -> torch.Tensor:
         """The global mean loss (TSP shares summed, data replicas averaged), detached, identical on all ranks."""
@@ -310,8 +230,8 @@ class TSPCausalLM(nn.Module):
         return total
 
     # --- conversion to / from full (HF-named) state dicts ---------------------------------------------------
-    def _sharded_modules(self):
-        """(HF name prefix, module with shard_full/unshard, its parameter)."""
+    def sharded_modules(self) -> list[tuple[str, TSPVocabShard | TSPAttention | TSPGatedMLP, nn.Parameter]]:
+        """(HF name prefix, module with hf_slices/pack_slices/unshard, its parameter), in checkpoint order."""
         out = [("model.embed_tokens.", self.model.embed_tokens, self.model.embed_tokens.vocab_shard)]
         for i, layer in enumerate(self.model.layers):
             out.append((f"model.layers.{i}.self_attn.", layer.self_attn, layer.self_attn.packed_shard))
@@ -320,12 +240,29 @@ class TSPCausalLM(nn.Module):
             out.append(("lm_head.", self.lm_head, self.lm_head.vocab_shard))
         return out
 
-    def _replicated_params(self):
-        out = {"model.norm.weight": self.model.norm.weight}
+    def replicated_params(self) -> dict[str, nn.Parameter]:
+        """HF-named params every rank holds whole: the norms (and Qwen3's q/k norms)."""
+        out = {}
         for i, layer in enumerate(self.model.layers):
-            out[f"model.layers.{i}.input_layernorm.weight"] = layer.input_layernorm.weight
-            out[f"model.layers.{i}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+            out.update(layer.replicated_params(f"model.layers.{i}."))
+        out["model.norm.weight"] = self.model.norm.weight
         return out
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of every HF tensor of this model (tied models list no lm_head.weight, like HF's files)."""
+        shapes = {prefix + k: v for prefix, module, _ in self.sharded_modules() for k, v in module.hf_shapes().items()}
+        shapes.update({name: tuple(p.shape) for name, p in self.replicated_params().items()})
+        return shapes
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
+                       per_rank: bool = False) -> int:
+        """Parameters of the FULL model, as transformers counts them; per_rank=True counts this rank's storage."""
+        if per_rank:
+            return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+        shapes = self.hf_shapes()
+        if exclude_embeddings:
+            shapes = {k: v for k, v in shapes.items() if not k.startswith(("model.embed_tokens.", "lm_head."))}
+        return sum(prod(v) for v in shapes.values())
 
     @torch.no_grad()
     def init_weights_(self, seed: int = 0, std: float = 0.02) -> "TSPCausalLM":
@@ -337,7 +274,7 @@ class TSPCausalLM(nn.Module):
             return torch.randn(shape, generator=g, dtype=torch.float64).mul_(std)
 
         rank = self.comm.rank
-        for name, module, param in self._sharded_modules():
+        for name, module, param in self.sharded_modules():
             if isinstance(module, TSPVocabShard):
                 param.copy_(normal(f"{name}{rank}", param.shape))
                 first_pad = module.vocab_size - rank * module.rows
@@ -350,21 +287,40 @@ class TSPCausalLM(nn.Module):
             for piece, shape in layout.pieces:
                 owner = kv_owner if piece in ("wk", "wv") else rank
                 views[piece].copy_(torch.zeros(shape) if piece.startswith("b") else normal(f"{name}{piece}{owner}", shape))
-        for param in self._replicated_params().values():
+        for param in self.replicated_params().values():
             param.fill_(1.0)
         return self
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Take this rank's shards from an HF-named full state dict (every rank passes the same dict)."""
-        for prefix, module, param in self._sharded_modules():
-            sub = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
-            if not sub:
-                raise TSPConfigError(f"state dict has no '{prefix}*' entries; is it a Llama-family checkpoint "
-                                     f"with {self.shape.num_layers} layers?")
-            param.copy_(module.shard_full(sub).reshape(param.shape))
-        for name, param in self._replicated_params().items():
-            param.copy_(full[name])
+        def read_into(name, dim, start, length, out):
+            out.copy_(full[name] if dim is None else full[name].narrow(dim, start, length))
+
+        self.load_slices(read_into, names=full.keys())
+
+    @torch.no_grad()
+    def load_slices(self, read_into, names) -> None:
+        """Fill every shard with read_into(hf_name, dim, start, length, out): copy that slice into `out` (a view of
+        the parameter; dim None: the whole tensor).
+
+        Only this rank's slices are ever requested and they land in place, so a checkpoint reader can load a model
+        no rank could hold with no transient copy. `names` are the tensor names available: a missing one is one
+        clear error naming it.
+        """
+        available = set(names)
+        missing = [n for n in self.hf_shapes() if n not in available]
+        if missing:
+            raise TSPConfigError(
+                f"the checkpoint has no tensor {missing[0]!r} ({len(missing)} missing): it does not match a "
+                f"{self.shape.num_layers}-layer Llama-family model of this config (tie_word_embeddings="
+                f"{self.shape.tie_word_embeddings}, qkv_bias={self.shape.qkv_bias}, qk_norm={self.shape.qk_norm})")
+        for prefix, module, param in self.sharded_modules():
+            targets = module.hf_targets(param.data)
+            for name, (dim, start, length) in module.hf_slices().items():
+                read_into(prefix + name, dim, start, length, targets[name])
+        for name, param in self.replicated_params().items():
+            read_into(name, None, 0, None, param.data)
 
     @torch.no_grad()
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -374,7 +330,7 @@ class TSPCausalLM(nn.Module):
             return torch.zeros_like(param) if t is None else t.detach()
 
         full = {}
-        for prefix, module, param in self._sharded_modules():
+        for prefix, module, param in self.sharded_modules():
             local = value(param).contiguous()
             if self.comm.size > 1:
                 gathered = torch.empty((self.comm.size, *local.shape), dtype=local.dtype, device=local.device)
@@ -383,7 +339,7 @@ class TSPCausalLM(nn.Module):
             else:
                 shards = [local]
             full.update({prefix + k: v for k, v in module.unshard(shards).items()})
-        full.update({k: value(p).clone() for k, p in self._replicated_params().items()})
+        full.update({k: value(p).clone() for k, p in self.replicated_params().items()})
         if self.lm_head.tied:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
         return full

@@ -163,6 +163,7 @@ def shard_batch(
     pad_token_id: int = 0,
     ignore_index: int = -100,
     labels_are_shifted: bool = False,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict:
     """This rank's part of a causal-LM batch, ready for the TSP model.
 
@@ -171,10 +172,14 @@ def shard_batch(
         labels: [B, S]; None means causal LM on input_ids. Unless `labels_are_shifted`, they are shifted here
             (target of t is labels[t+1]) BEFORE padding and cutting, so no target is lost at a shard edge.
         position_ids: [B, S] (or [1, S], broadcast over the batch); default arange(S). RoPE uses these GLOBAL
-            positions, so they are sharded with the tokens.
+            positions, so they are sharded with the tokens. Where they do not continue by +1 a new packed
+            document starts (transformers' convention); attention then stays inside documents.
+        attention_mask: [B, S] with 1 for real tokens, 0 for left or right padding: padded tokens get no target
+            and are not the target of any token (their labels become ignore_index), and the model keeps them
+            out of attention. Returned sharded when given.
 
     Returns a dict: input_ids, shift_labels, position_ids (each [B, S_pad/tsp], on input_ids' device),
-    seq_len (S) and padded_len (S_pad). Padded slots get `pad_token_id`, label `ignore_index`, and positions
+    attention_mask (when given), seq_len (S) and padded_len (S_pad). Padded slots get `pad_token_id`, label `ignore_index`, and positions
     continuing the sequence (S, S+1, ...).
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -203,21 +208,36 @@ def shard_batch(
         position_ids = position_ids.expand(batch, seq_len)
     _check_ids("labels", labels, input_ids.shape)
     _check_ids("position_ids", position_ids, input_ids.shape)
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise TSPConfigError(f"attention_mask has shape {got} but input_ids has {list(input_ids.shape)}: pass "
+                                 "one 0/1 entry per token")
+        if ((attention_mask != 0) & (attention_mask != 1)).any():
+            raise TSPConfigError("attention_mask must hold only 0 (padding) and 1 (real token)")
 
     device = input_ids.device
     if labels is None:
         labels = input_ids
     targets = labels.to(device) if labels_are_shifted else shift_labels(labels.to(device), ignore_index)
+    if attention_mask is not None:  # a padded token is neither a query with a target nor anyone's target
+        real = attention_mask.to(device=device, dtype=torch.bool)
+        next_real = torch.cat((real[:, 1:], real.new_zeros(batch, 1)), dim=1)
+        targets = targets.masked_fill(~(real & next_real), ignore_index)
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
     padded_len = padded_length(seq_len, tsp)
     pad_positions = torch.arange(seq_len, padded_len, device=device).expand(batch, padded_len - seq_len)
     positions = torch.cat((position_ids.to(device=device, dtype=torch.long), pad_positions), dim=1)
 
-    return {
+    out = {
         "input_ids": shard(pad_to(input_ids, padded_len, pad_token_id), tsp, rank),
         "shift_labels": shard(pad_to(targets, padded_len, ignore_index), tsp, rank),
         "position_ids": shard(positions, tsp, rank),
         "seq_len": seq_len,
         "padded_len": padded_len,
     }
+    if attention_mask is not None:
+        out["attention_mask"] = shard(pad_to(attention_mask.to(device=device, dtype=torch.long), padded_len, 0),
+                                      tsp, rank)
+    return out

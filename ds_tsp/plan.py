@@ -432,7 +432,10 @@ def _tsp_extra_terms(inp: PlanInput, stage: _Stage) -> list[CommTerm]:
     table = g["Vd"] * h * b
     terms = []
     if stage.embed:
-        terms += [_term("input check all-gather (4 int64 per rank)", "all_gather", D * 4 * 8, 1, _ag(D * 32, D)),
+        check = D * (4 + inp.batch * g["L"]) * 8  # per rank: 4 counts + the local position_ids, int64
+        terms += [_term("input size check all-gather (1 int64 per rank)", "all_gather", D * 8, 1, _ag(D * 8, D)),
+                  _term("input check + positions all-gather (4 + B*S/D int64 per rank)", "all_gather", check, 1,
+                        _ag(check, D)),
                   _term("embedding ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
                   _term("embedding ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
                         (2 * D - 1) * table)]

@@ -1,6 +1,7 @@
 """Single-device ground truth: the Llama-family causal LM every TSP test compares against.
 
-Parameter names are exactly HF LlamaForCausalLM's (Qwen2ForCausalLM's with qkv_bias), so
+Parameter names are exactly HF LlamaForCausalLM's (Qwen2ForCausalLM's with qkv_bias, Qwen3ForCausalLM's with
+qk_norm), so
 `hf_model.load_state_dict(full_state_dict(ref))` works both ways. Numerics follow HF's choices but never narrow a
 wider dtype: RMSNorm and cross-entropy run in float32, or in the model dtype when that is float64; RoPE angles come
 from ds_tsp.rope (float64 for float64 models). In float64 this model is the exactness reference.
@@ -44,8 +45,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, dtype=None, device=None):
+    def __init__(self, shape: ModelShape, dtype=None, device=None, layer: int = 0):
         super().__init__()
+        self.window = shape.layer_window(layer)
         h, d = shape.hidden_size, shape.dim_per_head
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, d
         kw = dict(dtype=dtype, device=device)
@@ -53,18 +55,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, shape.num_kv_heads * d, bias=shape.qkv_bias, **kw)
         self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=shape.qkv_bias, **kw)
         self.o_proj = nn.Linear(shape.num_heads * d, h, bias=False, **kw)
+        if shape.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
+            self.q_norm = RMSNorm(d, shape.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(d, shape.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, S, self.num_heads, self.head_dim), cos, sin)  # [B, S, Hq, d]
-        k = apply_rope(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim), cos, sin)  # [B, S, Hkv, d]
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)  # [B, S, Hq, d]
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, d]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
         group = self.num_heads // self.num_kv_heads
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, d]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        # Square (Lq == Lk) so SDPA's top-left causal alignment is the right one here.
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5)
+        if self.window is None or self.window >= S:
+            # Square (Lq == Lk) so SDPA's top-left causal alignment is the right one here.
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5)
+        else:  # sliding window, HF's rule: key s visible to query t iff t - window < s <= t (a reference: [S, S])
+            t = torch.arange(S, device=x.device)
+            visible = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - self.window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.head_dim ** -0.5)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
 
 
@@ -82,10 +95,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape, dtype=None, device=None):
+    def __init__(self, shape: ModelShape, dtype=None, device=None, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(shape, dtype, device)
+        self.self_attn = Attention(shape, dtype, device, layer)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
         self.mlp = MLP(shape, dtype, device)
 
@@ -100,7 +113,7 @@ class Backbone(nn.Module):
     def __init__(self, shape: ModelShape, dtype=None, device=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(shape, dtype, device) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(shape, dtype, device, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
 
 
@@ -119,7 +132,8 @@ class ReferenceCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, x.dtype,
+                                self.shape.rope_scaling)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.model.norm(x)

@@ -3,6 +3,12 @@
 Run on every rank of a TSP group; the reference runs on TSP rank 0 only. Errors are norm-wise relative
 (||g_tsp - g_ref|| / ||g_ref||) per parameter, HF-named; the report keeps the largest.
 
+Two references: ds_tsp.reference.ReferenceCausalLM (weights from a seed), or with `hf_model` transformers' OWN
+model loaded from that checkpoint directory (float64 made exact by ds_tsp.hf.reference), while TSP loads the same
+directory by slices (TSPForCausalLM.from_pretrained). With `documents` = K > 1 every sequence packs K documents of
+random lengths (position_ids restarting, the first label of each document -100, as DataCollatorWithFlattening
+makes them) and the reference runs every document on its own.
+
 Tolerances (documented; float64 proves the schedule exact, the others sit on their dtype's noise floor):
 float64 1e-10 (a correct schedule reaches ~1e-14), float32 1e-5 (noise floor ~1e-6), bfloat16 5e-2.
 """
@@ -14,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.comm import TSPComm
+from ds_tsp.documents import documents_of_lengths
+from ds_tsp.errors import TSPConfigError
 from ds_tsp.model import TSPCausalLM, TSPOptions
 from ds_tsp.model_config import ModelShape
 from ds_tsp.partition import shard_batch
@@ -32,19 +40,37 @@ class VerifyCase:
     dtype: str = "float32"
     seed: int = 0
     ignore_fraction: float = 0.1  # share of labels set to -100, so masking is exercised too
+    documents: int = 1  # documents packed into every sequence
+    hf_model: str | None = None  # checkpoint directory: the reference is transformers' own model
 
     @property
     def tolerance(self) -> float:
         return TOLERANCE[self.dtype]
 
 
-def make_batch(case: VerifyCase) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic (input_ids, labels) [B, S]; a fraction of labels is -100."""
+def document_lengths(case: VerifyCase) -> list[list[int]]:
+    """Per row, `case.documents` random lengths (each >= 1) summing to case.seq (deterministic in the seed)."""
+    if not 1 <= case.documents <= case.seq:
+        raise TSPConfigError(f"documents={case.documents}: must be between 1 and seq={case.seq}")
+    g = torch.Generator().manual_seed(case.seed + 2)
+    rows = []
+    for _ in range(case.batch):
+        cuts = torch.randperm(case.seq - 1, generator=g)[:case.documents - 1].add(1).sort().values.tolist()
+        bounds = [0, *cuts, case.seq]
+        rows.append([b - a for a, b in zip(bounds, bounds[1:])])
+    return rows
+
+
+def make_batch(case: VerifyCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deterministic (input_ids, labels, position_ids) [B, S]; a fraction of labels is -100, and so is the first
+    label of every packed document."""
     g = torch.Generator().manual_seed(case.seed + 1)
     ids = torch.randint(0, case.shape.vocab_size, (case.batch, case.seq), generator=g)
     labels = ids.clone()
     labels[torch.rand(ids.shape, generator=g) < case.ignore_fraction] = -100
-    return ids, labels
+    positions = torch.stack([documents_of_lengths(row) for row in document_lengths(case)])
+    labels[positions == 0] = -100
+    return ids, labels, positions
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,10 +79,22 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
-    ids, labels = make_batch(case)
+    """ReferenceCausalLM on the same batch, every packed document run on its own; token-mean over all of them."""
+    ids, labels, _ = make_batch(case)
+    targets = shift(labels)
     ref = ReferenceCausalLM(case.shape, dtype=DTYPES[case.dtype])
     ref.load_state_dict(full, strict=False)
-    loss = ref(ids, shift(labels), torch.arange(case.seq).expand_as(ids))
+    total = torch.zeros((), dtype=torch.float64)
+    for b, lengths in enumerate(document_lengths(case)):
+        start = 0
+        for n in lengths:
+            doc_targets = targets[b:b + 1, start:start + n]
+            count = int((doc_targets != -100).sum())
+            if count:
+                mean = ref(ids[b:b + 1, start:start + n], doc_targets, torch.arange(n)[None])
+                total = total + mean.double() * count
+            start += n
+    loss = total / int((targets != -100).sum())
     loss.backward()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     if case.shape.tie_word_embeddings:
@@ -64,20 +102,33 @@ def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
     return loss.detach(), grads
 
 
+def hf_reference_loss_and_grads(case: VerifyCase):
+    """transformers' own model from case.hf_model, same batch, every packed document on its own."""
+    from ds_tsp.hf.reference import hf_loss_and_grads, load_hf_reference
+
+    ids, labels, _ = make_batch(case)
+    model = load_hf_reference(case.hf_model, DTYPES[case.dtype])
+    return hf_loss_and_grads(model, ids, shift(labels), documents=document_lengths(case))
+
+
 def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOptions = TSPOptions(),
              overlap: bool = True) -> dict | None:
     """Collective over `group`. Returns the report on TSP rank 0, None elsewhere."""
     comm = TSPComm(group, overlap=overlap)
     dtype = DTYPES[case.dtype]
-    reference = ReferenceCausalLM(case.shape, dtype=dtype)
-    init_weights_(reference, case.seed)
-    full = full_state_dict(reference)
-    del reference
+    ids, labels, positions = make_batch(case)
+    batch = shard_batch(ids, tsp=comm.size, rank=comm.rank, labels=labels, position_ids=positions)
+    if case.hf_model is not None:
+        from ds_tsp.hf import TSPForCausalLM
 
-    model = TSPCausalLM(case.shape, comm, options=options, dtype=dtype)
-    model.load_full_state_dict(full)
-    ids, labels = make_batch(case)
-    batch = shard_batch(ids, tsp=comm.size, rank=comm.rank, labels=labels)
+        model = TSPForCausalLM.from_pretrained(case.hf_model, comm, dtype=dtype, options=options).tsp
+    else:
+        reference = ReferenceCausalLM(case.shape, dtype=dtype)
+        init_weights_(reference, case.seed)
+        full = full_state_dict(reference)
+        del reference
+        model = TSPCausalLM(case.shape, comm, options=options, dtype=dtype)
+        model.load_full_state_dict(full)
     loss_share = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
     loss_share.backward()
     loss = model.loss_for_logging(loss_share)
@@ -85,7 +136,8 @@ def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOpti
     if comm.rank != 0:
         return None
 
-    ref_loss, ref_grads = reference_loss_and_grads(case, full)
+    ref_loss, ref_grads = (hf_reference_loss_and_grads(case) if case.hf_model is not None
+                           else reference_loss_and_grads(case, full))
     grad_errs = {name: _rel_err(grads[name], g) for name, g in ref_grads.items()}
     worst = max(grad_errs, key=grad_errs.get)
     report = {
@@ -97,6 +149,8 @@ def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOpti
         "loss": float(loss),
         "ref_loss": float(ref_loss),
         "tolerance": case.tolerance,
+        "documents": case.documents,
+        "reference": "transformers" if case.hf_model is not None else "ds_tsp",
     }
     report["ok"] = report["loss_rel_err"] <= case.tolerance and report["grad_rel_err"] <= case.tolerance
     return report

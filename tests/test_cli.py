@@ -59,3 +59,39 @@ def test_tsp_must_match_launcher_world(monkeypatch, capsys):
     assert main(["verify", "--tsp", "4"]) == 2
     err = capsys.readouterr().err
     assert "--tsp=4" in err and "WORLD_SIZE=2" in err
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hf_tiny import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("verify_hf")
+    return {name: save_tiny_checkpoint(root / name, name) for name in ("llama3_tied", "qwen3")}
+
+
+@pytest.mark.parametrize("tsp", [2, 4])
+@pytest.mark.parametrize("name", ["llama3_tied", "qwen3"])
+def test_verify_hf_model_llama3_and_qwen3_styles(capsys, hf_checkpoints, name, tsp):
+    # The reference is transformers' own model; packed documents (the reference runs each one alone).
+    argv = ["verify", "--hf-model", str(hf_checkpoints[name]), "--tsp", str(tsp), "--dtype", "float64",
+            "--seq", "45", "--documents", "3", "--timeout", "120"]
+    assert main(argv) == 0
+    report = _report(capsys)
+    assert report["ok"] is True and report["reference"] == "transformers" and report["documents"] == 3
+    assert report["loss_rel_err"] < 1e-10 and report["grad_rel_err"] < 1e-10
+
+
+def test_verify_documents_against_ds_tsp_reference_d3(capsys):
+    argv = ["verify", "--tsp", "3", "--heads", "6", "--kv-heads", "3", "--hidden", "48", "--ffn", "96", "--seq", "61",
+            "--documents", "5", "--dtype", "float64", "--timeout", "120"]
+    assert main(argv) == 0
+    report = _report(capsys)
+    assert report["ok"] is True and report["documents"] == 5 and report["reference"] == "ds_tsp"
+
+
+def test_verify_hf_model_errors(capsys, tmp_path):
+    assert main(["verify", "--hf-model", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert main(["verify", "--seq", "8", "--documents", "9"]) == 2
+    assert "--documents 9" in capsys.readouterr().err

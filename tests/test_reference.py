@@ -1,7 +1,8 @@
 """ReferenceCausalLM == HF LlamaForCausalLM / Qwen2ForCausalLM, in loss and every parameter gradient.
 
 To make HF a true float64 reference, the test patches (within the test only) the two places where HF narrows
-float64 to float32: RMSNorm's `.to(float32)` and the rotary embedding's float32 angles. The loss is computed from
+float64 to float32: RMSNorm's `.to(float32)` and the rotary embedding's float32 angles (its float32 inverse
+frequencies are kept: ds_tsp.rope computes the same ones). The loss is computed from
 HF's logits in float64 (HF's loss_function upcasts with `.float()`, i.e. DOWNcasts float64); HF's own loss is
 checked separately, at float32 precision, to pin the shift_labels convention.
 """
@@ -57,13 +58,9 @@ def hf_float64(monkeypatch):
         return self.weight * x.to(dtype)
 
     def rotary_forward(self, x, position_ids):
-        assert self.rope_type == "default"
-        params = getattr(self.config, "rope_parameters", None) or {}  # transformers 5; 4.x: config.rope_theta
-        base = params.get("rope_theta", getattr(self.config, "rope_theta", None))
-        dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        # HF's own (float32) inverse frequencies, float64 angles: what ds_tsp.rope computes for float64 models
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=wide, device=x.device) / dim))
-        freqs = position_ids[..., None].to(wide) * inv_freq
+        freqs = position_ids[..., None].to(wide) * self.inv_freq.to(wide)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 

@@ -110,8 +110,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                **ds_kwargs):
     """Same call shape and return tuple as deepspeed.initialize: (engine, optimizer, dataloader, lr_scheduler).
 
-    `model` is a ModelShape, an HF config, an HF Llama-family model (converted, weights sharded), or a TSPCausalLM
-    built on a TSP group of the configured size. `state_dict` (HF names) initialises the shards; otherwise they
+    `model` is a ModelShape, an HF config, an HF Llama-family model (converted, weights sharded), a TSPCausalLM
+    built on a TSP group of the configured size, or the path of a local HF checkpoint: then every rank reads only
+    its slices and the engine wraps a ds_tsp.hf.TSPForCausalLM (HF call signature, `engine.module.save_pretrained`). `state_dict` (HF names) initialises the shards; otherwise they
     are initialised in place by TSPCausalLM.init_weights_(seed). `training_data` (samples with "input_ids" and
     optionally "labels"/"position_ids") comes back as a TSPDataLoader: data-parallel sampling, zigzag shards.
     The engine carries `tsp_groups` (ProcessGroups), `tsp_config` and `tsp_model`.
@@ -137,6 +138,13 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         tsp_model = None
         module, mpu = build_pipeline_module(shape, groups, comm, options_from_config(tsp), dtype=dtype,
                                             device=device, state_dict=state_dict, seed=seed), None
+    elif isinstance(model, (str, Path)):  # a local HF checkpoint: load by slices, train the HF-shaped model
+        from ds_tsp.hf import TSPForCausalLM
+
+        module = TSPForCausalLM.from_pretrained(model, comm, dtype=dtype, options=options_from_config(tsp),
+                                                device=device, data_group=groups.data_group)
+        tsp_model, mpu = module.tsp, TSPModelParallelUnit(groups)
+        _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
     else:
         tsp_model = build_tsp_model(model, comm, options_from_config(tsp), data_group=groups.data_group,
                                     state_dict=state_dict, seed=seed, dtype=dtype, device=device)

@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from ds_tsp.comm import TSPComm
+from ds_tsp.documents import document_starts
 from ds_tsp.errors import TSPConfigError
 from ds_tsp.model import TSPDecoderLayer, TSPLMHeadLoss, TSPOptions, TSPVocabEmbedding, count_valid_tokens
 from ds_tsp.layers.norm import TSPRMSNorm
 from ds_tsp.model_config import ModelShape
+from ds_tsp.partition import unshard
 from ds_tsp.rope import rope_cos_sin
 from ds_tsp.topology import ProcessGroups
 
@@ -34,13 +36,23 @@ class EmbeddingPipe(TSPVocabEmbedding):
 
 class DecoderPipe(TSPDecoderLayer):
     def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device, index: int):
-        super().__init__(shape, comm, options, dtype, device)
-        self.shape, self.index = shape, index
+        super().__init__(shape, comm, options, dtype, device, layer=index)
+        self.shape, self.index, self.comm = shape, index, comm
 
     def forward(self, inputs):
         h, position_ids, shift_labels = inputs
-        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, h.dtype)
-        return super().forward(h, cos, sin), position_ids, shift_labels
+        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, h.dtype,
+                                self.shape.rope_scaling)
+        return super().forward(h, cos, sin, self._doc_starts(position_ids)), position_ids, shift_labels
+
+    def _doc_starts(self, position_ids):
+        # Stages see only their own activations: locate packed documents from the global positions here.
+        if self.comm.size == 1:
+            return document_starts(position_ids)
+        gathered = torch.empty((self.comm.size, *position_ids.shape), dtype=position_ids.dtype,
+                               device=position_ids.device)
+        self.comm.all_gather(gathered, position_ids.contiguous()).wait()
+        return document_starts(unshard(list(gathered.unbind(0)), dim=1))
 
     def load_full(self, full: dict[str, torch.Tensor]) -> None:
         prefix = f"model.layers.{self.index}."
@@ -50,8 +62,8 @@ class DecoderPipe(TSPDecoderLayer):
                 {k[len("self_attn."):]: v for k, v in sub.items() if k.startswith("self_attn.")}))
             self.mlp.packed_shard.copy_(self.mlp.shard_full(
                 {k[len("mlp."):]: v for k, v in sub.items() if k.startswith("mlp.")}))
-            self.input_layernorm.weight.copy_(sub["input_layernorm.weight"])
-            self.post_attention_layernorm.weight.copy_(sub["post_attention_layernorm.weight"])
+            for name, param in self.replicated_params().items():
+                param.copy_(sub[name])
 
 
 class NormHeadLossPipe(nn.Module):

@@ -13,6 +13,12 @@ nq = n_heads/D and nkv = n_kv_heads/D are the heads of ONE block. With fewer kv 
 large D) each block holds the one kv head its query heads read (nkv = 1) and D/n_kv_heads blocks share it; their
 kv weight grads are summed across those replicas so the copies stay identical.
 
+Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict which keys a query sees:
+`doc_starts` (global token indices where documents start, per batch row) and `spec.window` go to
+ds_tsp.document_attention, which splits each zigzag chunk into pieces of plain causal attention (no [S, S] mask).
+Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
+applied to the local projections before RoPE, and undone by their written-out backward.
+
 Saved per block: the attention output and its log-sum-exp (local, O(S/D)); plus x once. Backward re-broadcasts
 each block's shard, recomputes the cheap local projections q, k, v from x (three small GEMMs instead of keeping
 [B, L, (nq + 2 nkv) d] per block), re-gathers K/V, runs the kernel backward with the saved output and
@@ -28,8 +34,9 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from ds_tsp import kernels
 from ds_tsp.comm import ShardGradReducer, TSPComm, broadcast_shards, gather_sequence, scatter_sequence_grad
+from ds_tsp.document_attention import masked_attention_backward, masked_attention_forward
+from ds_tsp.layers.norm import rms_norm, rms_norm_backward
 from ds_tsp.layers.packing import PackedLayout
 from ds_tsp.partition import zigzag_chunks
 from ds_tsp.rope import apply_rope, apply_rope_backward
@@ -55,6 +62,8 @@ class AttentionSpec:
             names += ["q"] + ([] if self.keep_gathered_kv else ["kv_local"])
         return tuple(names)
     kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
+    window: int | None = None  # sliding window (HF semantics: key s visible to query t iff t - window < s <= t)
+    qk_norm_eps: float | None = None  # Qwen3: RMSNorm (this eps) of every q and k head before RoPE; None: off
 
     @property
     def scale(self) -> float:
@@ -75,16 +84,37 @@ def _chunks(rank: int, tsp: int, local_len: int):
     return [(slice(i * c, (i + 1) * c), g * c) for i, g in enumerate(zigzag_chunks(tsp, rank))]
 
 
-def _project_q(x, w, spec: AttentionSpec, cos, sin):
+def _raw_q(x, w, spec: AttentionSpec):
     B, L, _ = x.shape
-    return apply_rope(F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim), cos, sin)
+    return F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim)
 
 
-def _project_kv(x, w, spec: AttentionSpec, cos, sin):
+def _raw_k(x, w, spec: AttentionSpec):
     B, L, _ = x.shape
-    k = F.linear(x, w["wk"], w.get("bk")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+    return F.linear(x, w["wk"], w.get("bk")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+
+
+def _norm(t, weight, spec: AttentionSpec):
+    return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps)
+
+
+def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None):
+    return apply_rope(_norm(_raw_q(x, w, spec), q_norm, spec), cos, sin)
+
+
+def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
+    B, L, _ = x.shape
+    k = apply_rope(_norm(_raw_k(x, w, spec), k_norm, spec), cos, sin)
     v = F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
-    return torch.stack([apply_rope(k, cos, sin), v])  # [2, B, L, nkv, d]
+    return torch.stack([k, v])  # [2, B, L, nkv, d]
+
+
+def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
+    """Grad w.r.t. the raw projection (and the norm weight's grad, or None) from the grad of the roped one."""
+    d = apply_rope_backward(d_roped, cos, sin)
+    if norm_weight is None:
+        return d, None
+    return rms_norm_backward(d, raw(), norm_weight, spec.qk_norm_eps)
 
 
 def _to_global_order(kv_rank_order: torch.Tensor) -> torch.Tensor:
@@ -111,24 +141,26 @@ def _to_rank_order(kv_global: torch.Tensor, tsp: int) -> torch.Tensor:
 
 class _TSPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, packed_shard, cos, sin, spec: AttentionSpec, comm: TSPComm):
+    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, spec: AttentionSpec, comm: TSPComm, doc_starts):
         B, L, h = x.shape
         D, p = comm.size, comm.rank
+        doc_starts = doc_starts if doc_starts is not None else ((0,),) * B
         y = torch.zeros_like(x)
         saved = []
         for j, shard in broadcast_shards(comm, packed_shard):
             w = spec.layout.unpack(shard)
-            kv_local = _project_kv(x, w, spec, cos, sin)
+            kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
             kv_ranked, gather = gather_sequence(comm, kv_local)
-            q = _project_q(x, w, spec, cos, sin)
+            q = _project_q(x, w, spec, cos, sin, q_norm)
             gather.wait()
             kv_all = _to_global_order(kv_ranked)
             del kv_ranked
             outs, lses = [], []
             for local, start in _chunks(p, D, L):
                 end = start + local.stop - local.start
-                o, lse = kernels.attention_forward(q[:, local], kv_all[0, :, :end], kv_all[1, :, :end],
-                                                   q_start=start, scale=spec.scale, backend=spec.kernel_backend)
+                o, lse = masked_attention_forward(q[:, local], kv_all[0, :, :end], kv_all[1, :, :end],
+                                                  q_start=start, doc_starts=doc_starts, window=spec.window,
+                                                  scale=spec.scale, backend=spec.kernel_backend)
                 outs.append(o)
                 lses.append(lse)
             out = torch.cat(outs, dim=1)
@@ -136,14 +168,18 @@ class _TSPAttention(torch.autograd.Function):
             block = {"out": out, "lse0": lses[0], "lse1": lses[1], "kv_all": kv_all, "q": q, "kv_local": kv_local}
             saved += [block[name] for name in spec.saved_per_block()]
             del kv_all
-        ctx.spec, ctx.comm = spec, comm
-        ctx.save_for_backward(x, packed_shard, cos, sin, *saved)
+        ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
+        ctx.has_qk_norm = q_norm is not None
+        norms = (q_norm, k_norm) if ctx.has_qk_norm else ()
+        ctx.save_for_backward(x, packed_shard, cos, sin, *norms, *saved)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        spec, comm = ctx.spec, ctx.comm
+        spec, comm, doc_starts = ctx.spec, ctx.comm, ctx.doc_starts
         x, packed_shard, cos, sin, *saved = ctx.saved_tensors
+        q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
+        dq_norm = dk_norm = None
         dy = dy.contiguous()
         B, L, h = x.shape
         D, p = comm.size, comm.rank
@@ -160,10 +196,10 @@ class _TSPAttention(torch.autograd.Function):
             else:
                 kv_local = block.get("kv_local")
                 if kv_local is None:
-                    kv_local = _project_kv(x, w, spec, cos, sin)
+                    kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
                 kv_ranked, gather = gather_sequence(comm, kv_local)
             # Work that needs no foreign K/V runs while the gather is in flight.
-            q = block["q"] if "q" in block else _project_q(x, w, spec, cos, sin)
+            q = block["q"] if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
             dout = (dy2d @ w["wo"]).view_as(out)
             grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])}
             if not spec.keep_gathered_kv:
@@ -174,30 +210,36 @@ class _TSPAttention(torch.autograd.Function):
             dq_chunks = []
             for (local, start), lse in zip(_chunks(p, D, L), lses):
                 end = start + local.stop - local.start
-                dq_c, dk_c, dv_c = kernels.attention_backward(
+                dq_c, dk_c, dv_c = masked_attention_backward(
                     dout[:, local], q[:, local], kv_all[0, :, :end], kv_all[1, :, :end], out[:, local], lse,
-                    q_start=start, scale=spec.scale, backend=spec.kernel_backend)
+                    q_start=start, doc_starts=doc_starts, window=spec.window, scale=spec.scale,
+                    backend=spec.kernel_backend)
                 dq_chunks.append(dq_c)
                 dkv_all[0, :, :end] += dk_c
                 dkv_all[1, :, :end] += dv_c
             del kv_all
             dkv_local, scatter = scatter_sequence_grad(comm, _to_rank_order(dkv_all, D))
             del dkv_all
-            dq = apply_rope_backward(torch.cat(dq_chunks, dim=1), cos, sin).reshape(-1, w["wq"].shape[0])
+            dq, dqn = _unproject(torch.cat(dq_chunks, dim=1), cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
+            dq = dq.reshape(-1, w["wq"].shape[0])
             dx.view(-1, h).addmm_(dq, w["wq"])
             grads["wq"] = dq.t() @ x2d
             scatter.wait()
-            dk = apply_rope_backward(dkv_local[0], cos, sin).reshape(-1, w["wk"].shape[0])
+            dk, dkn = _unproject(dkv_local[0], cos, sin, k_norm, lambda: _raw_k(x, w, spec), spec)
+            dk = dk.reshape(-1, w["wk"].shape[0])
             dv = dkv_local[1].reshape(-1, w["wv"].shape[0])
             dx.view(-1, h).addmm_(dk, w["wk"]).addmm_(dv, w["wv"])
             grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
             if spec.qkv_bias:
                 grads["bq"], grads["bk"], grads["bv"] = dq.sum(0), dk.sum(0), dv.sum(0)
+            if ctx.has_qk_norm:
+                dq_norm = dqn if dq_norm is None else dq_norm + dqn
+                dk_norm = dkn if dk_norm is None else dk_norm + dkn
             reducer.reduce(j, spec.layout.pack(grads))
         grad_shard = reducer.finish()
         if spec.kv_replicas > 1:
             _sum_kv_grads_over_replicas(grad_shard, spec, comm)
-        return dx, grad_shard, None, None, None, None
+        return dx, grad_shard, dq_norm, dk_norm, None, None, None, None, None
 
 
 def _sum_kv_grads_over_replicas(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
@@ -216,6 +258,15 @@ def _sum_kv_grads_over_replicas(grad_shard: torch.Tensor, spec: AttentionSpec, c
 
 
 def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  spec: AttentionSpec, comm: TSPComm) -> torch.Tensor:
-    """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner."""
-    return _TSPAttention.apply(x, packed_shard, cos, sin, spec, comm)
+                  spec: AttentionSpec, comm: TSPComm, *, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  doc_starts: tuple[tuple[int, ...], ...] | None = None) -> torch.Tensor:
+    """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner.
+
+    qk_norm: Qwen3's (q_norm, k_norm) weights [d]; their grads are this rank's contribution (sum them over the
+    group, e.g. with comm.replicated_param). doc_starts: per batch row, the global token indices where packed
+    documents start (None: one document per row).
+    """
+    q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
+    if (q_norm is None) != (spec.qk_norm_eps is None):
+        raise ValueError("spec.qk_norm_eps and the qk_norm weights must be given together")
+    return _TSPAttention.apply(x, packed_shard, q_norm, k_norm, cos, sin, spec, comm, doc_starts)

@@ -1,0 +1,75 @@
+"""RoPE frequencies and cos/sin equal transformers' own, rope type by rope type (float32 bit for bit)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_tsp.errors import TSPConfigError
+from ds_tsp.model_config import ModelShape
+from ds_tsp.rope import RopeScaling, rope_cos_sin
+
+transformers = pytest.importorskip("transformers")
+
+ROPE = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 8.0,
+             "beta_slow": 1.0},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16, "mscale": 0.8,
+                    "mscale_all_dim": 0.5, "truncate": False},
+}
+
+
+def hf_config(rope: dict | None, head_dim: int = 32, theta: float = 5000.0):
+    params = {"rope_type": "default", "rope_theta": theta, **(rope or {})}
+    return transformers.LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+                                    max_position_embeddings=256, rope_parameters=params)
+
+
+@pytest.mark.parametrize("name", ROPE)
+def test_cos_sin_equal_transformers(name):
+    config = hf_config(ROPE[name])
+    shape = ModelShape.from_hf_config(config)
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+    positions = torch.tensor([[0, 1, 5, 63, 64, 200, 4095]])
+    hf_cos, hf_sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = rope_cos_sin(positions, shape.dim_per_head, shape.rope_theta, torch.float32, shape.rope_scaling)
+    assert torch.equal(cos, hf_cos) and torch.equal(sin, hf_sin), name
+    # float64 angles from the same (float32) frequencies: what the float64-patched HF reference computes
+    cos64, _ = rope_cos_sin(positions, shape.dim_per_head, shape.rope_theta, torch.float64, shape.rope_scaling)
+    freqs = positions[..., None].double() * rotary.inv_freq.double()
+    expected = torch.cat((freqs, freqs), -1).cos() * rotary.attention_scaling
+    assert torch.equal(cos64, expected), name
+    if name != "default":
+        plain, _ = rope_cos_sin(positions, shape.dim_per_head, shape.rope_theta, torch.float32)
+        assert not torch.equal(plain, cos), f"{name} scaling changed nothing"
+
+
+def test_old_style_rope_scaling_dict():
+    cfg = {"model_type": "llama", "vocab_size": 32, "hidden_size": 64, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 500000.0, "max_position_embeddings": 512,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 64}}
+    shape = ModelShape.from_hf_config(cfg)
+    assert shape.rope_theta == 500000.0 and shape.rope_scaling.rope_type == "llama3"
+    assert shape.rope_scaling == ModelShape.from_hf_config(transformers.LlamaConfig(**cfg)).rope_scaling
+
+
+@pytest.mark.parametrize("rope, field", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic'"),
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}, "rope_type='longrope'"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+])
+def test_unsupported_rope_is_one_clear_error(rope, field):
+    cfg = {"model_type": "llama", "vocab_size": 32, "hidden_size": 64, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "rope_parameters": {"rope_theta": 1e4, **rope}}
+    with pytest.raises(TSPConfigError, match=field.replace("(", r"\(")):
+        ModelShape.from_hf_config(cfg)
+
+
+def test_missing_llama3_keys():
+    with pytest.raises(TSPConfigError, match="low_freq_factor"):
+        RopeScaling(rope_type="llama3", factor=8.0)
