@@ -133,7 +133,8 @@ class TSPCausalLM(nn.Module):
         """(final-norm hidden states of the local tokens [B, L, h], loss denominator or None without labels)."""
         n_valid, doc_starts = self._check_inputs(input_ids, shift_labels, position_ids, attention_mask)
         if n_valid is not None:
-            n_valid = normalise_over_data(n_valid, self.data_group).to(self.dtype)
+            # float32 at least: bf16 would round token counts above 256
+            n_valid = normalise_over_data(n_valid, self.data_group).to(torch.promote_types(self.dtype, torch.float32))
         cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, self.dtype,
                                 self.shape.rope_scaling)
         h = self.model.embed_tokens(input_ids)

@@ -27,3 +27,22 @@ class RepeatingPatterns(Dataset):
         phase = int(torch.randint(len(pattern), (1,), generator=g))
         reps = -(-(self.seq_len + phase) // len(pattern))
         return {"input_ids": pattern.repeat(reps)[phase:phase + self.seq_len].clone()}
+
+
+def save_tiny_llama(directory, *, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, intermediate_size: int = 176):
+    """Build a tiny Llama-3-style model from a config (llama3 rope, GQA, tied), deterministic in `seed`, and save
+    it with save_pretrained: a local checkpoint for examples and tests, never a download."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    return directory

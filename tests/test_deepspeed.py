@@ -15,22 +15,11 @@ from ds_tsp.errors import TSPConfigError  # noqa: E402
 from ds_tsp.launch import run_on_local_ranks  # noqa: E402
 from ds_tsp.model_config import ModelShape  # noqa: E402
 from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
-from ds_tsp.synthetic import RepeatingPatterns  # noqa: E402
+from masked_patterns import MaskedPatterns  # noqa: E402
 
 SHAPE = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 STEPS = 5
 ENV = {"DS_ACCELERATOR": "cpu"}
-
-
-class MaskedPatterns(RepeatingPatterns):
-    """Labels with a sample-dependent share of -100, so data replicas hold different numbers of targets."""
-
-    def __getitem__(self, index: int) -> dict:
-        sample = super().__getitem__(index)
-        labels = sample["input_ids"].clone()
-        g = torch.Generator().manual_seed(index)
-        labels[torch.rand(labels.shape, generator=g) < 0.3 * (index % 3)] = -100
-        return {**sample, "labels": labels}
 
 
 def ds_config(tsp: int, stage: int, pipeline_stages: int = 1, micro_batch: int = 2, **extra) -> dict:

@@ -392,3 +392,21 @@ def test_slice_read_keeps_only_the_slice_resident(tmp_path):
     assert col.peak_bytes < 0.45 * size, col
     # >= 100% up to Linux's per-CPU batching of RSS counters (a few hundred KB).
     assert loaded.peak_bytes >= 0.99 * size, loaded
+
+
+def test_replacing_a_checkpoint_keeps_the_directory_s_other_entries(tmp_path):
+    target = tmp_path / "out"
+    with StreamingCheckpointWriter(target) as w:
+        w.add("a", torch.zeros(3))
+        w.add_file("config.json", "{}")
+    (target / "checkpoint-10").mkdir()
+    (target / "checkpoint-10" / "state.json").write_text("kept")
+    (target / "README.md").write_text("kept too")
+    with StreamingCheckpointWriter(target, max_shard_size=8) as w:
+        w.add("a", torch.ones(3))
+        w.add("b", torch.ones(3))
+    assert (target / "checkpoint-10" / "state.json").read_text() == "kept"
+    assert (target / "README.md").read_text() == "kept too"
+    assert not (target / "config.json").exists()  # checkpoint files are the new save's only
+    assert (target / "model.safetensors.index.json").is_file() and not (target / "model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -338,6 +338,20 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _is_checkpoint_file(name: str) -> bool:
+    """Files a save replaces: weights, index, config (what save_pretrained writes)."""
+    return name in (SAFE_WEIGHTS_INDEX_NAME, "config.json", "generation_config.json") or (
+        name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _restore_foreign_entries(old: Path, target: Path) -> None:
+    """Move everything of the replaced directory that is not checkpoint files (a Trainer's checkpoint-* folders,
+    a README, ...) into the new one: saving a model into a directory replaces the model, not the directory."""
+    for entry in old.iterdir():
+        if not _is_checkpoint_file(entry.name) and not (target / entry.name).exists():
+            os.rename(entry, target / entry.name)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -365,6 +379,9 @@ class StreamingCheckpointWriter:
     renames also the complete old checkpoint in `.old-` with `directory` absent; it never leaves a partial
     `directory`. Stale siblings of the same target (their pid no longer alive) are deleted at the end of the next
     successful save of that target, not before, so a crash of that save cannot cost the last complete copy.
+    Entries of the old directory that are not checkpoint files (weights, index, config) are moved into the new
+    one after the swap (also from a stale `.old-` sibling, before it is deleted): saving a model into a
+    Trainer's output_dir replaces the model, not its checkpoint-* folders.
     """
 
     def __init__(
@@ -536,6 +553,7 @@ class StreamingCheckpointWriter:
             os.rename(old, self.directory)  # put the old checkpoint back
             raise
         _fsync(parent)
+        _restore_foreign_entries(old, self.directory)
         shutil.rmtree(old, ignore_errors=True)
 
     def _remove_stale_siblings(self) -> None:
@@ -549,4 +567,6 @@ class StreamingCheckpointWriter:
             with _ACTIVE_LOCK:
                 active = entry in _ACTIVE_TMP_DIRS
             if not active and (pid == os.getpid() or not _pid_alive(pid)):
+                if ".old-" in entry.name and self.directory.is_dir():
+                    _restore_foreign_entries(entry, self.directory)  # a kill came before they were moved back
                 shutil.rmtree(entry, ignore_errors=True)

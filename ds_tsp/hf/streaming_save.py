@@ -4,7 +4,7 @@ For each sharded module (an embedding, one layer's attention, one layer's MLP, t
 the packed shards to the writer only (dist.gather, not all-gather), the writer reassembles that module's HF
 tensors and hands them to StreamingCheckpointWriter, which writes a safetensors shard whenever max_shard_size is
 reached. Writer memory: one checkpoint shard plus one module. Under ZeRO-3 each parameter is gathered over the
-data axis just for its turn. Everything is written into a temporary directory that is renamed into place at the
+data axis just for its turn, under FSDP2 its DTensor is made whole the same way. Everything is written into a temporary directory that is renamed into place at the
 end, so an interrupted save never leaves a partial checkpoint under `directory`.
 
 A failure on the writer (disk full, ...) must not strand the other ranks in the next gather: the writer keeps
@@ -23,13 +23,19 @@ from ds_tsp.hf.safetensors_io import StreamingCheckpointWriter
 from ds_tsp.model import TSPCausalLM
 
 
-def _zero3_gathered(param: torch.nn.Parameter):
-    """Under ZeRO-3 a parameter is partitioned over the data axis: gather it for the duration (else a no-op)."""
-    if not hasattr(param, "ds_id"):
-        return contextlib.nullcontext()
-    import deepspeed
+@contextlib.contextmanager
+def _whole_on_this_rank(param: torch.nn.Parameter):
+    """This rank's whole TSP shard for the duration: under ZeRO-3 (partitioned over the data axis) gathered, under
+    FSDP2 (a DTensor sharded over the data mesh) its full_tensor(); both collective over the data axis."""
+    if hasattr(param, "ds_id"):
+        import deepspeed
 
-    return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            yield param.detach()
+    elif hasattr(param, "full_tensor"):
+        yield param.detach().full_tensor()
+    else:
+        yield param.detach()
 
 
 def _is_writer() -> bool:
@@ -57,15 +63,15 @@ def save_streaming(model: TSPCausalLM, directory: str | Path, config_json: str, 
 
     comm = model.comm
     for prefix, module, param in model.sharded_modules():
-        with _zero3_gathered(param):
-            shards = comm.gather_to(param.detach(), dst=0)
+        with _whole_on_this_rank(param) as whole:
+            shards = comm.gather_to(whole, dst=0)
         if shards is not None:
             for name, tensor in module.unshard(shards).items():
                 add(prefix + name, tensor)
         del shards
     for name, param in model.replicated_params().items():
-        with _zero3_gathered(param):
-            add(name, param)
+        with _whole_on_this_rank(param) as whole:
+            add(name, whole)
     if writer is not None:
         try:
             if failure is None:

@@ -77,7 +77,7 @@ class NormHeadLossPipe(nn.Module):
 
     def forward(self, inputs):
         h, _, shift_labels = inputs
-        n_valid = count_valid_tokens(shift_labels, self.comm, self.data_group).to(h.dtype)
+        n_valid = count_valid_tokens(shift_labels, self.comm, self.data_group).to(torch.promote_types(h.dtype, torch.float32))
         return self.lm_head(self.norm(h), shift_labels, n_valid)
 
     def load_full(self, full: dict[str, torch.Tensor]) -> None:

@@ -52,7 +52,7 @@ class _TSPLMHeadLoss(torch.autograd.Function):
         loss = ((lse - target) * valid).sum() / n_valid_total
         ctx.vocab_size, ctx.comm = vocab_size, comm
         ctx.save_for_backward(x, vocab_shard, shift_labels, lse, n_valid_total)
-        return loss.to(x.dtype)
+        return loss  # float32 (or wider): a bf16 share would round the sum of shares and the logged loss
 
     @staticmethod
     def backward(ctx, dloss):
