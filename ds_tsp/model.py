@@ -220,6 +220,13 @@ class TSPCausalLM(nn.Module):
         """
         return loss_share + (self.loss_for_logging(loss_share) - loss_share).detach()
 
+    def tsp_group_loss(self, loss_share: torch.Tensor) -> torch.Tensor:
+        """Value: the shares summed over the TSP group (this data replica's part); gradient: this rank's share."""
+        total = loss_share.detach().clone()
+        if self.comm.size > 1:
+            dist.all_reduce(total, group=self.comm.group)
+        return loss_share + (total - loss_share).detach()
+
     def loss_for_logging(self, loss_share: torch.Tensor) -> torch.Tensor:
         """The global mean loss (TSP shares summed, data replicas averaged), detached, identical on all ranks."""
         total = loss_share.detach().clone()

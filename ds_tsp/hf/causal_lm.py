@@ -56,6 +56,7 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
 
 class TSPForCausalLM(nn.Module):
     main_input_name = "input_ids"
+    accepts_loss_kwargs = True  # the Trainer passes num_items_in_batch
 
     def __init__(self, config, tsp_group=None, *, options: TSPOptions = TSPOptions(),
                  dtype: torch.dtype = torch.float32, device=None, data_group=None):
@@ -128,7 +129,8 @@ class TSPForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None, logits_to_keep: int = 0, *,
-                tsp_shard: tuple[int, int] | None = None, seq_len: int | None = None, **kwargs):
+                tsp_shard: tuple[int, int] | None = None, seq_len: int | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None, **kwargs):
         """transformers' causal-LM call. Returns CausalLMOutputWithPast(loss, logits).
 
         labels: HF convention (shifted inside); shift_labels: already shifted (DeepSpeed ALST convention).
@@ -136,6 +138,9 @@ class TSPForCausalLM(nn.Module):
         position_ids restarting at 0 mark packed documents (DataCollatorWithFlattening); attention stays inside.
         logits_to_keep=k: full-vocab logits of the last k positions, gathered from the vocab shards (logits of
         every position are only built when k = the sequence length). Without labels, logits_to_keep is required.
+        num_items_in_batch (the Trainer's): labelled tokens of the whole accumulated batch over all ranks; the
+        loss is then token sum / num_items_in_batch, its value this data replica's part (summed over the TSP group),
+        as transformers' models do per process.
         """
         self._check_kwargs(kwargs)
         if input_ids is None:
@@ -153,7 +158,11 @@ class TSPForCausalLM(nn.Module):
         h, n_valid = self.tsp.final_hidden(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                                            batch["shift_labels"])
         loss = logits = None
-        if has_targets:
+        if has_targets and num_items_in_batch is not None:
+            total = torch.as_tensor(num_items_in_batch, device=h.device).to(n_valid.dtype).reshape(())
+            share = self.tsp.head_loss(h, batch["shift_labels"], total, batch["attention_mask"])
+            loss = self.tsp.tsp_group_loss(share)
+        elif has_targets:
             share = self.tsp.head_loss(h, batch["shift_labels"], n_valid, batch["attention_mask"])
             loss = self.tsp.global_loss(share)
         if logits_to_keep:

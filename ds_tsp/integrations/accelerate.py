@@ -68,7 +68,7 @@ def _cpu_defaults(kwargs: dict, mode: str) -> dict:
 
 
 class TSPAccelerator(_accelerate.Accelerator):
-    def __init__(self, *args, tsp_size: int | None = None, **kwargs):
+    def __init__(self, *args, tsp_size: int | None = None, tsp_groups: ProcessGroups | None = None, **kwargs):
         self.tsp_setup: TSPAccelerateSetup = resolve_setup(
             os.environ, tsp_size=tsp_size, deepspeed_plugin=kwargs.get("deepspeed_plugin"),
             fsdp_plugin=kwargs.pop("fsdp_plugin", None), parallelism_config=kwargs.pop("parallelism_config", None))
@@ -84,7 +84,9 @@ class TSPAccelerator(_accelerate.Accelerator):
                                  f"{layout.data}: launch with ds_configs/accelerate_tsp.yaml (DeepSpeed) or "
                                  "accelerate_tsp_fsdp2.yaml (FSDP2) for data parallelism, or TSPAccelerator(tsp_size="
                                  f"{self.num_processes})")
-        self.tsp_groups = ProcessGroups.build(layout) if dist.is_initialized() else None
+        if tsp_groups is not None and tsp_groups.layout != layout:
+            raise TSPConfigError(f"tsp_groups were built for {tsp_groups.layout}, the config asks for {layout}")
+        self.tsp_groups = tsp_groups or (ProcessGroups.build(layout) if dist.is_initialized() else None)
         self.tsp_comm = TSPComm(self.tsp_groups.tsp_group if self.tsp_groups else None, overlap=tsp.overlap)
         self.tsp_model: TSPForCausalLM | None = None
 
