@@ -33,7 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--max_steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq_len", type=int, default=64)
-    p.add_argument("--global_batch", type=int, default=4)
+    p.add_argument("--global_batch", type=int, default=None,
+                   help="samples per optimizer step over all replicas (default: what the DeepSpeed JSON implies, "
+                        "micro batch x data replicas x accumulation; 4 without one)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--packed", action="store_true", help="pack documents with DataCollatorWithFlattening")
@@ -85,7 +87,10 @@ def main(argv=None):
     data_size = world // ds.get("tsp", {}).get("size", 1) if distributed else 1
     # Values the DeepSpeed JSON states are the run's (the Trainer insists they match its arguments).
     accumulation = _explicit(ds, "gradient_accumulation_steps") or args.gradient_accumulation_steps
-    micro = _explicit(ds, "train_micro_batch_size_per_gpu") or args.global_batch // (data_size * accumulation)
+    micro = _explicit(ds, "train_micro_batch_size_per_gpu")
+    if args.global_batch is None:
+        args.global_batch = micro * data_size * accumulation if micro else 4
+    micro = micro or args.global_batch // (data_size * accumulation)
     lr = (ds.get("optimizer") or {}).get("params", {}).get("lr", args.lr)
     if micro * data_size * accumulation != args.global_batch:
         raise SystemExit(f"--global_batch {args.global_batch} != micro batch {micro} x data replicas {data_size} x "
