@@ -49,7 +49,12 @@ def batches(samples, batch_size):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    from accelerate.utils import DataLoaderConfiguration
+
+    # split_batches: the loader's batch is the GLOBAL micro-batch, split over the data replicas, and schedulers step
+    # once per optimizer step: the same run whatever the layout.
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              dataloader_config=DataLoaderConfiguration(split_batches=True))
     model_path = args.model_name_or_path
     if model_path is None:
         model_path = str(Path(args.output_dir) / "initial")
@@ -61,8 +66,8 @@ def main(argv=None) -> list[dict]:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    micro = args.global_batch // (accelerator.data_size * args.gradient_accumulation_steps)
-    if micro < 1 or micro * accelerator.data_size * args.gradient_accumulation_steps != args.global_batch:
+    micro = args.global_batch // args.gradient_accumulation_steps  # over all data replicas
+    if micro % accelerator.data_size or micro * args.gradient_accumulation_steps != args.global_batch:
         raise SystemExit(f"--global_batch {args.global_batch} must be a multiple of data replicas "
                          f"({accelerator.data_size}) x gradient_accumulation_steps")
     data = RepeatingPatterns(vocab_size=model.config.vocab_size, seq_len=args.seq_len,
@@ -70,8 +75,10 @@ def main(argv=None) -> list[dict]:
     samples = [{"input_ids": data[i]["input_ids"], "labels": data[i]["input_ids"], "index": i}
                for i in range(len(data))]
     train, held_out = samples[:args.max_steps * args.global_batch], samples[args.max_steps * args.global_batch:]
-    model, optimizer, loader, eval_loader = accelerator.prepare(model, optimizer, batches(train, micro),
-                                                                batches(held_out or train[:1], micro))
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.5,
+                                                  total_iters=args.max_steps)
+    model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, batches(train, micro), batches(held_out or train[:1], micro), scheduler)
     state_dir = Path(args.output_dir) / "state"
     log, losses, done = [], [], 0
     if args.resume:
@@ -88,6 +95,7 @@ def main(argv=None) -> list[dict]:
             if accelerator.sync_gradients:
                 norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             line = {"step": done + len(log) + 1, "loss": float(torch.stack(losses).mean()), "grad_norm": float(norm)}

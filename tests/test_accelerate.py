@@ -64,6 +64,7 @@ def test_single_process_run_equals_a_plain_transformers_loop(reference):
     out, lines = reference
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "initial", dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.5, total_iters=4)
     from ds_tsp.synthetic import RepeatingPatterns
 
     data = RepeatingPatterns(vocab_size=model.config.vocab_size, seq_len=64, num_samples=22, seed=0)
@@ -73,6 +74,7 @@ def test_single_process_run_equals_a_plain_transformers_loop(reference):
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad()
         assert _close(line["loss"], loss.item()) and _close(line["grad_norm"], norm.item(), 1e-4), (line, loss, norm)
     evaluation = [line for line in lines if "eval_loss" in line][0]

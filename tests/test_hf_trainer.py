@@ -69,6 +69,11 @@ def test_tsp2_equals_plain_trainer_with_eval_save_and_resume(tmp_path):
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").state_dict()
     for name, value in want.items():  # norm-wise: Adam's early steps magnify fp32 noise in single tiny entries
         assert (saved[name] - value).norm() <= 1e-4 * value.norm(), name
+    probe = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the TSP save, in plain transformers, scores like the plain Trainer's model
+        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tsp")(input_ids=probe).logits
+        ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref")(input_ids=probe).logits
+    assert (got - ref).norm() <= 1e-4 * ref.norm()
     assert (tmp_path / "tsp" / "checkpoint-2" / "config.json").is_file(), "checkpoints are in HF layout"
     assert (tmp_path / "tsp" / "checkpoint-4").is_dir(), "the final save_model kept the checkpoints"
 

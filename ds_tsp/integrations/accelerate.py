@@ -67,6 +67,25 @@ def _cpu_defaults(kwargs: dict, mode: str) -> dict:
     return {**kwargs, "kwargs_handlers": handlers}
 
 
+class DataAxisScheduler(_accelerate.scheduler.AcceleratedScheduler):
+    """Accelerate steps a scheduler once per PROCESS per optimizer step (each process consumed a batch); under TSP
+    the ranks of a TSP group share one batch, so it steps once per data replica."""
+
+    data_size: int = 1
+
+    def step(self, *args, **kwargs):
+        if not self.step_with_optimizer or self.split_batches or not self.gradient_state.sync_gradients:
+            return super().step(*args, **kwargs)
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return None
+        for _ in range(self.data_size):
+            if getattr(self.scheduler, "total_steps", None) is not None and \
+                    self.scheduler._step_count > self.scheduler.total_steps:
+                break
+            self.scheduler.step(*args, **kwargs)
+        return None
+
+
 class TSPAccelerator(_accelerate.Accelerator):
     def __init__(self, *args, tsp_size: int | None = None, tsp_groups: ProcessGroups | None = None, **kwargs):
         self.tsp_setup: TSPAccelerateSetup = resolve_setup(
@@ -133,6 +152,9 @@ class TSPAccelerator(_accelerate.Accelerator):
                 prepared = super().prepare(*[result[i] for i in keep])
             for i, obj in zip(keep, prepared if isinstance(prepared, tuple) else (prepared,)):
                 result[i] = obj
+        for obj in result:
+            if isinstance(obj, _accelerate.scheduler.AcceleratedScheduler):
+                obj.__class__, obj.data_size = DataAxisScheduler, self.data_size
         return result[0] if len(result) == 1 else tuple(result)
 
     def _convert_model(self, model) -> TSPForCausalLM:
@@ -187,7 +209,8 @@ class TSPAccelerator(_accelerate.Accelerator):
             if not loaders or loaders[0].batch_size is None:
                 raise TSPConfigError("train_micro_batch_size_per_gpu is 'auto' but prepare got no dataloader with a "
                                      "batch_size: set it in the DeepSpeed JSON or prepare the dataloader together")
-            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = loaders[0].batch_size
+            per_replica = loaders[0].batch_size // (self.data_size if self.split_batches else 1)
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_replica
         original = deepspeed.initialize
         groups, data_size, model = self.tsp_groups, self.data_size, self.tsp_model
 
