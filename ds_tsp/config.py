@@ -24,6 +24,8 @@ class TSPConfig(BaseModel):
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
     timeout_s: int = Field(1800, ge=1, description="collective timeout; a failed rank never hangs the others")
     kernel: Literal["auto", "flash_attn", "cpu_flash", "math"] = Field("auto", description="attention kernel")
+    on_nonfinite: Literal["error", "skip"] = Field("error", description="a NaN/inf loss or gradient: stop with the "
+                                                                        "step and parameter, or skip that step")
 
 
 def _describe(field: str) -> str:

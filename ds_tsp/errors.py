@@ -3,3 +3,7 @@
 
 class TSPConfigError(ValueError):
     """Bad input: the message names the field, the value and the fix."""
+
+
+class TSPNonFiniteError(FloatingPointError):
+    """A NaN/inf loss or gradient, raised on every rank in the same step; names the step and the first parameter."""

@@ -76,7 +76,10 @@ def main(argv=None) -> int:
     pipelined = groups.pipe_size > 1
     batches = pipeline_batches(loader) if pipelined else iter(loader)
 
+    step_count = [0]
+
     def train_step() -> float:
+        step_count[0] += 1
         if pipelined:
             share = engine.train_batch(batches)
         else:
@@ -85,7 +88,11 @@ def main(argv=None) -> int:
                 b = next(batches)
                 loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
                 engine.backward(loss)
-                engine.step()
+                # NaN/inf anywhere: every rank stops (or, with "on_nonfinite": "skip", skips) in the same step
+                if engine.tsp_guard.check(loss, step_count[0]):
+                    engine.step()
+                else:
+                    engine.zero_grad()
                 share += loss.detach() / engine.gradient_accumulation_steps()
         share = torch.as_tensor(share, dtype=torch.float32).clone()
         dist.all_reduce(share, group=groups.tsp_group)  # TSP ranks hold shares of the loss

@@ -23,6 +23,7 @@ from ds_tsp.errors import TSPConfigError
 from ds_tsp.integrations.mpu import TSPModelParallelUnit
 from ds_tsp.model import TSPCausalLM, TSPOptions
 from ds_tsp.model_config import ModelShape
+from ds_tsp.nonfinite import NonFiniteGuard
 from ds_tsp.topology import ParallelLayout, ProcessGroups
 
 
@@ -115,7 +116,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     its slices and the engine wraps a ds_tsp.hf.TSPForCausalLM (HF call signature, `engine.module.save_pretrained`). `state_dict` (HF names) initialises the shards; otherwise they
     are initialised in place by TSPCausalLM.init_weights_(seed). `training_data` (samples with "input_ids" and
     optionally "labels"/"position_ids") comes back as a TSPDataLoader: data-parallel sampling, zigzag shards.
-    The engine carries `tsp_groups` (ProcessGroups), `tsp_config` and `tsp_model`.
+    The engine carries `tsp_groups` (ProcessGroups), `tsp_config`, `tsp_model` and `tsp_guard` (a NonFiniteGuard:
+    `if engine.tsp_guard.check(loss, step): engine.step()`, else `engine.zero_grad()`; None with pipeline stages).
     """
     deepspeed = import_deepspeed()
     ds_config = load_ds_config(config, args)
@@ -150,6 +152,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                     state_dict=state_dict, seed=seed, dtype=dtype, device=device)
         module, mpu = tsp_model, TSPModelParallelUnit(groups)
         _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
+    guard = None  # the pipeline engine steps inside train_batch: nothing to guard from outside
+    if tsp.pipeline_stages == 1:
+        if tsp.on_nonfinite == "skip" and (ds_config.get("gradient_accumulation_steps") or 1) != 1:
+            raise TSPConfigError('tsp.on_nonfinite="skip" with gradient_accumulation_steps > 1: a skipped micro-batch '
+                                 "would desynchronise DeepSpeed's accumulation boundary; use 1, or \"error\"")
+        guard = NonFiniteGuard(module, policy=tsp.on_nonfinite)  # hooks before DeepSpeed moves any grad
     if model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]
     engine, opt, _, sched = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=model_parameters,
@@ -160,6 +168,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         loader = TSPDataLoader(training_data, groups, micro_batch_size=engine.train_micro_batch_size_per_gpu(),
                                seed=seed)
     engine.tsp_groups, engine.tsp_config, engine.tsp_model = groups, tsp, tsp_model
+    engine.tsp_guard = guard
     return engine, opt, loader, sched
 
 
