@@ -17,7 +17,7 @@ from ds_tsp.comm import TSPComm, ring_backward, ring_forward
 def _shard_logits(x2d, shard, owner, vocab_size, compute_dtype):
     rows = shard.shape[0]
     logits = (x2d @ shard.t()).to(compute_dtype)
-    pad = (owner + 1) * rows - vocab_size
+    pad = min((owner + 1) * rows - vocab_size, rows)  # a shard can be ALL padding when V is tiny next to D
     if pad > 0:  # rows past the real vocabulary (padding to a multiple of D) never win
         logits[:, rows - pad:] = float("-inf")
     return logits
@@ -38,8 +38,9 @@ class _TSPLMHeadLoss(torch.autograd.Function):
             nonlocal running_max, running_sum
             logits = _shard_logits(x2d, shard, owner, vocab_size, compute_dtype)
             new_max = torch.maximum(running_max, logits.max(dim=1).values)
-            running_sum = running_sum * torch.exp(running_max - new_max) + torch.exp(
-                logits - new_max[:, None]).sum(dim=1)
+            # -inf until a shard with real rows came by (all-padding shards first): exp(-inf - -inf) would be NaN
+            shift = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
+            running_sum = running_sum * torch.exp(running_max - shift) + torch.exp(logits - shift[:, None]).sum(dim=1)
             running_max = new_max
             local = labels - owner * rows
             hit = (local >= 0) & (local < rows)
