@@ -12,6 +12,11 @@ computing on the current one:
 Byte accounting (`CommCounter`) follows the algorithm's logical volume per rank: a broadcast counts on receivers,
 a reduce on senders, all-gather counts the (D-1)/D of its output that arrives, reduce-scatter the (D-1)/D of its
 input that leaves, a ring hop counts what is sent. Summed over a full head-block loop every rank counts the same.
+
+Every blocking wait is bounded by `TSPComm.timeout_s` (ds_tsp.watchdog): a dead or stalled peer ends the rank with
+one stderr line naming the collective, the layer (`comm.context`, kept by ds_tsp.watchdog.label_modules) and the
+rank waited for, and exit code ds_tsp.watchdog.EXIT_CODE. Blocking torch.distributed calls made elsewhere are
+bounded the same way inside `with comm.guard("what"):`.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from ds_tsp.watchdog import Blocked, Guard, TSPCommError, guard, post_failed, watched_wait  # noqa: F401
 
 # torch >= 2.10 renamed all_gather_into_tensor; the old name warns on every call.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -58,26 +65,34 @@ class CommCounter:
 
 
 class Handle:
-    """Pending communication; `wait()` blocks and charges the blocked time to the counter."""
+    """Pending communication; `wait()` blocks (at most `timeout_s`, see ds_tsp.watchdog) and charges the blocked
+    time to the counter."""
 
     @classmethod
-    def started(cls, works: list, counter: CommCounter, keep_alive: tuple, overlap: bool) -> "Handle":
-        handle = cls(works, counter, keep_alive)
+    def started(cls, works: list, counter: CommCounter, keep_alive: tuple, overlap: bool,
+                blocked: Blocked | None = None, timeout_s: float | None = None) -> "Handle":
+        handle = cls(works, counter, keep_alive, blocked, timeout_s)
         if not overlap:
             handle.wait()
         return handle
 
-    def __init__(self, works: list, counter: CommCounter, keep_alive: tuple = ()):
+    def __init__(self, works: list, counter: CommCounter, keep_alive: tuple = (), blocked: Blocked | None = None,
+                 timeout_s: float | None = None):
         self._works = [w for w in works if w is not None]
         self._counter = counter
         self._keep_alive = keep_alive  # buffers a pending op reads or writes must outlive it
+        self._blocked = blocked  # what to report if the wait fails or outlives timeout_s
+        self._timeout_s = timeout_s
 
     def wait(self) -> None:
         if not self._works:
             return
         start = time.perf_counter()
-        for work in self._works:
-            work.wait()
+        if self._blocked is None:
+            for work in self._works:
+                work.wait()
+        else:
+            watched_wait(self._works, self._blocked, self._timeout_s)
         self._counter.wait_s += time.perf_counter() - start
         self._works = []
         self._keep_alive = ()
@@ -89,17 +104,29 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class TSPComm:
-    """The TSP process group plus its counter. Passed explicitly to every layer; no module-global state."""
+    """The TSP process group plus its counter. Passed explicitly to every layer; no module-global state.
+
+    timeout_s bounds every blocking wait (None: unbounded, and a failed collective raises TSPCommError instead of
+    ending the process). `context` names what runs now ("model.layers.3.self_attn forward"): any code may set it
+    (a plain attribute store); ds_tsp.watchdog.label_modules(model) keeps it current from module names.
+    """
 
     group: dist.ProcessGroup | None
     counter: CommCounter = field(default_factory=CommCounter)
     overlap: bool = True  # False: every transfer completes before compute resumes (to measure what overlap hides)
+    timeout_s: float | None = 1800
+    context: str = field(default="", compare=False)
 
     def __post_init__(self):
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
+            raise ValueError(f"TSPComm(timeout_s={self.timeout_s!r}): must be a number of seconds > 0, or None to "
+                             "wait without bound")
         if self.group is None or not dist.is_initialized():
             self.rank, self.size = 0, 1
+            self._ranks = [dist.get_rank() if dist.is_initialized() else 0]
         else:
             self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+            self._ranks = dist.get_process_group_ranks(self.group)  # global rank of each TSP rank
 
     @classmethod
     def single(cls) -> "TSPComm":
@@ -107,51 +134,85 @@ class TSPComm:
         return cls(group=None)
 
     def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank)
+        return self._ranks[group_rank]
+
+    def guard(self, what: str, group: dist.ProcessGroup | None = None, context: str | None = None) -> Guard:
+        """`with comm.guard("loss all_reduce"): dist.all_reduce(t, group=comm.group)`: the block's blocking
+        torch.distributed calls get this comm's timeout_s and one-message report. group: the group they talk to
+        (its other ranks are the waited-for peers; default the TSP group); context: default comm.context."""
+        return guard(what, timeout_s=self.timeout_s, group=group, comm=self, context=context)
+
+    def _started(self, works: list, keep_alive: tuple, kind: str, peer: tuple, what: str | None) -> Handle:
+        return Handle.started(works, self.counter, keep_alive, self.overlap, Blocked(self, kind, peer, what),
+                              self.timeout_s)
+
+    def _post_failed(self, err: RuntimeError, kind: str, peer: tuple, what: str | None):
+        post_failed(Blocked(self, kind, peer, what), err, self.timeout_s)
+        raise err  # not reached: post_failed exits the process or raises TSPCommError
 
     # --- raw async collectives ---------------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+    # `what` (optional) says what moves, for the report of a failed or stalled wait: "shard of head block 2"
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str | None = None) -> Handle:
         if self.size == 1:
             return Handle([], self.counter)
         if self.rank != src:
             self.counter.add("broadcast", _nbytes(tensor))
-        work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
-        return Handle.started([work], self.counter, (tensor,), self.overlap)
+        try:
+            work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "broadcast", ("src", src), what)
+        return self._started([work], (tensor,), "broadcast", ("src", src), what)
 
-    def reduce(self, tensor: torch.Tensor, dst: int) -> Handle:
+    def reduce(self, tensor: torch.Tensor, dst: int, what: str | None = None) -> Handle:
         """Sum into `tensor` on dst. The buffer is clobbered elsewhere by some backends: never reuse it there."""
         if self.size == 1:
             return Handle([], self.counter)
         if self.rank != dst:
             self.counter.add("reduce", _nbytes(tensor))
-        work = dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return Handle.started([work], self.counter, (tensor,), self.overlap)
+        try:
+            work = dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "reduce", ("dst", dst), what)
+        return self._started([work], (tensor,), "reduce", ("dst", dst), what)
 
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> Handle:
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, what: str | None = None) -> Handle:
         """out: D * local.numel() elements (any shape, contiguous), filled in rank order."""
         if self.size == 1:
             out.copy_(local.reshape(out.shape))
             return Handle([], self.counter)
         self.counter.add("all_gather", _nbytes(out) * (self.size - 1) // self.size)
-        work = _all_gather_single(out.view(-1), local.contiguous().view(-1), group=self.group, async_op=True)
-        return Handle.started([work], self.counter, (out, local), self.overlap)
+        try:
+            work = _all_gather_single(out.view(-1), local.contiguous().view(-1), group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "all_gather", ("group",), what)
+        return self._started([work], (out, local), "all_gather", ("group",), what)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Handle:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str | None = None) -> Handle:
         """full in rank order (chunk r goes to rank r); out receives the sum of every rank's chunk `self.rank`."""
         if self.size == 1:
             out.copy_(full.reshape(out.shape))
             return Handle([], self.counter)
         self.counter.add("reduce_scatter", _nbytes(full) * (self.size - 1) // self.size)
-        work = _reduce_scatter_single(out.view(-1), full.contiguous().view(-1), op=dist.ReduceOp.SUM,
-                                      group=self.group, async_op=True)
-        return Handle.started([work], self.counter, (out, full), self.overlap)
+        try:
+            work = _reduce_scatter_single(out.view(-1), full.contiguous().view(-1), op=dist.ReduceOp.SUM,
+                                          group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "reduce_scatter", ("group",), what)
+        return self._started([work], (out, full), "reduce_scatter", ("group",), what)
 
-    def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce") -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce", what: str | None = None,
+                   context: str | None = None) -> Handle:
         if self.size == 1:
             return Handle([], self.counter)
         self.counter.add(kind, 2 * _nbytes(tensor) * (self.size - 1) // self.size)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return Handle.started([work], self.counter, (tensor,), self.overlap)
+        name = "all_reduce" if kind == "all_reduce" else f"all_reduce[{kind}]"
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, name, ("group",), what)
+        return Handle.started([work], self.counter, (tensor,), self.overlap,
+                              Blocked(self, name, ("group",), what, context), self.timeout_s)
 
     def gather_to(self, local: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
         """Blocking: every rank's `local` (same shape) on group rank `dst`, in rank order; None elsewhere.
@@ -164,16 +225,24 @@ class TSPComm:
         out = [torch.empty_like(local) for _ in range(self.size)] if self.rank == dst else None
         if self.rank != dst:
             self.counter.add("gather", _nbytes(local))
-        dist.gather(local, out, dst=self._global(dst), group=self.group)
+        try:
+            work = dist.gather(local, out, dst=self._global(dst), group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "gather", ("dst", dst), None)
+        Handle([work], self.counter, (local,), Blocked(self, "gather", ("dst", dst)), self.timeout_s).wait()
         return out
 
-    def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Handle:
+    def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, what: str | None = None) -> Handle:
         """Send to rank p+1 and receive from rank p-1 (the ring order of the weight ring)."""
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.counter.add("ring", _nbytes(send))
-        works = [dist.isend(send, dst=self._global(nxt), group=self.group, tag=tag),
-                 dist.irecv(recv, src=self._global(prv), group=self.group, tag=tag)]
-        return Handle.started(works, self.counter, (send, recv), self.overlap)
+        peer = ("ring", prv, nxt)
+        try:
+            works = [dist.isend(send, dst=self._global(nxt), group=self.group, tag=tag),
+                     dist.irecv(recv, src=self._global(prv), group=self.group, tag=tag)]
+        except RuntimeError as err:
+            self._post_failed(err, "ring", peer, what)
+        return self._started(works, (send, recv), "ring", peer, what)
 
 
 # --- shard broadcast --------------------------------------------------------------------------------------
@@ -185,10 +254,11 @@ def broadcast_shards(comm: TSPComm, own_shard: torch.Tensor, order: range | None
     order = list(range(comm.size)) if order is None else list(order)
 
     def start(j: int):
+        what = f"shard of block {j}"
         if j == comm.rank:
-            return own_shard.detach(), comm.broadcast(own_shard.detach(), src=j)
+            return own_shard.detach(), comm.broadcast(own_shard.detach(), src=j, what=what)
         buf = torch.empty_like(own_shard, memory_format=torch.contiguous_format)
-        return buf, comm.broadcast(buf, src=j)
+        return buf, comm.broadcast(buf, src=j, what=what)
 
     pending = start(order[0])
     for i, j in enumerate(order):
@@ -213,7 +283,7 @@ class ShardGradReducer:
 
     def reduce(self, owner: int, grad_contribution: torch.Tensor) -> None:
         # A fresh buffer per block: non-owners must not reuse a reduce buffer.
-        self._pending.append(self.comm.reduce(grad_contribution, dst=owner))
+        self._pending.append(self.comm.reduce(grad_contribution, dst=owner, what=f"grad of block {owner}"))
         if owner == self.comm.rank:
             self.own_grad = grad_contribution
         while len(self._pending) > self.in_flight:
@@ -232,7 +302,7 @@ def _post_weight_hop(comm: TSPComm, shard: torch.Tensor, step: int):
     if step == comm.size - 1:
         return None, None
     nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
-    return nxt, comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG)
+    return nxt, comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG, what=f"weight hop {step + 1}/{comm.size - 1}")
 
 
 def ring_forward(comm: TSPComm, own_shard: torch.Tensor, step: Callable[[int, torch.Tensor], None]) -> None:
@@ -272,7 +342,7 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
             grad_hop.wait()
             contribution = contribution + grad_in
         grad_in = torch.empty_like(contribution)
-        grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG)
+        grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG, what=f"grad hop {k + 1}/{comm.size}")
         sent.append(grad_hop)
         if weight_hop is not None:
             weight_hop.wait()
@@ -286,13 +356,13 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
 def gather_sequence(comm: TSPComm, local: torch.Tensor) -> tuple[torch.Tensor, Handle]:
     """Start gathering `local` from every rank; returns ([D, *local.shape] in rank order, handle)."""
     out = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
-    return out, comm.all_gather(out.view(-1), local.reshape(-1))
+    return out, comm.all_gather(out.view(-1), local.reshape(-1), what="sequence gather")
 
 
 def scatter_sequence_grad(comm: TSPComm, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
     """Backward dual of gather_sequence: full [D, *local_shape] in rank order -> summed local [*local_shape]."""
     out = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
-    return out, comm.reduce_scatter(out.view(-1), full.reshape(-1))
+    return out, comm.reduce_scatter(out.view(-1), full.reshape(-1), what="sequence grad scatter")
 
 
 # --- differentiable wrappers (composable outside the fused layers, and the unit of the primitive tests) ---
@@ -340,12 +410,14 @@ class _ReplicatedParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param, comm):
         ctx.comm = comm
+        ctx.context = comm.context  # this grad is summed late in backward: report the layer that used the param
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, kind="replicated_grad").wait()
+        context = ctx.context.replace(" forward", " backward") if ctx.context else None
+        ctx.comm.all_reduce(grad, kind="replicated_grad", what="replicated weight grad", context=context).wait()
         return grad, None
 
 

@@ -83,7 +83,8 @@ class TSPTrainer(_transformers.Trainer):
         self.tsp_config = tsp
         self.tsp_groups = ProcessGroups.build(ParallelLayout.from_world_size(world, tsp=tsp.size)) \
             if dist.is_initialized() else None
-        comm = TSPComm(self.tsp_groups.tsp_group if self.tsp_groups else None, overlap=tsp.overlap)
+        comm = TSPComm(self.tsp_groups.tsp_group if self.tsp_groups else None, overlap=tsp.overlap,
+                              timeout_s=tsp.timeout_s)
         from ds_tsp.integrations.convert import to_tsp_model
         from ds_tsp.integrations.deepspeed import options_from_config
 

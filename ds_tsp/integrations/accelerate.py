@@ -106,7 +106,8 @@ class TSPAccelerator(_accelerate.Accelerator):
         if tsp_groups is not None and tsp_groups.layout != layout:
             raise TSPConfigError(f"tsp_groups were built for {tsp_groups.layout}, the config asks for {layout}")
         self.tsp_groups = tsp_groups or (ProcessGroups.build(layout) if dist.is_initialized() else None)
-        self.tsp_comm = TSPComm(self.tsp_groups.tsp_group if self.tsp_groups else None, overlap=tsp.overlap)
+        self.tsp_comm = TSPComm(self.tsp_groups.tsp_group if self.tsp_groups else None, overlap=tsp.overlap,
+                              timeout_s=tsp.timeout_s)
         self.tsp_model: TSPForCausalLM | None = None
 
     # --- layout -------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from ds_tsp.comm import TSPComm
 from ds_tsp.errors import TSPConfigError
 from ds_tsp.hf import TSPForCausalLM
 from ds_tsp.model import TSPCausalLM, TSPOptions
+from ds_tsp.watchdog import label_modules
 
 
 def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dtype=None,
@@ -26,7 +27,7 @@ def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dt
             raise TSPConfigError(f"the TSPForCausalLM was built for tsp={model.tsp.comm.size} but the config asks "
                                  f"for tsp={comm.size}: pass the HF model (or its checkpoint path) instead")
         model.tsp.set_data_parallel_group(data_group)
-        return model
+        return label_modules(model)
     if isinstance(model, (str, Path)) or (hasattr(model, "config") and hasattr(model, "state_dict")):
         if not isinstance(model, (str, Path)) and not hasattr(model.config, "model_type"):
             raise TSPConfigError(f"{type(model).__name__} has no config.model_type: TSP converts transformers "
@@ -35,7 +36,7 @@ def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dt
                                                    data_group=data_group)
         if not isinstance(model, (str, Path)) and getattr(model, "is_gradient_checkpointing", False):
             converted.gradient_checkpointing_enable()
-        return converted
+        return label_modules(converted)  # a stalled collective's report names its layer
     raise TSPConfigError(f"model={type(model).__name__}: TSP converts a transformers Llama / Mistral / Qwen2 / Qwen3 "
                          "causal LM, its local checkpoint directory, or a ds_tsp.hf.TSPForCausalLM")
 

@@ -25,6 +25,7 @@ from ds_tsp.model import TSPCausalLM, TSPOptions
 from ds_tsp.model_config import ModelShape
 from ds_tsp.nonfinite import NonFiniteGuard
 from ds_tsp.topology import ParallelLayout, ProcessGroups
+from ds_tsp.watchdog import label_modules
 
 
 def import_deepspeed():
@@ -127,7 +128,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     deepspeed.init_distributed(timeout=timedelta(seconds=tsp.timeout_s))
     layout = ParallelLayout.from_world_size(dist.get_world_size(), tsp=tsp.size, pipe=tsp.pipeline_stages)
     groups = ProcessGroups.build(layout)
-    comm = TSPComm(groups.tsp_group, overlap=tsp.overlap)
+    comm = TSPComm(groups.tsp_group, overlap=tsp.overlap, timeout_s=tsp.timeout_s)  # bounds every TSP wait
     if dtype is None:
         dtype = torch.bfloat16 if (ds_config.get("bf16") or {}).get("enabled") else torch.float32
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -152,6 +153,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                     state_dict=state_dict, seed=seed, dtype=dtype, device=device)
         module, mpu = tsp_model, TSPModelParallelUnit(groups)
         _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
+    label_modules(module, comm)  # a stalled collective's report names its layer
     guard = None  # the pipeline engine steps inside train_batch: nothing to guard from outside
     if tsp.pipeline_stages == 1:
         if tsp.on_nonfinite == "skip" and (ds_config.get("gradient_accumulation_steps") or 1) != 1:

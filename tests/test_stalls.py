@@ -1,0 +1,293 @@
+"""A dead (SIGKILL) or stalled (SIGSTOP) rank ends every other rank within timeout_s + 30 s, with ONE message.
+
+The ranks are plain processes started with the standard torch.distributed variables (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT), as on separate nodes: no local launcher tears the job down, and the process group keeps
+gloo's default 1800 s timeout, so only TSPComm(timeout_s=...) can bound the stall. This file is also the rank
+script: `python tests/test_stalls.py rank STEPS TIMEOUT_S`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ds_tsp.watchdog import EXIT_CODE, MESSAGE_PREFIX, Blocked, TSPCommError, describe, watched_wait
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 5
+KINDS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "ring", "gather", "loss all_reduce")
+LAYER = r"layer: (TSPCausalLM|model\.[\w.]+|lm_head|step \d+ loss logging)( forward| backward| recompute)?"
+
+
+# --- the rank script ------------------------------------------------------------------------------------------
+def _rank_main(steps: int, timeout_s: float | None) -> None:
+    import torch.distributed as dist
+
+    from ds_tsp.comm import TSPComm
+    from ds_tsp.launch import init_from_env
+    from ds_tsp.model import TSPCausalLM
+    from ds_tsp.model_config import ModelShape
+    from ds_tsp.partition import shard_batch
+    from ds_tsp.watchdog import label_modules, stats
+
+    torch.set_num_threads(1)
+    rank, world = init_from_env(backend="gloo")  # process-group timeout: the 1800 s default
+    comm = TSPComm(dist.group.WORLD, timeout_s=timeout_s)
+    shape = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2)
+    model = label_modules(TSPCausalLM(shape, comm).init_weights_(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, shape.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = shard_batch(ids, tsp=world, rank=rank)
+    start = time.perf_counter()
+    for step in range(steps):
+        loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        logged = loss.detach().clone()
+        with comm.guard("loss all_reduce", context=f"step {step} loss logging"):
+            dist.all_reduce(logged, group=comm.group)
+        print(f"step {step} loss {float(logged):.4f}", flush=True)
+    with comm.guard("final barrier"):
+        dist.barrier()
+    print("DONE " + json.dumps({**stats(), "seconds": time.perf_counter() - start}), flush=True)
+    # Leave without tearing gloo down: torch 2.13's teardown itself aborts now and then ("terminate called without
+    # an active exception", rc 134, also with the watchdog off). test_watchdog_thread_never_blocks_exit covers a
+    # normal interpreter exit with the watchdog thread alive.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# --- the tests ------------------------------------------------------------------------------------------------
+class _Ranks:
+    """`world` rank processes on one free port; stdout/stderr go to files (no pipe can fill and block a rank)."""
+
+    def __init__(self, tmp_path: Path, world: int, steps: int, timeout_s: float | None):
+        from ds_tsp.launch import free_port
+
+        port = free_port()
+        self.tmp, self.procs, self.files = tmp_path, [], []
+        for r in range(world):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+            out, err = open(tmp_path / f"rank{r}.out", "w"), open(tmp_path / f"rank{r}.err", "w")
+            self.files += [out, err]
+            self.procs.append(subprocess.Popen(
+                [sys.executable, __file__, "rank", str(steps), str(timeout_s)], env=env, stdout=out, stderr=err,
+                cwd=REPO, start_new_session=True))
+
+    def out(self, r: int) -> str:
+        return (self.tmp / f"rank{r}.out").read_text()
+
+    def err(self, r: int) -> str:
+        return (self.tmp / f"rank{r}.err").read_text()
+
+    def wait_for_step(self, step: int, deadline_s: float = 60) -> None:
+        deadline = time.monotonic() + deadline_s
+        while not all(f"step {step} " in self.out(r) for r in range(len(self.procs))):
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            assert not dead, f"rank {dead[0]} exited early ({self.procs[dead[0]].returncode}):\n{self.err(dead[0])}"
+            assert time.monotonic() < deadline, "ranks did not reach step %d:\n%s" % (step, self.err(0))
+            time.sleep(0.05)
+
+    def wait_exit(self, r: int, limit_s: float) -> float | None:
+        """Seconds until rank r exited, or None if it is still running after limit_s."""
+        start = time.monotonic()
+        while self.procs[r].poll() is None:
+            if time.monotonic() - start > limit_s:
+                return None
+            time.sleep(0.02)
+        return time.monotonic() - start
+
+    def cleanup(self) -> None:
+        """SIGCONT, SIGKILL and reap every process this test started, whatever the assertions did."""
+        for p in self.procs:
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+                pass
+        for f in self.files:
+            f.close()
+
+
+def _messages(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith(MESSAGE_PREFIX)]
+
+
+@pytest.mark.parametrize("how,victim", [("kill", 1), ("stop", 0)])
+def test_dead_or_stalled_rank_ends_the_others(tmp_path, how, victim):
+    world = 2
+    ranks = _Ranks(tmp_path, world, steps=100_000, timeout_s=TIMEOUT_S)
+    try:
+        ranks.wait_for_step(2)
+        os.kill(ranks.procs[victim].pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        for r in range(world):
+            if r == victim:
+                continue
+            took = ranks.wait_exit(r, TIMEOUT_S + 30)
+            err = ranks.err(r)
+            assert took is not None, f"rank {r} still running {TIMEOUT_S + 30} s after the {how}:\n{err[-2000:]}"
+            done = "killed" if how == "kill" else "stopped"
+            print(f"{how}: rank {r} exited {took:.1f} s after rank {victim} was {done}\n{err}")
+            assert ranks.procs[r].returncode == EXIT_CODE, err
+            messages = _messages(err)
+            assert len(messages) == 1, err
+            message = messages[0]
+            assert ("failed" if how == "kill" else "timed out") in message
+            assert any(f"{MESSAGE_PREFIX} {kind}" in message for kind in KINDS), message
+            assert re.search(LAYER, message), message
+            assert re.search(rf"waiting for rank {victim}\b", message), message
+            if how == "stop":
+                assert f"timeout_s={TIMEOUT_S}" in message
+                assert took >= TIMEOUT_S - 1, "a stalled peer must be given timeout_s before the rank gives up"
+    finally:
+        ranks.cleanup()
+    assert all(p.returncode is not None for p in ranks.procs)
+
+
+def test_healthy_run_is_not_disturbed(tmp_path):
+    """With the watchdog armed, a run ends normally; the watchdog thread wakes a few times in total, not per
+    collective (it sleeps until the earliest deadline)."""
+    world, steps = 2, 12
+    ranks = _Ranks(tmp_path, world, steps=steps, timeout_s=TIMEOUT_S)
+    try:
+        for r in range(world):
+            assert ranks.wait_exit(r, 90) is not None
+        for r in range(world):
+            assert ranks.procs[r].returncode == 0, ranks.err(r)
+            assert not _messages(ranks.err(r)), ranks.err(r)
+            done = json.loads(ranks.out(r).split("DONE ", 1)[1])
+            print(f"rank {r}: {done}")
+            assert done["arms"] >= steps * 20  # every wait of every step was armed ...
+            assert done["wakeups"] <= 3 + 2 * done["seconds"] / TIMEOUT_S  # ... the thread woke ~2x per timeout_s
+    finally:
+        ranks.cleanup()
+
+
+def test_watchdog_thread_never_blocks_exit():
+    """The watchdog thread is a daemon: an interpreter with it started (and a wait armed and done) exits at once."""
+    code = ("from ds_tsp.watchdog import WATCHDOG, Blocked, stats\n"
+            "WATCHDOG.disarm(WATCHDOG.arm(Blocked(None, 'probe', ('group',)), 600.0))\n"
+            "assert stats()['thread'], stats()\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 30
+
+
+# --- in-process: cost of arming, failure without a watchdog, message format -----------------------------------
+class _Done:
+    def wait(self):
+        return True
+
+
+class _Broken:
+    def wait(self):
+        raise RuntimeError("[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242. "
+                           "This is typically caused by a remote worker crashing.")
+
+
+def _fake_comm(rank=0, size=2, ranks=None, context="model.layers.1.mlp backward"):
+    return SimpleNamespace(rank=rank, size=size, _ranks=ranks or list(range(size)), context=context)
+
+
+def test_arming_costs_microseconds():
+    works, blocked, n = [_Done()], Blocked(_fake_comm(), "broadcast", ("src", 1)), 20_000
+
+    def per_wait(timeout_s):
+        start = time.perf_counter()
+        for _ in range(n):
+            watched_wait(works, blocked, timeout_s)
+        return (time.perf_counter() - start) / n
+
+    bare = min(per_wait(None) for _ in range(3))
+    armed = min(per_wait(30.0) for _ in range(3))
+    print(f"per wait: {bare * 1e6:.2f} us unarmed, {armed * 1e6:.2f} us armed")
+    assert armed - bare < 20e-6  # a gloo collective costs >= tens of us; arming is ~1 us
+
+
+def test_failure_without_watchdog_raises_one_clear_error():
+    blocked = Blocked(_fake_comm(rank=0, size=3), "ring", ("ring", 2, 1), "weight hop 1/2")
+    with pytest.raises(TSPCommError) as info:
+        watched_wait([_Broken()], blocked, None)
+    text = str(info.value)
+    assert text.startswith(f"{MESSAGE_PREFIX} ring (weight hop 1/2) failed on rank 0 (TSP rank 0 of 3)")
+    assert "waiting for rank 2 (ring receive) or rank 1 (ring send)" in text
+    assert "Connection closed by peer [127.0.0.1]:4242" in text and "pair.cc" not in text
+    assert "layer: model.layers.1.mlp backward" in text
+    assert "test_stalls.py" in text  # the call site
+
+
+def test_message_names_global_ranks():
+    comm = _fake_comm(rank=1, size=2, ranks=[4, 6], context="model.layers.0.self_attn forward")
+    text = describe(Blocked(comm, "broadcast", ("src", 0), "shard of block 0"), "timed out", 5.01, 5)
+    assert "waiting for rank 4 (TSP rank 0) (the broadcast source)" in text and "timeout_s=5" in text
+    text = describe(Blocked(comm, "reduce", ("dst", 1)), "timed out", 5.0, 5)
+    assert "waiting for rank 4 (the reduce contributors; this rank is the destination)" in text
+    text = describe(Blocked(comm, "all_gather", ("group",)), "timed out", 5.0, 5)
+    assert "waiting for rank 4 (the rest of the TSP group)" in text
+
+
+def test_label_modules_names_forward_backward_and_resets():
+    from torch import nn
+
+    from ds_tsp.comm import TSPComm
+    from ds_tsp.watchdog import label_modules
+
+    comm = TSPComm.single()
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(comm.context)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(comm.context)
+            return g * 2
+
+    class Leaf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.comm = comm
+
+        def forward(self, x):
+            return Probe.apply(x)
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.comm, self.blocks = comm, nn.ModuleList([Leaf(), Leaf()])
+
+        def forward(self, x):
+            seen.append(comm.context)
+            return self.blocks[1](self.blocks[0](x)).sum()
+
+    model = label_modules(label_modules(Root()))  # idempotent
+    model(torch.ones(3, requires_grad=True)).backward()
+    assert seen == ["Root forward", "blocks.0 forward", "blocks.1 forward", "blocks.1 backward", "blocks.0 backward"]
+    assert comm.context == ""  # reset when the backward pass ended
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "rank":
+    _rank_main(int(sys.argv[2]), None if sys.argv[3] == "None" else float(sys.argv[3]))
