@@ -9,3 +9,19 @@ def initialize(*args, **kwargs):
     from ds_tsp.integrations.deepspeed import initialize as _initialize
 
     return _initialize(*args, **kwargs)
+
+
+def save_training_checkpoint(*args, **kwargs):
+    """ds_tsp's own training checkpoint of a ds_tsp.initialize engine: see
+    ds_tsp.integrations.deepspeed_checkpoint.save_training_checkpoint."""
+    from ds_tsp.integrations.deepspeed_checkpoint import save_training_checkpoint as _save
+
+    return _save(*args, **kwargs)
+
+
+def load_training_checkpoint(*args, **kwargs):
+    """Resume a ds_tsp.initialize engine (any TSP x data layout): see
+    ds_tsp.integrations.deepspeed_checkpoint.load_training_checkpoint."""
+    from ds_tsp.integrations.deepspeed_checkpoint import load_training_checkpoint as _load
+
+    return _load(*args, **kwargs)

@@ -116,6 +116,9 @@ class TSPComm:
     overlap: bool = True  # False: every transfer completes before compute resumes (to measure what overlap hides)
     timeout_s: float | None = 1800
     context: str = field(default="", compare=False)
+    # The open ds_tsp.replicated_grads.ReplicatedGradBucket (one model forward), or None: replicated_param asks it
+    # first so the grads of replicated weights are summed in one all-reduce per backward.
+    grad_bucket: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
@@ -426,5 +429,11 @@ def replicated_param(param: torch.Tensor, comm: TSPComm) -> torch.Tensor:
 
     For parameters every rank holds whole (norm weights): each rank saw different tokens, so the true gradient
     is the sum of the per-rank ones, and summing keeps the replicas identical after the optimizer step.
+    Inside an open ReplicatedGradBucket (TSPCausalLM's forward) the sum joins that bucket's one all-reduce;
+    otherwise (a layer called on its own, a pipeline stage, FSDP2 / ZeRO-3 params) this use reduces by itself.
     """
+    if comm.grad_bucket is not None:
+        bucketed = comm.grad_bucket.use(param)
+        if bucketed is not None:
+            return bucketed
     return _ReplicatedParam.apply(param, comm)

@@ -1,7 +1,7 @@
 """The "tsp" block of a DeepSpeed JSON config, validated: every error names the key and the allowed values.
 
     {"tsp": {"size": 4, "pipeline_stages": 1, "keep_gathered_kv": false, "overlap": true,
-             "activation_checkpointing": false, "timeout_s": 1800, "kernel": "auto"}}
+             "activation_checkpointing": false, "timeout_s": 1800, "kernel": "auto", "lm_head_chunk_tokens": 4096}}
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class TSPConfig(BaseModel):
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
     timeout_s: int = Field(1800, ge=1, description="collective timeout; a failed rank never hangs the others")
     kernel: Literal["auto", "flash_attn", "cpu_flash", "math"] = Field("auto", description="attention kernel")
+    lm_head_chunk_tokens: int = Field(4096, ge=1, description="tokens per logits tile of the LM head loss: "
+                                                              "bounds its largest transient to [tokens, V/D]")
     on_nonfinite: Literal["error", "skip"] = Field("error", description="a NaN/inf loss or gradient: stop with the "
                                                                         "step and parameter, or skip that step")
 

@@ -5,6 +5,7 @@ zigzag shard of them; labels are shifted before the sequence is cut, so no token
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -38,15 +39,46 @@ class TSPDataLoader:
         self.sampler = DistributedSampler(dataset, num_replicas=groups.data_size, rank=groups.data_rank,
                                           shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batches = BatchSampler(self.sampler, micro_batch_size, drop_last=drop_last)
+        self.micro_batch_size, self.seed = micro_batch_size, seed
+        self._yielded = 0  # micro-batches handed out in this epoch (the position a checkpoint records)
+        self._resume_at = 0  # micro-batches the next iteration skips (set by load_state_dict)
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.sampler.epoch:
+            self._yielded = self._resume_at = 0
         self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.batches)
 
+    # --- position, for checkpoints (layout-independent: counted in samples of the whole data axis) -------------
+    def state_dict(self) -> dict:
+        return {"epoch": self.sampler.epoch, "samples_in_epoch": self._yielded * self._samples_per_batch(),
+                "seed": self.seed, "num_samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_samples"):
+            mine = self.seed if key == "seed" else len(self.dataset)
+            if state.get(key) != mine:
+                raise TSPConfigError(f"the checkpoint's data loader had {key}={state.get(key)!r}, this one {mine!r}: "
+                                     "resume with the same dataset and seed, or the data order cannot continue")
+        per_batch = self._samples_per_batch()
+        if state["samples_in_epoch"] % per_batch:
+            raise TSPConfigError(
+                f"the checkpoint stopped {state['samples_in_epoch']} samples into epoch {state['epoch']}, not a "
+                f"multiple of this layout's {per_batch} samples per micro-batch round (micro_batch_size "
+                f"{self.micro_batch_size} x data degree {self.groups.data_size}): pick a micro batch that divides it")
+        self.sampler.set_epoch(state["epoch"])
+        self._yielded = self._resume_at = state["samples_in_epoch"] // per_batch
+
+    def _samples_per_batch(self) -> int:
+        return self.micro_batch_size * self.groups.data_size
+
     def __iter__(self) -> Iterator[dict]:
-        for indices in self.batches:
+        start, self._resume_at = self._resume_at, 0
+        self._yielded = start
+        for indices in itertools.islice(self.batches, start, None):
+            self._yielded += 1
             samples = [self.dataset[i] for i in indices]
             batch = shard_batch(_stack(samples, "input_ids"), tsp=self.groups.tsp_size, rank=self.groups.tsp_rank,
                                 labels=_stack(samples, "labels"), position_ids=_stack(samples, "position_ids"),

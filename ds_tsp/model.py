@@ -31,6 +31,7 @@ from ds_tsp.model_config import ModelShape
 from ds_tsp.modules import (HeadNorm, TSPAttention, TSPDecoderLayer, TSPGatedMLP, TSPLMHeadLoss,  # noqa: F401
                             TSPVocabEmbedding, TSPVocabShard, mark_sharded)
 from ds_tsp.partition import unshard, zigzag_positions
+from ds_tsp.replicated_grads import ReplicatedGradBucket
 from ds_tsp.rope import rope_cos_sin
 
 
@@ -42,6 +43,13 @@ class TSPOptions:
     keep_gathered_kv: bool = False  # keep each block's gathered K/V for backward: O(S) memory, no re-gather
     activation_checkpointing: bool = False  # save only each decoder layer's input; recompute the layer in backward
     recompute_projections: bool = True  # recompute cheap local q/k/v and MLP gate/up GEMMs in backward
+    lm_head_chunk_tokens: int = 4096  # LM head + loss builds logits [<= this many tokens, V/D] at a time
+
+    def __post_init__(self):
+        n = self.lm_head_chunk_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise TSPConfigError(f"TSPOptions(lm_head_chunk_tokens={n!r}): must be an integer >= 1 (tokens per "
+                                 "logits tile of the LM head loss)")
 
     @classmethod
     def speed(cls, **overrides) -> "TSPOptions":
@@ -83,7 +91,8 @@ class TSPCausalLM(nn.Module):
         self.shape, self.comm, self.options = shape, comm, options
         self.model = _Backbone(shape, comm, options, dtype, device)
         self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device,
-                                     tied_to=self.model.embed_tokens if shape.tie_word_embeddings else None)
+                                     tied_to=self.model.embed_tokens if shape.tie_word_embeddings else None,
+                                     chunk_tokens=options.lm_head_chunk_tokens)
         self.set_data_parallel_group(data_group)
 
     def set_data_parallel_group(self, data_group: dist.ProcessGroup | None) -> None:
@@ -137,13 +146,16 @@ class TSPCausalLM(nn.Module):
             n_valid = normalise_over_data(n_valid, self.data_group).to(torch.promote_types(self.dtype, torch.float32))
         cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, self.dtype,
                                 self.shape.rope_scaling)
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            if self.options.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, doc_starts, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, doc_starts)
-        return self.model.norm(h), n_valid
+        # One all-reduce for every norm weight's grad, posted by the last one's backward (see replicated_grads);
+        # opened before the embedding so that its backward ring overlaps the bucket's all-reduce.
+        with ReplicatedGradBucket(self.comm, self.replicated_params().values()):
+            h = self.model.embed_tokens(input_ids)
+            for layer in self.model.layers:
+                if self.options.activation_checkpointing and torch.is_grad_enabled():
+                    h = checkpoint(layer, h, cos, sin, doc_starts, use_reentrant=False)
+                else:
+                    h = layer(h, cos, sin, doc_starts)
+            return self.model.norm(h), n_valid
 
     @property
     def dtype(self) -> torch.dtype:

@@ -210,8 +210,10 @@ class TSPLMHeadLoss(TSPVocabShard):
     """LM head fused with the loss. Tied: owns no weight and reads the embedding's shard (which ZeRO-3 must then
     treat as an external parameter of this module)."""
 
-    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, tied_to: TSPVocabShard | None = None):
+    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, tied_to: TSPVocabShard | None = None,
+                 chunk_tokens: int = 4096):
         super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device)
+        self.chunk_tokens = chunk_tokens  # tokens per logits tile: bounds the loss's largest transient
         self.tied = tied_to is not None
         if self.tied:
             del self.vocab_shard
@@ -227,7 +229,8 @@ class TSPLMHeadLoss(TSPVocabShard):
         if select is not None:
             local_index, slots, k = select
             return tsp_selected_logits(h, self.weight, local_index, slots, k, self.vocab_size, self.comm)
-        return tsp_lm_head_loss(h, self.weight, shift_labels, n_valid_total, self.vocab_size, self.comm)
+        return tsp_lm_head_loss(h, self.weight, shift_labels, n_valid_total, self.vocab_size, self.comm,
+                                chunk_tokens=self.chunk_tokens)
 
 
 class TSPDecoderLayer(nn.Module):

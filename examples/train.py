@@ -2,6 +2,11 @@
 
     deepspeed --num_gpus 4 examples/train.py --ds_config ds_configs/tsp.json
     torchrun --standalone --nproc_per_node 4 examples/train.py --ds_config ds_configs/tsp_zero3.json
+    torchrun ... examples/train.py --ds_config ... --save_dir ckpt --save_every 100 --resume
+
+--save_dir/--save_every write ds_tsp training checkpoints (weights + optimizer state per shard, manifest with
+checksums, the newest --keep_last kept); --resume continues from the newest complete one (a fresh start when there
+is none), also on another TSP x data layout with the same global batch.
 
 The "tsp" block of the config turns TSP on ({"size": D}); ZeRO shards over the data axis, pipeline_stages adds
 an outer pipe axis. Works on CPU (gloo) and on GPUs (NCCL) unchanged. Rank 0 shows a progress bar and prints one
@@ -41,10 +46,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--save_dir", default=None, help="write ds_tsp training checkpoints here (step-<N>/)")
+    p.add_argument("--save_every", type=int, default=0, help="save every N steps (0: only with --save_dir at the end)")
+    p.add_argument("--keep_last", type=int, default=3, help="checkpoints to keep in --save_dir")
+    p.add_argument("--resume", action="store_true", help="continue from --save_dir's newest complete checkpoint")
     p.add_argument("--export", default=None, help="write a consolidated safetensors checkpoint here at the end")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                    help="set by the deepspeed launcher")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.resume or args.save_every) and not args.save_dir:
+        p.error("--resume and --save_every need --save_dir DIR")
+    if args.save_every < 0:
+        p.error(f"--save_every {args.save_every}: a number of steps >= 1 (or 0 for the end only)")
+    return args
 
 
 def peak_memory_mib(step_fn) -> float:
@@ -74,9 +88,15 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     groups = engine.tsp_groups
     pipelined = groups.pipe_size > 1
+    start = 0
+    if args.resume:  # before the first batch is drawn: the loader continues where the checkpoint stopped
+        start = ds_tsp.load_training_checkpoint(engine, args.save_dir, loader=loader) or 0
+        if rank == 0:
+            print(json.dumps({"resumed_from_step": start} if start else {"resume": "no checkpoint, fresh start"}),
+                  flush=True)
     batches = pipeline_batches(loader) if pipelined else iter(loader)
 
-    step_count = [0]
+    step_count = [start]
 
     def train_step() -> float:
         step_count[0] += 1
@@ -104,23 +124,29 @@ def main(argv=None) -> int:
     if rank == 0:
         print(json.dumps({"layout": {"pipe": groups.pipe_size, "data": groups.data_size, "tsp": groups.tsp_size},
                           "model": args.model, "seq_len": args.seq_len}), flush=True)
-    losses = []
-    for step in tqdm(range(1, args.max_steps), disable=rank != 0, desc="train", file=sys.stderr):
-        start = time.perf_counter()
+    def maybe_save(step: int) -> None:
+        if args.save_dir and ((args.save_every and step % args.save_every == 0) or step == args.max_steps):
+            ds_tsp.save_training_checkpoint(engine, args.save_dir, step, loader=loader, keep_last=args.keep_last)
+
+    losses, peak = [], 0.0
+    for step in tqdm(range(start + 1, args.max_steps), disable=rank != 0, desc="train", file=sys.stderr):
+        began = time.perf_counter()
         losses.append(train_step())
+        if rank == 0:  # the full float: a resumed run can be compared bit for bit
+            tqdm.write(json.dumps({"step": step, "loss": losses[-1], "step_s": round(time.perf_counter() - began, 4)}))
+        maybe_save(step)
+    if start < args.max_steps:
+        last = []
+        peak = peak_memory_mib(lambda: last.append(train_step()))
+        losses += last
         if rank == 0:
-            tqdm.write(json.dumps({"step": step, "loss": round(losses[-1], 6),
-                                   "step_s": round(time.perf_counter() - start, 4)}))
-    last = []
-    peak = peak_memory_mib(lambda: last.append(train_step()))
-    losses += last
-    if rank == 0:
-        print(json.dumps({"step": args.max_steps, "loss": round(losses[-1], 6)}), flush=True)
+            print(json.dumps({"step": args.max_steps, "loss": losses[-1]}), flush=True)
+        maybe_save(args.max_steps)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, round(peak, 2))
     if rank == 0:
-        print(json.dumps({"peak_memory_mib_per_rank": peaks, "first_loss": losses[0], "last_loss": losses[-1]}),
-              flush=True)
+        print(json.dumps({"peak_memory_mib_per_rank": peaks, "first_loss": losses[0] if losses else None,
+                          "last_loss": losses[-1] if losses else None}), flush=True)
     if args.export and not pipelined:
         save_consolidated(engine.tsp_model, args.export)
     return 0

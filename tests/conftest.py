@@ -1,4 +1,5 @@
-"""Shared pytest setup: `slow` tests are opt-in (pytest --runslow, or RUN_SLOW=1 in the environment)."""
+"""Shared pytest setup: `slow` tests are opt-in (pytest --runslow, or RUN_SLOW=1 in the environment); `soak`
+tests run only when selected (pytest -m soak)."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,11 @@ def _run_slow(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "soak" not in (config.getoption("-m") or ""):
+        skip_soak = pytest.mark.skip(reason="soak: run with pytest -m soak")
+        for item in items:
+            if "soak" in item.keywords:
+                item.add_marker(skip_soak)
     if _run_slow(config):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow or RUN_SLOW=1")

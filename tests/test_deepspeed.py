@@ -74,6 +74,14 @@ def test_tsp2_dp2_zero_stages_match_reference(reference_run):
         assert torch.allclose(norms, ref_norms, rtol=1e-4), (stage, run["grad_norms"], reference_run["grad_norms"])
 
 
+def test_tsp4_with_kv_heads_shared_by_ranks_matches_reference(reference_run):
+    """num_kv_heads=2 < D=4: each kv head lives on its group's leader only, so DeepSpeed's clipping norm (summed over
+    the TSP-sharded elements of every rank) counts it once; it did count each replica before."""
+    run = run_on_local_ranks(_train, 4, [ds_config(4, 2, micro_batch=4)], timeout_s=600, env=ENV)[0][0]
+    assert torch.allclose(torch.tensor(run["grad_norms"]), torch.tensor(reference_run["grad_norms"]), rtol=1e-5), run
+    assert torch.allclose(torch.tensor(run["losses"]), torch.tensor(reference_run["losses"]), rtol=1e-5), run
+
+
 @pytest.mark.parametrize("extra, match", [
     ({"tensor_parallel": {"autotp_size": 2}}, "autotp_size"),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size"),

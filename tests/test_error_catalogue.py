@@ -108,6 +108,23 @@ def _only_bin(directory):
     (directory / "pytorch_model.bin").write_bytes(b"")
 
 
+def _foreign_manifest(tmp):
+    from ds_tsp.training_checkpoint import Manifest
+
+    (tmp / "manifest.json").write_text(json.dumps({"format": "deepspeed", "step": 1}))
+    Manifest.read(tmp)
+
+
+def _damaged_file(tmp, truncate: bool):
+    import hashlib
+
+    from ds_tsp.training_checkpoint.manifest import FileEntry, verify_file
+
+    data = b"0123456789" * 10
+    (tmp / "tsp00-00001.safetensors").write_bytes(data[:50] if truncate else data[::-1])
+    verify_file(tmp, "tsp00-00001.safetensors", FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data)))
+
+
 # (id, field, trigger(tmp_path)); the message is whatever the code raises (docs/errors.md shows it)
 CASES = [
     ("tsp-unknown-key", "tsp.<key>", lambda t: parse_tsp_config({"sise": 2})),
@@ -157,6 +174,13 @@ CASES = [
     ("shard-size", "max_shard_size", lambda t: __import__("ds_tsp.hf.safetensors_io", fromlist=["x"])
      .parse_size("lots")),
     ("nonfinite", "on_nonfinite", lambda t: _nonfinite()),
+    ("train-ckpt-keep-last", "keep_last", lambda t: __import__("ds_tsp.training_checkpoint", fromlist=["x"])
+     .CheckpointStore(t, keep_last=0)),
+    ("train-ckpt-foreign", "format", lambda t: _foreign_manifest(t)),
+    ("train-ckpt-corrupted", "sha256", lambda t: _damaged_file(t, truncate=False)),
+    ("train-ckpt-truncated", "bytes", lambda t: _damaged_file(t, truncate=True)),
+    ("train-ckpt-not-json", "lr_scheduler", lambda t: __import__("ds_tsp.training_checkpoint.access", fromlist=["x"])
+     .jsonable({"lr_lambdas": [object()]}, "lr_scheduler.state_dict()")),
 ]
 
 

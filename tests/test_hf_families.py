@@ -100,7 +100,9 @@ def test_save_pretrained_round_trip_in_plain_transformers(runs, name):
         assert torch.equal(got[key], value), key
     ids, _ = make_batch(original.config.vocab_size, seed=1)
     patch_float64_(reloaded)
-    assert torch.equal(hf_logits(reloaded, ids), hf_logits(original, ids))
+    # The weights are bit-identical (above); two model instances may still round the last float64 bit differently
+    # (CPU kernels pick vector paths by buffer alignment): measured <= 7e-17 absolute here.
+    assert _rel(hf_logits(reloaded, ids), hf_logits(original, ids)) < 1e-13
     config = json.loads((saved / "config.json").read_text())
     source = json.loads(open(f"{checkpoints[name]}/config.json").read())
     for key in ("model_type", "architectures", "rope_parameters", "tie_word_embeddings", "head_dim",

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rank_procs import Ranks
 
 from ds_tsp.watchdog import EXIT_CODE, MESSAGE_PREFIX, Blocked, TSPCommError, describe, watched_wait
 
@@ -69,63 +70,12 @@ def _rank_main(steps: int, timeout_s: float | None) -> None:
 
 
 # --- the tests ------------------------------------------------------------------------------------------------
-class _Ranks:
-    """`world` rank processes on one free port; stdout/stderr go to files (no pipe can fill and block a rank)."""
-
+class _Ranks(Ranks):
     def __init__(self, tmp_path: Path, world: int, steps: int, timeout_s: float | None):
-        from ds_tsp.launch import free_port
-
-        port = free_port()
-        self.tmp, self.procs, self.files = tmp_path, [], []
-        for r in range(world):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-            out, err = open(tmp_path / f"rank{r}.out", "w"), open(tmp_path / f"rank{r}.err", "w")
-            self.files += [out, err]
-            self.procs.append(subprocess.Popen(
-                [sys.executable, __file__, "rank", str(steps), str(timeout_s)], env=env, stdout=out, stderr=err,
-                cwd=REPO, start_new_session=True))
-
-    def out(self, r: int) -> str:
-        return (self.tmp / f"rank{r}.out").read_text()
-
-    def err(self, r: int) -> str:
-        return (self.tmp / f"rank{r}.err").read_text()
+        super().__init__(tmp_path, world, [__file__, "rank", str(steps), str(timeout_s)])
 
     def wait_for_step(self, step: int, deadline_s: float = 60) -> None:
-        deadline = time.monotonic() + deadline_s
-        while not all(f"step {step} " in self.out(r) for r in range(len(self.procs))):
-            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
-            assert not dead, f"rank {dead[0]} exited early ({self.procs[dead[0]].returncode}):\n{self.err(dead[0])}"
-            assert time.monotonic() < deadline, "ranks did not reach step %d:\n%s" % (step, self.err(0))
-            time.sleep(0.05)
-
-    def wait_exit(self, r: int, limit_s: float) -> float | None:
-        """Seconds until rank r exited, or None if it is still running after limit_s."""
-        start = time.monotonic()
-        while self.procs[r].poll() is None:
-            if time.monotonic() - start > limit_s:
-                return None
-            time.sleep(0.02)
-        return time.monotonic() - start
-
-    def cleanup(self) -> None:
-        """SIGCONT, SIGKILL and reap every process this test started, whatever the assertions did."""
-        for p in self.procs:
-            if p.poll() is None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-                pass
-        for f in self.files:
-            f.close()
+        self.wait_for(f"step {step} ", deadline_s=deadline_s)
 
 
 def _messages(stderr: str) -> list[str]:

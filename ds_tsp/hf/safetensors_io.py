@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ds_tsp.durable_io import fsync_path
 from ds_tsp.errors import TSPConfigError
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -329,15 +330,6 @@ def _remove_tmp_dir(path: Path) -> None:
         _ACTIVE_TMP_DIRS.discard(path)
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's or a directory's contents (for a directory: its entries) to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_checkpoint_file(name: str) -> bool:
     """Files a save replaces: weights, index, config (what save_pretrained writes)."""
     return name in (SAFE_WEIGHTS_INDEX_NAME, "config.json", "generation_config.json") or (
@@ -471,7 +463,7 @@ class StreamingCheckpointWriter:
         # safetensors 0.8 writes through a private temp file (mode 0600): give shards the mode the umask gives
         # ordinary files (read from our own directory's mode), so others who can read config.json can load it.
         os.chmod(self._tmp / file, self._tmp.stat().st_mode & 0o666)
-        _fsync(self._tmp / file)
+        fsync_path(self._tmp / file)
         self._shards.append((file, list(tensors)))
 
     # ---- other files
@@ -491,7 +483,7 @@ class StreamingCheckpointWriter:
         path = self._tmp / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(text.encode("utf-8") if isinstance(text, str) else bytes(text))
-        _fsync(path)
+        fsync_path(path)
         self._files.add(key)
 
     # ---- finishing
@@ -513,7 +505,7 @@ class StreamingCheckpointWriter:
             if self._buffer or not self._shards:
                 self._flush()
             self._name_shards()
-            _fsync(self._tmp)
+            fsync_path(self._tmp)
             self._move_into_place()
         except BaseException:
             self.abort()
@@ -537,13 +529,13 @@ class StreamingCheckpointWriter:
         index = {"metadata": {"total_size": self._total_size}, "weight_map": weight_map}
         path = self._tmp / SAFE_WEIGHTS_INDEX_NAME
         path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        _fsync(path)
+        fsync_path(path)
 
     def _move_into_place(self) -> None:
         parent = self.directory.parent
         if not self.directory.exists():
             os.rename(self._tmp, self.directory)
-            _fsync(parent)
+            fsync_path(parent)
             return
         old = self._sibling("old")
         os.rename(self.directory, old)
@@ -552,7 +544,7 @@ class StreamingCheckpointWriter:
         except BaseException:
             os.rename(old, self.directory)  # put the old checkpoint back
             raise
-        _fsync(parent)
+        fsync_path(parent)
         _restore_foreign_entries(old, self.directory)
         shutil.rmtree(old, ignore_errors=True)
 

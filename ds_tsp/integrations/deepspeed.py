@@ -72,7 +72,8 @@ def check_compatible(ds_config: dict, tsp: TSPConfig) -> None:
 def options_from_config(tsp: TSPConfig) -> TSPOptions:
     return TSPOptions(kernel_backend=None if tsp.kernel == "auto" else tsp.kernel,
                       keep_gathered_kv=tsp.keep_gathered_kv, activation_checkpointing=tsp.activation_checkpointing,
-                      recompute_projections=tsp.recompute_projections)
+                      recompute_projections=tsp.recompute_projections,
+                      lm_head_chunk_tokens=tsp.lm_head_chunk_tokens)
 
 
 def build_tsp_model(model: Any, comm: TSPComm, options: TSPOptions, *, data_group=None,

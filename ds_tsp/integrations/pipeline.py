@@ -69,11 +69,11 @@ class DecoderPipe(TSPDecoderLayer):
 class NormHeadLossPipe(nn.Module):
     """Final norm + LM head + loss share; returns a scalar (the pipeline's loss_fn passes it through)."""
 
-    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, data_group):
+    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, data_group, chunk_tokens: int = 4096):
         super().__init__()
         self.comm, self.data_group = comm, data_group
         self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
-        self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device)
+        self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device, chunk_tokens=chunk_tokens)
 
     def forward(self, inputs):
         h, _, shift_labels = inputs
@@ -116,7 +116,8 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
         raise TSPConfigError(f"tsp.pipeline_stages={groups.pipe_size} exceeds num_layers={shape.num_layers}")
     specs = [LayerSpec(EmbeddingPipe, shape, comm, dtype, device)]
     specs += [LayerSpec(DecoderPipe, shape, comm, options, dtype, device, i) for i in range(shape.num_layers)]
-    specs.append(LayerSpec(NormHeadLossPipe, shape, comm, dtype, device, groups.data_group))
+    specs.append(LayerSpec(NormHeadLossPipe, shape, comm, dtype, device, groups.data_group,
+                           options.lm_head_chunk_tokens))
     topology = PipeModelDataParallelTopology(num_pp=groups.pipe_size, num_mp=groups.tsp_size,
                                              num_dp=groups.data_size)
     module = PipelineModule(layers=specs, topology=topology, loss_fn=_loss_passthrough,

@@ -10,8 +10,13 @@ Shapes (rank p of D, local tokens L = S_pad/D = two zigzag chunks of c = L/2):
 | K_j, V_j gathered | [B, S_pad, nkv, d]            | all tokens (global order), head block j; transient |
 | y                 | [B, L, h]                     | local tokens, summed over head blocks      |
 nq = n_heads/D and nkv = n_kv_heads/D are the heads of ONE block. With fewer kv heads than ranks (MQA, or GQA at
-large D) each block holds the one kv head its query heads read (nkv = 1) and D/n_kv_heads blocks share it; their
-kv weight grads are summed across those replicas so the copies stay identical.
+large D) each block holds the one kv head its query heads read (nkv = 1) and D/n_kv_heads consecutive blocks (a
+kv group) share it. Its K/V is gathered ONCE per group and kept while the group's blocks run (then dropped), and
+backward sums the group's dK/dV before ONE reduce-scatter: K/V traffic is n_kv_heads heads, not D blocks. Only
+the group's first rank (its leader) holds the live kv weights: forward and backward read wk/wv from the leader's
+shard, and the group's kv weight grad goes to the leader alone (the other copies get zero grads and are never
+read). So every kv head is one parameter to the optimizer and to gradient norms: DeepSpeed's clipping norm (which
+sums every TSP-sharded element over the TSP ranks) counts it once, not once per replica.
 
 Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict which keys a query sees:
 `doc_starts` (global token indices where documents start, per batch row) and `spec.window` go to
@@ -24,7 +29,7 @@ each block's shard, recomputes the cheap local projections q, k, v from x (three
 [B, L, (nq + 2 nkv) d] per block), re-gathers K/V, runs the kernel backward with the saved output and
 log-sum-exp (no attention recomputation), reduce-scatters dK/dV to the token owners and reduces the packed weight
 grad to the block owner. No foreign shard and no gathered K/V is kept, unless `keep_gathered_kv` trades O(S)
-memory per block for skipping the backward re-gather.
+memory per kv group for skipping the backward re-gather.
 """
 from __future__ import annotations
 
@@ -51,16 +56,18 @@ class AttentionSpec:
     qkv_bias: bool
     kv_replicas: int = 1  # > 1 when num_kv_heads < D: that many consecutive ranks hold the same kv head
     keep_gathered_kv: bool = False  # save every block's gathered K/V (O(S) memory) to skip the backward re-gather
-    recompute_projections: bool = True  # False: save local q (and k/v) per block instead of recomputing them
+    recompute_projections: bool = True  # False: save local q per block (and k/v per kv group), not recompute
 
     def saved_per_block(self) -> tuple[str, ...]:
         """Names of the tensors forward saves for each head block, in order."""
-        names = ["out", "lse0", "lse1"]
+        return ("out", "lse0", "lse1") + (() if self.recompute_projections else ("q",))
+
+    def saved_per_kv_group(self) -> tuple[str, ...]:
+        """Names saved once per kv group (the kv_replicas consecutive blocks that read the same kv heads)."""
         if self.keep_gathered_kv:
-            names.append("kv_all")
-        if not self.recompute_projections:
-            names += ["q"] + ([] if self.keep_gathered_kv else ["kv_local"])
-        return tuple(names)
+            return ("kv_all",)
+        return () if self.recompute_projections else ("kv_local",)
+
     kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
     window: int | None = None  # sliding window (HF semantics: key s visible to query t iff t - window < s <= t)
     qk_norm_eps: float | None = None  # Qwen3: RMSNorm (this eps) of every q and k head before RoPE; None: off
@@ -139,6 +146,12 @@ def _to_rank_order(kv_global: torch.Tensor, tsp: int) -> torch.Tensor:
     return out
 
 
+def _kv_group(j: int, spec: AttentionSpec) -> tuple[bool, bool]:
+    """(first, last) block of its kv group: blocks j // kv_replicas share one kv head, gathered once for all."""
+    r = spec.kv_replicas
+    return j % r == 0, j % r == r - 1
+
+
 class _TSPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, spec: AttentionSpec, comm: TSPComm, doc_starts):
@@ -146,15 +159,21 @@ class _TSPAttention(torch.autograd.Function):
         D, p = comm.size, comm.rank
         doc_starts = doc_starts if doc_starts is not None else ((0,),) * B
         y = torch.zeros_like(x)
-        saved = []
+        saved_blocks, saved_groups = [], []
+        kv_all = None
         for j, shard in broadcast_shards(comm, packed_shard):
             w = spec.layout.unpack(shard)
-            kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
-            kv_ranked, gather = gather_sequence(comm, kv_local)
+            first, last = _kv_group(j, spec)
+            if first:  # later blocks of the group read the same kv head: reuse this gather
+                kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
+                kv_ranked, gather = gather_sequence(comm, kv_local)
             q = _project_q(x, w, spec, cos, sin, q_norm)
-            gather.wait()
-            kv_all = _to_global_order(kv_ranked)
-            del kv_ranked
+            if first:
+                gather.wait()
+                kv_all = _to_global_order(kv_ranked)
+                del kv_ranked
+                group = {"kv_all": kv_all, "kv_local": kv_local}
+                saved_groups += [group[name] for name in spec.saved_per_kv_group()]
             outs, lses = [], []
             for local, start in _chunks(p, D, L):
                 end = start + local.stop - local.start
@@ -165,13 +184,15 @@ class _TSPAttention(torch.autograd.Function):
                 lses.append(lse)
             out = torch.cat(outs, dim=1)
             y.add_(F.linear(out.reshape(B, L, -1), w["wo"]))
-            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "kv_all": kv_all, "q": q, "kv_local": kv_local}
-            saved += [block[name] for name in spec.saved_per_block()]
-            del kv_all
+            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q}
+            saved_blocks += [block[name] for name in spec.saved_per_block()]
+            if last:
+                kv_all = kv_local = None  # memory-optimal: at most one kv group's gathered K/V is live
         ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
         ctx.has_qk_norm = q_norm is not None
+        ctx.n_block_saved = len(saved_blocks)
         norms = (q_norm, k_norm) if ctx.has_qk_norm else ()
-        ctx.save_for_backward(x, packed_shard, cos, sin, *norms, *saved)
+        ctx.save_for_backward(x, packed_shard, cos, sin, *norms, *saved_blocks, *saved_groups)
         return y
 
     @staticmethod
@@ -179,6 +200,7 @@ class _TSPAttention(torch.autograd.Function):
         spec, comm, doc_starts = ctx.spec, ctx.comm, ctx.doc_starts
         x, packed_shard, cos, sin, *saved = ctx.saved_tensors
         q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
+        saved_blocks, saved_groups = saved[:ctx.n_block_saved], saved[ctx.n_block_saved:]
         dq_norm = dk_norm = None
         dy = dy.contiguous()
         B, L, h = x.shape
@@ -186,27 +208,36 @@ class _TSPAttention(torch.autograd.Function):
         dx = torch.zeros_like(x)
         x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
         reducer = ShardGradReducer(comm)
-        names = spec.saved_per_block()
+        names, group_names = spec.saved_per_block(), spec.saved_per_kv_group()
+        kv_all = dkv_all = w_leader = None
         for j, shard in broadcast_shards(comm, packed_shard):
             w = spec.layout.unpack(shard)
-            block = dict(zip(names, saved[len(names) * j:len(names) * (j + 1)]))
+            first, last = _kv_group(j, spec)
+            if first:  # the group's live kv weights (the other blocks' copies are stale: see the module docstring)
+                w_leader = {n: w[n].clone() for n in ("wk", "wv", "bk", "bv") if n in w} if not last else w
+            block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
             out, lses = block["out"], (block["lse0"], block["lse1"])
-            if spec.keep_gathered_kv:
-                kv_all = block["kv_all"]
-            else:
-                kv_local = block.get("kv_local")
-                if kv_local is None:
-                    kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
-                kv_ranked, gather = gather_sequence(comm, kv_local)
+            if first:
+                g = j // spec.kv_replicas
+                group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
+                if spec.keep_gathered_kv:
+                    kv_all = group["kv_all"]
+                else:
+                    kv_local = group.get("kv_local")
+                    if kv_local is None:
+                        kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
+                    kv_ranked, gather = gather_sequence(comm, kv_local)
+                    del kv_local
             # Work that needs no foreign K/V runs while the gather is in flight.
             q = block["q"] if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
             dout = (dy2d @ w["wo"]).view_as(out)
             grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])}
-            if not spec.keep_gathered_kv:
-                gather.wait()
-                kv_all = _to_global_order(kv_ranked)
-                del kv_ranked
-            dkv_all = torch.zeros_like(kv_all)
+            if first:
+                if not spec.keep_gathered_kv:
+                    gather.wait()
+                    kv_all = _to_global_order(kv_ranked)
+                    del kv_ranked
+                dkv_all = torch.zeros_like(kv_all)  # summed over the group's blocks, scattered once
             dq_chunks = []
             for (local, start), lse in zip(_chunks(p, D, L), lses):
                 end = start + local.stop - local.start
@@ -217,39 +248,54 @@ class _TSPAttention(torch.autograd.Function):
                 dq_chunks.append(dq_c)
                 dkv_all[0, :, :end] += dk_c
                 dkv_all[1, :, :end] += dv_c
-            del kv_all
-            dkv_local, scatter = scatter_sequence_grad(comm, _to_rank_order(dkv_all, D))
-            del dkv_all
+            if last:
+                kv_all = None
+                dkv_local, scatter = scatter_sequence_grad(comm, _to_rank_order(dkv_all, D))
+                dkv_all = None
             dq, dqn = _unproject(torch.cat(dq_chunks, dim=1), cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
             dq = dq.reshape(-1, w["wq"].shape[0])
             dx.view(-1, h).addmm_(dq, w["wq"])
             grads["wq"] = dq.t() @ x2d
-            scatter.wait()
-            dk, dkn = _unproject(dkv_local[0], cos, sin, k_norm, lambda: _raw_k(x, w, spec), spec)
-            dk = dk.reshape(-1, w["wk"].shape[0])
-            dv = dkv_local[1].reshape(-1, w["wv"].shape[0])
-            dx.view(-1, h).addmm_(dk, w["wk"]).addmm_(dv, w["wv"])
-            grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
             if spec.qkv_bias:
-                grads["bq"], grads["bk"], grads["bv"] = dq.sum(0), dk.sum(0), dv.sum(0)
+                grads["bq"] = dq.sum(0)
             if ctx.has_qk_norm:
                 dq_norm = dqn if dq_norm is None else dq_norm + dqn
-                dk_norm = dkn if dk_norm is None else dk_norm + dkn
+            if last:
+                scatter.wait()
+                dk, dkn = _unproject(dkv_local[0], cos, sin, k_norm, lambda: _raw_k(x, w_leader, spec), spec)
+                dk = dk.reshape(-1, w_leader["wk"].shape[0])
+                dv = dkv_local[1].reshape(-1, w_leader["wv"].shape[0])
+                dx.view(-1, h).addmm_(dk, w_leader["wk"]).addmm_(dv, w_leader["wv"])
+                w_leader = None
+                # The whole group's kv weight grad lands in its last block; _kv_grads_to_group_leaders moves it to
+                # the group's leader (the other blocks contribute zeros).
+                grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
+                if spec.qkv_bias:
+                    grads["bk"], grads["bv"] = dk.sum(0), dv.sum(0)
+                if ctx.has_qk_norm:
+                    dk_norm = dkn if dk_norm is None else dk_norm + dkn
+            else:
+                for name in ("wk", "wv", "bk", "bv"):
+                    if name in w:
+                        grads[name] = torch.zeros_like(w[name])
             reducer.reduce(j, spec.layout.pack(grads))
         grad_shard = reducer.finish()
         if spec.kv_replicas > 1:
-            _sum_kv_grads_over_replicas(grad_shard, spec, comm)
+            _kv_grads_to_group_leaders(grad_shard, spec, comm)
         return dx, grad_shard, dq_norm, dk_norm, None, None, None, None, None
 
 
-def _sum_kv_grads_over_replicas(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
-    """In place: every replica of a kv head gets the sum of the kv weight grads of all blocks that read it."""
+def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
+    """In place: a kv group's leader gets the sum of the kv weight grads of all the group's blocks, the other
+    replicas zeros (their copies are never read)."""
     views = spec.layout.unpack(grad_shard)
     names = [n for n in ("wk", "wv", "bk", "bv") if n in views]
     local = torch.cat([views[n].reshape(-1) for n in names])
     everyone = torch.empty(comm.size, local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather(everyone, local).wait()
     mine = everyone.view(comm.size // spec.kv_replicas, spec.kv_replicas, -1)[comm.rank // spec.kv_replicas].sum(0)
+    if comm.rank % spec.kv_replicas:
+        mine.zero_()
     offset = 0
     for n in names:
         numel = views[n].numel()

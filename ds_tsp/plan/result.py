@@ -1,0 +1,51 @@
+"""What the planner answers per layout: a LayoutPlan (memory fields, comm totals and their itemised CommTerms).
+
+The JSON form (`to_dict` / `to_json`, what `ds-tsp plan --json` prints) is a contract: keys are only ever added.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class CommTerm:
+    """One kind of transfer: `calls` collectives of `payload_bytes` each, `bytes` per rank in total."""
+
+    name: str
+    kind: str  # CommCounter kind for TSP terms; the collective's name for the peers
+    payload_bytes: int
+    calls: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    layout: str
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    transients_bytes: int
+    peak_bytes_per_rank: int
+    comm_bytes_per_layer_fwd: int
+    comm_bytes_per_layer_bwd: int
+    comm_bytes_per_step: int
+    activation_bytes_per_layer: int  # saved for backward by one decoder layer without checkpointing
+    stage: str  # "only" (pp=1), or the pipeline stage whose peak is reported ("first" / "last")
+    layers_per_stage: int
+    layer_fwd_terms: tuple[CommTerm, ...]
+    layer_bwd_terms: tuple[CommTerm, ...]
+    step_terms: tuple[CommTerm, ...]  # per step, besides layers_per_stage * (fwd + bwd)
+    transients: dict[str, int] = field(default_factory=dict)  # phase -> its temporaries; the peak phase's is
+    #                                                          transients_bytes
+    notes: tuple[str, ...] = ()
+    framework_bytes: int = 0  # persistent buffers outside params/grads/optimizer (DeepSpeed flat copies, buckets)
+    peak_phase: str = ""  # the phase whose live set is the peak
+    phase_bytes: dict[str, int] = field(default_factory=dict)  # phase -> everything live then (the max is the peak)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
