@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small run for ~2-3 minutes on 2 CPU cores: S 512 and 1024, 2 layers, 2 timed steps "
                         "(explicit flags still win)")
+    p.add_argument("--max-seq", action="store_true",
+                   help="instead of fixed --seq: per layout, with and without activation checkpointing, the "
+                        "longest S whose measured per-rank peak fits --budget-mib (doubling, then bisection to 5%%; "
+                        "1 tracked step per probe, --warmup default 0)")
+    p.add_argument("--budget-mib", type=float, default=None, help="per-rank memory budget for --max-seq (MiB)")
     p.add_argument("--out", default="ds_tsp_bench", help="output folder (default ./ds_tsp_bench)")
     p.add_argument("--ds-bucket", type=_positive_int, default=DEFAULT_DS_BUCKET,
                    help=f"DeepSpeed bucket sizes in elements ({DEFAULT_DS_BUCKET:.0e}; DeepSpeed's own 5e8 default "
@@ -139,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     from ds_tsp.bench.report import markdown_table, write_report
     from ds_tsp.bench.runner import run_layouts
 
+    if getattr(args, "max_seq", False):
+        return run_max_seq_cli(args)
     try:
         configs = configs_from_args(args)
     except ValueError as exc:
@@ -156,6 +163,43 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
           + f" in {time.monotonic() - start:.0f} s", flush=True)
     return EXIT_OK if all(r.get("ok") for r in results) else EXIT_FAILED
+
+
+def run_max_seq_cli(args: argparse.Namespace) -> int:
+    """--max-seq: search per layout and checkpointing variant (ds_tsp.bench.max_seq), then write the report."""
+    from ds_tsp.bench.max_seq import VARIANTS, run_max_seq
+    from ds_tsp.bench.max_seq_report import write_max_seq_report
+
+    if args.budget_mib is None or args.budget_mib <= 0:
+        return _error("--max-seq needs --budget-mib N (N > 0): the per-rank memory budget in MiB")
+    if args.seq:
+        return _error("--seq: not used with --max-seq (it searches the lengths itself)")
+    if args.activation_checkpointing != "none":
+        return _error("--activation-checkpointing: --max-seq always runs without and with it")
+    args.seq = [[2 * args.tsp]]  # placeholder that passes the S checks: each search picks its own lengths
+    if args.warmup is None:
+        args.warmup = 0  # the first probe always gets one warm-up step (optimizer state); later ones need none
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        return _error(str(exc))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    budget = int(args.budget_mib * 2 ** 20)
+    start = time.monotonic()
+
+    def say(text):
+        print(f"[{time.monotonic() - start:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    rows = run_max_seq(configs, budget, timeout_s=args.timeout, say=None if args.quiet else say)
+    first = configs[0]
+    meta = {"tsp": first.tsp, "batch": first.batch, "shape": first.shape.to_dict(), "steps": 1,
+            "warmup": first.warmup, "activation_checkpointing": "none and all (--max-seq)",
+            "budget_bytes": budget, "variants": list(VARIANTS)}
+    paths = write_max_seq_report(rows, args.out, meta, budget)
+    print(paths["table"], flush=True)
+    print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
+          + f" in {time.monotonic() - start:.0f} s", flush=True)
+    return EXIT_OK if all(r.get("ok") for r in rows) else EXIT_FAILED
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -100,14 +100,7 @@ def write_plots(results: Sequence[dict], out_dir: str) -> list[str]:
         ax.set_xlabel("sequence length S")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(out_dir, filename)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, ax, out_dir, filename))
 
     line_plot("memory_vs_seq.png", "peak_bytes_per_rank", MIB, "peak MiB per rank", "Peak memory per rank")
     line_plot("throughput_vs_seq.png", "tokens_per_s", 1.0, "tokens / s (whole group)", "Training throughput")
@@ -159,3 +152,17 @@ def write_report(results: Sequence[dict], out_dir: str, meta: dict | None = None
     with open(md_path, "w") as f:
         f.write(markdown_table(results, meta))
     return {"json": json_path, "md": md_path, "plots": plots}
+
+
+def save_figure(fig, ax, out_dir: str, filename: str) -> str:
+    """Grid, legend when there are lines, tight layout, written to out_dir/filename; returns the path."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(True, alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, filename)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

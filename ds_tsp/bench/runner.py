@@ -7,6 +7,8 @@ in its own group, so one that runs out of memory or time does not hide the ones 
 """
 from __future__ import annotations
 
+import contextlib
+
 import importlib
 import importlib.util
 import os
@@ -23,13 +25,11 @@ RANK_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLEL
             "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
-    """Body of one rank: returns one measurement dict per sequence length (see measure.measure_workload)."""
+def build_session(cfg: BenchConfig):
+    """(layout module, its built session) on this rank; a failure is reported as SETUP_FAILED."""
     import warnings
 
     import torch
-
-    from ds_tsp.bench.measure import measure_workload
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -37,9 +37,19 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
     spec = cfg.spec
     try:
         layout_module = importlib.import_module(f"ds_tsp.bench.{spec.module}")
-        session = layout_module.build(cfg, spec.option_dict)
+        return layout_module, layout_module.build(cfg, spec.option_dict)
     except Exception as exc:
         raise RuntimeError(f"{SETUP_FAILED}: {type(exc).__name__}: {exc}") from exc
+
+
+def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
+    """Body of one rank: returns one measurement dict per sequence length (see measure.measure_workload)."""
+    import torch
+
+    from ds_tsp.bench.measure import measure_workload
+
+    spec = cfg.spec
+    layout_module, session = build_session(cfg)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     out = []
     for seq in cfg.seqs:
@@ -156,28 +166,8 @@ def run_layouts(configs: list[BenchConfig], *, timeout_s: float,
                 on_event: Callable[[tuple], None] | None = None) -> list[dict]:
     """Run each layout's group in turn. on_event receives ("start", layout, seqs, world) before a group starts,
     progress tuples (layout, seq, phase, i, n, seconds) from its rank 0, and ("done", result) per result."""
-    import threading
-
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").Queue() if on_event is not None else None
-    stop = threading.Event()
-
-    def pump():
-        import queue as queue_mod
-        while not stop.is_set():
-            try:
-                on_event(queue.get(timeout=0.1))
-            except queue_mod.Empty:
-                continue
-            except (EOFError, OSError):
-                return
-
-    thread = threading.Thread(target=pump, daemon=True) if queue is not None else None
-    if thread is not None:
-        thread.start()
     results = []
-    try:
+    with progress_pump(on_event) as queue:
         for cfg in configs:
             start, load_before = time.monotonic(), _loadavg()
             if on_event is not None:
@@ -189,8 +179,36 @@ def run_layouts(configs: list[BenchConfig], *, timeout_s: float,
                 results.append(result)
                 if on_event is not None:
                     on_event(("done", result))
+    return results
+
+
+@contextlib.contextmanager
+def progress_pump(handler):
+    """A queue the ranks' progress events go into, drained by a thread calling handler(event); None: no queue."""
+    if handler is None:
+        yield None
+        return
+    import queue as queue_mod
+    import threading
+
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").Queue()
+    stop = threading.Event()
+
+    def pump():
+        while not stop.is_set():
+            try:
+                handler(queue.get(timeout=0.1))
+            except queue_mod.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield queue
     finally:
         stop.set()
-        if thread is not None:
-            thread.join(timeout=1)
-    return results
+        thread.join(timeout=1)
