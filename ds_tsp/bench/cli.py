@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "alone shows ~1.9 GB per rank)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per layout's process group (3600)")
+    p.add_argument("--profile", action="store_true",
+                   help="TSP layouts: one extra profiled step per S after the timed ones; per-phase seconds "
+                        "(GEMM, attention, comm wait, copies, other) under 'profile' in results.json")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -136,7 +139,7 @@ def configs_from_args(args: argparse.Namespace):
         raise ValueError(str(exc)) from None
     return [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
                         warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
-                        ds_bucket_elements=args.ds_bucket) for name in layouts]
+                        ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False)) for name in layouts]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
             "warmup": first.warmup, "activation_checkpointing": first.activation_checkpointing}
     paths = write_report(results, args.out, meta)
     print(markdown_table(results), flush=True)
+    if getattr(args, "profile", False):
+        from ds_tsp.bench.profile import profile_table
+        print(profile_table(results), flush=True)
     print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
           + f" in {time.monotonic() - start:.0f} s", flush=True)
     return EXIT_OK if all(r.get("ok") for r in results) else EXIT_FAILED

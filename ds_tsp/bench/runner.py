@@ -59,6 +59,9 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
 
         workload = session.workload(seq)
         result = measure_workload(workload, steps=cfg.steps, warmup=cfg.warmup, progress=progress)
+        if cfg.profile and spec.module == "tsp":  # after the timed steps, so their timings are undisturbed
+            from ds_tsp.bench.profile import profile_step
+            result["profile"] = profile_step(workload)
         result["setup"] = getattr(layout_module, "SETUP", "").format(stage=spec.option_dict.get("zero_stage"))
         out.append(result)
         del workload
@@ -107,6 +110,8 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         "shape": cfg.shape.to_dict(), "setup": ranks[0].get("setup", ""),
         **ranks[0].get("info", {}),
     }
+    if "profile" in ranks[0]:  # the slowest rank's profile: a step takes as long as its slowest rank
+        result["profile"] = max((r["profile"] for r in ranks), key=lambda p: p["wall_s"])
     if "tsp_comm_bytes" in ranks[0]:
         # TSP's own counter: the same logical convention, counted on every timed step (deterministic per step).
         result["comm_bytes"] = max(r["tsp_comm_bytes"][-1] for r in ranks)

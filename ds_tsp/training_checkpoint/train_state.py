@@ -8,6 +8,8 @@ raises the same error instead of waiting for the one that failed.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,7 @@ def _agree(error: str | None) -> None:
     errors = [(r, e) for r, e in enumerate(_gather(error)) if e]
     if errors:
         rank, message = errors[0]
-        raise TSPConfigError(message if rank == _world()[0] or "rank" in message else f"rank {rank}: {message}")
+        raise TSPConfigError(message if rank == _world()[0] else f"rank {rank}: {message}")
 
 
 def _attempt(fn, *args) -> str | None:
@@ -136,8 +138,6 @@ def _commit(access, model, groups, store, step, tmp, everyone, data_state) -> No
     rng = {f"rank{r}.{k}": v for r, e in enumerate(everyone) for k, v in e[3].items()}
     data = safetensors_bytes(rng)
     write_file(tmp / RNG_FILE, data)
-    import hashlib
-
     files[RNG_FILE] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
     manifest = Manifest(
         step=step, layout=Layout(tsp=groups.tsp_size, data=groups.data_size, pipe=groups.pipe_size),
@@ -152,8 +152,6 @@ def _commit(access, model, groups, store, step, tmp, everyone, data_state) -> No
 
 
 def _shape_dict(model: TSPCausalLM) -> dict:
-    import json
-
     return json.loads(json.dumps(model.shape.to_dict()))  # tuples as lists, as the manifest reads back
 
 
