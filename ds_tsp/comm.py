@@ -22,17 +22,22 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from ds_tsp.watchdog import Blocked, Guard, TSPCommError, guard, post_failed, watched_wait  # noqa: F401
 
 # torch >= 2.10 renamed all_gather_into_tensor; the old name warns on every call.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+# torch.profiler range around every blocked wait: lets a profile charge waiting to the layer that waits
+COMM_WAIT_RANGE = "ds_tsp::comm_wait"
 
 WEIGHT_TAG = 7101
 GRAD_TAG = 7102
@@ -88,11 +93,12 @@ class Handle:
         if not self._works:
             return
         start = time.perf_counter()
-        if self._blocked is None:
-            for work in self._works:
-                work.wait()
-        else:
-            watched_wait(self._works, self._blocked, self._timeout_s)
+        with record_function(COMM_WAIT_RANGE) if torch.autograd._profiler_enabled() else nullcontext():
+            if self._blocked is None:
+                for work in self._works:
+                    work.wait()
+            else:
+                watched_wait(self._works, self._blocked, self._timeout_s)
         self._counter.wait_s += time.perf_counter() - start
         self._works = []
         self._keep_alive = ()

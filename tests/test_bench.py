@@ -119,10 +119,21 @@ def test_report_writes_table_plots_and_failures(tmp_path):
         assert json.load(f)[0]["layout"] == "tsp"
     with open(paths["md"]) as f:
         table = f.read()
-    assert "| tsp | 1024 | 12.0 | 1.0 | 0.0 | 2.0 | 3.0 |" in table and "| 25% |" in table
+    assert "| tsp | 1024 | 4 | 12.0 | 1.0 | 0.0 | 2.0 | 3.0 |" in table and "| 25% |" in table
     assert "autotp_zero1 S=512: FAILED: ValueError: boom" in table
     assert sorted(os.path.basename(p) for p in paths["plots"]) == sorted(PLOTS)
     assert "| tsp | 512 |" in markdown_table(results)
+
+
+def test_report_of_several_degrees_labels_each_series(tmp_path):
+    from ds_tsp.bench.report import _series
+
+    rows = [{"layout": "tsp", "title": "TSP", "ok": True, "seq": 64, "tsp": d, "peak_bytes_per_rank": MIB // d,
+             "step_s": 1.0, "tokens_per_s": 64.0} for d in (2, 4)]
+    assert list(_series(rows).values()) == ["TSP D=2", "TSP D=4"]
+    assert list(_series(rows[:1]).values()) == ["TSP"]  # one degree: no D in the label
+    table = markdown_table(rows)
+    assert "| tsp | 64 | 2 | 0.5 |" in table and "| tsp | 64 | 4 | 0.2 |" in table
 
 
 def test_report_without_matplotlib_still_writes_json_and_table(tmp_path, monkeypatch):
@@ -150,6 +161,10 @@ def test_flags_map_to_configs():
     assert {c.layout: c.checkpointing() for c in peers}["tsp"] is False
     assert {c.layout: c.checkpointing() for c in peers}["ulysses_zero3"] is True
     assert peers[0].seqs == (32, 64) and peers[0].shape.num_layers == 4
+    degrees = configs_from_args(build_parser().parse_args(["--tsp", "2", "4", "--layouts",
+                                                           "single,tsp,ulysses_zero1"]))
+    assert [(c.tsp, c.layout) for c in degrees] == [(2, "single"), (2, "tsp"), (2, "ulysses_zero1"), (4, "tsp"),
+                                                     (4, "ulysses_zero1")]  # single device measured once
     every = configs_from_args(build_parser().parse_args(["--activation-checkpointing", "all", "--layouts", "tsp"]))
     assert every[0].checkpointing() is True
     assert tsp_options("speed", False).keep_gathered_kv and not tsp_options("memory", False).keep_gathered_kv
@@ -158,6 +173,7 @@ def test_flags_map_to_configs():
 @pytest.mark.parametrize("argv, message", [
     (["--layouts", "tsp,nope"], "unknown ['nope']"),
     (["--seq", "100", "--tsp", "4"], "multiple of 2*--tsp=8"),
+    (["--seq", "12", "--tsp", "2", "4"], "multiple of 2*--tsp=8"),
     (["--heads", "6", "--tsp", "4"], "num_heads=6"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys, tmp_path):

@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_seq_list, nargs="+", default=None, metavar="S",
                    help=f"sequence lengths (space or comma separated; default {' '.join(map(str, DEFAULT_SEQS))}, "
                         f"--quick: {' '.join(map(str, QUICK['seqs']))}); multiples of 2*--tsp")
-    p.add_argument("--tsp", type=_positive_int, default=4, help="degree D: ranks of every parallel layout (4)")
+    p.add_argument("--tsp", type=_positive_int, nargs="+", default=[4],
+                   help="degree D: ranks of every parallel layout (4); several (e.g. 2 4) measure every layout at "
+                        "each degree in one run")
     p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size B (1)")
     p.add_argument("--layers", type=_positive_int, default=None,
                    help=f"decoder layers ({DEFAULT_SHAPE.num_layers}; --quick: {QUICK['layers']})")
@@ -77,8 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per layout's process group (3600)")
     p.add_argument("--profile", action="store_true",
-                   help="TSP layouts: one extra profiled step per S after the timed ones; per-phase seconds "
-                        "(GEMM, attention, comm wait, copies, other) under 'profile' in results.json")
+                   help="one extra profiled step per layout and S after the timed ones; per-phase seconds "
+                        "(GEMM, attention, comm wait, copies, elementwise, other) under 'profile' in results.json, "
+                        "split by layer type (attention, mlp, vocab, optimizer, rest) for TSP")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -111,6 +114,12 @@ def configs_from_args(args: argparse.Namespace):
     from ds_tsp.errors import TSPConfigError
     from ds_tsp.model_config import ModelShape
 
+    if isinstance(args.tsp, (list, tuple)):
+        configs = [cfg for degree in dict.fromkeys(args.tsp)
+                   for cfg in configs_from_args(argparse.Namespace(**{**vars(args), "tsp": degree}))]
+        single = [c for c in configs if c.spec.single_rank]
+        # a single-rank layout does not depend on D: measured once, with the first degree
+        return [c for c in configs if not c.spec.single_rank or c is single[0]]
     if args.layouts.strip() == "all":
         layouts = list(LAYOUTS)
     else:
@@ -159,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     results = run_layouts(configs, timeout_s=args.timeout, on_event=printer)
     first = configs[0]
-    meta = {"tsp": first.tsp, "batch": first.batch, "shape": first.shape.to_dict(), "steps": first.steps,
+    meta = {"tsp": ", ".join(str(d) for d in dict.fromkeys(c.tsp for c in configs)), "batch": first.batch,
+            "shape": first.shape.to_dict(), "steps": first.steps,
             "warmup": first.warmup, "activation_checkpointing": first.activation_checkpointing}
     paths = write_report(results, args.out, meta)
     print(markdown_table(results), flush=True)
@@ -182,13 +192,16 @@ def run_max_seq_cli(args: argparse.Namespace) -> int:
         return _error("--seq: not used with --max-seq (it searches the lengths itself)")
     if args.activation_checkpointing != "none":
         return _error("--activation-checkpointing: --max-seq always runs without and with it")
-    args.seq = [[2 * args.tsp]]  # placeholder that passes the S checks: each search picks its own lengths
     if args.warmup is None:
         args.warmup = 0  # the first probe always gets one warm-up step (optimizer state); later ones need none
-    try:
-        configs = configs_from_args(args)
-    except ValueError as exc:
-        return _error(str(exc))
+    configs = []
+    for degree in dict.fromkeys(args.tsp):  # every degree's configs are validated before any search starts
+        # placeholder S that passes the S checks: each search picks its own lengths
+        per_degree = argparse.Namespace(**{**vars(args), "tsp": degree, "seq": [[2 * degree]]})
+        try:
+            configs += configs_from_args(per_degree)
+        except ValueError as exc:
+            return _error(str(exc))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     budget = int(args.budget_mib * 2 ** 20)
     start = time.monotonic()
@@ -198,7 +211,7 @@ def run_max_seq_cli(args: argparse.Namespace) -> int:
 
     rows = run_max_seq(configs, budget, timeout_s=args.timeout, say=None if args.quiet else say)
     first = configs[0]
-    meta = {"tsp": first.tsp, "batch": first.batch, "shape": first.shape.to_dict(), "steps": 1,
+    meta = {"tsp": list(dict.fromkeys(args.tsp)), "batch": first.batch, "shape": first.shape.to_dict(), "steps": 1,
             "warmup": first.warmup, "activation_checkpointing": "none and all (--max-seq)",
             "budget_bytes": budget, "variants": list(VARIANTS)}
     paths = write_max_seq_report(rows, args.out, meta, budget)

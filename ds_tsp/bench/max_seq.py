@@ -2,8 +2,8 @@
 
 Per (layout, activation checkpointing off / on) one process group builds the layout once and probes lengths in
 it: start at a small multiple of 2*D (TSP's zigzag needs 2*D chunks; Ulysses and sequence parallel need D),
-double until the peak exceeds the budget, then bisect until the gap between the longest fitting and the
-shortest failing length is within 5% (or one unit). Building once matters: spawning a group and importing
+double until the peak exceeds the budget (or, when the start already does, halve until a length fits), then
+bisect until the gap between the longest fitting and the shortest failing length is within 5% (or one unit). Building once matters: spawning a group and importing
 torch / transformers / DeepSpeed costs far more than a short probe step on 2 CPU cores.
 
 A probe = `warmup` untimed steps (at least 1 on the first probe, so the optimizer state exists as in any later
@@ -39,13 +39,20 @@ def _round_down(value: int, step: int) -> int:
 
 def search(fits, *, start: int, step: int, limit: int = LIMIT_TOKENS, tolerance: float = TOLERANCE):
     """Doubling then bisection over multiples of `step`; fits(seq) -> bool. Returns (best or None, first_fail or
-    None): best = longest length that fit, first_fail = shortest that did not (None if the limit was reached)."""
+    None): best = longest length that fit, first_fail = shortest that did not (None if the limit was reached).
+    When `start` already does not fit, halve (down to `step`) until one fits, then bisect the same way."""
     lo, hi, seq = None, None, start
     while seq <= limit:
         if not fits(seq):
             hi = seq
             break
         lo, seq = seq, seq * 2
+    while lo is None and hi is not None and hi > step:
+        seq = _round_down(hi // 2, step)
+        if fits(seq):
+            lo = seq
+        else:
+            hi = seq
     if lo is None or hi is None:
         return lo, hi
     while hi - lo > max(step, tolerance * lo):
@@ -155,9 +162,10 @@ def run_one(cfg: BenchConfig, budget_bytes: int, *, timeout_s: float, progress_q
     extra.update(probes=head["probes"], next_probe_seq=head["next_probe_seq"],
                  next_probe_peak_bytes=head["next_probe_peak_bytes"])
     if head["max_seq"] is None:
-        peak = head["probes"][0]["peak_bytes_per_rank"]
-        return {**failure(cfg, cfg.seqs[0], f"even S={cfg.seqs[0]} exceeds the budget ({peak} > {budget_bytes} "
-                                            "bytes per rank)"), **extra}
+        smallest = min(head["probes"], key=lambda p: p["seq"])
+        return {**failure(cfg, smallest["seq"], f"even S={smallest['seq']} exceeds the budget "
+                                                f"({smallest['peak_bytes_per_rank']} > {budget_bytes} bytes per "
+                                                "rank)"), **extra}
     per_rank = [dict(r["best"], setup=r["setup"]) for r in ranks]
     row = aggregate(dataclasses.replace(cfg, steps=1), head["max_seq"], per_rank)
     return {**row, **extra, "max_seq": head["max_seq"]}

@@ -55,17 +55,19 @@ def _barrier() -> None:
 
 def timed_steps(workload: Workload, n: int, on_step: Callable[[int, float], None] | None = None) -> dict:
     """Run n steps; per step: wall seconds, this process's CPU seconds (all its threads, gloo's included: less
-    sensitive than wall time to other load on a shared machine), TSP counter bytes and wait seconds."""
-    seconds, cpu_seconds, tsp_bytes, tsp_wait, tsp_by_kind, losses = [], [], [], [], {}, []
+    sensitive than wall time to other load on a shared machine) and those of the thread that runs the step alone
+    (the rest is communication threads' work), TSP counter bytes and wait seconds."""
+    seconds, cpu_seconds, main_cpu, tsp_bytes, tsp_wait, tsp_by_kind, losses = [], [], [], [], [], {}, []
     for i in range(n):
         _barrier()
         if workload.tsp_counter is not None:
             workload.tsp_counter.reset()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, thread_start = time.perf_counter(), time.process_time(), time.thread_time()
         loss = workload.step()
         elapsed = time.perf_counter() - start
         seconds.append(elapsed)
         cpu_seconds.append(time.process_time() - cpu_start)
+        main_cpu.append(time.thread_time() - thread_start)
         if loss is not None:
             losses.append(float(loss))
         if workload.tsp_counter is not None:
@@ -75,7 +77,7 @@ def timed_steps(workload: Workload, n: int, on_step: Callable[[int, float], None
             tsp_by_kind = dict(snap["bytes"])
         if on_step is not None:
             on_step(i, elapsed)
-    out = {"step_s": seconds, "cpu_s": cpu_seconds, "loss": losses[-1] if losses else None}
+    out = {"step_s": seconds, "cpu_s": cpu_seconds, "main_thread_cpu_s": main_cpu, "loss": losses[-1] if losses else None}
     if workload.tsp_counter is not None:
         out.update(tsp_comm_bytes=tsp_bytes, tsp_wait_s=tsp_wait, tsp_comm_by_kind=tsp_by_kind)
     return out

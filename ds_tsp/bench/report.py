@@ -1,9 +1,10 @@
 """Write a benchmark's results: results.json (the objects as measured), results.md (a table), PNG plots.
 
 Plots (matplotlib, Agg backend; skipped with a note in the table if matplotlib is missing):
-    memory_vs_seq.png       peak MiB per rank vs sequence length, one line per layout
+    memory_vs_seq.png       peak MiB per rank vs sequence length, one line per layout (and degree D, when a run
+                            measured several)
     throughput_vs_seq.png   tokens/s of the whole group vs sequence length
-    memory_breakdown.png    stacked peak breakdown per layout at the largest sequence length measured
+    memory_breakdown.png    stacked peak breakdown per layout (and D) at the largest sequence length measured
 """
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _series(results: Sequence[dict]) -> dict[tuple[str, int], str]:
+    """(layout, D) -> its label, in first-seen order; D appears in the label only when the run has several."""
+    keys = list(dict.fromkeys((r["layout"], r.get("tsp")) for r in results))
+    several = len({d for _, d in keys}) > 1
+    titles = {r["layout"]: r.get("title", r["layout"]) for r in results}
+    return {(layout, d): f"{titles[layout]} D={d}" if several else titles[layout] for layout, d in keys}
+
+
 def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
     """One row per (layout, seq). Sizes in MiB per rank; comm in MiB per rank per step."""
     lines = []
@@ -37,7 +46,7 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
                   f"vocab {shape.get('vocab_size')}; {meta.get('warmup')} warm-up + {meta.get('steps')} timed steps "
                   f"(median of the slowest rank); activation checkpointing: "
                   f"{meta.get('activation_checkpointing', 'none')}.", ""]
-    header = ["layout", "S", "peak MiB/rank", *BREAKDOWN_KEYS, "comm MiB/step/rank", "step s", "tokens/s",
+    header = ["layout", "S", "D", "peak MiB/rank", *BREAKDOWN_KEYS, "comm MiB/step/rank", "step s", "tokens/s",
               "CPU s/step", "exposed comm"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
@@ -45,11 +54,11 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
     for r in results:
         if not r.get("ok"):
             notes.append(f"- {r['layout']} S={r['seq']}: FAILED: {_first_line(r.get('error'))}")
-            lines.append(f"| {r['layout']} | {r['seq']} | failed |" + " |" * (len(header) - 3))
+            lines.append(f"| {r['layout']} | {r['seq']} | {r.get('tsp')} | failed |" + " |" * (len(header) - 4))
             continue
         parts = r.get("peak_breakdown") or {}
         fraction = r.get("exposed_comm_fraction")
-        row = [r["layout"], str(r["seq"]), _mib(r["peak_bytes_per_rank"]),
+        row = [r["layout"], str(r["seq"]), str(r.get("tsp")), _mib(r["peak_bytes_per_rank"]),
                *(_mib(parts.get(k)) for k in BREAKDOWN_KEYS), _mib(r.get("comm_bytes")),
                _num(r.get("step_s"), ".3f"), _num(r.get("tokens_per_s"), ".0f"),
                _num(r.get("cpu_s_per_step"), ".2f"),
@@ -86,16 +95,17 @@ def write_plots(results: Sequence[dict], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if r.get("ok")]
-    layouts = list(dict.fromkeys(r["layout"] for r in results))
-    titles = {r["layout"]: r.get("title", r["layout"]) for r in results}
+    series = _series(results)
     paths = []
 
     def line_plot(filename, key, scale, ylabel, title):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for layout in layouts:
-            pts = sorted((r["seq"], r[key] / scale) for r in ok if r["layout"] == layout and r.get(key))
+        for (layout, degree), label in series.items():
+            pts = sorted((r["seq"], r[key] / scale) for r in ok
+                         if (r["layout"], r.get("tsp")) == (layout, degree) and r.get(key))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=titles[layout])
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                        linestyle="-" if degree == min(d for _, d in series) else "--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length S")
         ax.set_ylabel(ylabel)
@@ -114,7 +124,9 @@ def write_plots(results: Sequence[dict], out_dir: str) -> list[str]:
             values = [(r.get("peak_breakdown") or {}).get(key, 0) / MIB for r in rows]
             ax.bar(range(len(rows)), values, bottom=bottom, label=key)
             bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_xticks(range(len(rows)), [r["layout"] for r in rows], rotation=30, ha="right", fontsize=8)
+        several = len({d for _, d in series}) > 1
+        ax.set_xticks(range(len(rows)), [f"{r['layout']} D={r.get('tsp')}" if several else r["layout"]
+                                         for r in rows], rotation=30, ha="right", fontsize=8)
         ax.set_title(f"Peak memory breakdown per rank at S={seq}")
         ax.legend(fontsize=8)
     ax.set_ylabel("MiB")

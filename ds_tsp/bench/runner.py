@@ -59,7 +59,7 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
 
         workload = session.workload(seq)
         result = measure_workload(workload, steps=cfg.steps, warmup=cfg.warmup, progress=progress)
-        if cfg.profile and spec.module == "tsp":  # after the timed steps, so their timings are undisturbed
+        if cfg.profile:  # after the timed steps, so their timings are undisturbed
             from ds_tsp.bench.profile import profile_step
             result["profile"] = profile_step(workload)
         result["setup"] = getattr(layout_module, "SETUP", "").format(stage=spec.option_dict.get("zero_stage"))
@@ -72,13 +72,20 @@ def missing_requirements(layout: str) -> list[str]:
     return [pkg for pkg in LAYOUTS[layout].requires if importlib.util.find_spec(pkg) is None]
 
 
+def _summed_median(ranks: list[dict], key: str, n: int) -> float | None:
+    """Median over steps of a per-step figure summed over ranks; None when the ranks did not record it."""
+    if key not in ranks[0]:
+        return None
+    return statistics.median(sum(r[key][i] for r in ranks) for i in range(n))
+
+
 def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
     """Per-rank measurements of one (layout, seq) -> the result object written to results.json."""
     spec = cfg.spec
     per_step = [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
     step_s = statistics.median(per_step)
-    cpu_s = statistics.median(sum(r["cpu_s"][i] for r in ranks) for i in range(len(per_step))) \
-        if "cpu_s" in ranks[0] else None
+    cpu_s = _summed_median(ranks, "cpu_s", len(per_step))
+    main_cpu_s = _summed_median(ranks, "main_thread_cpu_s", len(per_step))
     peak_rank = max(ranks, key=lambda r: r["peak_bytes"])
     c10d_bytes = max(r["c10d"]["total_bytes"] for r in ranks)
     losses = [r["loss"] for r in ranks if r["loss"] is not None]
@@ -102,6 +109,8 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         # CPU seconds of all ranks together per step (median over steps): the work a step costs, which other
         # load on the machine disturbs much less than wall time
         "cpu_s_per_step": cpu_s, "tokens_per_cpu_s": cfg.batch * seq / cpu_s if cpu_s else None,
+        # of which the threads that run the steps (the rest: gloo's and other helper threads)
+        "main_thread_cpu_s_per_step": main_cpu_s,
         "exposed_comm_s": None, "exposed_comm_fraction": None,
         "loss": loss,
         "activation_checkpointing": cfg.checkpointing(),

@@ -66,8 +66,8 @@ class _TSPGatedMLP(torch.autograd.Function):
             silu_gate = F.silu(gate)
             act = silu_gate * up
             dact = dy2d @ w["down"]
-            sig = torch.sigmoid(gate)
-            dgate = dact * up * sig * (1 + gate * (1 - sig))  # d silu(g)/dg = sig(g) (1 + g (1 - sig(g)))
+            # aten's fused silu_backward: one pass for dact*up * d silu(g)/dg instead of six elementwise ops
+            dgate = torch.ops.aten.silu_backward(dact * up, gate)
             dup = dact * silu_gate
             dx2d.addmm_(dgate, w["gate"]).addmm_(dup, w["up"])
             return spec.layout.pack({"gate": dgate.t() @ x2d, "up": dup.t() @ x2d, "down": dy2d.t() @ act})
