@@ -69,3 +69,4 @@ def test_bench_profile_tiny(tmp_path):
     # comm_wait also counts posting the collectives
     assert tsp["comm_wait_s"] >= tsp["blocked_s"] * 0.99
     assert "step_s" in by_layout["tsp"] and "comm_bytes" in by_layout["tsp"]  # existing keys kept
+    assert "| layer type |" in (tmp_path / "results.md").read_text()

@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     paths = write_report(results, args.out, meta)
     print(markdown_table(results), flush=True)
     if getattr(args, "profile", False):
-        from ds_tsp.bench.profile import profile_table
+        from ds_tsp.bench.profile import append_profile, profile_table
+        append_profile(paths["md"], results)
         print(profile_table(results), flush=True)
     print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
           + f" in {time.monotonic() - start:.0f} s", flush=True)

@@ -166,3 +166,14 @@ def profile_table(results: list[dict]) -> str:
                 lines.append(f"| | | | {layer} | " + " | ".join(_cells(cells, p["wall_s"]))
                              + f" | {sum(cells.values()):.3f} |")
     return "\n".join(lines)
+
+
+def append_profile(md_path: str, results: list[dict]) -> None:
+    """Add the profile table to a run's results.md."""
+    table = profile_table(results)
+    if table:
+        with open(md_path, "a") as f:
+            f.write("\n## Profile: seconds (share of the profiled step) per phase\n\n"
+                    "One extra step per layout and S under torch.profiler, the slowest rank's; TSP rows are also "
+                    "split by layer type. See ds_tsp/bench/profile.py for what each phase counts.\n\n"
+                    + table + "\n")

@@ -98,6 +98,11 @@ def write_plots(results: Sequence[dict], out_dir: str) -> list[str]:
     series = _series(results)
     paths = []
 
+    # one colour per layout, one line style per degree (a single-rank layout keeps its own colour, solid)
+    colours = {layout: f"C{i % 10}" for i, layout in enumerate(dict.fromkeys(layout for layout, _ in series))}
+    multi = sorted({d for (layout, d) in series if d != 1})
+    styles = {d: ("-", "--", ":", "-.")[i % 4] for i, d in enumerate(multi)}
+
     def line_plot(filename, key, scale, ylabel, title):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for (layout, degree), label in series.items():
@@ -105,7 +110,7 @@ def write_plots(results: Sequence[dict], out_dir: str) -> list[str]:
                          if (r["layout"], r.get("tsp")) == (layout, degree) and r.get(key))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
-                        linestyle="-" if degree == min(d for _, d in series) else "--")
+                        color=colours[layout], linestyle=styles.get(degree, "-"))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length S")
         ax.set_ylabel(ylabel)
