@@ -61,7 +61,7 @@ class BenchConfig:
     seed: int = 0
     lr: float = 1e-4
     ds_bucket_elements: int = DEFAULT_DS_BUCKET
-    profile: bool = False  # --profile: one extra profiled step per S (ds_tsp.bench.profile), TSP layouts only
+    profile: bool = False  # --profile: one extra profiled step per S (ds_tsp.bench.profile), every layout
 
     def checkpointing(self) -> bool:
         """Whether this run uses activation checkpointing (peers with "peers"/"all", TSP only with "all")."""

@@ -3,8 +3,9 @@
 Per (layout, activation checkpointing off / on) one process group builds the layout once and probes lengths in
 it: start at a small multiple of 2*D (TSP's zigzag needs 2*D chunks; Ulysses and sequence parallel need D),
 double until the peak exceeds the budget (or, when the start already does, halve until a length fits), then
-bisect until the gap between the longest fitting and the shortest failing length is within 5% (or one unit). Building once matters: spawning a group and importing
-torch / transformers / DeepSpeed costs far more than a short probe step on 2 CPU cores.
+bisect until the gap between the longest fitting and the shortest failing length is within 5% (or one unit).
+Building once matters: spawning a group and importing torch / transformers / DeepSpeed costs far more than a
+short probe step on 2 CPU cores.
 
 A probe = `warmup` untimed steps (at least 1 on the first probe, so the optimizer state exists as in any later
 step) + ONE step under MemTracker (measure.tracked_step), whose peak, max over ranks (all-reduced so every rank

@@ -77,7 +77,8 @@ def timed_steps(workload: Workload, n: int, on_step: Callable[[int, float], None
             tsp_by_kind = dict(snap["bytes"])
         if on_step is not None:
             on_step(i, elapsed)
-    out = {"step_s": seconds, "cpu_s": cpu_seconds, "main_thread_cpu_s": main_cpu, "loss": losses[-1] if losses else None}
+    out = {"step_s": seconds, "cpu_s": cpu_seconds, "main_thread_cpu_s": main_cpu,
+           "loss": losses[-1] if losses else None}
     if workload.tsp_counter is not None:
         out.update(tsp_comm_bytes=tsp_bytes, tsp_wait_s=tsp_wait, tsp_comm_by_kind=tsp_by_kind)
     return out

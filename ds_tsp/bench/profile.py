@@ -1,12 +1,14 @@
-"""`--profile`: where one step's wall time goes, by phase and (TSP) by layer type (one extra step after the timed ones).
+"""`--profile`: where one step's wall time goes, by phase and (TSP) by layer type (one extra step after the timed
+ones).
 
 Every profiler event's SELF time is charged once, to a (layer type, phase) cell, so the cells are disjoint and sum
 to the step's wall time:
 - phase: what the event is. GEMMs, the attention kernel and copies/reorders by op name; "comm_wait" is time in
   communication calls: TSP blocked on a handle (ds_tsp.comm.COMM_WAIT_RANGE, also reported alone as
-  "blocked_s") plus posting its async collectives (c10d ops), a peer's time inside its c10d calls; "elementwise" is every
-  other aten op (pointwise math, reductions, allocation); "other" is time inside no op at all: Python, autograd
-  bookkeeping, launch overhead (and, for the peers, waits on a collective's Work that happen outside any op).
+  "blocked_s") plus posting its async collectives (c10d ops), a peer's time inside its c10d calls;
+  "elementwise" is every other aten op (pointwise math, reductions, allocation); "other" is time inside no op
+  at all: Python, autograd bookkeeping, launch overhead (and, for the peers, waits on a collective's Work that
+  happen outside any op).
 - layer type: the nearest enclosing TSP autograd Function (its forward range or its backward node), or the
   optimizer's step/zero_grad; everything outside them (norms, residuals, RoPE tables, the loop itself) is "rest".
 The profiled step runs under the profiler, so it is slower than a timed step: read the shares, not the seconds.
