@@ -55,4 +55,3 @@ def test_max_seq_needs_budget(capsys):
     args = build_parser().parse_args(["--max-seq", "--layouts", "tsp", *TINY])
     assert args.run(args) == 2
     assert "--budget-mib" in capsys.readouterr().err
-

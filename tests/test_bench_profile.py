@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from ds_tsp.bench.cli import main
-from ds_tsp.bench.profile import KEYS, attribute, layer_of, phase_of
+from ds_tsp.bench.profile import KEYS, attribute, layer_of, nest, phase_of
 
 
 def test_phase_of_names():
@@ -19,8 +19,8 @@ def test_phase_of_names():
     assert phase_of("_TSPAttentionBackward") is None  # autograd Function bookkeeping is "other"
 
 
-def _event(name, start_us, end_us, thread=1):
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start_us, end=end_us), thread=thread)
+def _event(name, start_us, end_us):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start_us, end=end_us))
 
 
 def test_attribute_charges_each_self_time_once():
@@ -34,7 +34,7 @@ def test_attribute_charges_each_self_time_once():
         _event("aten::mul", 112, 132),
         _event("Optimizer.step#AdamW.step", 140, 190),
     ]
-    totals, cells = attribute(events, wall_s=200e-6)
+    totals, cells = attribute(nest(events), wall_s=200e-6)
     assert cells["attention"]["gemm_s"] == pytest.approx(40e-6)
     assert cells["attention"]["comm_wait_s"] == pytest.approx(30e-6)
     assert cells["attention"]["other_s"] == pytest.approx(30e-6)  # 10 + 20 of the two ranges' own time

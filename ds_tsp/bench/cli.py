@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -195,14 +196,12 @@ def run_max_seq_cli(args: argparse.Namespace) -> int:
         return _error("--activation-checkpointing: --max-seq always runs without and with it")
     if args.warmup is None:
         args.warmup = 0  # the first probe always gets one warm-up step (optimizer state); later ones need none
-    configs = []
-    for degree in dict.fromkeys(args.tsp):  # every degree's configs are validated before any search starts
-        # placeholder S that passes the S checks: each search picks its own lengths
-        per_degree = argparse.Namespace(**{**vars(args), "tsp": degree, "seq": [[2 * degree]]})
-        try:
-            configs += configs_from_args(per_degree)
-        except ValueError as exc:
-            return _error(str(exc))
+    # placeholder S that passes every degree's S check: each search picks its own lengths
+    args.seq = [[2 * math.lcm(*args.tsp)]]
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        return _error(str(exc))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     budget = int(args.budget_mib * 2 ** 20)
     start = time.monotonic()

@@ -92,11 +92,11 @@ def nest(events) -> list[_Node]:
     return nodes
 
 
-def attribute(events, wall_s: float) -> tuple[dict, dict]:
-    """(phase -> seconds, layer type -> phase -> seconds) of a profiled step from its events (one thread)."""
+def attribute(nodes: list[_Node], wall_s: float) -> tuple[dict, dict]:
+    """(phase -> seconds, layer type -> phase -> seconds) of a profiled step from its nested events (`nest`)."""
     cells = {layer: {k: 0.0 for k in KEYS} for layer in LAYER_TYPES}
     in_roots = 0.0
-    for node in nest(events):
+    for node in nodes:
         phase = phase_of(node.name)
         cells[layer_of(node)][f"{phase}_s" if phase else "other_s"] += node.self_s
         if node.parent is None:
@@ -130,11 +130,11 @@ def profile_step(workload) -> dict:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as prof:
         workload.step()
     wall = time.perf_counter() - start  # includes profiler overhead: the phases are shares of THIS step
-    events = _main_thread_events(prof)
-    totals, by_layer = attribute(events, wall)
+    nodes = nest(_main_thread_events(prof))
+    totals, by_layer = attribute(nodes, wall)
     ops: dict[str, float] = {}
     blocked = 0.0
-    for node in nest(events):
+    for node in nodes:
         if node.name.startswith("aten::"):
             ops[node.name] = ops.get(node.name, 0.0) + node.self_s
         elif node.name == COMM_WAIT_RANGE:
@@ -143,7 +143,7 @@ def profile_step(workload) -> dict:
            "by_layer": {layer: cells for layer, cells in by_layer.items() if any(cells.values())},
            "top_ops": [[name, round(s, 6)] for name, s in sorted(ops.items(), key=lambda kv: -kv[1])[:10]]}
     if counter is not None:
-        out["counter_wait_s"] = float(counter.snapshot()["wait_s"])  # cross-check of comm_wait_s (TSP only)
+        out["counter_wait_s"] = float(counter.snapshot()["wait_s"])  # cross-check of blocked_s (TSP only)
     return out
 
 
