@@ -40,8 +40,8 @@ def records(paths: list[str]) -> list[dict]:
 
 
 def planned(record: dict):
-    from ds_tsp.model_config import ModelShape
-    from ds_tsp.plan import LAYOUTS, PlanInput
+    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.tools.plan import LAYOUTS, PlanInput
 
     layout, options = BENCH_TO_PLAN[record["bench_layout"]]
     inp = PlanInput(model=ModelShape(**record["shape"]), seq=record["seq"], batch=record["batch"],

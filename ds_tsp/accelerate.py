@@ -1,4 +1,4 @@
-"""`from ds_tsp.accelerate import TSPAccelerator as Accelerator`: see ds_tsp.integrations.accelerate."""
-from ds_tsp.integrations.accelerate import TSPAccelerator
+"""`from ds_tsp.accelerate import TSPAccelerator as Accelerator`: see ds_tsp.integrations.accelerate.accelerator."""
+from ds_tsp.integrations.accelerate.accelerator import TSPAccelerator
 
 __all__ = ["TSPAccelerator"]

@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ds_tsp.comm import TSPComm
-from ds_tsp.errors import TSPConfigError
-from ds_tsp.launch import init_from_env, run_on_local_ranks
-from ds_tsp.model import TSPCausalLM
-from ds_tsp.model_config import ModelShape
-from ds_tsp.partition import shard_batch
-from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_
-from ds_tsp.synthetic import RepeatingPatterns
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.launch import init_from_env, local_device, run_on_local_ranks
+from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
+from ds_tsp.tools.synthetic import RepeatingPatterns
 
 MIB = 2 ** 20
 # MemTracker's category names -> the short names printed here.
@@ -65,10 +65,10 @@ def global_batch(cfg: DemoConfig, data: RepeatingPatterns, step: int) -> torch.T
     return torch.stack([data[step * cfg.batch + i]["input_ids"] for i in range(cfg.batch)])
 
 
-def peak_memory_mib(tracker: MemTracker) -> dict[str, float]:
-    """Peak snapshot of the tracked step on this rank's CPU device, by category, in MiB (plus the total)."""
+def peak_memory_mib(tracker: MemTracker, device: torch.device) -> dict[str, float]:
+    """Peak snapshot of the tracked step on this rank's device, by category, in MiB (plus the total)."""
     snapshot = tracker.get_tracker_snapshot("peak")
-    per_device = next((v for dev, v in snapshot.items() if torch.device(dev).type == "cpu"), {})
+    per_device = next((v for dev, v in snapshot.items() if torch.device(dev).type == device.type), {})
     out = {short: round(per_device.get(kind, 0) / MIB, 3) for kind, short in MEMORY_KINDS.items()}
     out["total"] = round(per_device.get("Total", 0) / MIB, 3)
     return out
@@ -79,13 +79,14 @@ def train(cfg: DemoConfig) -> dict:
     world = dist.get_world_size()
     comm = TSPComm(dist.group.WORLD if world > 1 else None)
     shape = cfg.shape
+    device = local_device()  # this rank's GPU under a launcher on a GPU node, else the CPU
 
     reference = ReferenceCausalLM(shape, dtype=torch.float32)
     init_weights_(reference, cfg.seed)
     full = full_state_dict(reference)
     params_full = sum(p.numel() for p in reference.parameters())
     del reference
-    model = TSPCausalLM(shape, comm, dtype=torch.float32)
+    model = ShardedCausalLM(shape, comm, dtype=torch.float32, device=device)
     model.load_full_state_dict(full)
     del full
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -101,7 +102,7 @@ def train(cfg: DemoConfig) -> dict:
     tracked_step = max(cfg.steps - 1, 0)  # a late step, so the optimizer state already exists
     losses, peak, start = [], {}, time.perf_counter()
     for step in range(cfg.steps):
-        batch = shard_batch(global_batch(cfg, data, step), tsp=comm.size, rank=comm.rank)
+        batch = shard_batch(global_batch(cfg, data, step).to(device), tsp=comm.size, rank=comm.rank)
         tracker = MemTracker() if step == tracked_step else None
         if tracker is not None:
             tracker.track_external(model, optimizer)
@@ -115,7 +116,7 @@ def train(cfg: DemoConfig) -> dict:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
         if tracker is not None:
-            peak = peak_memory_mib(tracker)
+            peak = peak_memory_mib(tracker, device)
         loss = float(model.loss_for_logging(loss_share))
         losses.append(loss)
         log({"step": step, "loss": round(loss, 4)})

@@ -15,9 +15,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from ds_tsp.core.launch import init_from_env, local_device
 from ds_tsp.hf import TSPForCausalLM
-from ds_tsp.launch import init_from_env
-from ds_tsp.synthetic import RepeatingPatterns
+from ds_tsp.tools.synthetic import RepeatingPatterns
 
 
 def tiny_llama3(directory: str) -> str:
@@ -56,13 +56,14 @@ def main(argv=None) -> list[float]:
             dist.barrier()
         model_dir = model_dir[0]
 
-    model = TSPForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # the whole world is one TSP group
+    device = local_device()  # this rank's GPU under a launcher on a GPU node, else the CPU
+    model = TSPForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)  # world = one TSP group
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = RepeatingPatterns(vocab_size=model.config.vocab_size, seq_len=args.seq, num_samples=args.steps * args.batch,
                              seed=args.seed)
     losses = []
     for step in range(args.steps):
-        ids = torch.stack([data[step * args.batch + i]["input_ids"] for i in range(args.batch)])
+        ids = torch.stack([data[step * args.batch + i]["input_ids"] for i in range(args.batch)]).to(device)
         loss = model(input_ids=ids, labels=ids).loss  # the global loss on every rank
         loss.backward()  # each rank: its own shard grads
         optimizer.step()
@@ -73,6 +74,8 @@ def main(argv=None) -> list[float]:
     model.save_pretrained(args.output_dir)
     if rank == 0:
         print(json.dumps({"saved": args.output_dir, "params": model.num_parameters()}), flush=True)
+    if __name__ == "__main__":  # a process group left to interpreter exit can abort in its destructor
+        dist.destroy_process_group()
     return losses
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ds_tsp.synthetic import RepeatingPatterns, save_tiny_llama
+from ds_tsp.tools.synthetic import RepeatingPatterns, save_tiny_llama
 
 
 def parse_args(argv=None):

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ds_tsp
-from ds_tsp.checkpoint import save_consolidated
-from ds_tsp.data import pipeline_batches
-from ds_tsp.model_config import ModelShape
-from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_
-from ds_tsp.synthetic import RepeatingPatterns
+from ds_tsp.checkpoint.consolidated import save_consolidated
+from ds_tsp.core.data import pipeline_batches
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
+from ds_tsp.tools.synthetic import RepeatingPatterns
 
 MODELS = {
     "tiny": ModelShape(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         else:
             share = 0.0
             for _ in range(engine.gradient_accumulation_steps()):
-                b = next(batches)
+                b = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in next(batches).items()}
                 loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
                 engine.backward(loss)
                 # NaN/inf anywhere: every rank stops (or, with "on_nonfinite": "skip", skips) in the same step

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ds_tsp.accelerate import TSPAccelerator as Accelerator
-from ds_tsp.synthetic import RepeatingPatterns, save_tiny_llama
+from ds_tsp.tools.synthetic import RepeatingPatterns, save_tiny_llama
 
 
 def parse_args(argv=None):

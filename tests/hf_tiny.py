@@ -74,7 +74,7 @@ def tiny_config(name: str, **overrides):
 def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Deterministic, thread-count independent: each parameter from a CPU generator seeded by (seed, name), float64.
 
-    Same rule as ds_tsp.reference.init_weights_: N(0, 0.02) for matrices, embeddings and biases, 1 + 0.1 N(0, 1)
+    Same rule as ds_tsp.tools.reference_model.init_weights_: N(0, 0.02) for matrices, embeddings and biases, 1 + 0.1 N(0, 1)
     for norm weights (incl. q_norm/k_norm) so norm gradients are non-trivial. A tied lm_head is listed once.
     """
     for name, param in model.named_parameters():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_tsp.synthetic import RepeatingPatterns
+from ds_tsp.tools.synthetic import RepeatingPatterns
 
 
 class MaskedPatterns(RepeatingPatterns):

@@ -16,7 +16,7 @@ The batch follows transformers' conventions (DataCollatorWithFlattening): positi
 start, the first label of every document is -100, so after the global shift no token targets the next document.
 Padded slots carry random token ids and random (not -100) labels: the attention_mask alone must keep them out.
 
-The reference is ds_tsp.reference.ReferenceCausalLM run on every document ON ITS OWN (its own position ids,
+The reference is ds_tsp.tools.reference_model.ReferenceCausalLM run on every document ON ITS OWN (its own position ids,
 its labels shifted inside the document), padding cut off, and the loss token-weighted over all documents; it knows
 nothing of zigzag, shard_batch, document_starts or attention masks.
 """
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_tsp.model import TSPOptions
-from ds_tsp.model_config import ModelShape
-from ds_tsp.partition import padded_length, shift_labels
-from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_
-from ds_tsp.rope import RopeScaling
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.partition import padded_length, shift_labels
+from ds_tsp.core.rope import RopeScaling
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
 __all__ = ["Row", "ModelCase", "ModelShape", "TSPOptions", "RopeScaling", "model_cases", "draw_cases",
            "build_batch", "make_weights", "reference_loss_and_grads", "tsp_loss_and_grads", "run_cases",
@@ -274,16 +274,16 @@ def reference_loss_and_grads(case: ModelCase, dtype: torch.dtype | None = None,
 
 def tsp_loss_and_grads(case: ModelCase, group=None, weights: dict[str, torch.Tensor] | None = None):
     """Collective over `group`: (global loss, full HF-named gradients) on every rank."""
-    from ds_tsp.comm import TSPComm
-    from ds_tsp.model import TSPCausalLM
-    from ds_tsp.partition import shard_batch
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
     comm = TSPComm(group, overlap=case.overlap)
     dtype = DTYPES[case.dtype]
     data = build_batch(case)
     batch = shard_batch(data["input_ids"], tsp=comm.size, rank=comm.rank, labels=data["labels"],
                         position_ids=data["position_ids"], attention_mask=data.get("attention_mask"))
-    model = TSPCausalLM(case.shape, comm, options=case.options, dtype=dtype)
+    model = ShardedCausalLM(case.shape, comm, options=case.options, dtype=dtype)
     model.load_full_state_dict({k: v.to(dtype) for k, v in (weights or make_weights(case, dtype)).items()})
     share = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"], batch.get("attention_mask"))
     share.backward()
@@ -313,7 +313,7 @@ def run_cases(cases: list[ModelCase], weights: list | None = None) -> list[dict]
 
 def run_cases_on_ranks(cases: list[ModelCase], weights: list | None = None, timeout_s: float = 300) -> list[dict]:
     """All `cases` (one TSP degree) in ONE process group; per case rank 0's result plus every rank's loss."""
-    from ds_tsp.launch import run_on_local_ranks
+    from ds_tsp.core.launch import run_on_local_ranks
 
     degrees = {c.tsp for c in cases}
     if len(degrees) != 1:

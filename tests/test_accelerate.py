@@ -20,8 +20,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
-from ds_tsp.errors import TSPConfigError  # noqa: E402
-from ds_tsp.integrations.accelerate_setup import resolve_setup  # noqa: E402
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
+from ds_tsp.integrations.accelerate.launch_config import resolve_setup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = [str(ROOT / "examples" / "train_accelerate.py"), "--max_steps", "4", "--eval_samples", "6"]
@@ -65,7 +65,7 @@ def test_single_process_run_equals_a_plain_transformers_loop(reference):
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "initial", dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.5, total_iters=4)
-    from ds_tsp.synthetic import RepeatingPatterns
+    from ds_tsp.tools.synthetic import RepeatingPatterns
 
     data = RepeatingPatterns(vocab_size=model.config.vocab_size, seq_len=64, num_samples=22, seed=0)
     for step, line in enumerate(_steps(lines)):
@@ -150,8 +150,8 @@ def test_bad_tsp_block_is_named(tmp_path):
 
 
 def test_non_llama_family_model_is_refused():
-    from ds_tsp.comm import TSPComm
-    from ds_tsp.integrations.convert import to_tsp_model
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.model.convert import to_tsp_model
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(TSPConfigError, match="model_type='gpt2'"):

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.bench.cli import build_parser
-from ds_tsp.bench.comm_count import CollectiveBytes
-from ds_tsp.bench.config import BenchConfig
-from ds_tsp.bench.report import PLOTS, markdown_table, write_report
-from ds_tsp.bench.runner import run_layout
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model_config import ModelShape
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.tools.bench.cli import build_parser
+from ds_tsp.tools.bench.comm_count import CollectiveBytes
+from ds_tsp.tools.bench.config import BenchConfig
+from ds_tsp.tools.bench.report import PLOTS, markdown_table, write_report
+from ds_tsp.tools.bench.runner import run_layout
 
 REQUIRED_KEYS = ("layout", "seq", "tsp", "peak_bytes_per_rank", "comm_bytes", "step_s", "tokens_per_s")
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64"]
@@ -126,7 +126,7 @@ def test_report_writes_table_plots_and_failures(tmp_path):
 
 
 def test_report_of_several_degrees_labels_each_series(tmp_path):
-    from ds_tsp.bench.report import _series
+    from ds_tsp.tools.bench.report import _series
 
     rows = [{"layout": "tsp", "title": "TSP", "ok": True, "seq": 64, "tsp": d, "peak_bytes_per_rank": MIB // d,
              "step_s": 1.0, "tokens_per_s": 64.0} for d in (2, 4)]
@@ -137,7 +137,7 @@ def test_report_of_several_degrees_labels_each_series(tmp_path):
 
 
 def test_report_without_matplotlib_still_writes_json_and_table(tmp_path, monkeypatch):
-    from ds_tsp.bench import report
+    from ds_tsp.tools.bench import report
 
     def no_matplotlib(*args, **kwargs):
         raise ImportError("No module named 'matplotlib'")
@@ -150,8 +150,8 @@ def test_report_without_matplotlib_still_writes_json_and_table(tmp_path, monkeyp
 
 
 def test_flags_map_to_configs():
-    from ds_tsp.bench.cli import configs_from_args
-    from ds_tsp.bench.tsp import tsp_options
+    from ds_tsp.tools.bench.cli import configs_from_args
+    from ds_tsp.tools.bench.tsp import tsp_options
 
     quick = configs_from_args(build_parser().parse_args(["--quick"]))
     assert [c.layout for c in quick] == ["single", "tsp", "tsp_speed", "dtensor_tp_sp", "ulysses_zero3",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ds_tsp.bench.cli import build_parser
-from ds_tsp.bench.max_seq import search
+from ds_tsp.tools.bench.cli import build_parser
+from ds_tsp.tools.bench.max_seq import search
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64"]
 REQUIRED_KEYS = ("layout", "seq", "tsp", "peak_bytes_per_rank", "comm_bytes", "step_s", "tokens_per_s")

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds_tsp.bench.cli import main
-from ds_tsp.bench.profile import KEYS, attribute, layer_of, nest, phase_of
+from ds_tsp.tools.bench.cli import main
+from ds_tsp.tools.bench.profile import KEYS, attribute, layer_of, nest, phase_of
 
 
 def test_phase_of_names():

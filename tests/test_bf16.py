@@ -7,7 +7,7 @@ reference loads them upcast, so it measures compute noise only, not weight round
     A      = err(TSP bf16,       reference fp32)   TSP's distance to the truth
     B      = err(TSP bf16,       reference bf16)   TSP against the bf16 reference (two independent noises)
 
-err is norm-wise relative (ds_tsp.verify's measure), per quantity: the loss and every HF-named gradient. One
+err is norm-wise relative (ds_tsp.tools.verify's measure), per quantity: the loss and every HF-named gradient. One
 sample of a noise is a poor scale (the loss is a scalar: one seed's d_ref may be 1e-7 and the next 3e-5), so the
 scale of quantity q of a shape is the RMS of d_ref[q] over the shape's SEEDS (same shape, different data and
 weights), and each seed must satisfy
@@ -22,7 +22,7 @@ Measured (CPU, torch 2.13; seeds 0..14 in windows of 3, both degrees, the shapes
 - d_ref: gradients 2.6e-3 .. 3.3e-2, loss 1.0e-7 .. 3.7e-5 (it is a mean: rounding errors cancel);
 - max A / scale: gradients 2.2, loss 4.0;  max B / scale: gradients 2.4, loss 4.4;  medians ~1.0 (A, B alike:
   TSP bf16 is as accurate as the single-device bf16 model, neither better nor worse);
-- max A overall 3.2e-2 (a gradient), 4.5e-5 (loss): also inside ds_tsp.verify's documented bfloat16 tolerance
+- max A overall 3.2e-2 (a gradient), 4.5e-5 (loss): also inside ds_tsp.tools.verify's documented bfloat16 tolerance
   5e-2, which is only ~1.5x the reference's own worst noise (3.3e-2), asserted here too.
 The test prints its own table for the seeds it runs. D = 2 and D = 4, one gloo group per degree.
 """
@@ -33,10 +33,17 @@ import math
 
 import pytest
 import torch
+from property_cases import (
+    ModelCase,
+    ModelShape,
+    Row,
+    make_weights,
+    reference_loss_and_grads,
+    rel_err,
+    run_cases_on_ranks,
+)
 
-from property_cases import (ModelCase, ModelShape, Row, make_weights, reference_loss_and_grads, rel_err,
-                            run_cases_on_ranks)
-from ds_tsp.verify import TOLERANCE
+from ds_tsp.tools.verify import TOLERANCE
 
 SEEDS = (0, 1, 2)
 K_LOSS, K_GRAD_A, K_GRAD_B = 8.0, 3.0, 4.0
@@ -101,7 +108,7 @@ def test_bf16_within_reference_noise(tsp, capsys):
             if not b <= k_b * scale:
                 failures.append(f"{where}: TSP-vs-bf16-reference {b:.2e} > {k_b} x scale {scale:.2e}")
             if not a <= TOLERANCE["bfloat16"]:
-                failures.append(f"{where}: TSP-vs-fp32 {a:.2e} > ds_tsp.verify bfloat16 tolerance")
+                failures.append(f"{where}: TSP-vs-fp32 {a:.2e} > ds_tsp.tools.verify bfloat16 tolerance")
     with capsys.disabled():
         for kind, w in sorted(worst.items()):
             print(f"\n[bf16 D={tsp} {kind}] d_ref {w['d_ref'][0]:.1e}..{w['d_ref'][1]:.1e}; max A/scale "

@@ -7,11 +7,11 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from ds_tsp.launch import run_on_local_ranks  # noqa: E402
-from ds_tsp.partition import shard_batch, shift_labels  # noqa: E402
-from ds_tsp.synthetic import RepeatingPatterns  # noqa: E402
-
 from test_deepspeed import ENV, SHAPE, ds_config  # noqa: E402
+
+from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from ds_tsp.core.partition import shard_batch, shift_labels  # noqa: E402
+from ds_tsp.tools.synthetic import RepeatingPatterns  # noqa: E402
 
 DATA = dict(vocab_size=SHAPE.vocab_size, seq_len=30, num_samples=64)
 
@@ -30,8 +30,8 @@ def eval_loss(model) -> float:
 
 def _train_save_resume(ckpt_dir: str, export_dir: str) -> dict:
     import ds_tsp
-    from ds_tsp.checkpoint import save_consolidated
-    from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_
+    from ds_tsp.checkpoint.consolidated import save_consolidated
+    from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
     ref = ReferenceCausalLM(SHAPE)
     init_weights_(ref, 0)
@@ -64,13 +64,13 @@ def _train_save_resume(ckpt_dir: str, export_dir: str) -> dict:
 def _reload_at_degree(export_dir: str) -> float:
     import torch.distributed as dist
 
-    from ds_tsp.checkpoint import load_consolidated
-    from ds_tsp.comm import TSPComm
-    from ds_tsp.model import TSPCausalLM
+    from ds_tsp.checkpoint.consolidated import load_consolidated
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
     shape, full = load_consolidated(export_dir)
     comm = TSPComm(dist.group.WORLD if dist.is_initialized() else None)
-    model = TSPCausalLM(shape, comm)
+    model = ShardedCausalLM(shape, comm)
     model.load_full_state_dict(full)
     return eval_loss(model)
 

@@ -34,7 +34,7 @@ def _pause(phase: str) -> None:
 
 
 def _install_pause(phase: str) -> None:
-    from ds_tsp.training_checkpoint import shard_files, store
+    from ds_tsp.checkpoint.training import shard_files, store
 
     if phase == "shard":
         write = shard_files.write_file
@@ -94,7 +94,7 @@ def _losses(ranks: Ranks) -> dict[int, float]:
 
 def _check_loadable(save_dir: Path) -> int:
     """The newest complete checkpoint passes every checksum; returns its step."""
-    from ds_tsp.training_checkpoint import CheckpointStore, verify_checkpoint
+    from ds_tsp.checkpoint.training import CheckpointStore, verify_checkpoint
 
     latest = CheckpointStore(save_dir).latest()
     assert latest is not None, list(save_dir.iterdir())

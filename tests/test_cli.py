@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ds_tsp.cli import main
+from ds_tsp.tools.cli import main
 
 
 def _report(capsys) -> dict:
@@ -40,7 +40,7 @@ def test_verify_d3_mqa_bias_tied_float64(capsys):
 
 def test_bad_shape_exits_2_with_one_line_naming_the_field():
     # Through the module entry point in a fresh interpreter: validation happens before any rank starts.
-    proc = subprocess.run([sys.executable, "-m", "ds_tsp.cli", "verify", "--heads", "6", "--hidden", "96",
+    proc = subprocess.run([sys.executable, "-m", "ds_tsp.tools.cli", "verify", "--heads", "6", "--hidden", "96",
                            "--tsp", "4"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stdout == ""

@@ -5,9 +5,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.comm import (TSPComm, all_gather_sequence, broadcast_shard, broadcast_shards, replicated_param,
-                         ring_backward, ring_forward)
-from ds_tsp.launch import run_on_local_ranks
+from ds_tsp.core.comm import (
+    TSPComm,
+    all_gather_sequence,
+    broadcast_shard,
+    broadcast_shards,
+    replicated_param,
+    ring_backward,
+    ring_forward,
+)
+from ds_tsp.core.launch import run_on_local_ranks
 
 N = 6  # elements per shard
 

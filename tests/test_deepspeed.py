@@ -11,11 +11,12 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from ds_tsp.errors import TSPConfigError  # noqa: E402
-from ds_tsp.launch import run_on_local_ranks  # noqa: E402
-from ds_tsp.model_config import ModelShape  # noqa: E402
-from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
 from masked_patterns import MaskedPatterns  # noqa: E402
+
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
+from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
 
 SHAPE = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 STEPS = 5
@@ -103,7 +104,7 @@ def _train_pipeline(cfg: dict, steps: int = STEPS) -> list[float]:
     import torch.distributed as dist
 
     import ds_tsp
-    from ds_tsp.data import pipeline_batches
+    from ds_tsp.core.data import pipeline_batches
 
     ref = ReferenceCausalLM(SHAPE)
     init_weights_(ref, 0)

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_tsp.comm import TSPComm
-from ds_tsp.config import parse_tsp_config
-from ds_tsp.errors import TSPConfigError, TSPNonFiniteError
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model import TSPCausalLM
-from ds_tsp.model_config import ModelShape
-from ds_tsp.partition import shard_batch
-from ds_tsp.topology import ParallelLayout
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import parse_tsp_config
+from ds_tsp.core.errors import TSPConfigError, TSPNonFiniteError
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.topology import ParallelLayout
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 SHAPE = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
@@ -30,7 +30,7 @@ HF = {"model_type": "llama", "vocab_size": 32, "hidden_size": 32, "intermediate_
 
 
 def _model():
-    return TSPCausalLM(ModelShape(**SHAPE), TSPComm.single())
+    return ShardedCausalLM(ModelShape(**SHAPE), TSPComm.single())
 
 
 def _ids(n=8):
@@ -44,9 +44,9 @@ def _forward(**changes):
 
 
 def _deepspeed_check(ds: dict, tsp: dict):
-    from ds_tsp.integrations.deepspeed import check_compatible
+    from ds_tsp.core.config import check_deepspeed_compatible
 
-    check_compatible(ds, parse_tsp_config(tsp))
+    check_deepspeed_compatible(ds, parse_tsp_config(tsp))
 
 
 def _hf_forward(**kwargs):
@@ -60,7 +60,7 @@ def _hf_forward(**kwargs):
 
 
 def _nonfinite():
-    from ds_tsp.nonfinite import NonFiniteGuard
+    from ds_tsp.core.nonfinite import NonFiniteGuard
 
     model = _model().init_weights_(0)
     guard = NonFiniteGuard(model)
@@ -71,7 +71,7 @@ def _nonfinite():
 
 
 def _accelerate_env(**env):
-    from ds_tsp.integrations.accelerate_setup import resolve_setup
+    from ds_tsp.integrations.accelerate.launch_config import resolve_setup
 
     resolve_setup({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
                    "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "WORLD_SIZE": "4", **env})
@@ -109,7 +109,7 @@ def _only_bin(directory):
 
 
 def _foreign_manifest(tmp):
-    from ds_tsp.training_checkpoint import Manifest
+    from ds_tsp.checkpoint.training import Manifest
 
     (tmp / "manifest.json").write_text(json.dumps({"format": "deepspeed", "step": 1}))
     Manifest.read(tmp)
@@ -118,7 +118,7 @@ def _foreign_manifest(tmp):
 def _damaged_file(tmp, truncate: bool):
     import hashlib
 
-    from ds_tsp.training_checkpoint.manifest import FileEntry, verify_file
+    from ds_tsp.checkpoint.training.manifest import FileEntry, verify_file
 
     data = b"0123456789" * 10
     (tmp / "tsp00-00001.safetensors").write_bytes(data[:50] if truncate else data[::-1])
@@ -160,8 +160,8 @@ CASES = [
     ("position-ids-shape", "position_ids", lambda t: _forward(position_ids=torch.arange(6)[None])),
     ("no-labels", "shift_labels", lambda t: _forward(shift_labels=torch.full((1, 8), -100))),
     ("mask-holes", "attention_mask", lambda t: _forward(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]]))),
-    ("documents-longer-than-seq", "--documents", lambda t: __import__("ds_tsp.verify", fromlist=["x"])
-     .document_lengths(__import__("ds_tsp.verify", fromlist=["x"]).VerifyCase(ModelShape(**SHAPE), seq=4,
+    ("documents-longer-than-seq", "--documents", lambda t: __import__("ds_tsp.tools.verify", fromlist=["x"])
+     .document_lengths(__import__("ds_tsp.tools.verify", fromlist=["x"]).VerifyCase(ModelShape(**SHAPE), seq=4,
                                                                                documents=5))),
     ("hf-logits-to-keep", "logits_to_keep", lambda t: _hf_forward(logits_to_keep=0)),
     ("hf-unknown-kwarg", "use_cache", lambda t: _hf_forward(labels=_ids(), use_cache=True)),
@@ -171,15 +171,15 @@ CASES = [
     ("ckpt-pickle-only", "pytorch_model.bin", lambda t: _checkpoint(t, _only_bin)),
     ("fsdp-version", "fsdp_version", lambda t: _accelerate_env(FSDP_VERSION="1")),
     ("fsdp-cp", "parallelism_config_cp_size", lambda t: _accelerate_env(PARALLELISM_CONFIG_CP_SIZE="2")),
-    ("shard-size", "max_shard_size", lambda t: __import__("ds_tsp.hf.safetensors_io", fromlist=["x"])
+    ("shard-size", "max_shard_size", lambda t: __import__("ds_tsp.checkpoint.safetensors_writer", fromlist=["x"])
      .parse_size("lots")),
     ("nonfinite", "on_nonfinite", lambda t: _nonfinite()),
-    ("train-ckpt-keep-last", "keep_last", lambda t: __import__("ds_tsp.training_checkpoint", fromlist=["x"])
+    ("train-ckpt-keep-last", "keep_last", lambda t: __import__("ds_tsp.checkpoint.training", fromlist=["x"])
      .CheckpointStore(t, keep_last=0)),
     ("train-ckpt-foreign", "format", lambda t: _foreign_manifest(t)),
     ("train-ckpt-corrupted", "sha256", lambda t: _damaged_file(t, truncate=False)),
     ("train-ckpt-truncated", "bytes", lambda t: _damaged_file(t, truncate=True)),
-    ("train-ckpt-not-json", "lr_scheduler", lambda t: __import__("ds_tsp.training_checkpoint.access", fromlist=["x"])
+    ("train-ckpt-not-json", "lr_scheduler", lambda t: __import__("ds_tsp.checkpoint.training.access", fromlist=["x"])
      .jsonable({"lr_lambdas": [object()]}, "lr_scheduler.state_dict()")),
 ]
 
@@ -224,7 +224,7 @@ def _one_rank_bad(kind: str):
     import torch.distributed as dist
 
     comm = TSPComm(dist.group.WORLD)
-    model = TSPCausalLM(ModelShape(**SHAPE), comm)
+    model = ShardedCausalLM(ModelShape(**SHAPE), comm)
     ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(0))
     b = shard_batch(ids, tsp=comm.size, rank=comm.rank)
     mask = None
@@ -251,7 +251,7 @@ if __name__ == "__main__":  # python tests/test_error_catalogue.py > docs/errors
 
     sys.path.insert(0, str(Path(__file__).parent))
     print("# Error catalogue\n")
-    print("Every bad input below gives ONE error (ds_tsp.errors.TSPConfigError, or TSPNonFiniteError) naming the "
+    print("Every bad input below gives ONE error (ds_tsp.core.errors.TSPConfigError, or TSPNonFiniteError) naming the "
           "field and the fix.\nInput errors found while training (token ids, shapes, labels, masks) are detected "
           "by one small all-gather\nbefore any other collective, so they fail EVERY rank of the TSP group, also "
           "when only one rank's shard is bad.\nGenerated by `python tests/test_error_catalogue.py > docs/errors.md`; "

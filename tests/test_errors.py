@@ -5,13 +5,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.comm import TSPComm
-from ds_tsp.errors import TSPConfigError
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model import TSPCausalLM
-from ds_tsp.model_config import ModelShape
-from ds_tsp.partition import shard_batch
-from ds_tsp.topology import ParallelLayout
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.topology import ParallelLayout
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
 SHAPE = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
 
@@ -44,7 +44,7 @@ def test_too_short_sequences(seq, message):
 
 
 def test_missing_position_ids():
-    model = TSPCausalLM(ModelShape(**SHAPE), TSPComm.single())
+    model = ShardedCausalLM(ModelShape(**SHAPE), TSPComm.single())
     ids = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(TSPConfigError, match="position_ids is missing"):
         model(ids, ids, None)
@@ -52,7 +52,7 @@ def test_missing_position_ids():
 
 def _bad_token_on_rank_one():
     comm = TSPComm(dist.group.WORLD)
-    model = TSPCausalLM(ModelShape(**SHAPE), comm)
+    model = ShardedCausalLM(ModelShape(**SHAPE), comm)
     ids = torch.randint(0, 32, (1, 16), generator=torch.Generator().manual_seed(0))
     batch = shard_batch(ids, tsp=comm.size, rank=comm.rank)
     if comm.rank == 1:

@@ -2,7 +2,7 @@
 one device on the same global batches, and `clip_grad_norm_` returns the full model's grad norm.
 
 * fp32, untied and tied embeddings: per-step loss (`loss_for_logging`) within 1e-5 relative of
-  ds_tsp.reference.ReferenceCausalLM for STEPS steps of AdamW, clipping at MAX_NORM active (the clip norm within
+  ds_tsp.tools.reference_model.ReferenceCausalLM for STEPS steps of AdamW, clipping at MAX_NORM active (the clip norm within
   1e-4 relative of torch.nn.utils.clip_grad_norm_ on the reference), data replicas holding different numbers of
   labelled tokens. Measured: loss ~1e-7, norm ~1e-7 (fp32 sums reordered).
 * bf16 MixedPrecisionPolicy (param_dtype bf16, reduce_dtype fp32, fp32 sharded master weights). The tolerance
@@ -23,13 +23,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from ds_tsp.data import TSPDataLoader
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model_config import ModelShape
-from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_
-from ds_tsp.topology import ParallelLayout, ProcessGroups
 from masked_patterns import MaskedPatterns
+
+from ds_tsp.core.data import TSPDataLoader
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -86,11 +86,12 @@ def _reference_run(shape: ModelShape, compute_dtype: torch.dtype | None = None) 
 def _fsdp_train(shape: ModelShape, groups: ProcessGroups, param_dtype: torch.dtype | None = None) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ds_tsp.comm import TSPComm
-    from ds_tsp.integrations.fsdp import clip_grad_norm_, is_tsp_sharded, shard_with_fsdp2
-    from ds_tsp.model import TSPCausalLM
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.grad_norm import clip_grad_norm_, is_tsp_sharded
+    from ds_tsp.integrations.fsdp import shard_with_fsdp2
+    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
-    model = TSPCausalLM(shape, TSPComm(groups.tsp_group))
+    model = ShardedCausalLM(shape, TSPComm(groups.tsp_group))
     model.load_full_state_dict(_reference_weights(shape))
     expected_marks = {n for n, p in model.named_parameters() if is_tsp_sharded(p)}
     mp = None if param_dtype is None else MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -129,8 +130,9 @@ def _hf_step(directory: str | None, groups: ProcessGroups, fsdp: bool) -> dict |
     """One forward/backward of TSPForCausalLM (float64, HF call) on this replica's rows, then the clip norms."""
     if directory is None:  # transformers is not installed
         return None
+    from ds_tsp.core.grad_norm import clip_grad_norm_
     from ds_tsp.hf import TSPForCausalLM
-    from ds_tsp.integrations.fsdp import clip_grad_norm_, shard_with_fsdp2
+    from ds_tsp.integrations.fsdp import shard_with_fsdp2
 
     model = TSPForCausalLM.from_pretrained(directory, groups.tsp_group, dtype=torch.float64)
     if fsdp:
@@ -160,15 +162,15 @@ def _fsdp_ranks(hf_directory: str | None) -> dict:
 def _plain_ranks(hf_directory: str | None, batch: dict) -> dict:
     import torch.distributed as dist
 
-    from ds_tsp.comm import TSPComm
-    from ds_tsp.integrations.fsdp import clip_grad_norm_
-    from ds_tsp.model import TSPCausalLM
-    from ds_tsp.partition import shard_batch
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.grad_norm import clip_grad_norm_
+    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
     groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2))
     out = {}
     for name, shape in (("untied", SHAPE), ("tied", TIED)):
-        model = TSPCausalLM(shape, TSPComm(groups.tsp_group), dtype=torch.float64)
+        model = ShardedCausalLM(shape, TSPComm(groups.tsp_group), dtype=torch.float64)
         model.load_full_state_dict(_reference_weights(shape))
         local = shard_batch(batch["input_ids"], tsp=2, rank=groups.tsp_rank, labels=batch["shift_labels"],
                             position_ids=batch["position_ids"], labels_are_shifted=True)
@@ -203,7 +205,7 @@ def hf_reference(hf_directory) -> dict:
         pytest.skip("transformers is not installed")
     from hf_tiny import shift
 
-    from ds_tsp.hf.reference import hf_loss_and_grads, load_hf_reference
+    from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
 
     model = load_hf_reference(hf_directory, torch.float64)
     ids, labels = _hf_batch(model.config.vocab_size)
@@ -311,8 +313,8 @@ def test_clip_grad_norm_plain_tsp2_and_hf_equal_single_device(hf_directory, requ
 
 
 def test_clip_grad_norm_rejects_bad_norm_type():
-    from ds_tsp.errors import TSPConfigError
-    from ds_tsp.integrations.fsdp import clip_grad_norm_
+    from ds_tsp.core.errors import TSPConfigError
+    from ds_tsp.core.grad_norm import clip_grad_norm_
 
     groups = ProcessGroups(ParallelLayout(), 0, None, None, None)
     for bad in (0.0, -1.0, float("nan"), float("-inf")):
@@ -321,7 +323,7 @@ def test_clip_grad_norm_rejects_bad_norm_type():
 
 
 def test_shard_with_fsdp2_rejects_non_tsp_models():
-    from ds_tsp.errors import TSPConfigError
+    from ds_tsp.core.errors import TSPConfigError
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
 
     groups = ProcessGroups(ParallelLayout(), 0, None, None, None)

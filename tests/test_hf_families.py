@@ -3,7 +3,7 @@
 For every tiny checkpoint of tests/hf_tiny.py (Llama with default / llama3 / linear / yarn rope and explicit
 head_dim, Mistral with a sliding window, Qwen2 with bias and with sliding layers, Qwen3 with q/k norms; tied and
 untied), TSP loads the checkpoint BY SLICES in float64 and runs the same batch as transformers' model (float64,
-made exact by ds_tsp.hf.reference). Loss and every gradient must agree to 1e-10 (norm-wise relative; a correct
+made exact by ds_tsp.tools.hf_reference). Loss and every gradient must agree to 1e-10 (norm-wise relative; a correct
 schedule measures ~1e-15). One spawn of 4 ranks runs D=4 on the world and D=2 on both halves.
 
 Each D=4 model is then saved with save_pretrained (tiny max_shard_size: several shards + index) and loaded by a
@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tiny import FAMILIES, save_tiny_checkpoint, shift  # noqa: E402
 
-from ds_tsp.hf.reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_  # noqa: E402
-from ds_tsp.launch import run_on_local_ranks  # noqa: E402
+from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_  # noqa: E402
 
 B, S = 2, 29  # S is not a multiple of 2D: the zigzag padding path runs too
 

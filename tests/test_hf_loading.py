@@ -1,7 +1,7 @@
 """Loading HF checkpoints by slices: measured host memory at D=4, dtypes, and one clear error per bad input.
 
 Memory: a ~170 MB fp32 Llama checkpoint saved by transformers with an index (several shards). Every one of 4 ranks
-measures its peak resident memory (ds_tsp.host_memory.HostMemoryPeak: VmHWM reset at entry, anonymous and file
+measures its peak resident memory (host_memory.HostMemoryPeak: VmHWM reset at entry, anonymous and file
 pages both counted) while TSPForCausalLM.from_pretrained builds the model and reads its slices. It must stay below
 40% of the checkpoint (ideal: 25% for the shards); on the same rank the full-copy path (every tensor loaded, then
 sharded) is measured too and needs 100%+, which shows the meter sees what it should.
@@ -19,9 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tiny import save_tiny_checkpoint, tiny_config  # noqa: E402
 
-from ds_tsp.errors import TSPConfigError  # noqa: E402
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
+from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
 from ds_tsp.hf import TSPForCausalLM  # noqa: E402
-from ds_tsp.launch import run_on_local_ranks  # noqa: E402
 
 BIG = dict(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=3, num_attention_heads=12,
            num_key_value_heads=4)
@@ -32,10 +32,10 @@ def _checkpoint_bytes(directory) -> int:
 
 
 def _measure_loading(directory: str) -> dict:
+    from host_memory import HostMemoryPeak, release_free_memory
     from safetensors.torch import load_file
 
-    from ds_tsp.hf.hf_config import load_config
-    from ds_tsp.host_memory import HostMemoryPeak, release_free_memory
+    from ds_tsp.core.hf_config import load_config
 
     load_config(directory)  # imports transformers' config modules outside the measured block
     with HostMemoryPeak() as sliced:

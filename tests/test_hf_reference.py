@@ -1,4 +1,4 @@
-"""ds_tsp.hf.reference: transformers' own models as a float64 reference (per-instance patches, packed documents).
+"""ds_tsp.tools.hf_reference: transformers' own models as a float64 reference (per-instance patches, packed documents).
 
 Every family of tests/hf_tiny.py is saved as a real checkpoint and loaded back with AutoModelForCausalLM.
 """
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402  (tests/ is on sys.path: a helper module, not a test file)
-from ds_tsp.hf.reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_  # noqa: E402
+
+from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_  # noqa: E402
 
 S = 24  # > sliding windows (5, 6) and > the rope scalings' original_max_position_embeddings (16)
 

@@ -11,13 +11,13 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tiny import save_tiny_checkpoint  # noqa: E402
 
-from ds_tsp.errors import TSPConfigError  # noqa: E402
-from ds_tsp.launch import run_on_local_ranks  # noqa: E402
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
+from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
 
 
 def _save_twice_second_fails(source: str, target: str) -> str:
+    from ds_tsp.checkpoint import safetensors_writer as safetensors_io
     from ds_tsp.hf import TSPForCausalLM
-    from ds_tsp.hf import safetensors_io
 
     model = TSPForCausalLM.from_pretrained(source)
     model.save_pretrained(target, max_shard_size="8KB")
@@ -58,7 +58,7 @@ def _zero3_train_and_save(source: str, target: str) -> dict:
     import deepspeed
 
     import ds_tsp
-    from ds_tsp.synthetic import RepeatingPatterns
+    from ds_tsp.tools.synthetic import RepeatingPatterns
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},

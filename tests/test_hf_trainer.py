@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
-from ds_tsp.errors import TSPConfigError  # noqa: E402
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "hf_trainer.py")
@@ -102,7 +102,7 @@ def test_packed_batches_tsp2(tmp_path):
 def test_parallelism_config_sp_cp_with_tsp_is_an_error():
     from types import SimpleNamespace
 
-    from ds_tsp.hf.trainer import _check_parallelism_config
+    from ds_tsp.integrations.hf_trainer import _check_parallelism_config
 
     for key in ("sp_size", "cp_size", "tp_size"):
         args = SimpleNamespace(parallelism_config=SimpleNamespace(**{"sp_size": 1, "cp_size": 1, "tp_size": 1,

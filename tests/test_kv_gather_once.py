@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ds_tsp.comm import TSPComm
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model import TSPOptions
-from ds_tsp.model_config import ModelShape
-from ds_tsp.modules import TSPAttention
-from ds_tsp.partition import zigzag_positions
-from ds_tsp.rope import rope_cos_sin
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.partition import zigzag_positions
+from ds_tsp.core.rope import rope_cos_sin
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_modules import TSPAttention
 
 B, S, HEAD_DIM, HEADS = 2, 32, 8, 8  # S a multiple of 2D for D in (2, 4)
 

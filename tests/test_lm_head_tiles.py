@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ds_tsp.comm import TSPComm
-from ds_tsp.errors import TSPConfigError
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.layers.lm_head_loss import tsp_lm_head_loss
-from ds_tsp.model import TSPOptions
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.functions.lm_head_loss import tsp_lm_head_loss
+from ds_tsp.core.launch import run_on_local_ranks
 
 UNTILED = 1 << 30
 

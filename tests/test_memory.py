@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ds_tsp.comm import TSPComm
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model import TSPCausalLM
-from ds_tsp.model_config import ModelShape
-from ds_tsp.partition import shard_batch
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
 SEQ = 256  # global sequence: no model dimension equals it, so a saved full-sequence tensor is recognisable
 SHAPE = ModelShape(vocab_size=96, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=8, num_kv_heads=4)
@@ -17,7 +17,7 @@ SHAPE = ModelShape(vocab_size=96, hidden_size=64, intermediate_size=160, num_lay
 def _saved_for_backward():
     group = dist.group.WORLD if dist.is_initialized() else None
     comm = TSPComm(group)
-    model = TSPCausalLM(SHAPE, comm)
+    model = ShardedCausalLM(SHAPE, comm)
     ids = torch.randint(0, SHAPE.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
     batch = shard_batch(ids, tsp=comm.size, rank=comm.rank)
     saved = {}

@@ -1,6 +1,6 @@
 """The TSP model against the single-device reference: loss and EVERY parameter gradient, for D in {1, 2, 3, 4}.
 
-Tolerances (ds_tsp.verify.TOLERANCE): float32 1e-5 relative (norm-wise, per parameter; the fp32 noise floor is
+Tolerances (ds_tsp.tools.verify.TOLERANCE): float32 1e-5 relative (norm-wise, per parameter; the fp32 noise floor is
 ~1e-6), float64 1e-10 (a correct schedule measures ~1e-15). Each D runs all its shapes in one process group
 to keep start-up cost out of the suite.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model_config import ModelShape
-from ds_tsp.verify import VerifyCase, run_case_on_world
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.tools.verify import VerifyCase, run_case_on_world
 
 
 def _shape(heads, kv, *, tie=False, bias=False, ffn=48, vocab=61, layers=2, head_dim=None):
@@ -58,7 +58,7 @@ def test_fp64_is_exact_at_odd_degree():
     ({"keep_gathered_kv": True, "recompute_projections": False}, True),
 ], ids=["keep_gathered_kv", "activation_checkpointing", "no_overlap", "saved_projections", "speed"])
 def test_schedule_options_are_exact(options, overlap):
-    from ds_tsp.model import TSPOptions
+    from ds_tsp.core.config import TSPOptions
     case = VerifyCase(shape=_shape(4, 2, bias=True), seq=27, batch=2, dtype="float64", seed=7)
     report = run_on_local_ranks(run_case_on_world, 2, case, TSPOptions(**options), overlap, timeout_s=120)[0]
     assert report["loss_rel_err"] < 1e-12 and report["grad_rel_err"] < 1e-12, report

@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from ds_tsp.launch import run_on_local_ranks  # noqa: E402
-
 from test_deepspeed import ENV, SHAPE, ds_config  # noqa: E402
+
+from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
 
 
 class _InfGrad(torch.autograd.Function):
@@ -34,11 +34,11 @@ def _scenarios(runs: list[tuple]) -> list[dict]:
 def _train(stage: int, policy: str, poison: dict | None, skip_batch: int | None = None, steps: int = 4) -> dict:
     """poison: {"step": k, "rank": r, "kind": "nan_loss" | "inf_grad"}; skip_batch: leave that batch out."""
     import torch.distributed as dist
+    from masked_patterns import MaskedPatterns
 
     import ds_tsp
-    from ds_tsp.errors import TSPNonFiniteError
-    from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_
-    from masked_patterns import MaskedPatterns
+    from ds_tsp.core.errors import TSPNonFiniteError
+    from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
     cfg = ds_config(2, stage)
     cfg["tsp"]["on_nonfinite"] = policy

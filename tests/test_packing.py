@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tiny import packed_batch, save_tiny_checkpoint, shift, tiny_config  # noqa: E402
 
-from ds_tsp.hf.reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
-from ds_tsp.launch import run_on_local_ranks  # noqa: E402
-from ds_tsp.model import TSPOptions  # noqa: E402
+from ds_tsp.core.config import TSPOptions  # noqa: E402
+from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
 
 SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)
 # S = 60 at D=3: chunks of 10 tokens; every document boundary below falls inside a chunk

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_tsp.errors import TSPConfigError
-from ds_tsp.partition import (
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.partition import (
     global_to_rank_order_index,
     pad_to,
     padded_length,

@@ -14,14 +14,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp import plan_cli
-from ds_tsp.comm import TSPComm
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model import TSPCausalLM, TSPOptions
-from ds_tsp.model_config import ModelShape
-from ds_tsp.partition import shard_batch
-from ds_tsp.plan import (PRESETS, PlanInput, PlanInputError, megatron_tp_example, plan_fsdp_cp, plan_layouts,
-                         plan_tp, plan_tp_sp, plan_tsp, plan_ulysses, shape_from_hf_config, tsp_counter_bytes)
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.tools.plan import cli as plan_cli
+from ds_tsp.tools.plan import (
+    PRESETS,
+    PlanInput,
+    PlanInputError,
+    megatron_tp_example,
+    plan_fsdp_cp,
+    plan_layouts,
+    plan_tp,
+    plan_tp_sp,
+    plan_tsp,
+    plan_ulysses,
+    shape_from_hf_config,
+    tsp_counter_bytes,
+)
 
 _HAS_AC = "activation_checkpointing" in TSPOptions.__dataclass_fields__
 
@@ -56,7 +69,7 @@ def _measure(names: list[str]) -> dict:
     for name in names:
         shape, seq, batch, dtype, options, _ = CASES[name]
         comm = TSPComm(dist.group.WORLD)
-        model = TSPCausalLM(shape, comm, options=TSPOptions(**options), dtype=_TORCH_DTYPE[dtype])
+        model = ShardedCausalLM(shape, comm, options=TSPOptions(**options), dtype=_TORCH_DTYPE[dtype])
         gen = torch.Generator().manual_seed(comm.rank)
         with torch.no_grad():
             for p in model.parameters():
@@ -126,7 +139,7 @@ def test_tsp_comm_formula_equals_counters_exactly(measured, world, name):
 
 def test_tsp_comm_matches_design_formula_at_7b():
     """Design doc: fwd rho*W + rho*2KV; bwd rho*W + (rho*W_attn + W_mlp) + 2*rho*2KV; the norm grads of the whole
-    model are one bucketed all-reduce per step (ds_tsp.replicated_grads)."""
+    model are one bucketed all-reduce per step (ds_tsp.core.replicated_grads)."""
     shape, D, S, B, b = PRESETS["7b"], 8, 131072, 1, 2
     h, F, kv = shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.dim_per_head
     rho = Fraction(D - 1, D)
@@ -302,9 +315,9 @@ def test_peak_within_10_percent_of_recorded_bench(record):
 
 def _tsp_tracked_peak(shape, seq):
     """One TSP training step (bench's own session and MemTracker protocol) at a tiny shape; this rank's peak."""
-    from ds_tsp.bench import tsp
-    from ds_tsp.bench.config import BenchConfig
-    from ds_tsp.bench.measure import tracked_step
+    from ds_tsp.tools.bench import tsp
+    from ds_tsp.tools.bench.config import BenchConfig
+    from ds_tsp.tools.bench.measure import tracked_step
 
     cfg = BenchConfig(layout="tsp", seqs=(seq,), tsp=dist.get_world_size(), shape=shape)
     workload = tsp.build(cfg, {"mode": "memory"}).workload(seq)

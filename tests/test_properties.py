@@ -26,7 +26,7 @@ tied embeddings, per-layer sliding windows (1 .. S+2) or none, rope theta / line
 2D (sometimes < 2D), batch 1..3 (rows sharing a layout or not), 1..4 documents per row with boundaries anywhere or
 on chunk edges, first documents continued at a position offset, left/right padding by attention_mask, ignore
 fractions, both CPU kernel backends, and every TSPOptions flag and comm overlap. Loss and every gradient in
-float64 against the per-document single-device reference: norm-wise relative error < 1e-10 (ds_tsp.verify's
+float64 against the per-document single-device reference: norm-wise relative error < 1e-10 (ds_tsp.tools.verify's
 float64 tolerance; measured worst 1.2e-14 over 62 configurations: 20/18/12/12 at D=1/2/3/4); every rank must
 report the same loss. A failure lists every failing configuration (smallest first) with its repr, which is its
 reproduction (see tests/property_cases.py). The draw is not shrunk (the checks run after it, in the spawned
@@ -43,12 +43,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from property_cases import ModelCase, Row, compare, draw_cases, model_cases, run_cases_on_ranks
-from ds_tsp.documents import document_starts, documents_of_lengths
-from ds_tsp.errors import TSPConfigError
-from ds_tsp.model_config import ModelShape
-from ds_tsp.partition import (
+
+from ds_tsp.core.documents import document_starts, documents_of_lengths
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.partition import (
     global_to_rank_order_index,
     pad_to,
     padded_length,
@@ -59,6 +58,7 @@ from ds_tsp.partition import (
     unshard,
     zigzag_positions,
 )
+from ds_tsp.core.shape import ModelShape
 
 IGNORE = -100
 FAST = settings(max_examples=150, derandomize=True, deadline=None, database=None)
@@ -318,7 +318,7 @@ def test_model_configurations_cover_the_space():
     assert not thin, f"features drawn fewer than 3 times: {thin} (all: {features})"
 
 
-# Found by these tests (fixed in ds_tsp/layers/lm_head_loss.py): when a rank's vocab shard holds no real row,
+# Found by these tests (fixed in ds_tsp/core/functions/lm_head_loss.py): when a rank's vocab shard holds no real row,
 # V <= (D-1) * ceil(V/D), the padding mask started at a NEGATIVE index (loss silently wrong: V=5, D=4 gave 1.79
 # vs 1.61) and an all-padding shard started the running log-sum-exp with exp(-inf - -inf) = NaN. These cases pin
 # it; the strategy draws such vocab sizes too.

@@ -13,12 +13,13 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from ds_tsp.comm import TSPComm
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.model import TSPCausalLM, TSPOptions
-from ds_tsp.model_config import ModelShape
-from ds_tsp.partition import shard_batch
-from ds_tsp.replicated_grads import ReplicatedGradBucket
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.replicated_grads import ReplicatedGradBucket
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
 LAYERS = 3
 SHAPE = ModelShape(vocab_size=37, hidden_size=32, intermediate_size=32, num_layers=LAYERS, num_heads=4,
@@ -27,7 +28,7 @@ SHAPE = ModelShape(vocab_size=37, hidden_size=32, intermediate_size=32, num_laye
 
 def _step(options: TSPOptions, bucketed: bool, backwards: int = 1) -> dict:
     comm = TSPComm(dist.group.WORLD)
-    model = TSPCausalLM(SHAPE, comm, options=options, dtype=torch.float64).init_weights_(seed=3)
+    model = ShardedCausalLM(SHAPE, comm, options=options, dtype=torch.float64).init_weights_(seed=3)
     with torch.no_grad():  # norm weights other than 1, different per parameter
         for i, p in enumerate(model.replicated_params().values()):
             p.add_(0.1 * (i + 1))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_tsp.errors import TSPConfigError
-from ds_tsp.model_config import ModelShape
-from ds_tsp.rope import RopeScaling, rope_cos_sin
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.rope import RopeScaling, rope_cos_sin
+from ds_tsp.core.shape import ModelShape
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,31 +21,31 @@ import pytest
 import torch
 from rank_procs import Ranks
 
-from ds_tsp.watchdog import EXIT_CODE, MESSAGE_PREFIX, Blocked, TSPCommError, describe, watched_wait
+from ds_tsp.core.watchdog import EXIT_CODE, MESSAGE_PREFIX, Blocked, TSPCommError, describe, watched_wait
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5
 KINDS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "ring", "gather", "loss all_reduce")
-LAYER = r"layer: (TSPCausalLM|model\.[\w.]+|lm_head|step \d+ loss logging)( forward| backward| recompute)?"
+LAYER = r"layer: (ShardedCausalLM|model\.[\w.]+|lm_head|step \d+ loss logging)( forward| backward| recompute)?"
 
 
 # --- the rank script ------------------------------------------------------------------------------------------
 def _rank_main(steps: int, timeout_s: float | None) -> None:
     import torch.distributed as dist
 
-    from ds_tsp.comm import TSPComm
-    from ds_tsp.launch import init_from_env
-    from ds_tsp.model import TSPCausalLM
-    from ds_tsp.model_config import ModelShape
-    from ds_tsp.partition import shard_batch
-    from ds_tsp.watchdog import label_modules, stats
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.launch import init_from_env
+    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.watchdog import label_modules, stats
+    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
     torch.set_num_threads(1)
     rank, world = init_from_env(backend="gloo")  # process-group timeout: the 1800 s default
     comm = TSPComm(dist.group.WORLD, timeout_s=timeout_s)
     shape = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2)
-    model = label_modules(TSPCausalLM(shape, comm).init_weights_(0))
+    model = label_modules(ShardedCausalLM(shape, comm).init_weights_(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     ids = torch.randint(0, shape.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     batch = shard_batch(ids, tsp=world, rank=rank)
@@ -134,7 +134,7 @@ def test_healthy_run_is_not_disturbed(tmp_path):
 
 def test_watchdog_thread_never_blocks_exit():
     """The watchdog thread is a daemon: an interpreter with it started (and a wait armed and done) exits at once."""
-    code = ("from ds_tsp.watchdog import WATCHDOG, Blocked, stats\n"
+    code = ("from ds_tsp.core.watchdog import WATCHDOG, Blocked, stats\n"
             "WATCHDOG.disarm(WATCHDOG.arm(Blocked(None, 'probe', ('group',)), 600.0))\n"
             "assert stats()['thread'], stats()\n")
     start = time.monotonic()
@@ -199,8 +199,8 @@ def test_message_names_global_ranks():
 def test_label_modules_names_forward_backward_and_resets():
     from torch import nn
 
-    from ds_tsp.comm import TSPComm
-    from ds_tsp.watchdog import label_modules
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.watchdog import label_modules
 
     comm = TSPComm.single()
     seen = []

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.errors import TSPConfigError
-from ds_tsp.launch import run_on_local_ranks
-from ds_tsp.topology import ParallelLayout, ProcessGroups
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.topology import ParallelLayout, ProcessGroups
 
 LAYOUTS = [ParallelLayout(), ParallelLayout(tsp=4), ParallelLayout(data=3, tsp=2), ParallelLayout(pipe=2, data=3, tsp=2),
            ParallelLayout(pipe=3, data=1, tsp=2), ParallelLayout(pipe=2, data=2, tsp=1)]

@@ -18,11 +18,12 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from ds_tsp.errors import TSPConfigError  # noqa: E402
-from ds_tsp.launch import run_on_local_ranks  # noqa: E402
-from ds_tsp.model_config import ModelShape  # noqa: E402
-from ds_tsp.reference import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
 from masked_patterns import MaskedPatterns  # noqa: E402
+
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
+from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
 
 SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 ENV = {"DS_ACCELERATOR": "cpu"}
@@ -64,7 +65,7 @@ def _steps(engine, batches, first: int, last: int) -> list[float]:
 
 def _full_state(engine) -> dict[str, torch.Tensor]:
     """HF-named full fp32 weights and Adam moments (collective): what a reshard must move exactly."""
-    from ds_tsp.integrations.deepspeed_checkpoint import DeepSpeedAccess
+    from ds_tsp.checkpoint.training.deepspeed_access import DeepSpeedAccess
 
     access, model = DeepSpeedAccess(engine), engine.tsp_model
     comm, out = model.comm, {}

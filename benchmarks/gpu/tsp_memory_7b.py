@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_tsp.model_config import ModelShape
+from ds_tsp.core.shape import ModelShape
 
 ZYPHRA_7B = ModelShape(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                        num_kv_heads=32)
@@ -40,12 +40,12 @@ def _peak(device: torch.device) -> int | None:
 
 
 def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> dict:
-    from ds_tsp.comm import TSPComm
-    from ds_tsp.model import TSPCausalLM
-    from ds_tsp.partition import shard_batch
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
     _reset_peak(device)
-    model = TSPCausalLM(shape, TSPComm(dist.group.WORLD), options=options, dtype=dtype, device=device)
+    model = ShardedCausalLM(shape, TSPComm(dist.group.WORLD), options=options, dtype=dtype, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, shape.vocab_size, (1, seq), device=device)
     batch = shard_batch(ids, tsp=tsp, rank=0)
@@ -63,7 +63,7 @@ def tp_sp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ds_tsp.bench.dtensor_tp_sp import parallelize
+    from ds_tsp.tools.bench.dtensor_tp_sp import parallelize
 
     _reset_peak(device)
     config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
@@ -89,7 +89,7 @@ def tp_sp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype) -> dict:
 
 def zigzag_kernel_time(shape: ModelShape, seq: int, tsp: int, device, dtype, repeats: int = 3) -> dict:
     """Forward+backward time of one head block's attention for the two zigzag chunks of ranks 0 and D-1."""
-    from ds_tsp import kernels
+    from ds_tsp.core import kernels
 
     c, heads, d = seq // (2 * tsp), shape.num_heads // tsp, shape.dim_per_head
     times = {}
@@ -115,7 +115,7 @@ def zigzag_kernel_time(shape: ModelShape, seq: int, tsp: int, device, dtype, rep
 
 
 def plan_figures(shape: ModelShape, seq: int, tsp: int) -> dict:
-    from ds_tsp.plan import PlanInput, plan_layouts
+    from ds_tsp.tools.plan import PlanInput, plan_layouts
 
     plans = plan_layouts(PlanInput(model=shape, seq=seq, degree=tsp, dtype="bf16"), ["tsp", "tp_sp", "ulysses"])
     return {p.layout: p.peak_bytes_per_rank for p in plans}
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ds_tsp.model import TSPOptions
+    from ds_tsp.core.config import TSPOptions
 
     shape, seqs = (TINY, [256]) if args.tiny else (ZYPHRA_7B, args.seqs)
     device = torch.device(args.device)

@@ -1,0 +1,252 @@
+"""Save and resume a whole training state: weights, optimizer state, schedule, data position and RNG.
+
+Every rank calls `save_train_state` / `load_train_state` (collective over the job). Where an engine shards state
+over the data axis, reading it is collective too, so every rank walks the parameters in the same order; data rank 0
+of each TSP rank writes that rank's shard files, rank 0 writes the RNG file and the manifest and commits the step
+directory. A failure on any rank is agreed on (one small all-gather) before the next collective, so every rank
+raises the same error instead of waiting for the one that failed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import save as safetensors_bytes
+from torch import nn
+
+from ds_tsp.checkpoint.training.access import OptimizerAccess
+from ds_tsp.checkpoint.training.manifest import FileEntry, Layout, Manifest, OptimizerRecord, verify_file, versions
+from ds_tsp.checkpoint.training.reshard import ShardSource, state_tensor_name
+from ds_tsp.checkpoint.training.shard_files import DEFAULT_FILE_BYTES, ShardFileWriter, write_file
+from ds_tsp.checkpoint.training.store import CheckpointStore
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.topology import ProcessGroups
+
+RNG_FILE = "rng.safetensors"
+
+
+# --- agreement over the job -----------------------------------------------------------------------------------
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gather(obj: Any) -> list:
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    if _world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _agree(error: str | None) -> None:
+    """Raise the first rank's error on every rank (or return when no rank has one)."""
+    errors = [(r, e) for r, e in enumerate(_gather(error)) if e]
+    if errors:
+        rank, message = errors[0]
+        raise TSPConfigError(message if rank == _world()[0] else f"rank {rank}: {message}")
+
+
+def _attempt(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except Exception as err:  # noqa: BLE001 - reported on every rank by _agree
+        return str(err) if isinstance(err, TSPConfigError) else f"{type(err).__name__}: {err}"
+    return None
+
+
+# --- RNG --------------------------------------------------------------------------------------------------------
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state(),
+             "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    random.setstate((3, tuple(int(v) for v in state["python"].tolist()), None))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+# --- save ---------------------------------------------------------------------------------------------------
+def _check_pipeline(groups: ProcessGroups) -> None:
+    if groups.layout.pipe_enabled:
+        raise TSPConfigError(f"pipeline_stages={groups.pipe_size}: ds_tsp training checkpoints cover TSP x data "
+                             "layouts; with pipeline stages use engine.save_checkpoint / load_checkpoint (same "
+                             "layout only)")
+
+
+def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessGroups, store: CheckpointStore,
+                     step: int, *, data_state: dict | None = None,
+                     max_file_bytes: int = DEFAULT_FILE_BYTES) -> Path:
+    """Collective. Writes DIR/step-<step> and returns its path (on every rank)."""
+    _check_pipeline(groups)
+    rank, _ = _world()
+    tmp = Path(_broadcast(str(store.new_temporary(step)) if rank == 0 else None))
+    tsp_rank, writes = groups.tsp_rank, groups.data_rank == 0
+    writer = ShardFileWriter(tmp, f"tsp{tsp_rank:02d}", max_file_bytes) if writes else None
+    sharded = {id(p) for _, _, p in model.sharded_modules()}
+    keys = access.state_keys()
+    error = None
+    for name, param in model.named_parameters():
+        for key in (None, *keys):
+            value = access.weight(param) if key is None else access.state(param, key)  # collective over data
+            if writer is not None and error is None and (tsp_rank == 0 or id(param) in sharded):
+                error = _attempt(writer.add, state_tensor_name(name, key), value)
+    if writer is not None and error is None:
+        error = _attempt(writer.flush)
+    mine = (tsp_rank, writer.files if writer else {}, writer.tensor_files if writer else {}, _rng_state(), error)
+    everyone = _gather(mine)
+    outcome = None
+    if rank == 0:
+        outcome = next((f"rank {r}: {e[4]}" for r, e in enumerate(everyone) if e[4]), None)
+        if outcome is None:
+            outcome = _attempt(_commit, access, model, groups, store, step, tmp, everyone, data_state)
+        if outcome is not None:
+            store.discard_temporary(tmp)
+    outcome = _broadcast(outcome)
+    if outcome is not None:
+        raise TSPConfigError(f"saving the training checkpoint of step {step} failed ({outcome}); the previous "
+                             "checkpoints are untouched")
+    return store.root / store.step_name(step)
+
+
+def _commit(access, model, groups, store, step, tmp, everyone, data_state) -> None:
+    files: dict[str, FileEntry] = {}
+    shards: dict[int, dict[str, str]] = {}
+    for tsp_rank, rank_files, tensor_files, _, _ in everyone:
+        if rank_files:
+            files.update(rank_files)
+            shards[tsp_rank] = tensor_files
+    rng = {f"rank{r}.{k}": v for r, e in enumerate(everyone) for k, v in e[3].items()}
+    data = safetensors_bytes(rng)
+    write_file(tmp / RNG_FILE, data)
+    files[RNG_FILE] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    manifest = Manifest(
+        step=step, layout=Layout(tsp=groups.tsp_size, data=groups.data_size, pipe=groups.pipe_size),
+        model=_shape_dict(model), dtype=str(model.dtype).removeprefix("torch."),
+        global_batch_size=access.global_batch_size(),
+        optimizer=OptimizerRecord(name=access.name(), state_keys=access.state_keys(), step=access.step_count(),
+                                  param_groups=access.param_groups()),
+        lr_scheduler=access.scheduler_state(), engine=access.counters(), data=data_state, versions=versions(),
+        shards=shards, files=files)
+    manifest.write(tmp)
+    store.commit(tmp, step)
+
+
+def _shape_dict(model: nn.Module) -> dict:
+    return json.loads(json.dumps(model.shape.to_dict()))  # tuples as lists, as the manifest reads back
+
+
+# --- load ---------------------------------------------------------------------------------------------------
+def find_checkpoint(store: CheckpointStore, path: str | Path | None = None) -> Path | None:
+    """The checkpoint to resume from (rank 0's view, shared): `path`, else the store's latest complete one."""
+    rank, _ = _world()
+    found = None
+    if rank == 0:
+        found = Path(path).absolute() if path is not None else store.latest()
+        found = None if found is None else str(found)
+    found = _broadcast(found)
+    return None if found is None else Path(found)
+
+
+def check_resumable(manifest: Manifest, access: OptimizerAccess, model: nn.Module, groups: ProcessGroups,
+                    where: Path) -> None:
+    """One clear error for a checkpoint this run cannot continue from (the same on every rank)."""
+    _check_pipeline(groups)
+    if manifest.layout.pipe != 1:
+        raise TSPConfigError(f"{where}: saved with pipeline_stages={manifest.layout.pipe}; resume it with "
+                             "engine.load_checkpoint on the same layout")
+    shape = _shape_dict(model)
+    diff = sorted(k for k in set(shape) | set(manifest.model) if shape.get(k) != manifest.model.get(k))
+    if diff:
+        k = diff[0]
+        raise TSPConfigError(f"{where}: the checkpoint's model has {k}={manifest.model.get(k)!r}, this model "
+                             f"{k}={shape.get(k)!r} ({len(diff)} fields differ): resume with the model it was "
+                             "saved from")
+    try:
+        model.shape.check_tsp_degree(manifest.layout.tsp)
+    except TSPConfigError as err:
+        raise TSPConfigError(f"{where}: saved at tsp={manifest.layout.tsp}, which this model cannot map ({err})")
+    if manifest.optimizer.name != access.name():
+        raise TSPConfigError(f"{where}: the optimizer was {manifest.optimizer.name}, this run uses {access.name()}: "
+                             "configure the same optimizer to resume")
+    if manifest.global_batch_size != access.global_batch_size():
+        raise TSPConfigError(
+            f"{where}: saved with a global batch of {manifest.global_batch_size} samples per step, this run has "
+            f"{access.global_batch_size()} (train_batch_size = micro batch x gradient_accumulation_steps x data "
+            f"degree): keep {manifest.global_batch_size} (e.g. raise the micro batch or the accumulation steps when "
+            "the data degree shrinks) so data order and schedule continue")
+    missing_ranks = sorted(set(range(manifest.layout.tsp)) - set(manifest.shards))
+    if missing_ranks:
+        raise TSPConfigError(f"{where}: the manifest lists no files of TSP rank {missing_ranks[0]}: the checkpoint "
+                             "is incomplete; resume from another one")
+    names = {state_tensor_name(n, k) for n, _ in model.named_parameters() for k in (None, *manifest.optimizer.state_keys)}
+    sharded = {n for n, p in model.named_parameters() if any(p is q for _, _, q in model.sharded_modules())}
+    for tsp_rank, tensors in manifest.shards.items():
+        need = names if tsp_rank == 0 else {t for t in names if t.split("::")[0] in sharded}
+        missing = sorted(need - set(tensors))
+        if missing:
+            raise TSPConfigError(f"{where}: no tensor {missing[0]!r} for TSP rank {tsp_rank} ({len(missing)} "
+                                 "missing): the checkpoint was saved from another model")
+
+
+def load_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessGroups, store: CheckpointStore,
+                     *, path: str | Path | None = None) -> tuple[Manifest, Path] | None:
+    """Collective. Restore everything but the data position (returned in the manifest); None: nothing to resume."""
+    where = find_checkpoint(store, path)
+    if where is None:
+        return None
+    state: dict[str, Any] = {}
+
+    def read_and_check():
+        state["manifest"] = manifest = Manifest.read(where)
+        check_resumable(manifest, access, model, groups, where)
+        state["source"] = source = ShardSource(where, manifest, model)
+        for name in sorted(source.files() | {RNG_FILE}):
+            if name not in manifest.files:
+                raise TSPConfigError(f"{where}: {name} has no checksum in the manifest: the checkpoint is damaged")
+            verify_file(where, name, manifest.files[name])
+
+    _agree(_attempt(read_and_check))
+    manifest, source = state["manifest"], state["source"]
+    keys = manifest.optimizer.state_keys
+    params = [p for _, p in model.named_parameters()]
+    if keys:
+        access.ensure_state(params)
+        if access.state_keys() != keys:
+            raise TSPConfigError(f"{where}: the checkpoint holds optimizer state {keys}, this optimizer "
+                                 f"{access.state_keys()}: configure the same optimizer")
+    for name, param in model.named_parameters():
+        access.set_weight(param, source.value(name))
+        for key in keys:
+            access.set_state(param, key, source.value(name, key))
+    source.close()
+    access.finish_load()
+    access.set_step_count(manifest.optimizer.step)
+    access.set_param_groups(manifest.optimizer.param_groups)
+    access.load_scheduler_state(manifest.lr_scheduler)
+    access.set_counters(manifest.engine)
+    rank, _ = _world()
+    rng = load_safetensors(str(where / RNG_FILE))
+    mine = {k.split(".", 1)[1]: v for k, v in rng.items() if k.startswith(f"rank{rank}.")}
+    if mine:  # a rank the saving run did not have keeps its own RNG (documented: only on the same world size)
+        _set_rng_state(mine)
+    return manifest, where

@@ -1,0 +1,495 @@
+"""Communication on the TSP axis: async collectives with byte counters, and the three TSP primitives.
+
+Every primitive is a forward/backward pair that returns handles, so layers can start the next transfer before
+computing on the current one:
+
+| primitive            | forward                                  | backward                                      |
+|----------------------|------------------------------------------|-----------------------------------------------|
+| shard broadcast      | broadcast rank j's packed shard to all   | reduce (sum) weight grads to owner j          |
+| weight ring          | pass shards to rank p+1, D-1 hops        | grads travel with the shard, D hops to owner  |
+| sequence all-gather  | all-gather local K/V, rank order         | reduce-scatter dK/dV back to the local tokens |
+
+Byte accounting (`CommCounter`) follows the algorithm's logical volume per rank: a broadcast counts on receivers,
+a reduce on senders, all-gather counts the (D-1)/D of its output that arrives, reduce-scatter the (D-1)/D of its
+input that leaves, a ring hop counts what is sent. Summed over a full head-block loop every rank counts the same.
+
+Every blocking wait is bounded by `TSPComm.timeout_s` (ds_tsp.core.watchdog): a dead or stalled peer ends the rank with
+one stderr line naming the collective, the layer (`comm.context`, kept by ds_tsp.core.watchdog.label_modules) and the
+rank waited for, and exit code ds_tsp.core.watchdog.EXIT_CODE. Blocking torch.distributed calls made elsewhere are
+bounded the same way inside `with comm.guard("what"):`.
+
+`with comm.recording() as rec:` lists, in post order, every op this comm posts (CommRecorder): what a replay under
+NCCL's queueing rules checks (tests/nccl_rules.py), since gloo's threads hide orders that hang NCCL.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from ds_tsp.core.watchdog import Blocked, Guard, TSPCommError, guard, post_failed, watched_wait  # noqa: F401
+
+# torch >= 2.10 renamed all_gather_into_tensor; the old name warns on every call.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+# torch.profiler range around every blocked wait: lets a profile charge waiting to the layer that waits
+COMM_WAIT_RANGE = "ds_tsp::comm_wait"
+
+WEIGHT_TAG = 7101
+GRAD_TAG = 7102
+
+
+class CommCounter:
+    """Bytes moved and seconds spent blocked on handles, per primitive kind (one instance per model)."""
+
+    def __init__(self):
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.wait_s = 0.0
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.wait_s = 0.0
+
+    def snapshot(self) -> dict:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls), "total_bytes": self.total_bytes,
+                "wait_s": self.wait_s}
+
+
+class Handle:
+    """Pending communication; `wait()` blocks (at most `timeout_s`, see ds_tsp.core.watchdog) and charges the blocked
+    time to the counter."""
+
+    @classmethod
+    def started(cls, works: list, counter: CommCounter, keep_alive: tuple, overlap: bool,
+                blocked: Blocked | None = None, timeout_s: float | None = None) -> "Handle":
+        handle = cls(works, counter, keep_alive, blocked, timeout_s)
+        if not overlap:
+            handle.wait()
+        return handle
+
+    def __init__(self, works: list, counter: CommCounter, keep_alive: tuple = (), blocked: Blocked | None = None,
+                 timeout_s: float | None = None):
+        self._works = [w for w in works if w is not None]
+        self._counter = counter
+        self._keep_alive = keep_alive  # buffers a pending op reads or writes must outlive it
+        self._blocked = blocked  # what to report if the wait fails or outlives timeout_s
+        self._timeout_s = timeout_s
+
+    def wait(self) -> None:
+        if not self._works:
+            return
+        start = time.perf_counter()
+        with record_function(COMM_WAIT_RANGE) if torch.autograd._profiler_enabled() else nullcontext():
+            if self._blocked is None:
+                for work in self._works:
+                    work.wait()
+            else:
+                # device tensors (NCCL): wait() only orders the stream, so the watchdog polls completion instead
+                on_device = bool(self._keep_alive) and self._keep_alive[0].device.type != "cpu"
+                watched_wait(self._works, self._blocked, self._timeout_s, poll=on_device)
+        self._counter.wait_s += time.perf_counter() - start
+        self._works = []
+        self._keep_alive = ()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CommRecorder:
+    """The ops one rank posts through a TSPComm, in post order: metadata only (no copy, no sync, numerics unchanged).
+
+    Each op is a plain dict, picklable and comparable across ranks: kind, group (global ranks), root (global rank;
+    broadcast / reduce / gather), p2p (("send" | "recv", global peer), ...) and batched (one batch_isend_irecv) for
+    point-to-point, shape / dtype / numel / nbytes of the tensor whose count NCCL sees, tag, what, and layer (the
+    watchdog's comm.context when the op was posted).
+    """
+
+    def __init__(self):
+        self.ops: list[dict] = []
+
+
+@dataclass
+class TSPComm:
+    """The TSP process group plus its counter. Passed explicitly to every layer; no module-global state.
+
+    timeout_s bounds every blocking wait (None: unbounded, and a failed collective raises TSPCommError instead of
+    ending the process). `context` names what runs now ("model.layers.3.self_attn forward"): any code may set it
+    (a plain attribute store); ds_tsp.core.watchdog.label_modules(model) keeps it current from module names.
+    """
+
+    group: dist.ProcessGroup | None
+    counter: CommCounter = field(default_factory=CommCounter)
+    overlap: bool = True  # False: every transfer completes before compute resumes (to measure what overlap hides)
+    timeout_s: float | None = 1800
+    context: str = field(default="", compare=False)
+    # The open ds_tsp.core.replicated_grads.ReplicatedGradBucket (one model forward), or None: replicated_param asks it
+    # first so the grads of replicated weights are summed in one all-reduce per backward.
+    grad_bucket: object = field(default=None, compare=False, repr=False)
+    recorder: CommRecorder | None = field(default=None, compare=False, repr=False)  # see recording()
+
+    def __post_init__(self):
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
+            raise ValueError(f"TSPComm(timeout_s={self.timeout_s!r}): must be a number of seconds > 0, or None to "
+                             "wait without bound")
+        if self.group is None or not dist.is_initialized():
+            self.rank, self.size = 0, 1
+            self._ranks = [dist.get_rank() if dist.is_initialized() else 0]
+        else:
+            self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+            self._ranks = dist.get_process_group_ranks(self.group)  # global rank of each TSP rank
+
+    @classmethod
+    def single(cls) -> "TSPComm":
+        """A degree-1 group: every primitive is a local no-op (D=1 runs without torch.distributed)."""
+        return cls(group=None)
+
+    def _global(self, group_rank: int) -> int:
+        return self._ranks[group_rank]
+
+    def guard(self, what: str, group: dist.ProcessGroup | None = None, context: str | None = None) -> Guard:
+        """`with comm.guard("loss all_reduce"): dist.all_reduce(t, group=comm.group)`: the block's blocking
+        torch.distributed calls get this comm's timeout_s and one-message report. group: the group they talk to
+        (its other ranks are the waited-for peers; default the TSP group); context: default comm.context."""
+        return guard(what, timeout_s=self.timeout_s, group=group, comm=self, context=context)
+
+    @contextmanager
+    def recording(self, recorder: CommRecorder | None = None) -> Iterator[CommRecorder]:
+        """`with comm.recording() as rec:` ... then rec.ops lists what this comm posted meanwhile, in order."""
+        prev, self.recorder = self.recorder, recorder if recorder is not None else CommRecorder()
+        try:
+            yield self.recorder
+        finally:
+            self.recorder = prev
+
+    def _record(self, kind: str, t: torch.Tensor, what: str | None, context: str | None = None, **extra) -> None:
+        if self.recorder is None:
+            return
+        self.recorder.ops.append({"kind": kind, "group": tuple(self._ranks), **extra, "shape": tuple(t.shape),
+                                  "dtype": str(t.dtype), "numel": t.numel(), "nbytes": _nbytes(t), "what": what,
+                                  "layer": self.context if context is None else context})
+
+    def _started(self, works: list, keep_alive: tuple, kind: str, peer: tuple, what: str | None) -> Handle:
+        return Handle.started(works, self.counter, keep_alive, self.overlap, Blocked(self, kind, peer, what),
+                              self.timeout_s)
+
+    def _post_failed(self, err: RuntimeError, kind: str, peer: tuple, what: str | None):
+        post_failed(Blocked(self, kind, peer, what), err, self.timeout_s)
+        raise err  # not reached: post_failed exits the process or raises TSPCommError
+
+    # --- raw async collectives ---------------------------------------------------------------------------
+    # `what` (optional) says what moves, for the report of a failed or stalled wait: "shard of head block 2"
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str | None = None) -> Handle:
+        if self.size == 1:
+            return Handle([], self.counter)
+        if self.rank != src:
+            self.counter.add("broadcast", _nbytes(tensor))
+        self._record("broadcast", tensor, what, root=self._global(src))
+        try:
+            work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "broadcast", ("src", src), what)
+        return self._started([work], (tensor,), "broadcast", ("src", src), what)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, what: str | None = None) -> Handle:
+        """Sum into `tensor` on dst. The buffer is clobbered elsewhere by some backends: never reuse it there."""
+        if self.size == 1:
+            return Handle([], self.counter)
+        if self.rank != dst:
+            self.counter.add("reduce", _nbytes(tensor))
+        self._record("reduce", tensor, what, root=self._global(dst))
+        try:
+            work = dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "reduce", ("dst", dst), what)
+        return self._started([work], (tensor,), "reduce", ("dst", dst), what)
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, what: str | None = None) -> Handle:
+        """out: D * local.numel() elements (any shape, contiguous), filled in rank order."""
+        if self.size == 1:
+            out.copy_(local.reshape(out.shape))
+            return Handle([], self.counter)
+        self.counter.add("all_gather", _nbytes(out) * (self.size - 1) // self.size)
+        self._record("all_gather", local, what)
+        try:
+            work = _all_gather_single(out.view(-1), local.contiguous().view(-1), group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "all_gather", ("group",), what)
+        return self._started([work], (out, local), "all_gather", ("group",), what)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str | None = None) -> Handle:
+        """full in rank order (chunk r goes to rank r); out receives the sum of every rank's chunk `self.rank`."""
+        if self.size == 1:
+            out.copy_(full.reshape(out.shape))
+            return Handle([], self.counter)
+        self.counter.add("reduce_scatter", _nbytes(full) * (self.size - 1) // self.size)
+        self._record("reduce_scatter", out, what)
+        try:
+            work = _reduce_scatter_single(out.view(-1), full.contiguous().view(-1), op=dist.ReduceOp.SUM,
+                                          group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "reduce_scatter", ("group",), what)
+        return self._started([work], (out, full), "reduce_scatter", ("group",), what)
+
+    def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce", what: str | None = None,
+                   context: str | None = None) -> Handle:
+        if self.size == 1:
+            return Handle([], self.counter)
+        self.counter.add(kind, 2 * _nbytes(tensor) * (self.size - 1) // self.size)
+        name = "all_reduce" if kind == "all_reduce" else f"all_reduce[{kind}]"
+        self._record("all_reduce", tensor, what, context)
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, name, ("group",), what)
+        return Handle.started([work], self.counter, (tensor,), self.overlap,
+                              Blocked(self, name, ("group",), what, context), self.timeout_s)
+
+    def gather_to(self, local: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Blocking: every rank's `local` (same shape) on group rank `dst`, in rank order; None elsewhere.
+
+        Unlike all_gather only the destination holds D copies: what a checkpoint writer needs.
+        """
+        if self.size == 1:
+            return [local]
+        local = local.contiguous()
+        out = [torch.empty_like(local) for _ in range(self.size)] if self.rank == dst else None
+        if self.rank != dst:
+            self.counter.add("gather", _nbytes(local))
+        self._record("gather", local, None, root=self._global(dst))
+        try:
+            work = dist.gather(local, out, dst=self._global(dst), group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "gather", ("dst", dst), None)
+        Handle([work], self.counter, (local,), Blocked(self, "gather", ("dst", dst)), self.timeout_s).wait()
+        return out
+
+    def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, what: str | None = None) -> Handle:
+        """Send to rank p+1 and receive from rank p-1 (the ring order of the weight ring).
+
+        One batch_isend_irecv per hop: NCCL runs a batch's send and receive together, whereas a bare isend posted
+        first on every rank blocks each rank's queue until its peer's receive, which never comes (a ring deadlock
+        above NCCL's eager size; tests/nccl_rules.py). NCCL ignores `tag`: hops match because every rank posts them
+        in the same order.
+        """
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.counter.add("ring", _nbytes(send))
+        peer = ("ring", prv, nxt)
+        self._record("p2p", send, what, p2p=(("send", self._global(nxt)), ("recv", self._global(prv))), batched=True,
+                     tag=tag)
+        try:
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, send, peer=self._global(nxt), group=self.group, tag=tag),
+                dist.P2POp(dist.irecv, recv, peer=self._global(prv), group=self.group, tag=tag)])
+        except RuntimeError as err:
+            self._post_failed(err, "ring", peer, what)
+        return self._started(works, (send, recv), "ring", peer, what)
+
+
+# --- shard broadcast --------------------------------------------------------------------------------------
+def broadcast_shards(comm: TSPComm, own_shard: torch.Tensor, order: range | None = None):
+    """Yield (owner j, packed shard of j) for every head block, prefetching j+1 while the caller computes on j.
+
+    At most two shards are live: the one yielded and the one in flight. The own shard is yielded without a copy.
+    """
+    order = list(range(comm.size)) if order is None else list(order)
+
+    def start(j: int):
+        what = f"shard of block {j}"
+        if j == comm.rank:
+            return own_shard.detach(), comm.broadcast(own_shard.detach(), src=j, what=what)
+        buf = torch.empty_like(own_shard, memory_format=torch.contiguous_format)
+        return buf, comm.broadcast(buf, src=j, what=what)
+
+    pending = start(order[0])
+    for i, j in enumerate(order):
+        shard, handle = pending
+        handle.wait()
+        pending = start(order[i + 1]) if i + 1 < len(order) else None
+        yield j, shard
+    return
+
+
+class ShardGradReducer:
+    """Backward dual of the shard broadcast: every rank's grad contribution for block j is summed on owner j.
+
+    At most `in_flight` reductions stay pending (each holds a packed-shard-sized buffer), so backward keeps O(1)
+    shards alive instead of one per head block.
+    """
+
+    def __init__(self, comm: TSPComm, in_flight: int = 2):
+        self.comm, self.in_flight = comm, in_flight
+        self._pending: list[Handle] = []
+        self.own_grad: torch.Tensor | None = None
+
+    def reduce(self, owner: int, grad_contribution: torch.Tensor) -> None:
+        # A fresh buffer per block: non-owners must not reuse a reduce buffer.
+        self._pending.append(self.comm.reduce(grad_contribution, dst=owner, what=f"grad of block {owner}"))
+        if owner == self.comm.rank:
+            self.own_grad = grad_contribution
+        while len(self._pending) > self.in_flight:
+            self._pending.pop(0).wait()
+
+    def finish(self) -> torch.Tensor:
+        for handle in self._pending:
+            handle.wait()
+        self._pending = []
+        return self.own_grad
+
+
+# --- weight ring --------------------------------------------------------------------------------------------
+def _post_weight_hop(comm: TSPComm, shard: torch.Tensor, step: int):
+    """Post the hop that brings the shard for step+1 (send to p+1, receive from p-1); nothing after the last step."""
+    if step == comm.size - 1:
+        return None, None
+    nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
+    return nxt, comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG, what=f"weight hop {step + 1}/{comm.size - 1}")
+
+
+def ring_forward(comm: TSPComm, own_shard: torch.Tensor, step: Callable[[int, torch.Tensor], None]) -> None:
+    """Call step(owner, shard) D times; at step k rank p holds the shard of (p - k) mod D.
+
+    The next hop is posted before `step` runs, so the transfer overlaps the caller's GEMMs.
+    """
+    shard = own_shard.detach()
+    for k in range(comm.size):
+        owner = (comm.rank - k) % comm.size
+        nxt, hop = _post_weight_hop(comm, shard, k)
+        step(owner, shard)
+        if hop is not None:
+            hop.wait()
+            shard = nxt
+
+
+def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
+                  step: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Run the ring again; step(owner, shard) returns this rank's grad contribution for that owner's shard.
+
+    The grad buffer travels with the shard and every rank adds its part, so after D hops it lands on the owner
+    holding the sum: a reduce-scatter folded into the ring. Returns the summed grad of `own_shard`.
+    The grad hop of step k overlaps the GEMMs of step k+1 (it is only awaited when the next sum is formed).
+    """
+    if comm.size == 1:
+        return step(comm.rank, own_shard.detach())
+    shard = own_shard.detach()
+    grad_in: torch.Tensor | None = None
+    grad_hop: Handle | None = None
+    sent: list[Handle] = []
+    for k in range(comm.size):
+        owner = (comm.rank - k) % comm.size
+        nxt, weight_hop = _post_weight_hop(comm, shard, k)
+        contribution = step(owner, shard)
+        if grad_hop is not None:
+            grad_hop.wait()
+            contribution = contribution + grad_in
+        grad_in = torch.empty_like(contribution)
+        grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG, what=f"grad hop {k + 1}/{comm.size}")
+        sent.append(grad_hop)
+        if weight_hop is not None:
+            weight_hop.wait()
+            shard = nxt
+    for handle in sent:
+        handle.wait()
+    return grad_in
+
+
+# --- sequence all-gather ------------------------------------------------------------------------------------
+def gather_sequence(comm: TSPComm, local: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    """Start gathering `local` from every rank; returns ([D, *local.shape] in rank order, handle)."""
+    out = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
+    return out, comm.all_gather(out.view(-1), local.reshape(-1), what="sequence gather")
+
+
+def scatter_sequence_grad(comm: TSPComm, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    """Backward dual of gather_sequence: full [D, *local_shape] in rank order -> summed local [*local_shape]."""
+    out = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
+    return out, comm.reduce_scatter(out.view(-1), full.reshape(-1), what="sequence grad scatter")
+
+
+# --- differentiable wrappers (composable outside the fused layers, and the unit of the primitive tests) ---
+class _BroadcastShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, owner, comm):
+        ctx.owner, ctx.comm = owner, comm
+        out = shard.detach().clone() if comm.rank == owner else torch.empty_like(shard)
+        comm.broadcast(out, src=owner).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.reduce(grad, dst=ctx.owner).wait()
+        return (grad if ctx.comm.rank == ctx.owner else None), None, None
+
+
+def broadcast_shard(shard: torch.Tensor, owner: int, comm: TSPComm) -> torch.Tensor:
+    """forward: broadcast from `owner`; backward: reduce (sum) to `owner` (others get no grad)."""
+    return _BroadcastShard.apply(shard, owner, comm)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, comm):
+        ctx.comm = comm
+        out, handle = gather_sequence(comm, local)
+        handle.wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, handle = scatter_sequence_grad(ctx.comm, grad.contiguous())
+        handle.wait()
+        return out, None
+
+
+def all_gather_sequence(local: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+    """forward: all-gather into [D, *local.shape] (rank order); backward: reduce-scatter (sum)."""
+    return _GatherSequence.apply(local, comm)
+
+
+class _ReplicatedParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param, comm):
+        ctx.comm = comm
+        ctx.context = comm.context  # this grad is summed late in backward: report the layer that used the param
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        context = ctx.context.replace(" forward", " backward") if ctx.context else None
+        ctx.comm.all_reduce(grad, kind="replicated_grad", what="replicated weight grad", context=context).wait()
+        return grad, None
+
+
+def replicated_param(param: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+    """forward: identity; backward: all-reduce (sum) over the TSP group.
+
+    For parameters every rank holds whole (norm weights): each rank saw different tokens, so the true gradient
+    is the sum of the per-rank ones, and summing keeps the replicas identical after the optimizer step.
+    Inside an open ReplicatedGradBucket (ShardedCausalLM's forward) the sum joins that bucket's one all-reduce;
+    otherwise (a layer called on its own, a pipeline stage, FSDP2 / ZeRO-3 params) this use reduces by itself.
+    """
+    if comm.grad_bucket is not None:
+        bucketed = comm.grad_bucket.use(param)
+        if bucketed is not None:
+            return bucketed
+    return _ReplicatedParam.apply(param, comm)

@@ -1,0 +1,137 @@
+"""Where packed documents start: the one rule TSP attention, its tests and the data path share.
+
+transformers' convention (DataCollatorWithFlattening, and masking_utils.find_packed_sequence_indices): a new
+document starts wherever position_ids do not continue by +1, e.g. [0 1 2 0 1 0 1 2 3] holds documents of 3, 2
+and 4 tokens. Padding (attention_mask == 0) is cut off as documents of its own, so real tokens never attend to
+padded keys; only left or right padding is accepted (a zero between ones would hide keys INSIDE a document, which
+documents cannot express). Nothing here builds an [S, S] mask: the attention kernels take the start indices.
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.partition import zigzag_chunks
+
+DocStarts = tuple[tuple[int, ...], ...]  # per batch row: sorted global token indices, the first is 0
+
+
+def document_starts(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DocStarts | None:
+    """Document starts of global [B, S] position_ids (and 0/1 attention_mask); None when every row is one document.
+
+    ONE device-to-host read per call (the kernels slice by python ints). The meta device has no values to read:
+    there every row is taken as one document (None) and the padding check is skipped.
+    """
+    if position_ids.dim() != 2:
+        raise TSPConfigError(f"position_ids has shape {list(position_ids.shape)}: expected [batch, seq]")
+    B, S = position_ids.shape
+    breaks = torch.zeros_like(position_ids, dtype=torch.bool)
+    breaks[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    rises = torch.zeros(0, dtype=torch.int64, device=position_ids.device)
+    if attention_mask is not None:
+        mask = attention_mask.to(device=position_ids.device, dtype=torch.bool)
+        rises = (mask[:, 1:] & ~mask[:, :-1]).sum(1) + mask[:, 0].long()
+        breaks[:, 1:] |= mask[:, 1:] != mask[:, :-1]
+    if position_ids.device.type == "meta":
+        return None
+    # nonzero_static has a size known without reading the data, so the count, the padding check and the break
+    # positions all come back in one read (nonzero would sync once by itself, then again for tolist)
+    flat = torch.nonzero_static(breaks.reshape(-1), size=breaks.numel(), fill_value=-1).reshape(-1)
+    host = torch.cat((breaks.sum().reshape(1), rises, flat)).tolist()
+    n_breaks, row_rises, indices = host[0], host[1:1 + len(rises)], host[1 + len(rises):]
+    holes = [b for b, r in enumerate(row_rises) if r > 1]
+    if holes:
+        raise padding_holes_error(holes[0])
+    if not n_breaks:
+        return None
+    starts: list[list[int]] = [[0] for _ in range(B)]
+    for i in indices[:n_breaks]:  # row-major: each row's starts come out sorted
+        r, c = divmod(i, S)
+        starts[r].append(c)
+    return tuple(tuple(s) for s in starts)
+
+
+def padding_holes_error(row: int) -> TSPConfigError:
+    """The error for a mask row that is not (0*)(1+)(0*) (left padding, right padding, or both)."""
+    return TSPConfigError(
+        f"attention_mask row {row} has padding between real tokens: only left or right padding is supported; "
+        "to pack several documents in one row, concatenate them without padding and let position_ids restart at "
+        "0 for each (transformers' DataCollatorWithFlattening does this)")
+
+
+# --- one rank's zigzag shard, summarised in a payload of fixed size ------------------------------------------
+# The input check gathers this payload from every rank. Its size is a constant, never a function of the inputs,
+# so ranks holding shards of different shapes still take part in the same gather (and all fail together after
+# ONE host read) instead of needing a size agreement, and its read, first. What fits: per batch row and local
+# chunk the edge values (positions and mask of the chunk's first and last token, and the mask rises inside),
+# then the break indices inside the chunks. A rank with more breaks than slots sets nothing apart: decode_layout
+# then returns OVERFLOW and the caller gathers the positions themselves (a second read, only then).
+LAYOUT_SLOTS = 1024
+_EDGE = 5  # first position, last position, first mask, last mask, mask rises inside the chunk
+OVERFLOW = "overflow"
+
+
+def shard_layout(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(number of breaks inside the chunks (0-dim int64), int64 [slots]) of a zigzag shard [B, L]; no host read."""
+    slots = LAYOUT_SLOTS if slots is None else slots
+    B, L = position_ids.shape
+    c, dev = L // 2, position_ids.device
+    pos = position_ids.to(torch.int64)
+    mask = (attention_mask.to(device=dev, dtype=torch.bool) if attention_mask is not None
+            else torch.ones((B, L), dtype=torch.bool, device=dev))
+    inner = torch.zeros((B, L), dtype=torch.bool, device=dev)
+    rise = torch.zeros((B, L), dtype=torch.bool, device=dev)
+    if L > 1:
+        inner[:, 1:] = (pos[:, 1:] != pos[:, :-1] + 1) | (mask[:, 1:] != mask[:, :-1])
+        rise[:, 1:] = mask[:, 1:] & ~mask[:, :-1]
+    if c == 0 or _EDGE * 2 * B > slots:  # no chunk to describe (the shape check rejects it) or no room
+        return inner.sum(), torch.full((slots,), -1, dtype=torch.int64, device=dev)
+    # a chunk's first token: whether it starts a document depends on the previous chunk, held by another rank
+    inner[:, ::c] = False
+    rise[:, ::c] = False
+    m = mask.to(torch.int64)
+    edges = torch.stack((pos[:, 0:2 * c:c], pos[:, c - 1:2 * c:c], m[:, 0:2 * c:c], m[:, c - 1:2 * c:c],
+                         rise[:, :2 * c].reshape(B, 2, c).sum(-1)), dim=-1)  # [B, 2, _EDGE], slicing: no index copy
+    events = torch.nonzero_static(inner.reshape(-1), size=slots - edges.numel(), fill_value=-1).reshape(-1)
+    return inner.sum(), torch.cat((edges.reshape(-1), events))
+
+
+def decode_layout(rank_slots: list[list[int]], rank_breaks: list[int], batch: int, local_len: int,
+                  slots: int | None = None):
+    """Document starts of the global batch from every rank's shard_layout (host lists, rank order): DocStarts,
+    None (one document per row), or OVERFLOW. Raises the padding error for a mask with holes."""
+    slots = LAYOUT_SLOTS if slots is None else slots
+    tsp, c, n_edge = len(rank_slots), local_len // 2, _EDGE * 2 * batch
+    if n_edge + max(rank_breaks) > slots:
+        return OVERFLOW
+    chunk_edges: list = [None] * (2 * tsp)  # global chunk -> per row (first, last, mfirst, mlast, rises)
+    breaks: list[list[int]] = [[] for _ in range(batch)]
+    for rank, (values, n) in enumerate(zip(rank_slots, rank_breaks)):
+        held = zigzag_chunks(tsp, rank)
+        for i, g in enumerate(held):
+            chunk_edges[g] = [values[(b * 2 + i) * _EDGE:(b * 2 + i + 1) * _EDGE] for b in range(batch)]
+        for index in values[n_edge:n_edge + n]:
+            b, t = divmod(index, local_len)
+            i, x = divmod(t, c)
+            breaks[b].append(held[i] * c + x)
+    for b in range(batch):
+        rises = 0
+        for g in range(2 * tsp):
+            first, _, m_first, _, inner_rises = chunk_edges[g][b]
+            previous = chunk_edges[g - 1][b] if g else None
+            if previous is not None and (first != previous[1] + 1 or m_first != previous[3]):
+                breaks[b].append(g * c)
+            rises += inner_rises + (m_first == 1 and (previous is None or previous[3] == 0))
+        if rises > 1:
+            raise padding_holes_error(b)
+    if not any(breaks):
+        return None
+    return tuple((0, *sorted(row)) for row in breaks)
+
+
+def documents_of_lengths(lengths: list[int], device=None) -> torch.Tensor:
+    """position_ids [sum(lengths)] of documents of these lengths packed back to back (restarting at 0)."""
+    if not lengths or any(n < 1 for n in lengths):
+        raise TSPConfigError(f"document lengths {lengths}: every document needs at least one token")
+    return torch.cat([torch.arange(n, device=device) for n in lengths])

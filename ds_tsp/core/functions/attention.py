@@ -1,0 +1,318 @@
+"""TSP attention: head blocks are streamed by broadcast, tokens never leave their rank except K/V.
+
+Shapes (rank p of D, local tokens L = S_pad/D = two zigzag chunks of c = L/2):
+| tensor            | shape                         | sharding                                   |
+|-------------------|-------------------------------|--------------------------------------------|
+| x                 | [B, L, h]                     | tokens of rank p (zigzag chunks p, 2D-1-p) |
+| packed shard j    | [layout.numel]                | Wq_j [nq*d, h], Wk_j, Wv_j [nkv*d, h], Wo_j [h, nq*d], biases |
+| q_j               | [B, L, nq, d]                 | local tokens, head block j                 |
+| k_j, v_j          | [B, L, nkv, d]                | local tokens, head block j                 |
+| K_j, V_j gathered | [B, S_pad, nkv, d]            | all tokens (global order), head block j; transient |
+| y                 | [B, L, h]                     | local tokens, summed over head blocks      |
+nq = n_heads/D and nkv = n_kv_heads/D are the heads of ONE block. With fewer kv heads than ranks (MQA, or GQA at
+large D) each block holds the one kv head its query heads read (nkv = 1) and D/n_kv_heads consecutive blocks (a
+kv group) share it. Its K/V is gathered ONCE per group and kept while the group's blocks run (then dropped), and
+backward sums the group's dK/dV before ONE reduce-scatter: K/V traffic is n_kv_heads heads, not D blocks. Only
+the group's first rank (its leader) holds the live kv weights: forward and backward read wk/wv from the leader's
+shard, and the group's kv weight grad goes to the leader alone (the other copies get zero grads and are never
+read). So every kv head is one parameter to the optimizer and to gradient norms: DeepSpeed's clipping norm (which
+sums every TSP-sharded element over the TSP ranks) counts it once, not once per replica.
+
+Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict which keys a query sees:
+`doc_starts` (global token indices where documents start, per batch row) and `spec.window` go to
+ds_tsp.core.document_attention, which splits each zigzag chunk into pieces of plain causal attention (no [S, S] mask).
+Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
+applied to the local projections before RoPE, and undone by their written-out backward.
+
+Saved per block: the attention output and its log-sum-exp (local, O(S/D)); plus x once. Backward re-broadcasts
+each block's shard, recomputes the cheap local projections q, k, v from x (three small GEMMs instead of keeping
+[B, L, (nq + 2 nkv) d] per block), re-gathers K/V, runs the kernel backward with the saved output and
+log-sum-exp (no attention recomputation), reduce-scatters dK/dV to the token owners and reduces the packed weight
+grad to the block owner. No foreign shard and no gathered K/V is kept, unless `keep_gathered_kv` trades O(S)
+memory per kv group for skipping the backward re-gather.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.core.comm import ShardGradReducer, TSPComm, broadcast_shards, gather_sequence, scatter_sequence_grad
+from ds_tsp.core.document_attention import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.functions.norm import rms_norm, rms_norm_backward
+from ds_tsp.core.functions.weight_packing import PackedLayout
+from ds_tsp.core.partition import zigzag_chunks
+from ds_tsp.core.rope import apply_rope, apply_rope_backward
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    hidden: int
+    heads_per_block: int  # query heads owned by one rank
+    kv_heads_per_block: int
+    head_dim: int
+    qkv_bias: bool
+    kv_replicas: int = 1  # > 1 when num_kv_heads < D: that many consecutive ranks hold the same kv head
+    keep_gathered_kv: bool = False  # save every block's gathered K/V (O(S) memory) to skip the backward re-gather
+    recompute_projections: bool = True  # False: save local q per block (and k/v per kv group), not recompute
+
+    def saved_per_block(self) -> tuple[str, ...]:
+        """Names of the tensors forward saves for each head block, in order."""
+        return ("out", "lse0", "lse1") + (() if self.recompute_projections else ("q",))
+
+    def saved_per_kv_group(self) -> tuple[str, ...]:
+        """Names saved once per kv group (the kv_replicas consecutive blocks that read the same kv heads)."""
+        if self.keep_gathered_kv:
+            return ("kv_all",)
+        return () if self.recompute_projections else ("kv_local",)
+
+    kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
+    window: int | None = None  # sliding window (HF semantics: key s visible to query t iff t - window < s <= t)
+    qk_norm_eps: float | None = None  # Qwen3: RMSNorm (this eps) of every q and k head before RoPE; None: off
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @cached_property
+    def layout(self) -> PackedLayout:
+        q, kv, h = self.heads_per_block * self.head_dim, self.kv_heads_per_block * self.head_dim, self.hidden
+        pieces = [("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q))]
+        if self.qkv_bias:
+            pieces += [("bq", (q,)), ("bk", (kv,)), ("bv", (kv,))]
+        return PackedLayout(tuple(pieces))
+
+
+def _chunks(rank: int, tsp: int, local_len: int):
+    """(local slice, global start position) of the two zigzag chunks held by `rank`."""
+    c = local_len // 2
+    return [(slice(i * c, (i + 1) * c), g * c) for i, g in enumerate(zigzag_chunks(tsp, rank))]
+
+
+def _raw_q(x, w, spec: AttentionSpec):
+    B, L, _ = x.shape
+    return F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim)
+
+
+def _raw_k(x, w, spec: AttentionSpec):
+    B, L, _ = x.shape
+    return F.linear(x, w["wk"], w.get("bk")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+
+
+def _norm(t, weight, spec: AttentionSpec):
+    return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps)
+
+
+def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None):
+    return apply_rope(_norm(_raw_q(x, w, spec), q_norm, spec), cos, sin)
+
+
+def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
+    B, L, _ = x.shape
+    k = apply_rope(_norm(_raw_k(x, w, spec), k_norm, spec), cos, sin)
+    v = F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+    return torch.stack([k, v])  # [2, B, L, nkv, d]
+
+
+def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
+    """Grad w.r.t. the raw projection (and the norm weight's grad, or None) from the grad of the roped one."""
+    d = apply_rope_backward(d_roped, cos, sin)
+    if norm_weight is None:
+        return d, None
+    return rms_norm_backward(d, raw(), norm_weight, spec.qk_norm_eps)
+
+
+def _to_global_order(kv_rank_order: torch.Tensor) -> torch.Tensor:
+    """[D, 2, B, L, nkv, d] in rank order -> [2, B, D*L, nkv, d] in global token order (one copy, by chunks)."""
+    D, two, B, L, n, d = kv_rank_order.shape
+    c = L // 2
+    out = kv_rank_order.new_empty((two, B, D * L, n, d))
+    for r in range(D):
+        for i, g in enumerate(zigzag_chunks(D, r)):
+            out[:, :, g * c:(g + 1) * c].copy_(kv_rank_order[r, :, :, i * c:(i + 1) * c])
+    return out
+
+
+def _to_rank_order(kv_global: torch.Tensor, tsp: int) -> torch.Tensor:
+    """Inverse of _to_global_order: [2, B, S, nkv, d] -> [D, 2, B, L, nkv, d] (contiguous, for reduce-scatter)."""
+    two, B, S, n, d = kv_global.shape
+    c = S // (2 * tsp)
+    out = kv_global.new_empty((tsp, two, B, 2 * c, n, d))
+    for r in range(tsp):
+        for i, g in enumerate(zigzag_chunks(tsp, r)):
+            out[r, :, :, i * c:(i + 1) * c].copy_(kv_global[:, :, g * c:(g + 1) * c])
+    return out
+
+
+def _kv_group(j: int, spec: AttentionSpec) -> tuple[bool, bool]:
+    """(first, last) block of its kv group: blocks j // kv_replicas share one kv head, gathered once for all."""
+    r = spec.kv_replicas
+    return j % r == 0, j % r == r - 1
+
+
+class _TSPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, spec: AttentionSpec, comm: TSPComm, doc_starts):
+        B, L, h = x.shape
+        D, p = comm.size, comm.rank
+        doc_starts = doc_starts if doc_starts is not None else ((0,),) * B
+        y = torch.zeros_like(x)
+        saved_blocks, saved_groups = [], []
+        kv_all = None
+        for j, shard in broadcast_shards(comm, packed_shard):
+            w = spec.layout.unpack(shard)
+            first, last = _kv_group(j, spec)
+            if first:  # later blocks of the group read the same kv head: reuse this gather
+                kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
+                kv_ranked, gather = gather_sequence(comm, kv_local)
+            q = _project_q(x, w, spec, cos, sin, q_norm)
+            if first:
+                gather.wait()
+                kv_all = _to_global_order(kv_ranked)
+                del kv_ranked
+                group = {"kv_all": kv_all, "kv_local": kv_local}
+                saved_groups += [group[name] for name in spec.saved_per_kv_group()]
+            outs, lses = [], []
+            for local, start in _chunks(p, D, L):
+                end = start + local.stop - local.start
+                o, lse = masked_attention_forward(q[:, local], kv_all[0, :, :end], kv_all[1, :, :end],
+                                                  q_start=start, doc_starts=doc_starts, window=spec.window,
+                                                  scale=spec.scale, backend=spec.kernel_backend)
+                outs.append(o)
+                lses.append(lse)
+            out = torch.cat(outs, dim=1)
+            y.add_(F.linear(out.reshape(B, L, -1), w["wo"]))
+            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q}
+            saved_blocks += [block[name] for name in spec.saved_per_block()]
+            if last:
+                kv_all = kv_local = None  # memory-optimal: at most one kv group's gathered K/V is live
+        ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
+        ctx.has_qk_norm = q_norm is not None
+        ctx.n_block_saved = len(saved_blocks)
+        norms = (q_norm, k_norm) if ctx.has_qk_norm else ()
+        ctx.save_for_backward(x, packed_shard, cos, sin, *norms, *saved_blocks, *saved_groups)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, comm, doc_starts = ctx.spec, ctx.comm, ctx.doc_starts
+        x, packed_shard, cos, sin, *saved = ctx.saved_tensors
+        q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
+        saved_blocks, saved_groups = saved[:ctx.n_block_saved], saved[ctx.n_block_saved:]
+        dq_norm = dk_norm = None
+        dy = dy.contiguous()
+        B, L, h = x.shape
+        D, p = comm.size, comm.rank
+        dx = torch.zeros_like(x)
+        x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
+        reducer = ShardGradReducer(comm)
+        names, group_names = spec.saved_per_block(), spec.saved_per_kv_group()
+        kv_all = dkv_all = w_leader = None
+        for j, shard in broadcast_shards(comm, packed_shard):
+            w = spec.layout.unpack(shard)
+            first, last = _kv_group(j, spec)
+            if first:  # the group's live kv weights (the other blocks' copies are stale: see the module docstring)
+                w_leader = {n: w[n].clone() for n in ("wk", "wv", "bk", "bv") if n in w} if not last else w
+            block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
+            out, lses = block["out"], (block["lse0"], block["lse1"])
+            if first:
+                g = j // spec.kv_replicas
+                group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
+                if spec.keep_gathered_kv:
+                    kv_all = group["kv_all"]
+                else:
+                    kv_local = group.get("kv_local")
+                    if kv_local is None:
+                        kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
+                    kv_ranked, gather = gather_sequence(comm, kv_local)
+                    del kv_local
+            # Work that needs no foreign K/V runs while the gather is in flight.
+            q = block["q"] if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
+            dout = (dy2d @ w["wo"]).view_as(out)
+            grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])}
+            if first:
+                if not spec.keep_gathered_kv:
+                    gather.wait()
+                    kv_all = _to_global_order(kv_ranked)
+                    del kv_ranked
+                dkv_all = torch.zeros_like(kv_all)  # summed over the group's blocks, scattered once
+            dq_chunks = []
+            for (local, start), lse in zip(_chunks(p, D, L), lses):
+                end = start + local.stop - local.start
+                dq_c, dk_c, dv_c = masked_attention_backward(
+                    dout[:, local], q[:, local], kv_all[0, :, :end], kv_all[1, :, :end], out[:, local], lse,
+                    q_start=start, doc_starts=doc_starts, window=spec.window, scale=spec.scale,
+                    backend=spec.kernel_backend)
+                dq_chunks.append(dq_c)
+                dkv_all[0, :, :end] += dk_c
+                dkv_all[1, :, :end] += dv_c
+            if last:
+                kv_all = None
+                dkv_local, scatter = scatter_sequence_grad(comm, _to_rank_order(dkv_all, D))
+                dkv_all = None
+            dq, dqn = _unproject(torch.cat(dq_chunks, dim=1), cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
+            dq = dq.reshape(-1, w["wq"].shape[0])
+            dx.view(-1, h).addmm_(dq, w["wq"])
+            grads["wq"] = dq.t() @ x2d
+            if spec.qkv_bias:
+                grads["bq"] = dq.sum(0)
+            if ctx.has_qk_norm:
+                dq_norm = dqn if dq_norm is None else dq_norm + dqn
+            if last:
+                scatter.wait()
+                dk, dkn = _unproject(dkv_local[0], cos, sin, k_norm, lambda: _raw_k(x, w_leader, spec), spec)
+                dk = dk.reshape(-1, w_leader["wk"].shape[0])
+                dv = dkv_local[1].reshape(-1, w_leader["wv"].shape[0])
+                dx.view(-1, h).addmm_(dk, w_leader["wk"]).addmm_(dv, w_leader["wv"])
+                w_leader = None
+                # The whole group's kv weight grad lands in its last block; _kv_grads_to_group_leaders moves it to
+                # the group's leader (the other blocks contribute zeros).
+                grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
+                if spec.qkv_bias:
+                    grads["bk"], grads["bv"] = dk.sum(0), dv.sum(0)
+                if ctx.has_qk_norm:
+                    dk_norm = dkn if dk_norm is None else dk_norm + dkn
+            else:
+                for name in ("wk", "wv", "bk", "bv"):
+                    if name in w:
+                        grads[name] = torch.zeros_like(w[name])
+            reducer.reduce(j, spec.layout.pack(grads))
+        grad_shard = reducer.finish()
+        if spec.kv_replicas > 1:
+            _kv_grads_to_group_leaders(grad_shard, spec, comm)
+        return dx, grad_shard, dq_norm, dk_norm, None, None, None, None, None
+
+
+def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
+    """In place: a kv group's leader gets the sum of the kv weight grads of all the group's blocks, the other
+    replicas zeros (their copies are never read)."""
+    views = spec.layout.unpack(grad_shard)
+    names = [n for n in ("wk", "wv", "bk", "bv") if n in views]
+    local = torch.cat([views[n].reshape(-1) for n in names])
+    everyone = torch.empty(comm.size, local.numel(), dtype=local.dtype, device=local.device)
+    comm.all_gather(everyone, local).wait()
+    mine = everyone.view(comm.size // spec.kv_replicas, spec.kv_replicas, -1)[comm.rank // spec.kv_replicas].sum(0)
+    if comm.rank % spec.kv_replicas:
+        mine.zero_()
+    offset = 0
+    for n in names:
+        numel = views[n].numel()
+        views[n].copy_(mine[offset:offset + numel].view_as(views[n]))
+        offset += numel
+
+
+def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  spec: AttentionSpec, comm: TSPComm, *, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  doc_starts: tuple[tuple[int, ...], ...] | None = None) -> torch.Tensor:
+    """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner.
+
+    qk_norm: Qwen3's (q_norm, k_norm) weights [d]; their grads are this rank's contribution (sum them over the
+    group, e.g. with comm.replicated_param). doc_starts: per batch row, the global token indices where packed
+    documents start (None: one document per row).
+    """
+    q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
+    if (q_norm is None) != (spec.qk_norm_eps is None):
+        raise ValueError("spec.qk_norm_eps and the qk_norm weights must be given together")
+    return _TSPAttention.apply(x, packed_shard, q_norm, k_norm, cos, sin, spec, comm, doc_starts)

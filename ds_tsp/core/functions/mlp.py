@@ -1,0 +1,81 @@
+"""TSP gated MLP (SwiGLU): weight shards travel around a ring, activations never leave their rank.
+
+Rank p owns F/D intermediate columns: packed [Wg_p [F/D, h], Wu_p [F/D, h], Wd_p [h, F/D]].
+At ring step k rank p holds the shard of (p - k) mod D and adds that slice's output to its local tokens:
+    y_p = sum_j down_j(silu(x_p gate_j^T) * (x_p up_j^T))
+By default only x_p is saved; backward recomputes the gate/up activations per shard (2 of 3 GEMMs) instead of
+keeping [B, L, F] of them (recompute_projections=False keeps them), and the weight grad rides the ring home.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.core.comm import TSPComm, ring_backward, ring_forward
+from ds_tsp.core.functions.weight_packing import PackedLayout
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    hidden: int
+    ffn_per_rank: int  # intermediate_size / D
+    recompute_projections: bool = True  # False: save every shard's gate/up pre-activations ([B, L, F] in all)
+
+    @cached_property
+    def layout(self) -> PackedLayout:
+        f, h = self.ffn_per_rank, self.hidden
+        return PackedLayout((("gate", (f, h)), ("up", (f, h)), ("down", (h, f))))
+
+
+class _TSPGatedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, packed_shard, spec: MLPSpec, comm: TSPComm):
+        y = torch.zeros_like(x)
+        kept = []
+
+        def step(owner, shard):
+            w = spec.layout.unpack(shard)
+            gate, up = F.linear(x, w["gate"]), F.linear(x, w["up"])
+            y.add_(F.linear(F.silu(gate) * up, w["down"]))
+            if not spec.recompute_projections:
+                kept.extend((gate, up))
+
+        ring_forward(comm, packed_shard, step)
+        ctx.spec, ctx.comm = spec, comm
+        ctx.save_for_backward(x, packed_shard, *kept)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, packed_shard, *kept = ctx.saved_tensors
+        spec = ctx.spec
+        h = x.shape[-1]
+        x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
+        dx2d = torch.zeros_like(x2d)
+        kept = iter(kept)  # ring order is the same as in forward: owner (p - k) mod D at step k
+
+        def step(owner, shard):
+            w = spec.layout.unpack(shard)
+            if spec.recompute_projections:
+                gate, up = x2d @ w["gate"].t(), x2d @ w["up"].t()
+            else:
+                gate, up = next(kept).reshape(-1, spec.ffn_per_rank), next(kept).reshape(-1, spec.ffn_per_rank)
+            silu_gate = F.silu(gate)
+            act = silu_gate * up
+            dact = dy2d @ w["down"]
+            # aten's fused silu_backward: one pass for dact*up * d silu(g)/dg instead of six elementwise ops
+            dgate = torch.ops.aten.silu_backward(dact * up, gate)
+            dup = dact * silu_gate
+            dx2d.addmm_(dgate, w["gate"]).addmm_(dup, w["up"])
+            return spec.layout.pack({"gate": dgate.t() @ x2d, "up": dup.t() @ x2d, "down": dy2d.t() @ act})
+
+        grad_shard = ring_backward(ctx.comm, packed_shard, step)
+        return dx2d.view_as(x), grad_shard, None, None
+
+
+def tsp_gated_mlp(x: torch.Tensor, packed_shard: torch.Tensor, spec: MLPSpec, comm: TSPComm) -> torch.Tensor:
+    """SwiGLU MLP of the local tokens with every rank's weight slice passed around the ring."""
+    return _TSPGatedMLP.apply(x, packed_shard, spec, comm)

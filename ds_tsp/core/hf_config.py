@@ -1,0 +1,95 @@
+"""transformers configs in and out: the config a TSP model was built from, and the config.json it saves.
+
+A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip);
+one built from a bare ModelShape gets the transformers family that expresses it: qk_norm -> Qwen3, q/k/v bias ->
+Qwen2, one sliding window on every layer -> Mistral, else Llama.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.shape import ModelShape
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+CONFIG_NAME = "config.json"
+
+
+def import_transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("ds_tsp.hf needs transformers: pip install 'ds_tsp[hf]'") from err
+    return transformers
+
+
+def load_config(directory: str | Path):
+    """The transformers config object of a LOCAL checkpoint directory (never the Hub)."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise TSPConfigError(f"{path} does not exist: from_pretrained takes a local checkpoint directory with a "
+                             "config.json (download it first; ds_tsp never fetches from the Hub)")
+    return config_from_dict(json.loads(path.read_text()))
+
+
+def config_from_dict(values: dict):
+    if values.get("model_type") not in ARCHITECTURES:
+        raise TSPConfigError(f"model_type={values.get('model_type')!r} is not supported; TSP converts "
+                             f"{', '.join(ARCHITECTURES)}")
+    return import_transformers().AutoConfig.for_model(**values)
+
+
+def config_json(config, dtype: torch.dtype) -> str:
+    """config.json text for saving: the config with its architecture and the saved dtype set."""
+    config = copy.deepcopy(config)
+    config.architectures = [ARCHITECTURES[config.model_type]]
+    config.dtype = dtype
+    return config.to_json_string(use_diff=False)
+
+
+def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """A config.json dict transformers reads back into the same model (see module doc for the family)."""
+    windows = shape.attention_windows
+    uniform_window = windows is not None and len(set(windows)) == 1 and windows[0] is not None
+    model_type = ("qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else
+                  "mistral" if uniform_window else "llama")
+    if windows is not None and model_type == "llama":
+        raise TSPConfigError(f"attention_windows={windows}: no transformers Llama-family config expresses "
+                             "per-layer windows without q/k/v bias or q/k norms (Qwen2/Qwen3 do)")
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling is not None:
+        s = shape.rope_scaling
+        rope.update({k: v for k, v in vars(s).items()
+                     if v is not None and k not in ("max_position_embeddings", "truncate")})
+        if s.rope_type == "yarn" and not s.truncate:
+            rope["truncate"] = False
+    config = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.dim_per_head, "rms_norm_eps": shape.rms_norm_eps,
+        "tie_word_embeddings": shape.tie_word_embeddings, "hidden_act": "silu", "dtype": str(dtype)[6:],
+        "max_position_embeddings": (shape.rope_scaling.max_position_embeddings if shape.rope_scaling and
+                                    shape.rope_scaling.max_position_embeddings else 131072),
+        "rope_parameters": rope, "rope_theta": shape.rope_theta,
+    }
+    if model_type in ("llama", "qwen3"):
+        config.update(attention_bias=False)
+    if model_type == "llama":
+        config.update(mlp_bias=False)
+    if model_type == "mistral":
+        config.update(sliding_window=windows[0])
+    if model_type in ("qwen2", "qwen3"):
+        sliding = windows is not None
+        config.update(use_sliding_window=sliding, sliding_window=next((w for w in windows if w), None) if sliding else None,
+                      layer_types=["sliding_attention" if sliding and windows[i] else "full_attention"
+                                   for i in range(shape.num_layers)])
+        if sliding and len({w for w in windows if w}) > 1:
+            raise TSPConfigError(f"attention_windows={windows}: Qwen configs have one sliding_window for all "
+                                 "sliding layers")
+    return config

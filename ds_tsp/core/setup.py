@@ -1,0 +1,44 @@
+"""One setup path from a "tsp" block to what a training run needs: process groups, the TSP communicator, options.
+
+Every integration (DeepSpeed's initialize, TSPAccelerator, TSPTrainer) calls `build_runtime` once, after
+torch.distributed is up, so the layout (pipe x data x tsp, tsp innermost), the communicator's overlap and timeout,
+and the model options are decided in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import TSPConfig, TSPOptions
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+
+
+@dataclass(frozen=True)
+class TSPRuntime:
+    config: TSPConfig
+    layout: ParallelLayout
+    groups: ProcessGroups | None  # None: one process, torch.distributed not initialised
+    comm: TSPComm
+    options: TSPOptions
+
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        return self.groups.data_group if self.groups is not None else None
+
+
+def build_runtime(tsp: TSPConfig, *, world_size: int | None = None,
+                  groups: ProcessGroups | None = None) -> TSPRuntime:
+    """The layout of `world_size` processes (default: the initialised world) under `tsp`, its groups (built here
+    unless passed: a collective over the world) and the TSP communicator bounded by tsp.timeout_s."""
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    layout = ParallelLayout.from_world_size(world_size, tsp=tsp.size, pipe=tsp.pipeline_stages)
+    if groups is not None and groups.layout != layout:
+        raise TSPConfigError(f"tsp_groups were built for {groups.layout}, the config asks for {layout}")
+    if groups is None and dist.is_initialized():
+        groups = ProcessGroups.build(layout, timeout_s=tsp.timeout_s)
+    comm = TSPComm(groups.tsp_group if groups is not None else None, overlap=tsp.overlap, timeout_s=tsp.timeout_s)
+    return TSPRuntime(tsp, layout, groups, comm, tsp.options())

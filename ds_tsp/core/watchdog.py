@@ -1,0 +1,447 @@
+"""Bound every blocking TSP wait by `timeout_s`: a failed or stalled peer ends this rank with ONE clear message.
+
+Why a watchdog and not only the process-group timeout: gloo applies the timeout given to init_process_group,
+which is not the tsp block's `timeout_s` when the group was started elsewhere (torchrun + init_from_env default
+1800 s), and a blocked C++ `work.wait()` cannot be interrupted from Python. What gloo does, measured (torch 2.13):
+
+* a KILLED peer closes its sockets: every pending op on it raises "Connection closed by peer" within ~0.5 s;
+* a STOPPED peer (SIGSTOP, a hung host, a swapped-out node) keeps its sockets open: the kernel still accepts
+  small sends, receives never complete, and gloo waits for the process-group timeout (forever, for practical
+  purposes, with the 1800 s default).
+
+So every blocking wait made through `TSPComm` (and every block wrapped in `comm.guard(...)`) is armed here: the
+thread records a monotonic deadline in a dict (no lock, no thread, no syscall per collective). ONE daemon thread
+per process sleeps until the earliest deadline (or `timeout_s` when nothing is armed), so it wakes about twice
+per `timeout_s`, however many collectives run. When a wait outlives its deadline the thread writes one line to
+stderr naming the collective, the layer context, and the rank(s) waited for, then leaves with os._exit(EXIT_CODE):
+the blocked C++ wait is never unwound, atexit handlers and process-group destructors (which would join gloo
+threads blocked on the stopped peer) are skipped on purpose. A wait that RAISES (killed peer, gloo's own timeout)
+gets the same one-line message and the same exit; with `timeout_s=None` it raises `TSPCommError` instead.
+
+On NCCL (and any backend of device tensors) `work.wait()` does not block the host: it only orders the current
+stream after the work and returns at once, so no thread is ever blocked past a deadline. Such waits are armed all
+the same (wait() may block during lazy communicator setup), and the works still in flight afterwards are handed to
+the same thread, which polls `work.is_completed()` every `poll_s` while any is in flight and reports a work still
+running `timeout_s` after its wait began, with the same message. Works are polled only where wait() does not block
+(the caller says so: Handle knows the tensors' device), because after a blocking wait is_completed() is not
+reliable: gloo's reduce_scatter work reports False forever (torch 2.13).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["EXIT_CODE", "MESSAGE_PREFIX", "POLL_S", "TSPCommError", "guard", "label_modules", "stats", "WATCHDOG"]
+
+EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the job may succeed when restarted without the failed peer
+# Seconds between polls of works in flight: a stall is reported by timeout_s + POLL_S; a polled work (and what it
+# holds) is released at most this late after it completes.
+POLL_S = 0.02
+MESSAGE_PREFIX = "ds_tsp: TSP collective"
+_PEER_CONTEXT = ("ring", "src", "dst")
+
+
+class TSPCommError(RuntimeError):
+    """A TSP collective failed (peer died, transport error); the message names collective, layer and peer."""
+
+
+# --- what a thread is blocked on ------------------------------------------------------------------------------
+class Blocked:
+    """Description of a pending wait, formatted only when something goes wrong (so building it costs ~nothing).
+
+    peer: ("src", j) broadcast source, ("dst", j) reduce/gather destination (TSP group ranks),
+    ("ring", prev, next) ring hop, ("group",) every other rank of the TSP group, ("ranks", [global ranks]).
+    """
+
+    __slots__ = ("comm", "kind", "peer", "what", "context")
+
+    def __init__(self, comm: Any, kind: str, peer: tuple, what: str | None = None, context: str | None = None):
+        self.comm, self.kind, self.peer, self.what = comm, kind, peer, what
+        self.context = getattr(comm, "context", "") if context is None else context
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _name(comm: Any, group_rank: int) -> str:
+    ranks = getattr(comm, "_ranks", None)
+    g = ranks[group_rank] if ranks and 0 <= group_rank < len(ranks) else group_rank
+    return f"rank {g}" if g == group_rank else f"rank {g} (TSP rank {group_rank})"
+
+
+def _names(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def describe_peers(b: Blocked) -> str:
+    comm, peer = b.comm, b.peer
+    me = getattr(comm, "rank", 0)
+    size = getattr(comm, "size", 1)
+    ranks = getattr(comm, "_ranks", None)
+    ranks = ranks if ranks and len(ranks) == size else list(range(size))
+    others = [ranks[r] for r in range(size) if r != me]
+    kind = peer[0]
+    if kind == "src":
+        return (f"{_name(comm, peer[1])} (the broadcast source)" if peer[1] != me
+                else f"{_names(others)} (the broadcast receivers; this rank is the source)")
+    if kind == "dst":
+        return (f"{_name(comm, peer[1])} (the {b.kind} destination)" if peer[1] != me
+                else f"{_names(others)} (the {b.kind} contributors; this rank is the destination)")
+    if kind == "ring":
+        prv, nxt = peer[1], peer[2]
+        if prv == nxt:
+            return f"{_name(comm, prv)} (the ring neighbour)"
+        return f"{_name(comm, prv)} (ring receive) or {_name(comm, nxt)} (ring send)"
+    if kind == "ranks":
+        mine = _global_rank()
+        rest = [r for r in peer[1] if r != mine]
+        return f"{_names(rest)} (the rest of its group)" if rest else "no other rank"
+    return f"{_names(others)} (the rest of the TSP group)" if others else "no other rank"
+
+
+def _short(path: str) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+    path = os.path.abspath(path)
+    return os.path.relpath(path, root) if path.startswith(root + os.sep) else os.path.basename(path)
+
+
+_SKIP = tuple(os.path.join(*parts) for parts in (("ds_tsp", "core", "comm.py"), ("ds_tsp", "core", "watchdog.py"),
+                                                 ("torch", "distributed", ""), ("torch", "autograd", ""),
+                                                 ("torch", "nn", ""), ("torch", "utils", ""),
+                                                 ("torch", "_tensor.py"), ("contextlib.py",), ("threading.py",)))
+
+
+def _frames(frame, depth: int = 3) -> list[tuple[str, int, str]]:
+    """The innermost `depth` frames outside ds_tsp.core.comm/watchdog and torch internals, unformatted (cheap)."""
+    out = []
+    while frame is not None and len(out) < depth:
+        code = frame.f_code
+        if not any(s in code.co_filename for s in _SKIP):
+            out.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return out
+
+
+def _call_site(frame=None, depth: int = 3, frames: list | None = None) -> str:
+    frames = _frames(frame, depth) if frames is None else frames
+    return " < ".join(f"{_short(f)}:{line} {name}" for f, line, name in frames) if frames else "unknown"
+
+
+def _cause(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if text.startswith("[") and "] " in text:  # gloo prefixes "[/path/to/pair.cc:553] "
+        text = text.split("] ", 1)[1]
+    for cut in (". This is typically", " GLHF"):
+        text = text.split(cut, 1)[0]
+    return text[:240]
+
+
+def describe(b: Blocked, outcome: str, waited_s: float, timeout_s: float | None, frame=None,
+             cause: BaseException | None = None, frames: list | None = None) -> str:
+    """The one-line report: collective, rank, how long, waited-for peer(s), layer context, call site (`frame`
+    of the blocked thread, or `frames` taken by _frames where the wait was made)."""
+    comm = b.comm
+    size, me = getattr(comm, "size", 1), getattr(comm, "rank", 0)
+    kind = b.kind if not b.what else f"{b.kind} ({b.what})"
+    limit = f", timeout_s={timeout_s:g}" if timeout_s is not None else ""
+    head = (f"{MESSAGE_PREFIX} {kind} {outcome} on rank {_global_rank()} (TSP rank {me} of {size}) after "
+            f"{waited_s:.1f} s{limit}: waiting for {describe_peers(b)}")
+    if cause is not None:
+        head += f": {_cause(cause)}"
+    layer = b.context or "not labelled (ds_tsp.core.watchdog.label_modules(model) names the layers)"
+    return f"{head}; layer: {layer}; at {_call_site(frame, frames=frames)}"
+
+
+# --- the per-process watchdog ---------------------------------------------------------------------------------
+class Watchdog:
+    """One per process: deadlines of the waits in progress (thread id -> entry), the works in flight after waits
+    that did not block (polled), and one daemon thread."""
+
+    def __init__(self, poll_s: float = POLL_S):
+        self.poll_s = poll_s
+        self._reset()
+
+    def _reset(self) -> None:
+        # (deadline, start, timeout_s, blocked, works in flight, call-site frames): waiting threads append to the
+        # deque (thread-safe without a lock), the watchdog thread moves entries into its own list
+        self._handed: deque = deque()
+        self._polled: list[tuple] = []
+        self._polling = False  # the thread polls every poll_s (else it sleeps until the earliest deadline)
+        self.polls = 0
+        self._armed: dict[int, tuple] = {}
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._report_lock = threading.Lock()
+        self._reported = False
+        self._idle_s = float("inf")
+        self.arms = 0
+        self.wakeups = 0
+
+    # hot path: a dict store, a counter, a clock read
+    def arm(self, blocked: Blocked, timeout_s: float) -> tuple:
+        ident = threading.get_ident()
+        start = time.perf_counter()
+        prev = self._armed.get(ident)
+        entry = (start + timeout_s, start, timeout_s, blocked)
+        self._armed[ident] = entry
+        self.arms += 1
+        if timeout_s < self._idle_s:
+            self._idle_s = timeout_s
+            self._ensure_thread()
+            self._wake.set()  # it may be sleeping for a longer idle period
+        return ident, entry, prev
+
+    def disarm(self, token: tuple) -> None:
+        ident, _, prev = token
+        if prev is None:
+            self._armed.pop(ident, None)
+        else:
+            self._armed[ident] = prev
+
+    def watch(self, works: list, blocked: Blocked, start: float, timeout_s: float, frame) -> None:
+        """Poll the works still in flight after a wait() that did not block, until done or timeout_s after start."""
+        pending = [w for w in works if not w.is_completed()]
+        if not pending:
+            return
+        self._handed.append((start + timeout_s, start, timeout_s, blocked, pending, _frames(frame)))
+        if not self._polling:
+            self._polling = True
+            self._ensure_thread()
+            self._wake.set()  # it may be sleeping until a far deadline
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="ds_tsp-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()  # before looking, so that a set() made while we look cuts the sleep short
+            now = time.perf_counter()
+            wake_at = now + self._idle_s
+            for ident, entry in list(self._armed.items()):
+                if entry[0] <= now:
+                    self._fire(ident, entry, now)
+                wake_at = min(wake_at, entry[0])
+            if self._poll(now):
+                wake_at = min(wake_at, now + self.poll_s)
+            self._wake.wait(max(wake_at - now, 0.0) + 0.005)
+            self.wakeups += 1
+
+    def _poll(self, now: float) -> bool:
+        """Drop completed works, report overdue ones; True while some are still in flight."""
+        while True:
+            while self._handed:
+                self._polled.append(self._handed.popleft())
+            if self._polled:
+                self.polls += 1
+                self._polled = [entry for entry in self._polled if self._in_flight(entry, now)]
+                if self._polled:
+                    return True
+            self._polling = False
+            # A watch() that read _polling as True before the store above did not wake us: look once more.
+            if not self._handed:
+                return False
+            self._polling = True
+
+    def _in_flight(self, entry: tuple, now: float) -> bool:
+        deadline, start, timeout_s, blocked, works, frames = entry
+        try:
+            works[:] = [w for w in works if not w.is_completed()]  # release completed works now
+        except RuntimeError as err:
+            self.report_and_exit(describe(blocked, "failed", now - start, timeout_s, cause=err, frames=frames))
+            return False
+        if works and deadline <= now:
+            self.report_and_exit(describe(blocked, "timed out", now - start, timeout_s, frames=frames))
+            return False
+        return bool(works)
+
+    def _fire(self, ident: int, entry: tuple, now: float) -> None:
+        _, start, timeout_s, blocked = entry
+        frame = sys._current_frames().get(ident)
+        message = describe(blocked, "timed out", now - start, timeout_s, frame=frame)
+        del frame
+        if self._armed.get(ident) is not entry:  # it completed while we looked: not a stall
+            return
+        self.report_and_exit(message)
+
+    def failed(self, blocked: Blocked, err: BaseException, start: float, timeout_s: float | None) -> None:
+        """A wait raised: report once and exit (watched), or raise TSPCommError (timeout_s None)."""
+        message = describe(blocked, "failed", time.perf_counter() - start, timeout_s, frame=sys._getframe(1),
+                           cause=err)
+        if timeout_s is None:
+            raise TSPCommError(message) from err
+        self.report_and_exit(message)
+
+    def report_and_exit(self, message: str) -> None:
+        with self._report_lock:
+            first, self._reported = not self._reported, True
+        if not first:  # another thread is reporting and exiting: never a second message
+            threading.Event().wait()
+        data = (message + f" -- exiting with code {EXIT_CODE}\n").encode("utf-8", "replace")
+        try:
+            os.write(2, data)
+        except OSError:
+            pass
+        flusher = threading.Thread(target=_flush_std, daemon=True)  # a full stdout pipe must not block the exit
+        flusher.start()
+        flusher.join(2.0)
+        os._exit(EXIT_CODE)
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
+WATCHDOG = Watchdog()
+if hasattr(os, "register_at_fork"):  # a forked child has no watchdog thread and no waits of its parent
+    os.register_at_fork(after_in_child=WATCHDOG._reset)
+
+
+def watched_wait(works: list, blocked: Blocked, timeout_s: float | None, poll: bool = False) -> None:
+    """Wait for every work; bounded by timeout_s (None: unbounded, failures raise TSPCommError).
+
+    poll: wait() does not block the host for these works (NCCL: it only orders the current stream after them); the
+    watchdog thread then polls those still in flight and reports any not done timeout_s after this call began.
+    """
+    start = time.perf_counter()
+    if timeout_s is None:
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:
+            WATCHDOG.failed(blocked, err, start, None)
+        return
+    token = WATCHDOG.arm(blocked, timeout_s)
+    try:
+        for work in works:
+            work.wait()
+        if poll:
+            WATCHDOG.watch(works, blocked, start, timeout_s, sys._getframe(1))
+    except RuntimeError as err:
+        WATCHDOG.failed(blocked, err, start, timeout_s)
+    finally:
+        WATCHDOG.disarm(token)
+
+
+def post_failed(blocked: Blocked, err: BaseException, timeout_s: float | None) -> None:
+    """Starting a collective raised (e.g. isend on a connection its peer closed)."""
+    WATCHDOG.failed(blocked, err, time.perf_counter(), timeout_s)
+
+
+class Guard:
+    """`with guard(...)`: arm the watchdog around blocking torch.distributed calls made outside TSPComm."""
+
+    __slots__ = ("blocked", "timeout_s", "_token", "_start")
+
+    def __init__(self, blocked: Blocked, timeout_s: float | None):
+        self.blocked, self.timeout_s, self._token = blocked, timeout_s, None
+
+    def __enter__(self) -> "Guard":
+        self._start = time.perf_counter()
+        if self.timeout_s is not None:
+            self._token = WATCHDOG.arm(self.blocked, self.timeout_s)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._token is not None:
+            WATCHDOG.disarm(self._token)
+            self._token = None
+        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, TSPCommError):
+            WATCHDOG.failed(self.blocked, exc, self._start, self.timeout_s)
+        return False
+
+
+def guard(what: str, *, timeout_s: float | None = 1800, group: Any = None, comm: Any = None,
+          context: str | None = None) -> Guard:
+    """Bound a block of blocking torch.distributed calls, e.g. `with guard("loss all_reduce", group=g): ...`.
+
+    group: the process group the block talks to (its other ranks are named as the waited-for peers; default the
+    TSP group of `comm`, else the world). Prefer `comm.guard(what)`, which takes timeout_s and context from comm.
+    """
+    if group is not None and dist.is_initialized():
+        peer = ("ranks", dist.get_process_group_ranks(group))
+    elif comm is not None:
+        peer = ("group",)
+    else:
+        peer = ("ranks", list(range(dist.get_world_size())) if dist.is_initialized() else [0])
+    return Guard(Blocked(comm, what, peer, context=context if context is not None else getattr(comm, "context", "")),
+                 timeout_s)
+
+
+def stats() -> dict:
+    """Waits armed, watchdog-thread wake-ups and poll rounds so far in this process (the overhead, in events)."""
+    return {"arms": WATCHDOG.arms, "wakeups": WATCHDOG.wakeups, "polls": WATCHDOG.polls,
+            "thread": WATCHDOG._thread is not None and WATCHDOG._thread.is_alive()}
+
+
+# --- layer labels -----------------------------------------------------------------------------------------------
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def label_modules(model: torch.nn.Module, comm: Any = None) -> torch.nn.Module:
+    """Keep `comm.context` naming the module a collective runs in: "model.layers.3.self_attn forward", then
+    "... backward" (set when the grad of that module's output arrives), "... recompute" under activation
+    checkpointing. Hooks go on the root and every submodule holding a `comm`; each costs one attribute store
+    per call. Idempotent (a module labelled once keeps its first name). Returns the model.
+    """
+    root_comm = comm if comm is not None else getattr(model, "comm", None)
+    if root_comm is None:
+        root_comm = next((getattr(m, "comm") for m in model.modules() if hasattr(getattr(m, "comm", None),
+                                                                                  "context")), None)
+    if root_comm is None:
+        return model
+    for name, module in model.named_modules():
+        mcomm = getattr(module, "comm", None)
+        if module is model:
+            mcomm = mcomm if hasattr(mcomm, "context") else root_comm
+        if not hasattr(mcomm, "context") or getattr(module, "_ds_tsp_labelled", False):
+            continue
+        module._ds_tsp_labelled = True
+        _hook(module, mcomm, name or type(model).__name__, root=module is model)
+    return model
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    return next((o for o in values if isinstance(o, torch.Tensor) and o.requires_grad), None)
+
+
+def _hook(module: torch.nn.Module, comm: Any, name: str, root: bool) -> None:
+    fw, bw, rc = f"{name} forward", f"{name} backward", f"{name} recompute (backward)"
+
+    def on_grad(_grad):
+        comm.context = bw
+        if root:  # when this backward pass ends, say so instead of naming the last layer it ran
+            prev = getattr(module, "_ds_tsp_prev_context", "")
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(comm, "context", prev))
+
+    def pre(mod, _args):
+        mod._ds_tsp_prev_context = comm.context
+        comm.context = rc if _in_backward() else fw
+
+    def post(mod, _args, output):
+        comm.context = mod._ds_tsp_prev_context
+        out = _first_tensor(output)
+        if out is not None and out.requires_grad and torch.is_grad_enabled():
+            out.register_hook(on_grad)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)

@@ -1,0 +1,333 @@
+"""`TSPAccelerator`: Accelerate's Accelerator with TSP on the innermost axis, the one line a script changes.
+
+    from ds_tsp.accelerate import TSPAccelerator as Accelerator
+    accelerate launch --config_file ds_configs/accelerate_tsp.yaml train.py        # DeepSpeed ZeRO on the data axis
+    accelerate launch --config_file ds_configs/accelerate_tsp_fsdp2.yaml train.py  # FSDP2 on the data axis
+    python train.py                                                                # one process: the reference
+
+Accelerate has no plug-in point for another sequence-parallel engine (its DeepSpeed path builds the
+deepspeed.initialize call itself and passes an mpu only for its own Ulysses), so `prepare` does the TSP part and
+hands the rest back to Accelerate:
+- the model becomes a ds_tsp.hf.TSPForCausalLM on this rank's TSP group (an HF Llama-family model is converted, a
+  checkpoint path loaded by slices), and the optimizer built on the HF model is rebound to the shards;
+- dataloaders are sampled over the data axis only and cut to zigzag shards (ds_tsp.integrations.accelerate.dataloaders);
+- DeepSpeed: Accelerate's own _prepare_deepspeed runs, and its (call-time) deepspeed.initialize receives the TSP
+  mpu and a train_batch_size counted over the data axis only;
+- FSDP2: ds_tsp.integrations.fsdp.shard_with_fsdp2 on the data sub-mesh, bf16 via MixedPrecisionPolicy.
+clip_grad_norm_ (the full model's norm), gather_for_metrics (data axis only: TSP ranks hold the same values),
+save_state / load_state (every rank's own shards) and save_model are TSP-aware. On CPU the same commands work: gloo under
+DeepSpeed (Accelerate would start one 1-rank group per process) and cpu=True otherwise (its barriers would do nothing).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ds_tsp.checkpoint.local_state import load_model_local, load_optimizer_local, to_local
+from ds_tsp.core.config import check_deepspeed_compatible
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.setup import build_runtime
+from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader
+from ds_tsp.integrations.accelerate.launch_config import TSPAccelerateSetup, resolve_setup
+from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
+from ds_tsp.model.convert import parameter_names, rebind_optimizer, to_tsp_model
+from ds_tsp.model.hf_causal_lm import TSPForCausalLM
+
+
+def _import_accelerate():
+    try:
+        import accelerate
+    except ImportError as err:
+        raise ImportError("ds_tsp.accelerate needs accelerate: pip install 'ds_tsp[hf]'") from err
+    return accelerate
+
+
+_accelerate = _import_accelerate()
+STATE_FILE = "tsp_state_rank{rank}.pt"
+
+
+def _cpu_defaults(kwargs: dict, mode: str) -> dict:
+    """Several processes without CUDA. DeepSpeed: ask for gloo explicitly, else Accelerate starts a 1-rank group in
+    every process. Otherwise: cpu=True, else Accelerate runs as DistributedType.NO (its barriers do nothing)."""
+    if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return kwargs
+    if mode != "deepspeed":
+        return {"cpu": True, **kwargs}
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = list(kwargs.get("kwargs_handlers") or [])
+    if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    return {**kwargs, "kwargs_handlers": handlers}
+
+
+class DataAxisScheduler(_accelerate.scheduler.AcceleratedScheduler):
+    """Accelerate steps a scheduler once per PROCESS per optimizer step (each process consumed a batch); under TSP
+    the ranks of a TSP group share one batch, so it steps once per data replica."""
+
+    data_size: int = 1
+
+    def step(self, *args, **kwargs):
+        if not self.step_with_optimizer or self.split_batches or not self.gradient_state.sync_gradients:
+            return super().step(*args, **kwargs)
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return None
+        for _ in range(self.data_size):
+            if getattr(self.scheduler, "total_steps", None) is not None and \
+                    self.scheduler._step_count > self.scheduler.total_steps:
+                break
+            self.scheduler.step(*args, **kwargs)
+        return None
+
+
+class TSPAccelerator(_accelerate.Accelerator):
+    def __init__(self, *args, tsp_size: int | None = None, tsp_groups: ProcessGroups | None = None, **kwargs):
+        self.tsp_setup: TSPAccelerateSetup = resolve_setup(
+            os.environ, tsp_size=tsp_size, deepspeed_plugin=kwargs.get("deepspeed_plugin"),
+            fsdp_plugin=kwargs.pop("fsdp_plugin", None), parallelism_config=kwargs.pop("parallelism_config", None))
+        super().__init__(*args, **_cpu_defaults(kwargs, self.tsp_setup.mode))
+        tsp = self.tsp_setup.tsp
+        if self.tsp_setup.mode == "deepspeed":
+            ds_config = self.state.deepspeed_plugin.deepspeed_config
+            ds_config.pop("tsp", None)  # DeepSpeed must not see it
+            check_deepspeed_compatible(ds_config, tsp)
+        layout = ParallelLayout.from_world_size(self.num_processes, tsp=tsp.size)
+        if self.tsp_setup.mode == "plain" and layout.data_enabled:
+            raise TSPConfigError(f"{self.num_processes} processes with tsp={tsp.size} leave a data axis of "
+                                 f"{layout.data}: launch with ds_configs/accelerate_tsp.yaml (DeepSpeed) or "
+                                 "accelerate_tsp_fsdp2.yaml (FSDP2) for data parallelism, or TSPAccelerator(tsp_size="
+                                 f"{self.num_processes})")
+        self.tsp_runtime = build_runtime(tsp, world_size=self.num_processes, groups=tsp_groups)
+        self.tsp_groups, self.tsp_comm = self.tsp_runtime.groups, self.tsp_runtime.comm
+        self.tsp_model: TSPForCausalLM | None = None
+
+    # --- layout -------------------------------------------------------------------------------------------------
+    @property
+    def data_rank(self) -> int:
+        return self.tsp_groups.data_rank if self.tsp_groups else 0
+
+    @property
+    def data_size(self) -> int:
+        return self.tsp_groups.data_size if self.tsp_groups else 1
+
+    @property
+    def _data_group(self):
+        return self.tsp_groups.data_group if self.tsp_groups else None
+
+    # --- prepare ------------------------------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        if device_placement is not None:
+            raise TSPConfigError("device_placement is not supported by TSPAccelerator: shards live on self.device")
+        result = list(args)
+        models = [i for i, obj in enumerate(args) if isinstance(obj, (nn.Module, str, Path))]
+        if len(models) > 1:
+            raise TSPConfigError("TSPAccelerator.prepare takes one model")
+        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer)]
+        if models:
+            original = args[models[0]]
+            names = parameter_names(original)  # before conversion / FSDP2 re-create the parameters
+            model = self._convert_model(original)
+            if self.tsp_setup.mode != "deepspeed":
+                model = self._shard_model(model)
+            for optimizer in optimizers:  # the optimizer built on the HF model now steps the TSP shards
+                rebind_optimizer(optimizer, names, model)
+            result[models[0]] = model
+        for i, obj in enumerate(args):
+            if isinstance(obj, torch.utils.data.DataLoader):
+                result[i] = self._prepare_tsp_loader(obj)
+        # Accelerate prepares the rest: optimizer and scheduler wrappers, and under DeepSpeed the model's engine.
+        keep = [i for i, obj in enumerate(result) if not isinstance(obj, TSPShardedLoader) and
+                (self.tsp_setup.mode == "deepspeed" or i not in models)]
+        if keep:
+            with self._tsp_deepspeed_initialize(result) if self.tsp_setup.mode == "deepspeed" else \
+                    contextlib.nullcontext():
+                prepared = super().prepare(*[result[i] for i in keep])
+            for i, obj in zip(keep, prepared if isinstance(prepared, tuple) else (prepared,)):
+                result[i] = obj
+        for obj in result:
+            if isinstance(obj, _accelerate.scheduler.AcceleratedScheduler):
+                obj.__class__, obj.data_size = DataAxisScheduler, self.data_size
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _convert_model(self, model) -> TSPForCausalLM:
+        converted = to_tsp_model(model, self.tsp_comm, options=self.tsp_runtime.options, data_group=self._data_group,
+                                 hf_face=True)
+        if self.tsp_setup.activation_checkpointing:
+            converted.gradient_checkpointing_enable()
+        converted.to(self.device)
+        self.tsp_model = converted
+        return converted
+
+    def _shard_model(self, model: TSPForCausalLM) -> TSPForCausalLM:
+        if self.tsp_setup.mode == "fsdp2":
+            from ds_tsp.integrations.fsdp import shard_with_fsdp2
+
+            shard_with_fsdp2(model, self.tsp_groups, mp_policy=self._fsdp2_policy(),
+                             reshard_after_forward=self.tsp_setup.reshard_after_forward)
+        self._models.append(model)
+        return model
+
+    def _fsdp2_policy(self):
+        precision = self.tsp_setup.mixed_precision
+        if precision == "no":
+            return None
+        if precision != "bf16":
+            raise TSPConfigError(f"mixed_precision={precision!r} with FSDP2 + TSP: use 'bf16' (its MixedPrecisionPolicy:"
+                                 " bf16 compute, fp32 gradient reduction and master weights) or 'no'")
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def _prepare_tsp_loader(self, loader) -> TSPShardedLoader:
+        from accelerate.data_loader import prepare_data_loader
+
+        prepared = prepare_data_loader(
+            loader, self.device, num_processes=self.data_size, process_index=self.data_rank,
+            split_batches=self.split_batches, put_on_device=self.device_placement, rng_types=self.rng_types.copy(),
+            dispatch_batches=False, even_batches=self.even_batches, use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader)
+        self._dataloaders.append(prepared)
+        return TSPShardedLoader(prepared, self.tsp_comm, batch_size=loader.batch_size)
+
+    @contextlib.contextmanager
+    def _tsp_deepspeed_initialize(self, objects: list):
+        """Accelerate calls deepspeed.initialize at prepare time: give it the TSP mpu and the data-axis batch size."""
+        import deepspeed
+
+        plugin = self.state.deepspeed_plugin
+        if plugin.is_auto("train_micro_batch_size_per_gpu"):
+            loaders = [o for o in objects if isinstance(o, TSPShardedLoader)]
+            if not loaders or loaders[0].batch_size is None:
+                raise TSPConfigError("train_micro_batch_size_per_gpu is 'auto' but prepare got no dataloader with a "
+                                     "batch_size: set it in the DeepSpeed JSON or prepare the dataloader together")
+            per_replica = loaders[0].batch_size // (self.data_size if self.split_batches else 1)
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_replica
+        original = deepspeed.initialize
+        groups, data_size, model = self.tsp_groups, self.data_size, self.tsp_model
+
+        def initialize(*args, **kwargs):
+            config = kwargs.get("config_params") or kwargs.get("config")
+            config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] *
+                                          config["gradient_accumulation_steps"] * data_size)
+            if groups is not None:
+                kwargs["mpu"] = TSPModelParallelUnit(groups)
+            if model is not None and model.tsp.lm_head.tied and \
+                    (config.get("zero_optimization") or {}).get("stage", 0) == 3:
+                deepspeed.zero.register_external_parameter(model.tsp.lm_head, model.tsp.model.embed_tokens.vocab_shard)
+            return original(*args, **kwargs)
+
+        deepspeed.initialize = initialize
+        try:
+            yield
+        finally:
+            deepspeed.initialize = original
+
+    # --- TSP-aware utilities --------------------------------------------------------------------------------
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """The norm of the FULL model's gradient (TSP shards summed over the group, norms counted once)."""
+        if self.tsp_setup.mode == "deepspeed":
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self.unscale_gradients()
+        if self.tsp_groups is None:
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+        from ds_tsp.core.grad_norm import clip_grad_norm_
+
+        return clip_grad_norm_(list(parameters), max_norm, self.tsp_groups, norm_type)
+
+    def gather(self, tensor):
+        """Gather over the DATA axis only: the ranks of a TSP group hold the same batch, so the same values."""
+        from accelerate.utils import recursively_apply
+
+        if self.data_size == 1:
+            return tensor
+
+        def gather_one(t: torch.Tensor) -> torch.Tensor:
+            t = t.contiguous()
+            if t.dim() == 0:
+                t = t[None]
+            out = [torch.empty_like(t) for _ in range(self.data_size)]
+            dist.all_gather(out, t, group=self._data_group)
+            return torch.cat(out)
+
+        return recursively_apply(gather_one, tensor, error_on_other_type=True)
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        """Accelerate's gather_for_metrics over the data axis (duplicates of the last batch dropped as it does)."""
+        try:
+            from accelerate.utils import recursively_apply
+
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        if use_gather_object or not all_tensors:
+            if self.data_size == 1:
+                data = input_data if isinstance(input_data, list) else [input_data]
+            else:
+                parts = [None] * self.data_size
+                dist.all_gather_object(parts, input_data, group=self._data_group)
+                data = [x for part in parts for x in (part if isinstance(part, list) else [part])]
+        else:
+            data = self.gather(input_data)
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            if use_gather_object or not all_tensors:
+                return data[:state.remainder]
+            return recursively_apply(lambda t: t[:state.remainder], data)
+        return data
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        if isinstance(dataloader, TSPShardedLoader):
+            return TSPShardedLoader(super().skip_first_batches(dataloader.loader, num_batches), self.tsp_comm,
+                                    batch_size=dataloader.batch_size)
+        return super().skip_first_batches(dataloader, num_batches)
+
+    def save_model(self, model, save_directory, max_shard_size="5GB", safe_serialization=True):
+        """The HF layout, streamed (every rank must call it)."""
+        self.unwrap_model(model).save_pretrained(save_directory, max_shard_size=max_shard_size)
+
+    def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
+        """Accelerate's save_state; outside DeepSpeed every rank also writes its own model and optimizer shards
+        (Accelerate's files hold only the main process's tensors, which differ between TSP ranks)."""
+        if self.tsp_setup.mode == "deepspeed":
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        models, optimizers = self._models, self._optimizers
+        self._models, self._optimizers = [], []
+        try:
+            location = super().save_state(output_dir, safe_serialization, **kwargs)
+        finally:
+            self._models, self._optimizers = models, optimizers
+        state = {"models": [to_local(m.state_dict()) for m in models],
+                 "optimizers": [to_local(o.state_dict()) for o in optimizers]}
+        torch.save(state, Path(location) / STATE_FILE.format(rank=self.process_index))
+        self.wait_for_everyone()
+        return location
+
+    def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+        if self.tsp_setup.mode == "deepspeed":
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        models, optimizers = self._models, self._optimizers
+        self._models, self._optimizers = [], []
+        try:
+            super().load_state(input_dir, load_kwargs, **kwargs)
+        finally:
+            self._models, self._optimizers = models, optimizers
+        if input_dir is None:
+            raise TSPConfigError("load_state needs input_dir under TSP (automatic checkpoint naming is not supported)")
+        path = Path(input_dir) / STATE_FILE.format(rank=self.process_index)
+        if not path.is_file():
+            raise TSPConfigError(f"{path} is missing: the state was saved by another layout or without TSP")
+        # FSDP2 tensors record their storage on "cpu:0", which torch.load only maps with an explicit "cpu"
+        where = "cpu" if self.device.type == "cpu" else self.device
+        state = torch.load(path, map_location=where, weights_only=False)
+        for model, saved in zip(models, state["models"]):
+            load_model_local(model, saved)
+        for optimizer, saved in zip(optimizers, state["optimizers"]):
+            load_optimizer_local(getattr(optimizer, "optimizer", optimizer), saved)

@@ -1,0 +1,1 @@
+"""DeepSpeed: `ds_tsp.initialize` (engine), the Megatron-style mpu, pipeline stages of TSP blocks."""

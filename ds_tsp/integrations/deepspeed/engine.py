@@ -1,0 +1,123 @@
+"""`ds_tsp.initialize`: deepspeed.initialize with TSP turned on by the config's "tsp" block.
+
+Layout (pipe x data x tsp, tsp innermost so a TSP group is one node's adjacent ranks). DeepSpeed gets a
+Megatron-style mpu whose model-parallel group is the TSP group, so ZeRO 1/2/3 shard and average over the data axis
+only; sharded params carry tensor_model_parallel=True so the grad norm counts them on every TSP rank. With
+pipeline_stages > 1 the model becomes a DeepSpeed PipelineModule of TSP blocks on the outer axis.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_tsp.core.config import check_deepspeed_compatible, parse_tsp_config
+from ds_tsp.core.data import TSPDataLoader
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.launch import local_device
+from ds_tsp.core.nonfinite import NonFiniteGuard
+from ds_tsp.core.setup import build_runtime
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.watchdog import label_modules
+from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
+from ds_tsp.model.convert import to_tsp_model
+from ds_tsp.model.hf_causal_lm import TSPForCausalLM
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+
+
+def import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise ImportError("ds_tsp's DeepSpeed integration needs deepspeed: pip install 'ds_tsp[deepspeed]'") from err
+    return deepspeed
+
+
+def load_ds_config(config: str | Path | dict | None, args: Any = None) -> dict:
+    """The DeepSpeed config as a fresh dict, from a dict, a JSON path, or args.deepspeed_config / args.ds_config."""
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "ds_config", None)
+    if config is None:
+        raise TSPConfigError("no DeepSpeed config: pass config=<dict or path> or args with --deepspeed_config")
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = Path(config)
+    if not path.is_file():
+        raise TSPConfigError(f"DeepSpeed config {str(path)!r} does not exist")
+    return json.loads(path.read_text())
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, config: str | Path | dict | None = None,
+               *, state_dict: dict[str, torch.Tensor] | None = None, seed: int = 0, dtype: torch.dtype | None = None,
+               **ds_kwargs):
+    """Same call shape and return tuple as deepspeed.initialize: (engine, optimizer, dataloader, lr_scheduler).
+
+    `model` is a ModelShape, an HF config, an HF Llama-family model (converted, weights sharded), a ShardedCausalLM
+    built on a TSP group of the configured size, or the path of a local HF checkpoint: then every rank reads only
+    its slices and the engine wraps a ds_tsp.hf.TSPForCausalLM (HF call signature, `engine.module.save_pretrained`). `state_dict` (HF names) initialises the shards; otherwise they
+    are initialised in place by ShardedCausalLM.init_weights_(seed). `training_data` (samples with "input_ids" and
+    optionally "labels"/"position_ids") comes back as a TSPDataLoader: data-parallel sampling, zigzag shards.
+    The engine carries `tsp_groups` (ProcessGroups), `tsp_config`, `tsp_model` and `tsp_guard` (a NonFiniteGuard:
+    `if engine.tsp_guard.check(loss, step): engine.step()`, else `engine.zero_grad()`; None with pipeline stages).
+    """
+    deepspeed = import_deepspeed()
+    ds_config = load_ds_config(config, args)
+    tsp = parse_tsp_config(ds_config.pop("tsp", None))
+    check_deepspeed_compatible(ds_config, tsp)
+    device = local_device()  # cuda:LOCAL_RANK made current before anything (DeepSpeed's groups included) is built
+    # Also when torch.distributed is up already: deepspeed.comm must adopt the group (PipelineModule asks it).
+    deepspeed.init_distributed(timeout=timedelta(seconds=tsp.timeout_s))
+    runtime = build_runtime(tsp)
+    groups, comm = runtime.groups, runtime.comm
+    if dtype is None:
+        dtype = torch.bfloat16 if (ds_config.get("bf16") or {}).get("enabled") else torch.float32
+    device = None if device.type == "cpu" else device
+    if tsp.pipeline_stages > 1:
+        from ds_tsp.integrations.deepspeed.pipeline import build_pipeline_module, unpartitioned_pipeline_config
+        ds_config["pipeline"] = unpartitioned_pipeline_config(ds_config.get("pipeline"))
+        shape = model if isinstance(model, ModelShape) else ModelShape.from_hf_config(getattr(model, "config", model))
+        if state_dict is None and hasattr(model, "state_dict") and not isinstance(model, ModelShape):
+            state_dict = model.state_dict()
+        tsp_model = None
+        module, mpu = build_pipeline_module(shape, groups, comm, runtime.options, dtype=dtype,
+                                            device=device, state_dict=state_dict, seed=seed), None
+    else:
+        if hasattr(model, "config") and hasattr(model, "state_dict") and not isinstance(model, TSPForCausalLM):
+            # An in-memory HF model: the engine trains the sharded core (its call takes this rank's shard), in the
+            # model's own dtype, from its weights unless state_dict overrides them.
+            state_dict = model.state_dict() if state_dict is None else state_dict
+            dtype, model = next(model.parameters()).dtype, model.config
+        module = to_tsp_model(model, comm, options=runtime.options, dtype=dtype, device=device,
+                              data_group=groups.data_group, state_dict=state_dict, seed=seed)
+        tsp_model, mpu = (module.tsp if isinstance(module, TSPForCausalLM) else module), TSPModelParallelUnit(groups)
+        _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
+    label_modules(module, comm)  # a stalled collective's report names its layer
+    guard = None  # the pipeline engine steps inside train_batch: nothing to guard from outside
+    if tsp.pipeline_stages == 1:
+        if tsp.on_nonfinite == "skip" and (ds_config.get("gradient_accumulation_steps") or 1) != 1:
+            raise TSPConfigError('tsp.on_nonfinite="skip" with gradient_accumulation_steps > 1: a skipped micro-batch '
+                                 "would desynchronise DeepSpeed's accumulation boundary; use 1, or \"error\"")
+        guard = NonFiniteGuard(module, policy=tsp.on_nonfinite)  # hooks before DeepSpeed moves any grad
+    if model_parameters is None:
+        model_parameters = [p for p in module.parameters() if p.requires_grad]
+    engine, opt, _, sched = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=model_parameters,
+                                                 lr_scheduler=lr_scheduler, mpu=mpu, config=ds_config,
+                                                 dist_init_required=False, **ds_kwargs)
+    loader = None
+    if training_data is not None:
+        loader = TSPDataLoader(training_data, groups, micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+                               seed=seed)
+    engine.tsp_groups, engine.tsp_config, engine.tsp_model = groups, tsp, tsp_model
+    engine.tsp_guard = guard
+    return engine, opt, loader, sched
+
+
+def _register_tied_head_for_zero3(model: ShardedCausalLM, ds_config: dict, deepspeed) -> None:
+    # ZeRO-3 gathers a param only inside its own module's forward; the tied head reads the embedding's shard.
+    if model.lm_head.tied and (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+        deepspeed.zero.register_external_parameter(model.lm_head, model.model.embed_tokens.vocab_shard)

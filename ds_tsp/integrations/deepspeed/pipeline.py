@@ -1,0 +1,117 @@
+"""Pipeline stages of TSP blocks on the outer axis: a DeepSpeed PipelineModule built from LayerSpecs.
+
+Each stage builds only its own layers. Activations between stages are (hidden [B, L, h], position_ids [B, L],
+shift_labels [B, L]) for this rank's zigzag shard: the integer tensors ride along so every stage has the global
+positions for RoPE and the last one the targets. DeepSpeed's PipeModelDataParallelTopology orders ranks
+(pipe, data, model) with model innermost, which is exactly ds_tsp's (pipe, data, tsp), so its model-parallel
+slice of each stage is the TSP group.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.functions.norm import TSPRMSNorm
+from ds_tsp.core.positions import StepPositions
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.topology import ProcessGroups
+from ds_tsp.model.sharded_causal_lm import count_valid_tokens
+from ds_tsp.model.sharded_modules import TSPDecoderLayer, TSPLMHeadLoss, TSPVocabEmbedding, load_slices, read_from_full
+
+
+class EmbeddingPipe(TSPVocabEmbedding):
+    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device):
+        super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device)
+
+    def forward(self, inputs):
+        input_ids, position_ids, shift_labels = inputs
+        return super().forward(input_ids), position_ids, shift_labels
+
+    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+        load_slices([("model.embed_tokens.", self, self.vocab_shard)], {}, read_from_full(full))
+
+
+class DecoderPipe(TSPDecoderLayer):
+    def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device, index: int,
+                 positions: StepPositions):
+        super().__init__(shape, comm, options, dtype, device, layer=index)
+        self.index, self.positions = index, positions
+
+    def forward(self, inputs):
+        h, position_ids, shift_labels = inputs
+        # The stage's layers share one StepPositions: one positions gather per micro-batch, not one per layer.
+        cos, sin, doc_starts = self.positions(position_ids, h.dtype)
+        return super().forward(h, cos, sin, doc_starts), position_ids, shift_labels
+
+    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+        prefix = f"model.layers.{self.index}."
+        load_slices(self.sharded_modules(prefix), self.replicated_params(prefix), read_from_full(full))
+
+
+class NormHeadLossPipe(nn.Module):
+    """Final norm + LM head + loss share; returns a scalar (the pipeline's loss_fn passes it through)."""
+
+    def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, data_group, chunk_tokens: int = 4096):
+        super().__init__()
+        self.comm, self.data_group = comm, data_group
+        self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
+        self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device, chunk_tokens=chunk_tokens)
+
+    def forward(self, inputs):
+        h, _, shift_labels = inputs
+        n_valid = count_valid_tokens(shift_labels, self.comm, self.data_group).to(torch.promote_types(h.dtype, torch.float32))
+        return self.lm_head(self.norm(h), shift_labels, n_valid)
+
+    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+        load_slices([("lm_head.", self.lm_head, self.lm_head.vocab_shard)], {"model.norm.weight": self.norm.weight},
+                    read_from_full(full))
+
+
+def unpartitioned_pipeline_config(pipeline: dict | None) -> dict:
+    """DeepSpeed's pipeline partitions stage-to-stage activations over the model-parallel group, assuming (as in
+    Megatron TP) that every model-parallel rank holds the same activation. TSP ranks hold different tokens, so
+    each must send its own whole shard."""
+    pipeline = dict(pipeline or {})
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.get(key):
+            raise TSPConfigError(f"pipeline.{key}=true with TSP: stage activations differ across TSP ranks and "
+                                 f"cannot be partitioned over them; remove pipeline.{key}")
+        pipeline[key] = False
+    return pipeline
+
+
+def _loss_passthrough(loss_share, _labels):
+    return loss_share
+
+
+def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPComm, options: TSPOptions, *,
+                          dtype=torch.float32, device=None, state_dict=None, seed: int = 0):
+    """A PipelineModule [embedding, decoder layers..., norm+head+loss] split over groups.pipe_size stages."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    if shape.tie_word_embeddings:
+        raise TSPConfigError("tie_word_embeddings=True with tsp.pipeline_stages > 1 is not supported: the tied "
+                             "embedding and LM head live on different stages; untie them or use one stage")
+    if shape.num_layers < groups.pipe_size:
+        raise TSPConfigError(f"tsp.pipeline_stages={groups.pipe_size} exceeds num_layers={shape.num_layers}")
+    specs = [LayerSpec(EmbeddingPipe, shape, comm, dtype, device)]
+    positions = StepPositions(shape, comm)  # each stage builds only its own layers, so a stage shares one
+    specs += [LayerSpec(DecoderPipe, shape, comm, options, dtype, device, i, positions)
+              for i in range(shape.num_layers)]
+    specs.append(LayerSpec(NormHeadLossPipe, shape, comm, dtype, device, groups.data_group,
+                           options.lm_head_chunk_tokens))
+    topology = PipeModelDataParallelTopology(num_pp=groups.pipe_size, num_mp=groups.tsp_size,
+                                             num_dp=groups.data_size)
+    module = PipelineModule(layers=specs, topology=topology, loss_fn=_loss_passthrough,
+                            partition_method="type:DecoderPipe",
+                            activation_checkpoint_interval=1 if options.activation_checkpointing else 0)
+    if state_dict is None:
+        raise TSPConfigError("pipeline stages need the initial weights: pass state_dict= (HF-named full weights)")
+    for layer in module.forward_funcs:
+        if hasattr(layer, "load_full"):
+            layer.load_full(state_dict)
+    return module

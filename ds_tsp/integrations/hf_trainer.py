@@ -1,0 +1,136 @@
+"""`TSPTrainer`: the HF Trainer with TSP, one line changed: `TSPTrainer(...)` in place of `Trainer(...)`.
+
+    args = TrainingArguments(output_dir=..., deepspeed="ds_configs/tsp.json")   # its "tsp" block turns TSP on
+    trainer = TSPTrainer(model=hf_llama, args=args, train_dataset=..., data_collator=...)
+    trainer.train(); trainer.evaluate(); trainer.save_model()
+
+What it changes, and why (the Trainer's own logic does the rest):
+- the model becomes a ds_tsp.hf.TSPForCausalLM on this rank's TSP group before the Trainer sees it, so the
+  optimizer it creates steps the shards, and the Accelerator is a ds_tsp TSPAccelerator (data-axis sampling,
+  zigzag batches, the TSP mpu for DeepSpeed, TSP-aware clipping and gathering);
+- num_items_in_batch (labelled tokens of the whole accumulated global batch, as transformers intends) is counted
+  over the TSP group and the data axis, and the model divides by it; `get_tp_size()` reports the TSP degree, so
+  the Trainer's loss scaling counts the ranks that share a batch once;
+- evaluation runs UNDER TSP, sharded like training (no switch-off in eval, so an eval at the training length fits);
+- save_model writes the HF layout, streamed, from every rank's shards (a collective).
+On CPU the launcher's process group (which TrainingArguments sets up as a 1-process accelerate state) is
+re-registered with gloo, so the same command runs on CPU and GPU.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from ds_tsp.core.config import parse_tsp_config
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.hf_config import import_transformers
+from ds_tsp.core.setup import build_runtime
+from ds_tsp.model.convert import to_tsp_model
+
+_transformers = import_transformers()
+
+
+def _tsp_block(args):
+    config = getattr(args, "hf_deepspeed_config", None)
+    if config is None:
+        return None
+    return parse_tsp_config(config.config.get("tsp"))
+
+
+def _check_parallelism_config(args, tsp_size: int) -> None:
+    pc = getattr(args, "parallelism_config", None)
+    if pc is None:
+        return
+    for key in ("tp_size", "cp_size", "sp_size"):
+        if (getattr(pc, key, 1) or 1) > 1:
+            raise TSPConfigError(f"TrainingArguments(parallelism_config={key}={getattr(pc, key)}) together with the "
+                                 f'"tsp" block (size {tsp_size}): Accelerate\'s {key[:2]} and TSP would both shard '
+                                 "the model or the sequence; remove parallelism_config")
+
+
+def _register_cpu_world() -> None:
+    """TrainingArguments created a 1-process accelerate state over a real multi-process group (no CUDA: Accelerate
+    chose no backend); re-register it with gloo so world size and barriers are the launcher's."""
+    from accelerate import PartialState
+
+    if torch.cuda.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    state = PartialState()
+    if state.num_processes == dist.get_world_size():
+        return
+    PartialState._reset_state()
+    PartialState(backend="gloo")
+
+
+class TSPTrainer(_transformers.Trainer):
+    def __init__(self, model=None, args=None, *more, **kwargs):
+        if args is None:
+            raise TSPConfigError("TSPTrainer needs TrainingArguments(deepspeed=<config with a \"tsp\" block>)")
+        if kwargs.get("model_init") is not None:
+            raise TSPConfigError("model_init is not supported by TSPTrainer: pass the model")
+        _ = args.device  # sets the process group up (TrainingArguments does it lazily)
+        _register_cpu_world()
+        tsp = _tsp_block(args)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if tsp is None:
+            if world > 1:
+                raise TSPConfigError(f"TSPTrainer on {world} processes needs TrainingArguments(deepspeed=...) whose "
+                                     'DeepSpeed config has a "tsp" block, e.g. ds_configs/tsp.json')
+            tsp = parse_tsp_config({"size": 1})
+        _check_parallelism_config(args, tsp.size)
+        self.tsp_config = tsp
+        runtime = build_runtime(tsp)
+        self.tsp_groups = runtime.groups
+        model = to_tsp_model(model, runtime.comm, options=runtime.options, data_group=runtime.data_group,
+                             hf_face=True)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        super().__init__(model, args, *more, **kwargs)
+        if set(self.label_names) != {"shift_labels"} and self.label_names in (["labels"], ["labels", "shift_labels"]):
+            self.label_names = ["shift_labels"]  # TSP batches carry pre-shifted labels, sharded
+
+    # --- the accelerator -------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's own setup, with the TSP accelerator (on this trainer's groups) in place of Accelerator."""
+        import transformers.trainer as trainer_module  # it builds `Accelerator(**args)` by this module name
+
+        from ds_tsp.integrations.accelerate.accelerator import TSPAccelerator
+
+        original = trainer_module.Accelerator
+        trainer_module.Accelerator = partial(TSPAccelerator, tsp_groups=self.tsp_groups)
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            trainer_module.Accelerator = original
+
+    def get_tp_size(self) -> int:
+        """The ranks that share one batch: the TSP degree (the Trainer divides its token counts and loss scale)."""
+        return self.tsp_config.size
+
+    # --- loss normalisation ------------------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """Labelled tokens of the whole accumulated batch: summed over the micro-batches, the TSP group (each rank
+        holds a zigzag part of every sample) and, with average_tokens_across_devices, the data replicas."""
+        if not batch_samples or "shift_labels" not in batch_samples[0]:
+            return None
+        local = sum((b["shift_labels"] != -100).sum() for b in batch_samples).to(device=device, dtype=torch.int64)
+        if self.tsp_groups is not None and self.tsp_groups.layout.tsp_enabled:
+            dist.all_reduce(local, group=self.tsp_groups.tsp_group)
+        if self.args.average_tokens_across_devices and self.tsp_groups is not None and \
+                self.tsp_groups.layout.data_enabled:
+            dist.all_reduce(local, group=self.tsp_groups.data_group)
+        return local
+
+    # --- saving ------------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """HF layout from every rank's shards (collective: every rank calls it, global rank 0 writes)."""
+        output_dir = output_dir or self.args.output_dir
+        self.accelerator.unwrap_model(self.model_wrapped if self.is_deepspeed_enabled else self.model) \
+            .save_pretrained(output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, f"{output_dir}/training_args.bin")  # as the Trainer does
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,228 @@
+"""`TSPForCausalLM`: the TSP model with the face of a transformers causal LM.
+
+    model = TSPForCausalLM.from_pretrained("path/to/llama-3.2-1b", tsp_group=group)   # reads only this rank's slices
+    out = model(input_ids=ids, labels=ids, attention_mask=mask)                      # the FULL batch, on every rank
+    out.loss.backward()                                                              # each rank: its own shard grads
+    model.save_pretrained("out/", max_shard_size="2GB")                              # HF layout, streamed
+
+Inputs are either the full-length batch (every TSP rank passes the same batch; the model keeps its zigzag part:
+token ids are tiny) or a batch TSPDataLoader already sharded (it carries "tsp_shard"), so `model(**batch)` works
+with both. `loss` is the global token-mean loss on every rank, what a single device prints; its backward gives each
+rank exactly its share of the gradients. There is no KV cache: this is a training / scoring model.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.hf_config import config_json, import_transformers, load_config
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.partition import shard_batch
+
+# Keyword arguments HF code passes that change nothing here when they have these values.
+_HARMLESS_KWARGS = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
+                    "output_hidden_states": (None, False), "past_key_values": (None,), "cache": (None,),
+                    "inputs_embeds": (None,), "cache_position": (None,)}
+
+
+def as_comm(tsp_group) -> TSPComm:
+    """A TSPComm from a TSPComm, a process group, or None (the whole world when one is initialised)."""
+    if isinstance(tsp_group, TSPComm):
+        return tsp_group
+    if tsp_group is None:
+        return TSPComm(dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None)
+    return TSPComm(tsp_group)
+
+
+def _resolve_dtype(dtype, config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(stored, str):
+            stored = getattr(torch, stored, None)
+        return stored if isinstance(stored, torch.dtype) else torch.float32
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise TSPConfigError(f"dtype={dtype!r}: pass a torch dtype, its name (\"bfloat16\") or \"auto\"")
+
+
+class TSPForCausalLM(nn.Module):
+    main_input_name = "input_ids"
+    accepts_loss_kwargs = True  # the Trainer passes num_items_in_batch
+
+    def __init__(self, config, tsp_group=None, *, options: TSPOptions = TSPOptions(),
+                 dtype: torch.dtype = torch.float32, device=None, data_group=None):
+        super().__init__()
+        self.config = config
+        self.tsp = ShardedCausalLM(ModelShape.from_hf_config(config), as_comm(tsp_group), options=options,
+                               dtype=dtype, device=device, data_group=data_group)
+
+    # --- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained, tsp_group=None, *, dtype="auto", torch_dtype=None,
+                        options: TSPOptions = TSPOptions(), device=None, data_group=None) -> "TSPForCausalLM":
+        """From a LOCAL HF checkpoint directory (each rank reads only its slices) or an in-memory HF model.
+
+        dtype "auto" keeps the checkpoint's dtype (config.json's), as transformers 5 does; collective-free.
+        """
+        from ds_tsp.checkpoint.hf_load import load_sharded
+
+        if torch_dtype is not None:
+            dtype = torch_dtype
+        if isinstance(pretrained, (str, Path)):
+            config = load_config(pretrained)
+            model = cls(config, tsp_group, options=options, dtype=_resolve_dtype(dtype, config), device=device,
+                        data_group=data_group)
+            load_sharded(model.tsp, pretrained)
+            return model
+        if hasattr(pretrained, "config") and hasattr(pretrained, "state_dict"):  # a transformers PreTrainedModel
+            weights = pretrained.state_dict()
+            if dtype in (None, "auto"):
+                dtype = next(iter(weights.values())).dtype
+            model = cls(pretrained.config, tsp_group, options=options, dtype=_resolve_dtype(dtype, pretrained.config),
+                        device=device, data_group=data_group)
+            model.tsp.load_full_state_dict(weights)
+            return model
+        raise TSPConfigError(f"from_pretrained({type(pretrained).__name__}): pass a local checkpoint directory or a "
+                             "transformers Llama / Mistral / Qwen2 / Qwen3 model")
+
+    @classmethod
+    def from_config(cls, config, tsp_group=None, *, seed: int = 0, **kwargs) -> "TSPForCausalLM":
+        """A fresh model (shards initialised in place by ShardedCausalLM.init_weights_, no full weight ever built)."""
+        model = cls(config, tsp_group, **kwargs)
+        model.tsp.init_weights_(seed)
+        return model
+
+    # --- HF-like surface --------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.tsp.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tsp.dtype
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters of the full model, as transformers counts them (tied weights once)."""
+        return self.tsp.num_parameters(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute every decoder layer in backward (the Trainer calls this for gradient_checkpointing=True)."""
+        self.tsp.options = replace(self.tsp.options, activation_checkpointing=True)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.tsp.options = replace(self.tsp.options, activation_checkpointing=False)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.tsp.options.activation_checkpointing
+
+    # --- forward ----------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None, logits_to_keep: int = 0, *,
+                tsp_shard: tuple[int, int] | None = None, seq_len: int | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None, **kwargs):
+        """transformers' causal-LM call. Returns CausalLMOutputWithPast(loss, logits).
+
+        labels: HF convention (shifted inside); shift_labels: already shifted (DeepSpeed ALST convention).
+        attention_mask: 1 real / 0 padding (left or right); padded tokens are neither keys nor targets.
+        position_ids restarting at 0 mark packed documents (DataCollatorWithFlattening); attention stays inside.
+        logits_to_keep=k: full-vocab logits of the last k positions, gathered from the vocab shards (logits of
+        every position are only built when k = the sequence length). Without labels, logits_to_keep is required.
+        num_items_in_batch (the Trainer's): labelled tokens of the whole accumulated batch over all ranks; the
+        loss is then token sum / num_items_in_batch, its value this data replica's part (summed over the TSP group),
+        as transformers' models do per process.
+        """
+        self._check_kwargs(kwargs)
+        if input_ids is None:
+            raise TSPConfigError("input_ids is required (inputs_embeds is not supported: the embedding is sharded)")
+        batch, seq_len = self._local_batch(input_ids, labels, shift_labels, position_ids, attention_mask,
+                                           tsp_shard, seq_len)
+        has_targets = batch["shift_labels"] is not None
+        if not has_targets and not logits_to_keep:
+            raise TSPConfigError("pass labels / shift_labels for the loss, or logits_to_keep=k for the logits of the "
+                                 "last k positions: the logits of every position are never built unless asked for "
+                                 "(logits_to_keep=seq_len asks for them)")
+        if not isinstance(logits_to_keep, int):
+            raise TSPConfigError(f"logits_to_keep={type(logits_to_keep).__name__}: only an int (the last k "
+                                 "positions) is supported")
+        h, n_valid = self.tsp.final_hidden(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                                           batch["shift_labels"])
+        loss = logits = None
+        if has_targets and num_items_in_batch is not None:
+            if isinstance(num_items_in_batch, torch.Tensor):
+                total = num_items_in_batch.to(device=h.device, dtype=n_valid.dtype).reshape(())
+            else:  # a fill on the device: as_tensor of a python int would be a host-to-device copy
+                total = torch.full((), num_items_in_batch, dtype=n_valid.dtype, device=h.device)
+            share = self.tsp.head_loss(h, batch["shift_labels"], total, batch["attention_mask"])
+            loss = self.tsp.tsp_group_loss(share)
+        elif has_targets:
+            share = self.tsp.head_loss(h, batch["shift_labels"], n_valid, batch["attention_mask"])
+            loss = self.tsp.global_loss(share)
+        if logits_to_keep:
+            logits = self.tsp.last_logits(h, seq_len, logits_to_keep)
+        outputs = import_transformers().modeling_outputs.CausalLMOutputWithPast
+        return outputs(loss=loss, logits=logits)
+
+    def _check_kwargs(self, kwargs: dict) -> None:
+        for key, value in kwargs.items():
+            if key not in _HARMLESS_KWARGS:
+                raise TSPConfigError(f"{key}= is not supported by TSPForCausalLM.forward; accepted: input_ids, "
+                                     "labels, position_ids, attention_mask, shift_labels, logits_to_keep")
+            if not any(value is v or value == v for v in _HARMLESS_KWARGS[key]):
+                raise TSPConfigError(f"{key}={value!r} is not supported (TSP trains and scores: no KV cache, no "
+                                     "per-layer outputs); leave it at its default")
+
+    def _local_batch(self, input_ids, labels, shift_labels, position_ids, attention_mask, tsp_shard, seq_len):
+        """This rank's zigzag shard of the batch, and the global (unpadded) sequence length."""
+        comm = self.tsp.comm
+        if tsp_shard is not None:
+            if tuple(tsp_shard) != (comm.rank, comm.size):
+                raise TSPConfigError(f"tsp_shard={tuple(tsp_shard)}: the batch was sharded for TSP rank "
+                                     f"{tsp_shard[0]} of {tsp_shard[1]} but this model is rank {comm.rank} of "
+                                     f"{comm.size}; build the loader on the same TSP group")
+            if labels is not None:
+                raise TSPConfigError("labels= with an already-sharded batch: TSPDataLoader shifts labels before "
+                                     "cutting the sequence; pass its shift_labels")
+            return {"input_ids": input_ids, "shift_labels": shift_labels, "position_ids": position_ids,
+                    "attention_mask": attention_mask}, seq_len or input_ids.shape[1] * comm.size
+        targets = shift_labels if shift_labels is not None else labels
+        if labels is not None and shift_labels is not None:
+            raise TSPConfigError("pass labels (HF convention, shifted inside) or shift_labels (pre-shifted), not both")
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
+            raise TSPConfigError("input_ids has one dim: pass [batch, seq] (input_ids.unsqueeze(0))")
+        full = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=targets, position_ids=position_ids,
+                           labels_are_shifted=shift_labels is not None, attention_mask=attention_mask,
+                           check_values=False)  # ShardedCausalLM's input check reads the same facts, once
+        return {"input_ids": full["input_ids"], "shift_labels": full["shift_labels"] if targets is not None else None,
+                "position_ids": full["position_ids"], "attention_mask": full.get("attention_mask")}, full["seq_len"]
+
+    # --- saving -----------------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
+                        dtype: torch.dtype | None = None, **kwargs) -> Path | None:
+        """Collective: write the standard HF layout (config.json, safetensors shards + index) that plain
+        transformers loads. Global rank 0 writes; modules are gathered to it one at a time. Returns the
+        directory on the writer, None elsewhere."""
+        from ds_tsp.checkpoint.hf_save import save_streaming
+
+        unsupported = {k: v for k, v in kwargs.items()
+                       if not (k == "safe_serialization" and v) and not (k == "is_main_process")}
+        if unsupported:
+            raise TSPConfigError(f"save_pretrained: {', '.join(unsupported)} not supported (ds_tsp always writes "
+                                 "safetensors; the writer is global rank 0)")
+        dtype = dtype or self.dtype
+        return save_streaming(self.tsp, save_directory, config_json(self.config, dtype),
+                              max_shard_size=max_shard_size, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"model_type={self.config.model_type}, tsp={self.tsp.comm.size}"

@@ -1,0 +1,230 @@
+"""`ds-tsp bench`: the same model, S, batch and degree D under TSP and its peers; JSON, a table and plots.
+
+    ds-tsp bench --quick --out DIR                    all layouts, S in {512, 1024}, 2 steps (~2-3 min, 2 cores)
+    ds-tsp bench --layouts tsp,tsp_speed,ulysses_zero3 --seq 2048 8192 --out DIR
+
+`register(subparsers)` adds the subcommand to ds_tsp.tools.cli's parser; `build_parser()` is a standalone one
+(`python -m ds_tsp.tools.bench ...`). Exit codes: 0 every run ok, 1 a run failed (its object has "ok": false and
+"error"), 2 bad input (one line on stderr naming the flag).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from ds_tsp.tools.bench.config import DEFAULT_DS_BUCKET, DEFAULT_SHAPE, LAYOUTS
+
+__all__ = ["register", "build_parser", "run", "main", "QUICK"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# --quick: the default model with 2 of its 4 layers, two lengths, 2 timed steps. Startup of 7 process groups
+# (torch, transformers, DeepSpeed imports on 4 ranks each) is ~half of its ~2-3 minutes on 2 cores.
+QUICK = {"seqs": (512, 1024), "steps": 2, "warmup": 1, "layers": 2}
+DEFAULT_SEQS = (2048, 8192)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(float(text)) if "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _seq_list(text: str) -> list[int]:
+    return [_positive_int(part) for part in text.split(",") if part.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    names = ", ".join(LAYOUTS)
+    p.add_argument("--layouts", default="all",
+                   help=f"comma-separated layouts to run, or 'all' (default). Known: {names}")
+    p.add_argument("--seq", type=_seq_list, nargs="+", default=None, metavar="S",
+                   help=f"sequence lengths (space or comma separated; default {' '.join(map(str, DEFAULT_SEQS))}, "
+                        f"--quick: {' '.join(map(str, QUICK['seqs']))}); multiples of 2*--tsp")
+    p.add_argument("--tsp", type=_positive_int, nargs="+", default=[4],
+                   help="degree D: ranks of every parallel layout (4); several (e.g. 2 4) measure every layout at "
+                        "each degree in one run")
+    p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size B (1)")
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help=f"decoder layers ({DEFAULT_SHAPE.num_layers}; --quick: {QUICK['layers']})")
+    p.add_argument("--hidden", type=_positive_int, default=DEFAULT_SHAPE.hidden_size)
+    p.add_argument("--heads", type=_positive_int, default=DEFAULT_SHAPE.num_heads)
+    p.add_argument("--kv-heads", type=_positive_int, default=None, help="kv heads (default: --heads, MHA)")
+    p.add_argument("--ffn", type=_positive_int, default=DEFAULT_SHAPE.intermediate_size, help="MLP width")
+    p.add_argument("--vocab", type=_positive_int, default=DEFAULT_SHAPE.vocab_size)
+    p.add_argument("--steps", type=_positive_int, default=None, help="timed steps per run (3; --quick: 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (1)")
+    p.add_argument("--activation-checkpointing", nargs="?", const="peers", default="none",
+                   choices=("none", "peers", "all"),
+                   help="bare flag or 'peers': HF gradient checkpointing for every peer (TSP's schedule already "
+                        "saves O(S/D) per layer); 'all': TSP too (TSPOptions(activation_checkpointing=True))")
+    p.add_argument("--quick", action="store_true",
+                   help="small run for ~2-3 minutes on 2 CPU cores: S 512 and 1024, 2 layers, 2 timed steps "
+                        "(explicit flags still win)")
+    p.add_argument("--max-seq", action="store_true",
+                   help="instead of fixed --seq: per layout, with and without activation checkpointing, the "
+                        "longest S whose measured per-rank peak fits --budget-mib (doubling, then bisection to 5%%; "
+                        "1 tracked step per probe, --warmup default 0)")
+    p.add_argument("--budget-mib", type=float, default=None, help="per-rank memory budget for --max-seq (MiB)")
+    p.add_argument("--out", default="ds_tsp_bench", help="output folder (default ./ds_tsp_bench)")
+    p.add_argument("--ds-bucket", type=_positive_int, default=DEFAULT_DS_BUCKET,
+                   help=f"DeepSpeed bucket sizes in elements ({DEFAULT_DS_BUCKET:.0e}; DeepSpeed's own 5e8 default "
+                        "alone shows ~1.9 GB per rank)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per layout's process group (3600)")
+    p.add_argument("--profile", action="store_true",
+                   help="one extra profiled step per layout and S after the timed ones; per-phase seconds "
+                        "(GEMM, attention, comm wait, copies, elementwise, other) under 'profile' in results.json, "
+                        "split by layer type (attention, mlp, vocab, optimizer, rest) for TSP")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench", help="compare TSP with TP+SP (DTensor), DeepSpeed Ulysses (ZeRO-3/1) and AutoTP",
+        description="Run one model at each sequence length under every layout, each in its own group of --tsp "
+                    "local gloo processes; measure per-rank peak memory (MemTracker breakdown), bytes "
+                    "communicated, step time and tokens/s; write OUT/results.json, OUT/results.md and PNG plots.")
+    add_arguments(p)
+    p.set_defaults(run=run)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds-tsp bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _error(message: str) -> int:
+    print(f"ds-tsp bench: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def configs_from_args(args: argparse.Namespace):
+    """Validated BenchConfig per layout; raises ValueError naming the flag."""
+    from ds_tsp.core.errors import TSPConfigError
+    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.tools.bench.config import BenchConfig
+
+    if isinstance(args.tsp, (list, tuple)):
+        configs = [cfg for degree in dict.fromkeys(args.tsp)
+                   for cfg in configs_from_args(argparse.Namespace(**{**vars(args), "tsp": degree}))]
+        single = [c for c in configs if c.spec.single_rank]
+        # a single-rank layout does not depend on D: measured once, with the first degree
+        return [c for c in configs if not c.spec.single_rank or c is single[0]]
+    if args.layouts.strip() == "all":
+        layouts = list(LAYOUTS)
+    else:
+        layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+        unknown = [name for name in layouts if name not in LAYOUTS]
+        if unknown or not layouts:
+            raise ValueError(f"--layouts: unknown {unknown or '(empty)'}; choose from {', '.join(LAYOUTS)} or all")
+    seqs = tuple(sorted({s for group in args.seq for s in group})) if args.seq else \
+        (QUICK["seqs"] if args.quick else DEFAULT_SEQS)
+    bad = [s for s in seqs if s % (2 * args.tsp)]
+    if bad:
+        raise ValueError(f"--seq {bad}: every layout gets the same tokens, so S must be a multiple of 2*--tsp="
+                         f"{2 * args.tsp} (TSP's zigzag chunks; Ulysses / sequence parallel split S by D)")
+    steps = args.steps if args.steps is not None else (QUICK["steps"] if args.quick else 3)
+    warmup = args.warmup if args.warmup is not None else QUICK["warmup"]
+    if warmup < 0:
+        raise ValueError(f"--warmup {warmup}: must be >= 0")
+    layers = args.layers if args.layers is not None else (QUICK["layers"] if args.quick else DEFAULT_SHAPE.num_layers)
+    try:
+        shape = ModelShape(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                           num_layers=layers, num_heads=args.heads,
+                           num_kv_heads=args.heads if args.kv_heads is None else args.kv_heads)
+        if any(LAYOUTS[name].module == "tsp" for name in layouts):
+            shape.check_tsp_degree(args.tsp)
+    except TSPConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
+                        warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
+                        ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False)) for name in layouts]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds_tsp.tools.bench.progress import ProgressPrinter
+    from ds_tsp.tools.bench.report import markdown_table, write_report
+    from ds_tsp.tools.bench.runner import run_layouts
+
+    if getattr(args, "max_seq", False):
+        return run_max_seq_cli(args)
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        return _error(str(exc))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    total = len(configs) * len(configs[0].seqs)
+    printer = None if args.quiet else ProgressPrinter(total)
+    start = time.monotonic()
+    results = run_layouts(configs, timeout_s=args.timeout, on_event=printer)
+    first = configs[0]
+    meta = {"tsp": ", ".join(str(d) for d in dict.fromkeys(c.tsp for c in configs)), "batch": first.batch,
+            "shape": first.shape.to_dict(), "steps": first.steps,
+            "warmup": first.warmup, "activation_checkpointing": first.activation_checkpointing}
+    paths = write_report(results, args.out, meta)
+    print(markdown_table(results), flush=True)
+    if getattr(args, "profile", False):
+        from ds_tsp.tools.bench.profile import append_profile, profile_table
+        append_profile(paths["md"], results)
+        print(profile_table(results), flush=True)
+    print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
+          + f" in {time.monotonic() - start:.0f} s", flush=True)
+    return EXIT_OK if all(r.get("ok") for r in results) else EXIT_FAILED
+
+
+def run_max_seq_cli(args: argparse.Namespace) -> int:
+    """--max-seq: search per layout and checkpointing variant (ds_tsp.tools.bench.max_seq), then write the report."""
+    from ds_tsp.tools.bench.max_seq import VARIANTS, run_max_seq
+    from ds_tsp.tools.bench.max_seq_report import write_max_seq_report
+
+    if args.budget_mib is None or args.budget_mib <= 0:
+        return _error("--max-seq needs --budget-mib N (N > 0): the per-rank memory budget in MiB")
+    if args.seq:
+        return _error("--seq: not used with --max-seq (it searches the lengths itself)")
+    if args.activation_checkpointing != "none":
+        return _error("--activation-checkpointing: --max-seq always runs without and with it")
+    if args.warmup is None:
+        args.warmup = 0  # the first probe always gets one warm-up step (optimizer state); later ones need none
+    # placeholder S that passes every degree's S check: each search picks its own lengths
+    args.seq = [[2 * math.lcm(*args.tsp)]]
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        return _error(str(exc))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    budget = int(args.budget_mib * 2 ** 20)
+    start = time.monotonic()
+
+    def say(text):
+        print(f"[{time.monotonic() - start:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    rows = run_max_seq(configs, budget, timeout_s=args.timeout, say=None if args.quiet else say)
+    first = configs[0]
+    meta = {"tsp": list(dict.fromkeys(args.tsp)), "batch": first.batch, "shape": first.shape.to_dict(), "steps": 1,
+            "warmup": first.warmup, "activation_checkpointing": "none and all (--max-seq)",
+            "budget_bytes": budget, "variants": list(VARIANTS)}
+    paths = write_max_seq_report(rows, args.out, meta, budget)
+    print(paths["table"], flush=True)
+    print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
+          + f" in {time.monotonic() - start:.0f} s", flush=True)
+    return EXIT_OK if all(r.get("ok") for r in rows) else EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The benchmark's inputs: which layouts exist, and one run's settings (plain, picklable, torch-free)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_tsp.core.shape import ModelShape
+
+# The model the issue's reference numbers were measured on: Llama, hidden 256, 4 layers, 8 heads MHA, MLP 704.
+DEFAULT_SHAPE = ModelShape(vocab_size=2048, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+                           num_kv_heads=8)
+# DeepSpeed's 5e8-element default buckets alone show ~1.9 GB in MemTracker on this model: use 5e6 elements.
+DEFAULT_DS_BUCKET = 5_000_000
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    name: str
+    module: str  # ds_tsp.tools.bench.<module> exposes build(cfg, options) -> Session
+    title: str  # what the table and plots call it
+    options: tuple[tuple[str, object], ...] = ()
+    single_rank: bool = False  # runs on one process instead of D
+    requires: tuple[str, ...] = ()  # importable packages the layout needs
+
+    @property
+    def option_dict(self) -> dict:
+        return dict(self.options)
+
+
+LAYOUTS: dict[str, LayoutSpec] = {spec.name: spec for spec in (
+    LayoutSpec("single", "single", "single device (HF Llama)", single_rank=True, requires=("transformers",)),
+    LayoutSpec("tsp", "tsp", "TSP memory-optimal", options=(("mode", "memory"),)),
+    LayoutSpec("tsp_speed", "tsp", "TSP speed mode", options=(("mode", "speed"),)),
+    LayoutSpec("dtensor_tp_sp", "dtensor_tp_sp", "TP+SP (DTensor)", requires=("transformers",)),
+    LayoutSpec("ulysses_zero3", "ulysses", "Ulysses + ZeRO-3", options=(("zero_stage", 3),),
+               requires=("deepspeed", "transformers")),
+    LayoutSpec("ulysses_zero1", "ulysses", "Ulysses + ZeRO-1", options=(("zero_stage", 1),),
+               requires=("deepspeed", "transformers")),
+    LayoutSpec("autotp_zero1", "autotp", "AutoTP + ZeRO-1", options=(("zero_stage", 1),),
+               requires=("deepspeed", "transformers")),
+)}
+
+INSTALL_HINT = {
+    "deepspeed": "pip install 'ds_tsp[deepspeed]' (deepspeed>=0.16)",
+    "transformers": "pip install 'ds_tsp[hf]' (transformers>=4.45)",
+    "matplotlib": "pip install 'ds_tsp[bench]' (matplotlib>=3.7)",
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one layout's ranks need (sent to spawned processes, so keep it plain)."""
+
+    layout: str
+    seqs: tuple[int, ...]
+    tsp: int = 4
+    batch: int = 1
+    shape: ModelShape = DEFAULT_SHAPE
+    steps: int = 3
+    warmup: int = 1
+    activation_checkpointing: str = "none"  # "none" | "peers" (HF gradient checkpointing) | "all" (TSP too)
+    seed: int = 0
+    lr: float = 1e-4
+    ds_bucket_elements: int = DEFAULT_DS_BUCKET
+    profile: bool = False  # --profile: one extra profiled step per S (ds_tsp.tools.bench.profile), every layout
+
+    def checkpointing(self) -> bool:
+        """Whether this run uses activation checkpointing (peers with "peers"/"all", TSP only with "all")."""
+        if self.spec.module == "tsp":
+            return self.activation_checkpointing == "all"
+        return self.activation_checkpointing in ("peers", "all")
+
+    @property
+    def spec(self) -> LayoutSpec:
+        return LAYOUTS[self.layout]
+
+    @property
+    def world(self) -> int:
+        return 1 if self.spec.single_rank else self.tsp

@@ -1,0 +1,186 @@
+"""`ds-tsp` command line: one subcommand per task, each a thin layer over a library function.
+
+    ds-tsp verify [--tsp D] [shape flags]   TSP model vs the single-device reference (ds_tsp.tools.verify.run_case)
+    ds-tsp plan   [--model 7b] [--seq ...]  analytic per-rank memory and communication per layout (ds_tsp.tools.plan)
+    ds-tsp bench  [--quick] [--out DIR]     TSP side by side with its peers, measured (ds_tsp.tools.bench)
+
+Exit codes: 0 success, 1 the check failed (or a rank crashed), 2 bad input (one line on stderr naming the field).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.shape import ModelShape
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_DTYPE_CHOICES = ("float32", "float64", "bfloat16")  # keys of ds_tsp.tools.verify.DTYPES (kept torch-free for --help)
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _error(command: str, message: str) -> int:
+    print(f"ds-tsp {command}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+# --- verify -------------------------------------------------------------------------------------------------------
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify", help="check the TSP model against the single-device reference (loss and every gradient)",
+        description="Run the TSP model on --tsp local gloo processes (or on the whole world under torchrun / "
+                    "deepspeed) and compare its loss and gradients with the single-device reference built from the "
+                    "same weights and batch. Prints one JSON line; exits 0 only when both errors are within the "
+                    "dtype's tolerance (float64 1e-10, float32 1e-5, bfloat16 5e-2).")
+    p.add_argument("--tsp", type=_int_at_least(1), default=2, help="TSP degree D (default 2)")
+    p.add_argument("--layers", type=_int_at_least(1), default=2, help="decoder layers (default 2)")
+    p.add_argument("--hidden", type=_int_at_least(1), default=64, help="hidden size (default 64)")
+    p.add_argument("--heads", type=_int_at_least(1), default=4, help="query heads (default 4)")
+    p.add_argument("--kv-heads", type=_int_at_least(1), default=None, help="kv heads (default: --heads, i.e. MHA)")
+    p.add_argument("--head-dim", type=_int_at_least(2), default=None, help="head dim (default hidden/heads)")
+    p.add_argument("--ffn", type=_int_at_least(1), default=128, help="MLP intermediate size (default 128)")
+    p.add_argument("--vocab", type=_int_at_least(1), default=128, help="vocab size (default 128)")
+    p.add_argument("--seq", type=_int_at_least(2), default=64, help="global sequence length (default 64)")
+    p.add_argument("--batch", type=_int_at_least(1), default=2, help="micro-batch size (default 2)")
+    p.add_argument("--dtype", choices=_DTYPE_CHOICES, default="float32", help="default float32")
+    p.add_argument("--seed", type=int, default=0, help="weights and batch seed (default 0)")
+    p.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding")
+    p.add_argument("--qkv-bias", action="store_true", help="Qwen2-style bias on q/k/v")
+    p.add_argument("--hf-model", metavar="DIR", default=None,
+                   help="a local HF checkpoint: the reference is transformers' own model loaded from DIR, TSP loads "
+                        "DIR by slices; the shape flags are then taken from the checkpoint")
+    p.add_argument("--documents", type=_int_at_least(1), default=1,
+                   help="pack K documents of random lengths into every sequence (position_ids restarting); the "
+                        "reference runs every document on its own (default 1)")
+    p.add_argument("--timeout", type=_positive_float, default=600.0,
+                   help="seconds before the ranks are stopped (default 600)")
+    p.set_defaults(run=_verify)
+
+
+def _shape_from_args(args: argparse.Namespace) -> ModelShape:
+    return ModelShape(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                      num_layers=args.layers, num_heads=args.heads,
+                      num_kv_heads=args.heads if args.kv_heads is None else args.kv_heads,
+                      head_dim=args.head_dim, tie_word_embeddings=args.tie_embeddings, qkv_bias=args.qkv_bias)
+
+
+def _verify_under_launcher(case, tsp: int, timeout_s: float) -> tuple[dict | None, bool]:
+    """torchrun / deepspeed started us: the whole world is the TSP group. Returns (report on rank 0, ok)."""
+    import torch.distributed as dist
+
+    from ds_tsp.core.launch import init_from_env
+    from ds_tsp.tools.verify import run_case_on_world
+
+    rank, world = init_from_env(timeout_s=timeout_s)
+    try:
+        report = run_case_on_world(case)
+        verdict = [None if report is None else bool(report["ok"])]
+        if world > 1:
+            dist.broadcast_object_list(verdict, src=0)  # every rank exits with rank 0's verdict
+    finally:
+        dist.destroy_process_group()
+    return report, bool(verdict[0])
+
+
+def _shape_from_checkpoint(directory: str) -> ModelShape:
+    from pathlib import Path
+
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        raise TSPConfigError(f"--hf-model {directory}: no config.json there; pass a local HF checkpoint directory")
+    return ModelShape.from_hf_config(json.loads(config.read_text()))
+
+
+def _verify(args: argparse.Namespace) -> int:
+    try:
+        shape = _shape_from_checkpoint(args.hf_model) if args.hf_model else _shape_from_args(args)
+        shape.check_tsp_degree(args.tsp)
+        if args.documents > args.seq:
+            raise TSPConfigError(f"--documents {args.documents} is more than --seq {args.seq}: every document needs "
+                                 "at least one token")
+    except TSPConfigError as exc:
+        return _error("verify", str(exc))
+
+    from ds_tsp.core.launch import run_on_local_ranks
+    from ds_tsp.tools.verify import VerifyCase, run_case_on_world
+
+    case = VerifyCase(shape=shape, seq=args.seq, batch=args.batch, dtype=args.dtype, seed=args.seed,
+                      documents=args.documents, hf_model=args.hf_model)
+    if "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != args.tsp:
+            if int(os.environ.get("RANK", "0")) != 0:
+                return EXIT_USAGE
+            return _error("verify", f"--tsp={args.tsp} but the launcher started WORLD_SIZE={world} ranks: under "
+                                    f"torchrun/deepspeed the whole world is one TSP group; pass --tsp {world} or "
+                                    f"launch {args.tsp} ranks")
+        report, ok = _verify_under_launcher(case, args.tsp, args.timeout)
+    else:
+        try:
+            report = run_on_local_ranks(run_case_on_world, args.tsp, case, timeout_s=args.timeout)[0]
+        except RuntimeError as exc:
+            print(f"ds-tsp verify: failed: {exc}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        ok = bool(report["ok"])
+    if report is not None:
+        print(json.dumps(report), flush=True)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+# --- entry point ------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ds-tsp", description="TSP: tensor and sequence parallelism folded onto one mesh axis.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_verify(sub)
+    from ds_tsp.tools.plan import cli as plan_cli  # torch-free, so `ds-tsp plan` and --help stay fast
+
+    plan_cli.register(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    try:
+        from ds_tsp.tools.bench import cli as bench_cli
+    except ImportError:  # the bench package is optional at import time (matplotlib); say so when used
+        return
+    bench_cli.register(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""The layout registry: name -> planner, the default set `ds-tsp plan` prints, and planning several at once."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ds_tsp.tools.plan.fsdp_cp import plan_fsdp_cp
+from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
+from ds_tsp.tools.plan.result import LayoutPlan
+from ds_tsp.tools.plan.tp import plan_autotp, plan_tp
+from ds_tsp.tools.plan.tp_sp import plan_tp_sp
+from ds_tsp.tools.plan.tsp import plan_tsp
+from ds_tsp.tools.plan.ulysses import plan_ulysses, plan_ulysses_replicated
+
+LAYOUTS: dict[str, Callable[[PlanInput], LayoutPlan]] = {
+    "tsp": plan_tsp, "tp": plan_tp, "tp_sp": plan_tp_sp, "ulysses": plan_ulysses, "fsdp_cp": plan_fsdp_cp,
+    "ulysses_replicated": plan_ulysses_replicated, "autotp": plan_autotp,
+}
+DEFAULT_LAYOUTS = ("tsp", "tp", "tp_sp", "ulysses", "fsdp_cp")
+
+
+def plan_layouts(inp: PlanInput, layouts: tuple[str, ...] | list[str] = DEFAULT_LAYOUTS) -> list[LayoutPlan]:
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        raise PlanInputError("layout", f"layout {unknown}: choose among {sorted(LAYOUTS)}")
+    return [LAYOUTS[name](inp) for name in layouts]

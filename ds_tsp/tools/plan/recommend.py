@@ -1,0 +1,117 @@
+"""Pick the layout for N devices of G GiB: the one that fits with the least communication per step.
+
+Candidates: every layout of RECOMMEND_LAYOUTS, every degree D > 1 dividing N that the model's shape allows (the
+rest of the devices data-parallel, dp = N/D; D = 1 would be plain data parallelism, the same for every layout,
+so it is a candidate only when N = 1), with and without activation checkpointing. A candidate fits when its
+planned peak per rank is at most G GiB (the plan has no CUDA context / allocator slack: leave some).
+
+Equal work: every candidate trains the same global batch per step, `N / D_min` micro-batches of `batch`
+sequences (D_min the smallest degree considered); a candidate with fewer data-parallel replicas runs the
+difference as gradient-accumulation micro-steps, so its per-micro-batch traffic counts that many times and its
+gradient sync once. Ties on comm go to the lower peak.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
+from ds_tsp.tools.plan.layouts import LAYOUTS
+
+RECOMMEND_LAYOUTS = ("tsp", "ulysses", "tp_sp", "fsdp_cp")
+_GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: str
+    degree: int
+    dp: int
+    activation_checkpointing: bool
+    peak_bytes_per_rank: int
+    comm_bytes_per_step: int  # equal work, see the module docstring
+    micro_steps: int
+    fits: bool
+    verdict: str = ""  # "recommended", or why not
+
+    @property
+    def label(self) -> str:
+        return (f"{self.layout} D={self.degree} dp={self.dp}"
+                f"{' +activation checkpointing' if self.activation_checkpointing else ''}")
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    gpu_mem_bytes: int
+    devices: int
+    best: Candidate | None
+    rejected: tuple[Candidate, ...]
+    why: str
+
+    def to_dict(self) -> dict:
+        return {"gpu_mem_bytes": self.gpu_mem_bytes, "devices": self.devices,
+                "recommended": None if self.best is None else asdict(self.best), "why": self.why,
+                "rejected": [asdict(c) for c in self.rejected]}
+
+
+def _sync_bytes(plan) -> int:
+    return sum(t.bytes for t in plan.step_terms if t.name.startswith("grad sync"))
+
+
+def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS) -> list[Candidate]:
+    degrees = [d for d in range(2 if devices > 1 else 1, devices + 1) if devices % d == 0]
+    planned = []
+    for name in layouts:
+        for degree in degrees:
+            for ac in (False, True):
+                trial = replace(inp, degree=degree, dp=devices // degree, pp=1, activation_checkpointing=ac)
+                try:
+                    planned.append((trial, LAYOUTS[name](trial)))
+                except PlanInputError:
+                    continue  # the shape does not split over this degree for this layout
+    if not planned:
+        return []
+    max_dp = max(trial.dp for trial, _ in planned)
+    out = []
+    for trial, plan in planned:
+        micro = max_dp // trial.dp
+        sync = _sync_bytes(plan)
+        comm = (plan.comm_bytes_per_step - sync) * micro + sync
+        out.append(Candidate(plan.layout, trial.degree, trial.dp, trial.activation_checkpointing,
+                             plan.peak_bytes_per_rank, comm, micro, False))
+    return out
+
+
+def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int,
+              layouts=RECOMMEND_LAYOUTS) -> Recommendation:
+    if not devices >= 1:
+        raise PlanInputError("devices", f"devices={devices!r}: must be an integer >= 1")
+    if not gpu_mem_gib > 0:
+        raise PlanInputError("gpu_mem_gib", f"gpu_mem_gib={gpu_mem_gib!r}: must be > 0")
+    limit = int(gpu_mem_gib * _GIB)
+    cands = [replace(c, fits=c.peak_bytes_per_rank <= limit) for c in candidates(inp, devices, layouts)]
+    if not cands:
+        raise PlanInputError("devices", f"no layout of {list(layouts)} splits this model over any degree dividing "
+                                        f"{devices} devices")
+    fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.comm_bytes_per_step, c.peak_bytes_per_rank))
+    if not fitting:
+        smallest = min(cands, key=lambda c: c.peak_bytes_per_rank)
+        rejected = tuple(replace(c, verdict=f"didn't fit: needs {c.peak_bytes_per_rank / _GIB:.2f} GiB")
+                         for c in sorted(cands, key=lambda c: c.peak_bytes_per_rank))
+        why = (f"nothing fits in {gpu_mem_gib:g} GiB; the smallest peak is {smallest.label} at "
+               f"{smallest.peak_bytes_per_rank / _GIB:.2f} GiB: add devices, shorten --seq or lower --batch")
+        return Recommendation(limit, devices, None, rejected, why)
+    best = replace(fitting[0], verdict="recommended")
+    rest = [c for c in cands if c is not fitting[0] and c != fitting[0]]
+    rejected = []
+    for c in sorted(rest, key=lambda c: (not c.fits, c.comm_bytes_per_step if c.fits else c.peak_bytes_per_rank)):
+        if c.fits:
+            rejected.append(replace(c, verdict=f"fits but more comm: {c.comm_bytes_per_step / _GIB:.2f} GiB/step"))
+        else:
+            rejected.append(replace(c, verdict=f"didn't fit: needs {c.peak_bytes_per_rank / _GIB:.2f} GiB"))
+    n_fit = len(fitting)
+    runner = f"; next: {fitting[1].label} at {fitting[1].comm_bytes_per_step / _GIB:.2f} GiB/step" \
+        if n_fit > 1 else ""
+    why = (f"fits {gpu_mem_gib:g} GiB with {best.peak_bytes_per_rank / _GIB:.2f} GiB per rank and moves the least "
+           f"of the {n_fit} candidates that fit: {best.comm_bytes_per_step / _GIB:.2f} GiB per rank per step "
+           f"({max(c.micro_steps * c.dp for c in cands)} micro-batches of the global batch){runner}")
+    return Recommendation(limit, devices, best, tuple(rejected), why)

@@ -1,0 +1,91 @@
+"""Model shape terms: element counts of one model, head-sharding checks, and the pipeline stages of a layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, multiple: int) -> int:
+    return ceil_div(a, multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Element counts of one model (full, unsharded)."""
+
+    h: int
+    F: int
+    V: int
+    layers: int
+    nq: int
+    nkv: int
+    d: int
+    bias: bool
+    tied: bool
+
+    @classmethod
+    def of(cls, m: ModelShape) -> "Dims":
+        return cls(m.hidden_size, m.intermediate_size, m.vocab_size, m.num_layers, m.num_heads, m.num_kv_heads,
+                   m.dim_per_head, m.qkv_bias, m.tie_word_embeddings)
+
+    def attn(self, nq: int, nkv: int) -> int:
+        """Attention weights for nq query heads and nkv kv heads (the packed TSP layout: q, k, v, o + biases)."""
+        q, kv = nq * self.d, nkv * self.d
+        return 2 * q * self.h + 2 * kv * self.h + ((q + 2 * kv) if self.bias else 0)
+
+    @property
+    def layer(self) -> int:
+        """One decoder layer: attention, the gated MLP (3hF) and its two norms."""
+        return self.attn(self.nq, self.nkv) + 3 * self.h * self.F + 2 * self.h
+
+    @property
+    def model(self) -> int:
+        """Every parameter: layers, embedding, final norm and (untied) LM head."""
+        return self.layers * self.layer + self.V * self.h + self.h + (0 if self.tied else self.V * self.h)
+
+    def kv_heads_per_rank(self, n: int) -> int:
+        """kv heads held per rank when heads are split n ways (one replicated head when nkv < n)."""
+        return max(self.nkv // n, 1)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    embed: bool
+    head: bool
+    layers: int
+    in_flight: int  # micro-batches whose activations are alive (1F1B: pp on the first stage)
+
+
+def stages(inp: PlanInput) -> list[Stage]:
+    """Pipeline stages worth evaluating: the only one (pp=1), else the first (embedding, pp micro-batches in
+    flight under 1F1B) and the last (final norm + LM head); middle stages are never above both."""
+    per = ceil_div(inp.model.num_layers, inp.pp)
+    if inp.pp == 1:
+        return [Stage("only", True, True, per, 1)]
+    return [Stage("first", True, False, per, inp.pp),
+            Stage("last", False, True, inp.model.num_layers - per * (inp.pp - 1), 1)]
+
+
+def check_heads(inp: PlanInput, layout: str) -> Dims:
+    """Head-sharded layouts need num_heads % D == 0 and kv heads split (or replicated) evenly."""
+    dims = Dims.of(inp.model)
+    n = inp.degree
+    if dims.nq % n:
+        raise PlanInputError("degree", f"{layout}: num_heads={dims.nq} is not divisible by degree={n}; pick a "
+                                       f"degree among {[k for k in range(1, dims.nq + 1) if dims.nq % k == 0]}")
+    if dims.nkv % n and n % dims.nkv:
+        raise PlanInputError("degree", f"{layout}: num_kv_heads={dims.nkv} and degree={n} do not divide each other "
+                                       "(kv heads are split, or replicated when fewer than ranks)")
+    return dims
+
+
+def check_ffn(dims: Dims, degree: int, layout: str) -> None:
+    if dims.F % degree:
+        raise PlanInputError("degree", f"{layout}: intermediate_size={dims.F} is not divisible by degree={degree}")

@@ -1,0 +1,142 @@
+"""TSP (ds_tsp): 1/D of every weight and 1/D of the tokens (zigzag) per rank, one axis.
+
+Params per rank: per layer the packed attention shard (nq/D q heads, max(nkv/D, 1) kv heads) + F/D MLP columns
++ 2 replicated norms; ceil(V/D) rows of the embedding and of the LM head; the final norm. Grads appear during
+backward (torch AdamW, zero_grad(set_to_none=True)); the LM head's is the first to exist.
+
+Saved activations (tsp_layer_saved; exact against saved-tensor hooks in tests/test_plan.py) plus cos/sin, the
+final norm, the LM head input and its LSE, ids and labels.
+
+Transients, counted from ds_tsp.core.functions (temporaries alive together at the worst point of each phase; checked
+against MemTracker per module, tests/fixtures/plan_bench.json):
+- attention forward: the prefetched shard, one block's gathered K/V in rank order and in global order, the
+  local k/v stack, q and the kernel's outputs, and y.
+- attention backward: the re-broadcast shard (+ prefetch), the grad contributions in flight to their owners,
+  gathered K/V and dK/dV (each also in rank order), the recomputed local k/v and their grads, q / dout / dq,
+  dx and the incoming dy.
+- MLP: the shards of the weight ring in flight; gate, up, silu(gate), their product ([L, F/D] each), y.
+  Backward adds the grad shards travelling with the ring, the packed grad being formed and the SwiGLU
+  derivative's temporaries (9 [L, F/D] tensors at once).
+- LM head + loss: per vocab shard one tile of logits [chunk, V/D] (compute dtype; softmax and its grad are
+  formed in place; + its dtype copy under bf16), at most `lm_head_chunk_tokens` local tokens at a time; the
+  ring's shard and grad buffers (+ the grad being accumulated tile by tile); dx [L, h].
+"""
+from __future__ import annotations
+
+from ds_tsp.tools.plan.activation_terms import compute_bytes, norm_saved
+from ds_tsp.tools.plan.assemble import layout_plan
+from ds_tsp.tools.plan.comm_terms import dp_sync, pipeline_hops
+from ds_tsp.tools.plan.inputs import PlanInput
+from ds_tsp.tools.plan.memory import Phase, StageMemory, state, zero_divs
+from ds_tsp.tools.plan.result import LayoutPlan
+from ds_tsp.tools.plan.shape_terms import Stage
+from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
+
+
+def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
+    """Saved for backward by one TSP decoder layer (ds_tsp.core.functions): per norm its input (compute dtype), rsqrt and
+    normalised input; attention: its input x, per head block the output [B, L, nq/D, d] and two LSEs (fp32);
+    MLP: its input x only (q/k/v and the gate/up activations are recomputed in backward)."""
+    dims, b, T = g.dims, inp.dtype_bytes, inp.batch * g.L
+    saved = 2 * norm_saved(T, dims, b) + 2 * T * dims.h * b + T * dims.nq * dims.d * b + T * dims.nq * 4
+    groups = g.D // g.kv_replicas  # blocks sharing a kv head (n_kv < D) save its K/V once
+    if inp.keep_gathered_kv:
+        saved += groups * 2 * inp.batch * g.S_pad * g.nkv_b * dims.d * b
+    if not inp.recompute_projections:
+        saved += T * dims.nq * dims.d * b + 2 * T * dims.F * b  # q of every block; MLP gate and up
+        if not inp.keep_gathered_kv:
+            saved += groups * 2 * T * g.nkv_b * dims.d * b  # local k/v of every kv group
+    return saved
+
+
+def ring_buffers(D: int) -> int:
+    """Shard-sized buffers a ring step holds besides the owned shard: the received shard, the next one in
+    flight (until the last hop), the grad arriving and the one being formed."""
+    return 2 + min(D - 1, 2) if D > 1 else 1
+
+
+def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
+    """Phase -> temporaries (bytes), as listed in the module docstring."""
+    dims, D, b, B = g.dims, g.D, inp.dtype_bytes, inp.batch
+    cb = compute_bytes(b)
+    T = B * g.L
+    f = dims.F // D
+    x = T * dims.h * b  # one [B, L, h] activation (y, dx or dy)
+    kvb = 2 * B * g.S_pad * g.nkv_b * dims.d * b  # one head block's gathered K/V
+    kv_local = 2 * T * g.nkv_b * dims.d * b
+    qb = T * g.nq_b * dims.d * b
+    shard_in = g.A * b if D > 1 else 0  # a foreign shard received (own shards are params)
+    reducer = min(D - 1, 3) * g.A * b  # ShardGradReducer: grad contributions in flight to their owners
+    regathered = 0 if inp.keep_gathered_kv else 2 * kvb
+    Tc = min(T, inp.lm_head_chunk_tokens)
+    logits = Tc * g.Vd * cb + (Tc * g.Vd * b if b < cb else 0)
+    return {
+        "attention_fwd": 2 * shard_in + 2 * kvb + kv_local + 3 * qb + x,
+        "attention_bwd": (2 * shard_in + g.A * b + reducer + regathered + 2 * kvb + 2 * kv_local + 4 * qb
+                          + 2 * x),
+        "mlp_fwd": min(D - 1, 2) * g.M * b + 4 * T * f * b + x,
+        "mlp_bwd": (ring_buffers(D) + 1) * g.M * b + 9 * T * f * b + 2 * x,
+        "lm_head_fwd": logits + (g.Vd * dims.h * b if D > 1 else 0),
+        "lm_head_bwd": logits + (ring_buffers(D) + 1) * g.Vd * dims.h * b + x,
+    }
+
+
+def plan_tsp(inp: PlanInput) -> LayoutPlan:
+    """TSP's LayoutPlan (module docstring); comm terms in ds_tsp.tools.plan.tsp_comm."""
+    g = TSPGeometry.of(inp)
+    dims, D, b, B = g.dims, g.D, inp.dtype_bytes, inp.batch
+    cb = compute_bytes(b)
+    T = B * g.L
+    fwd, bwd = tsp_layer_terms(inp)
+    layer_params = g.A + g.M + 2 * dims.h
+    transients = tsp_transients(inp, g)
+    per_layer = tsp_layer_saved(inp, g)
+    ac = inp.activation_checkpointing
+
+    def stage_fn(stage: Stage) -> StageMemory:
+        params = stage.layers * layer_params
+        other = 2 * T * dims.d * b  # cos, sin (shared by every layer)
+        head_act = head_params = 0
+        if stage.embed:
+            params += g.Vd * dims.h
+            other += T * 8  # input ids
+        if stage.head:
+            head_params = dims.h + (0 if (dims.tied and stage.embed) else g.Vd * dims.h)
+            params += head_params
+            # final norm; LM head: input, lse, labels and the loss denominator (a scalar in dtype)
+            head_act = norm_saved(T, dims, b) + T * dims.h * b + T * cb + T * 8 + b
+        kept = stage.layers * (T * dims.h * b if ac else per_layer)
+        acts = (kept + other + head_act) * stage.in_flight
+        below_head = acts - head_act
+        head_grads, mlp_grads = head_params * b, (g.M + dims.h) * b
+        recomputing = per_layer if ac else 0
+        # the top layer's backward runs MLP first (attention's input grads wait for it): its grads come next
+        phases = {
+            # the layer's first norm and attention input are saved by the time attention peaks
+            "attention_fwd": Phase(transients["attention_fwd"], below_head - (0 if ac else per_layer)
+                                   + norm_saved(T, dims, b) + T * dims.h * b, 0),
+            "mlp_fwd": Phase(transients["mlp_fwd"], below_head, 0),
+            "mlp_bwd": Phase(transients["mlp_bwd"], below_head + recomputing, head_grads),
+            "attention_bwd": Phase(transients["attention_bwd"], below_head + recomputing - T * dims.h * b,
+                                   head_grads + mlp_grads),
+            "end_of_backward": Phase(0, 0, params * b),
+        }
+        if stage.head:
+            phases["lm_head_fwd"] = Phase(transients["lm_head_fwd"], below_head, 0)
+            phases["lm_head_bwd"] = Phase(transients["lm_head_bwd"], acts, 0)
+        s = state(inp, params, **zero_divs(inp))
+        return StageMemory(params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=acts,
+                           phases=phases,
+                           step_terms=(tsp_extra_terms(inp, stage) + dp_sync(inp, params, inp.dp)
+                                       + pipeline_hops(inp, stage, T)))
+
+    notes = [f"zigzag: seq padded to {g.S_pad} (multiple of 2D)"]
+    if g.kv_replicas > 1:
+        notes.append(f"num_kv_heads={dims.nkv} < D={D}: the {g.kv_replicas} blocks sharing a kv head gather its K/V "
+                     "once (K/V traffic the design's rho*2KV)")
+    if inp.keep_gathered_kv:
+        notes.append("keep_gathered_kv: every block's gathered K/V saved (O(S) per rank), no backward re-gather")
+    if T > inp.lm_head_chunk_tokens:
+        notes.append(f"LM head + loss tiled over {inp.lm_head_chunk_tokens} local tokens at a time "
+                     f"(logits transient chunk x V/D, not {T} x V/D)")
+    return layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes))

@@ -1,0 +1,136 @@
+"""TSP communication: exactly what ds_tsp.core.functions / ds_tsp.core.comm put on the CommCounter (tests check it per kind).
+
+Design-doc terms (W = a layer's weights, KV = B*S*h_kv, rho = (D-1)/D): fwd rho*W + rho*2KV; bwd rho*W
+(re-stream) + rho*W_attn + W_mlp (grads to owners: the ring's D grad hops carry D/D of W_mlp) + rho*2KV
+(re-gather) + rho*2KV (reduce-scatter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, gather_bytes, recompute, term
+from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
+from ds_tsp.tools.plan.result import CommTerm
+from ds_tsp.tools.plan.shape_terms import Dims, Stage, ceil_div, round_up
+
+
+@dataclass(frozen=True)
+class TSPGeometry:
+    """One rank's share under TSP: L local tokens (zigzag, S padded to 2D), one head block, F/D, V/D."""
+
+    dims: Dims
+    D: int
+    S_pad: int
+    L: int
+    nq_b: int  # query heads per block
+    nkv_b: int  # kv heads per block (1 when num_kv_heads < D)
+    kv_replicas: int  # blocks sharing one kv head
+    A: int  # packed attention shard, elements
+    M: int  # packed MLP shard, elements
+    Vd: int  # vocab rows per rank
+
+    @classmethod
+    def of(cls, inp: PlanInput) -> "TSPGeometry":
+        dims = Dims.of(inp.model)
+        D = inp.degree
+        try:
+            inp.model.check_tsp_degree(D)
+        except TSPConfigError as exc:
+            raise PlanInputError("degree", f"tsp: {exc}") from None
+        nq_b, nkv_b = dims.nq // D, dims.kv_heads_per_rank(D)
+        S_pad = round_up(inp.seq, 2 * D)
+        return cls(dims, D, S_pad, S_pad // D, nq_b, nkv_b, max(D // dims.nkv, 1), dims.attn(nq_b, nkv_b),
+                   3 * dims.h * (dims.F // D), ceil_div(dims.V, D))
+
+
+def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
+    """One decoder layer's CommCounter terms.
+
+    forward:  (D-1) attention shard broadcasts, one K/V all-gather per kv group (D groups of one block, or
+              n_kv groups of D/n_kv blocks sharing a kv head when n_kv < D), D-1 MLP ring hops.
+    backward: the broadcasts again (re-stream), D-1 grad reduces to the owners, one K/V re-gather per group (none
+              with keep_gathered_kv), one dK/dV reduce-scatter per group, MLP ring D-1 weight hops + D grad hops,
+              and with kv_replicas > 1 one all-gather of the kv weight grads (replica sum); with activation
+              checkpointing the forward terms once more (the recompute). The 2 norm-grad all-reduces are
+              per layer only on a pipeline stage (pp > 1); ShardedCausalLM buckets every replicated grad into one
+              all-reduce per backward (tsp_extra_terms).
+    So the K/V terms are rho*2KV whatever n_kv is: each kv head is gathered once.
+    """
+    g = TSPGeometry.of(inp)
+    D, b, B, L, dims = g.D, inp.dtype_bytes, inp.batch, g.L, g.dims
+    if D == 1:
+        return [], []
+    shard, mlp = g.A * b, g.M * b
+    kv_out = D * 2 * B * L * g.nkv_b * dims.d * b  # one group's gathered K/V: [D, 2, B, L, nkv_b, d]
+    groups = D // g.kv_replicas
+    fwd = [
+        term("attention shard broadcast", "broadcast", shard, D - 1, (D - 1) * shard),
+        term("K/V all-gather (per kv group)", "all_gather", kv_out, groups, groups * gather_bytes(kv_out, D)),
+        term("MLP weight ring (D-1 hops)", "ring", mlp, D - 1, (D - 1) * mlp),
+    ]
+    regather = 0 if inp.keep_gathered_kv else groups
+    bwd = [
+        term("attention shard re-broadcast", "broadcast", shard, D - 1, (D - 1) * shard),
+        term("attention grad reduce to owner", "reduce", shard, D - 1, (D - 1) * shard),
+        term("K/V re-gather (per kv group)", "all_gather", kv_out, regather, regather * gather_bytes(kv_out, D)),
+        term("dK/dV reduce-scatter (per kv group)", "reduce_scatter", kv_out, groups,
+             groups * gather_bytes(kv_out, D)),
+        term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp),
+    ]
+    if inp.pp > 1:
+        bwd.append(term("norm weight grad all-reduce (2 norms)", "replicated_grad", dims.h * b, 2,
+                        2 * all_reduce_bytes(dims.h * b, D)))
+    if g.kv_replicas > 1:
+        kv_grad = (2 * g.nkv_b * dims.d * dims.h + (2 * g.nkv_b * dims.d if dims.bias else 0)) * b
+        bwd.append(term("kv weight grad all-gather (replica sum)", "all_gather", D * kv_grad, 1,
+                        gather_bytes(D * kv_grad, D)))
+    if inp.activation_checkpointing:
+        bwd += recompute(fwd)
+    return fwd, bwd
+
+
+# ShardedCausalLM._check_inputs gathers a fixed payload: 7 counts + ds_tsp.core.documents.LAYOUT_SLOTS (this module
+# stays torch-free, so the numbers are repeated here; tests/test_plan.py checks them against the comm counters).
+INPUT_CHECK_COUNTS = 7
+DOCUMENT_LAYOUT_SLOTS = 1024
+
+
+def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
+    """Per step outside the layers: input checks, the embedding and LM head vocab rings, the final norm grad."""
+    g = TSPGeometry.of(inp)
+    D, b, h = g.D, inp.dtype_bytes, g.dims.h
+    if D == 1:
+        return []
+    table = g.Vd * h * b
+    terms = []
+    if stage.embed:
+        check = D * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8  # fixed size, whatever the batch
+        terms += [term(f"input check + document layout all-gather ({INPUT_CHECK_COUNTS} + "
+                       f"{DOCUMENT_LAYOUT_SLOTS} int64 per rank)", "all_gather", check, 1, gather_bytes(check, D)),
+                  term("embedding ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
+                  term("embedding ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
+                       (2 * D - 1) * table)]
+    if stage.head:
+        terms += [term("LM head ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
+                  term("LM head ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
+                       (2 * D - 1) * table)]
+    if inp.pp > 1:
+        if stage.head:
+            terms.append(term("final norm grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D)))
+    else:  # ds_tsp.core.replicated_grads: every replicated weight's grad in ONE all-reduce per backward
+        flat = (2 * stage.layers + 1) * h + (2 * stage.layers * g.dims.d if inp.model.qk_norm else 0)
+        terms.append(term("replicated grads all-reduce (norms, bucketed)", "replicated_grad", flat * b, 1,
+                          all_reduce_bytes(flat * b, D)))
+    return terms
+
+
+def tsp_counter_bytes(inp: PlanInput) -> dict[str, int]:
+    """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of the whole model (pp = 1)."""
+    fwd, bwd = tsp_layer_terms(inp)
+    out: dict[str, int] = {}
+    stage = Stage("only", True, True, inp.model.num_layers, 1)
+    for t in [*fwd, *bwd] * inp.model.num_layers + tsp_extra_terms(inp, stage):
+        if t.bytes:
+            out[t.kind] = out.get(t.kind, 0) + t.bytes
+    return out

@@ -1,0 +1,166 @@
+"""Numerics self-check: the TSP model against the single-device reference, same weights, same batch.
+
+Run on every rank of a TSP group; the reference runs on TSP rank 0 only. Errors are norm-wise relative
+(||g_tsp - g_ref|| / ||g_ref||) per parameter, HF-named; the report keeps the largest.
+
+Two references: ds_tsp.tools.reference_model.ReferenceCausalLM (weights from a seed), or with `hf_model` transformers' OWN
+model loaded from that checkpoint directory (float64 made exact by ds_tsp.tools.hf_reference), while TSP loads the same
+directory by slices (TSPForCausalLM.from_pretrained). With `documents` = K > 1 every sequence packs K documents of
+random lengths (position_ids restarting, the first label of each document -100, as DataCollatorWithFlattening
+makes them) and the reference runs every document on its own.
+
+Tolerances (documented; float64 proves the schedule exact, the others sit on their dtype's noise floor):
+float64 1e-10 (a correct schedule reaches ~1e-14), float32 1e-5 (noise floor ~1e-6), bfloat16 5e-2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.documents import documents_of_lengths
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.launch import local_device
+from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.partition import shift_labels as shift
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 5e-2}
+
+
+@dataclass(frozen=True)
+class VerifyCase:
+    shape: ModelShape
+    seq: int = 64
+    batch: int = 2
+    dtype: str = "float32"
+    seed: int = 0
+    ignore_fraction: float = 0.1  # share of labels set to -100, so masking is exercised too
+    documents: int = 1  # documents packed into every sequence
+    hf_model: str | None = None  # checkpoint directory: the reference is transformers' own model
+
+    @property
+    def tolerance(self) -> float:
+        return TOLERANCE[self.dtype]
+
+
+def document_lengths(case: VerifyCase) -> list[list[int]]:
+    """Per row, `case.documents` random lengths (each >= 1) summing to case.seq (deterministic in the seed)."""
+    if not 1 <= case.documents <= case.seq:
+        raise TSPConfigError(f"documents={case.documents}: must be between 1 and seq={case.seq}")
+    g = torch.Generator().manual_seed(case.seed + 2)
+    rows = []
+    for _ in range(case.batch):
+        cuts = torch.randperm(case.seq - 1, generator=g)[:case.documents - 1].add(1).sort().values.tolist()
+        bounds = [0, *cuts, case.seq]
+        rows.append([b - a for a, b in zip(bounds, bounds[1:])])
+    return rows
+
+
+def make_batch(case: VerifyCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deterministic (input_ids, labels, position_ids) [B, S]; a fraction of labels is -100, and so is the first
+    label of every packed document."""
+    g = torch.Generator().manual_seed(case.seed + 1)
+    ids = torch.randint(0, case.shape.vocab_size, (case.batch, case.seq), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=g) < case.ignore_fraction] = -100
+    positions = torch.stack([documents_of_lengths(row) for row in document_lengths(case)])
+    labels[positions == 0] = -100
+    return ids, labels, positions
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
+    """ReferenceCausalLM on the same batch, every packed document run on its own; token-mean over all of them."""
+    ids, labels, _ = make_batch(case)
+    targets = shift(labels)
+    ref = ReferenceCausalLM(case.shape, dtype=DTYPES[case.dtype])
+    ref.load_state_dict(full, strict=False)
+    total = torch.zeros((), dtype=torch.float64)
+    for b, lengths in enumerate(document_lengths(case)):
+        start = 0
+        for n in lengths:
+            doc_targets = targets[b:b + 1, start:start + n]
+            count = int((doc_targets != -100).sum())
+            if count:
+                mean = ref(ids[b:b + 1, start:start + n], doc_targets, torch.arange(n)[None])
+                total = total + mean.double() * count
+            start += n
+    loss = total / int((targets != -100).sum())
+    loss.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    if case.shape.tie_word_embeddings:
+        grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
+    return loss.detach(), grads
+
+
+def hf_reference_loss_and_grads(case: VerifyCase):
+    """transformers' own model from case.hf_model, same batch, every packed document on its own."""
+    from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
+
+    ids, labels, _ = make_batch(case)
+    model = load_hf_reference(case.hf_model, DTYPES[case.dtype])
+    return hf_loss_and_grads(model, ids, shift(labels), documents=document_lengths(case))
+
+
+def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOptions = TSPOptions(),
+             overlap: bool = True) -> dict | None:
+    """Collective over `group`. Returns the report on TSP rank 0, None elsewhere."""
+    comm = TSPComm(group, overlap=overlap)
+    dtype = DTYPES[case.dtype]
+    device = local_device()  # the model and its batch on this rank's GPU when there is one; the reference on CPU
+    ids, labels, positions = (t.to(device) for t in make_batch(case))
+    batch = shard_batch(ids, tsp=comm.size, rank=comm.rank, labels=labels, position_ids=positions)
+    if case.hf_model is not None:
+        from ds_tsp.model.hf_causal_lm import TSPForCausalLM
+
+        model = TSPForCausalLM.from_pretrained(case.hf_model, comm, dtype=dtype, options=options, device=device).tsp
+    else:
+        reference = ReferenceCausalLM(case.shape, dtype=dtype)
+        init_weights_(reference, case.seed)
+        full = full_state_dict(reference)
+        del reference
+        model = ShardedCausalLM(case.shape, comm, options=options, dtype=dtype, device=device)
+        model.load_full_state_dict(full)
+    loss_share = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
+    loss_share.backward()
+    loss = model.loss_for_logging(loss_share).cpu()  # compared with the reference on the CPU, once, after the step
+    grads = {name: g.cpu() for name, g in model.full_state_dict(grads=True).items()}
+    if comm.rank != 0:
+        return None
+
+    ref_loss, ref_grads = (hf_reference_loss_and_grads(case) if case.hf_model is not None
+                           else reference_loss_and_grads(case, full))
+    grad_errs = {name: _rel_err(grads[name], g) for name, g in ref_grads.items()}
+    worst = max(grad_errs, key=grad_errs.get)
+    report = {
+        "loss_rel_err": _rel_err(loss, ref_loss),
+        "grad_rel_err": grad_errs[worst],
+        "worst_grad": worst,
+        "tsp": comm.size,
+        "dtype": case.dtype,
+        "loss": float(loss),
+        "ref_loss": float(ref_loss),
+        "tolerance": case.tolerance,
+        "documents": case.documents,
+        "reference": "transformers" if case.hf_model is not None else "ds_tsp",
+    }
+    report["ok"] = report["loss_rel_err"] <= case.tolerance and report["grad_rel_err"] <= case.tolerance
+    return report
+
+
+def run_case_on_world(case: VerifyCase, options: TSPOptions = TSPOptions(), overlap: bool = True) -> dict | None:
+    """Entry for an already-initialised default group (torchrun) or a spawned one: the whole world is one TSP group."""
+    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    return run_case(case, group, options, overlap)
+

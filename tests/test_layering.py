@@ -1,0 +1,129 @@
+"""The package's architecture, enforced from its imports (docs/architecture.md draws it).
+
+Layers, bottom to top; a module may import its own layer and those below, never one above:
+    core/ < checkpoint/ < model/ < integrations/ < tools/
+The public facades at the package root (ds_tsp/__init__.py, __main__.py, hf.py, accelerate.py) sit above all and are
+imported by nobody inside the package. Every import counts, lazy ones inside functions included; only the
+module-level graph's circles are checked for cycles (a lazy import cannot deadlock module initialisation, but it
+still has to respect the layers).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ds_tsp"
+LAYERS = ["core", "checkpoint", "model", "integrations", "tools"]
+FACADES = {"ds_tsp", "ds_tsp.__main__", "ds_tsp.hf", "ds_tsp.accelerate"}
+MAX_ROOT_ENTRIES = 15
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, bool]]:
+    """(imported ds_tsp module, at module level?) for every import statement of the file."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t == "ds_tsp" or t.startswith("ds_tsp."):
+                while t not in modules and "." in t:
+                    t = t.rpartition(".")[0]
+                found.append((t, id(node) in top_level))
+    return found
+
+
+def _layer(name: str) -> int:
+    if name in FACADES:
+        return len(LAYERS)
+    return LAYERS.index(name.split(".")[1])
+
+
+def _graph(module_level_only: bool) -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {t for t, top in _imports(name, path, modules) if t != name and (top or not module_level_only)}
+            for name, path in modules.items()}
+
+
+def test_every_module_belongs_to_a_layer():
+    strays = [n for n in _modules() if n not in FACADES and n.split(".")[1] not in LAYERS]
+    assert not strays, f"modules outside {LAYERS}: {strays}"
+
+
+def test_no_import_runs_up_a_layer():
+    upward = [f"{src} -> {dst}" for src, dsts in _graph(False).items() for dst in dsts
+              if src not in FACADES and (dst in FACADES or _layer(dst) > _layer(src))]
+    assert not upward, "imports running up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_circles():
+    graph = _graph(True)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_package_root_is_small():
+    entries = [p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= MAX_ROOT_ENTRIES, sorted(entries)
+
+
+def test_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    """The checker itself: a core module importing a tool is reported."""
+    fake = tmp_path / "ds_tsp"
+    (fake / "core").mkdir(parents=True)
+    (fake / "tools").mkdir()
+    for p in ("__init__.py", "core/__init__.py", "tools/__init__.py", "tools/cli.py"):
+        (fake / p).write_text("")
+    (fake / "core" / "comm.py").write_text("def f():\n    from ds_tsp.tools.cli import main\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    graph = _graph(False)
+    assert graph["ds_tsp.core.comm"] == {"ds_tsp.tools.cli"}
+    assert _layer("ds_tsp.tools.cli") > _layer("ds_tsp.core.comm")

@@ -1,0 +1,246 @@
+"""Device-correct by construction: a training step creates every tensor on its input's device.
+
+Run on the `meta` device (no values, no kernels), a step of TSPForCausalLM must never create a tensor anywhere
+else: a CPU tensor in a CUDA step is either a crash ("Expected all tensors to be on the same device") or a hidden
+host-to-device copy. The recorder below sees every aten op's outputs (forward and autograd's backward) and every
+tensor made from host data (torch.tensor / as_tensor of lists or numbers, which dispatch nothing on meta). Value
+reads raise on meta by themselves, so the same run also proves the input checks skip them there.
+
+D=1 runs every family (Llama-3 rope, Qwen2 bias, Qwen3 q/k norms, Mistral sliding window, tied and untied heads)
+plus packed documents, padding and logits_to_keep. D=2..4 run the same step as one rank of torch's fake process
+group ("fake" backend for cpu and meta: collectives complete at once and move nothing), which is all a meta step
+needs. A static guard then keeps factory calls without device= out of the core.
+"""
+from __future__ import annotations
+
+import ast
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+
+from hf_tiny import tiny_config  # noqa: E402
+
+from ds_tsp.core import document_attention  # noqa: E402
+from ds_tsp.core.comm import TSPComm  # noqa: E402
+from ds_tsp.core.config import TSPOptions  # noqa: E402
+from ds_tsp.hf import TSPForCausalLM  # noqa: E402
+
+META = torch.device("meta")
+B, S = 2, 16
+
+
+def _where() -> str:
+    frames = [f for f in traceback.extract_stack() if "/ds_tsp/" in f.filename]
+    return " <- ".join(f"{f.filename.split('/ds_tsp/')[1]}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
+
+
+class _Outputs(TorchDispatchMode):
+    def __init__(self, found: list):
+        super().__init__()
+        self.found = found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
+        if devices - {META}:
+            self.found.append(f"{func} -> {sorted(map(str, devices))} at {_where()}")
+        return out
+
+
+class _HostData(TorchFunctionMode):
+    FACTORIES = {torch.tensor, torch.as_tensor, torch.Tensor.new_tensor}
+
+    def __init__(self, found: list):
+        super().__init__()
+        self.found = found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FACTORIES:
+            data = args[1] if func is torch.Tensor.new_tensor else (args[0] if args else kwargs.get("data"))
+            if not isinstance(data, torch.Tensor):
+                self.found.append(f"{func.__name__}(host data) at {_where()}")
+        return func(*args, **kwargs)
+
+
+class DeviceRecorder:
+    """`with DeviceRecorder() as rec:` ... `rec.found`: every tensor the block created off the meta device."""
+
+    def __init__(self):
+        self.found: list[str] = []
+
+    def __enter__(self):
+        self._modes = (_HostData(self.found), _Outputs(self.found))
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+
+
+def _meta_batch(kind: str) -> dict:
+    ids = torch.empty(B, S, dtype=torch.long, device=META)
+    batch = {"input_ids": ids, "labels": torch.empty_like(ids)}
+    if kind == "packed":  # restarting positions: the layout itself is a value, which meta cannot read
+        batch["position_ids"] = torch.empty_like(ids)
+    if kind == "padding":
+        batch["attention_mask"] = torch.empty_like(ids)
+    if kind == "logits_to_keep":
+        batch["logits_to_keep"] = 3
+    return batch
+
+
+def _meta_step(config, comm, kind: str) -> list[str]:
+    model = TSPForCausalLM(config, comm, dtype=torch.float32, device=META,
+                           options=TSPOptions(activation_checkpointing=kind == "checkpointing"))
+    batch = _meta_batch(kind)
+    with DeviceRecorder() as rec:
+        out = model(**batch)
+        total = out.loss if out.logits is None else out.loss + out.logits.sum()
+        total.backward()
+    assert total.device == META
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.device == META for g in grads), "every parameter gets a meta grad"
+    return rec.found
+
+
+CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwen3", "plain"),
+         ("mistral", "plain"), ("qwen2_sliding", "plain"), ("llama", "packed"), ("llama", "padding"),
+         ("llama3_tied", "logits_to_keep"), ("llama", "logits_to_keep"), ("llama", "checkpointing")]
+
+
+@pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
+def test_step_at_d1_creates_nothing_off_device(family, kind):
+    found = _meta_step(tiny_config(family), TSPComm.single(), kind)
+    assert not found, "\n".join(found)
+
+
+@pytest.fixture(scope="module")
+def fake_groups():
+    """One process as rank 1 of a fake world of 4: {D: group containing rank 1}."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        yield {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
+    finally:
+        dist.destroy_process_group()
+
+
+MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
+         (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep")]
+
+
+@pytest.mark.parametrize("tsp, family, kind", MULTI, ids=[f"D{d}-{f}-{k}" for d, f, k in MULTI])
+def test_step_at_higher_degree_creates_nothing_off_device(fake_groups, tsp, family, kind):
+    config = (tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
+                          intermediate_size=96) if family == "llama6" else tiny_config(family))
+    comm = TSPComm(fake_groups[tsp])
+    assert comm.size == tsp and comm.rank == 1
+    found = _meta_step(config, comm, kind)
+    assert not found, "\n".join(found)
+
+
+def test_document_attention_with_layouts_creates_nothing_off_device():
+    """Meta cannot locate documents from values, so hand document attention a layout: non-adjacent rows share one
+    (an index tensor), windows tile documents, and forward and backward stay on the device."""
+    Lq, q_start, H, d = 12, 8, 2, 4
+    q = torch.empty(3, Lq, H, d, device=META)
+    k = v = torch.empty(3, q_start + Lq, H, d, device=META)
+    kw = dict(q_start=q_start, doc_starts=[(0, 5, 11), (0,), (0, 5, 11)], window=4, scale=0.5)
+    with DeviceRecorder() as rec:
+        out, lse = document_attention.masked_attention_forward(q, k, v, **kw)
+        grads = document_attention.masked_attention_backward(torch.empty_like(out), q, k, v, out, lse, **kw)
+    assert not rec.found, "\n".join(rec.found)
+    assert all(g.device == META for g in grads)
+
+
+def test_the_recorder_catches_a_host_tensor():
+    with DeviceRecorder() as rec:
+        x = torch.empty(3, device=META)
+        _ = x + torch.zeros(())  # the mixed-device bug of _check_inputs, in small
+        _ = torch.tensor([1, 2], device=META)
+    assert len(rec.found) == 2 and "zeros" in rec.found[0] and "tensor(host data)" in rec.found[1], rec.found
+
+
+# --- static guard: no tensor factory without device= in the core ------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ds_tsp"
+FILES = sorted([*PACKAGE.glob("core/**/*.py"), *PACKAGE.glob("model/*.py")])
+FACTORIES = {"zeros", "ones", "empty", "full", "arange", "range", "tensor", "as_tensor", "randn", "rand", "randint",
+             "randperm", "normal", "eye", "linspace", "logspace", "empty_strided", "scalar_tensor", "from_numpy",
+             "frombuffer"}
+# Files on the step's hot path: not even torch.tensor(data, device=...) there (a blocking host-to-device copy).
+HOT = ("core/functions/", "core/kernels.py", "core/document_attention.py", "core/rope.py", "model/sharded_modules.py")
+# (file, enclosing function, factory): host tensors by design. Each says why; remove an entry once it is gone.
+ALLOWED = {
+    # seeded CPU generators make the same values on every device and rank; the result is copied into the param
+    ("model/sharded_causal_lm.py", "normal", "randn"): "seeded CPU generator",
+    # zero biases copied into the (device) parameter once at init, never in a step
+    ("model/sharded_causal_lm.py", "init_weights_", "zeros"): "init-time host zeros, copied into the param",
+    # the data loader collates on the host; the training loop moves batches to the device
+    ("core/data.py", "_stack", "as_tensor"): "host-side collate",
+    # rank arithmetic of the process layout, never a device tensor
+    ("core/topology.py", "mesh_ranks", "arange"): "host-side rank grid",
+}
+
+
+def _factory_calls(path: Path):
+    """(enclosing function, factory name, line, has device=) of every torch factory call in the file."""
+    tree = ast.parse(path.read_text())
+    imported = {a.asname or a.name: a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module == "torch" for a in node.names if a.name in FACTORIES}
+    out = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Call):
+                f = child.func
+                factory = (f.attr if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                           and f.value.id == "torch" and f.attr in FACTORIES else
+                           imported.get(f.id) if isinstance(f, ast.Name) else None)
+                if factory:
+                    keys = {k.arg for k in child.keywords}
+                    out.append((function, factory, child.lineno, "device" in keys or None in keys))
+            visit(child, name)
+
+    visit(tree, "<module>")
+    return out
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(PACKAGE)) for p in FILES])
+def test_core_factories_name_their_device(path):
+    rel = str(path.relative_to(PACKAGE))
+    bad = [f"{rel}:{line} torch.{factory}(...) in {fn}() without device="
+           for fn, factory, line, has_device in _factory_calls(path)
+           if not has_device and (rel, fn, factory) not in ALLOWED]
+    if rel.startswith(HOT):
+        bad += [f"{rel}:{line} torch.{factory}(...) in {fn}(): host data copied to the device on the hot path"
+                for fn, factory, line, _ in _factory_calls(path) if factory in ("tensor", "as_tensor")]
+    assert not bad, "tensors must follow their input's device (device=x.device):\n" + "\n".join(bad)
+
+
+def test_guard_allow_list_is_current():
+    calls = {(str(p.relative_to(PACKAGE)), fn, factory) for p in FILES for fn, factory, _, _ in _factory_calls(p)}
+    assert not set(ALLOWED) - calls, f"stale allow-list entries: {set(ALLOWED) - calls}"
+
+
+def test_guard_catches_a_missing_device(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nfrom torch import zeros\n\ndef f(x):\n    return torch.arange(3) + zeros(2) + "
+                   "torch.ones(1, device=x.device)\n")
+    assert [(fn, factory, ok) for fn, factory, _, ok in _factory_calls(bad)] == [
+        ("f", "arange", False), ("f", "zeros", False), ("f", "ones", True)]
