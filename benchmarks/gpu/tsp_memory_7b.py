@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -39,23 +40,70 @@ def _peak(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> dict:
+def _simulated_peers_comm(group):
+    """A TSPComm on the fake group whose input-check all-gather returns what EVERY simulated rank would send.
+
+    The fake backend moves no data, so every slot of a gather would hold this rank's own payload: the model would
+    see each chunk's positions restart and silently run document-masked attention (the causal prefix never runs).
+    Every other gather (K/V, weights) only needs its buffers allocated, which the fake backend does.
+    """
     from ds_tsp.core.comm import TSPComm
+
+    class SimulatedPeersComm(TSPComm):
+        peer_payloads: torch.Tensor | None = None  # [D, payload] int64, what each rank's input check sends
+
+        def all_gather(self, out, local, what=None):
+            handle = super().all_gather(out, local, what)
+            peers = self.peer_payloads
+            if peers is not None and out.dtype == peers.dtype and out.numel() == peers.numel():
+                handle.wait()
+                out.view(peers.shape).copy_(peers)
+            return handle
+
+    return SimulatedPeersComm(group)
+
+
+def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> dict:
+    """Rank 0's peak over one training step (after a warm-up step, so optimizer state exists) and that step's time."""
     from ds_tsp.core.partition import shard_batch
     from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
     _reset_peak(device)
-    model = ShardedCausalLM(shape, TSPComm(dist.group.WORLD), options=options, dtype=dtype, device=device)
+    comm = _simulated_peers_comm(dist.group.WORLD)
+    model = ShardedCausalLM(shape, comm, options=options, dtype=dtype, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, shape.vocab_size, (1, seq), device=device)
-    batch = shard_batch(ids, tsp=tsp, rank=0)
+    shards = [shard_batch(ids, tsp=tsp, rank=r) for r in range(tsp)]  # every simulated rank holds a real shard
+    comm.peer_payloads = torch.stack([model.input_check_payload(b["input_ids"], b["shift_labels"], b["position_ids"],
+                                                                None) for b in shards])
+    batch = shards[0]
+    document_starts = []
+    check_inputs = model._check_inputs
+
+    def watched_check(*args):
+        total, starts = check_inputs(*args)
+        document_starts.append(starts)
+        return total, starts
+
+    model._check_inputs = watched_check
+
+    def step() -> None:
+        model(batch["input_ids"], batch["shift_labels"], batch["position_ids"]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up: allocator, kernels' first launch, optimizer state
+    _reset_peak(device)
     start = time.perf_counter()
-    model(batch["input_ids"], batch["shift_labels"], batch["position_ids"]).backward()
-    opt.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    result = {"peak_bytes_per_rank": _peak(device), "step_s_no_comm": time.perf_counter() - start}
+    step()
+    result = {"peak_bytes_per_rank": _peak(device), "step_s_no_comm": time.perf_counter() - start,
+              "document_masking": any(s is not None for s in document_starts)}
     del model, opt
+    if result["document_masking"]:
+        raise RuntimeError("the simulated step ran document-masked attention: the peers' input-check payloads did "
+                           "not reach the model, so this is not the causal step being measured")
     return result
 
 
@@ -138,10 +186,27 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU bf16 GEMMs are slow
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.tsp)
     results = []
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
 
     def record(entry: dict) -> None:
+        # Written as it comes: a case that crashes the process later does not take the earlier ones with it.
         results.append(entry)
         print(json.dumps(entry), flush=True)
+        if out_dir is not None:
+            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+
+    def attempt(entry: dict, run) -> None:
+        try:
+            entry.update(run())
+        except torch.OutOfMemoryError as err:
+            entry.update(error=f"out of memory: {str(err).splitlines()[0]}")
+        except Exception as err:  # one failing case must not lose the others: recorded, and the run goes on
+            entry.update(error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=4))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        record(entry)
 
     for seq in seqs:
         planned = plan_figures(shape, seq, args.tsp)
@@ -150,20 +215,12 @@ def main(argv=None) -> int:
                                                       TSPOptions(activation_checkpointing=True))),
                 ("tp_sp", lambda: tp_sp_peak(shape, seq, args.tsp, device, dtype))]
         for layout, run in runs:
-            entry = {"layout": layout, "seq": seq, "tsp": args.tsp, "planned_peak_bytes": planned.get(
-                layout.removesuffix("_checkpointed"))}
-            try:
-                entry.update(run())
-            except torch.OutOfMemoryError as err:
-                entry.update(error=f"out of memory: {str(err).splitlines()[0]}")
-            record(entry)
+            attempt({"layout": layout, "seq": seq, "tsp": args.tsp,
+                     "planned_peak_bytes": planned.get(layout.removesuffix("_checkpointed"))}, run)
         record({"layout": "ulysses_zero3", "seq": seq, "tsp": args.tsp, "planned_peak_bytes": planned["ulysses"],
                 "source": "ds-tsp plan (not measured: needs real peers)"})
-        record({"kernel": "zigzag attention, one head block", "seq": seq, "tsp": args.tsp,
-                **zigzag_kernel_time(shape, seq, args.tsp, device, dtype)})
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+        attempt({"kernel": "zigzag attention, one head block", "seq": seq, "tsp": args.tsp},
+                lambda: zigzag_kernel_time(shape, seq, args.tsp, device, dtype))
     dist.destroy_process_group()
     return 0
 

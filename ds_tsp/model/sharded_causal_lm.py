@@ -36,6 +36,9 @@ from ds_tsp.core.replicated_grads import ReplicatedGradBucket
 from ds_tsp.core.rope import rope_cos_sin
 
 
+_CHECK_COUNTS = 7  # the counts heading input_check_payload (ds_tsp.tools.plan.tsp_comm repeats the number)
+
+
 def normalise_over_data(n_valid_tsp: torch.Tensor, data_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Loss denominator: labelled tokens of the whole data x TSP batch / data size (see set_data_parallel_group)."""
     if data_group is None or dist.get_world_size(data_group) == 1:
@@ -152,6 +155,25 @@ class ShardedCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
+    def input_check_payload(self, input_ids, shift_labels, position_ids, attention_mask) -> torch.Tensor:
+        """What this rank sends in the input check's one all-gather: int64 [_CHECK_COUNTS + LAYOUT_SLOTS], a size
+        that never depends on the inputs (labelled tokens, bad ids, batch, length, mask given, document breaks,
+        bad mask values, then the shard's document layout). No host read."""
+        B, local_len = input_ids.shape
+        dev = input_ids.device
+
+        def fill(value: int) -> torch.Tensor:  # a fill kernel; torch.tensor(value, device=) copies from the host
+            return torch.full((), value, dtype=torch.int64, device=dev)
+
+        n_bad = ((input_ids < 0) | (input_ids >= self.shape.vocab_size)).sum()
+        n_valid = (shift_labels != -100).sum() if shift_labels is not None else fill(0)
+        n_bad_mask = (((attention_mask != 0) & (attention_mask != 1)).sum() if attention_mask is not None
+                      else fill(0))
+        n_breaks, layout = shard_layout(position_ids, attention_mask)
+        head = torch.stack([n_valid, n_bad, fill(B), fill(local_len), fill(int(attention_mask is not None)), n_breaks,
+                            n_bad_mask])
+        return torch.cat((head, layout))
+
     def _check_inputs(self, input_ids, shift_labels, position_ids, attention_mask) -> tuple[torch.Tensor | None,
                                                                                              DocStarts | None]:
         """Validate on every rank at once (ONE all-gather of a fixed-size payload, ONE host read) so a bad shard
@@ -177,18 +199,7 @@ class ShardedCausalLM(nn.Module):
                                      "pass the same zigzag shard of every field")
         B, local_len = input_ids.shape
         dev = input_ids.device
-
-        def fill(value: int) -> torch.Tensor:  # a fill kernel; torch.tensor(value, device=) copies from the host
-            return torch.full((), value, dtype=torch.int64, device=dev)
-
-        n_bad = ((input_ids < 0) | (input_ids >= self.shape.vocab_size)).sum()
-        n_valid = (shift_labels != -100).sum() if shift_labels is not None else fill(0)
-        n_bad_mask = (((attention_mask != 0) & (attention_mask != 1)).sum() if attention_mask is not None
-                      else fill(0))
-        n_breaks, layout = shard_layout(position_ids, attention_mask)
-        head = torch.stack([n_valid, n_bad, fill(B), fill(local_len), fill(int(attention_mask is not None)), n_breaks,
-                            n_bad_mask])
-        local = torch.cat((head, layout))
+        local = self.input_check_payload(input_ids, shift_labels, position_ids, attention_mask)
         if self.comm.size > 1:
             everyone = torch.empty(self.comm.size, local.numel(), dtype=torch.int64, device=dev)
             self.comm.all_gather(everyone, local).wait()
@@ -218,7 +229,7 @@ class ShardedCausalLM(nn.Module):
         if shift_labels is not None and sum(row[0] for row in rows) == 0:
             raise TSPConfigError("shift_labels: no token has a target (all -100) in the whole TSP group; "
                                  "a batch needs at least one labelled token")
-        doc_starts = decode_layout([row[head.numel():] for row in rows], [row[5] for row in rows], B, local_len)
+        doc_starts = decode_layout([row[_CHECK_COUNTS:] for row in rows], [row[5] for row in rows], B, local_len)
         if doc_starts is OVERFLOW:  # more document breaks than slots on some rank: gather the positions themselves
             fields = [position_ids] + ([attention_mask] if attention_mask is not None else [])
             data = torch.stack([f.to(device=dev, dtype=torch.int64) for f in fields])  # [fields, B, L]
