@@ -18,6 +18,9 @@ block of that timeout_s, the path of ds_tsp.initialize (DeepSpeed) where gloo's 
 --setup world: the process group keeps gloo's 1800 s default, TSPComm(WORLD, timeout_s) (tests/test_stalls.py).
 --log guard: the per-step loss all-reduce runs inside comm.guard(...); --log model: through
 ShardedCausalLM.loss_for_logging (what TSPForCausalLM's forward does for its loss); --log none: no logging.
+--stop-at optimizer: instead of a SIGSTOP at a random time, the victim stops itself (SIGSTOP to itself) after
+the last TSP collective of a step, so every survivor's next wait is the loss logging: the one wait a random stop
+rarely lands in.
 
 This file is also the rank script (`python benchmarks/stall_trials.py rank ...`, argv from the controller).
 Prints one table row per survivor and a summary; --out writes the whole record as JSON.
@@ -53,6 +56,8 @@ def _rank_main(argv: list[str]) -> None:
     p.add_argument("--setup", choices=("runtime", "world"), required=True)
     p.add_argument("--log", choices=("guard", "model", "none"), required=True)
     p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--self-stop", default=None, help="RANK:STEP: that rank stops itself before that step's "
+                                                     "optimizer step")
     args = p.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the controller asks a hung rank where it waits
 
@@ -75,16 +80,20 @@ def _rank_main(argv: list[str]) -> None:
     else:
         rank, world = init_from_env(backend="gloo")  # gloo's timeout: the 1800 s default
         comm = TSPComm(dist.group.WORLD, timeout_s=args.timeout_s)
-    shape = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2 * world,
-                       num_kv_heads=world)
+    shape = ModelShape(vocab_size=64, hidden_size=16 * world, intermediate_size=32 * world, num_layers=2,
+                       num_heads=2 * world, num_kv_heads=world)
     model = label_modules(ShardedCausalLM(shape, comm).init_weights_(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     ids = torch.randint(0, shape.vocab_size, (2, 16 * world), generator=torch.Generator().manual_seed(0))
     batch = shard_batch(ids, tsp=world, rank=comm.rank)
     last = time.perf_counter()
+    stop_rank, stop_step = map(int, args.self_stop.split(":")) if args.self_stop else (-1, -1)
     for step in range(args.steps):
         loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
         loss.backward()
+        if comm.rank == stop_rank and step == stop_step:  # every collective of this step is done: the others
+            print(f"SELF-STOP {time.time():.6f}", flush=True)  # wait next in the loss logging (or the next step)
+            os.kill(os.getpid(), signal.SIGSTOP)
         opt.step()
         opt.zero_grad()
         if args.log == "guard":
@@ -153,9 +162,10 @@ def analyse(stderr: str, victim: int) -> dict:
         layer = re.search(r"; layer: (.+?); at ", m)
         if layer and not layer.group(1).startswith("not labelled"):
             out["layer"] = layer.group(1)
-        peer = re.search(r"waiting for (ranks? \d+(?:, \d+)*)", m)
-        out["peer"] = peer.group(1) if peer else None
-        out["names_victim"] = bool(re.search(rf"waiting for ranks? (\d+, )*{victim}\b", m))
+        waited = m.split("waiting for ", 1)[1].split("; layer: ", 1)[0].split("): ", 1)[0] if "waiting for " in m else ""
+        peers = [int(r) for group in re.findall(r"\branks? (\d+(?:, \d+)*)", waited) for r in group.split(", ")]
+        out["peer"] = peers or None  # global ranks named as waited for ("rank 2 (ring receive) or rank 0 (ring send)")
+        out["names_victim"] = victim in peers
     return out
 
 
@@ -163,7 +173,10 @@ def run_trial(i: int, args, rng: random.Random, keep_dir: Path) -> dict:
     from ds_tsp.core.watchdog import EXIT_CODE
 
     tmp = Path(tempfile.mkdtemp(prefix=f"stall{i}_", dir=keep_dir))
+    victim = rng.randrange(args.world) if args.victim < 0 else args.victim
     rank_args = ["--timeout-s", str(args.timeout_s), "--setup", args.setup, "--log", args.log]
+    if args.stop_at == "optimizer":
+        rank_args += ["--self-stop", f"{victim}:{args.warm_steps + 1}"]
     procs, files = _start(tmp, args.world, rank_args)
     record: dict = {"trial": i, "dir": str(tmp)}
     try:
@@ -176,18 +189,26 @@ def run_trial(i: int, args, rng: random.Random, keep_dir: Path) -> dict:
                 return record
             time.sleep(0.02)
         step_s = statistics.median(_steps(tmp, 0)[1:] or _steps(tmp, 0))
-        victim = rng.randrange(args.world) if args.victim < 0 else args.victim
         delay = rng.uniform(0, 1.5 * step_s)  # land anywhere in a step: forward, backward, optimizer, logging
-        time.sleep(delay)
-        stopped = time.monotonic()
-        os.kill(procs[victim].pid, signal.SIGSTOP)
-        record.update(victim=victim, step_s=round(step_s, 4), delay_s=round(delay, 4), survivors=[])
+        if args.stop_at == "optimizer":  # the victim stops itself; it says when (wall clock) just before
+            while "SELF-STOP" not in (tmp / f"rank{victim}.out").read_text():
+                if procs[victim].poll() is not None or time.monotonic() > deadline:
+                    record["error"] = f"rank {victim} did not stop itself"
+                    return record
+                time.sleep(0.01)
+            stopped = float((tmp / f"rank{victim}.out").read_text().split("SELF-STOP ", 1)[1].split()[0])
+            delay = None
+        else:
+            time.sleep(delay)
+            stopped = time.time()
+            os.kill(procs[victim].pid, signal.SIGSTOP)
+        record.update(victim=victim, step_s=round(step_s, 4), delay_s=delay and round(delay, 4), survivors=[])
         survivors = [r for r in range(args.world) if r != victim]
         exited: dict[int, float] = {}
-        while len(exited) < len(survivors) and time.monotonic() - stopped < args.observe_s:
+        while len(exited) < len(survivors) and time.time() - stopped < args.observe_s:
             for r in survivors:
                 if r not in exited and procs[r].poll() is not None:
-                    exited[r] = time.monotonic() - stopped
+                    exited[r] = time.time() - stopped
             time.sleep(0.02)
         for r in survivors:
             if r not in exited:  # hung: where does it wait?
@@ -237,8 +258,8 @@ def summarise(trials: list[dict], args) -> dict:
                         "p90": q(0.9), "max": times[-1] if times else None},
             "limit_s": args.timeout_s + GRACE_S,
             "collectives": sorted({s["collective"] for s in rows if s["collective"]}),
-            "config": {k: getattr(args, k) for k in ("world", "timeout_s", "setup", "log", "warm_steps", "victim",
-                                                      "observe_s", "seed")}}
+            "config": {k: getattr(args, k) for k in ("world", "timeout_s", "setup", "log", "stop_at", "warm_steps",
+                                                      "victim", "observe_s", "seed")}}
 
 
 def _row(t: dict, s: dict) -> str:
@@ -256,6 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--setup", choices=("runtime", "world"), default="runtime")
     p.add_argument("--log", choices=("guard", "model", "none"), default="guard")
     p.add_argument("--warm-steps", type=int, default=2, help="steps every rank completes before the SIGSTOP")
+    p.add_argument("--stop-at", choices=("random", "optimizer"), default="random",
+                   help="random: SIGSTOP at a random point of a step; optimizer: the victim stops itself after the "
+                        "step's last TSP collective, so the others wait next in the loss logging")
     p.add_argument("--victim", type=int, default=-1, help="rank to stop (default: a random one per trial)")
     p.add_argument("--observe-s", type=float, default=None, help="give up on a survivor after this long "
                                                                  "(default timeout_s + 60)")

@@ -1,11 +1,11 @@
-"""Hugging Face models in and out: HF-shaped TSP model, sharded loading, streaming save, Trainer.
+"""Hugging Face models in and out: HF-shaped TSP model, sharded loading, streaming save, Trainer, TRL's SFTTrainer.
 
-    from ds_tsp.hf import TSPForCausalLM, TSPTrainer
+    from ds_tsp.hf import TSPForCausalLM, TSPTrainer, TSPSFTTrainer   # TSPSFTTrainer: (TSPTrainer, trl.SFTTrainer)
     model = TSPForCausalLM.from_pretrained("local/llama-3.2-1b", tsp_group=group)
 """
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 
-__all__ = ["TSPForCausalLM", "TSPTrainer"]
+__all__ = ["TSPForCausalLM", "TSPTrainer", "TSPSFTTrainer"]
 
 
 def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerate: only when asked for
@@ -13,4 +13,8 @@ def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerat
         from ds_tsp.integrations.hf_trainer import TSPTrainer
 
         return TSPTrainer
+    if name == "TSPSFTTrainer":  # ImportError with the install hint when trl is missing
+        from ds_tsp.integrations.trl import sft_trainer_class
+
+        return sft_trainer_class()
     raise AttributeError(f"module 'ds_tsp.hf' has no attribute {name!r}")

@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--eval_samples", type=int, default=0)
     p.add_argument("--save_steps", type=int, default=0, help="write a checkpoint every N steps (0: none)")
     p.add_argument("--resume_from_checkpoint", help="a checkpoint-N directory to continue from")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="train a PEFT LoRA adapter of rank R (alpha 2R) on q/k/v/o and gate/up/down; the base frozen")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     return p.parse_args(argv)
 
@@ -110,6 +112,13 @@ def main(argv=None):
             torch.distributed.barrier()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.config.use_cache = False  # training: with a cache transformers would not mask packed documents apart
+    if args.lora:  # the TSP model trains exactly the adapter; save_model writes it as PEFT does
+        import peft
+
+        torch.manual_seed(args.seed)  # PEFT draws lora_A from the global generator: the same on every run
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     data = dict(vocab_size=model.config.vocab_size, seq_len=args.seq_len, seed=args.seed, packed=args.packed)
     train = SyntheticLM(num_samples=args.max_steps * args.global_batch, **data)
     held_out = SyntheticLM(num_samples=args.eval_samples, offset=len(train), **data) if args.eval_samples else None
@@ -138,3 +147,7 @@ def _stack(rows):
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a process group left to interpreter exit can abort in its destructor
+        dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Train a small Llama-style model with TSP under DeepSpeed: the launch line users already know.
 
     deepspeed --num_gpus 4 examples/train.py --ds_config ds_configs/tsp.json
+    python examples/train.py --ds_config ds_configs/tsp.json      # one process: the tsp=1 reference
     torchrun --standalone --nproc_per_node 4 examples/train.py --ds_config ds_configs/tsp_zero3.json
     torchrun ... examples/train.py --ds_config ... --save_dir ckpt --save_every 100 --resume
 
@@ -28,6 +29,7 @@ import ds_tsp
 from ds_tsp.checkpoint.consolidated import save_consolidated
 from ds_tsp.core.data import pipeline_batches
 from ds_tsp.core.shape import ModelShape
+from ds_tsp.integrations.deepspeed.engine import load_ds_config
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 from ds_tsp.tools.synthetic import RepeatingPatterns
 
@@ -82,7 +84,12 @@ def main(argv=None) -> int:
     reference = ReferenceCausalLM(shape)  # one deterministic init, identical on every rank and every layout
     init_weights_(reference, args.seed)
     data = RepeatingPatterns(vocab_size=shape.vocab_size, seq_len=args.seq_len, num_samples=100_000, seed=args.seed)
-    engine, _, loader, _ = ds_tsp.initialize(model=shape, config=args.ds_config, training_data=data,
+    config = load_ds_config(args.ds_config)
+    if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: one process, the tsp=1 reference of the same run
+        config["tsp"] = {**config.get("tsp", {}), "size": 1, "pipeline_stages": 1}
+        print(json.dumps({"note": "one process (no launcher): tsp=1 reference run; launch with torchrun or deepspeed "
+                                  "for TSP"}), flush=True)
+    engine, _, loader, _ = ds_tsp.initialize(model=shape, config=config, training_data=data,
                                              state_dict=full_state_dict(reference), seed=args.seed)
     del reference
     rank = dist.get_rank()
@@ -106,7 +113,7 @@ def main(argv=None) -> int:
             share = 0.0
             for _ in range(engine.gradient_accumulation_steps()):
                 b = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in next(batches).items()}
-                loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
+                loss = engine(**b)  # this rank's share of the loss (the loader's batch, whole: already sharded)
                 engine.backward(loss)
                 # NaN/inf anywhere: every rank stops (or, with "on_nonfinite": "skip", skips) in the same step
                 if engine.tsp_guard.check(loss, step_count[0]):
@@ -153,4 +160,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if dist.is_initialized():  # a process group left to interpreter exit can abort in its destructor
+        dist.destroy_process_group()
+    sys.exit(code)

@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--eval_samples", type=int, default=0, help="evaluate on this many held-out samples at the end")
     p.add_argument("--checkpoint_at", type=int, default=0, help="save_state to OUTPUT_DIR/state after this step")
     p.add_argument("--resume", action="store_true", help="load_state from OUTPUT_DIR/state and continue from there")
+    p.add_argument("--trainable", help="comma-separated parameter name prefixes to train; the rest is frozen and the "
+                                       "optimizer holds the trainable parameters only")
     return p.parse_args(argv)
 
 
@@ -65,7 +67,10 @@ def main(argv=None) -> list[dict]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.trainable:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith(tuple(args.trainable.split(","))))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     micro = args.global_batch // args.gradient_accumulation_steps  # over all data replicas
     if micro % accelerator.data_size or micro * args.gradient_accumulation_steps != args.global_batch:
         raise SystemExit(f"--global_batch {args.global_batch} must be a multiple of data replicas "

@@ -1,5 +1,6 @@
-"""Replay every rank's recorded ops (ds_tsp.core.comm.CommRecorder) under NCCL's rules: gloo runs each op on its
-own threads and hides orders that hang NCCL, which a CPU-only project can check only this way. A helper module.
+"""Replay every rank's recorded ops (ds_tsp.core.comm_recorder.CommRecorder) under NCCL's rules: gloo runs each op
+on its own threads and hides orders that hang NCCL, which a CPU-only project can check only this way. A helper
+module.
 
 The model (what NCCL guarantees, conservatively):
 * one in-order queue per communicator, i.e. per (rank, group): an op runs only at the head of its queue;

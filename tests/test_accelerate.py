@@ -100,6 +100,24 @@ def test_accelerate_launch_matches_single_process(reference, tmp_path, config, p
         assert [s["loss"] for s in _steps(resumed)] == [s["loss"] for s in _steps(lines)[2:]]
 
 
+def test_frozen_layers_with_an_optimizer_on_the_trainable_parameters(tmp_path):
+    """requires_grad set on the HF model carries to the TSP shards; the optimizer built on the trainable parameters
+    only is accepted; exactly the unfrozen tensors move, as in the single-process run (DeepSpeed ZeRO-2, TSP=2)."""
+    extra = ["--max_steps", "3", "--trainable", "model.layers.1.,model.norm."]  # its embedding and head are tied
+    reference = _run([sys.executable], tmp_path / "ref", *extra)
+    lines = _run(_accelerate("accelerate_tsp.yaml", 2), tmp_path / "tsp", *extra)
+    for g, w in zip(_steps(lines), _steps(reference), strict=True):
+        assert _close(g["loss"], w["loss"]) and _close(g["grad_norm"], w["grad_norm"], 1e-4), (g, w)
+    start, want, got = (transformers.AutoModelForCausalLM.from_pretrained(p).state_dict()
+                        for p in (tmp_path / "ref" / "initial", tmp_path / "ref", tmp_path / "tsp"))
+    for name, value in start.items():
+        if name.startswith(("model.layers.1.", "model.norm.")):
+            assert not torch.equal(got[name], value), name
+            assert (got[name] - want[name]).norm() <= 1e-4 * want[name].norm(), name
+        else:
+            assert torch.equal(got[name], value), f"{name} is frozen and moved"
+
+
 # --- one clear error per conflicting setting (the environment `accelerate launch` exports) ------------------------
 
 def _ds_env(tmp_path, **extra):

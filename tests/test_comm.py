@@ -4,16 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from comm_autograd import all_gather_sequence, broadcast_shard
 
-from ds_tsp.core.comm import (
-    TSPComm,
-    all_gather_sequence,
-    broadcast_shard,
-    broadcast_shards,
-    replicated_param,
-    ring_backward,
-    ring_forward,
-)
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm_primitives import broadcast_shards, replicated_param, ring_backward, ring_forward
 from ds_tsp.core.launch import run_on_local_ranks
 
 N = 6  # elements per shard

@@ -49,14 +49,17 @@ def _deepspeed_check(ds: dict, tsp: dict):
     check_deepspeed_compatible(ds, parse_tsp_config(tsp))
 
 
-def _hf_forward(**kwargs):
+def _hf_model():
     pytest.importorskip("transformers")
     import transformers
 
     from ds_tsp.hf import TSPForCausalLM
 
-    model = TSPForCausalLM.from_config(transformers.LlamaConfig(**{k: v for k, v in HF.items() if k != "model_type"}))
-    model(input_ids=_ids(), **kwargs)
+    return TSPForCausalLM.from_config(transformers.LlamaConfig(**{k: v for k, v in HF.items() if k != "model_type"}))
+
+
+def _hf_forward(**kwargs):
+    _hf_model()(input_ids=_ids(), **kwargs)
 
 
 def _nonfinite():
@@ -165,6 +168,8 @@ CASES = [
                                                                                documents=5))),
     ("hf-logits-to-keep", "logits_to_keep", lambda t: _hf_forward(logits_to_keep=0)),
     ("hf-unknown-kwarg", "use_cache", lambda t: _hf_forward(labels=_ids(), use_cache=True)),
+    ("hf-positional-args", "input_ids", lambda t: _hf_model()(_ids(), _ids())),
+    ("hf-generate", "generate", lambda t: _hf_model().generate(_ids())),
     ("ckpt-shape", "config.json", lambda t: _checkpoint(t, _edit_config(intermediate_size=96))),
     ("ckpt-missing-shard", "model.safetensors.index.json", lambda t: _checkpoint(t, _drop_second_shard)),
     ("ckpt-foreign-tensors", "config.json", lambda t: _checkpoint(t, _edit_config(num_hidden_layers=1))),

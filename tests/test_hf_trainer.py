@@ -4,7 +4,8 @@
   transformers with the same weights; resume_from_checkpoint continues with identical losses;
 - TSP=2 x DP=2, ZeRO-2, gradient_accumulation_steps=2, replicas holding different numbers of labelled tokens
   (the token-weighted mean over the whole global batch, as num_items_in_batch intends), grad norm too;
-- packed batches (DataCollatorWithFlattening), TSP=2.
+- packed batches (DataCollatorWithFlattening), TSP=2;
+- a PEFT LoRA model (base frozen, adapter trained and saved as PEFT's), TSP=2.
 """
 from __future__ import annotations
 
@@ -97,6 +98,29 @@ def test_packed_batches_tsp2(tmp_path):
     reference = _run(tmp_path / "ref", *common)
     tsp = _run(tmp_path / "tsp", "--ds_config", str(ROOT / "ds_configs" / "tsp.json"), *common, processes=2)
     _assert_steps_match(_steps(tsp), _steps(reference))
+
+
+def test_peft_lora_tsp2_equals_plain_peft_trainer(tmp_path):
+    """A PEFT LoRA model handed to TSPTrainer: the Trainer's optimizer (on the trainable parameters) holds the adapter
+    only, the losses are the plain Trainer's, and save_model writes an adapter plain peft loads."""
+    peft = pytest.importorskip("peft")
+    common = ["--max_steps", "3", "--global_batch", "2", "--lr", "3e-3", "--lora", "4"]
+    reference = _run(tmp_path / "ref", *common)
+    tsp = _run(tmp_path / "tsp", "--ds_config", str(ROOT / "ds_configs" / "tsp.json"), *common, processes=2)
+    _assert_steps_match(_steps(tsp), _steps(reference))
+    from safetensors.torch import load_file
+
+    got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("tsp", "ref"))
+    assert set(got) == set(want) and len(want) == 2 * 7 * 2
+    for name, value in want.items():
+        assert (got[name] - value).norm() <= 1e-4 * value.norm(), name
+    probe = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for run in ("tsp", "ref"):
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / run / "initial")
+        with torch.no_grad():
+            logits.append(peft.PeftModel.from_pretrained(base, tmp_path / run)(input_ids=probe).logits)
+    assert (logits[0] - logits[1]).norm() <= 1e-5 * logits[1].norm()
 
 
 def test_parallelism_config_sp_cp_with_tsp_is_an_error():

@@ -2,8 +2,9 @@
 
 The ranks are plain processes started with the standard torch.distributed variables (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT), as on separate nodes: no local launcher tears the job down, and the process group keeps
-gloo's default 1800 s timeout, so only TSPComm(timeout_s=...) can bound the stall. This file is also the rank
-script: `python tests/test_stalls.py rank STEPS TIMEOUT_S`.
+gloo's default 1800 s timeout, so only TSPComm(timeout_s=...) can bound the stall (or, given PG_TIMEOUT_S, the TSP
+group is a new group with that timeout, as ds_tsp.initialize builds it). This file is also the rank script:
+`python tests/test_stalls.py rank STEPS TIMEOUT_S [PG_TIMEOUT_S]`. benchmarks/stall_trials.py repeats the stall.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import pytest
 import torch
 from rank_procs import Ranks
 
-from ds_tsp.core.watchdog import EXIT_CODE, MESSAGE_PREFIX, Blocked, TSPCommError, describe, watched_wait
+from ds_tsp.core.stall_message import MESSAGE_PREFIX, Blocked, TSPCommError, describe
+from ds_tsp.core.watchdog import EXIT_CODE, watched_wait
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5
@@ -30,7 +32,9 @@ LAYER = r"layer: (ShardedCausalLM|model\.[\w.]+|lm_head|step \d+ loss logging)( 
 
 
 # --- the rank script ------------------------------------------------------------------------------------------
-def _rank_main(steps: int, timeout_s: float | None) -> None:
+def _rank_main(steps: int, timeout_s: float | None, pg_timeout_s: float | None = None) -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from ds_tsp.core.comm import TSPComm
@@ -42,7 +46,10 @@ def _rank_main(steps: int, timeout_s: float | None) -> None:
 
     torch.set_num_threads(1)
     rank, world = init_from_env(backend="gloo")  # process-group timeout: the 1800 s default
-    comm = TSPComm(dist.group.WORLD, timeout_s=timeout_s)
+    group = dist.group.WORLD
+    if pg_timeout_s is not None:  # a short timeout only once every rank is up
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=pg_timeout_s))
+    comm = TSPComm(group, timeout_s=timeout_s)
     shape = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2)
     model = label_modules(ShardedCausalLM(shape, comm).init_weights_(0))
@@ -71,8 +78,10 @@ def _rank_main(steps: int, timeout_s: float | None) -> None:
 
 # --- the tests ------------------------------------------------------------------------------------------------
 class _Ranks(Ranks):
-    def __init__(self, tmp_path: Path, world: int, steps: int, timeout_s: float | None):
-        super().__init__(tmp_path, world, [__file__, "rank", str(steps), str(timeout_s)])
+    def __init__(self, tmp_path: Path, world: int, steps: int, timeout_s: float | None,
+                 pg_timeout_s: float | None = None):
+        extra = [] if pg_timeout_s is None else [str(pg_timeout_s)]
+        super().__init__(tmp_path, world, [__file__, "rank", str(steps), str(timeout_s), *extra])
 
     def wait_for_step(self, step: int, deadline_s: float = 60) -> None:
         self.wait_for(f"step {step} ", deadline_s=deadline_s)
@@ -111,6 +120,51 @@ def test_dead_or_stalled_rank_ends_the_others(tmp_path, how, victim):
     finally:
         ranks.cleanup()
     assert all(p.returncode is not None for p in ranks.procs)
+
+
+def test_process_group_timeout_first_reads_as_the_watchdogs(tmp_path):
+    """The TSP group's own timeout shorter than timeout_s, so gloo's fires first (with the two equal, as
+    ds_tsp.initialize makes them, gloo's timer starts when an op is posted and won 9 of 20 by-hand trials): gloo's
+    error reaches the waiting rank, which ends with the same ONE "timed out" line, not gloo's raw text."""
+    world, victim, pg_timeout_s, timeout_s = 2, 1, 4, 60
+    ranks = _Ranks(tmp_path, world, steps=100_000, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+    try:
+        ranks.wait_for_step(2)
+        os.kill(ranks.procs[victim].pid, signal.SIGSTOP)
+        took = ranks.wait_exit(0, pg_timeout_s + 30)
+        err = ranks.err(0)
+        assert took is not None, f"rank 0 still running {pg_timeout_s + 30} s after the stop:\n{err[-2000:]}"
+        print(f"rank 0 exited {took:.1f} s after rank {victim} was stopped\n{err}")
+        assert ranks.procs[0].returncode == EXIT_CODE, err
+        messages = _messages(err)
+        assert len(messages) == 1 and len(err.strip().splitlines()) == 1, err  # nothing but the one line
+        message = messages[0]
+        assert any(f"{MESSAGE_PREFIX} {kind}" in message for kind in KINDS), message
+        assert " timed out on rank 0 " in message, message
+        assert re.search(LAYER, message) and re.search(rf"waiting for rank {victim}\b", message), message
+        assert f"timeout_s={timeout_s}" in message, message
+        assert re.search(r"timed out|timeout", message.split("waiting for", 1)[1], re.I), message  # gloo's words
+        assert took < timeout_s / 2, "gloo's timeout, not the watchdog's, ended the rank"
+    finally:
+        ranks.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", ["runtime", "world"])
+def test_stall_trials(tmp_path, setup):
+    """benchmarks/stall_trials.py, a few trials (the issue's measurement is 20): ranks started by hand, one SIGSTOPped
+    at a random point of a step, then once right before the loss logging; every survivor ends within timeout_s + 30 s
+    with ONE message naming collective, layer and peer. setup runtime: the groups' own timeout is timeout_s."""
+    for stop_at, trials in (("random", 3), ("optimizer", 1)):
+        out = tmp_path / f"{stop_at}.json"
+        done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stall_trials.py"), "--trials", str(trials),
+                               "--timeout-s", "5", "--setup", setup, "--stop-at", stop_at, "--seed", "1",
+                               "--keep", str(tmp_path / stop_at), "--out", str(out)],
+                              cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+        print(done.stdout)
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(out.read_text())["summary"]
+        assert summary["trial_errors"] == 0 and summary["ok"] == summary["survivors"] == trials, done.stdout
 
 
 def test_healthy_run_is_not_disturbed(tmp_path):
@@ -186,6 +240,24 @@ def test_failure_without_watchdog_raises_one_clear_error():
     assert "test_stalls.py" in text  # the call site
 
 
+def test_backend_timeout_reads_as_timed_out():
+    """gloo's own timeout (the group's, fired before the watchdog's deadline) is reported like the watchdog's."""
+    class TimedOut:
+        def wait(self):
+            raise RuntimeError("[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
+                               "operation to complete")
+
+    blocked = Blocked(_fake_comm(rank=1, size=2), "all_gather", ("group",), "sequence gather")
+    with pytest.raises(TSPCommError) as info:
+        watched_wait([TimedOut()], blocked, None)
+    text = str(info.value)
+    assert text.startswith(f"{MESSAGE_PREFIX} all_gather (sequence gather) timed out on rank 0 (TSP rank 1 of 2)")
+    assert "waiting for rank 0 (the rest of the TSP group): Timed out waiting 10000ms for recv operation" in text
+    assert "unbound_buffer.cc" not in text and "layer: model.layers.1.mlp backward" in text
+    with pytest.raises(TSPCommError, match="broadcast failed on rank 0"):  # a closed connection still "failed"
+        watched_wait([_Broken()], Blocked(_fake_comm(), "broadcast", ("src", 1)), None)
+
+
 def test_message_names_global_ranks():
     comm = _fake_comm(rank=1, size=2, ranks=[4, 6], context="model.layers.0.self_attn forward")
     text = describe(Blocked(comm, "broadcast", ("src", 0), "shard of block 0"), "timed out", 5.01, 5)
@@ -239,5 +311,6 @@ def test_label_modules_names_forward_backward_and_resets():
     assert comm.context == ""  # reset when the backward pass ended
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "rank":
-    _rank_main(int(sys.argv[2]), None if sys.argv[3] == "None" else float(sys.argv[3]))
+if __name__ == "__main__" and len(sys.argv) in (4, 5) and sys.argv[1] == "rank":
+    _rank_main(int(sys.argv[2]), None if sys.argv[3] == "None" else float(sys.argv[3]),
+               float(sys.argv[4]) if len(sys.argv) == 5 else None)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ds_tsp.core.comm import CommCounter, Handle
-from ds_tsp.core.watchdog import EXIT_CODE, MESSAGE_PREFIX, POLL_S, WATCHDOG, Blocked
+from ds_tsp.core.stall_message import MESSAGE_PREFIX, Blocked
+from ds_tsp.core.watchdog import EXIT_CODE, POLL_S, WATCHDOG
 
 REPO = Path(__file__).resolve().parents[1]
 # A loaded 2-core CI box may run the watchdog thread this late; the bound is timeout_s + POLL_S + SLACK_S.
@@ -78,12 +79,12 @@ def test_stall_is_reported_although_wait_returns_at_once(reports):
 
 def test_work_that_completes_in_time_is_not_a_stall(reports):
     work = StuckWork(done_after_s=0.15)
-    polls_before = WATCHDOG.polls
+    polls_before = WATCHDOG.poller.polls
     _handle(work, timeout_s=0.4).wait()
     time.sleep(0.6)
     assert not reports.got, reports.got
-    assert WATCHDOG.polls > polls_before and work.polls >= 2  # it was polled, on the watchdog thread
-    assert not WATCHDOG._polled and not WATCHDOG._handed  # and released once done
+    assert WATCHDOG.poller.polls > polls_before and work.polls >= 2  # it was polled, on the watchdog thread
+    assert WATCHDOG.poller.idle()  # and released once done
 
 
 def test_work_that_fails_while_polled_is_reported(reports):

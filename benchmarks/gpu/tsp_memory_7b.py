@@ -100,7 +100,6 @@ def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> d
     step()
     result = {"peak_bytes_per_rank": _peak(device), "step_s_no_comm": time.perf_counter() - start,
               "document_masking": any(s is not None for s in document_starts)}
-    del model, opt
     if result["document_masking"]:
         raise RuntimeError("the simulated step ran document-masked attention: the peers' input-check payloads did "
                            "not reach the model, so this is not the causal step being measured")

@@ -30,8 +30,14 @@ def save_consolidated(model: nn.Module, directory: str | Path, max_shard_size: i
     """Collective over every rank; global rank 0 writes. Returns the directory on the writer, else None."""
     from ds_tsp.checkpoint.hf_save import save_streaming
 
-    config = json.dumps(hf_config_dict(model.shape, model.dtype), indent=2)
-    return save_streaming(model, directory, config, max_shard_size=max_shard_size)
+    from ds_tsp.core.hf_config import config_json
+
+    source = getattr(model, "hf_config", None)  # the transformers config it was converted from (ds_tsp.initialize)
+    config = (config_json(source, model.dtype) if source is not None
+              else json.dumps(hf_config_dict(model.shape, model.dtype), indent=2))
+    generation = getattr(model, "generation_config_json", None)
+    return save_streaming(model, directory, config, max_shard_size=max_shard_size,
+                          extra_files={"generation_config.json": generation} if generation else None)
 
 
 def load_consolidated(directory: str | Path) -> tuple[ModelShape, dict[str, torch.Tensor]]:

@@ -43,11 +43,17 @@ def _is_writer() -> bool:
 
 
 def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
-                   max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> Path | None:
+                   max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
+                   extra_files: dict[str, str] | None = None) -> Path | None:
     """Collective over every rank (TSP and data groups). Global rank 0 writes; returns the directory there, else None.
 
-    dtype: the dtype tensors are stored in (default: the model's).
+    dtype: the dtype tensors are stored in (default: the model's). extra_files: {file name: text} written beside
+    config.json (generation_config.json).
     """
+    if getattr(model, "lora_adapter_config", None) is not None:  # a PEFT LoRA model saves its adapter, as PEFT does
+        from ds_tsp.checkpoint.peft_adapter import save_adapter
+
+        return save_adapter(model, directory)
     directory = Path(directory)
     writer = StreamingCheckpointWriter(directory, max_shard_size=max_shard_size) if _is_writer() else None
     failure: str | None = None
@@ -76,6 +82,8 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
         try:
             if failure is None:
                 writer.add_file("config.json", config_json)
+                for name, text in (extra_files or {}).items():
+                    writer.add_file(name, text)
                 writer.close()
             else:
                 writer.abort()

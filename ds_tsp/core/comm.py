@@ -1,13 +1,7 @@
-"""Communication on the TSP axis: async collectives with byte counters, and the three TSP primitives.
+"""Communication on the TSP axis: async collectives that return handles, with byte counters.
 
-Every primitive is a forward/backward pair that returns handles, so layers can start the next transfer before
-computing on the current one:
-
-| primitive            | forward                                  | backward                                      |
-|----------------------|------------------------------------------|-----------------------------------------------|
-| shard broadcast      | broadcast rank j's packed shard to all   | reduce (sum) weight grads to owner j          |
-| weight ring          | pass shards to rank p+1, D-1 hops        | grads travel with the shard, D hops to owner  |
-| sequence all-gather  | all-gather local K/V, rank order         | reduce-scatter dK/dV back to the local tokens |
+The three TSP primitives built on them (shard broadcast, weight ring, sequence all-gather) and the replicated-
+parameter all-reduce are in ds_tsp.core.comm_primitives.
 
 Byte accounting (`CommCounter`) follows the algorithm's logical volume per rank: a broadcast counts on receivers,
 a reduce on senders, all-gather counts the (D-1)/D of its output that arrives, reduce-scatter the (D-1)/D of its
@@ -18,8 +12,8 @@ one stderr line naming the collective, the layer (`comm.context`, kept by ds_tsp
 rank waited for, and exit code ds_tsp.core.watchdog.EXIT_CODE. Blocking torch.distributed calls made elsewhere are
 bounded the same way inside `with comm.guard("what"):`.
 
-`with comm.recording() as rec:` lists, in post order, every op this comm posts (CommRecorder): what a replay under
-NCCL's queueing rules checks (tests/nccl_rules.py), since gloo's threads hide orders that hang NCCL.
+`with comm.recording() as rec:` lists, in post order, every op this comm posts (ds_tsp.core.comm_recorder): what a
+replay under NCCL's queueing rules checks (tests/nccl_rules.py), since gloo's threads hide orders that hang NCCL.
 """
 from __future__ import annotations
 
@@ -27,12 +21,13 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from ds_tsp.core.comm_recorder import CommRecorder
 from ds_tsp.core.watchdog import Blocked, Guard, TSPCommError, guard, post_failed, watched_wait  # noqa: F401
 
 # torch >= 2.10 renamed all_gather_into_tensor; the old name warns on every call.
@@ -41,9 +36,6 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 
 # torch.profiler range around every blocked wait: lets a profile charge waiting to the layer that waits
 COMM_WAIT_RANGE = "ds_tsp::comm_wait"
-
-WEIGHT_TAG = 7101
-GRAD_TAG = 7102
 
 
 class CommCounter:
@@ -113,19 +105,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CommRecorder:
-    """The ops one rank posts through a TSPComm, in post order: metadata only (no copy, no sync, numerics unchanged).
-
-    Each op is a plain dict, picklable and comparable across ranks: kind, group (global ranks), root (global rank;
-    broadcast / reduce / gather), p2p (("send" | "recv", global peer), ...) and batched (one batch_isend_irecv) for
-    point-to-point, shape / dtype / numel / nbytes of the tensor whose count NCCL sees, tag, what, and layer (the
-    watchdog's comm.context when the op was posted).
-    """
-
-    def __init__(self):
-        self.ops: list[dict] = []
-
-
 @dataclass
 class TSPComm:
     """The TSP process group plus its counter. Passed explicitly to every layer; no module-global state.
@@ -180,11 +159,8 @@ class TSPComm:
             self.recorder = prev
 
     def _record(self, kind: str, t: torch.Tensor, what: str | None, context: str | None = None, **extra) -> None:
-        if self.recorder is None:
-            return
-        self.recorder.ops.append({"kind": kind, "group": tuple(self._ranks), **extra, "shape": tuple(t.shape),
-                                  "dtype": str(t.dtype), "numel": t.numel(), "nbytes": _nbytes(t), "what": what,
-                                  "layer": self.context if context is None else context})
+        if self.recorder is not None:
+            self.recorder.add(kind, tuple(self._ranks), t, what, self.context if context is None else context, **extra)
 
     def _started(self, works: list, keep_alive: tuple, kind: str, peer: tuple, what: str | None) -> Handle:
         return Handle.started(works, self.counter, keep_alive, self.overlap, Blocked(self, kind, peer, what),
@@ -303,193 +279,3 @@ class TSPComm:
             self._post_failed(err, "ring", peer, what)
         return self._started(works, (send, recv), "ring", peer, what)
 
-
-# --- shard broadcast --------------------------------------------------------------------------------------
-def broadcast_shards(comm: TSPComm, own_shard: torch.Tensor, order: range | None = None):
-    """Yield (owner j, packed shard of j) for every head block, prefetching j+1 while the caller computes on j.
-
-    At most two shards are live: the one yielded and the one in flight. The own shard is yielded without a copy.
-    """
-    order = list(range(comm.size)) if order is None else list(order)
-
-    def start(j: int):
-        what = f"shard of block {j}"
-        if j == comm.rank:
-            return own_shard.detach(), comm.broadcast(own_shard.detach(), src=j, what=what)
-        buf = torch.empty_like(own_shard, memory_format=torch.contiguous_format)
-        return buf, comm.broadcast(buf, src=j, what=what)
-
-    pending = start(order[0])
-    for i, j in enumerate(order):
-        shard, handle = pending
-        handle.wait()
-        pending = start(order[i + 1]) if i + 1 < len(order) else None
-        yield j, shard
-    return
-
-
-class ShardGradReducer:
-    """Backward dual of the shard broadcast: every rank's grad contribution for block j is summed on owner j.
-
-    At most `in_flight` reductions stay pending (each holds a packed-shard-sized buffer), so backward keeps O(1)
-    shards alive instead of one per head block.
-    """
-
-    def __init__(self, comm: TSPComm, in_flight: int = 2):
-        self.comm, self.in_flight = comm, in_flight
-        self._pending: list[Handle] = []
-        self.own_grad: torch.Tensor | None = None
-
-    def reduce(self, owner: int, grad_contribution: torch.Tensor) -> None:
-        # A fresh buffer per block: non-owners must not reuse a reduce buffer.
-        self._pending.append(self.comm.reduce(grad_contribution, dst=owner, what=f"grad of block {owner}"))
-        if owner == self.comm.rank:
-            self.own_grad = grad_contribution
-        while len(self._pending) > self.in_flight:
-            self._pending.pop(0).wait()
-
-    def finish(self) -> torch.Tensor:
-        for handle in self._pending:
-            handle.wait()
-        self._pending = []
-        return self.own_grad
-
-
-# --- weight ring --------------------------------------------------------------------------------------------
-def _post_weight_hop(comm: TSPComm, shard: torch.Tensor, step: int):
-    """Post the hop that brings the shard for step+1 (send to p+1, receive from p-1); nothing after the last step."""
-    if step == comm.size - 1:
-        return None, None
-    nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
-    return nxt, comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG, what=f"weight hop {step + 1}/{comm.size - 1}")
-
-
-def ring_forward(comm: TSPComm, own_shard: torch.Tensor, step: Callable[[int, torch.Tensor], None]) -> None:
-    """Call step(owner, shard) D times; at step k rank p holds the shard of (p - k) mod D.
-
-    The next hop is posted before `step` runs, so the transfer overlaps the caller's GEMMs.
-    """
-    shard = own_shard.detach()
-    for k in range(comm.size):
-        owner = (comm.rank - k) % comm.size
-        nxt, hop = _post_weight_hop(comm, shard, k)
-        step(owner, shard)
-        if hop is not None:
-            hop.wait()
-            shard = nxt
-
-
-def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
-                  step: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Run the ring again; step(owner, shard) returns this rank's grad contribution for that owner's shard.
-
-    The grad buffer travels with the shard and every rank adds its part, so after D hops it lands on the owner
-    holding the sum: a reduce-scatter folded into the ring. Returns the summed grad of `own_shard`.
-    The grad hop of step k overlaps the GEMMs of step k+1 (it is only awaited when the next sum is formed).
-    """
-    if comm.size == 1:
-        return step(comm.rank, own_shard.detach())
-    shard = own_shard.detach()
-    grad_in: torch.Tensor | None = None
-    grad_hop: Handle | None = None
-    sent: list[Handle] = []
-    for k in range(comm.size):
-        owner = (comm.rank - k) % comm.size
-        nxt, weight_hop = _post_weight_hop(comm, shard, k)
-        contribution = step(owner, shard)
-        if grad_hop is not None:
-            grad_hop.wait()
-            contribution = contribution + grad_in
-        grad_in = torch.empty_like(contribution)
-        grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG, what=f"grad hop {k + 1}/{comm.size}")
-        sent.append(grad_hop)
-        if weight_hop is not None:
-            weight_hop.wait()
-            shard = nxt
-    for handle in sent:
-        handle.wait()
-    return grad_in
-
-
-# --- sequence all-gather ------------------------------------------------------------------------------------
-def gather_sequence(comm: TSPComm, local: torch.Tensor) -> tuple[torch.Tensor, Handle]:
-    """Start gathering `local` from every rank; returns ([D, *local.shape] in rank order, handle)."""
-    out = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
-    return out, comm.all_gather(out.view(-1), local.reshape(-1), what="sequence gather")
-
-
-def scatter_sequence_grad(comm: TSPComm, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
-    """Backward dual of gather_sequence: full [D, *local_shape] in rank order -> summed local [*local_shape]."""
-    out = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
-    return out, comm.reduce_scatter(out.view(-1), full.reshape(-1), what="sequence grad scatter")
-
-
-# --- differentiable wrappers (composable outside the fused layers, and the unit of the primitive tests) ---
-class _BroadcastShard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, shard, owner, comm):
-        ctx.owner, ctx.comm = owner, comm
-        out = shard.detach().clone() if comm.rank == owner else torch.empty_like(shard)
-        comm.broadcast(out, src=owner).wait()
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        ctx.comm.reduce(grad, dst=ctx.owner).wait()
-        return (grad if ctx.comm.rank == ctx.owner else None), None, None
-
-
-def broadcast_shard(shard: torch.Tensor, owner: int, comm: TSPComm) -> torch.Tensor:
-    """forward: broadcast from `owner`; backward: reduce (sum) to `owner` (others get no grad)."""
-    return _BroadcastShard.apply(shard, owner, comm)
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local, comm):
-        ctx.comm = comm
-        out, handle = gather_sequence(comm, local)
-        handle.wait()
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out, handle = scatter_sequence_grad(ctx.comm, grad.contiguous())
-        handle.wait()
-        return out, None
-
-
-def all_gather_sequence(local: torch.Tensor, comm: TSPComm) -> torch.Tensor:
-    """forward: all-gather into [D, *local.shape] (rank order); backward: reduce-scatter (sum)."""
-    return _GatherSequence.apply(local, comm)
-
-
-class _ReplicatedParam(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, param, comm):
-        ctx.comm = comm
-        ctx.context = comm.context  # this grad is summed late in backward: report the layer that used the param
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        context = ctx.context.replace(" forward", " backward") if ctx.context else None
-        ctx.comm.all_reduce(grad, kind="replicated_grad", what="replicated weight grad", context=context).wait()
-        return grad, None
-
-
-def replicated_param(param: torch.Tensor, comm: TSPComm) -> torch.Tensor:
-    """forward: identity; backward: all-reduce (sum) over the TSP group.
-
-    For parameters every rank holds whole (norm weights): each rank saw different tokens, so the true gradient
-    is the sum of the per-rank ones, and summing keeps the replicas identical after the optimizer step.
-    Inside an open ReplicatedGradBucket (ShardedCausalLM's forward) the sum joins that bucket's one all-reduce;
-    otherwise (a layer called on its own, a pipeline stage, FSDP2 / ZeRO-3 params) this use reduces by itself.
-    """
-    if comm.grad_bucket is not None:
-        bucketed = comm.grad_bucket.use(param)
-        if bucketed is not None:
-            return bucketed
-    return _ReplicatedParam.apply(param, comm)

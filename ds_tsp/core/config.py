@@ -47,7 +47,7 @@ class TSPConfig(BaseModel):
     overlap: bool = Field(True, description="prefetch the next shard / K/V while computing on the current one")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
     timeout_s: int = Field(1800, ge=1, description="collective timeout; a failed rank never hangs the others")
-    kernel: Literal["auto", "flash_attn", "cpu_flash", "math"] = Field("auto", description="attention kernel")
+    kernel: Literal["auto", "flash_attn", "aten_flash", "cpu_flash", "math"] = Field("auto", description="attention kernel")
     lm_head_chunk_tokens: int = Field(4096, ge=1, description="tokens per logits tile of the LM head loss: "
                                                               "bounds its largest transient to [tokens, V/D]")
     on_nonfinite: Literal["error", "skip"] = Field("error", description="a NaN/inf loss or gradient: stop with the "

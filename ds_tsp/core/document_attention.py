@@ -31,7 +31,9 @@ Backward runs the same blocks through `kernels.attention_backward` with the MERG
 flipped back and added up (dq over the blocks of a row, dk / dv over the blocks that read a key).
 
 Batch rows with the same layout are computed together in one call per block; kernel calls are per tile, so tiny
-windows over long chunks mean many small calls (correct, but slow).
+windows over long chunks mean many small calls (correct, but slow). Where the backend has a varlen entry point
+(CUDA: flash-attn, or torch's own flash kernel) the whole chunk is ONE call instead (ds_tsp/core/varlen.py: same
+definition, same (out, lse) contract); the decomposition stays for the CPU and as the reference.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import kernels
+from . import kernels, varlen
 
 
 class _Block(NamedTuple):
@@ -68,6 +70,9 @@ def masked_attention_forward(q, k, v, *, q_start: int, doc_starts, window: int |
     if not needs_masking(layouts, window, Lk):
         return kernels.attention_forward(q, k, v, q_start=q_start, scale=scale, backend=backend)
     kernels._backend_impl(backend, q)  # a bad backend must fail even when there are no blocks (Lq == 0)
+    packed = _varlen(backend, q, layouts, window, q_start, Lk)
+    if packed is not None:
+        return varlen.forward(q, k, v, *packed, scale=scale)
     B, Lq, Hq, _ = q.shape
     out = q.new_empty(q.shape)
     lse = torch.empty(B, Hq, Lq, dtype=kernels._lse_dtype(q.dtype), device=q.device)
@@ -98,6 +103,9 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, q_start: int, doc_star
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must have q's shape {tuple(q.shape)} "
                          f"and lse {tuple(lse.shape)} must be [B, Hq, Lq]")
     kernels._backend_impl(backend, q)
+    packed = _varlen(backend, q, layouts, window, q_start, Lk)
+    if packed is not None:
+        return varlen.backward(dout, q, k, v, out, lse, *packed, scale=scale)
     acc = torch.float32 if q.dtype in kernels._HALF else q.dtype  # a row / key gets up to two partial gradients
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
     for idx, starts in _groups(layouts, q.device):
@@ -115,6 +123,16 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, q_start: int, doc_star
         if not isinstance(idx, slice):
             dq[idx], dk[idx], dv[idx] = dqg, dkg, dvg
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _varlen(backend, q, layouts, window, q_start, key_len):
+    """(adapter, plan) when the backend packs the chunk's documents into one call, else None (decomposition)."""
+    name = backend if backend is not None else kernels.select_backend(q.device, q.dtype, head_dim=q.shape[-1])
+    impl = varlen.adapter(name)
+    if impl is None:
+        return None
+    plan = varlen.plan(tuple(layouts), window, q_start, key_len, q.device)
+    return None if plan is None else (impl, plan)
 
 
 # ----------------------------------------------------------------------------------------------------------------

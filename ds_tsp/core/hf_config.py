@@ -1,6 +1,7 @@
 """transformers configs in and out: the config a TSP model was built from, and the config.json it saves.
 
-A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip);
+A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
+and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: qk_norm -> Qwen3, q/k/v bias ->
 Qwen2, one sliding window on every layer -> Mistral, else Llama.
 """
@@ -18,6 +19,7 @@ from ds_tsp.core.shape import ModelShape
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 def import_transformers():
@@ -50,6 +52,16 @@ def config_json(config, dtype: torch.dtype) -> str:
     config.architectures = [ARCHITECTURES[config.model_type]]
     config.dtype = dtype
     return config.to_json_string(use_diff=False)
+
+
+def generation_config_json(source) -> str | None:
+    """The generation_config.json text of a checkpoint directory (its file, verbatim) or of an in-memory transformers
+    model (its generation_config, as transformers' save_pretrained writes it); None when it has none."""
+    if isinstance(source, (str, Path)):
+        path = Path(source) / GENERATION_CONFIG_NAME
+        return path.read_text() if path.is_file() else None
+    generation = getattr(source, "generation_config", None)
+    return generation.to_json_string(use_diff=True) if generation is not None else None
 
 
 def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:

@@ -22,13 +22,16 @@ Backward runs each block's kernel backward with the MERGED out and lse: a flash 
 P = exp(S * scale - lse) and Dv = rowsum(dout * out), so with the final values each call returns the exact
 partial gradients; dq = dq1 + dq2 and dk, dv are the two blocks concatenated on the sequence dim.
 
-Backends (`select_backend`):
+Backends (`select_backend`, first usable wins):
 
-    "flash_attn"  CUDA, fp16/bf16, head_dim <= 256, flash-attn 2.x importable (GQA native). Never run on a GPU
-                  yet (developed without one); only its argument adapter is tested, with a fake module.
+    "flash_attn"  CUDA sm80+, fp16/bf16, head_dim <= 256, flash-attn 2.x importable (GQA native). Never run on
+                  a GPU yet (developed without one); only its argument adapter is tested, with a fake module.
+    "aten_flash"  the same CUDA cases without a working flash-attn: torch's own flash kernel,
+                  aten::_scaled_dot_product_flash_attention and its _backward (ds_tsp/core/aten_attention.py).
     "cpu_flash"   CPU, float64/float32/bfloat16/float16: aten::_scaled_dot_product_flash_attention_for_cpu
-                  and its _backward (both take and return the LSE; they need Hq == Hkv, handled below).
-    "math"        pure torch, any device and dtype; the readable definition and the fallback.
+                  and its _backward, through the SAME adapter as aten_flash (only the op table differs).
+    "math"        pure torch, any device and dtype; the readable definition and the fallback. On CUDA it upcasts
+                  to fp32 and builds [B, H, 256, Lk] temporaries, so falling to it there warns once per reason.
 
 Every backend returns lse as [B, Hq, Lq] in float32 (float64 for float64 inputs), but that is a detail: the
 contract is that `attention_backward` must use the SAME backend as the `attention_forward` that produced
@@ -37,12 +40,16 @@ contract is that `attention_backward` must use the SAME backend as the `attentio
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
+import warnings
 
 import torch
 
-BACKENDS = ("flash_attn", "cpu_flash", "math")
+from .aten_attention import CPU_OPS, CUDA_OPS, AtenFlash, _grouped, _ungroup, table_problem
+
+BACKENDS = ("flash_attn", "aten_flash", "cpu_flash", "math")
 
 _HALF = (torch.float16, torch.bfloat16)
 _MATH_BLOCK_ROWS = 256  # query rows per block in the math backend: temporaries are [B, H, 256, Lk]
@@ -56,11 +63,15 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, *, head_dim: 
     """The backend attention_forward / attention_backward use for tensors on `device` with `dtype`."""
     device = torch.device(device)
     if device.type == "cuda":
-        if dtype in _HALF and (head_dim is None or head_dim <= 256) and _flash_attn_usable(device):
-            return "flash_attn"
-        return "math"
+        backend, why = _cuda_choice(device, dtype, head_dim)
+        if backend == "math":
+            _warn_math(why, "CUDA")
+        return backend
     if device.type == "cpu" and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
-        return "cpu_flash"
+        why = table_problem(CPU_OPS)
+        if why is None:
+            return "cpu_flash"
+        _warn_math(why, "CPU")
     return "math"
 
 
@@ -127,9 +138,41 @@ def _backend_impl(backend, q):
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS} or None (automatic)")
     if backend == "cpu_flash" and q.device.type != "cpu":
         raise ValueError(f"backend='cpu_flash' needs CPU tensors, got {q.device}")
-    if backend == "flash_attn" and (q.device.type != "cuda" or q.dtype not in _HALF):
-        raise ValueError(f"backend='flash_attn' needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}")
+    if backend in ("flash_attn", "aten_flash") and (q.device.type != "cuda" or q.dtype not in _HALF):
+        raise ValueError(f"backend={backend!r} needs CUDA fp16/bf16 tensors, got {q.device} {q.dtype}")
     return _IMPLS[backend]
+
+
+def _cuda_choice(device, dtype, head_dim):
+    """(backend, why not a fused kernel) on a CUDA device."""
+    if dtype not in _HALF:
+        return "math", f"dtype {dtype} (the fused kernels take float16 / bfloat16)"
+    if head_dim is not None and head_dim > 256:
+        return "math", f"head_dim {head_dim} > 256"
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except (RuntimeError, AssertionError) as err:  # no driver / device: keep the reason, do not crash selection
+        return "math", f"no usable CUDA device ({err})"
+    if major < 8:
+        return "math", f"compute capability {major}.{minor} < 8.0 (flash kernels need Ampere or newer)"
+    if _flash_attn_module() is not None:
+        return "flash_attn", None
+    available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    aten_why = table_problem(CUDA_OPS) or (None if available() else "this torch build has no flash attention")
+    if aten_why is None:
+        return "aten_flash", None
+    return "math", f"flash-attn unusable ({_flash_attn_status()[1]}) and torch's flash kernel too ({aten_why})"
+
+
+_WARNED: set = set()
+
+
+def _warn_math(why, where):
+    if why not in _WARNED:  # attention runs per block, layer and chunk: say it once per process and reason
+        _WARNED.add(why)
+        warnings.warn(f"ds_tsp attention falls back to the pure-torch 'math' kernel on {where}: {why}. It computes "
+                      "in fp32 blocks of [B, H, 256, Lk] and is several times slower than a flash kernel.",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _lse_dtype(dtype):
@@ -148,18 +191,6 @@ def _merge(o1, lse1, o2, lse2):
 
 # ----------------------------------------------------------------------------------------------------------------
 # math backend: pure torch, blocked over queries. Layout inside: [B, Hkv, g, L, d] with g = Hq // Hkv.
-
-
-def _grouped(x, hkv):
-    """[B, L, Hq, d] -> view [B, Hkv, g, L, d]."""
-    B, L, H, d = x.shape
-    return x.view(B, L, hkv, H // hkv, d).permute(0, 2, 3, 1, 4)
-
-
-def _ungroup(x):
-    """[B, Hkv, g, L, d] -> [B, L, Hkv*g, d]."""
-    B, hkv, g, L, d = x.shape
-    return x.permute(0, 3, 1, 2, 4).reshape(B, L, hkv * g, d)
 
 
 class _Math:
@@ -225,64 +256,6 @@ class _Math:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# cpu_flash backend: aten's CPU flash kernel (layout [B, H, L, d], needs Hq == Hkv).
-# Unmasked block: fold the g query heads of a kv head into the query length ([B, Hkv, g*Lq, d]) - K/V are never
-# copied per group. Causal block: folding would break the row positions, so expand K/V (only the Lq-long diagonal
-# slice) with repeat_interleave and sum dk/dv back over the group.
-
-
-def _fold(x, hkv):
-    """[B, Lq, Hq, d] -> [B, Hkv, g*Lq, d]."""
-    B, L, H, d = x.shape
-    return _grouped(x, hkv).reshape(B, hkv, (H // hkv) * L, d)
-
-
-def _unfold(x, g):
-    """[B, Hkv, g*Lq, d] -> [B, Lq, Hkv*g, d]."""
-    B, hkv, gl, d = x.shape
-    return _ungroup(x.view(B, hkv, g, gl // g, d))
-
-
-class _CpuFlash:
-    @staticmethod
-    def forward(q, k, v, *, causal, scale):
-        B, Lq, Hq, d = q.shape
-        hkv = k.shape[2]
-        g = Hq // hkv
-        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Lk, d]
-        if not causal:
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                _fold(q, hkv), kt, vt, 0.0, False, scale=scale)
-            return _unfold(o, g), lse.reshape(B, Hq, Lq)
-        if g > 1:
-            kt, vt = kt.repeat_interleave(g, dim=1), vt.repeat_interleave(g, dim=1)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.transpose(1, 2), kt, vt, 0.0, True,
-                                                                            scale=scale)
-        return o.transpose(1, 2), lse.contiguous()
-
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, *, causal, scale):
-        B, Lq, Hq, d = q.shape
-        hkv = k.shape[2]
-        g = Hq // hkv
-        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
-        if not causal:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _fold(dout, hkv), _fold(q, hkv), kt, vt, _fold(out, hkv), lse.reshape(B, hkv, g * Lq),
-                0.0, False, scale=scale)
-            return _unfold(dq, g), dk.transpose(1, 2), dv.transpose(1, 2)
-        if g > 1:
-            kt, vt = kt.repeat_interleave(g, dim=1), vt.repeat_interleave(g, dim=1)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.transpose(1, 2), q.transpose(1, 2), kt, vt, out.transpose(1, 2), lse, 0.0, True, scale=scale)
-        if g > 1:
-            Lk = k.shape[1]
-            dk = dk.view(B, hkv, g, Lk, d).sum(2)
-            dv = dv.view(B, hkv, g, Lk, d).sum(2)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # flash_attn backend (CUDA). UNTESTED HERE: no GPU in this repository's CI. Layout [B, L, H, d] natively, GQA
 # native, causal=True aligned bottom-right. `_flash_attn_forward` / `_flash_attn_backward` changed signatures
 # across 2.x (window_size tuple -> window_size_left/right, softcap, alibi_slopes, deterministic; forward returns
@@ -290,19 +263,24 @@ class _CpuFlash:
 # name from the installed signature and head_dim is padded to a multiple of 8 here.
 
 
+def _import_flash_attn():
+    return importlib.import_module("flash_attn.flash_attn_interface")
+
+
 @functools.lru_cache(maxsize=None)
-def _flash_attn_module():
+def _flash_attn_status():
+    """(flash_attn_interface or None, why not). Loading fails in more ways than ImportError: a wheel built for
+    another torch / CUDA raises OSError or RuntimeError from its extension."""
     try:
-        from flash_attn import flash_attn_interface
-    except ImportError:  # not installed, or built for another torch/CUDA
-        return None
-    return flash_attn_interface
+        return _import_flash_attn(), None
+    except ImportError as err:
+        return None, f"not importable: {err}"
+    except Exception as err:  # noqa: BLE001 - any failure to load means: do not use it
+        return None, f"fails to load: {type(err).__name__}: {err}"
 
 
-def _flash_attn_usable(device):
-    if _flash_attn_module() is None:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 8  # flash-attn 2 needs Ampere or newer
+def _flash_attn_module():
+    return _flash_attn_status()[0]
 
 
 def _call_by_name(fn, values):
@@ -351,4 +329,4 @@ class _FlashAttn:
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
-_IMPLS = {"flash_attn": _FlashAttn, "cpu_flash": _CpuFlash, "math": _Math}
+_IMPLS = {"flash_attn": _FlashAttn, "aten_flash": AtenFlash(CUDA_OPS), "cpu_flash": AtenFlash(CPU_OPS), "math": _Math}

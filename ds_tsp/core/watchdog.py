@@ -18,13 +18,15 @@ the blocked C++ wait is never unwound, atexit handlers and process-group destruc
 threads blocked on the stopped peer) are skipped on purpose. A wait that RAISES (killed peer, gloo's own timeout)
 gets the same one-line message and the same exit; with `timeout_s=None` it raises `TSPCommError` instead.
 
+Where the process group's own timeout is not longer than timeout_s (ds_tsp.initialize and build_runtime create the
+groups with timeout_s) gloo's timer, started when an op is posted, often fires first (9 of 20 by-hand SIGSTOP
+trials): the wait raises "Timed out waiting 10000ms for recv operation to complete" (or "Application timeout caused
+pair closure"). That is reported as the watchdog's own: "timed out", collective, layer, peer, gloo's words after.
+
 On NCCL (and any backend of device tensors) `work.wait()` does not block the host: it only orders the current
 stream after the work and returns at once, so no thread is ever blocked past a deadline. Such waits are armed all
-the same (wait() may block during lazy communicator setup), and the works still in flight afterwards are handed to
-the same thread, which polls `work.is_completed()` every `poll_s` while any is in flight and reports a work still
-running `timeout_s` after its wait began, with the same message. Works are polled only where wait() does not block
-(the caller says so: Handle knows the tensors' device), because after a blocking wait is_completed() is not
-reliable: gloo's reduce_scatter work reports False forever (torch 2.13).
+the same (wait() may block during lazy communicator setup), and the works still in flight afterwards are polled
+by the same thread (ds_tsp.core.watchdog_polling). The message itself is built by ds_tsp.core.stall_message.
 """
 from __future__ import annotations
 
@@ -32,12 +34,14 @@ import os
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ds_tsp.core.stall_message import MESSAGE_PREFIX, Blocked, TSPCommError, caller_frames, describe, is_timeout
+from ds_tsp.core.watchdog_polling import WorkPoller
 
 __all__ = ["EXIT_CODE", "MESSAGE_PREFIX", "POLL_S", "TSPCommError", "guard", "label_modules", "stats", "WATCHDOG"]
 
@@ -45,120 +49,6 @@ EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the job may succeed when restarted w
 # Seconds between polls of works in flight: a stall is reported by timeout_s + POLL_S; a polled work (and what it
 # holds) is released at most this late after it completes.
 POLL_S = 0.02
-MESSAGE_PREFIX = "ds_tsp: TSP collective"
-_PEER_CONTEXT = ("ring", "src", "dst")
-
-
-class TSPCommError(RuntimeError):
-    """A TSP collective failed (peer died, transport error); the message names collective, layer and peer."""
-
-
-# --- what a thread is blocked on ------------------------------------------------------------------------------
-class Blocked:
-    """Description of a pending wait, formatted only when something goes wrong (so building it costs ~nothing).
-
-    peer: ("src", j) broadcast source, ("dst", j) reduce/gather destination (TSP group ranks),
-    ("ring", prev, next) ring hop, ("group",) every other rank of the TSP group, ("ranks", [global ranks]).
-    """
-
-    __slots__ = ("comm", "kind", "peer", "what", "context")
-
-    def __init__(self, comm: Any, kind: str, peer: tuple, what: str | None = None, context: str | None = None):
-        self.comm, self.kind, self.peer, self.what = comm, kind, peer, what
-        self.context = getattr(comm, "context", "") if context is None else context
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _name(comm: Any, group_rank: int) -> str:
-    ranks = getattr(comm, "_ranks", None)
-    g = ranks[group_rank] if ranks and 0 <= group_rank < len(ranks) else group_rank
-    return f"rank {g}" if g == group_rank else f"rank {g} (TSP rank {group_rank})"
-
-
-def _names(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
-
-
-def describe_peers(b: Blocked) -> str:
-    comm, peer = b.comm, b.peer
-    me = getattr(comm, "rank", 0)
-    size = getattr(comm, "size", 1)
-    ranks = getattr(comm, "_ranks", None)
-    ranks = ranks if ranks and len(ranks) == size else list(range(size))
-    others = [ranks[r] for r in range(size) if r != me]
-    kind = peer[0]
-    if kind == "src":
-        return (f"{_name(comm, peer[1])} (the broadcast source)" if peer[1] != me
-                else f"{_names(others)} (the broadcast receivers; this rank is the source)")
-    if kind == "dst":
-        return (f"{_name(comm, peer[1])} (the {b.kind} destination)" if peer[1] != me
-                else f"{_names(others)} (the {b.kind} contributors; this rank is the destination)")
-    if kind == "ring":
-        prv, nxt = peer[1], peer[2]
-        if prv == nxt:
-            return f"{_name(comm, prv)} (the ring neighbour)"
-        return f"{_name(comm, prv)} (ring receive) or {_name(comm, nxt)} (ring send)"
-    if kind == "ranks":
-        mine = _global_rank()
-        rest = [r for r in peer[1] if r != mine]
-        return f"{_names(rest)} (the rest of its group)" if rest else "no other rank"
-    return f"{_names(others)} (the rest of the TSP group)" if others else "no other rank"
-
-
-def _short(path: str) -> str:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    path = os.path.abspath(path)
-    return os.path.relpath(path, root) if path.startswith(root + os.sep) else os.path.basename(path)
-
-
-_SKIP = tuple(os.path.join(*parts) for parts in (("ds_tsp", "core", "comm.py"), ("ds_tsp", "core", "watchdog.py"),
-                                                 ("torch", "distributed", ""), ("torch", "autograd", ""),
-                                                 ("torch", "nn", ""), ("torch", "utils", ""),
-                                                 ("torch", "_tensor.py"), ("contextlib.py",), ("threading.py",)))
-
-
-def _frames(frame, depth: int = 3) -> list[tuple[str, int, str]]:
-    """The innermost `depth` frames outside ds_tsp.core.comm/watchdog and torch internals, unformatted (cheap)."""
-    out = []
-    while frame is not None and len(out) < depth:
-        code = frame.f_code
-        if not any(s in code.co_filename for s in _SKIP):
-            out.append((code.co_filename, frame.f_lineno, code.co_name))
-        frame = frame.f_back
-    return out
-
-
-def _call_site(frame=None, depth: int = 3, frames: list | None = None) -> str:
-    frames = _frames(frame, depth) if frames is None else frames
-    return " < ".join(f"{_short(f)}:{line} {name}" for f, line, name in frames) if frames else "unknown"
-
-
-def _cause(err: BaseException) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if text.startswith("[") and "] " in text:  # gloo prefixes "[/path/to/pair.cc:553] "
-        text = text.split("] ", 1)[1]
-    for cut in (". This is typically", " GLHF"):
-        text = text.split(cut, 1)[0]
-    return text[:240]
-
-
-def describe(b: Blocked, outcome: str, waited_s: float, timeout_s: float | None, frame=None,
-             cause: BaseException | None = None, frames: list | None = None) -> str:
-    """The one-line report: collective, rank, how long, waited-for peer(s), layer context, call site (`frame`
-    of the blocked thread, or `frames` taken by _frames where the wait was made)."""
-    comm = b.comm
-    size, me = getattr(comm, "size", 1), getattr(comm, "rank", 0)
-    kind = b.kind if not b.what else f"{b.kind} ({b.what})"
-    limit = f", timeout_s={timeout_s:g}" if timeout_s is not None else ""
-    head = (f"{MESSAGE_PREFIX} {kind} {outcome} on rank {_global_rank()} (TSP rank {me} of {size}) after "
-            f"{waited_s:.1f} s{limit}: waiting for {describe_peers(b)}")
-    if cause is not None:
-        head += f": {_cause(cause)}"
-    layer = b.context or "not labelled (ds_tsp.core.watchdog.label_modules(model) names the layers)"
-    return f"{head}; layer: {layer}; at {_call_site(frame, frames=frames)}"
 
 
 # --- the per-process watchdog ---------------------------------------------------------------------------------
@@ -171,12 +61,7 @@ class Watchdog:
         self._reset()
 
     def _reset(self) -> None:
-        # (deadline, start, timeout_s, blocked, works in flight, call-site frames): waiting threads append to the
-        # deque (thread-safe without a lock), the watchdog thread moves entries into its own list
-        self._handed: deque = deque()
-        self._polled: list[tuple] = []
-        self._polling = False  # the thread polls every poll_s (else it sleeps until the earliest deadline)
-        self.polls = 0
+        self.poller = WorkPoller()  # works in flight after waits that did not block
         self._armed: dict[int, tuple] = {}
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -212,9 +97,7 @@ class Watchdog:
         pending = [w for w in works if not w.is_completed()]
         if not pending:
             return
-        self._handed.append((start + timeout_s, start, timeout_s, blocked, pending, _frames(frame)))
-        if not self._polling:
-            self._polling = True
+        if self.poller.hand((start + timeout_s, start, timeout_s, blocked, pending, caller_frames(frame))):
             self._ensure_thread()
             self._wake.set()  # it may be sleeping until a far deadline
 
@@ -232,38 +115,11 @@ class Watchdog:
                 if entry[0] <= now:
                     self._fire(ident, entry, now)
                 wake_at = min(wake_at, entry[0])
-            if self._poll(now):
+            entry = None  # a finished wait's entry must not keep its TSPComm (and process group) alive while we sleep
+            if self.poller.poll(now, self.report_and_exit):
                 wake_at = min(wake_at, now + self.poll_s)
             self._wake.wait(max(wake_at - now, 0.0) + 0.005)
             self.wakeups += 1
-
-    def _poll(self, now: float) -> bool:
-        """Drop completed works, report overdue ones; True while some are still in flight."""
-        while True:
-            while self._handed:
-                self._polled.append(self._handed.popleft())
-            if self._polled:
-                self.polls += 1
-                self._polled = [entry for entry in self._polled if self._in_flight(entry, now)]
-                if self._polled:
-                    return True
-            self._polling = False
-            # A watch() that read _polling as True before the store above did not wake us: look once more.
-            if not self._handed:
-                return False
-            self._polling = True
-
-    def _in_flight(self, entry: tuple, now: float) -> bool:
-        deadline, start, timeout_s, blocked, works, frames = entry
-        try:
-            works[:] = [w for w in works if not w.is_completed()]  # release completed works now
-        except RuntimeError as err:
-            self.report_and_exit(describe(blocked, "failed", now - start, timeout_s, cause=err, frames=frames))
-            return False
-        if works and deadline <= now:
-            self.report_and_exit(describe(blocked, "timed out", now - start, timeout_s, frames=frames))
-            return False
-        return bool(works)
 
     def _fire(self, ident: int, entry: tuple, now: float) -> None:
         _, start, timeout_s, blocked = entry
@@ -275,8 +131,10 @@ class Watchdog:
         self.report_and_exit(message)
 
     def failed(self, blocked: Blocked, err: BaseException, start: float, timeout_s: float | None) -> None:
-        """A wait raised: report once and exit (watched), or raise TSPCommError (timeout_s None)."""
-        message = describe(blocked, "failed", time.perf_counter() - start, timeout_s, frame=sys._getframe(1),
+        """A wait raised: report once and exit (watched), or raise TSPCommError (timeout_s None). The backend's own
+        timeout (the process group's, fired first) is reported as "timed out", like the watchdog's."""
+        outcome = "timed out" if is_timeout(err) else "failed"
+        message = describe(blocked, outcome, time.perf_counter() - start, timeout_s, frame=sys._getframe(1),
                            cause=err)
         if timeout_s is None:
             raise TSPCommError(message) from err
@@ -384,7 +242,7 @@ def guard(what: str, *, timeout_s: float | None = 1800, group: Any = None, comm:
 
 def stats() -> dict:
     """Waits armed, watchdog-thread wake-ups and poll rounds so far in this process (the overhead, in events)."""
-    return {"arms": WATCHDOG.arms, "wakeups": WATCHDOG.wakeups, "polls": WATCHDOG.polls,
+    return {"arms": WATCHDOG.arms, "wakeups": WATCHDOG.wakeups, "polls": WATCHDOG.poller.polls,
             "thread": WATCHDOG._thread is not None and WATCHDOG._thread.is_alive()}
 
 

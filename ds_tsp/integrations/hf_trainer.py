@@ -12,6 +12,12 @@ What it changes, and why (the Trainer's own logic does the rest):
   over the TSP group and the data axis, and the model divides by it; `get_tp_size()` reports the TSP degree, so
   the Trainer's loss scaling counts the ranks that share a batch once;
 - evaluation runs UNDER TSP, sharded like training (no switch-off in eval, so an eval at the training length fits);
+  evaluate / predict / compute_metrics get what the plain Trainer gives them: the full logits [B, S, V] of each
+  eval batch (built from the vocab shards; preprocess_logits_for_metrics runs on them) and the batch's labels,
+  full length and unshifted, in the original order (eval loaders carry the unsharded ids); prediction_loss_only
+  builds neither;
+- `class X(TSPTrainer, SFTTrainer)`: TRL's SFTTrainer on TSP (ds_tsp.integrations.trl; ds_tsp.hf.TSPSFTTrainer);
+  other TRL trainers are refused by name when the class is defined;
 - save_model writes the HF layout, streamed, from every rank's shards (a collective).
 On CPU the launcher's process group (which TrainingArguments sets up as a 1-process accelerate state) is
 re-registered with gloo, so the same command runs on CPU and GPU.
@@ -27,6 +33,7 @@ from ds_tsp.core.config import parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.hf_config import import_transformers
 from ds_tsp.core.setup import build_runtime
+from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, shard_hf_batch
 from ds_tsp.model.convert import to_tsp_model
 
 _transformers = import_transformers()
@@ -64,12 +71,47 @@ def _register_cpu_world() -> None:
     PartialState(backend="gloo")
 
 
+_FULL_BATCH = "tsp_full_batch"  # an eval batch's unsharded input_ids / labels, for predictions and metrics
+
+
+class _EvalShardedLoader(TSPShardedLoader):
+    """TSPShardedLoader for evaluate / predict: each shard also carries the batch's full input_ids and labels
+    (token ids: small), so predictions and compute_metrics get them whole and in the original order."""
+
+    def __iter__(self):
+        for batch in self.loader:
+            sharded = shard_hf_batch(batch, self.comm)
+            if isinstance(batch, dict) and "tsp_shard" not in batch:
+                sharded[_FULL_BATCH] = {k: batch[k] for k in ("input_ids", "labels", "shift_labels")
+                                        if batch.get(k) is not None}
+            yield sharded
+
+
+def _with_full_batch(loader):
+    if isinstance(loader, TSPShardedLoader) and not isinstance(loader, _EvalShardedLoader):
+        return _EvalShardedLoader(loader.loader, loader.comm, batch_size=loader.batch_size)
+    return loader
+
+
 class TSPTrainer(_transformers.Trainer):
+    _tsp_with_sft = False  # composed with TRL's SFTTrainer (ds_tsp.integrations.trl)
+
+    def __init_subclass__(cls, **kwargs):
+        """`class X(TSPTrainer, SFTTrainer)`: TRL's SFT on TSP; any other TRL trainer is refused here, by name."""
+        super().__init_subclass__(**kwargs)
+        from ds_tsp.integrations.trl import check_composition
+
+        cls._tsp_with_sft = check_composition(cls, TSPTrainer)
+
     def __init__(self, model=None, args=None, *more, **kwargs):
         if args is None:
             raise TSPConfigError("TSPTrainer needs TrainingArguments(deepspeed=<config with a \"tsp\" block>)")
         if kwargs.get("model_init") is not None:
             raise TSPConfigError("model_init is not supported by TSPTrainer: pass the model")
+        if self._tsp_with_sft:
+            from ds_tsp.integrations import trl as tsp_trl
+
+            tsp_trl.check_sft_arguments(super().__init__, model, args, more, kwargs)
         _ = args.device  # sets the process group up (TrainingArguments does it lazily)
         _register_cpu_world()
         tsp = _tsp_block(args)
@@ -87,7 +129,12 @@ class TSPTrainer(_transformers.Trainer):
                              hf_face=True)
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        super().__init__(model, args, *more, **kwargs)
+        if self._tsp_with_sft:
+            tsp_trl.prepare_model(model)
+            with tsp_trl.sft_init():
+                super().__init__(model, args, *more, **kwargs)
+        else:
+            super().__init__(model, args, *more, **kwargs)
         if set(self.label_names) != {"shift_labels"} and self.label_names in (["labels"], ["labels", "shift_labels"]):
             self.label_names = ["shift_labels"]  # TSP batches carry pre-shifted labels, sharded
 
@@ -122,6 +169,52 @@ class TSPTrainer(_transformers.Trainer):
                 self.tsp_groups.layout.data_enabled:
             dist.all_reduce(local, group=self.tsp_groups.data_group)
         return local
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The Trainer's (or TRL's SFTTrainer's) compute_loss; with SFT, its num_tokens metric counts the whole
+        sequence, not this rank's shard."""
+        if not self._tsp_with_sft:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        from ds_tsp.integrations.trl import count_train_tokens
+
+        before = getattr(self, "_total_train_tokens", 0)
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        count_train_tokens(self, inputs, before)
+        return result
+
+    # --- evaluation and prediction -------------------------------------------------------------------------------
+    def get_eval_dataloader(self, eval_dataset=None):
+        return _with_full_batch(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return _with_full_batch(super().get_test_dataloader(test_dataset))
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """What the plain Trainer gives evaluate / predict / compute_metrics, under TSP: logits [B, S, V] of every
+        position, built from the vocab shards once per eval batch (as the plain Trainer materialises them; with
+        preprocess_logits_for_metrics its output on those full logits), and the batch's own labels, full length,
+        in the original order (unshifted). prediction_loss_only builds and gathers neither."""
+        full = inputs.pop(_FULL_BATCH, None) if isinstance(inputs, dict) else None
+        if prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if full is None:
+            raise TSPConfigError("TSPTrainer.prediction_step with predictions needs batches from its own "
+                                 "get_eval_dataloader / get_test_dataloader (they carry the unsharded labels)")
+        seq_len = int(inputs.get("seq_len") or full["input_ids"].shape[1])
+        if self._tsp_with_sft:  # TRL's loss and metrics (fused head), then the logits alone
+            loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys)
+            scoring = {k: v for k, v in self._prepare_inputs(inputs).items() if k not in ("labels", "shift_labels")}
+            with torch.no_grad(), self.compute_loss_context_manager():
+                logits = model(**scoring, logits_to_keep=seq_len).logits
+        else:  # one forward: the loss and the logits of every position
+            loss, logits, _ = super().prediction_step(model, {**inputs, "logits_to_keep": seq_len}, False,
+                                                      ignore_keys)
+        labels = full.get("labels", full.get("shift_labels"))
+        if "inputs" in self.args.include_for_metrics:  # evaluation_loop reads the caller's batch: the full ids
+            inputs[getattr(self.model, "main_input_name", "input_ids")] = full["input_ids"]
+        return loss, logits, None if labels is None else self._prepare_input(labels)
 
     # --- saving ------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

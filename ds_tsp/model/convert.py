@@ -20,17 +20,21 @@ from ds_tsp.core.shape import ModelShape
 from ds_tsp.core.watchdog import label_modules
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.model.trainability import hf_name, load_hf_model
 
 
 def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dtype=None, device=None,
                  data_group=None, state_dict: dict[str, torch.Tensor] | None = None,
-                 seed: int = 0, hf_face: bool = False) -> TSPForCausalLM | ShardedCausalLM:
+                 seed: int = 0, hf_face: bool = False,
+                 source: nn.Module | None = None) -> TSPForCausalLM | ShardedCausalLM:
     """The one conversion entry point: whatever a user script built, as a TSP model on `comm`'s group.
 
     - a transformers Llama-family model or a local checkpoint directory: a TSPForCausalLM (the HF call signature;
       a directory is read by slices, never whole on any rank);
     - a ModelShape, a transformers config or a config dict: a ShardedCausalLM (this rank's zigzag shard in, its
-      loss share out), its shards taken from `state_dict` (HF names) or initialised in place from `seed`;
+      loss share out), its shards taken from `source` (the in-memory transformers or PEFT LoRA model the config
+      came from: weights unless `state_dict` overrides them, requires_grad, the LoRA adapter), from `state_dict`
+      (HF names), or initialised in place from `seed`;
     - a TSPForCausalLM or ShardedCausalLM already built: checked against `comm`'s degree, returned as it is.
     Every result is labelled for the stall watchdog (a stalled collective's report names its layer).
     hf_face=True (the Trainer and Accelerate, whose loops call the model the HF way) accepts only the first and
@@ -49,14 +53,16 @@ def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dt
                                  "Llama / Mistral / Qwen2 / Qwen3 causal LMs")
         converted = TSPForCausalLM.from_pretrained(model, comm, dtype=dtype or "auto", options=options,
                                                    device=device, data_group=data_group)
-        if not isinstance(model, (str, Path)) and getattr(model, "is_gradient_checkpointing", False):
+        if not isinstance(model, (str, Path)) and _checkpointing_enabled(model):
             converted.gradient_checkpointing_enable()
         return label_modules(converted)
     if not hf_face and (isinstance(model, ModelShape) or hasattr(model, "to_dict") or isinstance(model, dict)):
         shape = model if isinstance(model, ModelShape) else ModelShape.from_hf_config(model)
         sharded = ShardedCausalLM(shape, comm, options=options, dtype=dtype or torch.float32, device=device,
                                   data_group=data_group)
-        if state_dict is not None:
+        if source is not None:
+            load_hf_model(sharded, source, state_dict)
+        elif state_dict is not None:
             sharded.load_full_state_dict(state_dict)
         else:
             sharded.init_weights_(seed)
@@ -76,6 +82,7 @@ def _shard_of_hf_name(tsp: ShardedCausalLM) -> dict[str, nn.Parameter]:
         owner.update({prefix + name: param for name in module.hf_shapes()})
     if tsp.lm_head.tied:
         owner["lm_head.weight"] = tsp.model.embed_tokens.vocab_shard
+    owner.update({name: param for name, param, _ in tsp.lora_tensors()})
     return owner
 
 
@@ -103,7 +110,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], ne
             if name is None:
                 raise TSPConfigError("the optimizer holds a parameter that is not the model's: build it on "
                                      "model.parameters() of the model passed to prepare")
-            target = owner.get(name)
+            target = owner.get(name, owner.get(hf_name(name)))  # PEFT names: base_model.model..., base_layer
             if target is None:
                 raise TSPConfigError(f"parameter {name!r} has no TSP counterpart")
             if group_of.setdefault(id(target), g) != g:
@@ -112,10 +119,11 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], ne
                                      "gate/up/down) weights of a layer in one param group")
             if not any(target is q for q in new_groups[g]):
                 new_groups[g].append(target)
-    missing = [n for n, p in new_model.named_parameters() if id(p) not in group_of]
+    # Frozen parameters may be left out (the Trainer builds its optimizer on the trainable ones only)
+    missing = [n for n, p in new_model.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
-        raise TSPConfigError(f"the optimizer does not cover {missing[0]} ({len(missing)} TSP parameters): build it "
-                             "on all of model.parameters()")
+        raise TSPConfigError(f"the optimizer does not cover {missing[0]} ({len(missing)} trainable TSP parameters): "
+                             "build it on the model's trainable parameters (or all of model.parameters())")
     for group, params in zip(optimizer.param_groups, new_groups):
         group["params"] = params
     optimizer.state.clear()
@@ -132,3 +140,10 @@ def core_model(model: nn.Module) -> ShardedCausalLM:
             break
     raise TSPConfigError(f"{type(model).__name__} is not a ds_tsp model: pass a ShardedCausalLM or a "
                          "ds_tsp.hf.TSPForCausalLM")
+
+
+def _checkpointing_enabled(model) -> bool:
+    # transformers 5 renamed the flag; reading the old name on a new model only raises a FutureWarning
+    if hasattr(type(model), "is_activation_checkpointing") or hasattr(model, "is_activation_checkpointing"):
+        return bool(getattr(model, "is_activation_checkpointing", False))
+    return bool(getattr(model, "is_gradient_checkpointing", False))

@@ -12,7 +12,8 @@ rank exactly its share of the gradients. There is no KV cache: this is a trainin
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.hf_config import config_json, import_transformers, load_config
+from ds_tsp.core.hf_config import config_json, generation_config_json, import_transformers, load_config
 from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.shape import ModelShape
@@ -31,6 +32,20 @@ from ds_tsp.core.partition import shard_batch
 _HARMLESS_KWARGS = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
                     "output_hidden_states": (None, False), "past_key_values": (None,), "cache": (None,),
                     "inputs_embeds": (None,), "cache_position": (None,)}
+
+
+_POSITIONAL_ERROR = (
+    "TSPForCausalLM.forward got {n} positional arguments: only input_ids is taken positionally (transformers' own "
+    "positional order puts attention_mask second, a shard's order shift_labels: a guess would train on the wrong "
+    "targets). Pass keywords: input_ids=, labels= (full batch, unshifted), shift_labels= (with a TSPDataLoader "
+    "batch), position_ids=, attention_mask=, logits_to_keep=; a batch dict as model(**batch) / engine(**batch)")
+
+_GENERATE_ERROR = (
+    "TSPForCausalLM does not generate: TSP trains and scores (no KV cache; every step is a collective over the "
+    "TSP group). To sample: model.save_pretrained(dir) and load dir in transformers "
+    "(AutoModelForCausalLM.from_pretrained(dir).generate(...)) or a serving engine (vLLM, TGI, SGLang); for a quick "
+    "greedy sample under TSP, loop model(input_ids=ids, logits_to_keep=1).logits[:, -1].argmax(-1) and append the "
+    "token (README: 'Sampling'; it recomputes the whole prefix each step)")
 
 
 def as_comm(tsp_group) -> TSPComm:
@@ -55,6 +70,24 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
     raise TSPConfigError(f"dtype={dtype!r}: pass a torch dtype, its name (\"bfloat16\") or \"auto\"")
 
 
+@dataclass
+class FusedLMHeadOutput:
+    """forward(fused_lm_head=True)'s answer: the fields of TRL's FusedCausalLMOutput (per-token, [B, seq_len], zero
+    where the label is -100); those TSP does not compute (log_sum_sq_probs, mean_logits, aux_loss) are None."""
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+    def __getitem__(self, key: str):  # outputs["loss"], as the Trainer reads a ModelOutput
+        return getattr(self, key)
+
+
 class TSPForCausalLM(nn.Module):
     main_input_name = "input_ids"
     accepts_loss_kwargs = True  # the Trainer passes num_items_in_batch
@@ -63,6 +96,7 @@ class TSPForCausalLM(nn.Module):
                  dtype: torch.dtype = torch.float32, device=None, data_group=None):
         super().__init__()
         self.config = config
+        self.generation_config_json: str | None = None  # the source's generation_config.json, written back on save
         self.tsp = ShardedCausalLM(ModelShape.from_hf_config(config), as_comm(tsp_group), options=options,
                                dtype=dtype, device=device, data_group=data_group)
 
@@ -71,6 +105,10 @@ class TSPForCausalLM(nn.Module):
     def from_pretrained(cls, pretrained, tsp_group=None, *, dtype="auto", torch_dtype=None,
                         options: TSPOptions = TSPOptions(), device=None, data_group=None) -> "TSPForCausalLM":
         """From a LOCAL HF checkpoint directory (each rank reads only its slices) or an in-memory HF model.
+
+        An in-memory model's requires_grad carries to the shards (ds_tsp.model.trainability; a directory loads all
+        trainable); a PEFT LoRA model (get_peft_model) keeps its base frozen and trains its adapter, folded into the
+        shards (ds_tsp.model.lora), and save_pretrained then writes the adapter as PEFT does.
 
         dtype "auto" keeps the checkpoint's dtype (config.json's), as transformers 5 does; collective-free.
         """
@@ -83,14 +121,18 @@ class TSPForCausalLM(nn.Module):
             model = cls(config, tsp_group, options=options, dtype=_resolve_dtype(dtype, config), device=device,
                         data_group=data_group)
             load_sharded(model.tsp, pretrained)
+            model.generation_config_json = generation_config_json(pretrained)  # written back by save_pretrained
             return model
-        if hasattr(pretrained, "config") and hasattr(pretrained, "state_dict"):  # a transformers PreTrainedModel
-            weights = pretrained.state_dict()
+        if hasattr(pretrained, "config") and hasattr(pretrained, "state_dict"):  # a transformers (or PEFT) model
+            from ds_tsp.model.trainability import load_hf_model
+
             if dtype in (None, "auto"):
-                dtype = next(iter(weights.values())).dtype
+                dtype = next(iter(pretrained.parameters())).dtype
             model = cls(pretrained.config, tsp_group, options=options, dtype=_resolve_dtype(dtype, pretrained.config),
                         device=device, data_group=data_group)
-            model.tsp.load_full_state_dict(weights)
+            # Weights, requires_grad and a PEFT LoRA adapter (whose base_model.model. names it maps back)
+            hf_model = load_hf_model(model.tsp, pretrained)
+            model.generation_config_json = generation_config_json(hf_model)
             return model
         raise TSPConfigError(f"from_pretrained({type(pretrained).__name__}): pass a local checkpoint directory or a "
                              "transformers Llama / Mistral / Qwen2 / Qwen3 model")
@@ -126,13 +168,30 @@ class TSPForCausalLM(nn.Module):
     def is_gradient_checkpointing(self) -> bool:
         return self.tsp.options.activation_checkpointing
 
+    @classmethod
+    def can_generate(cls) -> bool:
+        """False: TSP trains and scores. A generating transformers pipeline (text-generation) asks this while it is
+        built and would otherwise fail on its own missing attributes: it gets the generate() error instead."""
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("transformers.pipelines"):
+            raise TSPConfigError(_GENERATE_ERROR)
+        return False
+
+    def generate(self, *args, **kwargs):
+        """Not supported: one TSPConfigError saying how to sample (save_pretrained + transformers / a serving
+        engine, or the logits_to_keep=1 greedy loop of the README)."""
+        raise TSPConfigError(_GENERATE_ERROR)
+
     # --- forward ----------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, *args, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                shift_labels: torch.Tensor | None = None, logits_to_keep: int = 0, *,
+                shift_labels: torch.Tensor | None = None, logits_to_keep: int = 0,
                 tsp_shard: tuple[int, int] | None = None, seq_len: int | None = None,
-                num_items_in_batch: torch.Tensor | int | None = None, **kwargs):
+                num_items_in_batch: torch.Tensor | int | None = None, fused_lm_head: bool = False, **kwargs):
         """transformers' causal-LM call. Returns CausalLMOutputWithPast(loss, logits).
+
+        fused_lm_head=True (TRL's SFTTrainer loss call): a FusedLMHeadOutput instead, see _fused_lm_head.
+
+        Only input_ids may be passed positionally; everything else by keyword (model(**batch) for a batch dict).
 
         labels: HF convention (shifted inside); shift_labels: already shifted (DeepSpeed ALST convention).
         attention_mask: 1 real / 0 padding (left or right); padded tokens are neither keys nor targets.
@@ -143,6 +202,8 @@ class TSPForCausalLM(nn.Module):
         loss is then token sum / num_items_in_batch, its value this data replica's part (summed over the TSP group),
         as transformers' models do per process.
         """
+        if args:  # transformers' own positional order differs (attention_mask second): never guess
+            raise TSPConfigError(_POSITIONAL_ERROR.format(n=1 + len(args)))
         self._check_kwargs(kwargs)
         if input_ids is None:
             raise TSPConfigError("input_ids is required (inputs_embeds is not supported: the embedding is sharded)")
@@ -156,8 +217,13 @@ class TSPForCausalLM(nn.Module):
         if not isinstance(logits_to_keep, int):
             raise TSPConfigError(f"logits_to_keep={type(logits_to_keep).__name__}: only an int (the last k "
                                  "positions) is supported")
+        if fused_lm_head and (not has_targets or logits_to_keep):
+            raise TSPConfigError("fused_lm_head=True scores the labels without building logits: pass labels / "
+                                 "shift_labels, and no logits_to_keep")
         h, n_valid = self.tsp.final_hidden(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                                            batch["shift_labels"])
+        if fused_lm_head:
+            return self._fused_lm_head(h, batch, seq_len, num_items_in_batch)
         loss = logits = None
         if has_targets and num_items_in_batch is not None:
             if isinstance(num_items_in_batch, torch.Tensor):
@@ -173,6 +239,30 @@ class TSPForCausalLM(nn.Module):
             logits = self.tsp.last_logits(h, seq_len, logits_to_keep)
         outputs = import_transformers().modeling_outputs.CausalLMOutputWithPast
         return outputs(loss=loss, logits=logits)
+
+    def _fused_lm_head(self, h, batch: dict, seq_len: int, num_items_in_batch) -> FusedLMHeadOutput:
+        """TRL's fused LM head (trl.trainer.utils.add_fused_lm_head's output fields) through TSP's streaming head:
+        per-token log_probs / entropy / is_top1 / label_mask of the whole sequence [B, seq_len] (pre-shifted label
+        order), identical on every TSP rank, never a [tokens, vocab] logits tensor nor a full LM-head weight.
+        A loss computed from log_probs (e.g. -log_probs.sum() / num_items) has the group's value on every rank and
+        back-propagates only this rank's share (each rank keeps its tokens' slice of the gradient). Only log_probs
+        carries a gradient; entropy and is_top1 are metrics."""
+        from ds_tsp.core.functions import lm_head_token_stats as token
+
+        labels = batch["shift_labels"]
+        if batch["attention_mask"] is not None:
+            labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
+        stats = token.gather_token_stats(self.tsp.lm_head(h, labels, token_stats=True), self.tsp.comm, seq_len)
+        log_probs, mask = stats[token.LOG_PROB], stats[token.LABEL_MASK].detach().bool()
+        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedLMHeadOutput(loss=-log_probs.sum() / denominator, log_probs=log_probs,
+                                 entropy=stats[token.ENTROPY].detach(), is_top1=stats[token.IS_TOP1].detach().bool(),
+                                 label_mask=mask)
+
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """transformers' model tags (TRL adds its own): kept on the model, as PreTrainedModel keeps them."""
+        tags = [tags] if isinstance(tags, str) else list(tags)
+        self.model_tags = list(dict.fromkeys([*(getattr(self, "model_tags", None) or []), *tags]))
 
     def _check_kwargs(self, kwargs: dict) -> None:
         for key, value in kwargs.items():
@@ -199,6 +289,12 @@ class TSPForCausalLM(nn.Module):
         targets = shift_labels if shift_labels is not None else labels
         if labels is not None and shift_labels is not None:
             raise TSPConfigError("pass labels (HF convention, shifted inside) or shift_labels (pre-shifted), not both")
+        if shift_labels is not None and comm.size > 1:  # never shard a shard: shift_labels need the loader's marker
+            raise TSPConfigError(
+                f"shift_labels without tsp_shard at tsp={comm.size}: a TSPDataLoader shard that lost its tsp_shard "
+                "marker looks exactly like a full pre-shifted batch, and sharding it again would train on the wrong "
+                "tokens. Pass the loader's batch whole (model(**batch): it carries tsp_shard and seq_len), or a "
+                "full-length batch with labels= (unshifted: the model shifts and shards it)")
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
             raise TSPConfigError("input_ids has one dim: pass [batch, seq] (input_ids.unsqueeze(0))")
         full = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=targets, position_ids=position_ids,
@@ -221,8 +317,10 @@ class TSPForCausalLM(nn.Module):
             raise TSPConfigError(f"save_pretrained: {', '.join(unsupported)} not supported (ds_tsp always writes "
                                  "safetensors; the writer is global rank 0)")
         dtype = dtype or self.dtype
+        generation = getattr(self, "generation_config_json", None)
         return save_streaming(self.tsp, save_directory, config_json(self.config, dtype),
-                              max_shard_size=max_shard_size, dtype=dtype)
+                              max_shard_size=max_shard_size, dtype=dtype,
+                              extra_files={"generation_config.json": generation} if generation else None)
 
     def extra_repr(self) -> str:
         return f"model_type={self.config.model_type}, tsp={self.tsp.comm.size}"

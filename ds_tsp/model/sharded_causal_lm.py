@@ -39,12 +39,15 @@ from ds_tsp.core.rope import rope_cos_sin
 _CHECK_COUNTS = 7  # the counts heading input_check_payload (ds_tsp.tools.plan.tsp_comm repeats the number)
 
 
-def normalise_over_data(n_valid_tsp: torch.Tensor, data_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Loss denominator: labelled tokens of the whole data x TSP batch / data size (see set_data_parallel_group)."""
+def normalise_over_data(n_valid_tsp: torch.Tensor, data_group: dist.ProcessGroup | None,
+                        comm: TSPComm) -> torch.Tensor:
+    """Loss denominator: labelled tokens of the whole data x TSP batch / data size (see set_data_parallel_group).
+    The all-reduce is guarded by `comm`'s watchdog: a stalled data replica is reported, not waited for forever."""
     if data_group is None or dist.get_world_size(data_group) == 1:
         return n_valid_tsp
     total = n_valid_tsp.clone()
-    dist.all_reduce(total, group=data_group)
+    with comm.guard("token count all_reduce over data", group=data_group):
+        dist.all_reduce(total, group=data_group)
     return total / dist.get_world_size(data_group)
 
 
@@ -52,7 +55,7 @@ def count_valid_tokens(shift_labels: torch.Tensor, comm: TSPComm, data_group=Non
     """normalise_over_data of the labelled tokens of this TSP group (for stages that see only the labels)."""
     n_valid = (shift_labels != -100).sum().to(torch.int64)
     comm.all_reduce(n_valid).wait()
-    return normalise_over_data(n_valid, data_group)
+    return normalise_over_data(n_valid, data_group, comm)
 
 
 class _Backbone(nn.Module):
@@ -76,6 +79,7 @@ class ShardedCausalLM(nn.Module):
                                      tied_to=self.model.embed_tokens if shape.tie_word_embeddings else None,
                                      chunk_tokens=options.lm_head_chunk_tokens)
         self.set_data_parallel_group(data_group)
+        self.lora_adapter_config: str | None = None  # adapter_config.json of an attached PEFT LoRA adapter
 
     def set_data_parallel_group(self, data_group: dist.ProcessGroup | None) -> None:
         """Normalise the loss over the tokens of the whole data x TSP batch.
@@ -88,14 +92,29 @@ class ShardedCausalLM(nn.Module):
         self.data_size = dist.get_world_size(data_group) if data_group is not None else 1
 
     # --- forward ---------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, shift_labels: torch.Tensor,
-                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, shift_labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
+                tsp_shard: tuple[int, int] | None = None, seq_len: int | None = None, **kwargs) -> torch.Tensor:
         """This rank's share of the mean loss (the shares of the TSP group sum to it).
 
         All inputs are this rank's zigzag shard [B, L]. attention_mask (1 = real token) marks left/right padding:
         padded tokens are neither keys nor queries with a target. position_ids restarting (not continuing by +1)
-        start a new packed document; attention stays inside documents.
+        start a new packed document; attention stays inside documents. A TSPDataLoader batch can be passed whole
+        (model(**batch)): its tsp_shard is checked against this group, seq_len is not needed.
         """
+        if kwargs:
+            raise TSPConfigError(
+                f"ShardedCausalLM.forward got {', '.join(k + '=' for k in kwargs)}: it takes this rank's zigzag shard "
+                "(input_ids, shift_labels, position_ids, attention_mask; a TSPDataLoader batch as model(**batch)). "
+                "For full batches with HF labels= use ds_tsp.hf.TSPForCausalLM")
+        if shift_labels is None:
+            raise TSPConfigError("shift_labels is required: ShardedCausalLM.forward(input_ids, shift_labels, "
+                                 "position_ids) takes this rank's shard (ds_tsp.core.partition.shard_batch or a "
+                                 "TSPDataLoader batch)")
+        if tsp_shard is not None and tuple(tsp_shard) != (self.comm.rank, self.comm.size):
+            raise TSPConfigError(f"tsp_shard={tuple(tsp_shard)}: the batch was sharded for TSP rank {tsp_shard[0]} of "
+                                 f"{tsp_shard[1]} but this model is rank {self.comm.rank} of {self.comm.size}; build "
+                                 "the loader on the same TSP group")
         h, n_valid = self.final_hidden(input_ids, position_ids, attention_mask, shift_labels)
         return self.head_loss(h, shift_labels, n_valid, attention_mask)
 
@@ -133,12 +152,13 @@ class ShardedCausalLM(nn.Module):
         n_valid, doc_starts = self._check_inputs(input_ids, shift_labels, position_ids, attention_mask)
         if n_valid is not None:
             # float32 at least: bf16 would round token counts above 256
-            n_valid = normalise_over_data(n_valid, self.data_group).to(torch.promote_types(self.dtype, torch.float32))
+            n_valid = normalise_over_data(n_valid, self.data_group, self.comm).to(torch.promote_types(self.dtype, torch.float32))
         cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, self.dtype,
                                 self.shape.rope_scaling)
         # One all-reduce for every norm weight's grad, posted by the last one's backward (see replicated_grads);
         # opened before the embedding so that its backward ring overlaps the bucket's all-reduce.
-        with ReplicatedGradBucket(self.comm, self.replicated_params().values()):
+        replicated = [*self.replicated_params().values(), *(p for _, p, cut in self.lora_tensors() if cut is None)]
+        with ReplicatedGradBucket(self.comm, replicated):
             h = self.model.embed_tokens(input_ids)
             for layer in self.model.layers:
                 if self.options.activation_checkpointing and torch.is_grad_enabled():
@@ -254,16 +274,20 @@ class ShardedCausalLM(nn.Module):
         """Value: the shares summed over the TSP group (this data replica's part); gradient: this rank's share."""
         total = loss_share.detach().clone()
         if self.comm.size > 1:
-            dist.all_reduce(total, group=self.comm.group)
+            with self.comm.guard("loss all_reduce", context=self.comm.context or "loss for logging"):
+                dist.all_reduce(total, group=self.comm.group)
         return loss_share + (total - loss_share).detach()
 
     def loss_for_logging(self, loss_share: torch.Tensor) -> torch.Tensor:
         """The global mean loss (TSP shares summed, data replicas averaged), detached, identical on all ranks."""
         total = loss_share.detach().clone()
+        context = self.comm.context or "loss for logging"
         if self.comm.size > 1:
-            dist.all_reduce(total, group=self.comm.group)
+            with self.comm.guard("loss all_reduce", context=context):
+                dist.all_reduce(total, group=self.comm.group)
         if self.data_group is not None and self.data_size > 1:
-            dist.all_reduce(total, group=self.data_group)
+            with self.comm.guard("loss all_reduce over data", group=self.data_group, context=context):
+                dist.all_reduce(total, group=self.data_group)
             total /= self.data_size
         return total
 
@@ -285,6 +309,18 @@ class ShardedCausalLM(nn.Module):
         out["model.norm.weight"] = self.model.norm.weight
         return out
 
+    def lora_tensors(self) -> list[tuple[str, nn.Parameter, tuple[int, tuple[int, ...]] | None]]:
+        """(PEFT key less its base_model.model. prefix, this rank's LoRA factor, (dim, start of every TSP rank) when
+        the factor is sharded or None when replicated) of every LoRA factor (ds_tsp.model.lora); [] without LoRA."""
+        out = []
+        for prefix, piece, _ in self.sharded_modules():
+            lora = getattr(piece, "lora", None)
+            for proj, f in (lora.named_children() if lora is not None else ()):
+                for which in ("lora_A", "lora_B"):
+                    out.append((f"{prefix}{proj}.{which}.weight", getattr(f, which),
+                                (f.dim, f.starts) if which == f.sharded else None))
+        return out
+
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full shape of every HF tensor of this model (tied models list no lm_head.weight, like HF's files)."""
         shapes = {prefix + k: v for prefix, module, _ in self.sharded_modules() for k, v in module.hf_shapes().items()}
@@ -293,13 +329,21 @@ class ShardedCausalLM(nn.Module):
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
                        per_rank: bool = False) -> int:
-        """Parameters of the FULL model, as transformers counts them; per_rank=True counts this rank's storage."""
+        """Parameters of the FULL model, as transformers (and peft, LoRA factors included) count them;
+        per_rank=True counts this rank's storage."""
         if per_rank:
             return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
         shapes = self.hf_shapes()
+        if only_trainable:  # a shard trains iff every HF tensor in it does (ds_tsp.model.trainability)
+            live = {prefix + n for prefix, module, p in self.sharded_modules() if p.requires_grad
+                    for n in module.hf_shapes()}
+            live |= {n for n, p in self.replicated_params().items() if p.requires_grad}
+            shapes = {k: v for k, v in shapes.items() if k in live}
         if exclude_embeddings:
             shapes = {k: v for k, v in shapes.items() if not k.startswith(("model.embed_tokens.", "lm_head."))}
-        return sum(prod(v) for v in shapes.values())
+        lora = sum(p.numel() if cut is None else p.numel() // p.shape[cut[0]] * (max(cut[1]) + p.shape[cut[0]])
+                   for _, p, cut in self.lora_tensors() if p.requires_grad or not only_trainable)
+        return sum(prod(v) for v in shapes.values()) + lora
 
     @torch.no_grad()
     def init_weights_(self, seed: int = 0, std: float = 0.02) -> "ShardedCausalLM":

@@ -21,11 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ds_tsp.core.comm import TSPComm, replicated_param
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm_primitives import replicated_param
 from ds_tsp.core.functions.attention import AttentionSpec, tsp_attention
 from ds_tsp.core.functions.embedding import tsp_embedding
 from ds_tsp.core.functions.lm_head_logits import tsp_selected_logits
 from ds_tsp.core.functions.lm_head_loss import tsp_lm_head_loss
+from ds_tsp.core.functions.lm_head_token_stats import tsp_token_stats
 from ds_tsp.core.functions.mlp import MLPSpec, tsp_gated_mlp
 from ds_tsp.core.functions.norm import TSPRMSNorm
 from ds_tsp.core.grad_norm import mark_sharded
@@ -49,6 +51,11 @@ class _ShardedPiece(nn.Module):
         """Views of the packed parameter that each HF slice fills, so a checkpoint reads straight into it."""
         views = self.spec.layout.unpack(packed)
         return {name: views[key] for key, name in self.PIECES.items() if key in views}
+
+    def weight_shard(self) -> torch.Tensor:
+        """What the layer's Function streams: the packed parameter, or with LoRA base + delta (differentiable)."""
+        lora = getattr(self, "lora", None)
+        return self.packed_shard if lora is None else lora(self.packed_shard)
 
 
 class HeadNorm(nn.Module):
@@ -77,6 +84,7 @@ class TSPAttention(_ShardedPiece):
                                   qk_norm_eps=shape.rms_norm_eps if shape.qk_norm else None)
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
+        self.lora = None  # a ds_tsp.model.lora.ShardLoRA when PEFT LoRA targets this layer's attention
         if shape.qk_norm:
             self.q_norm = HeadNorm(shape.dim_per_head, dtype, device)
             self.k_norm = HeadNorm(shape.dim_per_head, dtype, device)
@@ -85,7 +93,7 @@ class TSPAttention(_ShardedPiece):
         qk = None
         if self.spec.qk_norm_eps is not None:
             qk = (replicated_param(self.q_norm.weight, self.comm), replicated_param(self.k_norm.weight, self.comm))
-        return tsp_attention(x, self.packed_shard, cos, sin, self.spec, self.comm, qk_norm=qk, doc_starts=doc_starts)
+        return tsp_attention(x, self.weight_shard(), cos, sin, self.spec, self.comm, qk_norm=qk, doc_starts=doc_starts)
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         s, h = self.spec, self.spec.hidden
@@ -96,8 +104,8 @@ class TSPAttention(_ShardedPiece):
             shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         return shapes
 
-    def hf_slices(self) -> dict[str, HFSlice]:
-        p = self.comm.rank
+    def hf_slices(self, rank: int | None = None) -> dict[str, HFSlice]:
+        p = self.comm.rank if rank is None else rank
         q, kv = self.spec.heads_per_block * self.spec.head_dim, self.spec.kv_heads_per_block * self.spec.head_dim
         pk = p // self.spec.kv_replicas  # the kv head block this rank's query heads read
         slices = {"q_proj.weight": (0, p * q, q), "k_proj.weight": (0, pk * kv, kv),
@@ -137,16 +145,17 @@ class TSPGatedMLP(_ShardedPiece):
                             recompute_projections=recompute_projections)
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
+        self.lora = None  # a ds_tsp.model.lora.ShardLoRA when PEFT LoRA targets this layer's MLP
 
     def forward(self, x):
-        return tsp_gated_mlp(x, self.packed_shard, self.spec, self.comm)
+        return tsp_gated_mlp(x, self.weight_shard(), self.spec, self.comm)
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         h, f = self.spec.hidden, self.intermediate_size
         return {"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)}
 
-    def hf_slices(self) -> dict[str, HFSlice]:
-        p, f = self.comm.rank, self.spec.ffn_per_rank
+    def hf_slices(self, rank: int | None = None) -> dict[str, HFSlice]:
+        p, f = self.comm.rank if rank is None else rank, self.spec.ffn_per_rank
         return {"gate_proj.weight": (0, p * f, f), "up_proj.weight": (0, p * f, f),
                 "down_proj.weight": (1, p * f, f)}
 
@@ -215,9 +224,13 @@ class TSPLMHeadLoss(TSPVocabShard):
     def weight(self) -> nn.Parameter:
         return self._tied_to[0].vocab_shard if self.tied else self.vocab_shard
 
-    def forward(self, h, shift_labels=None, n_valid_total=None, *, select=None):
-        """The loss share; or, with select=(local_index, slots, k), the [B, k, V] logits of k positions (a module
-        call either way, so ZeRO-3 gathers the weight for both)."""
+    def forward(self, h, shift_labels=None, n_valid_total=None, *, select=None, token_stats=False):
+        """The loss share; or, with select=(local_index, slots, k), the [B, k, V] logits of k positions; or, with
+        token_stats=True, per-token (log_prob, entropy, is_top1, label_mask) [4, B, L] (a module call each time,
+        so ZeRO-3 gathers the weight for all three)."""
+        if token_stats:
+            return tsp_token_stats(h, self.weight, shift_labels, self.vocab_size, self.comm,
+                                   chunk_tokens=self.chunk_tokens)
         if select is not None:
             local_index, slots, k = select
             return tsp_selected_logits(h, self.weight, local_index, slots, k, self.vocab_size, self.comm)

@@ -93,11 +93,24 @@ def _check_pipeline(groups: ProcessGroups) -> None:
                              "layout only)")
 
 
+def _check_all_trainable(model: nn.Module) -> None:
+    # Frozen parameters have no optimizer state and LoRA factors are sharded in their own way: both would be
+    # written or read wrongly by the per-shard files below, so they are refused rather than resumed wrongly.
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    lora = getattr(model, "lora_tensors", lambda: [])()
+    if frozen or lora:
+        what = f"a LoRA adapter ({lora[0][0]}, ...)" if lora else f"frozen parameters ({frozen[0]}, ...)"
+        raise TSPConfigError(f"ds_tsp training checkpoints do not cover a model with {what} yet: save the adapter "
+                             "or the model with save_pretrained, or use engine.save_checkpoint / load_checkpoint "
+                             "(same layout only)")
+
+
 def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessGroups, store: CheckpointStore,
                      step: int, *, data_state: dict | None = None,
                      max_file_bytes: int = DEFAULT_FILE_BYTES) -> Path:
     """Collective. Writes DIR/step-<step> and returns its path (on every rank)."""
     _check_pipeline(groups)
+    _check_all_trainable(model)
     rank, _ = _world()
     tmp = Path(_broadcast(str(store.new_temporary(step)) if rank == 0 else None))
     tsp_rank, writes = groups.tsp_rank, groups.data_rank == 0
@@ -171,6 +184,7 @@ def check_resumable(manifest: Manifest, access: OptimizerAccess, model: nn.Modul
                     where: Path) -> None:
     """One clear error for a checkpoint this run cannot continue from (the same on every rank)."""
     _check_pipeline(groups)
+    _check_all_trainable(model)
     if manifest.layout.pipe != 1:
         raise TSPConfigError(f"{where}: saved with pipeline_stages={manifest.layout.pipe}; resume it with "
                              "engine.load_checkpoint on the same layout")

@@ -29,7 +29,8 @@ each block's shard, recomputes the cheap local projections q, k, v from x (three
 [B, L, (nq + 2 nkv) d] per block), re-gathers K/V, runs the kernel backward with the saved output and
 log-sum-exp (no attention recomputation), reduce-scatters dK/dV to the token owners and reduces the packed weight
 grad to the block owner. No foreign shard and no gathered K/V is kept, unless `keep_gathered_kv` trades O(S)
-memory per kv group for skipping the backward re-gather.
+memory per kv group for skipping the backward re-gather. A frozen shard (requires_grad False, alike on every rank)
+still re-broadcasts for dx but computes no weight grad and reduces nothing to the owners.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.core.comm import ShardGradReducer, TSPComm, broadcast_shards, gather_sequence, scatter_sequence_grad
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm_primitives import ShardGradReducer, broadcast_shards, gather_sequence, scatter_sequence_grad
 from ds_tsp.core.document_attention import masked_attention_backward, masked_attention_forward
 from ds_tsp.core.functions.norm import rms_norm, rms_norm_backward
 from ds_tsp.core.functions.weight_packing import PackedLayout
@@ -205,6 +207,8 @@ class _TSPAttention(torch.autograd.Function):
         dy = dy.contiguous()
         B, L, h = x.shape
         D, p = comm.size, comm.rank
+        # A frozen shard (requires_grad False on every rank alike): no weight-grad GEMMs and no reduce to owners
+        need_w = ctx.needs_input_grad[1]
         dx = torch.zeros_like(x)
         x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
         reducer = ShardGradReducer(comm)
@@ -231,7 +235,7 @@ class _TSPAttention(torch.autograd.Function):
             # Work that needs no foreign K/V runs while the gather is in flight.
             q = block["q"] if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
             dout = (dy2d @ w["wo"]).view_as(out)
-            grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])}
+            grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
             if first:
                 if not spec.keep_gathered_kv:
                     gather.wait()
@@ -255,9 +259,10 @@ class _TSPAttention(torch.autograd.Function):
             dq, dqn = _unproject(torch.cat(dq_chunks, dim=1), cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
             dq = dq.reshape(-1, w["wq"].shape[0])
             dx.view(-1, h).addmm_(dq, w["wq"])
-            grads["wq"] = dq.t() @ x2d
-            if spec.qkv_bias:
-                grads["bq"] = dq.sum(0)
+            if need_w:
+                grads["wq"] = dq.t() @ x2d
+                if spec.qkv_bias:
+                    grads["bq"] = dq.sum(0)
             if ctx.has_qk_norm:
                 dq_norm = dqn if dq_norm is None else dq_norm + dqn
             if last:
@@ -269,18 +274,20 @@ class _TSPAttention(torch.autograd.Function):
                 w_leader = None
                 # The whole group's kv weight grad lands in its last block; _kv_grads_to_group_leaders moves it to
                 # the group's leader (the other blocks contribute zeros).
-                grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
-                if spec.qkv_bias:
-                    grads["bk"], grads["bv"] = dk.sum(0), dv.sum(0)
+                if need_w:
+                    grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
+                    if spec.qkv_bias:
+                        grads["bk"], grads["bv"] = dk.sum(0), dv.sum(0)
                 if ctx.has_qk_norm:
                     dk_norm = dkn if dk_norm is None else dk_norm + dkn
-            else:
+            elif need_w:
                 for name in ("wk", "wv", "bk", "bv"):
                     if name in w:
                         grads[name] = torch.zeros_like(w[name])
-            reducer.reduce(j, spec.layout.pack(grads))
-        grad_shard = reducer.finish()
-        if spec.kv_replicas > 1:
+            if need_w:
+                reducer.reduce(j, spec.layout.pack(grads))
+        grad_shard = reducer.finish() if need_w else None
+        if need_w and spec.kv_replicas > 1:
             _kv_grads_to_group_leaders(grad_shard, spec, comm)
         return dx, grad_shard, dq_norm, dk_norm, None, None, None, None, None
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ds_tsp.core.comm import TSPComm, ring_backward, ring_forward
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm_primitives import ring_backward, ring_forward
 
 
 class _TSPEmbedding(torch.autograd.Function):

@@ -39,7 +39,11 @@ class _SelectedLogits(torch.autograd.Function):
         padded = dlogits.new_zeros(B, k, comm.size * rows_per_rank)
         padded[..., :ctx.vocab_size] = dlogits
         mine = padded.view(B, k, comm.size, rows_per_rank)[:, :, comm.rank]  # [B, k, V/D]
-        d_shard = mine.reshape(-1, rows_per_rank).t() @ rows.reshape(-1, rows.shape[-1])
+        d_shard = None
+        if ctx.needs_input_grad[1]:  # a frozen head gets no grad
+            d_shard = mine.reshape(-1, rows_per_rank).t() @ rows.reshape(-1, rows.shape[-1])
+        if not ctx.needs_input_grad[0]:  # nothing below needs d(rows): skip the all-reduce (same on every rank)
+            return None, d_shard, None, None, None, None, None
         d_rows = (mine @ vocab_shard).contiguous()
         comm.all_reduce(d_rows, kind="logits_rows").wait()
         dh = d_rows.new_zeros(ctx.shape)

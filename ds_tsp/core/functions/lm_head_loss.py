@@ -3,7 +3,8 @@
 Per ring step rank p computes logits of its local tokens against one vocab shard, one tile of at most
 `chunk_tokens` tokens at a time ([chunk_tokens, Vd] is the largest transient, whatever S and V are), folds them
 into a running log-sum-exp and picks the target logit when the target falls in that shard. Backward
-recomputes each shard's logits from the saved input and log-sum-exp; the weight grad rides the ring home.
+recomputes each shard's logits from the saved input and log-sum-exp; the weight grad rides the ring home (a
+frozen head: the shards ride it for dx alone, no grad buffer travels).
 
 Loss normalisation: each rank returns sum(local token losses) / (valid tokens in the whole TSP group), so the
 per-rank losses add up to the mean loss and the sharded weight grads add up to the true mean-loss gradient.
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ds_tsp.core.comm import TSPComm, ring_backward, ring_forward
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm_primitives import ring_backward, ring_forward
 
 
 def _shard_logits(x2d, shard, owner, vocab_size, compute_dtype):
@@ -69,28 +71,46 @@ class _TSPLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         x, vocab_shard, shift_labels, lse, n_valid_total = ctx.saved_tensors
-        h = x.shape[-1]
-        x2d, labels = x.reshape(-1, h), shift_labels.reshape(-1)
-        rows = vocab_shard.shape[0]
+        labels = shift_labels.reshape(-1)
         coef = (labels != -100).to(lse.dtype) * (dloss.to(lse.dtype) / n_valid_total)
-        dx2d = torch.zeros_like(x2d)
+        dx, grad_shard = softmax_ce_backward_ring(ctx.comm, x, vocab_shard, labels, lse, coef, ctx.tiles,
+                                                  ctx.vocab_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, grad_shard, None, None, None, None, None
 
-        def step(owner, shard):
-            grad = torch.zeros_like(shard)
-            for t in ctx.tiles:
-                logits = _shard_logits(x2d[t], shard, owner, ctx.vocab_size, lse.dtype)
-                dlogits = logits.sub_(lse[t, None]).exp_()  # softmax, in place in the tile's logits
-                local = labels[t] - owner * rows
-                hit = (local >= 0) & (local < rows)
-                dlogits.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -hit.to(dlogits.dtype)[:, None])
-                dlogits = dlogits.mul_(coef[t, None]).to(x.dtype)
+
+def softmax_ce_backward_ring(comm: TSPComm, x: torch.Tensor, vocab_shard: torch.Tensor, labels: torch.Tensor,
+                             lse: torch.Tensor, coef: torch.Tensor, tiles, vocab_size: int, need_x: bool,
+                             need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, d vocab_shard) of sum_t coef[t] * (lse[t] - logit[t, label[t]]) with the vocab shards passed around
+    the ring, logits rebuilt one tile at a time (the loss and TRL's per-token log-probs share it). A frozen head
+    (need_w False) sends its shards around for dx only: no grad buffer travels with them."""
+    h = x.shape[-1]
+    x2d = x.reshape(-1, h)
+    rows = vocab_shard.shape[0]
+    dx2d = torch.zeros_like(x2d) if need_x else None
+
+    def step(owner, shard):
+        grad = torch.zeros_like(shard) if need_w else None
+        for t in tiles:
+            logits = _shard_logits(x2d[t], shard, owner, vocab_size, lse.dtype)
+            dlogits = logits.sub_(lse[t, None]).exp_()  # softmax, in place in the tile's logits
+            local = labels[t] - owner * rows
+            hit = (local >= 0) & (local < rows)
+            dlogits.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -hit.to(dlogits.dtype)[:, None])
+            dlogits = dlogits.mul_(coef[t, None]).to(x.dtype)
+            if need_x:
                 dx2d[t].addmm_(dlogits, shard)
+            if need_w:
                 grad.addmm_(dlogits.t(), x2d[t])
-                del logits, dlogits  # before the next tile is built
-            return grad
+            del logits, dlogits  # before the next tile is built
+        return grad
 
-        grad_shard = ring_backward(ctx.comm, vocab_shard, step)
-        return dx2d.view_as(x), grad_shard, None, None, None, None, None
+    if need_w:
+        grad_shard = ring_backward(comm, vocab_shard, step)
+    else:
+        ring_forward(comm, vocab_shard, step)
+        grad_shard = None
+    return (dx2d.view_as(x) if need_x else None), grad_shard
 
 
 def tsp_lm_head_loss(x: torch.Tensor, vocab_shard: torch.Tensor, shift_labels: torch.Tensor,

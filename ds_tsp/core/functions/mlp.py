@@ -5,6 +5,7 @@ At ring step k rank p holds the shard of (p - k) mod D and adds that slice's out
     y_p = sum_j down_j(silu(x_p gate_j^T) * (x_p up_j^T))
 By default only x_p is saved; backward recomputes the gate/up activations per shard (2 of 3 GEMMs) instead of
 keeping [B, L, F] of them (recompute_projections=False keeps them), and the weight grad rides the ring home.
+A frozen shard (requires_grad False, the same on every rank) computes no weight grad and sends no grad hop.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.core.comm import TSPComm, ring_backward, ring_forward
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm_primitives import ring_backward, ring_forward
 from ds_tsp.core.functions.weight_packing import PackedLayout
 
 
@@ -70,8 +72,14 @@ class _TSPGatedMLP(torch.autograd.Function):
             dgate = torch.ops.aten.silu_backward(dact * up, gate)
             dup = dact * silu_gate
             dx2d.addmm_(dgate, w["gate"]).addmm_(dup, w["up"])
+            if not need_w:
+                return None
             return spec.layout.pack({"gate": dgate.t() @ x2d, "up": dup.t() @ x2d, "down": dy2d.t() @ act})
 
+        need_w = ctx.needs_input_grad[1]
+        if not need_w:  # a frozen shard: the weights ride the ring for dx, no grad buffer travels with them
+            ring_forward(ctx.comm, packed_shard, step)
+            return dx2d.view_as(x), None, None, None
         grad_shard = ring_backward(ctx.comm, packed_shard, step)
         return dx2d.view_as(x), grad_shard, None, None
 

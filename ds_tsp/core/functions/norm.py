@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ds_tsp.core.comm import TSPComm, replicated_param
+from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm_primitives import replicated_param
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import torch
 from ds_tsp.core.config import check_deepspeed_compatible, parse_tsp_config
 from ds_tsp.core.data import TSPDataLoader
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.launch import local_device
+from ds_tsp.core.hf_config import generation_config_json
+from ds_tsp.core.launch import init_from_env, local_device
 from ds_tsp.core.nonfinite import NonFiniteGuard
 from ds_tsp.core.setup import build_runtime
 from ds_tsp.core.shape import ModelShape
@@ -27,6 +29,7 @@ from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
 from ds_tsp.model.convert import to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.model.trainability import require_all_trainable
 
 
 def import_deepspeed():
@@ -62,6 +65,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     its slices and the engine wraps a ds_tsp.hf.TSPForCausalLM (HF call signature, `engine.module.save_pretrained`). `state_dict` (HF names) initialises the shards; otherwise they
     are initialised in place by ShardedCausalLM.init_weights_(seed). `training_data` (samples with "input_ids" and
     optionally "labels"/"position_ids") comes back as a TSPDataLoader: data-parallel sampling, zigzag shards.
+    Call forms: `engine(**batch)` with a loader batch, whole (it carries tsp_shard: never sharded again). Wrapping
+    ShardedCausalLM it returns this rank's loss share (also `engine(input_ids, shift_labels, position_ids)`);
+    wrapping TSPForCausalLM an HF output whose `.loss` is the global loss (input_ids alone positionally).
+    Without a launcher (plain `python script.py`) a 1-process group is started (no MPI discovery).
     The engine carries `tsp_groups` (ProcessGroups), `tsp_config`, `tsp_model` and `tsp_guard` (a NonFiniteGuard:
     `if engine.tsp_guard.check(loss, step): engine.step()`, else `engine.zero_grad()`; None with pipeline stages).
     """
@@ -70,6 +77,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     tsp = parse_tsp_config(ds_config.pop("tsp", None))
     check_deepspeed_compatible(ds_config, tsp)
     device = local_device()  # cuda:LOCAL_RANK made current before anything (DeepSpeed's groups included) is built
+    if not _launched():  # a plain `python script.py`: one local rank, not DeepSpeed's MPI discovery (mpi4py)
+        _single_process_env()
+        init_from_env(timeout_s=tsp.timeout_s)
     # Also when torch.distributed is up already: deepspeed.comm must adopt the group (PipelineModule asks it).
     deepspeed.init_distributed(timeout=timedelta(seconds=tsp.timeout_s))
     runtime = build_runtime(tsp)
@@ -81,19 +91,29 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         from ds_tsp.integrations.deepspeed.pipeline import build_pipeline_module, unpartitioned_pipeline_config
         ds_config["pipeline"] = unpartitioned_pipeline_config(ds_config.get("pipeline"))
         shape = model if isinstance(model, ModelShape) else ModelShape.from_hf_config(getattr(model, "config", model))
+        if isinstance(model, torch.nn.Module):  # the stages are built afresh: requires_grad would not carry over
+            require_all_trainable(model, "tsp.pipeline_stages > 1")
         if state_dict is None and hasattr(model, "state_dict") and not isinstance(model, ModelShape):
             state_dict = model.state_dict()
         tsp_model = None
         module, mpu = build_pipeline_module(shape, groups, comm, runtime.options, dtype=dtype,
                                             device=device, state_dict=state_dict, seed=seed), None
     else:
+        # The transformers config (and generation config) the model comes from, kept for save_consolidated.
+        source_config = model if hasattr(model, "to_json_string") else None
+        generation = hf_model = None
         if hasattr(model, "config") and hasattr(model, "state_dict") and not isinstance(model, TSPForCausalLM):
-            # An in-memory HF model: the engine trains the sharded core (its call takes this rank's shard), in the
-            # model's own dtype, from its weights unless state_dict overrides them.
-            state_dict = model.state_dict() if state_dict is None else state_dict
+            # An in-memory HF (or PEFT LoRA) model: the engine trains the sharded core (its call takes this rank's
+            # shard), in the model's own dtype, from its weights unless state_dict overrides them, with its
+            # requires_grad and LoRA adapter.
+            hf_model = model
+            generation = generation_config_json(model)
             dtype, model = next(model.parameters()).dtype, model.config
+            source_config = model
         module = to_tsp_model(model, comm, options=runtime.options, dtype=dtype, device=device,
-                              data_group=groups.data_group, state_dict=state_dict, seed=seed)
+                              data_group=groups.data_group, state_dict=state_dict, seed=seed, source=hf_model)
+        if isinstance(module, ShardedCausalLM) and source_config is not None:
+            module.hf_config, module.generation_config_json = source_config, generation
         tsp_model, mpu = (module.tsp if isinstance(module, TSPForCausalLM) else module), TSPModelParallelUnit(groups)
         _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
     label_modules(module, comm)  # a stalled collective's report names its layer
@@ -115,6 +135,26 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine.tsp_groups, engine.tsp_config, engine.tsp_model = groups, tsp, tsp_model
     engine.tsp_guard = guard
     return engine, opt, loader, sched
+
+
+# Variables a launcher sets: torchrun / deepspeed (WORLD_SIZE), mpirun (OpenMPI, MPICH / Intel MPI, MVAPICH).
+_LAUNCHER_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _launched() -> bool:
+    """A process group exists already, or a launcher set up the variables DeepSpeed reads (or discovers by MPI)."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() or any(name in os.environ for name in _LAUNCHER_VARIABLES)
+
+
+def _single_process_env() -> None:
+    """The variables a launcher would set for one process (DeepSpeed's engine asserts LOCAL_RANK), on a free port."""
+    from ds_tsp.core.launch import free_port
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 def _register_tied_head_for_zero3(model: ShardedCausalLM, ds_config: dict, deepspeed) -> None:

@@ -4,8 +4,9 @@
     ds-tsp bench --layouts tsp,tsp_speed,ulysses_zero3 --seq 2048 8192 --out DIR
 
 `register(subparsers)` adds the subcommand to ds_tsp.tools.cli's parser; `build_parser()` is a standalone one
-(`python -m ds_tsp.tools.bench ...`). Exit codes: 0 every run ok, 1 a run failed (its object has "ok": false and
-"error"), 2 bad input (one line on stderr naming the flag).
+(`python -m ds_tsp.tools.bench ...`). Exit codes: 0 every run ok (with --max-seq a layout that fits nothing is a
+result: max S "none"), 1 a run failed (its object has "ok": false and "error"), 2 bad input (one line on stderr
+naming the flag). Without --out, results go to default_out_dir() (the user's cache), printed on the last line.
 """
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "longest S whose measured per-rank peak fits --budget-mib (doubling, then bisection to 5%%; "
                         "1 tracked step per probe, --warmup default 0)")
     p.add_argument("--budget-mib", type=float, default=None, help="per-rank memory budget for --max-seq (MiB)")
-    p.add_argument("--out", default="ds_tsp_bench", help="output folder (default ./ds_tsp_bench)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: $XDG_CACHE_HOME/ds_tsp/bench, else ~/.cache/ds_tsp/bench; the "
+                        "last line says where)")
     p.add_argument("--ds-bucket", type=_positive_int, default=DEFAULT_DS_BUCKET,
                    help=f"DeepSpeed bucket sizes in elements ({DEFAULT_DS_BUCKET:.0e}; DeepSpeed's own 5e8 default "
                         "alone shows ~1.9 GB per rank)")
@@ -152,11 +155,19 @@ def configs_from_args(args: argparse.Namespace):
                         ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False)) for name in layouts]
 
 
+def default_out_dir() -> str:
+    """Where results go without --out: the user's cache, never the current directory (a checkout)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "ds_tsp", "bench")
+
+
 def run(args: argparse.Namespace) -> int:
     from ds_tsp.tools.bench.progress import ProgressPrinter
     from ds_tsp.tools.bench.report import markdown_table, write_report
     from ds_tsp.tools.bench.runner import run_layouts
 
+    if args.out is None:
+        args.out = default_out_dir()
     if getattr(args, "max_seq", False):
         return run_max_seq_cli(args)
     try:

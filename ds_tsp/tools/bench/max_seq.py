@@ -162,11 +162,11 @@ def run_one(cfg: BenchConfig, budget_bytes: int, *, timeout_s: float, progress_q
     head = ranks[0]
     extra.update(probes=head["probes"], next_probe_seq=head["next_probe_seq"],
                  next_probe_peak_bytes=head["next_probe_peak_bytes"])
-    if head["max_seq"] is None:
+    if head["max_seq"] is None:  # a layout that fits nothing at this budget is a result, not a failure
         smallest = min(head["probes"], key=lambda p: p["seq"])
-        return {**failure(cfg, smallest["seq"], f"even S={smallest['seq']} exceeds the budget "
-                                                f"({smallest['peak_bytes_per_rank']} > {budget_bytes} bytes per "
-                                                "rank)"), **extra}
+        return {**failure(cfg, smallest["seq"], None), **extra, "ok": True, "fits": "none",
+                "note": f"nothing fits: even S={smallest['seq']} needs {smallest['peak_bytes_per_rank']} > "
+                        f"{budget_bytes} bytes per rank"}
     per_rank = [dict(r["best"], setup=r["setup"]) for r in ranks]
     row = aggregate(dataclasses.replace(cfg, steps=1), head["max_seq"], per_rank)
     return {**row, **extra, "max_seq": head["max_seq"]}
@@ -195,6 +195,6 @@ def run_max_seq(configs: list[BenchConfig], budget_bytes: int, *, timeout_s: flo
                 row["group_wall_s"] = round(time.monotonic() - start, 1)
                 results.append(row)
                 if say is not None:
-                    say(f"{cfg.layout} (checkpointing {variant}): max S = {row['max_seq']} "
+                    say(f"{cfg.layout} (checkpointing {variant}): max S = {row['max_seq'] or 'none'} "
                         f"({row['group_wall_s']} s)" + ("" if row["ok"] else f"  {str(row['error'])[-200:]}"))
     return results

@@ -24,6 +24,11 @@ def max_seq_table(rows: Sequence[dict], budget_bytes: int) -> str:
              "| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
     for r in rows:
         ckpt = "on" if r.get("activation_checkpointing") else "off"
+        if r.get("max_seq") is None and r.get("ok"):  # nothing fits the budget: a result
+            nxt = r.get("next_probe_peak_bytes")
+            lines.append(f"| {r['layout']} | {ckpt} | {r['tsp']} | none | - | {r.get('next_probe_seq') or '-'} "
+                         f"| {'-' if nxt is None else f'{nxt / MIB:.2f}'} | {len(r.get('probes') or [])} | |")
+            continue
         if r.get("max_seq") is None:
             lines.append(f"| {r['layout']} | {ckpt} | {r['tsp']} | - | failed: "
                          f"{str(r.get('error', '')).strip().splitlines()[-1][:160] if r.get('error') else ''} "

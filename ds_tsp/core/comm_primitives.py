@@ -1,0 +1,175 @@
+"""The three TSP primitives on a TSPComm (ds_tsp.core.comm), and the replicated-parameter all-reduce.
+
+Every primitive is a forward/backward pair built on handles, so layers can start the next transfer before
+computing on the current one:
+
+| primitive            | forward                                  | backward                                      |
+|----------------------|------------------------------------------|-----------------------------------------------|
+| shard broadcast      | broadcast rank j's packed shard to all   | reduce (sum) weight grads to owner j          |
+| weight ring          | pass shards to rank p+1, D-1 hops        | grads travel with the shard, D hops to owner  |
+| sequence all-gather  | all-gather local K/V, rank order         | reduce-scatter dK/dV back to the local tokens |
+
+The fused layers (ds_tsp.core.functions) call these directly; every wait goes through a Handle, so it is bounded
+by the comm's timeout_s (ds_tsp.core.watchdog).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ds_tsp.core.comm import Handle, TSPComm
+
+WEIGHT_TAG = 7101
+GRAD_TAG = 7102
+
+
+# --- shard broadcast --------------------------------------------------------------------------------------
+def broadcast_shards(comm: TSPComm, own_shard: torch.Tensor, order: range | None = None):
+    """Yield (owner j, packed shard of j) for every head block, prefetching j+1 while the caller computes on j.
+
+    At most two shards are live: the one yielded and the one in flight. The own shard is yielded without a copy.
+    """
+    order = list(range(comm.size)) if order is None else list(order)
+
+    def start(j: int):
+        what = f"shard of block {j}"
+        if j == comm.rank:
+            return own_shard.detach(), comm.broadcast(own_shard.detach(), src=j, what=what)
+        buf = torch.empty_like(own_shard, memory_format=torch.contiguous_format)
+        return buf, comm.broadcast(buf, src=j, what=what)
+
+    pending = start(order[0])
+    for i, j in enumerate(order):
+        shard, handle = pending
+        handle.wait()
+        pending = start(order[i + 1]) if i + 1 < len(order) else None
+        yield j, shard
+    return
+
+
+class ShardGradReducer:
+    """Backward dual of the shard broadcast: every rank's grad contribution for block j is summed on owner j.
+
+    At most `in_flight` reductions stay pending (each holds a packed-shard-sized buffer), so backward keeps O(1)
+    shards alive instead of one per head block.
+    """
+
+    def __init__(self, comm: TSPComm, in_flight: int = 2):
+        self.comm, self.in_flight = comm, in_flight
+        self._pending: list[Handle] = []
+        self.own_grad: torch.Tensor | None = None
+
+    def reduce(self, owner: int, grad_contribution: torch.Tensor) -> None:
+        # A fresh buffer per block: non-owners must not reuse a reduce buffer.
+        self._pending.append(self.comm.reduce(grad_contribution, dst=owner, what=f"grad of block {owner}"))
+        if owner == self.comm.rank:
+            self.own_grad = grad_contribution
+        while len(self._pending) > self.in_flight:
+            self._pending.pop(0).wait()
+
+    def finish(self) -> torch.Tensor:
+        for handle in self._pending:
+            handle.wait()
+        self._pending = []
+        return self.own_grad
+
+
+# --- weight ring --------------------------------------------------------------------------------------------
+def _post_weight_hop(comm: TSPComm, shard: torch.Tensor, step: int):
+    """Post the hop that brings the shard for step+1 (send to p+1, receive from p-1); nothing after the last step."""
+    if step == comm.size - 1:
+        return None, None
+    nxt = torch.empty_like(shard, memory_format=torch.contiguous_format)
+    return nxt, comm.ring_exchange(shard.contiguous(), nxt, WEIGHT_TAG, what=f"weight hop {step + 1}/{comm.size - 1}")
+
+
+def ring_forward(comm: TSPComm, own_shard: torch.Tensor, step: Callable[[int, torch.Tensor], None]) -> None:
+    """Call step(owner, shard) D times; at step k rank p holds the shard of (p - k) mod D.
+
+    The next hop is posted before `step` runs, so the transfer overlaps the caller's GEMMs.
+    """
+    shard = own_shard.detach()
+    for k in range(comm.size):
+        owner = (comm.rank - k) % comm.size
+        nxt, hop = _post_weight_hop(comm, shard, k)
+        step(owner, shard)
+        if hop is not None:
+            hop.wait()
+            shard = nxt
+
+
+def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
+                  step: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Run the ring again; step(owner, shard) returns this rank's grad contribution for that owner's shard.
+
+    The grad buffer travels with the shard and every rank adds its part, so after D hops it lands on the owner
+    holding the sum: a reduce-scatter folded into the ring. Returns the summed grad of `own_shard`.
+    The grad hop of step k overlaps the GEMMs of step k+1 (it is only awaited when the next sum is formed).
+    """
+    if comm.size == 1:
+        return step(comm.rank, own_shard.detach())
+    shard = own_shard.detach()
+    grad_in: torch.Tensor | None = None
+    grad_hop: Handle | None = None
+    sent: list[Handle] = []
+    for k in range(comm.size):
+        owner = (comm.rank - k) % comm.size
+        nxt, weight_hop = _post_weight_hop(comm, shard, k)
+        contribution = step(owner, shard)
+        if grad_hop is not None:
+            grad_hop.wait()
+            contribution = contribution + grad_in
+        grad_in = torch.empty_like(contribution)
+        grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG, what=f"grad hop {k + 1}/{comm.size}")
+        sent.append(grad_hop)
+        if weight_hop is not None:
+            weight_hop.wait()
+            shard = nxt
+    for handle in sent:
+        handle.wait()
+    return grad_in
+
+
+# --- sequence all-gather ------------------------------------------------------------------------------------
+def gather_sequence(comm: TSPComm, local: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    """Start gathering `local` from every rank; returns ([D, *local.shape] in rank order, handle)."""
+    out = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
+    return out, comm.all_gather(out.view(-1), local.reshape(-1), what="sequence gather")
+
+
+def scatter_sequence_grad(comm: TSPComm, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
+    """Backward dual of gather_sequence: full [D, *local_shape] in rank order -> summed local [*local_shape]."""
+    out = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
+    return out, comm.reduce_scatter(out.view(-1), full.reshape(-1), what="sequence grad scatter")
+
+
+# --- replicated parameters ----------------------------------------------------------------------------------
+class _ReplicatedParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param, comm):
+        ctx.comm = comm
+        ctx.context = comm.context  # this grad is summed late in backward: report the layer that used the param
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        context = ctx.context.replace(" forward", " backward") if ctx.context else None
+        ctx.comm.all_reduce(grad, kind="replicated_grad", what="replicated weight grad", context=context).wait()
+        return grad, None
+
+
+def replicated_param(param: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+    """forward: identity; backward: all-reduce (sum) over the TSP group.
+
+    For parameters every rank holds whole (norm weights): each rank saw different tokens, so the true gradient
+    is the sum of the per-rank ones, and summing keeps the replicas identical after the optimizer step.
+    Inside an open ReplicatedGradBucket (ShardedCausalLM's forward) the sum joins that bucket's one all-reduce;
+    otherwise (a layer called on its own, a pipeline stage, FSDP2 / ZeRO-3 params) this use reduces by itself.
+    """
+    if comm.grad_bucket is not None:
+        bucketed = comm.grad_bucket.use(param)
+        if bucketed is not None:
+            return bucketed
+    return _ReplicatedParam.apply(param, comm)

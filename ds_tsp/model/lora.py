@@ -1,0 +1,199 @@
+"""PEFT LoRA on TSP shards: the base weights stay packed, sharded and frozen; the adapter's delta is folded into the
+shard each autograd Function streams, so the hand-written backward needs no change.
+
+For a targeted linear W [out, in] PEFT computes y = x W^T + s * (x A^T) B^T (A [r, in], B [out, r], s = lora_alpha
+/ r, or / sqrt(r) with use_rslora): the effective weight is W + s * B @ A. A rank owns a slice of W (the base
+piece's hf_slices), and holds the factors so that its slice of the delta needs no communication:
+
+| base slice of this rank                        | sharded factor (1/D)   | replicated factor            | delta   |
+|------------------------------------------------|------------------------|------------------------------|---------|
+| rows: q/k/v_proj, gate/up_proj (dim 0)         | B rows of the slice    | A [r, in]                    | s B_p A |
+| columns: o_proj, down_proj (dim 1)             | A columns of the slice | B [out, r]                   | s B A_p |
+
+`ShardLoRA(base)` returns base + the packed deltas as one differentiable tensor. The Function's backward hands the
+owner its shard's gradient G_p, already summed over the TSP group, and autograd turns it into s G_p A^T (B_p) or
+s B^T G_p (A_p) locally; the replicated factor's local part s B_p^T G_p (or s G_p A_p^T) is one rank's share of
+its gradient, so it is summed over the TSP group like the norm weights' (comm.replicated_param, bucketed).
+Shared kv heads (num_kv_heads < D): as for the base weights, only the kv group leader's B copy is read and trained.
+Only vanilla LoRA is exact here; every other PEFT option or method is refused by name (check_peft_model).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import torch
+from torch import nn
+
+from ds_tsp.core.comm_primitives import replicated_param
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.grad_norm import mark_sharded
+from ds_tsp.model.sharded_modules import TSPAttention, TSPGatedMLP
+
+TARGETS = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
+# LoraConfig fields that may differ from their defaults: bookkeeping, which modules get LoRA and with which rank
+# and alpha (read per module from the layers themselves, so rank_pattern / alpha_pattern / use_rslora are exact),
+# and options that only act on targets refused anyway (fan_in_fan_out: Conv1D; ensure_weight_tying: embeddings).
+_ALLOWED_FIELDS = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                   "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout",
+                   "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
+                   "alpha_pattern", "runtime_config", "megatron_core", "qalora_group_size", "fan_in_fan_out",
+                   "ensure_weight_tying"}
+_PLAIN_INITS = (True, False, "gaussian")  # random or zero starts; the others rewrite the base weights
+
+
+class LoRAFactors(nn.Module):
+    """One targeted linear's factors as this rank holds them: lora_A [r, in] and lora_B [out, r], one of them cut
+    along `dim` (the base slice's dim: 0 cuts B's rows, 1 cuts A's columns) at `starts[rank]`."""
+
+    def __init__(self, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, dim: int, starts: tuple[int, ...]):
+        super().__init__()
+        self.lora_A, self.lora_B = nn.Parameter(lora_a), nn.Parameter(lora_b)
+        self.scaling, self.dim, self.starts = float(scaling), dim, tuple(starts)
+        self.sharded = "lora_B" if dim == 0 else "lora_A"
+        mark_sharded(getattr(self, self.sharded))
+
+    def forward(self, comm) -> torch.Tensor:
+        """This rank's slice of the delta, s * B @ A (a module call, so ZeRO-3 gathers the factors)."""
+        a = self.lora_A if self.sharded == "lora_A" else replicated_param(self.lora_A, comm)
+        b = self.lora_B if self.sharded == "lora_B" else replicated_param(self.lora_B, comm)
+        return (b @ a).mul(self.scaling)
+
+    def extra_repr(self) -> str:
+        return f"r={self.lora_A.shape[0]}, scaling={self.scaling}, sharded={self.sharded}"
+
+
+class ShardLoRA(nn.Module):
+    """The LoRA factors of one packed shard (a layer's attention or MLP)."""
+
+    def __init__(self, piece: TSPAttention | TSPGatedMLP, factors: dict[str, LoRAFactors]):
+        super().__init__()
+        for proj, f in factors.items():  # registered by projection name: parameters read like PEFT's (q_proj.lora_A)
+            self.add_module(proj, f)
+        self.layout, self.comm = piece.spec.layout, piece.comm
+        self.targets = {key: name[:-len(".weight")] for key, name in piece.PIECES.items()
+                        if name.endswith(".weight") and name[:-len(".weight")] in factors}
+
+    def forward(self, base: torch.Tensor) -> torch.Tensor:
+        """base + this rank's packed LoRA deltas (differentiable in the factors; in base's dtype)."""
+        views = self.layout.unpack(base)
+        parts = []
+        for key, _ in self.layout.pieces:
+            proj = self.targets.get(key)
+            if proj is None:
+                parts.append(views[key].reshape(-1))
+                continue
+            parts.append((views[key] + getattr(self, proj)(self.comm).to(base.dtype)).reshape(-1))
+        return torch.cat(parts)
+
+
+# --- from a PEFT model ----------------------------------------------------------------------------------------------
+def peft_adapter(model) -> tuple[nn.Module, str, object] | None:
+    """(base transformers model, adapter name, LoraConfig) of a PEFT model TSP can train exactly; None for a plain
+    model. Every option or method not implemented exactly is one TSPConfigError naming it."""
+    if not (hasattr(model, "peft_config") and hasattr(model, "get_base_model")):
+        return None
+    configs = dict(model.peft_config)
+    if len(configs) != 1:
+        raise TSPConfigError(f"the PEFT model has {len(configs)} adapters ({', '.join(configs)}): TSP trains one; "
+                             "delete the others (model.delete_adapter) before converting")
+    adapter, config = next(iter(configs.items()))
+    method = str(getattr(config.peft_type, "value", config.peft_type))
+    if method != "LORA":
+        raise TSPConfigError(f"PEFT method {method} ({type(config).__name__}) is not supported under TSP: only LoRA "
+                             "(LoraConfig) is")
+    _check_lora_config(config)
+    base = model.get_base_model()
+    for name, module in base.named_modules():
+        if hasattr(module, "lora_A") and adapter in getattr(module, "r", {}):
+            _check_lora_layer(name, module, adapter)
+    return base, adapter, config
+
+
+def _check_lora_config(config) -> None:
+    if config.lora_dropout:
+        raise TSPConfigError(f"LoraConfig(lora_dropout={config.lora_dropout}): dropout on the LoRA input is not "
+                             "supported under TSP (the delta is folded into the weight shard); use lora_dropout=0")
+    if config.bias != "none":
+        raise TSPConfigError(f"LoraConfig(bias={config.bias!r}) is not supported under TSP: use bias='none'")
+    if config.init_lora_weights not in _PLAIN_INITS:
+        raise TSPConfigError(f"LoraConfig(init_lora_weights={config.init_lora_weights!r}) is not supported under "
+                             "TSP (it rewrites the base weights, which a saved adapter would not carry): use True, "
+                             "False or 'gaussian'")
+    for field in dataclasses.fields(config):
+        if field.name in _ALLOWED_FIELDS or not field.init:
+            continue
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        value = getattr(config, field.name)
+        if value != default and not (isinstance(value, (dict, list, set)) and not value and not default):
+            raise TSPConfigError(f"LoraConfig({field.name}={value!r}) is not supported under TSP: leave "
+                                 f"{field.name} at its default ({default!r}); TSP implements plain LoRA (r, "
+                                 "lora_alpha, use_rslora, target_modules of q/k/v/o and gate/up/down_proj)")
+
+
+def _check_lora_layer(name: str, module: nn.Module, adapter: str) -> None:
+    from peft.tuners.lora.layer import Linear
+
+    if not TARGETS.match(name):
+        raise TSPConfigError(f"LoRA on {name!r} is not supported under TSP: target only the decoder layers' "
+                             "q/k/v/o_proj and gate/up/down_proj (target_modules)")
+    what = None
+    if type(module) is not Linear:
+        what = f"a {type(module).__name__} LoRA layer"
+    elif adapter in getattr(module, "lora_variant", {}):
+        what = f"the LoRA variant {type(module.lora_variant[adapter]).__name__} (use_dora and the like)"
+    elif module.merged_adapters or module.disable_adapters:
+        what = "a merged or disabled adapter"
+    elif module.lora_B[adapter].bias is not None or module.fan_in_fan_out:
+        what = "lora_bias / fan_in_fan_out"
+    elif not isinstance(module.lora_dropout[adapter], nn.Identity):
+        what = "LoRA dropout"
+    if what is not None:
+        raise TSPConfigError(f"{name}: {what} is not supported under TSP (plain LoRA only)")
+
+
+@torch.no_grad()
+def attach_lora(core: nn.Module, base: nn.Module, adapter: str) -> int:
+    """Give every sharded attention / MLP piece of `core` (a ShardedCausalLM) whose HF linears carry LoRA layers in
+    `base` its ShardLoRA: this rank's slices of the factors as TSP rank 0 holds them (collective over the TSP
+    group), requires_grad as in PEFT. Returns the pieces adapted."""
+    modules = dict(base.named_modules())
+    comm, adapted = core.comm, 0
+    for prefix, piece, shard in core.sharded_modules():
+        if not isinstance(piece, (TSPAttention, TSPGatedMLP)):
+            continue
+        factors = {}
+        for name, (dim, start, length) in piece.hf_slices().items():
+            proj = name[:-len(".weight")]
+            layer = modules.get(prefix + proj)
+            if not name.endswith(".weight") or layer is None or not hasattr(layer, "lora_A"):
+                continue
+            a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            full_a, full_b = (t.detach().to(shard.device, copy=True).contiguous() for t in (a, b))
+            if comm.size > 1:  # PEFT draws lora_A at random: ranks that did not seed alike must not disagree
+                for t in (full_a, full_b):
+                    comm.broadcast(t, src=0, what=f"{prefix}{proj} LoRA factor").wait()
+            starts = tuple(piece.hf_slices(rank)[name][1] for rank in range(comm.size))
+            cut_a, cut_b = (full_a, full_b.narrow(0, start, length)) if dim == 0 else \
+                (full_a.narrow(1, start, length), full_b)
+            f = LoRAFactors(cut_a.clone(), cut_b.clone(), layer.scaling[adapter], dim, starts)
+            f.lora_A.requires_grad_(a.requires_grad)
+            f.lora_B.requires_grad_(b.requires_grad)
+            factors[proj] = f
+        if factors:
+            piece.lora = ShardLoRA(piece, factors)
+            adapted += 1
+    return adapted
+
+
+def adapter_config_json(config, base_name_or_path: str | None = None) -> str:
+    """adapter_config.json as PeftModel.save_pretrained writes it (sets as lists, inference_mode true)."""
+    out = config.to_dict()
+    for key, value in out.items():
+        if isinstance(value, set):
+            out[key] = sorted(value)
+    out["inference_mode"] = True
+    if base_name_or_path and not out.get("base_model_name_or_path"):
+        out["base_model_name_or_path"] = base_name_or_path
+    return json.dumps(out, indent=2, sort_keys=True)
