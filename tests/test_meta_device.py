@@ -14,6 +14,8 @@ needs. A static guard then keeps factory calls without device= out of the core.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -125,32 +127,38 @@ def test_step_at_d1_creates_nothing_off_device(family, kind):
     assert not found, "\n".join(found)
 
 
-@pytest.fixture(scope="module")
-def fake_groups():
-    """One process as rank 1 of a fake world of 4: {D: group containing rank 1}."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)
-    try:
-        yield {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
-    finally:
-        dist.destroy_process_group()
-
-
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep")]
 
 
-@pytest.mark.parametrize("tsp, family, kind", MULTI, ids=[f"D{d}-{f}-{k}" for d, f, k in MULTI])
-def test_step_at_higher_degree_creates_nothing_off_device(fake_groups, tsp, family, kind):
-    config = (tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
-                          intermediate_size=96) if family == "llama6" else tiny_config(family))
-    comm = TSPComm(fake_groups[tsp])
-    assert comm.size == tsp and comm.rank == 1
-    found = _meta_step(config, comm, kind)
-    assert not found, "\n".join(found)
+def run_multi() -> list[str]:
+    """Each MULTI case as rank 1 of a fake world of 4 (torch's fake backend: collectives move no data, which a
+    meta step does not need). Needs a process with no process group yet: the test runs it in a fresh one."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
+        problems = []
+        for tsp, family, kind in MULTI:
+            config = (tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
+                                  intermediate_size=96) if family == "llama6" else tiny_config(family))
+            comm = TSPComm(groups[tsp])
+            assert comm.size == tsp and comm.rank == 1
+            problems += [f"D={tsp} {family} {kind}: {f}" for f in _meta_step(config, comm, kind)]
+        return problems
+    finally:
+        dist.destroy_process_group()
+
+
+def test_steps_at_higher_degrees_create_nothing_off_device():
+    """D=2, 3, 4 in a fresh process: an earlier test in this session may have left a process group up."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_meta_device as t; "
+            "found = t.run_multi(); print('\\n'.join(found)); print('cases', len(t.MULTI)); sys.exit(1 if found else 0)")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert f"cases {len(MULTI)}" in out.stdout
 
 
 def test_document_attention_with_layouts_creates_nothing_off_device():
