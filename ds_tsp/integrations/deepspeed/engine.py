@@ -98,6 +98,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         tsp_model = None
         module, mpu = build_pipeline_module(shape, groups, comm, runtime.options, dtype=dtype,
                                             device=device, state_dict=state_dict, seed=seed), None
+        label_modules(module, comm)  # a stalled collective's report names its layer (to_tsp_model does the rest)
     else:
         # The transformers config (and generation config) the model comes from, kept for save_consolidated.
         source_config = model if hasattr(model, "to_json_string") else None
@@ -116,7 +117,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
             module.hf_config, module.generation_config_json = source_config, generation
         tsp_model, mpu = (module.tsp if isinstance(module, TSPForCausalLM) else module), TSPModelParallelUnit(groups)
         _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
-    label_modules(module, comm)  # a stalled collective's report names its layer
     guard = None  # the pipeline engine steps inside train_batch: nothing to guard from outside
     if tsp.pipeline_stages == 1:
         if tsp.on_nonfinite == "skip" and (ds_config.get("gradient_accumulation_steps") or 1) != 1:
