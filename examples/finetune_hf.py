@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 
 import torch
@@ -82,10 +80,7 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
+    from ds_tsp.core.launch import exit_rank
+
     main()
-    # torch's gloo backend can abort ("terminate called without an active exception") when a worker thread
-    # releases a finished op during interpreter finalization (seen 2 in 20 runs even after
-    # destroy_process_group). Everything is saved, flushed and the group destroyed: skip finalization.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank()  # skips interpreter finalization, where torch's gloo backend can abort (see exit_rank)

@@ -146,8 +146,7 @@ def _stack(rows):
 
 
 if __name__ == "__main__":
-    main()
-    import torch.distributed as dist
+    from ds_tsp.core.launch import exit_rank
 
-    if dist.is_initialized():  # a process group left to interpreter exit can abort in its destructor
-        dist.destroy_process_group()
+    main()
+    exit_rank()  # destroys the process group and skips finalization, where gloo can abort

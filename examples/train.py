@@ -160,7 +160,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if dist.is_initialized():  # a process group left to interpreter exit can abort in its destructor
-        dist.destroy_process_group()
-    sys.exit(code)
+    from ds_tsp.core.launch import exit_rank
+
+    exit_rank(main())  # destroys the process group and skips finalization, where gloo can abort

@@ -136,4 +136,7 @@ def evaluate(accelerator, model, loader) -> None:
 
 
 if __name__ == "__main__":
+    from ds_tsp.core.launch import exit_rank
+
     main()
+    exit_rank()  # destroys the process group and skips finalization, where gloo can abort

@@ -5,6 +5,10 @@ explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias
 Qwen3 (per-head q_norm/k_norm). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
 heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
+
+`MOE_FAMILIES` (tests/test_hf_moe.py): Qwen3-MoE (one dense layer via mlp_only_layers, one sparse; 8 experts, top-2,
+expert width 12, which 4 does not divide) and Mixtral (4 experts, top-2, sliding window), both with
+output_router_logits and an aux coefficient large enough to move the gradients visibly.
 """
 from __future__ import annotations
 
@@ -57,15 +61,30 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+MOE_FAMILIES: dict[str, dict] = {
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=91, hidden_size=32, intermediate_size=48,
+                      moe_intermediate_size=12, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                      mlp_only_layers=[0], decoder_sparse_step=1, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=False, use_sliding_window=False, output_router_logits=True,
+                      router_aux_loss_coef=0.05, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "mixtral": dict(model_type="mixtral", vocab_size=75, hidden_size=32, intermediate_size=16, num_local_experts=4,
+                    num_experts_per_tok=2, num_key_value_heads=2, sliding_window=5, tie_word_embeddings=False,
+                    output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
 def _config_class(model_type: str):
     import transformers
     return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[model_type]
+            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+            "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[model_type]
 
 
 def tiny_config(name: str, **overrides):
-    """The transformers config of family `name` (overrides win), attn_implementation "sdpa"."""
-    kwargs = {**_COMMON, **FAMILIES[name], **overrides}
+    """The transformers config of family `name` (FAMILIES or MOE_FAMILIES; overrides win), attn_implementation
+    "sdpa"."""
+    kwargs = {**_COMMON, **FAMILIES.get(name, MOE_FAMILIES.get(name, {})), **overrides}
     cls = _config_class(kwargs.pop("model_type"))
     return cls(**kwargs, attn_implementation="sdpa")
 
@@ -75,12 +94,14 @@ def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     """Deterministic, thread-count independent: each parameter from a CPU generator seeded by (seed, name), float64.
 
     Same rule as ds_tsp.tools.reference_model.init_weights_: N(0, 0.02) for matrices, embeddings and biases, 1 + 0.1 N(0, 1)
-    for norm weights (incl. q_norm/k_norm) so norm gradients are non-trivial. A tied lm_head is listed once.
+    for norm weights (incl. q_norm/k_norm) so norm gradients are non-trivial, N(0, 0.5) for MoE routers. A tied
+    lm_head is listed once.
     """
     for name, param in model.named_parameters():
         gen = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2 ** 63))
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-        param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.02 * noise)
+        scale = 0.5 if name.endswith(".gate.weight") else 0.02  # MoE routers: logits spread enough to route unevenly
+        param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
     return model
 
 

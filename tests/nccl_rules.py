@@ -3,7 +3,10 @@ on its own threads and hides orders that hang NCCL, which a CPU-only project can
 module.
 
 The model (what NCCL guarantees, conservatively):
-* one in-order queue per communicator, i.e. per (rank, group): an op runs only at the head of its queue;
+* one in-order queue per communicator, i.e. per (rank, group, channel): an op runs only at the head of its queue
+  (TSPComm's weight channel is a second communicator over the TSP group's ranks: its own queue);
+* communicators over the same ranks are launched in the same interleaving on every member (else their kernels
+  can wait on each other across streams);
 * a collective completes when every member of its group has it at the head of its queue for that group; the k-th
   collective of a group on one rank meets the k-th on every other member, which must agree on kind, shape, dtype
   and root;
@@ -19,7 +22,9 @@ so a cycle across groups passes here; and ops that bypass TSPComm (DeepSpeed / F
 all-reduce for logging) are not recorded.
 Ops are dicts as CommRecorder writes them: kind ("broadcast", "reduce", "gather", "all_gather", "reduce_scatter",
 "all_reduce", or "p2p" with p2p=(("send" | "recv", peer[, numel]), ...) and batched), group (global ranks), root,
-shape, dtype, numel, nbytes, what, layer. op(), p2p() build them by hand.
+shape, dtype, numel, nbytes, what, layer, channel ("tsp" or "weights"). op(), p2p(), all_to_all() build them by hand.
+An "all_to_all" op also has in_splits / out_splits (rows to / from each group rank); its shape is the rank's own
+input, so only the row shape must agree between ranks, and the splits must match pairwise.
 """
 from __future__ import annotations
 
@@ -39,6 +44,11 @@ def op(kind: str, group, *, shape=(4,), dtype="torch.float32", root=None, what=N
 
 def p2p(group, *ops, batched: bool = True, shape=(4,), what=None, layer="") -> dict:
     return {**op("p2p", group, shape=shape, what=what, layer=layer), "p2p": tuple(ops), "batched": batched}
+
+
+def all_to_all(group, in_splits, out_splits, *, row=(4,), what=None, layer="") -> dict:
+    return {**op("all_to_all", group, shape=(sum(in_splits), *row), what=what, layer=layer),
+            "in_splits": tuple(in_splits), "out_splits": tuple(out_splits)}
 
 
 @dataclass
@@ -77,8 +87,47 @@ class _Entry:
                 f"position {self.pos} (op #{self.index} of the rank); layer: {o.get('layer') or 'not labelled'}")
 
 
+class _Comm(tuple):
+    """One communicator: its member ranks (what iterating gives) and its channel; two communicators over the same
+    ranks (TSPComm's weight_group beside the TSP group) are two queues."""
+
+    def __new__(cls, o: dict):
+        comm = super().__new__(cls, o["group"])
+        comm.channel = o.get("channel", "tsp")
+        return comm
+
+    def _key(self):
+        return tuple(self), self.channel
+
+    def __eq__(self, other):
+        return isinstance(other, _Comm) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __lt__(self, other):
+        return self._key() < other._key()
+
+    def __repr__(self):
+        return f"{list(self)}" + ("" if self.channel == "tsp" else f" ({self.channel} channel)")
+
+
 def _signature(o: dict) -> tuple:
+    if o["kind"] == "all_to_all":  # rows per rank differ by design; _split_mismatch checks them pairwise
+        return o["kind"], tuple(o["shape"][1:]), o["dtype"], len(o["in_splits"])
     return o["kind"], tuple(o["shape"]), o["dtype"], o["numel"], o.get("root")
+
+
+def _split_mismatch(group, at: dict) -> str | None:
+    """all_to_all: what group rank a sends to group rank b (in_splits[b]) must be what b expects from a
+    (out_splits[a]); NCCL would hang or corrupt otherwise."""
+    for a, ra in enumerate(group):
+        for b, rb in enumerate(group):
+            sent, expected = at[ra].op["in_splits"][b], at[rb].op["out_splits"][a]
+            if sent != expected:
+                return (f"all_to_all split sizes differ: rank {ra} sends {sent} rows to rank {rb}, which expects "
+                        f"{expected}:\n  {at[ra].describe()}\n  {at[rb].describe()}")
+    return None
 
 
 def _queues(ops_by_rank) -> dict[tuple, deque]:
@@ -87,7 +136,7 @@ def _queues(ops_by_rank) -> dict[tuple, deque]:
     seq: Counter = Counter()
     for rank, ops in ranks:
         for index, o in enumerate(ops):
-            group = tuple(o["group"])
+            group = _Comm(o)
             if rank not in group:
                 raise ValueError(f"rank {rank} posts op #{index} ({o['kind']}) on group {list(group)} without "
                                  "being a member")
@@ -114,6 +163,32 @@ def _collective_mismatches(queues: dict[tuple, deque]) -> list[str]:
                                     for r, e in at.items())
                 out.append(f"collective #{i} of group {list(g)} differs between ranks:\n  {lines}")
                 break
+            first = next(iter(at.values()))
+            if first.op["kind"] == "all_to_all" and (bad := _split_mismatch(g, at)):
+                out.append(f"collective #{i} of group {list(g)}: {bad}")
+                break
+    return out
+
+
+def _launch_order_mismatches(queues: dict[tuple, deque]) -> list[str]:
+    """Communicators over the same ranks (the weight channel beside the TSP group) run on separate streams, and NCCL
+    kernels of different communicators can only make progress together when every rank launches them in one order:
+    the first position where the members interleave the channels differently."""
+    out = []
+    by_ranks: dict[tuple, set] = defaultdict(set)
+    for _, comm in queues:
+        by_ranks[tuple(comm)].add(comm)
+    for ranks, comms in sorted(by_ranks.items()):
+        if len(comms) < 2:
+            continue
+        seqs = {r: sorted((e for c in comms for e in queues.get((r, c), ())), key=lambda e: e.index) for r in ranks}
+        for i in range(max(len(s) for s in seqs.values())):
+            at = {r: s[i] if i < len(s) else None for r, s in seqs.items()}
+            if len({None if e is None else (_Comm(e.op).channel, e.op["kind"]) for e in at.values()}) > 1:
+                lines = "\n  ".join(f"rank {r}: " + (e.describe() + f" [{_Comm(e.op).channel}]" if e else "nothing")
+                                    for r, e in at.items())
+                out.append(f"launch #{i} over ranks {list(ranks)} interleaves the channels differently:\n  {lines}")
+                break
     return out
 
 
@@ -131,11 +206,11 @@ class _Replay:
 
     def pop(self, entries) -> None:
         for e in entries:
-            self.queues[e.rank, tuple(e.op["group"])].popleft()
+            self.queues[e.rank, _Comm(e.op)].popleft()
             self.completed += 1
 
     def try_collective(self, e: _Entry) -> bool:
-        group = tuple(e.op["group"])
+        group = _Comm(e.op)
         heads = [self.head(r, group) for r in group]
         if any(h is None or h.op["kind"] == "p2p" for h in heads):
             return False
@@ -146,13 +221,13 @@ class _Replay:
         o = e.op
         if not o.get("batched") and len(e.links) == 1 and e.links[0][0] == "send" and o["nbytes"] <= self.eager_bytes:
             _, peer, seq, _, _ = e.links[0]
-            self.delivered.add((e.rank, peer, tuple(o["group"]), seq))
+            self.delivered.add((e.rank, peer, _Comm(o), seq))
             self.pop([e])
             return True
         closure, todo = {id(e): e}, [e]
         while todo:  # every batch tied in through a peer op must run now too
             cur = todo.pop()
-            group = tuple(cur.op["group"])
+            group = _Comm(cur.op)
             for d, peer, seq, numel, dtype in cur.links:
                 if d == "recv" and (peer, cur.rank, group, seq) in self.delivered:
                     continue
@@ -189,7 +264,7 @@ class _Replay:
                 f"  every queue head:\n  {lines}")
 
     def waiting_for(self, e: _Entry) -> str:
-        group = tuple(e.op["group"])
+        group = _Comm(e.op)
         if e.op["kind"] != "p2p":
             late = [r for r in group if (h := self.head(r, group)) is None or h.op["kind"] == "p2p"]
             return f"waits for ranks {late} to reach it"
@@ -207,6 +282,7 @@ def check(ops_by_rank, eager_bytes: int = 0) -> Report:
     queues = _queues(ops_by_rank)
     report = Report(total=sum(len(q) for q in queues.values()))
     report.mismatches += _collective_mismatches(queues)
+    report.mismatches += _launch_order_mismatches(queues)
     replay = _Replay(queues, eager_bytes)
     replay.run()
     report.mismatches += replay.errors

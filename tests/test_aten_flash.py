@@ -16,7 +16,6 @@ import warnings
 
 import pytest
 import torch
-
 from test_kernels import CASES, run_case
 
 from ds_tsp.core import aten_attention, kernels, varlen

@@ -181,3 +181,80 @@ def test_bad_flags_exit_2_with_one_line(argv, message, capsys, tmp_path):
     assert args.run(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+# --- mixture of experts (ds_tsp.tools.bench.moe_report) --------------------------------------------------------------
+MOE_TINY = [*TINY, "--heads", "4", "--layers", "2", "--num-experts", "4", "--top-k", "2", "--moe-ffn", "16"]
+
+
+def test_moe_flags_map_to_one_config_per_schedule():
+    from ds_tsp.tools.bench.cli import configs_from_args
+
+    configs = configs_from_args(build_parser().parse_args([*MOE_TINY, "--moe-dispatch", "ring,all_to_all",
+                                                           "--tsp", "2", "4"]))
+    assert [(c.tsp, c.layout, c.moe_dispatch) for c in configs] == [
+        (2, "tsp", "ring"), (2, "tsp", "all_to_all"), (2, "tsp_speed", "ring"), (2, "tsp_speed", "all_to_all"),
+        (4, "tsp", "ring"), (4, "tsp", "all_to_all"), (4, "tsp_speed", "ring"), (4, "tsp_speed", "all_to_all")]
+    shape = configs[0].shape
+    assert (shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size) == (4, 2, 16)
+    assert all(shape.is_moe_layer(i) for i in range(2)) and configs[0].label == "tsp[ring]"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layouts", "tsp,ulysses_zero1"], "TSP layouts only"),
+    (["--moe-dispatch", "ring,nope"], "unknown ['nope']"),
+    (["--num-experts", "3", "--tsp", "2"], "num_experts=3"),
+])
+def test_bad_moe_flags_exit_2(argv, message, capsys, tmp_path):
+    args = build_parser().parse_args([*MOE_TINY, "--seq", "32", "--tsp", "2", *argv, "--out", str(tmp_path)])
+    assert args.run(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_moe_flags_need_experts(capsys, tmp_path):
+    args = build_parser().parse_args([*TINY, "--top-k", "2", "--out", str(tmp_path)])
+    assert args.run(args) == 2 and "--top-k: only with --num-experts" in capsys.readouterr().err
+
+
+def test_moe_cell_per_schedule_runs_and_reports_the_auto_choice(tmp_path, capsys):
+    out = tmp_path / "moe"
+    args = build_parser().parse_args([*MOE_TINY, "--layouts", "tsp", "--moe-dispatch", "ring,all_to_all", "--tsp",
+                                      "2", "--seq", "32", "--steps", "1", "--warmup", "0", "--out", str(out),
+                                      "--quiet"])
+    assert args.run(args) == 0, capsys.readouterr().err[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["label"], r["moe_dispatch"], r["ok"]) for r in results] == [("tsp[ring]", "ring", True),
+                                                                           ("tsp[all_to_all]", "all_to_all", True)]
+    assert results[0]["tsp_options"]["moe_dispatch"] == "ring"
+    rows = json.loads((out / "moe.json").read_text())
+    assert {r["schedule"] for r in rows} == {"ring", "all_to_all"}
+    # 16 local tokens: all_to_all sends fewer bytes per layer, so the plan's auto picks it
+    assert {r["plan_auto"] for r in rows} == {"all_to_all"}
+    assert {r["measured_faster"] for r in rows} <= {"ring", "all_to_all"}
+    assert all(isinstance(r[key], bool) for r in rows for key in ("auto_within_10pct", "auto_within_10pct_cpu"))
+    ring = next(r for r in rows if r["schedule"] == "ring")
+    assert ring["comm_bytes_per_step"] == ring["plan_comm_bytes_per_step"]  # the ring's bytes are routing-free
+    assert "plan's auto" in (out / "results.md").read_text()
+
+
+def test_hf_config_gives_the_shape_moe_included(tmp_path):
+    """`--hf-config` (the flag `ds-tsp plan` has too) takes the whole shape from a config.json transformers wrote,
+    MoE fields and dense/sparse layers included; --layers cuts it; an explicit shape flag beside it is refused."""
+    import pytest
+    from transformers import Qwen3MoeConfig
+
+    from ds_tsp.tools.bench.cli import configs_from_args
+
+    Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                   mlp_only_layers=[0]).save_pretrained(tmp_path)
+    argv = ["--hf-config", str(tmp_path), "--layouts", "tsp", "--tsp", "2", "--seq", "64"]
+    full, = configs_from_args(build_parser().parse_args(argv))
+    assert (full.shape.num_layers, full.shape.num_experts, full.shape.num_experts_per_tok) == (4, 8, 2)
+    assert [full.shape.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    assert (full.shape.hidden_size, full.shape.vocab_size, full.shape.moe_intermediate_size) == (32, 128, 16)
+    cut, = configs_from_args(build_parser().parse_args(argv + ["--layers", "2"]))
+    assert cut.shape.num_layers == 2 and [cut.shape.is_moe_layer(i) for i in range(2)] == [False, True]
+    with pytest.raises(ValueError, match="--hidden: the shape comes from --hf-config"):
+        configs_from_args(build_parser().parse_args(argv + ["--hidden", "64"]))

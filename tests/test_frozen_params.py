@@ -230,3 +230,68 @@ def test_ds_initialize_trains_a_peft_lora_model_like_peft(tsp2, stage):
     assert set(saved) == set(want) and len(want) == 2 * 3 * 2
     for name, value in want.items():
         assert (saved[name] - value).norm() <= 1e-4 * value.norm(), name
+
+
+# --- mixture of experts: in-memory names (fused experts, Mixtral's mlp. block) differ from the checkpoint's --------
+MOE_FROZEN = {  # family -> (frozen HF parameter suffix, the TSP parameter of layer 1 that must be frozen with it)
+    ("qwen3_moe", "experts"): ((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"), "mlp.experts_shard"),
+    ("qwen3_moe", "router"): ((".mlp.gate.weight",), "mlp.gate.weight"),
+    ("mixtral", "experts"): ((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"), "mlp.experts_shard"),
+    ("mixtral", "router"): ((".mlp.gate.weight",), "mlp.gate.weight"),
+}
+
+
+def _moe_model(family: str, frozen: tuple[str, ...]):
+    model = build_tiny_model(family, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (name.startswith("model.layers.1.") and name.endswith(frozen)))
+    return model
+
+
+@pytest.mark.parametrize("family, what", sorted(MOE_FROZEN))
+def test_moe_frozen_experts_or_router_carry_and_optimizer_rebinds_every_moe_param(family, what):
+    """Frozen experts (fused gate_up_proj + down_proj) or a frozen router of layer 1 stay frozen on the TSP shard: no
+    grad, no optimizer state; every other TSP parameter trains. The optimizer built on the HF model's trainable
+    parameters (in-memory names) is rebound to exactly the trainable TSP parameters."""
+    frozen, tsp_name = MOE_FROZEN[(family, what)]
+    hf = _moe_model(family, frozen)
+    assert sum(not p.requires_grad for p in hf.parameters()) == len(frozen)
+    optimizer = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=LR)
+    names = parameter_names(hf)
+    model = to_tsp_model(hf, TSPComm.single(), hf_face=True)
+    frozen_tsp = sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    assert frozen_tsp == [f"tsp.model.layers.1.{tsp_name}"], frozen_tsp
+    rebind_optimizer(optimizer, names, model)
+    rebound = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert rebound == {id(p) for p in model.parameters() if p.requires_grad}
+    ids = batches(hf.config.vocab_size, 1)[0]
+    out = model(input_ids=ids, labels=ids)
+    assert out.aux_loss is not None  # output_router_logits: the router gets a gradient from the aux loss too
+    out.loss.backward()
+    optimizer.step()
+    params = dict(model.named_parameters())
+    assert params[frozen_tsp[0]].grad is None and id(params[frozen_tsp[0]]) not in {id(p) for p in optimizer.state}
+    assert {id(p) for p in optimizer.state} == rebound, "state for every trainable shard, the MoE ones included"
+    for name in ("tsp.model.layers.1.mlp.experts_shard", "tsp.model.layers.1.mlp.gate.weight"):
+        if name != frozen_tsp[0]:
+            assert params[name].grad is not None and params[name].grad.norm() > 0, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_mixed_frozen_experts_and_unmappable_params_are_errors(family):
+    half = _moe_model(family, (".mlp.experts.down_proj",))  # gate_up trains, down frozen: one packed shard
+    with pytest.raises(TSPConfigError, match=r"model.layers.1.mlp.experts.down_proj frozen but "
+                                             r"model.layers.1.mlp.experts.gate_up_proj trainable.*"
+                                             r"`for p in layer.mlp.experts.parameters\(\)"):
+        to_tsp_model(half, TSPComm.single(), hf_face=True)
+    extra = build_tiny_model(family, dtype=torch.float32)  # a parameter no TSP parameter holds: named, not ignored
+    extra.model.layers[1].mlp.register_parameter("extra_scale", torch.nn.Parameter(torch.ones(2), requires_grad=False))
+    with pytest.raises(TSPConfigError, match=r"model.layers.1.mlp.extra_scale \(1 HF parameters\) has no TSP "
+                                             r"counterpart"):
+        to_tsp_model(extra, TSPComm.single(), hf_face=True)
+    hf = build_tiny_model(family, dtype=torch.float32)
+    model = to_tsp_model(hf, TSPComm.single(), hf_face=True)
+    stray = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW(list(hf.parameters()) + [stray], lr=LR)
+    with pytest.raises(TSPConfigError, match=r"parameter 'model.layers.1.mlp.stray' has no TSP counterpart"):
+        rebind_optimizer(optimizer, {**parameter_names(hf), id(stray): "model.layers.1.mlp.stray"}, model)

@@ -95,3 +95,34 @@ def test_save_pretrained_under_zero3(tmp_path):
     with torch.no_grad():
         logits = reloaded(input_ids=result["probe"]).logits
     torch.testing.assert_close(logits, result["logits"], rtol=1e-5, atol=1e-5)
+
+
+def _save_onto_a_file(source: str, target: str) -> str:
+    from ds_tsp.hf import TSPForCausalLM
+
+    model = TSPForCausalLM.from_pretrained(source)
+    try:
+        model.save_pretrained(target)
+    except TSPConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_writer_that_cannot_open_fails_every_rank_at_the_start(tmp_path):
+    """The writer (global rank 0) cannot even open (the target is a file): every rank raises its reason at the first
+    collective of the save instead of waiting in a gather the writer never joins."""
+    source = save_tiny_checkpoint(tmp_path / "src", "llama")
+    target = tmp_path / "a_file"
+    target.write_text("not a checkpoint")
+    for message in run_on_local_ranks(_save_onto_a_file, 2, str(source), str(target), timeout_s=120):
+        assert "could not start" in message and "not a plain directory" in message, message
+    assert target.read_text() == "not a checkpoint"
+
+
+def test_a_module_without_tsp_shards_is_refused(tmp_path):
+    """What a DeepSpeed PipelineModule (tsp.pipeline_stages > 1) is to save_streaming: no sharded_modules()."""
+    from ds_tsp.checkpoint.hf_save import save_streaming
+
+    with pytest.raises(TSPConfigError, match=r"Linear is not a TSP model.*PipelineModule.*pipeline_stages=1"):
+        save_streaming(torch.nn.Linear(2, 2), tmp_path / "out", "{}")
+    assert not (tmp_path / "out").exists()

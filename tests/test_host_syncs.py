@@ -13,7 +13,6 @@ import random
 
 import pytest
 import torch
-
 from sync_counter import SyncCounter
 
 from ds_tsp.core import documents
@@ -185,3 +184,64 @@ def test_shard_then_step_reads_once_and_still_checks_the_mask():
         b = shard_batch(tsp=1, rank=0, check_values=False, **batch)
         model(b["input_ids"], b["shift_labels"], b["position_ids"], b["attention_mask"])
     assert [e.op for e in syncs.events] == ["tolist"], syncs.events
+
+
+# --- MoE MLP (ds_tsp.core.functions.moe): at most ONE read per MoE layer forward, none in backward ----------------
+MOE_LAYERS = 2
+
+
+def _moe_syncs(world: bool) -> dict:
+    """{(dispatch, path): (forward events, backward events)} of MOE_LAYERS MoE layers, forced expert-GEMM path
+    (grouped runs on this torch's CPU kernels in float32)."""
+    import torch.distributed as dist
+    from moe_reference import MoECase, hf_block, inputs, spec_of
+
+    import ds_tsp.core.functions.moe as moe
+    from ds_tsp.core.functions.moe_experts import _grouped_mm_fn
+
+    comm = TSPComm(dist.group.WORLD) if world else TSPComm.single()
+    case = MoECase(skew=(2,), seed=9, hidden=16, ffn=8)
+    spec = spec_of(case, comm.size)
+    block = hf_block(case)
+    e_r = spec.experts_per_rank
+    own = slice(comm.rank * e_r, (comm.rank + 1) * e_r)
+    packed = spec.layout.pack({"gate_up": block.experts.gate_up_proj[own], "down": block.experts.down_proj[own]})
+    packed = packed.detach().float().requires_grad_(True)
+    router = block.gate.weight.detach().float().requires_grad_(True)
+    x = shard(inputs(case, comm.size)["x"], comm.size, comm.rank).float().requires_grad_(True)
+    select, out = moe.select_expert_gemm, {}
+    try:
+        for path in ("loop", "grouped") if _grouped_mm_fn() is not None else ("loop",):
+            moe.select_expert_gemm = lambda device, dtype, *_, path=path: path
+            for dispatch in ("ring", "all_to_all"):
+                with SyncCounter() as fwd:
+                    h, logits = x, []
+                    for _ in range(MOE_LAYERS):
+                        h, lg = moe.tsp_moe_mlp(h, router, packed, spec, comm, dispatch=dispatch)
+                        logits.append(lg)
+                    loss = h.square().sum() + moe.moe_aux_loss_share(logits, case.num_experts, case.top_k, comm)
+                with SyncCounter() as bwd:
+                    loss.backward()
+                out[dispatch, path] = ([(e.kind, e.op, e.region, e.where) for e in fwd.events],
+                                       [(e.kind, e.op, e.region, e.where) for e in bwd.events])
+    finally:
+        moe.select_expert_gemm = select
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_runs() -> dict[int, list[dict]]:
+    return {1: [_moe_syncs(False)], 2: run_on_local_ranks(_moe_syncs, 2, True, timeout_s=120)}
+
+
+@pytest.mark.parametrize("tsp", [1, 2])
+def test_moe_layer_reads_the_counts_once_per_forward(moe_runs, tsp):
+    """all_to_all: the split sizes (one .tolist() per layer forward); ring: the loop path's bounds, the same
+    one read; ring on the grouped path: nothing. Backward and the aux loss: nothing."""
+    for rank, results in enumerate(moe_runs[tsp]):
+        assert ("ring", "loop") in results
+        for (dispatch, path), (fwd, bwd) in results.items():
+            want = 0 if (dispatch, path) == ("ring", "grouped") else MOE_LAYERS
+            assert len(fwd) == want, (tsp, rank, dispatch, path, fwd)
+            assert all(e[:3] == ("read", "tolist", "layers") and "functions/moe_" in e[3] for e in fwd), fwd
+            assert not bwd, (tsp, rank, dispatch, path, bwd)

@@ -14,6 +14,7 @@ needs. A static guard then keeps factory calls without device= out of the core.
 from __future__ import annotations
 
 import ast
+import contextlib
 import subprocess
 import sys
 import traceback
@@ -127,18 +128,37 @@ def test_step_at_d1_creates_nothing_off_device(family, kind):
     assert not found, "\n".join(found)
 
 
+@contextlib.contextmanager
+def _fake_world():
+    """This process as rank 1 of a fake world of 4 (torch's fake backend: collectives move no data, which a meta
+    step does not need): {D: the TSP group of ranks 0..D-1}. Needs a process with no process group yet."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        yield {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_in_fresh_process(runner: str) -> str:
+    """stdout of `runner()` (a function of this module returning its problems) in a fresh interpreter: an earlier
+    test in this session may have left a process group up. Fails on any problem found."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_meta_device as t; "
+            f"found = t.{runner}(); print('\\n'.join(found)); print('done'); sys.exit(1 if found else 0)")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "done" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+    return out.stdout
+
+
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep")]
 
 
 def run_multi() -> list[str]:
-    """Each MULTI case as rank 1 of a fake world of 4 (torch's fake backend: collectives move no data, which a
-    meta step does not need). Needs a process with no process group yet: the test runs it in a fresh one."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)
-    try:
-        groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
+    """Each MULTI case as rank 1 of a fake world of 4."""
+    with _fake_world() as groups:
         problems = []
         for tsp, family, kind in MULTI:
             config = (tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
@@ -146,19 +166,12 @@ def run_multi() -> list[str]:
             comm = TSPComm(groups[tsp])
             assert comm.size == tsp and comm.rank == 1
             problems += [f"D={tsp} {family} {kind}: {f}" for f in _meta_step(config, comm, kind)]
+        print("cases", len(MULTI))
         return problems
-    finally:
-        dist.destroy_process_group()
 
 
 def test_steps_at_higher_degrees_create_nothing_off_device():
-    """D=2, 3, 4 in a fresh process: an earlier test in this session may have left a process group up."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_meta_device as t; "
-            "found = t.run_multi(); print('\\n'.join(found)); print('cases', len(t.MULTI)); sys.exit(1 if found else 0)")
-    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert f"cases {len(MULTI)}" in out.stdout
+    assert f"cases {len(MULTI)}" in _run_in_fresh_process("run_multi")
 
 
 def test_document_attention_with_layouts_creates_nothing_off_device():
@@ -252,3 +265,86 @@ def test_guard_catches_a_missing_device(tmp_path):
                    "torch.ones(1, device=x.device)\n")
     assert [(fn, factory, ok) for fn, factory, _, ok in _factory_calls(bad)] == [
         ("f", "arange", False), ("f", "zeros", False), ("f", "ones", True)]
+
+
+# --- MoE MLP (ds_tsp.core.functions.moe): the ring schedule on meta; the host-reading paths refused ---------------
+def _moe_meta_step(comm, dispatch: str = "ring", dtype=torch.bfloat16) -> list[str]:
+    """Forward + backward of two MoE layers (8 experts, top-2) plus the aux-loss share, all tensors on meta."""
+    from ds_tsp.core.functions.moe import MoESpec, moe_aux_loss_share, tsp_moe_mlp
+
+    spec = MoESpec(hidden=16, moe_ffn=8, num_experts=8, experts_per_rank=8 // comm.size, top_k=2, norm_topk_prob=True)
+    x = torch.empty(B, S // comm.size, 16, device=META, dtype=dtype, requires_grad=True)
+    router = torch.empty(8, 16, device=META, dtype=dtype, requires_grad=True)
+    experts = torch.empty(spec.layout.numel, device=META, dtype=dtype, requires_grad=True)
+    with DeviceRecorder() as rec:
+        h, logits = x, []
+        for _ in range(2):
+            h, lg = tsp_moe_mlp(h, router, experts, spec, comm, dispatch=dispatch)
+            logits.append(lg)
+        (h.sum() + moe_aux_loss_share(logits, 8, 2, comm)).backward()
+    assert all(t.grad is not None and t.grad.device == META for t in (x, router, experts))
+    return rec.found
+
+
+def test_moe_ring_step_creates_nothing_off_device():
+    found = _moe_meta_step(TSPComm.single())
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("dispatch, dtype", [("all_to_all", torch.bfloat16), ("ring", torch.float32)])
+def test_moe_paths_that_read_counts_are_refused_on_meta(dispatch, dtype):
+    """all_to_all needs its split sizes on the host, and the loop GEMMs (non-bf16) their bounds: meta has none."""
+    from ds_tsp.core.errors import TSPConfigError
+
+    with pytest.raises(TSPConfigError, match=f"moe_dispatch='{dispatch}'.*meta device"):
+        _moe_meta_step(TSPComm.single(), dispatch, dtype)
+
+
+def run_moe_multi() -> list[str]:
+    """The ring schedule as rank 1 of a fake world of 4 at D=2 and D=4."""
+    with _fake_world() as groups:
+        return [f"D={tsp}: {f}" for tsp in (2, 4) for f in _moe_meta_step(TSPComm(groups[tsp]))]
+
+
+def test_moe_ring_at_higher_degrees_creates_nothing_off_device():
+    _run_in_fresh_process("run_moe_multi")
+
+
+# --- mixture of experts (Qwen3-MoE, Mixtral) ---------------------------------------------------------------------
+# A meta step cannot read per-expert row counts, so it runs what needs none: the "ring" dispatch with bfloat16
+# experts (one grouped GEMM per projection, device offsets); the aux loss (output_router_logits in the tiny
+# configs) is in the loss. "all_to_all" and the loop GEMMs read counts on the host by design (one read per layer).
+# torch's grouped GEMM wants 16-byte aligned rows: the expert width is 16 here (the tiny checkpoint's 12 is not).
+MOE_CASES = [("qwen3_moe", "plain"), ("mixtral", "padding"), ("qwen3_moe", "checkpointing"), ("mixtral", "packed")]
+
+
+def _moe_config(family: str):
+    return tiny_config(family, **({"moe_intermediate_size": 16} if family == "qwen3_moe" else {}))
+
+
+def _meta_moe_step(config, comm, kind: str) -> list[str]:
+    model = TSPForCausalLM(config, comm, dtype=torch.bfloat16, device=META, options=TSPOptions(
+        moe_dispatch="ring", activation_checkpointing=kind == "checkpointing"))
+    with DeviceRecorder() as rec:
+        out = model(**_meta_batch(kind))
+        assert out.aux_loss is not None and out.aux_loss.device == META
+        out.loss.backward()
+    assert all(p.grad is not None and p.grad.device == META for p in model.parameters()), "every param gets a grad"
+    return rec.found
+
+
+@pytest.mark.parametrize("family, kind", MOE_CASES, ids=[f"{f}-{k}" for f, k in MOE_CASES])
+def test_moe_step_at_d1_creates_nothing_off_device(family, kind):
+    found = _meta_moe_step(_moe_config(family), TSPComm.single(), kind)
+    assert not found, "\n".join(found)
+
+
+def run_multi_moe() -> list[str]:
+    """MOE_CASES at D=2 and D=4 as rank 1 of a fake world of 4."""
+    with _fake_world() as groups:
+        return [f"D={tsp} {family} {kind}: {f}" for tsp in (2, 4) for family, kind in MOE_CASES
+                for f in _meta_moe_step(_moe_config(family), TSPComm(groups[tsp]), kind)]
+
+
+def test_moe_steps_at_higher_degrees_create_nothing_off_device():
+    _run_in_fresh_process("run_multi_moe")

@@ -27,19 +27,29 @@ def _configs(D: int) -> dict[str, dict]:
     """name -> (model shape, options, overlap, batch); together they cover every option of the matrix."""
     few_kv = 1 if D < 4 else 2  # fewer kv heads than ranks: replicated kv heads
     return {
-        "memory_overlap": {"kv": D, "options": TSPOptions(), "overlap": True},
+        "memory_overlap": {"kv": D, "options": TSPOptions(), "overlap": True, "weight_channel": True},
         "speed_no_overlap": {"kv": D, "options": TSPOptions.speed(), "overlap": False},
         "checkpointing_gqa_packed": {"kv": few_kv, "options": TSPOptions(activation_checkpointing=True),
-                                     "overlap": True, "documents": [7, 5, 9]},
+                                     "overlap": True, "documents": [7, 5, 9], "weight_channel": True},
         "window_tied_small_chunks": {"kv": few_kv, "options": TSPOptions.speed(lm_head_chunk_tokens=3),
                                      "overlap": True, "windows": (5, None), "tie": True},
+        # mixture of experts on layer 1 (layer 0 dense), aux loss on: each dispatch schedule in a whole step
+        "moe_ring_aux": {"kv": D, "options": TSPOptions(moe_dispatch="ring"), "overlap": True, "moe": _MOE,
+                         "weight_channel": True},
+        "moe_all_to_all_checkpointing": {"kv": few_kv, "options": TSPOptions(moe_dispatch="all_to_all",
+                                                                             activation_checkpointing=True),
+                                         "overlap": True, "moe": _MOE},
     }
+
+
+_MOE = dict(num_experts=12, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,
+            dense_mlp_layers=(0,), router_aux_loss_coef=0.1, output_router_logits=True)
 
 
 GROUPS = {2: [2, 3], 3: [0, 1, 2], 4: [0, 1, 2, 3]}
 
 
-def _step(D: int, group, cfg: dict, record: bool) -> dict:
+def _step(D: int, group, cfg: dict, record: bool, weights=None) -> dict:
     """One training step (forward, backward, optimizer.step) from a fixed init; the ops it posts if record."""
     from ds_tsp.core.comm import TSPComm
     from ds_tsp.core.documents import documents_of_lengths
@@ -48,10 +58,10 @@ def _step(D: int, group, cfg: dict, record: bool) -> dict:
     from ds_tsp.core.watchdog import label_modules
     from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
-    comm = TSPComm(group, overlap=cfg["overlap"])
+    comm = TSPComm(group, overlap=cfg["overlap"], weight_group=weights if cfg.get("weight_channel") else None)
     shape = ModelShape(vocab_size=61, hidden_size=16 * D, intermediate_size=12 * D, num_layers=2, num_heads=2 * D,
                        num_kv_heads=cfg["kv"], tie_word_embeddings=cfg.get("tie", False),
-                       attention_windows=cfg.get("windows"))
+                       attention_windows=cfg.get("windows"), **cfg.get("moe", {}))
     model = label_modules(ShardedCausalLM(shape, comm, options=cfg["options"], dtype=torch.float64).init_weights_(3))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     seq = sum(cfg.get("documents", [21]))
@@ -78,8 +88,8 @@ def _fsdp2_step() -> list[dict]:
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
     from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
-    groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2))
-    comm = TSPComm(groups.tsp_group)
+    groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2), weight_channel=True)
+    comm = TSPComm(groups.tsp_group, weight_group=groups.tsp_weight_group)
     shape = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=1)
     model = label_modules(ShardedCausalLM(shape, comm).init_weights_(3))
     shard_with_fsdp2(model, groups)
@@ -96,8 +106,10 @@ def _record_all() -> dict:
     """{D: {config: {"recorded": step with recording, "plain": the same step without}}} for the Ds of this rank,
     and "fsdp2": the ops of _fsdp2_step."""
     groups = {D: dist.new_group(ranks) for D, ranks in GROUPS.items()}  # every rank creates every group
+    weights = {D: dist.new_group(ranks) for D, ranks in GROUPS.items()}  # TSPComm.weight_group: a second channel
     me = dist.get_rank()
-    out = {D: {name: {"recorded": _step(D, groups[D], cfg, True), "plain": _step(D, groups[D], cfg, False)}
+    out = {D: {name: {"recorded": _step(D, groups[D], cfg, True, weights[D]),
+                      "plain": _step(D, groups[D], cfg, False, weights[D])}
                for name, cfg in _configs(D).items()}
            for D, ranks in GROUPS.items() if me in ranks}
     return {**out, "fsdp2": _fsdp2_step()}
@@ -121,13 +133,20 @@ def test_training_step_obeys_nccl_rules(recorded):
         report = check(ops)
         assert report.ok, f"D={D} {name}:\n{report}"
         assert report.completed == report.total == sum(len(o) for o in ops.values())
-        # the same collectives, in the same order, on every rank (independently of the checker)
-        sequences = [[(o["kind"], o["shape"], o["dtype"], o.get("root")) for o in rank_ops]
+        # the same collectives, in the same order, on every rank (independently of the checker); an MoE
+        # all_to_all's shape is this rank's routed rows, which differ by rank (the checker matches its splits)
+        sequences = [[(o["kind"], None if o["kind"] == "all_to_all" else o["shape"], o["dtype"], o.get("root"))
+                      for o in rank_ops]
                      for rank_ops in ops.values()]
         assert all(s == sequences[0] for s in sequences), (D, name)
         first = ops[GROUPS[D][0]]
         assert KINDS <= {o["kind"] for o in first}, (D, name)  # every primitive was recorded
         assert all(o["group"] == tuple(GROUPS[D]) for rank_ops in ops.values() for o in rank_ops)
+        # weights (shard broadcasts, grad reduces, ring hops) on their own channel when the comm has one
+        weight_kinds = {"broadcast", "reduce", "p2p"}
+        want = "weights" if _configs(D)[name].get("weight_channel") else "tsp"
+        assert {o["channel"] for o in first if o["kind"] in weight_kinds} == {want}, (D, name)
+        assert {o["channel"] for o in first if o["kind"] not in weight_kinds} == {"tsp"}, (D, name)
         assert all(o["layer"] for rank_ops in ops.values() for o in rank_ops), [o for o in first if not o["layer"]][:3]
         ring = [o for o in first if o["kind"] == "p2p"]
         assert any(o["layer"].endswith("mlp forward") for o in ring) and any("backward" in o["layer"] for o in ring)
@@ -235,3 +254,62 @@ def test_p2p_size_mismatch_is_reported():
     ops = [[p2p(g, ("send", 1), ("recv", 1))], [p2p(g, ("send", 0), ("recv", 0), shape=(8,))]]
     report = check(ops)
     assert any("p2p sizes differ" in m for m in report.mismatches), report
+
+
+# --- the MoE MLP's two dispatch schedules (ds_tsp.core.functions.moe) ----------------------------------------------
+MOE_GROUPS = {2: [2, 3], 4: [0, 1, 2, 3]}
+
+
+def _moe_record() -> dict:
+    """{D: {dispatch: ops of one MoE forward + backward}} on this rank (routing skewed: uneven splits)."""
+    from moe_reference import MoECase, tsp_case
+
+    from ds_tsp.core.comm import TSPComm
+
+    groups = {D: dist.new_group(ranks) for D, ranks in MOE_GROUPS.items()}
+    out = {}
+    for D, ranks in MOE_GROUPS.items():
+        if dist.get_rank() in ranks:
+            comm = TSPComm(groups[D])
+            out[D] = {}
+            for dispatch in ("ring", "all_to_all"):
+                with comm.recording() as rec:
+                    tsp_case(MoECase(skew=(1,), seed=8), comm, dispatch)
+                out[D][dispatch] = rec.ops
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_ops():
+    return run_on_local_ranks(_moe_record, 4, timeout_s=300)
+
+
+@pytest.mark.parametrize("D", sorted(MOE_GROUPS))
+@pytest.mark.parametrize("dispatch", ["ring", "all_to_all"])
+def test_moe_schedules_obey_nccl_rules(moe_ops, D, dispatch):
+    ops = {g: moe_ops[g][D][dispatch] for g in MOE_GROUPS[D]}
+    report = check(ops)
+    assert report.ok and report.completed == report.total == sum(len(o) for o in ops.values()), report
+    kinds = {o["kind"] for o in ops[MOE_GROUPS[D][0]]}
+    if dispatch == "ring":
+        assert kinds == {"p2p"}, kinds
+        assert check({g: unbatched(o) for g, o in ops.items()}).deadlock  # why the hops are batched
+    else:
+        assert kinds == {"all_to_all"}, kinds
+        # count exchange + rows out + outputs back, then rows out + grads back: 5 per rank, splits really uneven
+        a2a = ops[MOE_GROUPS[D][0]]
+        assert len(a2a) == 5 and any(len(set(o["in_splits"])) > 1 for o in a2a[1:]), a2a
+
+
+def test_all_to_all_split_mismatch_is_reported():
+    from nccl_rules import all_to_all
+
+    g = (0, 1, 2)
+    good = [all_to_all(g, [1, 2, 3], [1, 4, 0]), all_to_all(g, [4, 0, 1], [2, 0, 2]), all_to_all(g, [0, 2, 5], [3, 1, 5])]
+    report = check([[o] for o in good])
+    assert report.ok and report.completed == 3, report
+    bad = [*good[:2], all_to_all(g, [0, 2, 5], [3, 9, 5])]
+    report = check([[o] for o in bad])
+    assert not report.ok and "rank 1 sends 1 rows to rank 2, which expects 9" in report.mismatches[0], report
+    rows = [*good[:2], all_to_all(g, [0, 2, 5], [3, 1, 5], row=(8,))]
+    assert "differs between ranks" in str(check([[o] for o in rows]))

@@ -131,8 +131,8 @@ def _check_tsp_recording(name: str, recorded: list[dict]) -> dict[int, list[dict
                                                                               for o in ring), (name, r)
         assert any(o["layer"].endswith("mlp forward") for o in ring) and any(o["layer"].endswith("mlp backward")
                                                                               for o in ring), (name, r)
-        assert _layers(rank_ops, "all_gather", "sequence gather"), (name, r)  # K/V
-        assert _layers(rank_ops, "reduce_scatter", "sequence grad scatter"), (name, r)  # dK/dV
+        assert _layers(rank_ops, "all_gather", "K/V gather"), (name, r)  # K/V
+        assert _layers(rank_ops, "reduce_scatter", "dK/dV scatter"), (name, r)  # dK/dV
         assert _layers(rank_ops, "broadcast", "shard of block"), (name, r)  # attention weight shards
         assert _layers(rank_ops, "reduce", "grad of block"), (name, r)
     # the members of each TSP group post the same collectives and ring hops in the same order (independently of
@@ -185,7 +185,7 @@ def test_zero3_step_obeys_nccl_rules(recorded):
     assert _layers(rank_ops, "p2p", "grad hop") >= {"model.embed_tokens backward", "lm_head backward",
                                                     "model.layers.0.mlp backward", "model.layers.1.mlp backward"}
     assert {f"model.layers.{i}.self_attn {d}" for i in (0, 1) for d in ("forward", "backward")} <= _layers(
-        rank_ops, "all_gather", "sequence gather")
+        rank_ops, "all_gather", "K/V gather")
 
 
 def test_collectives_outside_tspcomm(recorded):

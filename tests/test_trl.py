@@ -321,4 +321,7 @@ def test_tsp_sft_trainer_without_trl_says_how_to_install(monkeypatch):
 
 
 if __name__ == "__main__":
+    from ds_tsp.core.launch import exit_rank
+
     main(*sys.argv[1:])
+    exit_rank()  # a torchrun worker: skip interpreter finalization, where gloo can abort

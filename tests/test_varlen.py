@@ -17,13 +17,11 @@ import random
 
 import pytest
 import torch
-
 from sync_counter import SyncCounter
 from test_document_attention import SCALE, dense_mask, make_inputs
 
 from ds_tsp.core import document_attention, kernels, varlen
 from ds_tsp.core.partition import zigzag_chunks
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # the reference varlen call (what a flash varlen kernel computes), in float64

@@ -29,7 +29,6 @@ def hf_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
 def save_consolidated(model: nn.Module, directory: str | Path, max_shard_size: int | str = "5GB") -> Path | None:
     """Collective over every rank; global rank 0 writes. Returns the directory on the writer, else None."""
     from ds_tsp.checkpoint.hf_save import save_streaming
-
     from ds_tsp.core.hf_config import config_json
 
     source = getattr(model, "hf_config", None)  # the transformers config it was converted from (ds_tsp.initialize)

@@ -5,6 +5,10 @@ The model's modules say which slice of which tensor they own (ds_tsp.model.shard
 into those views, casting to the model dtype. Peak host memory per rank is therefore its shards plus one chunk of
 file pages, ~1/D of the checkpoint (measured in tests/test_hf_loading.py), where loading a full
 state dict on every rank needs 100%+.
+
+Mixture-of-experts weights are read under the names transformers writes from any layout it reads itself
+(ds_tsp.checkpoint.moe_names: per expert, or fused [E, ...] tensors, one expert at a time): each rank reads only its
+experts.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ds_tsp.checkpoint.moe_names import AliasedReader
 from ds_tsp.checkpoint.safetensors_io import CheckpointReader
 from ds_tsp.core.errors import TSPConfigError
 
@@ -42,7 +47,7 @@ def check_checkpoint_matches(model: nn.Module, reader: CheckpointReader, where: 
 
 def load_sharded(model: nn.Module, directory: str | Path) -> None:
     """Fill `model`'s shards (and replicated norms) from the checkpoint in `directory`; every rank calls it."""
-    reader = CheckpointReader(directory)
+    reader = AliasedReader(CheckpointReader(directory), model.shape.moe_family)
     check_checkpoint_matches(model, reader, str(directory))
 
     def read_into(name, dim, start, length, out):

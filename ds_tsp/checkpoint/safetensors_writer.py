@@ -14,34 +14,12 @@ import weakref
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
-import torch
-from safetensors.torch import save_file
-
 from ds_tsp.checkpoint.durable_io import fsync_path
 from ds_tsp.checkpoint.safetensors_io import DEFAULT_METADATA, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from ds_tsp.checkpoint.shard_stream import PART_SUFFIX, ShardStream, check_metadata, parse_size
 from ds_tsp.core.errors import TSPConfigError
 
-_SIZE_UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like "5GB", "500MB", "2GiB", "100KB" (HF's convention: GB=10**9, GiB=2**30)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    elif isinstance(size, str) and (m := _SIZE_RE.match(size)) and m.group(2).upper() in _SIZE_UNITS:
-        value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
-    else:
-        raise TSPConfigError(
-            f"max_shard_size={size!r} is not a size: pass bytes as an int or a string like '5GB', '500MB', '2GiB'"
-        )
-    if value <= 0:
-        raise TSPConfigError(f"max_shard_size={size!r} must be positive: pass e.g. '5GB'")
-    return value
+__all__ = ["StreamingCheckpointWriter", "parse_size"]
 
 
 # Temporary directories of writers alive in this process: never "stale", whatever their pid says.
@@ -79,7 +57,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class StreamingCheckpointWriter:
+class StreamingCheckpointWriter(ShardStream):
     """Writes an HF checkpoint directory as tensors arrive, holding at most about one shard plus one tensor.
 
     `add` buffers a tensor (a reference, or a copy when it is a view or on another device: do not modify it
@@ -99,6 +77,10 @@ class StreamingCheckpointWriter:
     Entries of the old directory that are not checkpoint files (weights, index, config) are moved into the new
     one after the swap (also from a stale `.old-` sibling, before it is deleted): saving a model into a
     Trainer's output_dir replaces the model, not its checkpoint-* folders.
+
+    Several writers, one checkpoint: other processes may stream parts into `tmp_dir` (a ShardStream there with a
+    stem of its own, on a shared filesystem) and hand their (file, tensor names) lists to `adopt_parts` before
+    close; the parts are then numbered with this writer's own, listed in the index and covered by the same rename.
     """
 
     def __init__(
@@ -108,10 +90,7 @@ class StreamingCheckpointWriter:
         metadata: Mapping[str, str] | None = DEFAULT_METADATA,
     ):
         self.directory = Path(directory).absolute()
-        self.max_shard_size = parse_size(max_shard_size)
-        self.metadata = dict(DEFAULT_METADATA if metadata is None else metadata)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.metadata.items()):
-            raise TSPConfigError(f"metadata={self.metadata!r}: safetensors metadata must map str to str")
+        size, metadata = parse_size(max_shard_size), check_metadata(metadata)  # refused before anything is created
         if self.directory.is_symlink() or (self.directory.exists() and not self.directory.is_dir()):
             raise TSPConfigError(
                 f"checkpoint target {self.directory} exists and is not a plain directory (a file or a symlink): "
@@ -124,13 +103,16 @@ class StreamingCheckpointWriter:
             _ACTIVE_TMP_DIRS.add(self._tmp)
         # If the writer is dropped without close (or the interpreter exits), its temporary directory goes too.
         self._finalizer = weakref.finalize(self, _remove_tmp_dir, self._tmp)
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
-        self._shards: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names), in write order
-        self._names: set[str] = set()
+        super().__init__(self._tmp, size, metadata)
         self._files: set[str] = set()
-        self._total_size = 0
-        self._state = "open"
+
+    @property
+    def tmp_dir(self) -> Path:
+        """Where everything is written until close: other writers' parts (adopt_parts) go here too."""
+        return self._tmp
+
+    def _describe(self) -> str:
+        return f"StreamingCheckpointWriter for {self.directory}"
 
     def _sibling(self, kind: str) -> Path:
         return self.directory.parent / f".{self.directory.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -144,52 +126,25 @@ class StreamingCheckpointWriter:
         else:
             self.abort()
 
-    def _check_open(self, what: str) -> None:
-        if self._state != "open":
-            raise TSPConfigError(f"{what} on a StreamingCheckpointWriter for {self.directory} that is {self._state}")
+    # ---- tensors: add (ShardStream), and parts other processes wrote
 
-    # ---- tensors
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        self._check_open(f"add({name!r})")
-        if not isinstance(name, str) or not name:
-            raise TSPConfigError(f"tensor name {name!r} must be a non-empty string")
-        if name in self._names:
-            raise TSPConfigError(
-                f"tensor {name!r} was already added to the checkpoint {self.directory}: each name goes in once"
-            )
-        if tensor.device.type == "meta":
-            raise TSPConfigError(f"tensor {name!r} is on the meta device (no data): materialize it before saving")
-        t = tensor.detach().cpu().contiguous()
-        # A view would pin its whole base storage in the buffer, and two tensors sharing storage make save_file
-        # refuse the shard: copy those.
-        ptr = t.untyped_storage().data_ptr()
-        shared = any(b.untyped_storage().data_ptr() == ptr for b in self._buffer.values())
-        if shared or t.untyped_storage().nbytes() != t.nbytes:
-            t = t.clone()
-        self._names.add(name)
-        self._total_size += t.nbytes
-        if t.nbytes > self.max_shard_size:  # too big for any shard: alone, now, like transformers
-            self._write_shard({name: t})
-            return
-        if self._buffer and self._buffer_bytes + t.nbytes > self.max_shard_size:
-            self._flush()
-        self._buffer[name] = t
-        self._buffer_bytes += t.nbytes
-
-    def _flush(self) -> None:
-        self._write_shard(self._buffer)
-        self._buffer, self._buffer_bytes = {}, 0
-
-    def _write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
-        # The final name needs the shard count, known only at close: write under a numbered temporary name.
-        file = f"model-{len(self._shards) + 1:05d}.safetensors.part"
-        save_file(tensors, self._tmp / file, metadata=self.metadata)
-        # safetensors 0.8 writes through a private temp file (mode 0600): give shards the mode the umask gives
-        # ordinary files (read from our own directory's mode), so others who can read config.json can load it.
-        os.chmod(self._tmp / file, self._tmp.stat().st_mode & 0o666)
-        fsync_path(self._tmp / file)
-        self._shards.append((file, list(tensors)))
+    def adopt_parts(self, parts: list[tuple[str, list[str]]], total_size: int) -> None:
+        """Take in part files another ShardStream wrote into tmp_dir (a TSP rank saving its own experts): they are
+        named, indexed and moved into place with this writer's own at close, and dropped with them on abort."""
+        self._check_open("adopt_parts()")
+        taken = {file for file, _ in self._shards}
+        for file, names in parts:
+            if (PurePosixPath(file).name != file or not file.endswith(PART_SUFFIX) or file in taken
+                    or not (self._tmp / file).is_file()):
+                raise TSPConfigError(f"adopt_parts: {file!r} is not a new part file in {self._tmp} (written there by "
+                                     "a ShardStream, not adopted before); every writer needs its own stem")
+            if twice := sorted(self._names.intersection(names)):
+                raise TSPConfigError(f"adopt_parts: {file!r} holds {twice[:3]} already in the checkpoint "
+                                     f"{self.directory}: each name goes in once")
+            self._names.update(names)
+            self._shards.append((file, list(names)))
+            taken.add(file)
+        self._total_size += total_size
 
     # ---- other files
 

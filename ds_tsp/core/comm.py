@@ -123,6 +123,10 @@ class TSPComm:
     # first so the grads of replicated weights are summed in one all-reduce per backward.
     grad_bucket: object = field(default=None, compare=False, repr=False)
     recorder: CommRecorder | None = field(default=None, compare=False, repr=False)  # see recording()
+    # A second communicator over the same ranks for weights (shard broadcasts, weight-grad reduces, ring hops):
+    # NCCL runs one in-order stream per communicator, so on the TSP group alone a prefetch broadcast would queue
+    # ahead of the K/V gather the next kernel waits for. None: weights share `group` (one stream).
+    weight_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
@@ -134,6 +138,9 @@ class TSPComm:
         else:
             self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
             self._ranks = dist.get_process_group_ranks(self.group)  # global rank of each TSP rank
+            if self.weight_group is not None and dist.get_process_group_ranks(self.weight_group) != self._ranks:
+                raise ValueError("TSPComm(weight_group=...): must span the same ranks as group, in the same order "
+                                 "(ProcessGroups.build makes it as tsp_weight_group)")
 
     @classmethod
     def single(cls) -> "TSPComm":
@@ -158,9 +165,17 @@ class TSPComm:
         finally:
             self.recorder = prev
 
-    def _record(self, kind: str, t: torch.Tensor, what: str | None, context: str | None = None, **extra) -> None:
+    @property
+    def weight_channel(self) -> dist.ProcessGroup | None:
+        """The group weights travel on: weight_group when given, else the TSP group itself."""
+        return self.weight_group if self.weight_group is not None else self.group
+
+    def _record(self, kind: str, t: torch.Tensor, what: str | None, context: str | None = None, *,
+                weights: bool = False, **extra) -> None:
         if self.recorder is not None:
-            self.recorder.add(kind, tuple(self._ranks), t, what, self.context if context is None else context, **extra)
+            channel = "weights" if weights and self.weight_group is not None else "tsp"
+            self.recorder.add(kind, tuple(self._ranks), t, what, self.context if context is None else context,
+                              channel=channel, **extra)
 
     def _started(self, works: list, keep_alive: tuple, kind: str, peer: tuple, what: str | None) -> Handle:
         return Handle.started(works, self.counter, keep_alive, self.overlap, Blocked(self, kind, peer, what),
@@ -171,15 +186,17 @@ class TSPComm:
         raise err  # not reached: post_failed exits the process or raises TSPCommError
 
     # --- raw async collectives ---------------------------------------------------------------------------
-    # `what` (optional) says what moves, for the report of a failed or stalled wait: "shard of head block 2"
+    # `what` (optional) says what moves, for the report of a failed or stalled wait: "shard of head block 2".
+    # broadcast, reduce and ring_exchange carry weights and weight grads: they run on weight_channel; the sequence
+    # collectives (all_gather, reduce_scatter, all_reduce, gather_to) on the TSP group.
     def broadcast(self, tensor: torch.Tensor, src: int, what: str | None = None) -> Handle:
         if self.size == 1:
             return Handle([], self.counter)
         if self.rank != src:
             self.counter.add("broadcast", _nbytes(tensor))
-        self._record("broadcast", tensor, what, root=self._global(src))
+        self._record("broadcast", tensor, what, root=self._global(src), weights=True)
         try:
-            work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
+            work = dist.broadcast(tensor, src=self._global(src), group=self.weight_channel, async_op=True)
         except RuntimeError as err:
             self._post_failed(err, "broadcast", ("src", src), what)
         return self._started([work], (tensor,), "broadcast", ("src", src), what)
@@ -190,9 +207,9 @@ class TSPComm:
             return Handle([], self.counter)
         if self.rank != dst:
             self.counter.add("reduce", _nbytes(tensor))
-        self._record("reduce", tensor, what, root=self._global(dst))
+        self._record("reduce", tensor, what, root=self._global(dst), weights=True)
         try:
-            work = dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group,
+            work = dist.reduce(tensor, dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.weight_channel,
                                async_op=True)
         except RuntimeError as err:
             self._post_failed(err, "reduce", ("dst", dst), what)
@@ -270,12 +287,30 @@ class TSPComm:
         self.counter.add("ring", _nbytes(send))
         peer = ("ring", prv, nxt)
         self._record("p2p", send, what, p2p=(("send", self._global(nxt)), ("recv", self._global(prv))), batched=True,
-                     tag=tag)
+                     tag=tag, weights=True)
         try:
             works = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, send, peer=self._global(nxt), group=self.group, tag=tag),
-                dist.P2POp(dist.irecv, recv, peer=self._global(prv), group=self.group, tag=tag)])
+                dist.P2POp(dist.isend, send, peer=self._global(nxt), group=self.weight_channel, tag=tag),
+                dist.P2POp(dist.irecv, recv, peer=self._global(prv), group=self.weight_channel, tag=tag)])
         except RuntimeError as err:
             self._post_failed(err, "ring", peer, what)
         return self._started(works, (send, recv), "ring", peer, what)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   what: str | None = None) -> Handle:
+        """Rows of `inp` (dim 0) split by in_splits go to group ranks 0..D-1; out receives out_splits[r] rows from
+        rank r, in rank order (dist.all_to_all_single, on the TSP group: token rows, not weights). Splits are host
+        ints (NCCL sizes the transfer from them); rank p's in_splits[q] must equal rank q's out_splits[p].
+        Counted under "all_to_all" as the bytes that leave the rank (rows sent to the other ranks)."""
+        if self.size == 1:
+            out.copy_(inp.reshape(out.shape))
+            return Handle([], self.counter)
+        row_bytes = inp.shape[1:].numel() * inp.element_size()
+        self.counter.add("all_to_all", row_bytes * (sum(in_splits) - in_splits[self.rank]))
+        self._record("all_to_all", inp, what, in_splits=tuple(in_splits), out_splits=tuple(out_splits))
+        try:
+            work = dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=list(out_splits),
+                                          input_split_sizes=list(in_splits), group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "all_to_all", ("group",), what)
+        return self._started([work], (out, inp), "all_to_all", ("group",), what)

@@ -48,6 +48,36 @@ def broadcast_shards(comm: TSPComm, own_shard: torch.Tensor, order: range | None
     return
 
 
+class ShardStream:
+    """Every head block's packed shard by broadcast from its owner, posted `ahead` blocks before its block starts.
+
+    `next_block(j)` at the start of block j forgets block j-1's shard and posts block j+ahead; `take(j)` waits for
+    (and returns) a posted shard, so block j may also read block j+1's shard early (the next kv group's K/V
+    projection). Live shards: at most ahead+1. The own shard is returned without a copy.
+    """
+
+    def __init__(self, comm: TSPComm, own_shard: torch.Tensor, ahead: int = 2):
+        self.comm, self.own, self.ahead = comm, own_shard.detach(), ahead
+        self._posted: dict[int, tuple[torch.Tensor, Handle]] = {}
+        for j in range(min(ahead, comm.size)):
+            self._post(j)
+
+    def _post(self, j: int) -> None:
+        what = f"shard of block {j}"
+        buf = self.own if j == self.comm.rank else torch.empty_like(self.own, memory_format=torch.contiguous_format)
+        self._posted[j] = buf, self.comm.broadcast(buf, src=j, what=what)
+
+    def next_block(self, j: int) -> None:
+        self._posted.pop(j - 1, None)
+        if j + self.ahead < self.comm.size:
+            self._post(j + self.ahead)
+
+    def take(self, j: int) -> torch.Tensor:
+        shard, handle = self._posted[j]
+        handle.wait()
+        return shard
+
+
 class ShardGradReducer:
     """Backward dual of the shard broadcast: every rank's grad contribution for block j is summed on owner j.
 

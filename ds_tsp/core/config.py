@@ -2,7 +2,8 @@
 the model options it turns into.
 
     {"tsp": {"size": 4, "pipeline_stages": 1, "keep_gathered_kv": false, "overlap": true,
-             "activation_checkpointing": false, "timeout_s": 1800, "kernel": "auto", "lm_head_chunk_tokens": 4096}}
+             "activation_checkpointing": false, "timeout_s": 1800, "kernel": "auto", "lm_head_chunk_tokens": 4096,
+             "moe_dispatch": "auto"}}
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ds_tsp.core.errors import TSPConfigError
+
+MOE_DISPATCHES = ("auto", "all_to_all", "ring")
 
 
 @dataclass(frozen=True)
@@ -23,12 +26,16 @@ class TSPOptions:
     activation_checkpointing: bool = False  # save only each decoder layer's input; recompute the layer in backward
     recompute_projections: bool = True  # recompute cheap local q/k/v and MLP gate/up GEMMs in backward
     lm_head_chunk_tokens: int = 4096  # LM head + loss builds logits [<= this many tokens, V/D] at a time
+    moe_dispatch: str = "auto"  # MoE layers: "ring" (experts travel), "all_to_all" (tokens travel), "auto" per batch
 
     def __post_init__(self):
         n = self.lm_head_chunk_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise TSPConfigError(f"TSPOptions(lm_head_chunk_tokens={n!r}): must be an integer >= 1 (tokens per "
                                  "logits tile of the LM head loss)")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise TSPConfigError(f"TSPOptions(moe_dispatch={self.moe_dispatch!r}): must be one of "
+                                 f"{', '.join(map(repr, MOE_DISPATCHES))}")
 
     @classmethod
     def speed(cls, **overrides) -> "TSPOptions":
@@ -52,13 +59,16 @@ class TSPConfig(BaseModel):
                                                               "bounds its largest transient to [tokens, V/D]")
     on_nonfinite: Literal["error", "skip"] = Field("error", description="a NaN/inf loss or gradient: stop with the "
                                                                         "step and parameter, or skip that step")
+    moe_dispatch: Literal["auto", "all_to_all", "ring"] = Field(
+        "auto", description="mixture-of-experts layers: experts travel the ring (\"ring\"), routed tokens travel "
+                            "(\"all_to_all\"), or per batch shape the one sending fewer bytes (\"auto\")")
 
     def options(self) -> TSPOptions:
         """The model options this block asks for."""
         return TSPOptions(kernel_backend=None if self.kernel == "auto" else self.kernel,
                           keep_gathered_kv=self.keep_gathered_kv, activation_checkpointing=self.activation_checkpointing,
                           recompute_projections=self.recompute_projections,
-                          lm_head_chunk_tokens=self.lm_head_chunk_tokens)
+                          lm_head_chunk_tokens=self.lm_head_chunk_tokens, moe_dispatch=self.moe_dispatch)
 
 
 def _describe(field: str) -> str:

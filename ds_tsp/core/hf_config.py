@@ -2,8 +2,8 @@
 
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
-one built from a bare ModelShape gets the transformers family that expresses it: qk_norm -> Qwen3, q/k/v bias ->
-Qwen2, one sliding window on every layer -> Mistral, else Llama.
+one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
+else Mixtral; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window on every layer -> Mistral, else Llama.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape import ModelShape
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 
@@ -66,6 +66,8 @@ def generation_config_json(source) -> str | None:
 
 def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
     """A config.json dict transformers reads back into the same model (see module doc for the family)."""
+    if shape.num_experts:
+        return _moe_config_dict(shape, dtype)
     windows = shape.attention_windows
     uniform_window = windows is not None and len(set(windows)) == 1 and windows[0] is not None
     model_type = ("qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else
@@ -73,23 +75,7 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
     if windows is not None and model_type == "llama":
         raise TSPConfigError(f"attention_windows={windows}: no transformers Llama-family config expresses "
                              "per-layer windows without q/k/v bias or q/k norms (Qwen2/Qwen3 do)")
-    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
-    if shape.rope_scaling is not None:
-        s = shape.rope_scaling
-        rope.update({k: v for k, v in vars(s).items()
-                     if v is not None and k not in ("max_position_embeddings", "truncate")})
-        if s.rope_type == "yarn" and not s.truncate:
-            rope["truncate"] = False
-    config = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": shape.vocab_size,
-        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.dim_per_head, "rms_norm_eps": shape.rms_norm_eps,
-        "tie_word_embeddings": shape.tie_word_embeddings, "hidden_act": "silu", "dtype": str(dtype)[6:],
-        "max_position_embeddings": (shape.rope_scaling.max_position_embeddings if shape.rope_scaling and
-                                    shape.rope_scaling.max_position_embeddings else 131072),
-        "rope_parameters": rope, "rope_theta": shape.rope_theta,
-    }
+    config = _common_fields(shape, dtype, model_type)
     if model_type in ("llama", "qwen3"):
         config.update(attention_bias=False)
     if model_type == "llama":
@@ -105,3 +91,50 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
             raise TSPConfigError(f"attention_windows={windows}: Qwen configs have one sliding_window for all "
                                  "sliding layers")
     return config
+
+
+def _common_fields(shape: ModelShape, dtype: torch.dtype, model_type: str) -> dict:
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling is not None:
+        s = shape.rope_scaling
+        rope.update({k: v for k, v in vars(s).items()
+                     if v is not None and k not in ("max_position_embeddings", "truncate")})
+        if s.rope_type == "yarn" and not s.truncate:
+            rope["truncate"] = False
+    return {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.dim_per_head, "rms_norm_eps": shape.rms_norm_eps,
+        "tie_word_embeddings": shape.tie_word_embeddings, "hidden_act": "silu", "dtype": str(dtype)[6:],
+        "max_position_embeddings": (shape.rope_scaling.max_position_embeddings if shape.rope_scaling and
+                                    shape.rope_scaling.max_position_embeddings else 131072),
+        "rope_parameters": rope, "rope_theta": shape.rope_theta,
+    }
+
+
+def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """Qwen3-MoE (q/k norms) or Mixtral: the MoE shape's family (ModelShape.moe_family)."""
+    model_type = shape.moe_family
+    windows = shape.attention_windows
+    window = None if windows is None else windows[0]
+    if windows is not None and (len(set(windows)) != 1 or window is None):
+        raise TSPConfigError(f"attention_windows={windows}: Qwen3-MoE and Mixtral configs have one sliding_window "
+                             "for every layer")
+    if shape.qkv_bias:
+        raise TSPConfigError("qkv_bias=True with experts: neither Qwen3-MoE nor Mixtral has q/k/v biases")
+    config = {**_common_fields(shape, dtype, model_type), "num_local_experts": shape.num_experts,
+              "num_experts_per_tok": shape.num_experts_per_tok, "router_aux_loss_coef": shape.router_aux_loss_coef,
+              "output_router_logits": shape.output_router_logits, "sliding_window": window}
+    if model_type == "mixtral":
+        if shape.dense_mlp_layers or not shape.norm_topk_prob:
+            raise TSPConfigError(f"dense_mlp_layers={shape.dense_mlp_layers}, norm_topk_prob={shape.norm_topk_prob} "
+                                 "without q/k norms: Mixtral has no dense layers and always renormalises the top-k; "
+                                 "set qk_norm=True for a Qwen3-MoE shape")
+        if shape.intermediate_size != shape.moe_intermediate_size:
+            raise TSPConfigError(f"intermediate_size={shape.intermediate_size} != moe_intermediate_size="
+                                 f"{shape.moe_intermediate_size}: a Mixtral expert's width is its intermediate_size")
+        return {**config, "router_jitter_noise": 0.0}
+    return {**config, "moe_intermediate_size": shape.moe_intermediate_size, "norm_topk_prob": shape.norm_topk_prob,
+            "decoder_sparse_step": 1, "mlp_only_layers": list(shape.dense_mlp_layers),
+            "use_sliding_window": window is not None, "attention_bias": False}

@@ -302,8 +302,11 @@ _FLASH_STATIC_ARGS = dict(dropout_p=0.0, window_size=(-1, -1), window_size_left=
 
 
 def _pad8(x):
+    """Head dim padded to a multiple of 8, last dim contiguous (flash-attn takes any other strides: the K/V prefix
+    views of the global-order buffer are read in place, not copied)."""
     d = x.shape[-1]
-    return x if d % 8 == 0 else torch.nn.functional.pad(x, (0, 8 - d % 8))
+    x = x if d % 8 == 0 else torch.nn.functional.pad(x, (0, 8 - d % 8))
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class _FlashAttn:
@@ -311,9 +314,8 @@ class _FlashAttn:
     def forward(q, k, v, *, causal, scale):
         fa = _flash_attn_module()
         d = q.shape[-1]
-        res = _call_by_name(fa._flash_attn_forward, dict(_FLASH_STATIC_ARGS, q=_pad8(q).contiguous(),
-                                                         k=_pad8(k).contiguous(), v=_pad8(v).contiguous(),
-                                                         softmax_scale=scale, causal=causal))
+        res = _call_by_name(fa._flash_attn_forward, dict(_FLASH_STATIC_ARGS, q=_pad8(q), k=_pad8(k),
+                                                         v=_pad8(v), softmax_scale=scale, causal=causal))
         out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
         return out[..., :d], lse[..., :q.shape[1]]
 
@@ -321,10 +323,10 @@ class _FlashAttn:
     def backward(dout, q, k, v, out, lse, *, causal, scale):
         fa = _flash_attn_module()
         d = q.shape[-1]
-        q8, k8, v8 = _pad8(q).contiguous(), _pad8(k).contiguous(), _pad8(v).contiguous()
+        q8, k8, v8 = _pad8(q), _pad8(k), _pad8(v)
         dq, dk, dv = torch.empty_like(q8), torch.empty_like(k8), torch.empty_like(v8)
-        _call_by_name(fa._flash_attn_backward, dict(_FLASH_STATIC_ARGS, dout=_pad8(dout).contiguous(), q=q8, k=k8,
-                                                    v=v8, out=_pad8(out).contiguous(), softmax_lse=lse.contiguous(),
+        _call_by_name(fa._flash_attn_backward, dict(_FLASH_STATIC_ARGS, dout=_pad8(dout), q=q8, k=k8, v=v8,
+                                                    out=_pad8(out), softmax_lse=lse.contiguous(),
                                                     dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal))
         return dq[..., :d], dk[..., :d], dv[..., :d]
 

@@ -169,3 +169,21 @@ def init_from_env(timeout_s: float = 1800, backend: str | None = None) -> tuple[
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def exit_rank(code: int | None = 0) -> None:
+    """End a launched rank (torchrun, accelerate launch, deepspeed) once everything is saved: flush stdout and
+    stderr, destroy the default process group if one is up, and leave without interpreter finalization.
+
+    torch's gloo backend can abort at exit ("terminate called without an active exception", exit code -6) when one
+    of its worker threads releases a finished op while the interpreter finalizes; measured 2 in 20 runs of the
+    fine-tuning example even after destroy_process_group. Skipping finalization (os._exit) avoids it; nothing of
+    the run is lost because everything was written and flushed first.
+    """
+    import sys
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))  # as sys.exit: None is success

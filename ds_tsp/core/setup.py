@@ -40,5 +40,6 @@ def build_runtime(tsp: TSPConfig, *, world_size: int | None = None,
         raise TSPConfigError(f"tsp_groups were built for {groups.layout}, the config asks for {layout}")
     if groups is None and dist.is_initialized():
         groups = ProcessGroups.build(layout, timeout_s=tsp.timeout_s)
-    comm = TSPComm(groups.tsp_group if groups is not None else None, overlap=tsp.overlap, timeout_s=tsp.timeout_s)
+    comm = TSPComm(groups.tsp_group if groups is not None else None, overlap=tsp.overlap, timeout_s=tsp.timeout_s,
+                   weight_group=groups.tsp_weight_group if groups is not None else None)
     return TSPRuntime(tsp, layout, groups, comm, tsp.options())

@@ -140,17 +140,19 @@ class ProcessGroups:
     """
 
     def __init__(self, layout: ParallelLayout, rank: int, tsp_group: dist.ProcessGroup,
-                 data_group: dist.ProcessGroup, pipe_group: dist.ProcessGroup) -> None:
+                 data_group: dist.ProcessGroup, pipe_group: dist.ProcessGroup,
+                 tsp_weight_group: dist.ProcessGroup | None = None) -> None:
         self.layout = layout
         self.rank = rank
         self.tsp_group = tsp_group
+        self.tsp_weight_group = tsp_weight_group  # same ranks as tsp_group: its own NCCL stream for weights
         self.data_group = data_group
         self.pipe_group = pipe_group
         self._mesh = None
 
     @classmethod
     def build(cls, layout: ParallelLayout, backend: str | None = None,
-              timeout_s: float | None = None) -> ProcessGroups:
+              timeout_s: float | None = None, weight_channel: bool | None = None) -> ProcessGroups:
         """Create every group of `layout`; call on ALL ranks after init_process_group.
 
         torch requires every rank to call dist.new_group for every group, in the same order, even for groups it is
@@ -165,13 +167,21 @@ class ProcessGroups:
         rank = dist.get_rank()
         timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         mine: dict[str, dist.ProcessGroup] = {}
-        for axis, groups in (("tsp", layout.all_tsp_groups()), ("data", layout.all_data_groups()),
-                             ("pipe", layout.all_pipe_groups())):
+        # weight_channel: a second communicator over each TSP group for weights (TSPComm.weight_group). NCCL runs
+        # one in-order stream per communicator, so on CUDA it keeps weight prefetches from queueing ahead of K/V;
+        # gloo runs every op on its own threads and gains nothing, so CPU runs skip it (default: CUDA available).
+        # Created last so the first three keep the creation order they always had.
+        if weight_channel is None:
+            weight_channel = torch.cuda.is_available()
+        axes = [("tsp", layout.all_tsp_groups()), ("data", layout.all_data_groups()),
+                ("pipe", layout.all_pipe_groups())] + ([("tsp_weights", layout.all_tsp_groups())] if weight_channel
+                                                       else [])
+        for axis, groups in axes:
             for ranks in groups:
                 group = dist.new_group(ranks, backend=backend, timeout=timeout)
                 if rank in ranks:
                     mine[axis] = group
-        return cls(layout, rank, mine["tsp"], mine["data"], mine["pipe"])
+        return cls(layout, rank, mine["tsp"], mine["data"], mine["pipe"], mine.get("tsp_weights"))
 
     @property
     def tsp_rank(self) -> int:

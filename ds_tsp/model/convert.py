@@ -4,7 +4,8 @@ A script written for transformers builds `model = AutoModelForCausalLM...` and `
 .parameters())` before `prepare`. `to_tsp_model` converts the model (an HF Llama-family model, a local checkpoint
 path, a config or ModelShape, or an existing TSP model); `rebind_optimizer` points the SAME optimizer object (so a scheduler built on
 it keeps working) at the TSP shards, param group by param group, mapping HF parameter names to the shard that holds
-them.
+them (a mixture-of-experts model's in-memory names, fused experts and Mixtral's `mlp.` block, translated to the
+checkpoint names the shards use: ds_tsp.model.trainability.checkpoint_names).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ds_tsp.core.shape import ModelShape
 from ds_tsp.core.watchdog import label_modules
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
-from ds_tsp.model.trainability import hf_name, load_hf_model
+from ds_tsp.model.trainability import checkpoint_names, hf_name, load_hf_model
 
 
 def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dtype=None, device=None,
@@ -101,7 +102,10 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], ne
     clear error. Optimizer state is dropped (prepare comes before the first step).
     """
     owner = _shard_of_hf_name(new_model.tsp)
-    owner.update(dict(new_model.named_parameters()))  # an optimizer built on a TSPForCausalLM: same names
+    tsp_named = dict(new_model.named_parameters())  # an optimizer built on a TSPForCausalLM: same names
+    shapes = {hf_name(n): tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
+              if (n := names.get(id(p))) is not None and n not in tsp_named}
+    held = checkpoint_names(shapes, new_model.tsp.shape.moe_family)
     group_of: dict[int, int] = {}
     new_groups: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
     for g, group in enumerate(optimizer.param_groups):
@@ -110,9 +114,18 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], ne
             if name is None:
                 raise TSPConfigError("the optimizer holds a parameter that is not the model's: build it on "
                                      "model.parameters() of the model passed to prepare")
-            target = owner.get(name, owner.get(hf_name(name)))  # PEFT names: base_model.model..., base_layer
-            if target is None:
-                raise TSPConfigError(f"parameter {name!r} has no TSP counterpart")
+            target = tsp_named.get(name)
+            if target is None:  # HF names (PEFT: base_model.model..., base_layer; MoE: fused, Mixtral's mlp.)
+                parts = held[hf_name(name)]
+                unmapped = [c for c in parts if c not in owner]
+                if unmapped:
+                    raise TSPConfigError(f"parameter {name!r} has no TSP counterpart" + (
+                        f" for {unmapped[0]} ({len(unmapped)} of its {len(parts)} tensors)" if len(parts) > 1 else ""))
+                targets = {id(owner[c]): owner[c] for c in parts}
+                if len(targets) != 1:  # a fused HF tensor split over several TSP parameters: no one slot for it
+                    raise TSPConfigError(f"parameter {name!r} is held by {len(targets)} TSP parameters: rebinding "
+                                         "cannot split it; build the optimizer on the TSP model's parameters")
+                target = next(iter(targets.values()))
             if group_of.setdefault(id(target), g) != g:
                 raise TSPConfigError(f"parameter {name!r} is in optimizer param group {g} but shares its TSP shard "
                                      f"with a parameter of group {group_of[id(target)]}: put all q/k/v/o (and "

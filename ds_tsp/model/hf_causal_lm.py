@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.hf_config import config_json, generation_config_json, import_transformers, load_config
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
-from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.shape import ModelShape
 from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
 # Keyword arguments HF code passes that change nothing here when they have these values.
 _HARMLESS_KWARGS = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
@@ -186,8 +186,10 @@ class TSPForCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None, logits_to_keep: int = 0,
                 tsp_shard: tuple[int, int] | None = None, seq_len: int | None = None,
-                num_items_in_batch: torch.Tensor | int | None = None, fused_lm_head: bool = False, **kwargs):
-        """transformers' causal-LM call. Returns CausalLMOutputWithPast(loss, logits).
+                num_items_in_batch: torch.Tensor | int | None = None, fused_lm_head: bool = False,
+                output_router_logits: bool | None = None, **kwargs):
+        """transformers' causal-LM call. Returns CausalLMOutputWithPast(loss, logits); for a mixture-of-experts model
+        MoeCausalLMOutputWithPast(loss, aux_loss, logits, router_logits).
 
         fused_lm_head=True (TRL's SFTTrainer loss call): a FusedLMHeadOutput instead, see _fused_lm_head.
 
@@ -201,6 +203,10 @@ class TSPForCausalLM(nn.Module):
         num_items_in_batch (the Trainer's): labelled tokens of the whole accumulated batch over all ranks; the
         loss is then token sum / num_items_in_batch, its value this data replica's part (summed over the TSP group),
         as transformers' models do per process.
+        output_router_logits (MoE; None: the config's): as transformers, aux_loss = the load-balancing loss of the
+        whole batch (value: the group's, gradient: this rank's share), and with labels the loss gets
+        router_aux_loss_coef * aux_loss. router_logits (one [batch * seq_len, E] per sparse layer, gathered from every
+        rank, detached: a collective and O(tokens x E) memory) only when output_router_logits=True is passed here.
         """
         if args:  # transformers' own positional order differs (attention_mask second): never guess
             raise TSPConfigError(_POSITIONAL_ERROR.format(n=1 + len(args)))
@@ -220,9 +226,18 @@ class TSPForCausalLM(nn.Module):
         if fused_lm_head and (not has_targets or logits_to_keep):
             raise TSPConfigError("fused_lm_head=True scores the labels without building logits: pass labels / "
                                  "shift_labels, and no logits_to_keep")
+        moe = self.tsp.shape.num_experts > 0
+        want_router = moe and (output_router_logits if output_router_logits is not None
+                               else self.tsp.shape.output_router_logits)
+        router_logits = [] if want_router else None
         h, n_valid = self.tsp.final_hidden(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
-                                           batch["shift_labels"])
+                                           batch["shift_labels"], router_logits)
+        aux_share = (self.tsp.aux_loss_share(router_logits, tuple(batch["input_ids"].shape), batch["attention_mask"],
+                                             seq_len) if router_logits else None)
         if fused_lm_head:
+            if aux_share is not None:
+                raise TSPConfigError("fused_lm_head=True on a mixture-of-experts model with output_router_logits: the "
+                                     "fused head's loss has no aux loss term; set output_router_logits=False")
             return self._fused_lm_head(h, batch, seq_len, num_items_in_batch)
         loss = logits = None
         if has_targets and num_items_in_batch is not None:
@@ -231,14 +246,44 @@ class TSPForCausalLM(nn.Module):
             else:  # a fill on the device: as_tensor of a python int would be a host-to-device copy
                 total = torch.full((), num_items_in_batch, dtype=n_valid.dtype, device=h.device)
             share = self.tsp.head_loss(h, batch["shift_labels"], total, batch["attention_mask"])
-            loss = self.tsp.tsp_group_loss(share)
+            loss = self.tsp.tsp_group_loss(self._with_aux(share, aux_share))
         elif has_targets:
             share = self.tsp.head_loss(h, batch["shift_labels"], n_valid, batch["attention_mask"])
-            loss = self.tsp.global_loss(share)
+            loss = self.tsp.global_loss(self._with_aux(share, aux_share))
         if logits_to_keep:
             logits = self.tsp.last_logits(h, seq_len, logits_to_keep)
-        outputs = import_transformers().modeling_outputs.CausalLMOutputWithPast
-        return outputs(loss=loss, logits=logits)
+        outputs = import_transformers().modeling_outputs
+        if not moe:
+            return outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+        gathered = (self._gathered_router_logits(router_logits, batch["input_ids"].shape, seq_len)
+                    if router_logits and output_router_logits else None)
+        return outputs.MoeCausalLMOutputWithPast(
+            loss=loss, logits=logits, router_logits=gathered,
+            aux_loss=None if aux_share is None else self.tsp.tsp_group_loss(aux_share))
+
+    def _with_aux(self, share: torch.Tensor, aux_share: torch.Tensor | None) -> torch.Tensor:
+        """The loss share plus, for MoE with router logits, router_aux_loss_coef x the aux loss share (as transformers
+        adds it: after the token mean, not scaled by num_items_in_batch)."""
+        return share if aux_share is None else share + self.tsp.shape.router_aux_loss_coef * aux_share
+
+    @torch.no_grad()
+    def _gathered_router_logits(self, router_logits: list, local_shape, seq_len: int) -> tuple[torch.Tensor, ...]:
+        """Every sparse layer's router logits of the whole batch, [batch * seq_len, E] in sequence order as
+        transformers returns them (all-gathered over the TSP group, zigzag undone, padding cut)."""
+        from ds_tsp.core.partition import unshard
+
+        comm, (B, L) = self.tsp.comm, local_shape
+        out = []
+        for logits in router_logits:
+            local = logits.detach().reshape(B, L, -1).contiguous()
+            if comm.size > 1:
+                everyone = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
+                comm.all_gather(everyone, local).wait()
+                full = unshard(list(everyone.unbind(0)), dim=1)
+            else:
+                full = local
+            out.append(full[:, :seq_len].reshape(B * seq_len, -1))
+        return tuple(out)
 
     def _fused_lm_head(self, h, batch: dict, seq_len: int, num_items_in_batch) -> FusedLMHeadOutput:
         """TRL's fused LM head (trl.trainer.utils.add_fused_lm_head's output fields) through TSP's streaming head:
@@ -307,8 +352,9 @@ class TSPForCausalLM(nn.Module):
     def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
                         dtype: torch.dtype | None = None, **kwargs) -> Path | None:
         """Collective: write the standard HF layout (config.json, safetensors shards + index) that plain
-        transformers loads. Global rank 0 writes; modules are gathered to it one at a time. Returns the
-        directory on the writer, None elsewhere."""
+        transformers loads. Global rank 0 writes; modules are gathered to it one at a time, except MoE experts,
+        which each TSP rank of the writing replica streams itself into the same temporary directory (a
+        filesystem the TSP ranks share, as loading assumes). Returns the directory on the writer, None elsewhere."""
         from ds_tsp.checkpoint.hf_save import save_streaming
 
         unsupported = {k: v for k, v in kwargs.items()

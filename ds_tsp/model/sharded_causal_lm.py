@@ -6,11 +6,15 @@ Parameters per rank (D = TSP degree, p = TSP rank; names keep HF's module path s
 | model.embed_tokens.vocab_shard              | [ceil(V/D), h]               | vocab rows of rank p         |
 | model.layers.i.self_attn.packed_shard       | [attention layout numel]     | head block p (q, k, v, o)    |
 | model.layers.i.mlp.packed_shard             | [3 * h * F/D]                | intermediate columns of p    |
+| model.layers.i.mlp.experts_shard (MoE)      | [E/D * 3 * F_moe * h]        | experts of p, whole          |
+| model.layers.i.mlp.gate.weight (MoE router) | [E, h]                       | replicated, grads summed     |
 | model.layers.i.*_layernorm.weight, norm     | [h]                          | replicated, grads summed     |
 | lm_head.vocab_shard (absent when tied)      | [ceil(V/D), h]               | vocab rows of rank p         |
 Inputs are this rank's zigzag shard (ds_tsp.core.partition.shard_batch): input_ids, shift_labels and the GLOBAL
 position_ids (restarting per packed document), optionally attention_mask, each [B, S_pad/D]. forward returns this
 rank's share of the mean loss (the shares sum to it); ds_tsp.hf.TSPForCausalLM is the HF-shaped face of it.
+A mixture-of-experts model (Qwen3-MoE, Mixtral) whose config sets output_router_logits adds, as transformers does,
+router_aux_loss_coef x this rank's share of the load-balancing loss over the whole batch (moe_aux_loss_share).
 """
 from __future__ import annotations
 
@@ -22,19 +26,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ds_tsp.checkpoint.moe_names import canonical_state_dict
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.documents import OVERFLOW, DocStarts, decode_layout, document_starts, shard_layout
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.functions.norm import TSPRMSNorm
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_modules import (HeadNorm, TSPAttention, TSPDecoderLayer, TSPGatedMLP, TSPLMHeadLoss,  # noqa: F401
-                            TSPVocabEmbedding, TSPVocabShard, load_slices, mark_sharded,
-                                           read_from_full)
-from ds_tsp.core.partition import unshard, zigzag_chunks
+from ds_tsp.core.partition import unshard, zigzag_chunks, zigzag_positions
 from ds_tsp.core.replicated_grads import ReplicatedGradBucket
 from ds_tsp.core.rope import rope_cos_sin
-
+from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_modules import (  # noqa: F401
+    HeadNorm,
+    TSPAttention,
+    TSPDecoderLayer,
+    TSPGatedMLP,
+    TSPLMHeadLoss,
+    TSPVocabEmbedding,
+    TSPVocabShard,
+    load_slices,
+    mark_sharded,
+    read_from_full,
+)
 
 _CHECK_COUNTS = 7  # the counts heading input_check_payload (ds_tsp.tools.plan.tsp_comm repeats the number)
 
@@ -115,8 +128,28 @@ class ShardedCausalLM(nn.Module):
             raise TSPConfigError(f"tsp_shard={tuple(tsp_shard)}: the batch was sharded for TSP rank {tsp_shard[0]} of "
                                  f"{tsp_shard[1]} but this model is rank {self.comm.rank} of {self.comm.size}; build "
                                  "the loader on the same TSP group")
-        h, n_valid = self.final_hidden(input_ids, position_ids, attention_mask, shift_labels)
-        return self.head_loss(h, shift_labels, n_valid, attention_mask)
+        router_logits = [] if self.shape.num_experts and self.shape.output_router_logits else None
+        h, n_valid = self.final_hidden(input_ids, position_ids, attention_mask, shift_labels, router_logits)
+        share = self.head_loss(h, shift_labels, n_valid, attention_mask)
+        if router_logits:
+            share = share + self.shape.router_aux_loss_coef * self.aux_loss_share(
+                router_logits, tuple(input_ids.shape), attention_mask, seq_len)
+        return share
+
+    def aux_loss_share(self, router_logits: list[torch.Tensor], local_shape: tuple[int, int],
+                       attention_mask: torch.Tensor | None, seq_len: int | None) -> torch.Tensor:
+        """This rank's share of transformers' load-balancing loss over the whole batch (the TSP group's shares sum to
+        it; one all-reduce). Tokens counted as transformers counts them: attention_mask's real tokens, or every
+        token of the unpadded sequence (the zigzag padding past seq_len, which transformers never sees, left out;
+        seq_len None: no padding). local_shape: this rank's [B, L]."""
+        from ds_tsp.core.functions.moe import moe_aux_loss_share
+
+        mask, (B, L) = attention_mask, local_shape
+        if mask is None and seq_len is not None and seq_len < L * self.comm.size:
+            real = zigzag_positions(L * self.comm.size, self.comm.size, self.comm.rank, router_logits[0].device)
+            mask = (real < seq_len).expand(B, L)
+        return moe_aux_loss_share(router_logits, self.shape.num_experts, self.shape.num_experts_per_tok, self.comm,
+                                  None if mask is None else mask.reshape(-1))
 
     def head_loss(self, h: torch.Tensor, shift_labels: torch.Tensor, n_valid: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,8 +180,12 @@ class ShardedCausalLM(nn.Module):
         return self.lm_head(h, select=(torch.cat(local_index), torch.cat(slots), keep))
 
     def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                     attention_mask: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None):
-        """(final-norm hidden states of the local tokens [B, L, h], loss denominator or None without labels)."""
+                     attention_mask: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
+                     router_logits: list | None = None):
+        """(final-norm hidden states of the local tokens [B, L, h], loss denominator or None without labels).
+
+        router_logits: a list that receives every sparse layer's router logits [B*L, E] (local tokens, in layer
+        order), differentiable, also through activation checkpointing."""
         n_valid, doc_starts = self._check_inputs(input_ids, shift_labels, position_ids, attention_mask)
         if n_valid is not None:
             # float32 at least: bf16 would round token counts above 256
@@ -162,9 +199,12 @@ class ShardedCausalLM(nn.Module):
             h = self.model.embed_tokens(input_ids)
             for layer in self.model.layers:
                 if self.options.activation_checkpointing and torch.is_grad_enabled():
-                    h = checkpoint(layer, h, cos, sin, doc_starts, use_reentrant=False)
+                    # the router logits leave the checkpointed region as an output, so they carry its recompute
+                    h, logits = checkpoint(layer, h, cos, sin, doc_starts, with_router=True, use_reentrant=False)
                 else:
-                    h = layer(h, cos, sin, doc_starts)
+                    h, logits = layer(h, cos, sin, doc_starts, with_router=True)
+                if logits is not None and router_logits is not None:
+                    router_logits.append(logits)
             return self.model.norm(h), n_valid
 
     @property
@@ -368,13 +408,15 @@ class ShardedCausalLM(nn.Module):
             for piece, shape in layout.pieces:
                 owner = kv_owner if piece in ("wk", "wv") else rank
                 views[piece].copy_(torch.zeros(shape) if piece.startswith("b") else normal(f"{name}{piece}{owner}", shape))
-        for param in self.replicated_params().values():
-            param.fill_(1.0)
+        for name, param in self.replicated_params().items():  # norms 1; MoE routers N(0, std), same on every rank
+            param.fill_(1.0) if param.dim() == 1 else param.copy_(normal(name, param.shape))
         return self
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        """Take this rank's shards from an HF-named full state dict (every rank passes the same dict)."""
+        """Take this rank's shards from an HF-named full state dict (every rank passes the same dict): the checkpoint
+        layout or an in-memory model's (MoE experts fused, ds_tsp.checkpoint.moe_names)."""
+        full = canonical_state_dict(full, self.shape.moe_family)
         self.load_slices(read_from_full(full), names=full.keys())
 
     @torch.no_grad()

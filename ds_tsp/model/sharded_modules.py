@@ -15,6 +15,9 @@ reassembles one module at a time:
 | model.layers.i.self_attn          | packed_shard     | q heads of block p, its kv heads, o_proj columns      |
 | model.layers.i.self_attn.q/k_norm | weight           | replicated [head_dim] (Qwen3), grads summed           |
 | model.layers.i.mlp                | packed_shard     | gate/up rows and down columns [p*F/D, (p+1)*F/D)      |
+| model.layers.i.mlp (MoE layer)    | experts_shard    | experts [p*E/D, (p+1)*E/D) whole; router replicated   |
+(the MoE block: ds_tsp.model.sharded_moe.TSPSparseMoE; its HF names carry their block prefix, Mixtral's
+block_sparse_moe., so its entry in sharded_modules has the layer prefix.)
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from ds_tsp.core.functions.mlp import MLPSpec, tsp_gated_mlp
 from ds_tsp.core.functions.norm import TSPRMSNorm
 from ds_tsp.core.grad_norm import mark_sharded
 from ds_tsp.core.shape import ModelShape
+from ds_tsp.model.sharded_moe import TSPSparseMoE
 
 HFSlice = tuple[int, int, int]  # (dim, start, length) of a full HF tensor
 
@@ -244,16 +248,29 @@ class TSPDecoderLayer(nn.Module):
         self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
         self.self_attn = TSPAttention(shape, comm, options, dtype, device, layer)
         self.post_attention_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
-        self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
+        self.is_moe = shape.is_moe_layer(layer)
+        if self.is_moe:
+            self.mlp = TSPSparseMoE(shape, comm, options, dtype, device)
+        else:
+            self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
 
-    def forward(self, h, cos, sin, doc_starts=None):
+    def forward(self, h, cos, sin, doc_starts=None, *, with_router: bool = False):
+        """The layer's output; with_router: (output, router logits [B*L, E] or None for a dense MLP). Callers go
+        through the module (`layer(..., with_router=True)`), never a bound method: FSDP2 and ZeRO-3 gather the
+        layer's parameters in its forward hooks."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, doc_starts)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        router_logits = None
+        if self.is_moe:
+            y, router_logits = self.mlp(self.post_attention_layernorm(h))
+        else:
+            y = self.mlp(self.post_attention_layernorm(h))
+        return (h + y, router_logits) if with_router else h + y
 
     def sharded_modules(self, prefix: str = "") -> list[tuple[str, "_ShardedPiece", nn.Parameter]]:
         """(HF name prefix, sharded piece, its parameter) of this layer, in checkpoint order."""
-        return [(f"{prefix}self_attn.", self.self_attn, self.self_attn.packed_shard),
-                (f"{prefix}mlp.", self.mlp, self.mlp.packed_shard)]
+        mlp = ((prefix, self.mlp, self.mlp.experts_shard) if self.is_moe
+               else (f"{prefix}mlp.", self.mlp, self.mlp.packed_shard))
+        return [(f"{prefix}self_attn.", self.self_attn, self.self_attn.packed_shard), mlp]
 
     def replicated_params(self, prefix: str = "") -> dict[str, nn.Parameter]:
         """HF-named params every rank holds whole (their grads are summed over the TSP group)."""
@@ -262,6 +279,8 @@ class TSPDecoderLayer(nn.Module):
         if self.self_attn.spec.qk_norm_eps is not None:
             out[f"{prefix}self_attn.q_norm.weight"] = self.self_attn.q_norm.weight
             out[f"{prefix}self_attn.k_norm.weight"] = self.self_attn.k_norm.weight
+        if self.is_moe:
+            out[prefix + self.mlp.router_name()] = self.mlp.gate.weight
         return out
 
 

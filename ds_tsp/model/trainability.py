@@ -8,6 +8,12 @@ decay, or momentum from the trainable ones). That case is one error naming the t
 PEFT wraps the model (`base_model.model.` prefix) and each targeted linear (`q_proj.base_layer.weight`); `hf_name`
 maps those names back to the plain transformers ones, so an optimizer built on a PeftModel's parameters, or a
 PeftModel handed to a conversion, meets the names the checkpoint protocol knows.
+
+A mixture-of-experts model in memory names its weights otherwise than its checkpoint does: experts fused into
+`mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, Mixtral's block under `mlp.` where its checkpoint (and
+ds_tsp's shards) say `block_sparse_moe.`. `checkpoint_names` translates with ds_tsp.checkpoint.moe_names' aliases,
+so a frozen expert block or router is found, never silently trained; an HF parameter no TSP parameter holds is an
+error naming it.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import re
 
 from torch import nn
 
+from ds_tsp.checkpoint.moe_names import aliases
 from ds_tsp.core.errors import TSPConfigError
 
 _PEFT_PREFIX = "base_model.model."
@@ -33,6 +40,16 @@ def base_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
             if not _ADAPTER_KEY.search(n)}
 
 
+def checkpoint_names(shapes: dict[str, tuple[int, ...]], moe_family: str | None) -> dict[str, list[str]]:
+    """HF name (in-memory layout) -> the checkpoint names ds_tsp's shards use for what it holds: itself, or for a
+    fused MoE tensor every expert's tensors it holds (Mixtral's router under block_sparse_moe.). shapes: HF name ->
+    shape of the names to translate; moe_family: ModelShape.moe_family (None: names are already canonical)."""
+    out = {name: [] for name in shapes}
+    for canonical, source in aliases(moe_family, shapes).items():
+        out[source.name].append(canonical)
+    return {name: held or [name] for name, held in out.items()}
+
+
 def load_hf_model(core: nn.Module, hf_model: nn.Module, state_dict: dict | None = None) -> nn.Module:
     """Fill `core` (a ShardedCausalLM) from an in-memory transformers or PEFT LoRA model: this rank's slices of its
     base weights (or of `state_dict`, HF names, when given), their requires_grad, and the LoRA adapter. Returns the
@@ -43,7 +60,7 @@ def load_hf_model(core: nn.Module, hf_model: nn.Module, state_dict: dict | None 
     base = peft[0] if peft else hf_model
     params = base_parameters(base)
     core.load_full_state_dict(state_dict if state_dict is not None else {n: p.detach() for n, p in params.items()})
-    carry_requires_grad(core.sharded_modules(), core.replicated_params(), params)
+    carry_requires_grad(core.sharded_modules(), core.replicated_params(), params, core.shape.moe_family)
     if peft:
         attach_lora(core, base, peft[1])
         core.lora_adapter_config = adapter_config_json(peft[2], getattr(base, "name_or_path", None))
@@ -61,24 +78,58 @@ def require_all_trainable(model, where: str) -> None:
                              "carry over (every weight would train): unfreeze it, or use one pipeline stage")
 
 
-def carry_requires_grad(sharded, replicated: dict[str, nn.Parameter], source: dict[str, nn.Parameter]) -> None:
+def carry_requires_grad(sharded, replicated: dict[str, nn.Parameter], source: dict[str, nn.Parameter],
+                        moe_family: str | None = None) -> None:
     """Set requires_grad of every TSP parameter from the HF parameters it holds a part of.
 
     sharded: (HF prefix, sharded piece, its parameter) as ShardedCausalLM.sharded_modules() lists them;
-    replicated: HF name -> parameter; source: HF name -> the HF parameter (base_parameters).
+    replicated: HF name -> parameter; source: HF name -> the HF parameter (base_parameters), in the checkpoint or
+    the in-memory layout (MoE names translated with moe_family's aliases). An HF parameter no TSP parameter holds,
+    or a TSP parameter none of whose HF tensors is in `source`, is an error naming it: its flag would be lost.
     """
+    held = checkpoint_names({n: tuple(p.shape) for n, p in source.items()}, moe_family)
+    by_checkpoint_name = {c: source[n] for n, names in held.items() for c in names}
+    wanted = {prefix + n for prefix, module, _ in sharded for n in module.hf_shapes()} | set(replicated)
+    kept = {id(by_checkpoint_name[n]) for n in wanted if n in by_checkpoint_name}
+    orphans = [n for n, names in held.items() if not wanted.intersection(names) and id(source[n]) not in kept]
+    if orphans:  # (a tied lm_head.weight IS the embedding parameter: kept through it)
+        raise TSPConfigError(f"{orphans[0]} ({len(orphans)} HF parameters) has no TSP counterpart, so its "
+                             f"requires_grad={source[orphans[0]].requires_grad} cannot be carried over: convert a "
+                             "transformers model of a supported family, unmodified")
     for prefix, module, param in sharded:
-        names = [prefix + n for n in module.hf_shapes() if prefix + n in source]
-        frozen = [n for n in names if not source[n].requires_grad]
+        names = [prefix + n for n in module.hf_shapes()]
+        absent = [n for n in names if n not in by_checkpoint_name]
+        if absent:
+            raise TSPConfigError(f"{absent[0]} ({len(absent)} tensors of {prefix.rstrip('.')}) is not a parameter of "
+                                 "the HF model converted: its requires_grad is unknown; convert the model the config "
+                                 "came from, unmodified")
+        frozen = [n for n in names if not by_checkpoint_name[n].requires_grad]
         if frozen and len(frozen) < len(names):
-            trainable = [n for n in names if source[n].requires_grad]
+            trainable = [n for n in names if by_checkpoint_name[n].requires_grad]
             raise TSPConfigError(
-                f"{prefix.rstrip('.')}: {', '.join(frozen)} frozen but {', '.join(trainable)} trainable. TSP packs "
-                "a layer's attention weights (q/k/v/o and their biases) into one shard per rank, and its MLP weights "
-                "(gate/up/down) into another, so they train or freeze together: freeze or unfreeze the whole "
-                f"{prefix.rstrip('.')} (e.g. `for p in layer.{prefix.split('.')[-2]}.parameters(): "
+                f"{prefix.rstrip('.')}: {_in_memory(frozen, held)} frozen but {_in_memory(trainable, held)} "
+                "trainable. TSP packs a layer's attention weights (q/k/v/o and their biases) into one shard per "
+                "rank, its MLP weights (gate/up/down) into another, and a mixture-of-experts layer's experts into "
+                "one, so they train or freeze together: freeze or unfreeze the whole "
+                f"{prefix.rstrip('.')} (e.g. `for p in layer.{_module_of(prefix)}.parameters(): "
                 "p.requires_grad_(False)`), or train a subset with LoRA (peft) instead")
         param.requires_grad_(not frozen)
+    absent = [n for n in replicated if n not in by_checkpoint_name]
+    if absent:
+        raise TSPConfigError(f"{absent[0]} ({len(absent)} replicated parameters) is not a parameter of the HF model "
+                             "converted: its requires_grad is unknown; convert the model the config came from")
     for name, param in replicated.items():
-        if name in source:
-            param.requires_grad_(source[name].requires_grad)
+        param.requires_grad_(by_checkpoint_name[name].requires_grad)
+
+
+def _module_of(prefix: str) -> str:
+    """The module a shard's HF prefix names, as a decoder layer's attribute path (an MoE shard's prefix is the
+    layer's own: its experts)."""
+    last = prefix.split(".")[-2]
+    return "mlp.experts" if last.isdigit() else last
+
+
+def _in_memory(names: list[str], held: dict[str, list[str]]) -> str:
+    """The HF parameter names (in-memory layout, each once) holding these checkpoint names, for error messages."""
+    where = {c: n for n, cs in held.items() for c in cs}
+    return ", ".join(dict.fromkeys(where.get(n, n) for n in names))

@@ -14,6 +14,10 @@ global changes; other models, and float32/bfloat16 inputs, keep transformers' ex
   update (the patched forward is wrapped in transformers' `dynamic_rope_update`).
 * The loss: `loss_function` upcasts logits with `.float()`, i.e. DOWNcasts float64. `hf_loss_and_grads`
   computes the token cross entropy itself, in the logits' dtype.
+* Mixture of experts (Qwen3-MoE, Mixtral): `load_balancing_loss_func` accumulates in float32. With
+  output_router_logits the aux loss is transformers' formula over the router logits transformers returns, for a
+  float64 model accumulated in float64 (`load_balancing_loss`), else transformers' own function. The routers' float32
+  softmax is left as it is: ds_tsp routes with the same float32 probabilities (ds_tsp.core.functions.moe_routing).
 
 Attention must not be "eager" (its softmax uses dtype=float32): the model is loaded with attn_implementation
 "sdpa", which computes in the input dtype. Every forward passes use_cache=False: transformers only applies its
@@ -78,13 +82,17 @@ def patch_float64_(model: torch.nn.Module) -> int:
 
 
 def load_hf_reference(directory, dtype: torch.dtype):
-    """`AutoModelForCausalLM.from_pretrained(directory)` in `dtype` with sdpa attention; float64 gets the patches."""
+    """`AutoModelForCausalLM.from_pretrained(directory)` in `dtype` with sdpa attention (and the eager expert loop
+    for MoE); float64 gets the patches."""
     try:
         import transformers
     except ImportError as exc:  # an optional dependency
         raise ImportError("the transformers reference needs transformers: pip install 'ds_tsp[hf]'") from exc
+    config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    # MoE experts: transformers' per-expert loop ("eager"); its default grouped GEMM has no float64 kernel
+    moe = {"experts_implementation": "eager"} if getattr(config, "num_experts_per_tok", None) else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
+        directory, dtype=dtype, attn_implementation="sdpa", local_files_only=True, **moe)
     if dtype == torch.float64:
         patch_float64_(model)
     return model
@@ -95,6 +103,37 @@ def _forward_logits(model, input_ids, position_ids=None, attention_mask=None) ->
                  use_cache=False).logits
 
 
+def _wants_aux(model) -> bool:
+    config = model.config
+    return bool(getattr(config, "output_router_logits", False)) and bool(getattr(config, "num_experts", 0) or
+                                                                        getattr(config, "num_local_experts", 0))
+
+
+def load_balancing_loss(model, gate_logits: Sequence[torch.Tensor], attention_mask=None) -> torch.Tensor:
+    """transformers' load_balancing_loss_func of `model`'s family over the sparse layers' router logits (and the
+    flat [tokens] mask); for float64 logits the same formula accumulated in float64 instead of float32."""
+    import sys
+
+    config = model.config
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    top_k = config.num_experts_per_tok
+    if gate_logits[0].dtype != torch.float64:
+        own = sys.modules[type(model).__module__].load_balancing_loss_func
+        return own(tuple(gate_logits), experts, top_k, attention_mask)
+    counts = torch.zeros(experts, dtype=torch.float64)
+    prob_sum = torch.zeros(experts, dtype=torch.float64)
+    rows = torch.zeros((), dtype=torch.float64)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(torch.float64)
+    for logits in gate_logits:
+        probs = torch.softmax(logits, dim=-1)
+        selected = torch.topk(probs, top_k, dim=-1).indices
+        weight = torch.ones(logits.shape[0], dtype=torch.float64) if mask is None else mask
+        counts = counts.scatter_add(0, selected.reshape(-1), weight.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs * weight[:, None]).sum(dim=0)
+        rows = rows + weight.sum()
+    return experts * torch.sum((counts / rows) * (prob_sum / rows))
+
+
 def hf_logits(model, input_ids, position_ids=None, attention_mask=None) -> torch.Tensor:
     """Logits [B, S, V] in the model's dtype (no grad, use_cache=False)."""
     with torch.no_grad():
@@ -102,7 +141,7 @@ def hf_logits(model, input_ids, position_ids=None, attention_mask=None) -> torch
 
 
 def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor, position_ids=None,
-                      attention_mask=None, documents: Sequence[Sequence[int]] | None = None):
+                      attention_mask=None, documents: Sequence[Sequence[int]] | None = None, aux_out: dict | None = None):
     """Token-mean cross entropy over shift_labels != -100 (shift_labels[b, t] is the target of position t) and
     the gradient of every parameter, HF-named (a tied lm_head.weight is reported too: the embedding's grad).
 
@@ -110,6 +149,10 @@ def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor
     separate sequence (positions 0..n-1, its slice of shift_labels); token losses are summed over all documents
     and divided once by the total count. `attention_mask` (padding) is passed to the model; padded positions
     must have shift_labels -100. Returns (loss, grads) in the model's dtype; loss is 0 if nothing is counted.
+
+    A mixture-of-experts model whose config sets output_router_logits: loss includes router_aux_loss_coef x the
+    load-balancing loss of ALL the tokens (every document's router logits together, as one unpacked batch would
+    give), and aux_out (a dict, when given) receives it as "aux_loss".
     """
     if shift_labels.shape != input_ids.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and shift_labels {tuple(shift_labels.shape)} "
@@ -136,15 +179,32 @@ def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor
                 start += n
     count = (shift_labels != -100).sum().clamp_min(1)
     model.zero_grad(set_to_none=True)
-    total = None
+    total = ce = None
+    aux = _wants_aux(model)
+    router, masks = [], []  # per piece: the sparse layers' router logits, its flat token mask
     with torch.enable_grad():
         for ids, labels, pos, mask in pieces:
-            logits = _forward_logits(model, ids, pos, mask)
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False,
+                        **({"output_router_logits": True} if aux else {}))
             valid = labels != -100
-            piece = F.cross_entropy(logits[valid], labels[valid], reduction="sum")  # in the logits' dtype
-            (piece / count).backward()
+            piece = F.cross_entropy(out.logits[valid], labels[valid], reduction="sum")  # in the logits' dtype
+            if aux:  # one backward at the end: the aux loss couples every piece
+                router.append(out.router_logits)
+                masks.append(torch.ones(ids.numel(), dtype=torch.long) if mask is None else mask.reshape(-1))
+                ce = piece / count if ce is None else ce + piece / count
+            else:
+                (piece / count).backward()
             total = piece.detach() if total is None else total + piece.detach()
     loss = total / count
+    if aux:
+        with torch.enable_grad():
+            layers = [torch.cat(per_layer) for per_layer in zip(*router)]  # every piece's tokens, layer by layer
+            has_mask = any(m is not None for *_, m in pieces)
+            aux_loss = load_balancing_loss(model, layers, torch.cat(masks) if has_mask else None)
+            (ce + model.config.router_aux_loss_coef * aux_loss).backward()
+        loss = loss + model.config.router_aux_loss_coef * aux_loss.detach()
+        if aux_out is not None:
+            aux_out["aux_loss"] = aux_loss.detach()
     grads = {}
     for name, param in model.named_parameters(remove_duplicate=False):  # tied: both names, one Parameter
         grads[name] = torch.zeros_like(param) if param.grad is None else param.grad.detach().clone()

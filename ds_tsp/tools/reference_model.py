@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.rope import apply_rope, rope_cos_sin
 from ds_tsp.core.shape import ModelShape
 
@@ -120,6 +121,9 @@ class Backbone(nn.Module):
 class ReferenceCausalLM(nn.Module):
     def __init__(self, shape: ModelShape, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
+        if shape.num_experts:
+            raise TSPConfigError(f"num_experts={shape.num_experts}: the ds_tsp reference model is dense; check a "
+                                 "mixture-of-experts model against transformers' own (ds-tsp verify --hf-model DIR)")
         self.shape = shape
         self.model = Backbone(shape, dtype, device)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, dtype=dtype, device=device)

@@ -9,6 +9,11 @@ directory by slices (TSPForCausalLM.from_pretrained). With `documents` = K > 1 e
 random lengths (position_ids restarting, the first label of each document -100, as DataCollatorWithFlattening
 makes them) and the reference runs every document on its own.
 
+Mixture-of-experts checkpoints (Qwen3-MoE, Mixtral): the loss includes router_aux_loss_coef x the load-balancing
+loss when the config sets output_router_logits (as transformers adds it), and the report gives the aux loss's own
+error (aux_rel_err, from a second, gradient-free forward); transformers' fused in-memory expert gradients are
+compared per expert under the checkpoint names (ds_tsp.checkpoint.moe_names).
+
 Tolerances (documented; float64 proves the schedule exact, the others sit on their dtype's noise floor):
 float64 1e-10 (a correct schedule reaches ~1e-14), float32 1e-5 (noise floor ~1e-6), bfloat16 5e-2.
 """
@@ -104,19 +109,34 @@ def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
     return loss.detach(), grads
 
 
-def hf_reference_loss_and_grads(case: VerifyCase):
-    """transformers' own model from case.hf_model, same batch, every packed document on its own."""
+def hf_reference_loss_and_grads(case: VerifyCase, aux_out: dict | None = None):
+    """transformers' own model from case.hf_model, same batch, every packed document on its own (an MoE aux loss
+    over all of them, into aux_out["aux_loss"]); gradients under the checkpoint names."""
+    from ds_tsp.checkpoint.moe_names import canonical_state_dict
     from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
 
     ids, labels, _ = make_batch(case)
     model = load_hf_reference(case.hf_model, DTYPES[case.dtype])
-    return hf_loss_and_grads(model, ids, shift(labels), documents=document_lengths(case))
+    loss, grads = hf_loss_and_grads(model, ids, shift(labels), documents=document_lengths(case), aux_out=aux_out)
+    return loss, canonical_state_dict(grads, case.shape.moe_family)
+
+
+def _aux_loss(model: ShardedCausalLM, batch: dict, seq_len: int) -> torch.Tensor | None:
+    """The MoE aux loss of the batch (the group's value), or None when the model adds none. Gradient-free."""
+    if not (model.shape.num_experts and model.shape.output_router_logits):
+        return None
+    router_logits = []
+    with torch.no_grad():
+        model.final_hidden(batch["input_ids"], batch["position_ids"], None, batch["shift_labels"], router_logits)
+        share = model.aux_loss_share(router_logits, tuple(batch["input_ids"].shape), None, seq_len)
+    return model.loss_for_logging(share).cpu()
 
 
 def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOptions = TSPOptions(),
-             overlap: bool = True) -> dict | None:
-    """Collective over `group`. Returns the report on TSP rank 0, None elsewhere."""
-    comm = TSPComm(group, overlap=overlap)
+             overlap: bool = True, weight_group: dist.ProcessGroup | None = None) -> dict | None:
+    """Collective over `group`. Returns the report on TSP rank 0, None elsewhere. weight_group: the weights'
+    channel (TSPComm.weight_group), as training runs get it."""
+    comm = TSPComm(group, overlap=overlap, weight_group=weight_group)
     dtype = DTYPES[case.dtype]
     device = local_device()  # the model and its batch on this rank's GPU when there is one; the reference on CPU
     ids, labels, positions = (t.to(device) for t in make_batch(case))
@@ -132,14 +152,16 @@ def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOpti
         del reference
         model = ShardedCausalLM(case.shape, comm, options=options, dtype=dtype, device=device)
         model.load_full_state_dict(full)
-    loss_share = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
+    loss_share = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"], seq_len=case.seq)
     loss_share.backward()
+    aux = _aux_loss(model, batch, case.seq)
     loss = model.loss_for_logging(loss_share).cpu()  # compared with the reference on the CPU, once, after the step
     grads = {name: g.cpu() for name, g in model.full_state_dict(grads=True).items()}
     if comm.rank != 0:
         return None
 
-    ref_loss, ref_grads = (hf_reference_loss_and_grads(case) if case.hf_model is not None
+    ref_aux = {}
+    ref_loss, ref_grads = (hf_reference_loss_and_grads(case, ref_aux) if case.hf_model is not None
                            else reference_loss_and_grads(case, full))
     grad_errs = {name: _rel_err(grads[name], g) for name, g in ref_grads.items()}
     worst = max(grad_errs, key=grad_errs.get)
@@ -155,12 +177,20 @@ def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOpti
         "documents": case.documents,
         "reference": "transformers" if case.hf_model is not None else "ds_tsp",
     }
-    report["ok"] = report["loss_rel_err"] <= case.tolerance and report["grad_rel_err"] <= case.tolerance
+    if aux is not None:
+        report.update(aux_loss=float(aux), ref_aux_loss=float(ref_aux["aux_loss"]),
+                      aux_rel_err=_rel_err(aux, ref_aux["aux_loss"]))
+    report["ok"] = (report["loss_rel_err"] <= case.tolerance and report["grad_rel_err"] <= case.tolerance
+                    and report.get("aux_rel_err", 0.0) <= case.tolerance)
     return report
 
 
 def run_case_on_world(case: VerifyCase, options: TSPOptions = TSPOptions(), overlap: bool = True) -> dict | None:
     """Entry for an already-initialised default group (torchrun) or a spawned one: the whole world is one TSP group."""
-    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
-    return run_case(case, group, options, overlap)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return run_case(case, None, options, overlap)
+    # the weights' own channel where a training run gets one (CUDA: ds_tsp.core.topology.ProcessGroups.build);
+    # collective: every rank runs this entry
+    weights = dist.new_group(list(range(dist.get_world_size()))) if torch.cuda.is_available() else None
+    return run_case(case, dist.group.WORLD, options, overlap, weights)
 

@@ -31,6 +31,26 @@ log-sum-exp (no attention recomputation), reduce-scatters dK/dV to the token own
 grad to the block owner. No foreign shard and no gathered K/V is kept, unless `keep_gathered_kv` trades O(S)
 memory per kv group for skipping the backward re-gather. A frozen shard (requires_grad False, alike on every rank)
 still re-broadcasts for dx but computes no weight grad and reduces nothing to the owners.
+
+Overlap schedule. NCCL runs each communicator as ONE in-order stream, so what is posted on a channel waits behind
+everything posted there before it. Weights travel on `comm.weight_channel` (a second communicator over the same
+ranks when the comm has one: ds_tsp.core.setup gives every CUDA run one), sequence data on the TSP group. K/V arrive as
+two all-gathers per kv group (one per zigzag half, straight into global order: ds_tsp.core.kv_layout). g(j) is
+block j's kv group; "next group" is g(j)+1, whose first block is j+1 when j is the last block of its group.
+| when (block j)                        | posted                                    | channel | awaited            |
+|---------------------------------------|-------------------------------------------|---------|--------------------|
+| before block 0                        | broadcast shards 0, 1                     | weights | take(j), block j   |
+| before block 0                        | K/V gather of group 0 (2 all-gathers)     | tsp     | block 0, after q   |
+| start of block j                      | broadcast shard j+2                       | weights | block j+2 (start)  |
+| j last of its group, before attention | K/V gather of the next group (needs shard j+1, taken early) | tsp | block j+1, after its q projection |
+| backward: same three rows (re-broadcast, re-gather unless keep_gathered_kv)  | | | |
+| backward: j last of its group, after its attention backward | dK/dV reduce-scatter of group g(j) | tsp | block j+1 after ITS attention backward (end of loop for the last) |
+| backward: once block j's grads are whole | reduce of block j's packed grad to owner j (last block of a group: when the scatter is consumed) | weights | 2 reduces later, or at the end |
+So block j's attention (forward or backward) runs while the next group's K/V gather, the next shards' broadcasts
+and the previous group's dK/dV scatter are in flight: on separate streams the broadcasts never hold up the K/V
+the kernel waits for. Live buffers: 3 packed shards (j, j+1, j+2 in flight), 2 gathered K/V (this group's, the
+next one's in flight), and in backward one rank-ordered dK/dV being filled plus one being scattered.
+tests/test_attention_schedule.py checks the recorded post order against this table.
 """
 from __future__ import annotations
 
@@ -41,10 +61,12 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.comm_primitives import ShardGradReducer, broadcast_shards, gather_sequence, scatter_sequence_grad
+from ds_tsp.core.comm_primitives import ShardGradReducer, ShardStream
 from ds_tsp.core.document_attention import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 from ds_tsp.core.functions.norm import rms_norm, rms_norm_backward
 from ds_tsp.core.functions.weight_packing import PackedLayout
+from ds_tsp.core.kv_layout import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
 from ds_tsp.core.partition import zigzag_chunks
 from ds_tsp.core.rope import apply_rope, apply_rope_backward
 
@@ -112,10 +134,11 @@ def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None):
 
 
 def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
+    """This rank's K (normed, roped) and V of one kv head block, chunk-major for the gather: [2, c, B, 2, nkv, d]."""
     B, L, _ = x.shape
     k = apply_rope(_norm(_raw_k(x, w, spec), k_norm, spec), cos, sin)
     v = F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
-    return torch.stack([k, v])  # [2, B, L, nkv, d]
+    return local_kv(k, v)
 
 
 def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
@@ -126,35 +149,20 @@ def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
     return rms_norm_backward(d, raw(), norm_weight, spec.qk_norm_eps)
 
 
-def _to_global_order(kv_rank_order: torch.Tensor) -> torch.Tensor:
-    """[D, 2, B, L, nkv, d] in rank order -> [2, B, D*L, nkv, d] in global token order (one copy, by chunks)."""
-    D, two, B, L, n, d = kv_rank_order.shape
-    c = L // 2
-    out = kv_rank_order.new_empty((two, B, D * L, n, d))
-    for r in range(D):
-        for i, g in enumerate(zigzag_chunks(D, r)):
-            out[:, :, g * c:(g + 1) * c].copy_(kv_rank_order[r, :, :, i * c:(i + 1) * c])
-    return out
-
-
-def _to_rank_order(kv_global: torch.Tensor, tsp: int) -> torch.Tensor:
-    """Inverse of _to_global_order: [2, B, S, nkv, d] -> [D, 2, B, L, nkv, d] (contiguous, for reduce-scatter)."""
-    two, B, S, n, d = kv_global.shape
-    c = S // (2 * tsp)
-    out = kv_global.new_empty((tsp, two, B, 2 * c, n, d))
-    for r in range(tsp):
-        for i, g in enumerate(zigzag_chunks(tsp, r)):
-            out[r, :, :, i * c:(i + 1) * c].copy_(kv_global[:, :, g * c:(g + 1) * c])
-    return out
-
-
 def _kv_group(j: int, spec: AttentionSpec) -> tuple[bool, bool]:
     """(first, last) block of its kv group: blocks j // kv_replicas share one kv head, gathered once for all."""
     r = spec.kv_replicas
     return j % r == 0, j % r == r - 1
 
 
+def _kv_weights(w: dict) -> dict:
+    """A copy of the kv projection weights of a block: kept past the block (for its deferred dK/dV), not the shard."""
+    return {n: w[n].clone() for n in ("wk", "wv", "bk", "bv") if n in w}
+
+
 class _TSPAttention(torch.autograd.Function):
+    AUTOCAST = AUTOCAST_LOW_PRECISION  # projections and attention kernels: autocast's lower-precision list
+
     @staticmethod
     def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, spec: AttentionSpec, comm: TSPComm, doc_starts):
         B, L, h = x.shape
@@ -162,34 +170,38 @@ class _TSPAttention(torch.autograd.Function):
         doc_starts = doc_starts if doc_starts is not None else ((0,),) * B
         y = torch.zeros_like(x)
         saved_blocks, saved_groups = [], []
+        shards = ShardStream(comm, packed_shard)
+        kv_local = _project_kv(x, spec.layout.unpack(shards.take(0)), spec, cos, sin, k_norm)
+        gather = GlobalKVGather(comm, kv_local)
         kv_all = None
-        for j, shard in broadcast_shards(comm, packed_shard):
-            w = spec.layout.unpack(shard)
+        for j in range(D):
+            shards.next_block(j)
+            w = spec.layout.unpack(shards.take(j))
             first, last = _kv_group(j, spec)
-            if first:  # later blocks of the group read the same kv head: reuse this gather
-                kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
-                kv_ranked, gather = gather_sequence(comm, kv_local)
+            if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
+                next_local = _project_kv(x, spec.layout.unpack(shards.take(j + 1)), spec, cos, sin, k_norm)
+                next_gather = GlobalKVGather(comm, next_local)
             q = _project_q(x, w, spec, cos, sin, q_norm)
             if first:
-                gather.wait()
-                kv_all = _to_global_order(kv_ranked)
-                del kv_ranked
+                kv_all = gather.wait()
                 group = {"kv_all": kv_all, "kv_local": kv_local}
                 saved_groups += [group[name] for name in spec.saved_per_kv_group()]
             outs, lses = [], []
             for local, start in _chunks(p, D, L):
                 end = start + local.stop - local.start
-                o, lse = masked_attention_forward(q[:, local], kv_all[0, :, :end], kv_all[1, :, :end],
-                                                  q_start=start, doc_starts=doc_starts, window=spec.window,
-                                                  scale=spec.scale, backend=spec.kernel_backend)
+                k_all, v_all = kv_prefix(kv_all, end)
+                o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=doc_starts,
+                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
                 outs.append(o)
                 lses.append(lse)
             out = torch.cat(outs, dim=1)
             y.add_(F.linear(out.reshape(B, L, -1), w["wo"]))
             block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q}
             saved_blocks += [block[name] for name in spec.saved_per_block()]
-            if last:
-                kv_all = kv_local = None  # memory-optimal: at most one kv group's gathered K/V is live
+            if last:  # memory-optimal: this group's gathered K/V is dropped; at most the next one is in flight
+                kv_all = kv_local = gather = None
+                if j + 1 < D:
+                    kv_local, gather = next_local, next_gather
         ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
         ctx.has_qk_norm = q_norm is not None
         ctx.n_block_saved = len(saved_blocks)
@@ -203,7 +215,7 @@ class _TSPAttention(torch.autograd.Function):
         x, packed_shard, cos, sin, *saved = ctx.saved_tensors
         q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
         saved_blocks, saved_groups = saved[:ctx.n_block_saved], saved[ctx.n_block_saved:]
-        dq_norm = dk_norm = None
+        norm_grads = {"q": None, "k": None}  # this rank's q_norm / k_norm weight grads, summed over blocks
         dy = dy.contiguous()
         B, L, h = x.shape
         D, p = comm.size, comm.rank
@@ -213,83 +225,92 @@ class _TSPAttention(torch.autograd.Function):
         x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
         reducer = ShardGradReducer(comm)
         names, group_names = spec.saved_per_block(), spec.saved_per_kv_group()
-        kv_all = dkv_all = w_leader = None
-        for j, shard in broadcast_shards(comm, packed_shard):
-            w = spec.layout.unpack(shard)
+        shards = ShardStream(comm, packed_shard)
+
+        def add_norm_grad(key, grad):
+            if grad is not None:
+                norm_grads[key] = grad if norm_grads[key] is None else norm_grads[key] + grad
+
+        def start_group(g: int, w):
+            """The kv group's gathered K/V: kept from forward, or re-gathered (posted now, waited on first use)."""
+            group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
+            if spec.keep_gathered_kv:
+                return group["kv_all"]
+            kv_local = group.get("kv_local")
+            return GlobalKVGather(comm, kv_local if kv_local is not None else _project_kv(x, w, spec, cos, sin, k_norm))
+
+        def finish_group(pending):
+            """A kv group's reduce-scattered dK/dV -> dx, its kv weight grads (into its last block's grad, which
+            _kv_grads_to_group_leaders moves to the leader) and that block's reduce to its owner."""
+            dkv_local, scatter, w_kv, grads, j = pending
+            scatter.wait()
+            dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm, lambda: _raw_k(x, w_kv, spec),
+                                 spec)
+            dk = dk.reshape(-1, w_kv["wk"].shape[0])
+            dv = local_from_chunks(dkv_local, 1).reshape(-1, w_kv["wv"].shape[0])
+            dx.view(-1, h).addmm_(dk, w_kv["wk"]).addmm_(dv, w_kv["wv"])
+            add_norm_grad("k", dkn)
+            if need_w:
+                grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
+                if spec.qkv_bias:
+                    grads["bk"], grads["bv"] = dk.sum(0), dv.sum(0)
+                reducer.reduce(j, spec.layout.pack(grads))
+
+        kv_source = start_group(0, spec.layout.unpack(shards.take(0)))
+        kv_all = dkv = w_kv = pending = None
+        for j in range(D):
+            shards.next_block(j)
+            w = spec.layout.unpack(shards.take(j))
             first, last = _kv_group(j, spec)
             if first:  # the group's live kv weights (the other blocks' copies are stale: see the module docstring)
-                w_leader = {n: w[n].clone() for n in ("wk", "wv", "bk", "bv") if n in w} if not last else w
+                w_kv = _kv_weights(w)
+            if last and j + 1 < D:  # the next group's K/V travel while this block's attention backward runs
+                next_source = start_group(j // spec.kv_replicas + 1, spec.layout.unpack(shards.take(j + 1)))
             block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
             out, lses = block["out"], (block["lse0"], block["lse1"])
-            if first:
-                g = j // spec.kv_replicas
-                group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
-                if spec.keep_gathered_kv:
-                    kv_all = group["kv_all"]
-                else:
-                    kv_local = group.get("kv_local")
-                    if kv_local is None:
-                        kv_local = _project_kv(x, w, spec, cos, sin, k_norm)
-                    kv_ranked, gather = gather_sequence(comm, kv_local)
-                    del kv_local
-            # Work that needs no foreign K/V runs while the gather is in flight.
             q = block["q"] if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
             dout = (dy2d @ w["wo"]).view_as(out)
             grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
             if first:
-                if not spec.keep_gathered_kv:
-                    gather.wait()
-                    kv_all = _to_global_order(kv_ranked)
-                    del kv_ranked
-                dkv_all = torch.zeros_like(kv_all)  # summed over the group's blocks, scattered once
+                kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()
+                kv_source = None
+                dkv = RankOrderedKVGrad(kv_all, D)  # summed over the group's blocks, scattered once
             dq_chunks = []
             for (local, start), lse in zip(_chunks(p, D, L), lses):
                 end = start + local.stop - local.start
+                k_all, v_all = kv_prefix(kv_all, end)
                 dq_c, dk_c, dv_c = masked_attention_backward(
-                    dout[:, local], q[:, local], kv_all[0, :, :end], kv_all[1, :, :end], out[:, local], lse,
-                    q_start=start, doc_starts=doc_starts, window=spec.window, scale=spec.scale,
-                    backend=spec.kernel_backend)
+                    dout[:, local], q[:, local], k_all, v_all, out[:, local], lse, q_start=start,
+                    doc_starts=doc_starts, window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
                 dq_chunks.append(dq_c)
-                dkv_all[0, :, :end] += dk_c
-                dkv_all[1, :, :end] += dv_c
-            if last:
-                kv_all = None
-                dkv_local, scatter = scatter_sequence_grad(comm, _to_rank_order(dkv_all, D))
-                dkv_all = None
+                dkv.add(dk_c, dv_c)
+            if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
+                finish_group(pending)
+                pending = None
             dq, dqn = _unproject(torch.cat(dq_chunks, dim=1), cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
             dq = dq.reshape(-1, w["wq"].shape[0])
             dx.view(-1, h).addmm_(dq, w["wq"])
+            add_norm_grad("q", dqn)
             if need_w:
                 grads["wq"] = dq.t() @ x2d
                 if spec.qkv_bias:
                     grads["bq"] = dq.sum(0)
-            if ctx.has_qk_norm:
-                dq_norm = dqn if dq_norm is None else dq_norm + dqn
             if last:
-                scatter.wait()
-                dk, dkn = _unproject(dkv_local[0], cos, sin, k_norm, lambda: _raw_k(x, w_leader, spec), spec)
-                dk = dk.reshape(-1, w_leader["wk"].shape[0])
-                dv = dkv_local[1].reshape(-1, w_leader["wv"].shape[0])
-                dx.view(-1, h).addmm_(dk, w_leader["wk"]).addmm_(dv, w_leader["wv"])
-                w_leader = None
-                # The whole group's kv weight grad lands in its last block; _kv_grads_to_group_leaders moves it to
-                # the group's leader (the other blocks contribute zeros).
-                if need_w:
-                    grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
-                    if spec.qkv_bias:
-                        grads["bk"], grads["bv"] = dk.sum(0), dv.sum(0)
-                if ctx.has_qk_norm:
-                    dk_norm = dkn if dk_norm is None else dk_norm + dkn
-            elif need_w:
+                kv_all = None
+                dkv_local, scatter = dkv.scatter(comm)
+                pending, dkv = (dkv_local, scatter, w_kv, grads, j), None
+                if j + 1 < D:
+                    kv_source = next_source
+            elif need_w:  # the group's kv weight grad lands in its last block (see finish_group)
                 for name in ("wk", "wv", "bk", "bv"):
                     if name in w:
                         grads[name] = torch.zeros_like(w[name])
-            if need_w:
                 reducer.reduce(j, spec.layout.pack(grads))
+        finish_group(pending)
         grad_shard = reducer.finish() if need_w else None
         if need_w and spec.kv_replicas > 1:
             _kv_grads_to_group_leaders(grad_shard, spec, comm)
-        return dx, grad_shard, dq_norm, dk_norm, None, None, None, None, None
+        return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, None, None
 
 
 def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
@@ -322,4 +343,5 @@ def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor
     q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
     if (q_norm is None) != (spec.qk_norm_eps is None):
         raise ValueError("spec.qk_norm_eps and the qk_norm weights must be given together")
-    return _TSPAttention.apply(x, packed_shard, q_norm, k_norm, cos, sin, spec, comm, doc_starts)
+    return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, spec, comm,
+                          doc_starts)

@@ -9,15 +9,20 @@ The logits are replicated: like every other input of an HF-style loss they are i
 each rank must compute the same function of them. Backward then gets the same dlogits on every rank, so
     d(vocab shard p) = dlogits[:, :, shard p]^T @ rows      (local, no communication)
     d(rows)          = sum_p dlogits[:, :, shard p] @ shard p  (one all-reduce), then each rank keeps its rows.
+Under autocast the GEMMs run in the autocast dtype (h and the shard cast on entry), and the logits come out in it,
+as HF's lm_head Linear gives them under autocast.
 """
 from __future__ import annotations
 
 import torch
 
 from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 
 
 class _SelectedLogits(torch.autograd.Function):
+    AUTOCAST = AUTOCAST_LOW_PRECISION  # a Linear: its GEMMs run in the autocast dtype
+
     @staticmethod
     def forward(ctx, h, vocab_shard, local_index, slots, k: int, vocab_size: int, comm: TSPComm):
         B, _, hidden = h.shape
@@ -55,4 +60,4 @@ def tsp_selected_logits(h: torch.Tensor, vocab_shard: torch.Tensor, local_index:
                         slots: torch.Tensor, k: int, vocab_size: int, comm: TSPComm) -> torch.Tensor:
     """[B, k, V] logits of k global positions. h: this rank's final hidden states [B, L, h]; local_index [n] are
     the local positions this rank holds among them and slots [n] their output slots in [0, k)."""
-    return _SelectedLogits.apply(h, vocab_shard, local_index, slots, k, vocab_size, comm)
+    return apply_autocast(_SelectedLogits, h.device.type, h, vocab_shard, local_index, slots, k, vocab_size, comm)

@@ -7,7 +7,14 @@ recomputes each shard's logits from the saved input and log-sum-exp; the weight 
 frozen head: the shards ride it for dx alone, no grad buffer travels).
 
 Loss normalisation: each rank returns sum(local token losses) / (valid tokens in the whole TSP group), so the
-per-rank losses add up to the mean loss and the sharded weight grads add up to the true mean-loss gradient.
+per-rank losses add up to the mean loss and the sharded weight grads add up to the true mean-loss gradient. The
+Function returns the SUM and the wrapper divides outside it: under autocast the Function's floating-point inputs are
+cast to the autocast dtype, and a bf16 token count would round (257 -> 256).
+
+Autocast (ds_tsp.core.functions.amp, AUTOCAST_LOW_PRECISION): x and the vocab shard are cast to the autocast dtype
+once, on entry, so the logits GEMMs run in it and the ring carries the cast shard (half the bytes of fp32 master
+weights); each logits tile is then upcast (`_shard_logits`), so log-sum-exp, softmax and cross-entropy stay in
+float32 as they do in eager autocast (HF upcasts logits before its loss).
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import torch
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import ring_backward, ring_forward
+from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 
 
 def _shard_logits(x2d, shard, owner, vocab_size, compute_dtype):
@@ -32,9 +40,12 @@ def _token_tiles(n_tokens: int, chunk_tokens: int):
 
 
 class _TSPLMHeadLoss(torch.autograd.Function):
+    """Sum over this rank's valid tokens of -log p(label): float32 (or wider) whatever x's dtype."""
+
+    AUTOCAST = AUTOCAST_LOW_PRECISION  # the logits GEMMs; the CE itself is upcast per tile in any case
+
     @staticmethod
-    def forward(ctx, x, vocab_shard, shift_labels, n_valid_total, vocab_size: int, comm: TSPComm,
-                chunk_tokens: int):
+    def forward(ctx, x, vocab_shard, shift_labels, vocab_size: int, comm: TSPComm, chunk_tokens: int):
         h = x.shape[-1]
         x2d, labels = x.reshape(-1, h), shift_labels.reshape(-1)
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -63,19 +74,19 @@ class _TSPLMHeadLoss(torch.autograd.Function):
         ring_forward(comm, vocab_shard, step)
         lse = running_max + torch.log(running_sum)
         valid = labels != -100
-        loss = ((lse - target) * valid).sum() / n_valid_total
+        total = ((lse - target) * valid).sum()
         ctx.vocab_size, ctx.comm, ctx.tiles = vocab_size, comm, tiles
-        ctx.save_for_backward(x, vocab_shard, shift_labels, lse, n_valid_total)
-        return loss  # float32 (or wider): a bf16 share would round the sum of shares and the logged loss
+        ctx.save_for_backward(x, vocab_shard, shift_labels, lse)
+        return total  # float32 (or wider): a bf16 share would round the sum of shares and the logged loss
 
     @staticmethod
-    def backward(ctx, dloss):
-        x, vocab_shard, shift_labels, lse, n_valid_total = ctx.saved_tensors
+    def backward(ctx, dtotal):
+        x, vocab_shard, shift_labels, lse = ctx.saved_tensors
         labels = shift_labels.reshape(-1)
-        coef = (labels != -100).to(lse.dtype) * (dloss.to(lse.dtype) / n_valid_total)
+        coef = (labels != -100).to(lse.dtype) * dtotal.to(lse.dtype)
         dx, grad_shard = softmax_ce_backward_ring(ctx.comm, x, vocab_shard, labels, lse, coef, ctx.tiles,
                                                   ctx.vocab_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, grad_shard, None, None, None, None, None
+        return dx, grad_shard, None, None, None, None
 
 
 def softmax_ce_backward_ring(comm: TSPComm, x: torch.Tensor, vocab_shard: torch.Tensor, labels: torch.Tensor,
@@ -122,4 +133,5 @@ def tsp_lm_head_loss(x: torch.Tensor, vocab_shard: torch.Tensor, shift_labels: t
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: must be an integer >= 1")
-    return _TSPLMHeadLoss.apply(x, vocab_shard, shift_labels, n_valid_total, vocab_size, comm, chunk_tokens)
+    total = apply_autocast(_TSPLMHeadLoss, x.device.type, x, vocab_shard, shift_labels, vocab_size, comm, chunk_tokens)
+    return total / n_valid_total

@@ -13,6 +13,9 @@ log-sum-exp, the weight grad riding the ring home (lm_head_loss.py's backward wi
 `gather_token_stats`: every rank's [K, B, L] -> [K, B, S] in global token order (zigzag undone, padding cut), on
 every rank. Each rank then computes the same function of it (an HF loss), so every rank gets the same gradient
 and keeps its own tokens' slice: no communication in backward (a reduce-scatter would count it D times).
+
+Autocast (ds_tsp.core.functions.amp): the stats Function is AUTOCAST_LOW_PRECISION like the loss (the logits GEMMs
+in the autocast dtype on the cast x and shard, the statistics from float32 tiles); the gather moves data only.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import ring_forward
+from ds_tsp.core.functions.amp import AUTOCAST_KEEP_DTYPE, AUTOCAST_LOW_PRECISION, apply_autocast
 from ds_tsp.core.functions.lm_head_loss import _shard_logits, _token_tiles, softmax_ce_backward_ring
 from ds_tsp.core.partition import pad_to, rank_order_to_global_index, shard
 
@@ -27,6 +31,8 @@ LOG_PROB, ENTROPY, IS_TOP1, LABEL_MASK = range(4)
 
 
 class _TSPLMHeadTokenStats(torch.autograd.Function):
+    AUTOCAST = AUTOCAST_LOW_PRECISION  # the logits GEMMs; stats come from float32 tiles in any case
+
     @staticmethod
     def forward(ctx, x, vocab_shard, shift_labels, vocab_size: int, comm: TSPComm, chunk_tokens: int):
         h = x.shape[-1]
@@ -87,10 +93,13 @@ def tsp_token_stats(x: torch.Tensor, vocab_shard: torch.Tensor, shift_labels: to
     already shifted; -100 rows all zero). Only log_prob (row LOG_PROB) has a gradient."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: must be an integer >= 1")
-    return _TSPLMHeadTokenStats.apply(x, vocab_shard, shift_labels, vocab_size, comm, chunk_tokens)
+    return apply_autocast(_TSPLMHeadTokenStats, x.device.type, x, vocab_shard, shift_labels, vocab_size, comm,
+                          chunk_tokens)
 
 
 class _GatherTokens(torch.autograd.Function):
+    AUTOCAST = AUTOCAST_KEEP_DTYPE  # data movement: float32 stats stay float32
+
     @staticmethod
     def forward(ctx, local, comm: TSPComm, seq_len: int):
         *lead, L = local.shape
@@ -110,4 +119,4 @@ class _GatherTokens(torch.autograd.Function):
 def gather_token_stats(local: torch.Tensor, comm: TSPComm, seq_len: int) -> torch.Tensor:
     """forward: every rank's zigzag shard [..., S_pad/D] -> [..., seq_len] in global order, on every rank;
     backward: this rank's slice of the (replicated) gradient, no communication."""
-    return _GatherTokens.apply(local, comm, seq_len)
+    return apply_autocast(_GatherTokens, local.device.type, local, comm, seq_len)

@@ -6,6 +6,10 @@ At ring step k rank p holds the shard of (p - k) mod D and adds that slice's out
 By default only x_p is saved; backward recomputes the gate/up activations per shard (2 of 3 GEMMs) instead of
 keeping [B, L, F] of them (recompute_projections=False keeps them), and the weight grad rides the ring home.
 A frozen shard (requires_grad False, the same on every rank) computes no weight grad and sends no grad hop.
+
+Under autocast (ds_tsp.core.functions.amp, AUTOCAST_LOW_PRECISION) x and the packed shard are cast to the autocast
+dtype once, on entry: the GEMMs run in it, and the ring carries the cast shard (half the bytes of fp32 master
+weights) and then its grad in that dtype; autograd casts the returned grads back to the fp32 parameters' dtype.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import ring_backward, ring_forward
+from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 from ds_tsp.core.functions.weight_packing import PackedLayout
 
 
@@ -33,6 +38,8 @@ class MLPSpec:
 
 
 class _TSPGatedMLP(torch.autograd.Function):
+    AUTOCAST = AUTOCAST_LOW_PRECISION  # three GEMMs per ring step: autocast's lower-precision list
+
     @staticmethod
     def forward(ctx, x, packed_shard, spec: MLPSpec, comm: TSPComm):
         y = torch.zeros_like(x)
@@ -86,4 +93,4 @@ class _TSPGatedMLP(torch.autograd.Function):
 
 def tsp_gated_mlp(x: torch.Tensor, packed_shard: torch.Tensor, spec: MLPSpec, comm: TSPComm) -> torch.Tensor:
     """SwiGLU MLP of the local tokens with every rank's weight slice passed around the ring."""
-    return _TSPGatedMLP.apply(x, packed_shard, spec, comm)
+    return apply_autocast(_TSPGatedMLP, x.device.type, x, packed_shard, spec, comm)

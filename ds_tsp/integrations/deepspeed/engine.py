@@ -76,6 +76,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     ds_config = load_ds_config(config, args)
     tsp = parse_tsp_config(ds_config.pop("tsp", None))
     check_deepspeed_compatible(ds_config, tsp)
+    pipeline_shape = None
+    if tsp.pipeline_stages > 1:  # checked before any process group is built: a config error needs no launch
+        from ds_tsp.integrations.deepspeed.pipeline import check_pipeline_moe
+        pipeline_shape = model if isinstance(model, ModelShape) else ModelShape.from_hf_config(
+            getattr(model, "config", model))
+        check_pipeline_moe(pipeline_shape)
     device = local_device()  # cuda:LOCAL_RANK made current before anything (DeepSpeed's groups included) is built
     if not _launched():  # a plain `python script.py`: one local rank, not DeepSpeed's MPI discovery (mpi4py)
         _single_process_env()
@@ -90,7 +96,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if tsp.pipeline_stages > 1:
         from ds_tsp.integrations.deepspeed.pipeline import build_pipeline_module, unpartitioned_pipeline_config
         ds_config["pipeline"] = unpartitioned_pipeline_config(ds_config.get("pipeline"))
-        shape = model if isinstance(model, ModelShape) else ModelShape.from_hf_config(getattr(model, "config", model))
+        shape = pipeline_shape
         if isinstance(model, torch.nn.Module):  # the stages are built afresh: requires_grad would not carry over
             require_all_trainable(model, "tsp.pipeline_stages > 1")
         if state_dict is None and hasattr(model, "state_dict") and not isinstance(model, ModelShape):

@@ -5,12 +5,17 @@ shift_labels [B, L]) for this rank's zigzag shard: the integer tensors ride alon
 positions for RoPE and the last one the targets. DeepSpeed's PipeModelDataParallelTopology orders ranks
 (pipe, data, model) with model innermost, which is exactly ds_tsp's (pipe, data, tsp), so its model-parallel
 slice of each stage is the TSP group.
+
+Mixture-of-experts layers run as on one stage, but the stage-to-stage activations carry no router logits, so the
+load-balancing loss (output_router_logits) cannot reach the last stage: refused (check_pipeline_moe) rather than
+trained without it. An in-memory MoE model's state dict (fused experts) is read under its checkpoint names.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ds_tsp.checkpoint.moe_names import canonical_state_dict
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
@@ -83,6 +88,17 @@ def unpartitioned_pipeline_config(pipeline: dict | None) -> dict:
     return pipeline
 
 
+def check_pipeline_moe(shape: ModelShape) -> None:
+    """An MoE model whose loss adds the router aux loss cannot be split into stages (the logits stay behind)."""
+    if shape.num_experts and shape.output_router_logits:
+        raise TSPConfigError(
+            f"output_router_logits=True on a mixture-of-experts model ({shape.moe_family}, num_experts="
+            f"{shape.num_experts}) with tsp.pipeline_stages > 1: the pipeline passes only hidden states between "
+            "stages, so the router logits, and with them the load-balancing aux loss (router_aux_loss_coef), would be "
+            "silently dropped; set tsp.pipeline_stages to 1, or set output_router_logits=False in the model config "
+            "to train without the aux loss")
+
+
 def _loss_passthrough(loss_share, _labels):
     return loss_share
 
@@ -96,6 +112,7 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
     if shape.tie_word_embeddings:
         raise TSPConfigError("tie_word_embeddings=True with tsp.pipeline_stages > 1 is not supported: the tied "
                              "embedding and LM head live on different stages; untie them or use one stage")
+    check_pipeline_moe(shape)
     if shape.num_layers < groups.pipe_size:
         raise TSPConfigError(f"tsp.pipeline_stages={groups.pipe_size} exceeds num_layers={shape.num_layers}")
     specs = [LayerSpec(EmbeddingPipe, shape, comm, dtype, device)]
@@ -111,6 +128,7 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
                             activation_checkpoint_interval=1 if options.activation_checkpointing else 0)
     if state_dict is None:
         raise TSPConfigError("pipeline stages need the initial weights: pass state_dict= (HF-named full weights)")
+    state_dict = canonical_state_dict(state_dict, shape.moe_family)  # an in-memory MoE model's fused experts
     for layer in module.forward_funcs:
         if hasattr(layer, "load_full"):
             layer.load_full(state_dict)

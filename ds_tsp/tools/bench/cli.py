@@ -16,8 +16,12 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ds_tsp.tools.bench.config import DEFAULT_DS_BUCKET, DEFAULT_SHAPE, LAYOUTS
+
+if TYPE_CHECKING:
+    from ds_tsp.core.shape import ModelShape
 
 __all__ = ["register", "build_parser", "run", "main", "QUICK"]
 
@@ -26,6 +30,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # (torch, transformers, DeepSpeed imports on 4 ranks each) is ~half of its ~2-3 minutes on 2 cores.
 QUICK = {"seqs": (512, 1024), "steps": 2, "warmup": 1, "layers": 2}
 DEFAULT_SEQS = (2048, 8192)
+# --layer-memory defaults: one decoder layer of Zyphra's 7B (Llama-2 7B shape) at S=8192 over D=2, bf16
+LAYER_MEMORY_DEFAULTS = {"hidden": 4096, "heads": 32, "ffn": 11008, "seq": 8192, "tsp": 2, "dtype": "bf16"}
 
 
 def _positive_int(text: str) -> int:
@@ -49,16 +55,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_seq_list, nargs="+", default=None, metavar="S",
                    help=f"sequence lengths (space or comma separated; default {' '.join(map(str, DEFAULT_SEQS))}, "
                         f"--quick: {' '.join(map(str, QUICK['seqs']))}); multiples of 2*--tsp")
-    p.add_argument("--tsp", type=_positive_int, nargs="+", default=[4],
-                   help="degree D: ranks of every parallel layout (4); several (e.g. 2 4) measure every layout at "
-                        "each degree in one run")
+    p.add_argument("--tsp", type=_positive_int, nargs="+", default=None,
+                   help="degree D: ranks of every parallel layout (4; --layer-memory: 2); several (e.g. 2 4) measure "
+                        "every layout at each degree in one run")
     p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size B (1)")
     p.add_argument("--layers", type=_positive_int, default=None,
                    help=f"decoder layers ({DEFAULT_SHAPE.num_layers}; --quick: {QUICK['layers']})")
-    p.add_argument("--hidden", type=_positive_int, default=DEFAULT_SHAPE.hidden_size)
-    p.add_argument("--heads", type=_positive_int, default=DEFAULT_SHAPE.num_heads)
+    p.add_argument("--hidden", type=_positive_int, default=None,
+                   help=f"hidden size ({DEFAULT_SHAPE.hidden_size}; --layer-memory: {LAYER_MEMORY_DEFAULTS['hidden']})")
+    p.add_argument("--heads", type=_positive_int, default=None,
+                   help=f"query heads ({DEFAULT_SHAPE.num_heads}; --layer-memory: {LAYER_MEMORY_DEFAULTS['heads']})")
     p.add_argument("--kv-heads", type=_positive_int, default=None, help="kv heads (default: --heads, MHA)")
-    p.add_argument("--ffn", type=_positive_int, default=DEFAULT_SHAPE.intermediate_size, help="MLP width")
+    p.add_argument("--ffn", type=_positive_int, default=None,
+                   help=f"MLP width ({DEFAULT_SHAPE.intermediate_size}; --layer-memory: {LAYER_MEMORY_DEFAULTS['ffn']})")
     p.add_argument("--vocab", type=_positive_int, default=DEFAULT_SHAPE.vocab_size)
     p.add_argument("--steps", type=_positive_int, default=None, help="timed steps per run (3; --quick: 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (1)")
@@ -87,6 +96,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(GEMM, attention, comm wait, copies, elementwise, other) under 'profile' in results.json, "
                         "split by layer type (attention, mlp, vocab, optimizer, rest) for TSP")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    moe = p.add_argument_group(
+        "mixture of experts (TSP layouts only)",
+        "Every layer sparse (Mixtral-like: top-k probabilities renormalised). --moe-dispatch ring,all_to_all "
+        "measures both schedules in one run (one row each); the MoE table beside results.md shows the plan's "
+        "\"auto\" choice next to the measured faster schedule (ds_tsp.tools.bench.moe_report).")
+    moe.add_argument("--num-experts", type=_positive_int, default=None, help="experts per layer (a multiple of --tsp)")
+    moe.add_argument("--top-k", type=_positive_int, default=None, help="experts per token (2)")
+    moe.add_argument("--moe-ffn", type=_positive_int, default=None, help="per-expert MLP width (--ffn)")
+    moe.add_argument("--moe-dispatch", default="auto", metavar="LIST",
+                     help="comma list of TSP MoE schedules to measure: auto, ring, all_to_all (auto)")
+    p.add_argument("--hf-config", default=None, metavar="PATH",
+                   help="take the model shape from an HF config.json (or its directory): Llama, Mistral, Qwen2/3, "
+                        "Qwen3-MoE, Mixtral; --layers still shortens it, the other shape flags are refused")
+    layer = p.add_argument_group(
+        "one decoder layer's memory (--layer-memory; ds_tsp.tools.bench.layer_memory)",
+        "ONE TSPDecoderLayer (memory-optimal) forward + backward on D ranks: its saved tensors one by one "
+        "(deduplicated by storage), MemTracker's forward / backward peaks above entry per module, the design's "
+        "minimum and the plan's figures. Uses --hidden --heads --kv-heads --ffn --seq (one value) --tsp (one) "
+        "--batch; defaults: Zyphra's 7B layer (h=4096, 32 heads, SwiGLU 11008) at S=8192, D=2, bf16.")
+    layer.add_argument("--layer-memory", action="store_true", help="measure one decoder layer instead of a model")
+    layer.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32", "fp64"),
+                       help="--layer-memory dtype (bf16); the model benchmark always runs fp32")
+    layer.add_argument("--fake", action="store_true",
+                       help="--layer-memory under FakeTensorMode with torch's fake process group: the same "
+                            "allocations without data or compute (seconds instead of an hour for the 7B layer)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -115,6 +149,8 @@ def _error(message: str) -> int:
 def configs_from_args(args: argparse.Namespace):
     """Validated BenchConfig per layout; raises ValueError naming the flag."""
     from ds_tsp.core.errors import TSPConfigError
+
+    _model_defaults(args)
     from ds_tsp.core.shape import ModelShape
     from ds_tsp.tools.bench.config import BenchConfig
 
@@ -142,17 +178,102 @@ def configs_from_args(args: argparse.Namespace):
     if warmup < 0:
         raise ValueError(f"--warmup {warmup}: must be >= 0")
     layers = args.layers if args.layers is not None else (QUICK["layers"] if args.quick else DEFAULT_SHAPE.num_layers)
+    from ds_tsp.tools.bench.moe_report import moe_dispatches, moe_fields, moe_layouts
+
+    dispatches = moe_dispatches(args)
+    layouts = moe_layouts(args, layouts)
     try:
-        shape = ModelShape(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                           num_layers=layers, num_heads=args.heads,
-                           num_kv_heads=args.heads if args.kv_heads is None else args.kv_heads)
+        if getattr(args, "hf_config", None):
+            shape = _shape_from_hf_config(args.hf_config, args.layers)
+        else:
+            shape = ModelShape(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                               num_layers=layers, num_heads=args.heads,
+                               num_kv_heads=args.heads if args.kv_heads is None else args.kv_heads, **moe_fields(args))
         if any(LAYOUTS[name].module == "tsp" for name in layouts):
             shape.check_tsp_degree(args.tsp)
     except TSPConfigError as exc:
         raise ValueError(str(exc)) from None
     return [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
                         warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
-                        ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False)) for name in layouts]
+                        ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False),
+                        moe_dispatch=dispatch) for name in layouts for dispatch in dispatches]
+
+
+def _check_hf_config_flags(args: argparse.Namespace) -> None:
+    """--hf-config gives the shape: an explicit shape flag beside it is ambiguous (ValueError naming it)."""
+    if not getattr(args, "hf_config", None):
+        return
+    for flag, name in (("--hidden", "hidden"), ("--heads", "heads"), ("--kv-heads", "kv_heads"), ("--ffn", "ffn"),
+                       ("--num-experts", "num_experts"), ("--top-k", "top_k"), ("--moe-ffn", "moe_ffn")):
+        if getattr(args, name, None) is not None:
+            raise ValueError(f"{flag}: the shape comes from --hf-config; remove {flag} (or --hf-config)")
+
+
+def _shape_from_hf_config(path: str, layers: int | None) -> ModelShape:
+    """The config's shape (MoE fields included), with num_layers cut to --layers when given."""
+    from dataclasses import replace
+
+    from ds_tsp.tools.plan.inputs import PlanInputError
+    from ds_tsp.tools.plan.shapes import shape_from_hf_config
+
+    try:
+        shape = shape_from_hf_config(path)
+    except PlanInputError as exc:
+        raise ValueError(f"--hf-config: {exc}") from None
+    if layers is None or layers == shape.num_layers:
+        return shape
+    windows = shape.attention_windows[:layers] if shape.attention_windows else None
+    dense = tuple(i for i in shape.dense_mlp_layers if i < layers)
+    return replace(shape, num_layers=layers, attention_windows=windows, dense_mlp_layers=dense)
+
+
+def _model_defaults(args: argparse.Namespace) -> None:
+    """Fill the shape / degree flags left unset with the model benchmark's defaults (in place, idempotent); with
+    --hf-config the shape flags stay unset (the config gives the shape)."""
+    _check_hf_config_flags(args)
+    shape_defaults = () if getattr(args, "hf_config", None) else (
+        ("hidden", DEFAULT_SHAPE.hidden_size), ("heads", DEFAULT_SHAPE.num_heads),
+        ("ffn", DEFAULT_SHAPE.intermediate_size))
+    for name, value in (*shape_defaults, ("tsp", [4])):
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+def layer_memory_config(args: argparse.Namespace):
+    """--layer-memory's LayerMemoryConfig from the flags (unset ones: LAYER_MEMORY_DEFAULTS); ValueError naming
+    the flag."""
+    from ds_tsp.tools.bench.layer_memory import LayerMemoryConfig
+
+    for flag, name in (("--layouts", "layouts"), ("--max-seq", "max_seq"), ("--profile", "profile"),
+                       ("--num-experts", "num_experts"), ("--hf-config", "hf_config")):
+        if getattr(args, name, None) not in (None, False, "all"):
+            raise ValueError(f"{flag}: not used with --layer-memory (it measures one TSP decoder layer)")
+    seqs = [s for group in args.seq for s in group] if args.seq else [LAYER_MEMORY_DEFAULTS["seq"]]
+    tsp = args.tsp if args.tsp else [LAYER_MEMORY_DEFAULTS["tsp"]]
+    if len(seqs) != 1 or len(tsp) != 1:
+        raise ValueError("--seq / --tsp: --layer-memory takes one sequence length and one degree")
+    cfg = LayerMemoryConfig(hidden=args.hidden or LAYER_MEMORY_DEFAULTS["hidden"],
+                            heads=args.heads or LAYER_MEMORY_DEFAULTS["heads"], kv_heads=args.kv_heads,
+                            ffn=args.ffn or LAYER_MEMORY_DEFAULTS["ffn"], seq=seqs[0], tsp=tsp[0], batch=args.batch,
+                            dtype=args.dtype or LAYER_MEMORY_DEFAULTS["dtype"], fake=args.fake, seed=args.seed)
+    cfg.check()
+    return cfg
+
+
+def run_layer_memory_cli(args: argparse.Namespace) -> int:
+    """--layer-memory: measure, write OUT/layer_memory.json and .md, print the markdown."""
+    from ds_tsp.tools.bench.layer_memory import markdown, measure, write
+
+    try:
+        cfg = layer_memory_config(args)
+    except ValueError as exc:
+        return _error(str(exc))
+    start = time.monotonic()
+    result = measure(cfg, timeout_s=args.timeout)
+    paths = write(result, args.out)
+    print(markdown(result), flush=True)
+    print(f"wrote {paths['json']}, {paths['md']} in {time.monotonic() - start:.0f} s", flush=True)
+    return EXIT_OK
 
 
 def default_out_dir() -> str:
@@ -168,6 +289,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out is None:
         args.out = default_out_dir()
+    if getattr(args, "layer_memory", False):
+        return run_layer_memory_cli(args)
+    if getattr(args, "dtype", None) or getattr(args, "fake", False):
+        return _error("--dtype / --fake: only with --layer-memory (the model benchmark runs fp32, for real)")
+    _model_defaults(args)
     if getattr(args, "max_seq", False):
         return run_max_seq_cli(args)
     try:
@@ -185,6 +311,9 @@ def run(args: argparse.Namespace) -> int:
             "warmup": first.warmup, "activation_checkpointing": first.activation_checkpointing}
     paths = write_report(results, args.out, meta)
     print(markdown_table(results), flush=True)
+    if first.shape.num_experts:
+        from ds_tsp.tools.bench.moe_report import write_moe_report
+        print(write_moe_report(results, args.out, paths["md"]), flush=True)
     if getattr(args, "profile", False):
         from ds_tsp.tools.bench.profile import append_profile, profile_table
         append_profile(paths["md"], results)

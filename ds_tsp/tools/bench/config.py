@@ -62,12 +62,18 @@ class BenchConfig:
     lr: float = 1e-4
     ds_bucket_elements: int = DEFAULT_DS_BUCKET
     profile: bool = False  # --profile: one extra profiled step per S (ds_tsp.tools.bench.profile), every layout
+    moe_dispatch: str = "auto"  # TSP layouts on an MoE shape: TSPOptions.moe_dispatch ("auto", "ring", "all_to_all")
 
     def checkpointing(self) -> bool:
         """Whether this run uses activation checkpointing (peers with "peers"/"all", TSP only with "all")."""
         if self.spec.module == "tsp":
             return self.activation_checkpointing == "all"
         return self.activation_checkpointing in ("peers", "all")
+
+    @property
+    def label(self) -> str:
+        """The layout's name in tables: an MoE run adds its schedule (one layout, several schedules per run)."""
+        return f"{self.layout}[{self.moe_dispatch}]" if self.shape.num_experts else self.layout
 
     @property
     def spec(self) -> LayoutSpec:

@@ -29,7 +29,7 @@ class ProgressPrinter:
         elif kind == "done":
             r = event[1]
             self.done += 1
-            head = f"[{self.done}/{self.total}] {r['layout']} S={r['seq']}"
+            head = f"[{self.done}/{self.total}] {r.get('label', r['layout'])} S={r['seq']}"
             if r.get("ok"):
                 extra = "" if r.get("exposed_comm_fraction") is None else \
                     f", exposed comm {100 * r['exposed_comm_fraction']:.0f}%"

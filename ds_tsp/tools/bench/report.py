@@ -26,11 +26,16 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _name(r: dict) -> str:
+    """A result's layout as tables and plots name it (an MoE run's label adds its schedule: tsp[ring])."""
+    return r.get("label") or r["layout"]
+
+
 def _series(results: Sequence[dict]) -> dict[tuple[str, int], str]:
     """(layout, D) -> its label, in first-seen order; D appears in the label only when the run has several."""
-    keys = list(dict.fromkeys((r["layout"], r.get("tsp")) for r in results))
+    keys = list(dict.fromkeys((_name(r), r.get("tsp")) for r in results))
     several = len({d for _, d in keys}) > 1
-    titles = {r["layout"]: r.get("title", r["layout"]) for r in results}
+    titles = {_name(r): r.get("title", r["layout"]) for r in results}
     return {(layout, d): f"{titles[layout]} D={d}" if several else titles[layout] for layout, d in keys}
 
 
@@ -53,12 +58,12 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
     notes = []
     for r in results:
         if not r.get("ok"):
-            notes.append(f"- {r['layout']} S={r['seq']}: FAILED: {_first_line(r.get('error'))}")
-            lines.append(f"| {r['layout']} | {r['seq']} | {r.get('tsp')} | failed |" + " |" * (len(header) - 4))
+            notes.append(f"- {_name(r)} S={r['seq']}: FAILED: {_first_line(r.get('error'))}")
+            lines.append(f"| {_name(r)} | {r['seq']} | {r.get('tsp')} | failed |" + " |" * (len(header) - 4))
             continue
         parts = r.get("peak_breakdown") or {}
         fraction = r.get("exposed_comm_fraction")
-        row = [r["layout"], str(r["seq"]), str(r.get("tsp")), _mib(r["peak_bytes_per_rank"]),
+        row = [_name(r), str(r["seq"]), str(r.get("tsp")), _mib(r["peak_bytes_per_rank"]),
                *(_mib(parts.get(k)) for k in BREAKDOWN_KEYS), _mib(r.get("comm_bytes")),
                _num(r.get("step_s"), ".3f"), _num(r.get("tokens_per_s"), ".0f"),
                _num(r.get("cpu_s_per_step"), ".2f"),
@@ -107,7 +112,7 @@ def write_plots(results: Sequence[dict], out_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for (layout, degree), label in series.items():
             pts = sorted((r["seq"], r[key] / scale) for r in ok
-                         if (r["layout"], r.get("tsp")) == (layout, degree) and r.get(key))
+                         if (_name(r), r.get("tsp")) == (layout, degree) and r.get(key))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
                         color=colours[layout], linestyle=styles.get(degree, "-"))
@@ -130,7 +135,7 @@ def write_plots(results: Sequence[dict], out_dir: str) -> list[str]:
             ax.bar(range(len(rows)), values, bottom=bottom, label=key)
             bottom = [b + v for b, v in zip(bottom, values)]
         several = len({d for _, d in series}) > 1
-        ax.set_xticks(range(len(rows)), [f"{r['layout']} D={r.get('tsp')}" if several else r["layout"]
+        ax.set_xticks(range(len(rows)), [f"{_name(r)} D={r.get('tsp')}" if several else _name(r)
                                          for r in rows], rotation=30, ha="right", fontsize=8)
         ax.set_title(f"Peak memory breakdown per rank at S={seq}")
         ax.legend(fontsize=8)

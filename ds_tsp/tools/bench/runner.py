@@ -54,7 +54,7 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
     for seq in cfg.seqs:
         def progress(phase, i, n, seconds, seq=seq):
             if progress_queue is not None and rank == 0:
-                progress_queue.put((cfg.layout, seq, phase, i, n, seconds))
+                progress_queue.put((cfg.label, seq, phase, i, n, seconds))
 
         workload = session.workload(seq)
         result = measure_workload(workload, steps=cfg.steps, warmup=cfg.warmup, progress=progress)
@@ -116,7 +116,7 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         "max_rss_bytes": max(r["max_rss_bytes"] for r in ranks),
         "steps": cfg.steps, "warmup": cfg.warmup,
         "shape": cfg.shape.to_dict(), "setup": ranks[0].get("setup", ""),
-        **ranks[0].get("info", {}),
+        **ranks[0].get("info", {}), **_moe_fields(cfg),
     }
     if "profile" in ranks[0]:  # the slowest rank's profile: a step takes as long as its slowest rank
         result["profile"] = max((r["profile"] for r in ranks), key=lambda p: p["wall_s"])
@@ -136,7 +136,14 @@ def failure(cfg: BenchConfig, seq: int, error: str) -> dict:
             "tsp": cfg.world, "world": cfg.world, "batch": cfg.batch, "peak_bytes_per_rank": None,
             "comm_bytes": None, "step_s": None, "tokens_per_s": None, "exposed_comm_fraction": None,
             "activation_checkpointing": cfg.checkpointing(),
-            "shape": cfg.shape.to_dict()}
+            "shape": cfg.shape.to_dict(), **_moe_fields(cfg)}
+
+
+def _moe_fields(cfg: BenchConfig) -> dict:
+    """An MoE run's schedule, and its label and title naming it (one layout measured under several schedules)."""
+    if not cfg.shape.num_experts:
+        return {}
+    return {"moe_dispatch": cfg.moe_dispatch, "label": cfg.label, "title": f"{cfg.spec.title} ({cfg.moe_dispatch})"}
 
 
 def _short(error: str, limit: int = 4000) -> str:
@@ -184,7 +191,7 @@ def run_layouts(configs: list[BenchConfig], *, timeout_s: float,
         for cfg in configs:
             start, load_before = time.monotonic(), _loadavg()
             if on_event is not None:
-                on_event(("start", cfg.layout, cfg.seqs, cfg.world))
+                on_event(("start", cfg.label, cfg.seqs, cfg.world))
             for result in run_layout(cfg, timeout_s=timeout_s, progress_queue=queue):
                 result["group_wall_s"] = round(time.monotonic() - start, 1)
                 # other processes on the machine skew step times: record the 1-minute load around the group

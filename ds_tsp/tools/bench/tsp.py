@@ -1,7 +1,8 @@
 """TSP: ds_tsp's ShardedCausalLM on D ranks (1/D of every weight, zigzag 1/D of the tokens), torch AdamW.
 
 Modes: memory-optimal (TSPOptions(), the default) and speed (TSPOptions.speed(): keeps each head block's gathered
-K/V and the local projections for backward, O(S) memory, no re-gather). The schedule already saves only O(S/D)
+K/V and the local projections for backward, O(S) memory, no re-gather). An MoE shape runs cfg.moe_dispatch's
+schedule (ds_tsp.tools.bench.moe_report sets it beside the plan's "auto" choice). The schedule already saves only O(S/D)
 per layer, so activation checkpointing applies to TSP only with `--activation-checkpointing all`. Comm bytes
 come from the model's own CommCounter (logical volume, see ds_tsp.core.comm); its wait_s per step is the exposed
 (not overlapped) communication.
@@ -24,8 +25,8 @@ from ds_tsp.tools.bench.measure import Workload
 SETUP = "ds_tsp ShardedCausalLM on one TSP group of D ranks; torch.optim.AdamW; streaming vocab-sharded loss"
 
 
-def tsp_options(mode: str, activation_checkpointing: bool) -> TSPOptions:
-    extra = {"activation_checkpointing": activation_checkpointing}
+def tsp_options(mode: str, activation_checkpointing: bool, moe_dispatch: str = "auto") -> TSPOptions:
+    extra = {"activation_checkpointing": activation_checkpointing, "moe_dispatch": moe_dispatch}
     return TSPOptions(**extra) if mode == "memory" else TSPOptions.speed(**extra)
 
 
@@ -33,8 +34,11 @@ class Session:
     def __init__(self, cfg: BenchConfig, options: dict):
         self.cfg = cfg
         group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
-        self.comm = TSPComm(group)
-        self.options = tsp_options(options["mode"], cfg.activation_checkpointing == "all")
+        # weights on their own communicator, as a CUDA training run gets them (ProcessGroups.build); kept on the
+        # CPU too so the bench measures the same schedule
+        weights = dist.new_group(list(range(dist.get_world_size()))) if group is not None else None
+        self.comm = TSPComm(group, weight_group=weights)
+        self.options = tsp_options(options["mode"], cfg.activation_checkpointing == "all", cfg.moe_dispatch)
         self.model = ShardedCausalLM(cfg.shape, self.comm, options=self.options)
         # No rank ever builds the full model; the cost of a step does not depend on the values.
         self.model.init_weights_(cfg.seed)

@@ -26,9 +26,16 @@ def compute_bytes(b: int) -> int:
 
 
 def norm_saved(tokens: int, dims: Dims, b: int) -> int:
-    """HF-style RMSNorm (as ds_tsp.core.functions.norm): input in the compute dtype, rsqrt, and the normalised input."""
+    """HF's RMSNorm under plain autograd (the peers' modules): input in the compute dtype, rsqrt, and the normalised
+    input."""
     cb = compute_bytes(b)
     return tokens * (dims.h * cb + cb + dims.h * b)
+
+
+def tsp_norm_saved(tokens: int, dims: Dims, b: int) -> int:
+    """ds_tsp's fused RMSNorm Function (ds_tsp.core.functions.norm._TSPRMSNorm): its input (dtype) and rstd
+    (compute dtype) only; dx and dweight are formed from them in backward."""
+    return tokens * (dims.h * b + compute_bytes(b))
 
 
 @dataclass(frozen=True)

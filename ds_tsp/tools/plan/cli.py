@@ -24,7 +24,12 @@ _FLAGS = {"degree": "--tsp/--tp", "seq": "--seq", "batch": "--batch", "dp": "--d
           "hf_config": "--hf-config", "model": "--model", "layout": "--layout", "zero_stage": "--zero-stage",
           "hidden": "--hidden", "heads": "--heads", "kv_heads": "--kv-heads", "ffn": "--ffn", "layers": "--layers",
           "vocab": "--vocab", "devices": "--devices", "gpu_mem_gib": "--gpu-mem-gib",
-          "zero_bucket_elements": "--zero-bucket", "lm_head_chunk_tokens": "--lm-head-chunk-tokens"}
+          "zero_bucket_elements": "--zero-bucket", "lm_head_chunk_tokens": "--lm-head-chunk-tokens",
+          "num_experts": "--num-experts", "top_k": "--top-k", "moe_ffn": "--moe-ffn", "moe_dispatch": "--moe-dispatch"}
+_MOE_FLAGS = (("--num-experts", "num_experts", "experts per sparse layer (0: dense); a dense model becomes an MoE "
+                                              "with every layer sparse"),
+              ("--top-k", "top_k", "experts per token (default 2 for a model made sparse here)"),
+              ("--moe-ffn", "moe_ffn", "per-expert intermediate size (default: --ffn for a model made sparse here)"))
 _SHAPE_FLAGS = (("--hidden", "hidden", "hidden size"), ("--heads", "heads", "query heads"),
                 ("--kv-heads", "kv_heads", "kv heads (default: --heads when the shape comes from flags alone)"),
                 ("--ffn", "ffn", "MLP intermediate size"), ("--layers", "layers", "decoder layers"),
@@ -51,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--hf-config", default=None, metavar="PATH", help="a Hugging Face config.json (or its directory)")
     for flag, _, what in _SHAPE_FLAGS:
         p.add_argument(flag, default=None, metavar="N", help=f"{what}: overrides the model's field")
+    for flag, _, what in _MOE_FLAGS:
+        p.add_argument(flag, default=None, metavar="N", help=f"mixture of experts: {what}")
+    p.add_argument("--moe-dispatch", default="auto", choices=("auto", "ring", "all_to_all"),
+                   help="TSP's MoE schedule (TSPOptions.moe_dispatch; default auto = fewer bytes per layer)")
     p.add_argument("--seq", default="4096", help="global sequence length per sample (default 4096)")
     p.add_argument("--batch", default="1", help="micro-batch size in sequences (default 1)")
     p.add_argument("--tsp", default=None, help="degree D of the one parallel axis (default 8)")
@@ -117,7 +126,7 @@ def _layouts(values: list[str] | None) -> tuple[str, ...]:
 def _plan_input(args: argparse.Namespace):
     from ds_tsp.tools.plan import DTYPE_BYTES, PlanInput
 
-    shape, model_name = _shape(args)
+    shape, model_name = _moe_shape(args, *_shape(args))
     degrees = {flag: _int(flag, v) for flag, v in (("--tsp", args.tsp), ("--tp", args.tp)) if v is not None}
     if len(set(degrees.values())) > 1:
         raise _UsageError("--tsp/--tp", f"--tsp {degrees['--tsp']} and --tp {degrees['--tp']} disagree; they name "
@@ -131,8 +140,21 @@ def _plan_input(args: argparse.Namespace):
                     keep_gathered_kv=args.keep_gathered_kv,
                     recompute_projections=not args.save_projections, zero_stage=_int("--zero-stage", args.zero_stage, 0),
                     lm_head_chunk_tokens=_int("--lm-head-chunk-tokens", args.lm_head_chunk_tokens),
-                    zero_bucket_elements=_int("--zero-bucket", args.zero_bucket))
+                    zero_bucket_elements=_int("--zero-bucket", args.zero_bucket),
+                    moe_dispatch=getattr(args, "moe_dispatch", "auto"))
     return inp, model_name
+
+
+def _moe_shape(args: argparse.Namespace, shape, model_name: str):
+    """The shape with --num-experts / --top-k / --moe-ffn applied (ds_tsp.tools.plan.moe_shapes)."""
+    from ds_tsp.tools.plan.moe_shapes import moe_shape_with
+
+    overrides = {key: (None if getattr(args, key, None) is None else _int(flag, getattr(args, key), 0))
+                 for flag, key, _ in _MOE_FLAGS}
+    given = [flag for flag, key, _ in _MOE_FLAGS if overrides[key] is not None]
+    if not given:
+        return shape, model_name
+    return moe_shape_with(shape, overrides), f"{model_name} ({' '.join(given)} set)"
 
 
 def _shape(args: argparse.Namespace):
@@ -170,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     def build():
         layouts = _layouts(args.layout)
         inp, model_name = _plan_input(args)
+        if inp.model.num_experts and not args.layout:
+            layouts = ("tsp",)  # MoE is planned for TSP only (plan_layouts refuses the peers)
         return plan_layouts(inp, layouts), inp, model_name
 
     built, failed = _or_usage_error(build)
@@ -219,8 +243,10 @@ def _print_table(plans, inp, model_name: str) -> None:
     from rich.table import Table
 
     m = inp.model
+    moe = (f" experts={m.num_experts} top_k={m.num_experts_per_tok} moe_ffn={m.moe_intermediate_size}"
+           if m.num_experts else "")
     title = (f"{model_name}: h={m.hidden_size} layers={m.num_layers} heads={m.num_heads}/{m.num_kv_heads} "
-             f"ffn={m.intermediate_size} vocab={m.vocab_size} | seq={inp.seq} batch={inp.batch} D={inp.degree} "
+             f"ffn={m.intermediate_size}{moe} vocab={m.vocab_size} | seq={inp.seq} batch={inp.batch} D={inp.degree} "
              f"dp={inp.dp} pp={inp.pp} {inp.dtype}{' +AC' if inp.activation_checkpointing else ''}")
     table = Table(title=title, title_justify="left")
     table.add_column("per rank", style="bold")
@@ -241,6 +267,8 @@ def _print_table(plans, inp, model_name: str) -> None:
     row("comm / layer fwd MiB", lambda p: f"{p.comm_bytes_per_layer_fwd / _MIB:.1f}")
     row("comm / layer bwd MiB", lambda p: f"{p.comm_bytes_per_layer_bwd / _MIB:.1f}")
     row("comm / step GiB", lambda p: gib(p.comm_bytes_per_step))
+    if any(p.moe for p in plans):
+        _moe_rows(row)
     if inp.pp > 1:
         row("reported stage", lambda p: f"{p.stage} ({p.layers_per_stage} layers)")
     console = Console()
@@ -252,3 +280,15 @@ def _print_table(plans, inp, model_name: str) -> None:
                   "transients; comm in bytes per rank "
                   "(all-reduce 2(n-1)/n, all-gather/reduce-scatter/all-to-all (n-1)/n); see ds_tsp/tools/plan/",
                   highlight=False)
+
+
+def _moe_rows(row) -> None:
+    """Mixture-of-experts rows: bytes per sparse layer and the peak under each schedule, "auto"'s choice."""
+    def cell(fn):
+        return lambda p: fn(p.moe) if p.moe else "-"
+
+    for s in ("ring", "all_to_all"):
+        row(f"MoE {s}: bytes / sparse layer MiB", cell(lambda m, s=s: f"{m['bytes_per_layer'][s] / _MIB:.2f}"))
+        row(f"MoE {s}: peak GiB", cell(lambda m, s=s: f"{m['peak_bytes'][s] / _GIB:.2f}" if "peak_bytes" in m
+                                         else "-"))
+    row("MoE auto -> / planned", cell(lambda m: f"{m['auto']} / {m['schedule']}"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ds_tsp.core.config import MOE_DISPATCHES
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape import ModelShape
 
@@ -45,6 +46,7 @@ class PlanInput:
         (TSPOptions.lm_head_chunk_tokens), bounding its logits transient to chunk x V/D.
     zero_bucket_elements: DeepSpeed's reduce_bucket_size (its default 5e8; ds-tsp bench uses 5e6), a buffer
         ZeRO-2/3 keeps for the whole run.
+    moe_dispatch: TSP's mixture-of-experts schedule (TSPOptions.moe_dispatch): "auto", "ring" or "all_to_all".
     """
 
     model: ModelShape
@@ -60,6 +62,7 @@ class PlanInput:
     zero_stage: int = 0
     lm_head_chunk_tokens: int = 4096
     zero_bucket_elements: int = 500_000_000
+    moe_dispatch: str = "auto"
 
     def __post_init__(self):
         for name in ("seq", "batch", "degree", "dp", "pp", "lm_head_chunk_tokens", "zero_bucket_elements"):
@@ -71,6 +74,9 @@ class PlanInput:
         if self.zero_stage not in (0, 1, 2):
             raise PlanInputError("zero_stage", f"zero_stage={self.zero_stage!r}: choose 0, 1 or 2 (ZeRO-3 is the "
                                                "ulysses / fsdp_cp layouts)")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise PlanInputError("moe_dispatch", f"moe_dispatch={self.moe_dispatch!r}: choose one of "
+                                                 f"{', '.join(MOE_DISPATCHES)}")
         if self.pp > self.model.num_layers:
             raise PlanInputError("pp", f"pp={self.pp} exceeds num_layers={self.model.num_layers}: every pipeline "
                                        f"stage needs at least one layer; pick pp <= {self.model.num_layers}")

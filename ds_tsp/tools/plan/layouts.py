@@ -22,4 +22,9 @@ def plan_layouts(inp: PlanInput, layouts: tuple[str, ...] | list[str] = DEFAULT_
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
         raise PlanInputError("layout", f"layout {unknown}: choose among {sorted(LAYOUTS)}")
+    peers = [name for name in layouts if name != "tsp"]
+    if inp.model.num_experts and peers:
+        raise PlanInputError("layout", f"layout {peers}: mixture-of-experts shapes (num_experts="
+                                       f"{inp.model.num_experts}) are planned for tsp only; the peers' expert "
+                                       "parallelism is not modelled. Use --layout tsp")
     return [LAYOUTS[name](inp) for name in layouts]

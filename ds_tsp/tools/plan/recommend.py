@@ -88,6 +88,8 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int,
     if not gpu_mem_gib > 0:
         raise PlanInputError("gpu_mem_gib", f"gpu_mem_gib={gpu_mem_gib!r}: must be > 0")
     limit = int(gpu_mem_gib * _GIB)
+    if inp.model.num_experts:  # only TSP's MoE is modelled (plan_layouts refuses the peers)
+        layouts = tuple(name for name in layouts if name == "tsp")
     cands = [replace(c, fits=c.peak_bytes_per_rank <= limit) for c in candidates(inp, devices, layouts)]
     if not cands:
         raise PlanInputError("devices", f"no layout of {list(layouts)} splits this model over any degree dividing "

@@ -43,6 +43,9 @@ class LayoutPlan:
     framework_bytes: int = 0  # persistent buffers outside params/grads/optimizer (DeepSpeed flat copies, buckets)
     peak_phase: str = ""  # the phase whose live set is the peak
     phase_bytes: dict[str, int] = field(default_factory=dict)  # phase -> everything live then (the max is the peak)
+    # mixture of experts (TSP only; empty for a dense model): schedule planned, "auto"'s choice, bytes per sparse
+    # layer of both schedules, peak per schedule (ds_tsp.tools.plan.moe_terms.moe_summary)
+    moe: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

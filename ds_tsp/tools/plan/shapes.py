@@ -20,7 +20,8 @@ def shape_from_hf_config(path_or_dict: str | Path | dict) -> ModelShape:
     Reads hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads (default:
     num_attention_heads), head_dim (default hidden/heads), vocab_size, tie_word_embeddings (default False),
     attention_bias (or model_type qwen2: bias on q/k/v), rope_theta, rms_norm_eps. A multimodal config's
-    text_config is used when the top level has no hidden_size.
+    text_config is used when the top level has no hidden_size. Qwen3-MoE / Mixtral configs are read by
+    ModelShape.from_hf_config (experts, top-k, sparse layers; ds_tsp.tools.plan.moe_shapes).
     """
     if isinstance(path_or_dict, dict):
         cfg, where = path_or_dict, "config"
@@ -35,6 +36,11 @@ def shape_from_hf_config(path_or_dict: str | Path | dict) -> ModelShape:
         except json.JSONDecodeError as exc:
             raise PlanInputError("hf_config", f"{path}: not valid JSON ({exc})") from None
         where = str(path)
+    from ds_tsp.tools.plan.moe_shapes import moe_shape_from_config
+
+    moe = moe_shape_from_config(cfg, where)  # Qwen3-MoE / Mixtral: the model's own reader
+    if moe is not None:
+        return moe
     if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings",
                                                                      cfg["text_config"].get("tie_word_embeddings"))}

@@ -4,16 +4,19 @@ Params per rank: per layer the packed attention shard (nq/D q heads, max(nkv/D, 
 + 2 replicated norms; ceil(V/D) rows of the embedding and of the LM head; the final norm. Grads appear during
 backward (torch AdamW, zero_grad(set_to_none=True)); the LM head's is the first to exist.
 
-Saved activations (tsp_layer_saved; exact against saved-tensor hooks in tests/test_plan.py) plus cos/sin, the
-final norm, the LM head input and its LSE, ids and labels.
+Saved activations (tsp_layer_saved; exact against saved-tensor hooks in tests/test_plan.py and against
+`ds-tsp bench --layer-memory`, which lists them tensor by tensor) plus cos/sin, the final norm, the LM head input and
+its LSE, ids and labels.
 
 Transients, counted from ds_tsp.core.functions (temporaries alive together at the worst point of each phase; checked
 against MemTracker per module, tests/fixtures/plan_bench.json):
-- attention forward: the prefetched shard, one block's gathered K/V in rank order and in global order, the
-  local k/v stack, q and the kernel's outputs, and y.
+- attention forward: the prefetched shard, one kv group's gathered K/V (gathered straight into global order) and
+  its local k/v stack, plus the next group's while its gather is in flight (the overlap schedule, when there is a
+  next group), q and the kernel's outputs, and y.
 - attention backward: the re-broadcast shard (+ prefetch), the grad contributions in flight to their owners,
-  gathered K/V and dK/dV (each also in rank order), the recomputed local k/v and their grads, q / dout / dq,
-  dx and the incoming dy.
+  the re-gathered K/V (+ the next group's in flight), dK/dV accumulated in place in the rank-ordered buffer the
+  reduce-scatter sends (no zeros / reorder / cat copies) and the previous group's scatter still in flight, the
+  recomputed local k/v and their grads, q / dout / dq, dx and the incoming dy.
 - MLP: the shards of the weight ring in flight; gate, up, silu(gate), their product ([L, F/D] each), y.
   Backward adds the grad shards travelling with the ring, the packed grad being formed and the SwiGLU
   derivative's temporaries (9 [L, F/D] tensors at once).
@@ -23,22 +26,37 @@ against MemTracker per module, tests/fixtures/plan_bench.json):
 """
 from __future__ import annotations
 
-from ds_tsp.tools.plan.activation_terms import compute_bytes, norm_saved
+from dataclasses import replace
+
+from ds_tsp.tools.plan.activation_terms import compute_bytes, tsp_norm_saved
 from ds_tsp.tools.plan.assemble import layout_plan
 from ds_tsp.tools.plan.comm_terms import dp_sync, pipeline_hops
 from ds_tsp.tools.plan.inputs import PlanInput
 from ds_tsp.tools.plan.memory import Phase, StageMemory, state, zero_divs
+from ds_tsp.tools.plan.moe_terms import (
+    moe_geometry,
+    moe_note,
+    moe_saved,
+    moe_summary,
+    moe_transients,
+    sparse_count,
+    sparse_layer_params,
+    sparse_layer_terms,
+    stage_layer_ids,
+)
 from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.shape_terms import Stage
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
 
 
 def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
-    """Saved for backward by one TSP decoder layer (ds_tsp.core.functions): per norm its input (compute dtype), rsqrt and
-    normalised input; attention: its input x, per head block the output [B, L, nq/D, d] and two LSEs (fp32);
-    MLP: its input x only (q/k/v and the gate/up activations are recomputed in backward)."""
+    """Saved for backward by one TSP decoder layer (ds_tsp.core.functions): per norm its input and rstd (the fused
+    Function; the first norm's input is the layer input); attention: its input x, per head block the output
+    [B, L, nq/D, d] and two LSEs (compute dtype); MLP: its input x only (q/k/v and the gate/up activations are
+    recomputed in backward). This is the design's minimum (ds_tsp.tools.bench.layer_memory.minimum_saved)."""
     dims, b, T = g.dims, inp.dtype_bytes, inp.batch * g.L
-    saved = 2 * norm_saved(T, dims, b) + 2 * T * dims.h * b + T * dims.nq * dims.d * b + T * dims.nq * 4
+    saved = (2 * tsp_norm_saved(T, dims, b) + 2 * T * dims.h * b + T * dims.nq * dims.d * b
+             + T * dims.nq * compute_bytes(b))
     groups = g.D // g.kv_replicas  # blocks sharing a kv head (n_kv < D) save its K/V once
     if inp.keep_gathered_kv:
         saved += groups * 2 * inp.batch * g.S_pad * g.nkv_b * dims.d * b
@@ -67,13 +85,16 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
     qb = T * g.nq_b * dims.d * b
     shard_in = g.A * b if D > 1 else 0  # a foreign shard received (own shards are params)
     reducer = min(D - 1, 3) * g.A * b  # ShardGradReducer: grad contributions in flight to their owners
-    regathered = 0 if inp.keep_gathered_kv else 2 * kvb
+    groups = D // g.kv_replicas
+    in_flight = 2 if groups > 1 else 1  # overlap schedule: the next kv group's K/V gather posted before attention
+    # backward, per kv group: its re-gathered K/V (+ the next group's in flight), its dK/dV accumulator, and the
+    # previous group's reduce-scatter still running behind it; a middle group (3+ groups) sees all four
+    kv_bufs_bwd = 1 + min(groups - 1, 1) if inp.keep_gathered_kv else 2 + min(groups - 1, 2)
     Tc = min(T, inp.lm_head_chunk_tokens)
     logits = Tc * g.Vd * cb + (Tc * g.Vd * b if b < cb else 0)
     return {
-        "attention_fwd": 2 * shard_in + 2 * kvb + kv_local + 3 * qb + x,
-        "attention_bwd": (2 * shard_in + g.A * b + reducer + regathered + 2 * kvb + 2 * kv_local + 4 * qb
-                          + 2 * x),
+        "attention_fwd": 2 * shard_in + in_flight * (kvb + kv_local) + 3 * qb + x,
+        "attention_bwd": (2 * shard_in + g.A * b + reducer + kv_bufs_bwd * kvb + 2 * kv_local + 4 * qb + 2 * x),
         "mlp_fwd": min(D - 1, 2) * g.M * b + 4 * T * f * b + x,
         "mlp_bwd": (ring_buffers(D) + 1) * g.M * b + 9 * T * f * b + 2 * x,
         "lm_head_fwd": logits + (g.Vd * dims.h * b if D > 1 else 0),
@@ -81,20 +102,43 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
     }
 
 
-def plan_tsp(inp: PlanInput) -> LayoutPlan:
-    """TSP's LayoutPlan (module docstring); comm terms in ds_tsp.tools.plan.tsp_comm."""
+def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
+    """TSP's LayoutPlan (module docstring); comm terms in ds_tsp.tools.plan.tsp_comm; an MoE model's sparse
+    layers in ds_tsp.tools.plan.moe_terms."""
     g = TSPGeometry.of(inp)
     dims, D, b, B = g.dims, g.D, inp.dtype_bytes, inp.batch
     cb = compute_bytes(b)
     T = B * g.L
     fwd, bwd = tsp_layer_terms(inp)
-    layer_params = g.A + g.M + 2 * dims.h
+    dense_fwd, dense_bwd = fwd, bwd
+    qk_norms = 2 * dims.d if inp.model.qk_norm else 0  # Qwen3's q/k norm weights, replicated
+    layer_params = g.A + g.M + 2 * dims.h + qk_norms
     transients = tsp_transients(inp, g)
     per_layer = tsp_layer_saved(inp, g)
     ac = inp.activation_checkpointing
+    moe = moe_geometry(inp, T)
+    if moe is not None:  # per-layer figures describe a sparse layer; dense ones (if any) are counted per stage
+        sparse_params = g.A + sparse_layer_params(moe) + 2 * dims.h + qk_norms
+        sparse_saved = per_layer + moe_saved(inp, moe) - (0 if inp.recompute_projections else 2 * T * dims.F * b)
+        sparse_transients = {**transients, **moe_transients(inp, moe, ring_buffers(D))}
+        fwd, bwd = sparse_layer_terms(inp, dense_fwd, dense_bwd, moe)
 
     def stage_fn(stage: Stage) -> StageMemory:
-        params = stage.layers * layer_params
+        top_saved, top_transients = per_layer, transients  # of the stage's top layer (its backward runs first)
+        if moe is None:
+            params = stage.layers * layer_params
+            kept_saved, mlp_grads = stage.layers * per_layer, (g.M + dims.h) * b
+        else:
+            sparse = sparse_count(inp, stage)
+            dense = stage.layers - sparse
+            params = dense * layer_params + sparse * sparse_params
+            kept_saved = dense * per_layer + sparse * sparse_saved
+            top_sparse = inp.model.is_moe_layer(stage_layer_ids(inp, stage)[-1])
+            if top_sparse:
+                top_saved, top_transients = sparse_saved, sparse_transients
+            mlp_grads = ((sparse_layer_params(moe) if top_sparse else g.M) + dims.h) * b
+            dense_terms = [replace(t, name=f"dense layers x{dense}: {t.name}", calls=t.calls * dense,
+                                   bytes=t.bytes * dense) for t in (*dense_fwd, *dense_bwd)] if dense else []
         other = 2 * T * dims.d * b  # cos, sin (shared by every layer)
         head_act = head_params = 0
         if stage.embed:
@@ -104,20 +148,20 @@ def plan_tsp(inp: PlanInput) -> LayoutPlan:
             head_params = dims.h + (0 if (dims.tied and stage.embed) else g.Vd * dims.h)
             params += head_params
             # final norm; LM head: input, lse, labels and the loss denominator (a scalar in dtype)
-            head_act = norm_saved(T, dims, b) + T * dims.h * b + T * cb + T * 8 + b
-        kept = stage.layers * (T * dims.h * b if ac else per_layer)
+            head_act = tsp_norm_saved(T, dims, b) + T * dims.h * b + T * cb + T * 8 + b
+        kept = stage.layers * T * dims.h * b if ac else kept_saved
         acts = (kept + other + head_act) * stage.in_flight
         below_head = acts - head_act
-        head_grads, mlp_grads = head_params * b, (g.M + dims.h) * b
-        recomputing = per_layer if ac else 0
+        head_grads = head_params * b
+        recomputing = top_saved if ac else 0
         # the top layer's backward runs MLP first (attention's input grads wait for it): its grads come next
         phases = {
             # the layer's first norm and attention input are saved by the time attention peaks
-            "attention_fwd": Phase(transients["attention_fwd"], below_head - (0 if ac else per_layer)
-                                   + norm_saved(T, dims, b) + T * dims.h * b, 0),
-            "mlp_fwd": Phase(transients["mlp_fwd"], below_head, 0),
-            "mlp_bwd": Phase(transients["mlp_bwd"], below_head + recomputing, head_grads),
-            "attention_bwd": Phase(transients["attention_bwd"], below_head + recomputing - T * dims.h * b,
+            "attention_fwd": Phase(top_transients["attention_fwd"], below_head - (0 if ac else top_saved)
+                                   + tsp_norm_saved(T, dims, b) + T * dims.h * b, 0),
+            "mlp_fwd": Phase(top_transients["mlp_fwd"], below_head, 0),
+            "mlp_bwd": Phase(top_transients["mlp_bwd"], below_head + recomputing, head_grads),
+            "attention_bwd": Phase(top_transients["attention_bwd"], below_head + recomputing - T * dims.h * b,
                                    head_grads + mlp_grads),
             "end_of_backward": Phase(0, 0, params * b),
         }
@@ -128,7 +172,7 @@ def plan_tsp(inp: PlanInput) -> LayoutPlan:
         return StageMemory(params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=acts,
                            phases=phases,
                            step_terms=(tsp_extra_terms(inp, stage) + dp_sync(inp, params, inp.dp)
-                                       + pipeline_hops(inp, stage, T)))
+                                       + pipeline_hops(inp, stage, T) + (dense_terms if moe is not None else [])))
 
     notes = [f"zigzag: seq padded to {g.S_pad} (multiple of 2D)"]
     if g.kv_replicas > 1:
@@ -139,4 +183,13 @@ def plan_tsp(inp: PlanInput) -> LayoutPlan:
     if T > inp.lm_head_chunk_tokens:
         notes.append(f"LM head + loss tiled over {inp.lm_head_chunk_tokens} local tokens at a time "
                      f"(logits transient chunk x V/D, not {T} x V/D)")
-    return layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes))
+    if moe is None:
+        return layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes))
+    only = Stage("only", True, True, inp.model.num_layers, 1)
+    notes.append(moe_note(moe, sparse_count(inp, only), inp.model.num_layers))
+    peaks = None
+    if _other_schedules:  # the same plan under each schedule, for "memory per rank of both"
+        peaks = {s: plan_tsp(replace(inp, moe_dispatch=s), _other_schedules=False).peak_bytes_per_rank
+                 for s in ("ring", "all_to_all")}
+    return layout_plan("tsp", inp, stage_fn, fwd, bwd, sparse_saved, tuple(notes),
+                       layers_of=lambda stage: sparse_count(inp, stage), moe=moe_summary(moe, peaks))

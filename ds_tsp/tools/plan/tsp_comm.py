@@ -97,7 +97,10 @@ DOCUMENT_LAYOUT_SLOTS = 1024
 
 
 def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
-    """Per step outside the layers: input checks, the embedding and LM head vocab rings, the final norm grad."""
+    """Per step outside the layers: input checks, the embedding and LM head vocab rings, the final norm grad
+    (and an MoE model's router grads / aux loss counts, ds_tsp.tools.plan.moe_terms)."""
+    from ds_tsp.tools.plan.moe_terms import moe_step_terms, router_grad_elems
+
     g = TSPGeometry.of(inp)
     D, b, h = g.D, inp.dtype_bytes, g.dims.h
     if D == 1:
@@ -120,9 +123,10 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
             terms.append(term("final norm grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D)))
     else:  # ds_tsp.core.replicated_grads: every replicated weight's grad in ONE all-reduce per backward
         flat = (2 * stage.layers + 1) * h + (2 * stage.layers * g.dims.d if inp.model.qk_norm else 0)
+        flat += router_grad_elems(inp, stage)  # MoE routers are replicated too
         terms.append(term("replicated grads all-reduce (norms, bucketed)", "replicated_grad", flat * b, 1,
                           all_reduce_bytes(flat * b, D)))
-    return terms
+    return terms + moe_step_terms(inp, stage)
 
 
 def tsp_counter_bytes(inp: PlanInput) -> dict[str, int]:
@@ -130,7 +134,15 @@ def tsp_counter_bytes(inp: PlanInput) -> dict[str, int]:
     fwd, bwd = tsp_layer_terms(inp)
     out: dict[str, int] = {}
     stage = Stage("only", True, True, inp.model.num_layers, 1)
-    for t in [*fwd, *bwd] * inp.model.num_layers + tsp_extra_terms(inp, stage):
+    layer_terms = [*fwd, *bwd] * inp.model.num_layers
+    if inp.model.num_experts:  # sparse layers: the MoE schedule's terms instead of the MLP ring
+        from ds_tsp.tools.plan.moe_terms import moe_geometry, sparse_count, sparse_layer_terms
+
+        g = TSPGeometry.of(inp)
+        sparse = sparse_count(inp, stage)
+        s_fwd, s_bwd = sparse_layer_terms(inp, fwd, bwd, moe_geometry(inp, inp.batch * g.L))
+        layer_terms = [*fwd, *bwd] * (inp.model.num_layers - sparse) + [*s_fwd, *s_bwd] * sparse
+    for t in layer_terms + tsp_extra_terms(inp, stage):
         if t.bytes:
             out[t.kind] = out.get(t.kind, 0) + t.bytes
     return out

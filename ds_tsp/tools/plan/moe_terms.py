@@ -1,0 +1,222 @@
+"""TSP mixture-of-experts terms (Qwen3-MoE / Mixtral sparse layers): params, saved tensors, transients and bytes.
+
+A sparse layer replaces the dense MLP's F/D columns by E/D whole experts (E_r x 3 x F_moe x h, one packed shard)
+plus the replicated router [E, h] (its grad joins the replicated-grads bucket). Which layers are sparse:
+ModelShape.is_moe_layer (Qwen3-MoE's decoder_sparse_step / mlp_only_layers; dense layers stay as tsp.py plans them).
+
+Bytes per layer: ds_tsp.core.functions.moe_cost.moe_bytes_per_layer is the single source of truth (what the
+CommCounter counts; "all_to_all" at even routing, R = T x top_k x (D-1)/D rows leaving the rank). The split into
+forward and backward follows its docstring: ring D-1 of its 3D-2 shard hops forward; all_to_all forward the count
+exchange plus 2h of the 5h+2 elements per row. "auto" is choose_moe_dispatch for this batch shape (T = B x S_pad/D
+local tokens), the same call TSPSparseMoE makes.
+
+Saved for backward by the MoE block on top of the dense layer's own (tsp_layer_saved counts the block's input x):
+the router softmax [T, E] (fp32), top-k indices [T, k] (int64), with norm_topk_prob the top-k probabilities and
+their sum (fp32), the routing weights [T, k] (dtype), the sorted row order [T*k] and per-expert counts [E] (int64;
+all_to_all adds the arrival permutation [~T*k]); with recompute_projections False the gate/up pre-activations of
+every routed row (all_to_all: and the received rows). With output_router_logits each layer's logits [T, E] and the
+aux loss's softmax of them stay alive too. Checked against saved-tensor hooks (tests/test_plan_moe.py).
+
+Transients (estimates of the temporaries alive at the worst point, the expert GEMM path as select_expert_gemm
+picks it: per expert on the CPU / non-bf16 ("loop"), per ring step with grouped GEMMs):
+- ring fwd: the foreign shards of the ring in flight (as the dense MLP), y, this step's gathered rows, outputs
+  and weighted outputs ([R/D, h] each), one GEMM block's gate/up, SiLU and product, the router logits [T, E].
+- ring bwd: the ring's shard and grad buffers plus the loop's zeroed expert-grad views, dx / dy, the routing
+  weight grads, this step's rows, dy rows and row grads, one block's ~10 F-wide backward temporaries.
+- all_to_all fwd: rows out, rows in, the rows sorted by expert ([R, h] each), one block's gate/up/act, y.
+- all_to_all bwd: the received [R, 2h+1] rows and their expert-order copy (alive together for one copy; both freed
+  before the expert GEMMs), the rows and dy rows copies, the row grads, the expert grads and
+  their packed copy (2 shards), one expert's backward temporaries, dx and the incoming dy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_tsp.core.functions.moe_cost import SCHEDULES, choose_moe_dispatch, moe_bytes_per_layer
+from ds_tsp.tools.plan.activation_terms import compute_bytes
+from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, recompute, term
+from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
+from ds_tsp.tools.plan.result import CommTerm
+from ds_tsp.tools.plan.shape_terms import Stage, ceil_div
+
+INDEX_BYTES = 8  # int64 expert ids, row orders, counts
+
+
+@dataclass(frozen=True)
+class MoEGeometry:
+    """One rank's share of a sparse layer under TSP."""
+
+    E: int
+    k: int
+    F: int  # per-expert width (moe_intermediate_size)
+    E_r: int  # experts per rank
+    h: int
+    D: int
+    T: int  # local tokens B x S_pad/D
+    b: int  # dtype bytes
+    schedule: str  # the schedule planned ("ring" / "all_to_all"; "auto" resolved)
+    auto: str  # what "auto" picks for this batch shape
+    bytes_per_layer: dict  # schedule -> bytes one rank sends per sparse layer, fwd + bwd (moe_bytes_per_layer)
+
+    @property
+    def shard(self) -> int:
+        """This rank's packed experts, elements."""
+        return self.E_r * 3 * self.F * self.h
+
+    @property
+    def router(self) -> int:
+        return self.E * self.h
+
+    @property
+    def rows(self) -> int:
+        """(token, slot) rows this rank routes: T x top_k."""
+        return self.T * self.k
+
+    def block_rows(self, grouped: bool) -> int:
+        """Rows one expert GEMM block sees at even routing: ring, per step this rank's R/D rows for the E_r experts
+        held (grouped: one block; loop: R/E per expert); all_to_all, the R rows arrived for the owned experts
+        (grouped: one block; loop: R/E_r per expert)."""
+        if self.schedule == "ring":
+            return ceil_div(self.rows, self.D if grouped else self.E)
+        return self.rows if grouped else ceil_div(self.rows, self.E_r)
+
+
+def moe_geometry(inp: PlanInput, tokens_per_rank: int, schedule: str | None = None) -> MoEGeometry | None:
+    """None for a dense model; `schedule` overrides inp.moe_dispatch (to plan the other one)."""
+    m = inp.model
+    if not m.num_experts:
+        return None
+    D, b = inp.degree, inp.dtype_bytes
+    args = (tokens_per_rank, m.hidden_size, m.moe_intermediate_size, m.num_experts, m.num_experts_per_tok, D, b)
+    requested = schedule or inp.moe_dispatch
+    try:
+        cost = moe_bytes_per_layer(*args)
+        auto = choose_moe_dispatch("auto", *args)
+        chosen = choose_moe_dispatch(requested, *args)
+    except Exception as exc:  # TSPConfigError: E not divisible by D, unknown schedule
+        raise PlanInputError("degree" if "num_experts" in str(exc) else "moe_dispatch", f"tsp: {exc}") from None
+    return MoEGeometry(m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.num_experts // D,
+                       m.hidden_size, D, tokens_per_rank, b, chosen, auto, cost)
+
+
+def stage_layer_ids(inp: PlanInput, stage: Stage) -> range:
+    """Decoder layer indices on `stage` (stages(): "first" holds the first ones, "last" / "only" the last)."""
+    n = inp.model.num_layers
+    return range(0, stage.layers) if stage.name == "first" else range(n - stage.layers, n)
+
+
+def sparse_count(inp: PlanInput, stage: Stage) -> int:
+    return sum(inp.model.is_moe_layer(i) for i in stage_layer_ids(inp, stage))
+
+
+def sparse_layer_params(m: MoEGeometry) -> int:
+    """A sparse layer's MLP part per rank (replacing the dense F/D columns): E_r experts + the replicated router."""
+    return m.shard + m.router
+
+
+# --- communication --------------------------------------------------------------------------------------------
+def moe_mlp_terms(m: MoEGeometry) -> tuple[list[CommTerm], list[CommTerm]]:
+    """The sparse MLP's CommCounter terms of one layer under m.schedule (totals from moe_bytes_per_layer)."""
+    D, total = m.D, m.bytes_per_layer[m.schedule]
+    if D == 1:
+        return [], []
+    if m.schedule == "ring":
+        shard = total // (3 * D - 2)  # the ring moves (3D-2) shards per layer
+        return ([term("MoE expert ring (D-1 hops)", "ring", shard, D - 1, (D - 1) * shard)],
+                [term("MoE expert ring (D-1 weight + D grad hops)", "ring", shard, 2 * D - 1, (2 * D - 1) * shard)])
+    counts = moe_bytes_per_layer(0, m.h, m.F, m.E, m.k, D, m.b)["all_to_all"]  # the count exchange alone
+    unit = (total - counts) // (5 * m.h + 2)  # bytes of one element in each of the R rows that leave the rank
+    return ([term("MoE expert row counts all-to-all", "all_to_all", counts, 1, counts),
+             term("MoE token rows out + expert outputs back (all-to-all)", "all_to_all", unit * m.h, 2,
+                  2 * unit * m.h)],
+            [term("MoE x, dy, weight rows out (all-to-all)", "all_to_all", unit * (2 * m.h + 1), 1,
+                  unit * (2 * m.h + 1)),
+             term("MoE row grads + weight grads back (all-to-all)", "all_to_all", unit * (m.h + 1), 1,
+                  unit * (m.h + 1))])
+
+
+def sparse_layer_terms(inp: PlanInput, dense_fwd: list[CommTerm], dense_bwd: list[CommTerm],
+                       m: MoEGeometry) -> tuple[list[CommTerm], list[CommTerm]]:
+    """A sparse layer's terms: the dense layer's (tsp_comm.tsp_layer_terms) without its MLP ring, plus the MoE
+    schedule's (and their recompute under activation checkpointing)."""
+    def attention_only(terms):
+        return [t for t in terms if not (t.kind == "ring" and "MLP" in t.name)]
+
+    fwd, bwd = moe_mlp_terms(m)
+    return (attention_only(dense_fwd) + fwd,
+            attention_only(dense_bwd) + bwd + (recompute(fwd) if inp.activation_checkpointing else []))
+
+
+def router_grad_elems(inp: PlanInput, stage: Stage) -> int:
+    """Router weights on `stage`, whose grads join the one replicated-grads all-reduce (pp = 1)."""
+    m = inp.model
+    return sparse_count(inp, stage) * m.num_experts * m.hidden_size if m.num_experts else 0
+
+
+def moe_step_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
+    """Per step: the routers' grad all-reduces on a pipeline stage (no bucket there), and with output_router_logits
+    the aux loss's one all-reduce of the per-expert counts and the row total (compute dtype)."""
+    m, D = inp.model, inp.degree
+    n = sparse_count(inp, stage) if m.num_experts else 0
+    if not n or D == 1:
+        return []
+    out = []
+    if inp.pp > 1:
+        router = m.num_experts * m.hidden_size * inp.dtype_bytes
+        out.append(term("MoE router grad all-reduce (per sparse layer)", "replicated_grad", router, n,
+                        n * all_reduce_bytes(router, D)))
+    if m.output_router_logits and stage.embed and stage.head:
+        payload = (m.num_experts + 1) * compute_bytes(inp.dtype_bytes)
+        out.append(term("MoE aux loss counts all-reduce", "all_reduce", payload, 1, all_reduce_bytes(payload, D)))
+    return out
+
+
+# --- memory ---------------------------------------------------------------------------------------------------
+def moe_saved(inp: PlanInput, m: MoEGeometry) -> int:
+    """Saved for backward by one sparse MLP beyond its input x (module docstring)."""
+    T, R, b, model = m.T, m.rows, m.b, inp.model
+    saved = T * m.E * 4 + R * INDEX_BYTES + R * b + R * INDEX_BYTES + m.E * INDEX_BYTES
+    if model.norm_topk_prob:
+        saved += R * 4 + T * 4  # the division's numerator and denominator
+    if m.schedule == "all_to_all":
+        saved += R * INDEX_BYTES  # arrival permutation (even routing: R rows arrive)
+    if not inp.recompute_projections:
+        saved += R * 2 * m.F * b + (R * m.h * b if m.schedule == "all_to_all" else 0)
+    if model.output_router_logits:
+        saved += 2 * T * m.E * b  # logits kept for the aux loss, and its softmax
+    return saved
+
+
+def moe_transients(inp: PlanInput, m: MoEGeometry, ring_buffers: int) -> dict[str, int]:
+    """{"mlp_fwd", "mlp_bwd"}: the sparse MLP's temporaries under m.schedule (module docstring)."""
+    grouped = inp.dtype == "bf16"  # select_expert_gemm: grouped GEMMs need bf16 (and CUDA); the loop otherwise
+    T, R, h, F, b, D = m.T, m.rows, m.h, m.F, m.b, m.D
+    blk = m.block_rows(grouped)
+    x = T * h * b
+    shard = m.shard * b
+    logits = T * m.E * b
+    if m.schedule == "ring":
+        step = ceil_div(R, D)
+        return {"mlp_fwd": min(D - 1, 2) * shard + x + 3 * step * h * b + 4 * blk * F * b + logits,
+                "mlp_bwd": (ring_buffers + 2) * shard + 2 * x + R * b + 3 * step * h * b + 10 * blk * F * b}
+    # backward: the received rows (2h+1) and their expert-order copy are both alive for one permutation copy
+    # (~R(4h+2); the expert GEMMs that follow hold less); ds_tsp.core.functions.moe_all_to_all
+    return {"mlp_fwd": 3 * R * h * b + 4 * blk * F * b + x + logits,
+            "mlp_bwd": R * (4 * h + 1) * b + 3 * R * h * b + 2 * shard + 10 * blk * F * b + 2 * x}
+
+
+def moe_summary(m: MoEGeometry, per_schedule_peak: dict[str, int] | None = None) -> dict:
+    """What LayoutPlan.moe carries (and `ds-tsp plan` prints)."""
+    out = {"schedule": m.schedule, "auto": m.auto, "bytes_per_layer": dict(m.bytes_per_layer),
+           "num_experts": m.E, "top_k": m.k, "moe_ffn": m.F, "experts_per_rank": m.E_r,
+           "expert_params_per_layer": m.shard, "router_params_per_layer": m.router, "tokens_per_rank": m.T}
+    if per_schedule_peak is not None:
+        out["peak_bytes"] = dict(per_schedule_peak)
+    return out
+
+
+def moe_note(m: MoEGeometry, sparse: int, layers: int) -> str:
+    mib = {s: m.bytes_per_layer[s] / 2 ** 20 for s in SCHEDULES}
+    return (f"MoE: {sparse} of {layers} layers sparse, {m.E} experts ({m.E_r}/rank) top-{m.k}, F_moe={m.F}; bytes "
+            f"per sparse layer ring {mib['ring']:.2f} MiB, all_to_all {mib['all_to_all']:.2f} MiB (even routing): "
+            f"auto -> {m.auto}; planned: {m.schedule}")

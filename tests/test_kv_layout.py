@@ -1,0 +1,73 @@
+"""ds_tsp.core.kv_layout moves data only: checked exactly with coordinate-encoded values (each element says which
+token, batch row, k/v slot, head and dim it is) at D = 1, 2, 3, 4 -- the gathered buffer is the global-order K/V,
+and the rank-ordered dK/dV reduce-scatter hands every rank the sum of all ranks' grads for its own tokens."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ds_tsp.core.launch import run_on_local_ranks
+
+B, C, N, E = 2, 3, 2, 2  # batch rows, tokens per zigzag chunk, kv heads, head dim
+GROUPS = {2: [2, 3], 3: [0, 1, 2], 4: [0, 1, 2, 3]}
+
+
+def _coded(S: int, slot: int, rank_tag: int = 0) -> torch.Tensor:
+    """[B, S, N, E]: 1e6*rank_tag + 1e5*slot + 1e4*b + 10*t + ... distinct exact integers (float64)."""
+    b = torch.arange(B, dtype=torch.float64)[:, None, None, None]
+    t = torch.arange(S, dtype=torch.float64)[None, :, None, None]
+    h = torch.arange(N, dtype=torch.float64)[None, None, :, None]
+    e = torch.arange(E, dtype=torch.float64)[None, None, None, :]
+    return 1e6 * rank_tag + 1e5 * slot + 1e4 * b + 10 * t + 3 * h + e
+
+
+def _local(full: torch.Tensor, D: int, rank: int) -> torch.Tensor:
+    from ds_tsp.core.partition import zigzag_chunks
+
+    return torch.cat([full[:, g * C:(g + 1) * C] for g in zigzag_chunks(D, rank)], dim=1)
+
+
+def _check(D: int, group) -> None:
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.kv_layout import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
+    from ds_tsp.core.partition import zigzag_chunks
+
+    comm = TSPComm(group)
+    p, S = comm.rank, 2 * D * C
+    k_full, v_full = _coded(S, 0), _coded(S, 1)
+    chunks = local_kv(_local(k_full, D, p), _local(v_full, D, p))
+    assert torch.equal(local_from_chunks(chunks, 0), _local(k_full, D, p))
+    assert torch.equal(local_from_chunks(chunks, 1), _local(v_full, D, p))
+    buffer = GlobalKVGather(comm, chunks).wait()
+    for end in (C, S // 2, S):
+        k, v = kv_prefix(buffer, end)
+        assert torch.equal(k, k_full[:, :end]) and torch.equal(v, v_full[:, :end]), (D, p, end)
+    # dK/dV: rank r adds grads for the key prefixes its two query chunks see (coded by r); twice for chunk 0's keys
+    acc = RankOrderedKVGrad(buffer, D)
+    ends = [(g + 1) * C for g in zigzag_chunks(D, p)]
+    for end in ends:
+        acc.add(_coded(S, 0, p + 1)[:, :end], _coded(S, 1, p + 1)[:, :end])
+    mine, handle = acc.scatter(comm)
+    handle.wait()
+    want_k, want_v = torch.zeros_like(k_full), torch.zeros_like(v_full)
+    for r in range(D):
+        for end in ((g + 1) * C for g in zigzag_chunks(D, r)):
+            want_k[:, :end] += _coded(S, 0, r + 1)[:, :end]
+            want_v[:, :end] += _coded(S, 1, r + 1)[:, :end]
+    assert torch.equal(local_from_chunks(mine, 0), _local(want_k, D, p)), (D, p)
+    assert torch.equal(local_from_chunks(mine, 1), _local(want_v, D, p)), (D, p)
+
+
+def _all():
+    groups = {D: dist.new_group(r) for D, r in GROUPS.items()}
+    me = dist.get_rank()
+    if me == 0:
+        _check(1, None)
+    for D, ranks in GROUPS.items():
+        if me in ranks:
+            _check(D, groups[D])
+    return True
+
+
+def test_global_order_gather_and_rank_order_scatter_are_exact():
+    assert all(run_on_local_ranks(_all, 4, timeout_s=180))
