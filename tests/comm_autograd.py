@@ -1,13 +1,12 @@
-"""Differentiable one-call forms of the shard broadcast and the sequence all-gather, for the primitive tests (a
-helper module, not a test file). The fused layers (ds_tsp.core.functions) use the handle-level primitives of
-ds_tsp.core.comm_primitives directly, to overlap transfers with compute; these wait at once.
+"""Differentiable one-call forms of the shard broadcast and a rank-order sequence all-gather, for the primitive tests
+(a helper module, not a test file). The fused layers (ds_tsp.core.functions) post handle-level collectives
+(ds_tsp.core.comm_primitives, ds_tsp.core.kv_layout) to overlap transfers with compute; these wait at once.
 """
 from __future__ import annotations
 
 import torch
 
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.comm_primitives import gather_sequence, scatter_sequence_grad
 
 
 class _BroadcastShard(torch.autograd.Function):
@@ -34,14 +33,14 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, comm):
         ctx.comm = comm
-        out, handle = gather_sequence(comm, local)
-        handle.wait()
+        out = local.new_empty((comm.size, *local.shape))
+        comm.all_gather(out, local).wait()
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out, handle = scatter_sequence_grad(ctx.comm, grad.contiguous())
-        handle.wait()
+        out = grad.new_empty(grad.shape[1:])
+        ctx.comm.reduce_scatter(out, grad.contiguous()).wait()
         return out, None
 
 

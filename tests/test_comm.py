@@ -7,7 +7,7 @@ import torch.distributed as dist
 from comm_autograd import all_gather_sequence, broadcast_shard
 
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.comm_primitives import broadcast_shards, replicated_param, ring_backward, ring_forward
+from ds_tsp.core.comm_primitives import ShardStream, replicated_param, ring_backward, ring_forward
 from ds_tsp.core.launch import run_on_local_ranks
 
 N = 6  # elements per shard
@@ -18,13 +18,21 @@ def _coded(owner: int, n: int = N, salt: float = 0.0) -> torch.Tensor:
     return 1000.0 * owner + torch.arange(n, dtype=torch.float64) + salt
 
 
+def _every_shard(comm, own):
+    """(j, shard j) for every head block, taken as the attention loop takes them (two blocks posted ahead)."""
+    shards = ShardStream(comm, own)
+    for j in range(comm.size):
+        shards.next_block(j)
+        yield j, shards.take(j)
+
+
 def _primitives():
     comm = TSPComm(dist.group.WORLD)
     p, D = comm.rank, comm.size
     out = {}
 
     # shard broadcast: every rank sees owner j's shard at iteration j, in order, and prefetch keeps it exact
-    seen = [(j, shard.clone()) for j, shard in broadcast_shards(comm, _coded(p))]
+    seen = [(j, shard.clone()) for j, shard in _every_shard(comm, _coded(p))]
     out["broadcast_order"] = [j for j, _ in seen]
     out["broadcast_exact"] = all(torch.equal(s, _coded(j)) for j, s in seen)
 
@@ -99,7 +107,7 @@ def test_byte_counters_follow_the_formula(primitives_on):
     elem = 8  # float64
     for p, r in enumerate(results):
         c = r["counter"]["bytes"]
-        # broadcast_shards (3 foreign shards) + differentiable broadcast (1 unless owner)
+        # ShardStream (3 foreign shards) + differentiable broadcast (1 unless owner)
         assert c["broadcast"] == elem * N * (3 + (0 if p == 3 else 1))
         # ring_forward (3 hops) + ring_backward (3 weight hops + 4 grad hops)
         assert c["ring"] == elem * N * (3 + 3 + 4)
@@ -107,7 +115,7 @@ def test_byte_counters_follow_the_formula(primitives_on):
 
 def test_degree_one_is_local():
     comm = TSPComm.single()
-    assert [j for j, _ in broadcast_shards(comm, _coded(0))] == [0]
+    assert [j for j, _ in _every_shard(comm, _coded(0))] == [0]
     held = []
     ring_forward(comm, _coded(0), lambda o, s: held.append(o))
     assert held == [0]

@@ -127,27 +127,16 @@ def _fp64_grads_and_traffic(set_name: str) -> dict:
 
 
 def _deepspeed_steps(stage: int, set_name: str, save_dir: str) -> dict:
+    from engine_steps import engine_steps
+
     import ds_tsp
-    from ds_tsp.checkpoint.consolidated import save_consolidated
-    from ds_tsp.core.partition import shard_batch
 
     config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "torch_adam": True}},
               "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}, "tsp": {"size": 2}}
     hf = frozen_model(set_name, torch.float32)
     engine, *_ = ds_tsp.initialize(model=hf, config=config)
-    comm = engine.tsp_model.comm
-    losses, norms = [], []
-    for ids in batches(hf.config.vocab_size, STEPS):
-        b = shard_batch(ids, tsp=comm.size, rank=comm.rank, labels=ids)
-        loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(engine.tsp_model.loss_for_logging(loss)))
-        norms.append(float(engine.get_global_grad_norm()))
-    save_consolidated(engine.tsp_model, save_dir)
-    engine.destroy()
-    return {"losses": losses, "norms": norms}
+    return engine_steps(engine, ((ids, ids) for ids in batches(hf.config.vocab_size, STEPS)), save_dir)
 
 
 def _tsp2(save_root: str) -> dict:

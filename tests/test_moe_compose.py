@@ -87,9 +87,9 @@ def reference_loop(family: str) -> dict:
 
 # --- 4 ranks: TSP=2 x DP=2 --------------------------------------------------------------------------------------
 def _zero_run(stage: int, checkpointing: bool, save_dir: str) -> dict:
+    from engine_steps import engine_steps
+
     import ds_tsp
-    from ds_tsp.checkpoint.consolidated import save_consolidated
-    from ds_tsp.core.partition import shard_batch
 
     config = {"train_micro_batch_size_per_gpu": ROWS // 2, "gradient_accumulation_steps": 1,
               "steps_per_print": 10_000, "gradient_clipping": CLIP,
@@ -98,18 +98,9 @@ def _zero_run(stage: int, checkpointing: bool, save_dir: str) -> dict:
               "tsp": {"size": 2, "activation_checkpointing": checkpointing}}
     hf = build_tiny_model("qwen3_moe", dtype=torch.float32)
     engine, *_ = ds_tsp.initialize(model=hf, config=config)
-    comm, mine = engine.tsp_model.comm, _replica_rows(engine.tsp_groups.data_rank)
-    losses, norms = [], []
-    for ids, labels in global_batches(hf.config.vocab_size):
-        b = shard_batch(ids[mine], tsp=comm.size, rank=comm.rank, labels=labels[mine])
-        loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(engine.tsp_model.loss_for_logging(loss)))
-        norms.append(float(engine.get_global_grad_norm()))
-    save_consolidated(engine.tsp_model, save_dir)
-    engine.destroy()
-    return {"losses": losses, "norms": norms}
+    mine = _replica_rows(engine.tsp_groups.data_rank)
+    return engine_steps(engine, ((ids[mine], labels[mine]) for ids, labels in global_batches(hf.config.vocab_size)),
+                        save_dir)
 
 
 def _fsdp2_run() -> dict:

@@ -1,13 +1,13 @@
-"""The three TSP primitives on a TSPComm (ds_tsp.core.comm), and the replicated-parameter all-reduce.
+"""Two of the three TSP primitives on a TSPComm (ds_tsp.core.comm), and the replicated-parameter all-reduce.
 
 Every primitive is a forward/backward pair built on handles, so layers can start the next transfer before
 computing on the current one:
 
 | primitive            | forward                                  | backward                                      |
 |----------------------|------------------------------------------|-----------------------------------------------|
-| shard broadcast      | broadcast rank j's packed shard to all   | reduce (sum) weight grads to owner j          |
+| shard broadcast      | ShardStream: rank j's packed shard to all | ShardGradReducer: weight grads summed on j   |
 | weight ring          | pass shards to rank p+1, D-1 hops        | grads travel with the shard, D hops to owner  |
-| sequence all-gather  | all-gather local K/V, rank order         | reduce-scatter dK/dV back to the local tokens |
+| sequence all-gather  | ds_tsp.core.kv_layout: K/V straight into global token order | dK/dV reduce-scattered from rank order |
 
 The fused layers (ds_tsp.core.functions) call these directly; every wait goes through a Handle, so it is bounded
 by the comm's timeout_s (ds_tsp.core.watchdog).
@@ -25,29 +25,6 @@ GRAD_TAG = 7102
 
 
 # --- shard broadcast --------------------------------------------------------------------------------------
-def broadcast_shards(comm: TSPComm, own_shard: torch.Tensor, order: range | None = None):
-    """Yield (owner j, packed shard of j) for every head block, prefetching j+1 while the caller computes on j.
-
-    At most two shards are live: the one yielded and the one in flight. The own shard is yielded without a copy.
-    """
-    order = list(range(comm.size)) if order is None else list(order)
-
-    def start(j: int):
-        what = f"shard of block {j}"
-        if j == comm.rank:
-            return own_shard.detach(), comm.broadcast(own_shard.detach(), src=j, what=what)
-        buf = torch.empty_like(own_shard, memory_format=torch.contiguous_format)
-        return buf, comm.broadcast(buf, src=j, what=what)
-
-    pending = start(order[0])
-    for i, j in enumerate(order):
-        shard, handle = pending
-        handle.wait()
-        pending = start(order[i + 1]) if i + 1 < len(order) else None
-        yield j, shard
-    return
-
-
 class ShardStream:
     """Every head block's packed shard by broadcast from its owner, posted `ahead` blocks before its block starts.
 
@@ -159,19 +136,6 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
     for handle in sent:
         handle.wait()
     return grad_in
-
-
-# --- sequence all-gather ------------------------------------------------------------------------------------
-def gather_sequence(comm: TSPComm, local: torch.Tensor) -> tuple[torch.Tensor, Handle]:
-    """Start gathering `local` from every rank; returns ([D, *local.shape] in rank order, handle)."""
-    out = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
-    return out, comm.all_gather(out.view(-1), local.reshape(-1), what="sequence gather")
-
-
-def scatter_sequence_grad(comm: TSPComm, full: torch.Tensor) -> tuple[torch.Tensor, Handle]:
-    """Backward dual of gather_sequence: full [D, *local_shape] in rank order -> summed local [*local_shape]."""
-    out = torch.empty(full.shape[1:], dtype=full.dtype, device=full.device)
-    return out, comm.reduce_scatter(out.view(-1), full.reshape(-1), what="sequence grad scatter")
 
 
 # --- replicated parameters ----------------------------------------------------------------------------------
