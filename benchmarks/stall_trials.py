@@ -19,8 +19,12 @@ block of that timeout_s, the path of ds_tsp.initialize (DeepSpeed) where gloo's 
 --log guard: the per-step loss all-reduce runs inside comm.guard(...); --log model: through
 ShardedCausalLM.loss_for_logging (what TSPForCausalLM's forward does for its loss); --log none: no logging.
 --stop-at optimizer: instead of a SIGSTOP at a random time, the victim stops itself (SIGSTOP to itself) after
-the last TSP collective of a step, so every survivor's next wait is the loss logging: the one wait a random stop
-rarely lands in.
+the last TSP collective of a step, so every survivor's next wait is the loss logging (or, with --nonfinite, the
+non-finite check): the one wait a random stop rarely lands in.
+--nonfinite: every step runs ds_tsp.core.nonfinite.NonFiniteGuard.check after backward (its job-wide all-reduce),
+as the README's DeepSpeed loop does (`engine.tsp_guard.check`); the issue's trials saw gloo's raw timeout there.
+
+    python benchmarks/stall_trials.py --trials 20 --timeout-s 20 --nonfinite --out /tmp/stalls.json
 
 This file is also the rank script (`python benchmarks/stall_trials.py rank ...`, argv from the controller).
 Prints one table row per survivor and a summary; --out writes the whole record as JSON.
@@ -58,6 +62,7 @@ def _rank_main(argv: list[str]) -> None:
     p.add_argument("--steps", type=int, default=1_000_000)
     p.add_argument("--self-stop", default=None, help="RANK:STEP: that rank stops itself before that step's "
                                                      "optimizer step")
+    p.add_argument("--nonfinite", action="store_true", help="NonFiniteGuard.check after every backward")
     args = p.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the controller asks a hung rank where it waits
 
@@ -67,6 +72,7 @@ def _rank_main(argv: list[str]) -> None:
     from ds_tsp.core.comm import TSPComm
     from ds_tsp.core.config import TSPConfig
     from ds_tsp.core.launch import init_from_env
+    from ds_tsp.core.nonfinite import NonFiniteGuard
     from ds_tsp.core.partition import shard_batch
     from ds_tsp.core.setup import build_runtime
     from ds_tsp.core.shape import ModelShape
@@ -84,6 +90,7 @@ def _rank_main(argv: list[str]) -> None:
                        num_heads=2 * world, num_kv_heads=world)
     model = label_modules(ShardedCausalLM(shape, comm).init_weights_(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    nonfinite = NonFiniteGuard(model) if args.nonfinite else None  # its all-reduce spans the job (world group)
     ids = torch.randint(0, shape.vocab_size, (2, 16 * world), generator=torch.Generator().manual_seed(0))
     batch = shard_batch(ids, tsp=world, rank=comm.rank)
     last = time.perf_counter()
@@ -94,6 +101,8 @@ def _rank_main(argv: list[str]) -> None:
         if comm.rank == stop_rank and step == stop_step:  # every collective of this step is done: the others
             print(f"SELF-STOP {time.time():.6f}", flush=True)  # wait next in the loss logging (or the next step)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if nonfinite is not None:
+            nonfinite.check(loss, step)  # raises TSPNonFiniteError on a NaN/inf (none here)
         opt.step()
         opt.zero_grad()
         if args.log == "guard":
@@ -175,6 +184,8 @@ def run_trial(i: int, args, rng: random.Random, keep_dir: Path) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"stall{i}_", dir=keep_dir))
     victim = rng.randrange(args.world) if args.victim < 0 else args.victim
     rank_args = ["--timeout-s", str(args.timeout_s), "--setup", args.setup, "--log", args.log]
+    if args.nonfinite:
+        rank_args.append("--nonfinite")
     if args.stop_at == "optimizer":
         rank_args += ["--self-stop", f"{victim}:{args.warm_steps + 1}"]
     procs, files = _start(tmp, args.world, rank_args)
@@ -259,7 +270,7 @@ def summarise(trials: list[dict], args) -> dict:
             "limit_s": args.timeout_s + GRACE_S,
             "collectives": sorted({s["collective"] for s in rows if s["collective"]}),
             "config": {k: getattr(args, k) for k in ("world", "timeout_s", "setup", "log", "stop_at", "warm_steps",
-                                                      "victim", "observe_s", "seed")}}
+                                                      "victim", "observe_s", "seed", "nonfinite")}}
 
 
 def _row(t: dict, s: dict) -> str:
@@ -280,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stop-at", choices=("random", "optimizer"), default="random",
                    help="random: SIGSTOP at a random point of a step; optimizer: the victim stops itself after the "
                         "step's last TSP collective, so the others wait next in the loss logging")
+    p.add_argument("--nonfinite", action="store_true", help="every step runs NonFiniteGuard.check (a job-wide "
+                                                              "all-reduce) after backward")
     p.add_argument("--victim", type=int, default=-1, help="rank to stop (default: a random one per trial)")
     p.add_argument("--observe-s", type=float, default=None, help="give up on a survivor after this long "
                                                                  "(default timeout_s + 60)")

@@ -14,7 +14,7 @@ def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerat
 
         return TSPTrainer
     if name == "TSPSFTTrainer":  # ImportError with the install hint when trl is missing
-        from ds_tsp.integrations.trl import sft_trainer_class
+        from ds_tsp.integrations.sft_trainer import sft_trainer_class
 
         return sft_trainer_class()
     raise AttributeError(f"module 'ds_tsp.hf' has no attribute {name!r}")

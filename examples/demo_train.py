@@ -1,6 +1,6 @@
 """Train a small Llama-style TSP model on CPU and show that it learns and that each rank holds 1/D of it.
 
-    python examples/demo_train.py                              # starts --tsp gloo processes itself
+    python examples/demo_train.py                              # starts --tsp gloo processes itself (on the CPU)
     torchrun --standalone --nproc_per_node 2 examples/demo_train.py   # the whole world is one TSP group
 
 Every rank builds the same global batch from a deterministic synthetic task (random token patterns, each repeated
@@ -23,14 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.launch import init_from_env, local_device, run_on_local_ranks
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
-from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
-from ds_tsp.tools.synthetic import RepeatingPatterns
+from ds_tsp import (ModelShape, ShardedCausalLM, TSPComm, TSPConfigError, init_from_env, local_device,
+                    run_on_local_ranks, shard_batch)
+from ds_tsp.testing import ReferenceCausalLM, RepeatingPatterns, full_state_dict, init_weights_
 
 MIB = 2 ** 20
 # MemTracker's category names -> the short names printed here.
@@ -79,7 +74,7 @@ def train(cfg: DemoConfig) -> dict:
     world = dist.get_world_size()
     comm = TSPComm(dist.group.WORLD if world > 1 else None)
     shape = cfg.shape
-    device = local_device()  # this rank's GPU under a launcher on a GPU node, else the CPU
+    device = local_device()  # this rank's GPU under a launcher on a GPU node, else (also spawned ranks) the CPU
 
     reference = ReferenceCausalLM(shape, dtype=torch.float32)
     init_weights_(reference, cfg.seed)
@@ -184,4 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ds_tsp import run_main
+
+    # A bad argument or launch (--tsp != the launcher's world): one line, once, exit 2. Stdout is left as it is:
+    # nothing but the JSON lines reaches it here (no DeepSpeed), and spawned ranks print their records to it.
+    run_main(main, "demo_train", json_stdout=False)

@@ -4,20 +4,20 @@
 
 Every rank reads only its slices of DIR, trains on the same full-length batches (the model keeps its zigzag part),
 and save_pretrained streams the HF layout to OUT one module at a time. Without --model_dir a tiny Llama-3-style
-checkpoint is built from a config and saved first (no downloads). Rank 0 prints one JSON line per step.
+checkpoint is built from a config and saved first (no downloads). Rank 0 prints one JSON line per step; stdout
+carries these JSON lines only (other messages go to stderr), and a bad checkpoint or input is one line and exit 2.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.launch import init_from_env, local_device
+from ds_tsp import emit, init_from_env, local_device
 from ds_tsp.hf import TSPForCausalLM
-from ds_tsp.tools.synthetic import RepeatingPatterns
+from ds_tsp.testing import RepeatingPatterns
 
 
 def tiny_llama3(directory: str) -> str:
@@ -70,17 +70,18 @@ def main(argv=None) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if rank == 0:
-            print(json.dumps({"step": step, "loss": round(losses[-1], 4)}), flush=True)
+            emit({"step": step, "loss": round(losses[-1], 4)})
     model.save_pretrained(args.output_dir)
     if rank == 0:
-        print(json.dumps({"saved": args.output_dir, "params": model.num_parameters()}), flush=True)
+        emit({"saved": args.output_dir, "params": model.num_parameters()})
     if __name__ == "__main__":  # a process group left to interpreter exit can abort in its destructor
         dist.destroy_process_group()
     return losses
 
 
 if __name__ == "__main__":
-    from ds_tsp.core.launch import exit_rank
+    from ds_tsp import run_main
 
-    main()
-    exit_rank()  # skips interpreter finalization, where torch's gloo backend can abort (see exit_rank)
+    # stdout: JSON lines only; a bad checkpoint or input: one line, once, exit 2; ends through exit_rank, which skips
+    # interpreter finalization, where torch's gloo backend can abort
+    run_main(main, "finetune_hf.py")

@@ -10,7 +10,8 @@ numbers of labelled tokens; --packed packs variable-length documents with DataCo
 batch (--global_batch samples per optimizer step) is the same whatever the layout, so losses are comparable. Rank 0
 prints one JSON line per optimizer step ("step", "loss": the logged global loss, "grad_norm"); --eval_samples adds
 an evaluation under TSP ("eval_loss"); the final model is written in HF layout to --output_dir. Without
---model_name_or_path a tiny Llama-3-style model is built from a config and saved first (no downloads).
+--model_name_or_path a tiny Llama-3-style model is built from a config and saved first (no downloads). Stdout carries
+the JSON lines only (DeepSpeed's and transformers' messages go to stderr); a bad config is one line and exit 2.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from ds_tsp.tools.synthetic import RepeatingPatterns, save_tiny_llama
+from ds_tsp import TSPConfigError, emit
+from ds_tsp.testing import RepeatingPatterns, save_tiny_llama
 
 
 def parse_args(argv=None):
@@ -75,10 +77,9 @@ class JsonLines(transformers.TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         if "loss" in logs:
-            print(json.dumps({"step": state.global_step, "loss": logs["loss"], "grad_norm": logs.get("grad_norm")}),
-                  flush=True)
+            emit({"step": state.global_step, "loss": logs["loss"], "grad_norm": logs.get("grad_norm")})
         if "eval_loss" in logs:
-            print(json.dumps({"eval_loss": logs["eval_loss"]}), flush=True)
+            emit({"eval_loss": logs["eval_loss"]})
 
 
 def main(argv=None):
@@ -95,7 +96,7 @@ def main(argv=None):
     micro = micro or args.global_batch // (data_size * accumulation)
     lr = (ds.get("optimizer") or {}).get("params", {}).get("lr", args.lr)
     if micro * data_size * accumulation != args.global_batch:
-        raise SystemExit(f"--global_batch {args.global_batch} != micro batch {micro} x data replicas {data_size} x "
+        raise TSPConfigError(f"--global_batch {args.global_batch} != micro batch {micro} x data replicas {data_size} x "
                          f"gradient accumulation {accumulation}")
     model_path = args.model_name_or_path or str(Path(args.output_dir) / "initial")
     training = transformers.TrainingArguments(
@@ -146,7 +147,7 @@ def _stack(rows):
 
 
 if __name__ == "__main__":
-    from ds_tsp.core.launch import exit_rank
+    from ds_tsp import run_main
 
-    main()
-    exit_rank()  # destroys the process group and skips finalization, where gloo can abort
+    # stdout: JSON lines only; a bad config: one line, once, exit 2; ends through exit_rank (gloo can abort at exit)
+    run_main(main, "hf_trainer.py")

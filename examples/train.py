@@ -11,7 +11,9 @@ is none), also on another TSP x data layout with the same global batch.
 
 The "tsp" block of the config turns TSP on ({"size": D}); ZeRO shards over the data axis, pipeline_stages adds
 an outer pipe axis. Works on CPU (gloo) and on GPUs (NCCL) unchanged. Rank 0 shows a progress bar and prints one
-JSON line per step ({"step", "loss", "step_s"}); at the end every rank's peak memory is printed.
+JSON line per step ({"step", "loss", "step_s"}); at the end every rank's peak memory is printed. Stdout carries
+these JSON lines only (DeepSpeed's own messages and the progress bar go to stderr); a bad config is one line on
+stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -26,12 +28,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ds_tsp
-from ds_tsp.checkpoint.consolidated import save_consolidated
-from ds_tsp.core.data import pipeline_batches
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.integrations.deepspeed.engine import load_ds_config
-from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
-from ds_tsp.tools.synthetic import RepeatingPatterns
+from ds_tsp import ModelShape, emit, json_stream, load_ds_config, pipeline_batches, save_consolidated
+from ds_tsp.testing import ReferenceCausalLM, RepeatingPatterns, full_state_dict, init_weights_
 
 MODELS = {
     "tiny": ModelShape(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
@@ -87,8 +85,7 @@ def main(argv=None) -> int:
     config = load_ds_config(args.ds_config)
     if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: one process, the tsp=1 reference of the same run
         config["tsp"] = {**config.get("tsp", {}), "size": 1, "pipeline_stages": 1}
-        print(json.dumps({"note": "one process (no launcher): tsp=1 reference run; launch with torchrun or deepspeed "
-                                  "for TSP"}), flush=True)
+        emit({"note": "one process (no launcher): tsp=1 reference run; launch with torchrun or deepspeed for TSP"})
     engine, _, loader, _ = ds_tsp.initialize(model=shape, config=config, training_data=data,
                                              state_dict=full_state_dict(reference), seed=args.seed)
     del reference
@@ -99,8 +96,7 @@ def main(argv=None) -> int:
     if args.resume:  # before the first batch is drawn: the loader continues where the checkpoint stopped
         start = ds_tsp.load_training_checkpoint(engine, args.save_dir, loader=loader) or 0
         if rank == 0:
-            print(json.dumps({"resumed_from_step": start} if start else {"resume": "no checkpoint, fresh start"}),
-                  flush=True)
+            emit({"resumed_from_step": start} if start else {"resume": "no checkpoint, fresh start"})
     batches = pipeline_batches(loader) if pipelined else iter(loader)
 
     step_count = [start]
@@ -129,8 +125,8 @@ def main(argv=None) -> int:
         return float(share)
 
     if rank == 0:
-        print(json.dumps({"layout": {"pipe": groups.pipe_size, "data": groups.data_size, "tsp": groups.tsp_size},
-                          "model": args.model, "seq_len": args.seq_len}), flush=True)
+        emit({"layout": {"pipe": groups.pipe_size, "data": groups.data_size, "tsp": groups.tsp_size},
+              "model": args.model, "seq_len": args.seq_len})
     def maybe_save(step: int) -> None:
         if args.save_dir and ((args.save_every and step % args.save_every == 0) or step == args.max_steps):
             ds_tsp.save_training_checkpoint(engine, args.save_dir, step, loader=loader, keep_last=args.keep_last)
@@ -140,26 +136,28 @@ def main(argv=None) -> int:
         began = time.perf_counter()
         losses.append(train_step())
         if rank == 0:  # the full float: a resumed run can be compared bit for bit
-            tqdm.write(json.dumps({"step": step, "loss": losses[-1], "step_s": round(time.perf_counter() - began, 4)}))
+            tqdm.write(json.dumps({"step": step, "loss": losses[-1], "step_s": round(time.perf_counter() - began, 4)}),
+                       file=json_stream())
         maybe_save(step)
     if start < args.max_steps:
         last = []
         peak = peak_memory_mib(lambda: last.append(train_step()))
         losses += last
         if rank == 0:
-            print(json.dumps({"step": args.max_steps, "loss": losses[-1]}), flush=True)
+            emit({"step": args.max_steps, "loss": losses[-1]})
         maybe_save(args.max_steps)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, round(peak, 2))
     if rank == 0:
-        print(json.dumps({"peak_memory_mib_per_rank": peaks, "first_loss": losses[0] if losses else None,
-                          "last_loss": losses[-1] if losses else None}), flush=True)
+        emit({"peak_memory_mib_per_rank": peaks, "first_loss": losses[0] if losses else None,
+              "last_loss": losses[-1] if losses else None})
     if args.export and not pipelined:
         save_consolidated(engine.tsp_model, args.export)
     return 0
 
 
 if __name__ == "__main__":
-    from ds_tsp.core.launch import exit_rank
+    from ds_tsp import run_main
 
-    exit_rank(main())  # destroys the process group and skips finalization, where gloo can abort
+    # stdout: JSON lines only; a bad config: one line, once, exit 2; ends through exit_rank (gloo can abort at exit)
+    run_main(main, "train.py")

@@ -8,7 +8,9 @@
 Deterministic synthetic data from --seed; the GLOBAL batch (--global_batch samples per optimizer step) is the same
 whatever the layout, so losses are comparable across layouts. Rank 0 prints one JSON line per optimizer step
 ("step", "loss": the global loss, "grad_norm"); the final model is written in HF layout to --output_dir. Without
---model_name_or_path a tiny Llama-3-style model is built from a config and saved first (no downloads).
+--model_name_or_path a tiny Llama-3-style model is built from a config and saved first (no downloads). Stdout carries
+the JSON lines only (DeepSpeed's, Accelerate's and transformers' messages go to stderr); a bad config is one line
+and exit 2.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from ds_tsp import TSPConfigError, emit
 from ds_tsp.accelerate import TSPAccelerator as Accelerator
-from ds_tsp.tools.synthetic import RepeatingPatterns, save_tiny_llama
+from ds_tsp.testing import RepeatingPatterns, save_tiny_llama
 
 
 def parse_args(argv=None):
@@ -73,7 +76,7 @@ def main(argv=None) -> list[dict]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     micro = args.global_batch // args.gradient_accumulation_steps  # over all data replicas
     if micro % accelerator.data_size or micro * args.gradient_accumulation_steps != args.global_batch:
-        raise SystemExit(f"--global_batch {args.global_batch} must be a multiple of data replicas "
+        raise TSPConfigError(f"--global_batch {args.global_batch} must be a multiple of data replicas "
                          f"({accelerator.data_size}) x gradient_accumulation_steps")
     data = RepeatingPatterns(vocab_size=model.config.vocab_size, seq_len=args.seq_len,
                              num_samples=args.max_steps * args.global_batch + args.eval_samples, seed=args.seed)
@@ -107,7 +110,7 @@ def main(argv=None) -> list[dict]:
             log.append(line)
             losses = []
             if accelerator.is_main_process:
-                print(json.dumps(line), flush=True)
+                emit(line)
             if line["step"] == args.checkpoint_at:
                 accelerator.save_state(str(state_dir))
                 if accelerator.is_main_process:
@@ -130,13 +133,12 @@ def evaluate(accelerator, model, loader) -> None:
         seen.append(accelerator.gather_for_metrics(batch.pop("index")))
         losses.append(model(**batch).loss)
     if accelerator.is_main_process:
-        print(json.dumps({"eval_loss": float(torch.stack(losses).mean()),
-                          "eval_indices": torch.cat(seen).tolist()}), flush=True)
+        emit({"eval_loss": float(torch.stack(losses).mean()), "eval_indices": torch.cat(seen).tolist()})
     model.train()
 
 
 if __name__ == "__main__":
-    from ds_tsp.core.launch import exit_rank
+    from ds_tsp import run_main
 
-    main()
-    exit_rank()  # destroys the process group and skips finalization, where gloo can abort
+    # stdout: JSON lines only; a bad config: one line, once, exit 2; ends through exit_rank (gloo can abort at exit)
+    run_main(main, "train_accelerate.py")

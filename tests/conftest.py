@@ -1,13 +1,22 @@
-"""Shared pytest setup: `slow` tests are opt-in (pytest --runslow, or RUN_SLOW=1 in the environment); `soak`
-tests run only when selected (pytest -m soak)."""
+"""Shared pytest setup: the suite's environment (below), `slow` tests are opt-in (pytest --runslow, or RUN_SLOW=1
+in the environment); `soak` tests run only when selected (pytest -m soak)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
-# Tests never download anything: tiny models are built from configs.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite's environment, set here so that `python -m pytest -q tests` alone is CI's run (.ci/run exports nothing).
+# pytest imports this file before any test module, so before torch or deepspeed: OMP_NUM_THREADS is read when torch
+# loads its OpenMP runtime, DS_ACCELERATOR when deepspeed picks its accelerator. Subprocesses the tests start
+# (torchrun, mp.spawn) inherit os.environ. Set, not defaulted: the suite is a CPU suite (gloo, DeepSpeed's CPU
+# accelerator even where a GPU is visible), never downloads (tiny models are built from configs), and its timings
+# and thread-dependent checks assume one OpenMP thread per process, whatever the calling shell exports.
+SUITE_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+os.environ.update(SUITE_ENV)
+if "torch" in sys.modules:  # imported before us (a plugin): its thread pool already read the environment
+    sys.modules["torch"].set_num_threads(int(SUITE_ENV["OMP_NUM_THREADS"]))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

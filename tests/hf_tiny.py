@@ -145,3 +145,16 @@ def packed_batch(vocab_size: int, doc_lengths_per_row, seed: int = 0) -> dict:
             labels[b, start] = -100
             start += n
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "documents": documents}
+
+
+def randomize_lora_(wrapped, seed: int = 7):
+    """PEFT initialises B to zero (the adapter starts as a no-op): random factors make every LoRA gradient, A's
+    included, nonzero, so a comparison can fail."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return wrapped

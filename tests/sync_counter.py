@@ -26,6 +26,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from package_frames import package_frames
+
 aten = torch.ops.aten
 
 # Python-level calls that read tensor values on the host.
@@ -57,11 +59,12 @@ class SyncEvent:
 
 
 def _region(frames: list[traceback.FrameSummary]) -> tuple[str, str]:
-    ours = [f for f in frames if "/ds_tsp/" in f.filename.replace("\\", "/")]
+    ours = package_frames(frames)  # by the package directory: a checkout named ds_tsp holds .venv and tests too
     if not ours:
         return "outside", ""
-    keys = [f"{f.filename.replace(chr(92), '/').split('/ds_tsp/', 1)[1]}:{f.name}" for f in ours]
-    where = f"{keys[-1].rsplit(':', 1)[0]}:{ours[-1].lineno} {ours[-1].name}"
+    keys = [f"{path}:{f.name}" for path, f in ours]
+    path, last = ours[-1]
+    where = f"{path}:{last.lineno} {last.name}"
     for region, patterns in REGIONS:
         if any(p in k for k in keys for p in patterns):
             return region, where

@@ -30,11 +30,11 @@ memoised subclasses, and the LM head's token count never cast to bf16.
 from __future__ import annotations
 
 import math
-import traceback
 
 import pytest
 import torch
 from nccl_rules import check
+from package_frames import package_frames
 from property_cases import ModelCase, ModelShape, Row, build_batch, make_weights, reference_loss_and_grads, rel_err
 from sync_counter import SyncCounter
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,8 +63,8 @@ class GemmDtypes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in GEMMS:
-            frames = [f.filename for f in traceback.extract_stack() if "/ds_tsp/" in f.filename]
-            where = frames[-1].rsplit("/", 1)[1] if frames else "<outside ds_tsp>"
+            frames = package_frames()  # by the package directory, not "/ds_tsp/" (a clone's name and its .venv)
+            where = frames[-1][0].rsplit("/", 1)[-1] if frames else "<outside ds_tsp>"
             self.seen.append((where, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))))
         return func(*args, **(kwargs or {}))
 

@@ -28,7 +28,10 @@ PAUSE_STEP = 3
 
 # --- the rank program -------------------------------------------------------------------------------------------
 def _pause(phase: str) -> None:
-    print(f"PAUSED {phase}", flush=True)
+    from ds_tsp.tools.json_stdout import json_stream
+
+    # train.py's stdout is kept for its records (print() goes to stderr there): the marker is written beside them
+    print(f"PAUSED {phase}", file=json_stream(), flush=True)
     while True:
         time.sleep(60)
 

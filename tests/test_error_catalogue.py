@@ -131,6 +131,7 @@ def _damaged_file(tmp, truncate: bool):
 # (id, field, trigger(tmp_path)); the message is whatever the code raises (docs/errors.md shows it)
 CASES = [
     ("tsp-unknown-key", "tsp.<key>", lambda t: parse_tsp_config({"sise": 2})),
+    ("ds-tsp-key-typo", "tps", lambda t: _deepspeed_check({"tps": {"size": 2}}, {})),
     ("tsp-size", "tsp.size", lambda t: parse_tsp_config({"size": 0})),
     ("tsp-type", "tsp.overlap", lambda t: parse_tsp_config({"overlap": "yes"})),
     ("tsp-kernel", "tsp.kernel", lambda t: parse_tsp_config({"kernel": "triton"})),
@@ -252,8 +253,12 @@ def test_one_bad_rank_fails_every_rank(kind):
 
 
 if __name__ == "__main__":  # python tests/test_error_catalogue.py > docs/errors.md
+    import os
     import tempfile
 
+    # DeepSpeed, imported by a case, logs "Setting accelerator to CPU" to STDOUT when it has to guess: it would
+    # land in the table. The catalogue needs no accelerator, so tell it (a set value, e.g. cuda, is kept).
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.path.insert(0, str(Path(__file__).parent))
     print("# Error catalogue\n")
     print("Every bad input below gives ONE error (ds_tsp.core.errors.TSPConfigError, or TSPNonFiniteError) naming the "

@@ -2,7 +2,8 @@
 
 - Conversion (D=1, no launch): each shard takes its HF tensors' flag; a shard mixing frozen and trainable tensors
   is one error naming them; a checkpoint directory loads all trainable; an optimizer built on the trainable
-  parameters only is rebound (what the Trainer builds), one missing a trainable parameter is refused.
+  parameters only is rebound (what the Trainer builds), one missing a trainable parameter is refused; a training
+  checkpoint holds only the trainable parameters.
 - TSP=2 against transformers' own model, float64, two frozen sets: the trainable tensors' gradients equal the
   reference's (1e-10 norm-wise relative), every frozen shard's `.grad` stays None, and the weight-grad
   collectives (attention reduces, ring grad hops, the replicated-grad all-reduce) run for trainable shards only.
@@ -95,15 +96,21 @@ def test_optimizer_on_trainable_parameters_only_is_rebound():
         rebind_optimizer(short, parameter_names(hf), to_tsp_model(hf, TSPComm.single(), hf_face=True))
 
 
-def test_training_checkpoints_refuse_frozen_parameters_rather_than_resume_wrongly():
-    from ds_tsp.checkpoint.training.train_state import _check_all_trainable
+def test_training_checkpoints_hold_only_trainable_parameters():
+    """Frozen tensors (LoRA's base included) have no optimizer state and come from the model a resume loads: the
+    checkpoint lists only the trainable ones, and which of them every TSP rank writes (tests/test_frozen_lora_
+    compose.py resumes such checkpoints)."""
+    from ds_tsp.checkpoint.training.train_state import saved_parameters, sharded_ids
 
-    model = to_tsp_model(frozen_model("mlp0_embed"), TSPComm.single(), hf_face=True)
-    with pytest.raises(TSPConfigError, match=r"frozen parameters \(model.layers.0.input_layernorm.weight"):
-        _check_all_trainable(model.tsp)
-    model = to_tsp_model(frozen_model("lora"), TSPComm.single(), hf_face=True)
-    with pytest.raises(TSPConfigError, match=r"a LoRA adapter \(model.layers.0.self_attn.q_proj.lora_A.weight"):
-        _check_all_trainable(model.tsp)
+    model = to_tsp_model(frozen_model("mlp0_embed"), TSPComm.single(), hf_face=True).tsp
+    assert [n for n, _ in saved_parameters(model)] == ["model.embed_tokens.vocab_shard",
+                                                       "model.layers.0.mlp.packed_shard"]
+    model = to_tsp_model(frozen_model("lora"), TSPComm.single(), hf_face=True).tsp
+    saved = saved_parameters(model)
+    assert len(saved) == 12 and all(".lora." in n for n, _ in saved), saved  # q, v, down x 2 layers x (A, B)
+    cut = sharded_ids(model)
+    per_rank = sorted(n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n, p in saved if id(p) in cut)
+    assert per_rank == sorted(["q_proj.lora_B", "v_proj.lora_B", "down_proj.lora_A"] * 2), per_rank
 
 
 # --- TSP=2 ------------------------------------------------------------------------------------------------------------

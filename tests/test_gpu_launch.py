@@ -66,8 +66,36 @@ def test_an_existing_group_still_gets_its_device(monkeypatch, calls):
     _cuda(monkeypatch, True)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
     launch.init_from_env()
     assert calls == [("set_device", 1)]
+
+
+@pytest.mark.parametrize("config, gpu", [("cpu:gloo,cuda:nccl", True), ("cuda:nccl", True),
+                                         ("cpu:gloo,cuda:gloo", False), ("cpu:gloo", False)])
+def test_an_existing_group_without_cuda_backend_keeps_the_rank_on_the_cpu(monkeypatch, calls, config, gpu):
+    """A gloo-only group (run_on_local_ranks' ranks, a user's init_process_group("gloo")) would carry CUDA tensors
+    through gloo: those ranks stay on the CPU, also when the node has fewer GPUs than ranks (no LOCAL_RANK error)."""
+    _cuda(monkeypatch, True, 2)
+    monkeypatch.setenv("LOCAL_RANK", "1" if gpu else "3")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    assert launch.local_device() == (torch.device("cuda", 1) if gpu else torch.device("cpu"))
+    assert calls == ([("set_device", 1)] if gpu else [])
+
+
+def _device_with_mocked_cuda(gpus: int) -> str:
+    """Body of a spawned rank on a pretend CUDA node with `gpus` GPUs: the device the entry points would use."""
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: gpus
+    torch.cuda.set_device = lambda i: (_ for _ in ()).throw(AssertionError(f"set_device({i}) on a gloo-only rank"))
+    return str(launch.local_device())
+
+
+def test_spawned_ranks_on_a_cuda_node_stay_on_the_cpu():
+    """`python examples/demo_train.py` / `ds-tsp verify --tsp 3` without a launcher on a 1-GPU node: every rank of the
+    gloo group computes on the CPU (before: rank 0 on cuda:0 feeding gloo, rank 1 the LOCAL_RANK error)."""
+    assert launch.run_on_local_ranks(_device_with_mocked_cuda, 3, 1, timeout_s=120) == ["cpu"] * 3
 
 
 def test_deepspeed_initialize_picks_the_gpu_before_deepspeed_builds_anything(monkeypatch):
@@ -86,9 +114,15 @@ def test_deepspeed_initialize_picks_the_gpu_before_deepspeed_builds_anything(mon
 
     monkeypatch.setattr(engine, "import_deepspeed", lambda: FakeDeepSpeed)
     monkeypatch.setattr(engine, "local_device", lambda: log.append("local_device") or torch.device("cpu"))
+    # without a launcher it starts a 1-process group: recorded, not started (a group left up in this pytest
+    # process, or its RANK / MASTER_PORT variables, would change every later in-process test)
+    monkeypatch.setattr(engine, "_launched", lambda: False)
+    monkeypatch.setattr(engine, "_single_process_env", lambda: log.append("env"))
+    monkeypatch.setattr(engine, "init_from_env", lambda **kwargs: log.append("init_from_env"))
     with pytest.raises(Stop):
         engine.initialize(model=None, config={"train_batch_size": 1, "tsp": {"size": 1}})
-    assert log == ["local_device", "init_distributed"]
+    assert log == ["local_device", "env", "init_from_env", "init_distributed"]
+    assert not dist.is_initialized()
 
 
 def test_groups_get_the_configured_timeout_at_creation(monkeypatch):
@@ -101,6 +135,7 @@ def test_groups_get_the_configured_timeout_at_creation(monkeypatch):
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # NCCL's margin: tests/test_nccl_timeout.py
     monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, timeout=None: created.append(timeout) or
                         object())
     monkeypatch.setattr("ds_tsp.core.setup.TSPComm", lambda group, **kw: kw)

@@ -25,6 +25,12 @@ def test_gpu_script_self_test_on_cpu(tmp_path):
     tsp_runs = [r for r in results if r.get("layout", "").startswith("tsp")]
     # every simulated rank fed its real shard: the causal step ran, not a document-masked one
     assert tsp_runs and all(r["document_masking"] is False for r in tsp_runs)
+    # the fake group's works never complete: no watchdog poller may collect them
+    assert all(r["comm_timeout_s"] is None for r in tsp_runs)
+    # TP+SP's peak is a training step's: built on meta, shards materialized, warm-up, THEN the peak reset
+    tp_sp = [r for r in results if r.get("layout") == "tp_sp"]
+    assert tp_sp and all(r["phases"] == ["built:meta", "parallelized", "materialized", "warm-up", "peak reset", "step"]
+                         and r["step_s_no_comm"] > 0 for r in tp_sp), tp_sp
 
 
 def test_one_failing_case_keeps_the_others(tmp_path):
@@ -40,3 +46,19 @@ def test_one_failing_case_keeps_the_others(tmp_path):
     failed = [r for r in results if "error" in r]
     assert [r["layout"] for r in failed] == ["tp_sp"] and "injected" in failed[0]["error"]
     assert any("kernel" in r for r in results)  # the case after the failure ran
+
+
+def test_first_contact_checks_self_test_on_cpu(tmp_path):
+    """benchmarks/gpu/first_contact_checks.py (issue 25's GPU-only checks): on CPU the MoE autocast step runs for
+    real (bf16 autocast, both dispatches, against fp32), the timeout margin is reported, the poller check skips."""
+    script = ROOT / "benchmarks" / "gpu" / "first_contact_checks.py"
+    out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = {r["check"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    assert set(results) == {"poller_memory", "nccl_timeout_margin", "moe_autocast"}
+    assert "skipped" in results["poller_memory"]
+    assert results["nccl_timeout_margin"]["group_timeouts_s"] and "ok" not in results["nccl_timeout_margin"]
+    moe = results["moe_autocast"]
+    for dispatch in ("ring", "all_to_all"):
+        assert moe[dispatch]["ok"] and moe[dispatch]["grad_rel_err"] > 0, moe  # > 0: bf16 really ran

@@ -236,12 +236,11 @@ def moe_runs() -> dict[int, list[dict]]:
 
 @pytest.mark.parametrize("tsp", [1, 2])
 def test_moe_layer_reads_the_counts_once_per_forward(moe_runs, tsp):
-    """all_to_all: the split sizes (one .tolist() per layer forward); ring: the loop path's bounds, the same
-    one read; ring on the grouped path: nothing. Backward and the aux loss: nothing."""
+    """all_to_all: the split sizes (one .tolist() per layer forward); ring, on both expert-GEMM paths: the
+    per-expert counts that bound each step's owner rows, the same one read. Backward and the aux loss: nothing."""
     for rank, results in enumerate(moe_runs[tsp]):
         assert ("ring", "loop") in results
         for (dispatch, path), (fwd, bwd) in results.items():
-            want = 0 if (dispatch, path) == ("ring", "grouped") else MOE_LAYERS
-            assert len(fwd) == want, (tsp, rank, dispatch, path, fwd)
+            assert len(fwd) == MOE_LAYERS, (tsp, rank, dispatch, path, fwd)
             assert all(e[:3] == ("read", "tolist", "layers") and "functions/moe_" in e[3] for e in fwd), fwd
             assert not bwd, (tsp, rank, dispatch, path, bwd)

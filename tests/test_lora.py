@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from hf_tiny import build_tiny_model, shift  # noqa: E402
+from hf_tiny import build_tiny_model, randomize_lora_, shift  # noqa: E402
 
 from ds_tsp.core.comm import TSPComm  # noqa: E402
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
@@ -38,12 +38,7 @@ def peft_model(case: str):
     model = build_tiny_model(family, dtype=torch.float64)
     patch_float64_(model)
     wrapped = peft.get_peft_model(model, peft.LoraConfig(lora_dropout=0.0, **config))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in wrapped.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return wrapped
+    return randomize_lora_(wrapped)
 
 
 def make_batch(vocab: int):

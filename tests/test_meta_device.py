@@ -17,7 +17,6 @@ import ast
 import contextlib
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import tiny_config  # noqa: E402
+from package_frames import package_frames  # noqa: E402
 
 from ds_tsp.core import document_attention  # noqa: E402
 from ds_tsp.core.comm import TSPComm  # noqa: E402
@@ -40,8 +40,8 @@ B, S = 2, 16
 
 
 def _where() -> str:
-    frames = [f for f in traceback.extract_stack() if "/ds_tsp/" in f.filename]
-    return " <- ".join(f"{f.filename.split('/ds_tsp/')[1]}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
+    frames = package_frames()  # by the package directory, not "/ds_tsp/" (a clone's name and its .venv)
+    return " <- ".join(f"{path}:{f.lineno} {f.name}" for path, f in reversed(frames[-3:]))
 
 
 class _Outputs(TorchDispatchMode):

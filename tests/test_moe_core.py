@@ -233,7 +233,7 @@ def test_choose_dispatch_takes_the_cheaper_and_refuses_unknown():
         assert choose_moe_dispatch("auto", tokens, **args) == min(cost, key=lambda k: (cost[k], k != "ring"))
     assert choose_moe_dispatch("ring", 16, **args) == "ring"
     assert choose_moe_dispatch("all_to_all", 1 << 16, **args) == "all_to_all"
-    assert choose_moe_dispatch("auto", 16, **{**args, "tsp": 1}) == "ring"  # a tie: no host sync
+    assert choose_moe_dispatch("auto", 16, **{**args, "tsp": 1}) == "ring"  # a tie: the ring (its bytes do not grow with S)
     with pytest.raises(TSPConfigError, match="moe_dispatch='fast'"):
         choose_moe_dispatch("fast", 16, **args)
     with pytest.raises(TSPConfigError, match="num_experts=6 on tsp=4"):

@@ -185,3 +185,28 @@ def test_foreign_moe_config_refused(tmp_path, capsys):
                                 "n_routed_experts": 8}))
     assert _run(["--hf-config", str(path)]) == 2
     assert "n_routed_experts=8" in capsys.readouterr().err
+
+
+def test_ring_rows_per_step_are_the_owners_rows():
+    """The ring's row work per step (ds_tsp.core.functions.moe_ring): both GEMM paths slice exactly the owner's rows
+    (host bounds, one read per layer forward), planned at the balanced R/D = T x top_k / D; no static window in the
+    bf16 (grouped) plan's rows or transients. The host reads: 1 per sparse layer forward, 2 with activation
+    checkpointing (the recompute reads again), either schedule; the note says so."""
+    for experts, top_k in ((16, 2), (8, 4)):  # E_r = 8 >= k; E_r = 4 = k
+        shape = ModelShape(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                           num_kv_heads=8, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=128)
+        plans = {dt: plan_tsp(PlanInput(model=shape, seq=8192, degree=2, dtype=dt, moe_dispatch="ring"))
+                 for dt in ("bf16", "fp32")}
+        T = 8192 // 2
+        for dt, plan in plans.items():
+            b = {"bf16": 2, "fp32": 4}[dt]
+            assert plan.moe["ring_rows_per_step"] == T * top_k // 2, (dt, plan.moe)  # R / D, not a window of R
+            assert plan.moe["ring_row_bytes_per_step"] == T * top_k // 2 * (2 * (3 * 256 + 3 * 128) * b + 16)
+            assert plan.moe["host_reads_per_layer"] == 1
+            assert any(f"ring rows per step {T * top_k // 2} of {T * top_k}" in note and
+                       "host reads: 1 per sparse layer forward" in note for note in plan.notes), plan.notes
+    for schedule in ("ring", "all_to_all"):
+        plan = plan_tsp(PlanInput(model=shape, seq=8192, degree=2, dtype="bf16", moe_dispatch=schedule,
+                                  activation_checkpointing=True))
+        assert plan.moe["host_reads_per_layer"] == 2
+        assert any("host reads: 1 + 1 recompute per sparse layer forward" in note for note in plan.notes), plan.notes

@@ -108,7 +108,9 @@ def test_every_python_block_runs(ft_paths, tmp_path):
     prompt = torch.tensor([sampled[0][:4]])
     greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
     assert greedy.tolist() == sampled
-    losses = [float(out.splitlines()[-1]) for out in deepspeed]  # DeepSpeed prints a line of its own first
+    last = [out.splitlines()[-1] for out in deepspeed]  # DeepSpeed prints a line of its own first
+    assert [line.split(": loss ")[0] for line in last] == ["rank 0", "rank 1"], last  # prefixed: never one line
+    losses = [float(line.split(": loss ")[1]) for line in last]
     assert losses[0] == losses[1] and losses[0] > 0  # the global loss, the same on both ranks
     # the Accelerate script, plain python: one process
     script = tmp_path / "accelerate_block.py"

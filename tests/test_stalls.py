@@ -153,18 +153,21 @@ def test_process_group_timeout_first_reads_as_the_watchdogs(tmp_path):
 @pytest.mark.parametrize("setup", ["runtime", "world"])
 def test_stall_trials(tmp_path, setup):
     """benchmarks/stall_trials.py, a few trials (the issue's measurement is 20): ranks started by hand, one SIGSTOPped
-    at a random point of a step, then once right before the loss logging; every survivor ends within timeout_s + 30 s
-    with ONE message naming collective, layer and peer. setup runtime: the groups' own timeout is timeout_s."""
-    for stop_at, trials in (("random", 3), ("optimizer", 1)):
-        out = tmp_path / f"{stop_at}.json"
+    at a random point of a step, then once right before the loss logging, then once right before the non-finite
+    check (its job-wide all-reduce, issue 25 item 6); every survivor ends within timeout_s + 30 s with ONE message
+    naming collective, layer and peer. setup runtime: the groups' own timeout is timeout_s."""
+    for stop_at, trials, extra in (("random", 3, []), ("optimizer", 1, []), ("optimizer", 1, ["--nonfinite"])):
+        out = tmp_path / f"{stop_at}{len(extra)}.json"
         done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stall_trials.py"), "--trials", str(trials),
-                               "--timeout-s", "5", "--setup", setup, "--stop-at", stop_at, "--seed", "1",
-                               "--keep", str(tmp_path / stop_at), "--out", str(out)],
+                               "--timeout-s", "5", "--setup", setup, "--stop-at", stop_at, "--seed", "1", *extra,
+                               "--keep", str(tmp_path / f"{stop_at}{len(extra)}"), "--out", str(out)],
                               cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
         print(done.stdout)
         assert done.returncode == 0, done.stderr
         summary = json.loads(out.read_text())["summary"]
         assert summary["trial_errors"] == 0 and summary["ok"] == summary["survivors"] == trials, done.stdout
+        if extra:
+            assert summary["collectives"] == ["non-finite check all_reduce"], summary
 
 
 def test_healthy_run_is_not_disturbed(tmp_path):

@@ -307,17 +307,37 @@ def test_sft_options_that_need_full_logits_are_refused_by_name():
             TSPSFTTrainer(model=None, args=SimpleNamespace(**{**plain, **options}), **kwargs)
 
 
+def test_bare_sft_trainer_on_a_tsp_model_names_tsp_sft_trainer(tmp_path):
+    """SFTTrainer(model=TSPForCausalLM) without TSPTrainer: one TSPConfigError naming TSPSFTTrainer (it was a bare
+    AttributeError: generation_config); hasattr / getattr with a default still answer as before."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from ds_tsp.core.errors import TSPConfigError
+    from ds_tsp.hf import TSPForCausalLM
+    from hf_tiny import tiny_config
+
+    save_tokenizer(tmp_path / "tok")
+    model = TSPForCausalLM(tiny_config("llama", vocab_size=len(WORDS) + 3))
+    assert not hasattr(model, "generation_config") and getattr(model, "generation_config", None) is None
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1, report_to=[], use_cpu=True)
+    with pytest.raises(TSPConfigError, match=r"ds_tsp\.hf\.TSPSFTTrainer"):
+        SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows("text", 4, 0)),
+                   processing_class=AutoTokenizer.from_pretrained(tmp_path / "tok"))
+
+
 def test_tsp_sft_trainer_without_trl_says_how_to_install(monkeypatch):
     import ds_tsp.hf
-    from ds_tsp.integrations import trl as tsp_trl
+    from ds_tsp.integrations import sft_trainer as tsp_sft
 
-    tsp_trl.sft_trainer_class.cache_clear()
+    tsp_sft.sft_trainer_class.cache_clear()
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
     try:
         with pytest.raises(ImportError, match=r"pip install 'ds_tsp\[trl\]'"):
             _ = ds_tsp.hf.TSPSFTTrainer
     finally:
-        tsp_trl.sft_trainer_class.cache_clear()
+        tsp_sft.sft_trainer_class.cache_clear()
 
 
 if __name__ == "__main__":

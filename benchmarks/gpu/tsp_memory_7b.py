@@ -60,7 +60,10 @@ def _simulated_peers_comm(group):
                 out.view(peers.shape).copy_(peers)
             return handle
 
-    return SimulatedPeersComm(group)
+    # timeout_s=None: no watchdog, no poller. The fake backend's works never report is_completed(), so a poller
+    # would keep every CUDA collective of the run in its list, re-scan it every poll, and report a false stall
+    # timeout_s after the first wait.
+    return SimulatedPeersComm(group, timeout_s=None)
 
 
 def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> dict:
@@ -99,7 +102,8 @@ def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> d
     start = time.perf_counter()
     step()
     result = {"peak_bytes_per_rank": _peak(device), "step_s_no_comm": time.perf_counter() - start,
-              "document_masking": any(s is not None for s in document_starts)}
+              "document_masking": any(s is not None for s in document_starts),
+              "comm_timeout_s": comm.timeout_s}  # None: no stall poller on the fake group
     if result["document_masking"]:
         raise RuntimeError("the simulated step ran document-masked attention: the peers' input-check payloads did "
                            "not reach the model, so this is not the causal step being measured")
@@ -107,31 +111,68 @@ def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> d
 
 
 def tp_sp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype) -> dict:
+    """Rank 0's TP+SP peak over one training step after a warm-up step, measured as tsp_peak measures TSP.
+
+    The model is built on the meta device in `dtype` and parallelized there; only then are this rank's shards
+    materialized on `device`, and the peak is reset before the measured step. Built on the GPU instead, the fp32
+    model (27 GB at 7B) and its bf16 copy would be counted as a "training" peak. `phases` records the order.
+    """
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ds_tsp.tools.bench.dtensor_tp_sp import parallelize
 
-    _reset_peak(device)
+    phases = []
     config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                          intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
                          num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
                          max_position_embeddings=seq, attn_implementation="sdpa")
-    with torch.device(device):
+    with torch.device("meta"):
         model = LlamaForCausalLM(config).to(dtype)
+    phases.append(f"built:{next(model.parameters()).device.type}")
     parallelize(model, init_device_mesh(device.type, (tsp,)))
+    phases.append("parallelized")
+    _materialize(model, config, device)
+    phases.append("materialized")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, shape.vocab_size, (1, seq), device=device)
-    from torch.distributed.tensor.parallel import loss_parallel
-
     positions = torch.arange(seq, device=device)[None]  # the embedding output is sequence-sharded
-    logits = model.lm_head(model.model(input_ids=ids, position_ids=positions).last_hidden_state)
-    with loss_parallel():
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
-    opt.step()
-    result = {"peak_bytes_per_rank": _peak(device)}
+
+    def step() -> None:
+        logits = model.lm_head(model.model(input_ids=ids, position_ids=positions).last_hidden_state)
+        with loss_parallel():
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+        del logits
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up: allocator, kernels' first launch, optimizer state (as tsp_peak)
+    phases.append("warm-up")
+    _reset_peak(device)
+    phases.append("peak reset")
+    start = time.perf_counter()
+    step()
+    phases.append("step")
+    result = {"peak_bytes_per_rank": _peak(device), "step_s_no_comm": time.perf_counter() - start, "phases": phases}
     del model, opt
     return result
+
+
+def _materialize(model, config, device) -> None:
+    """Give a meta-built, parallelized HF Llama real storage on `device` (each rank its shards only) and values:
+    N(0, 0.02) weights, unit norms, and RoPE tables computed afresh (buffers, which to_empty leaves undefined)."""
+    from torch.distributed.tensor import DTensor
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            local.fill_(1.0) if "norm" in name else local.normal_(0.0, 0.02)
+        with torch.device(device):
+            model.model.rotary_emb = type(model.model.rotary_emb)(config)
 
 
 def zigzag_kernel_time(shape: ModelShape, seq: int, tsp: int, device, dtype, repeats: int = 3) -> dict:

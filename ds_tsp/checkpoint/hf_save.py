@@ -21,50 +21,27 @@ and the writer drops the temporary directory, every rank's files with it.
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_tsp.checkpoint.collective_save import agree_on_outcome, global_rank, is_writer, whole_on_this_rank
 from ds_tsp.checkpoint.owner_saved import OwnedParts, gather_owned_parts, open_rank_stream, saved_by_owner
 from ds_tsp.checkpoint.safetensors_writer import StreamingCheckpointWriter
 from ds_tsp.checkpoint.shard_stream import ShardStream
 from ds_tsp.core.errors import TSPConfigError
 
 
-@contextlib.contextmanager
-def _whole_on_this_rank(param: torch.nn.Parameter):
-    """This rank's whole TSP shard for the duration: under ZeRO-3 (partitioned over the data axis) gathered, under
-    FSDP2 (a DTensor sharded over the data mesh) its full_tensor(); both collective over the data axis."""
-    if hasattr(param, "ds_id"):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            yield param.detach()
-    elif hasattr(param, "full_tensor"):
-        yield param.detach().full_tensor()
-    else:
-        yield param.detach()
-
-
-def _is_writer() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _failure(exc: BaseException) -> str:
-    return f"global rank {_global_rank()}: {type(exc).__name__}: {exc}"
+    return f"global rank {global_rank()}: {type(exc).__name__}: {exc}"
 
 
 def _in_writing_replica(comm) -> bool:
     """This rank's TSP group is the one global rank 0 (the writer) is TSP rank 0 of."""
     if comm.size == 1:
-        return _is_writer()
+        return is_writer()
     return dist.get_global_rank(comm.group, 0) == 0
 
 
@@ -119,7 +96,7 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
             keep.run(lambda: target.add(name, tensor.detach().to(dtype or tensor.dtype).cpu()))
 
     for (prefix, module, param), owned in zip(sharded, by_owner):
-        with _whole_on_this_rank(param) as whole:
+        with whole_on_this_rank(param) as whole:
             if owned:  # this rank's experts, written here (views: the stream copies them one part at a time)
                 for name, tensor in module.hf_targets(whole).items():
                     add(experts_to, prefix + name, tensor)
@@ -130,7 +107,7 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
                 add(writer, prefix + name, tensor)
         del shards
     for name, param in model.replicated_params().items():
-        with _whole_on_this_rank(param) as whole:
+        with whole_on_this_rank(param) as whole:
             add(writer, name, whole)
     if writes_experts:
         _collect_owned_parts(comm, keep, writer, stream)
@@ -145,7 +122,7 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
                 writer.abort()
         except Exception as exc:  # noqa: BLE001
             keep.failure = keep.failure or _failure(exc)
-    _agree_on_outcome(keep.failure, directory)
+    agree_on_outcome(keep.failure, directory)
     return directory if writer is not None else None
 
 
@@ -153,7 +130,7 @@ def _open_writer(directory: Path, max_shard_size: int | str, comm) -> tuple[Stre
     """The writer on global rank 0; its temporary directory's path broadcast to every rank (the TSP ranks of the
     writing replica write their experts there). A writer that cannot open fails every rank here, together."""
     writer, failure = None, None
-    if _is_writer():
+    if is_writer():
         try:
             if comm.size > 1 and comm.rank != 0:
                 raise TSPConfigError(f"global rank 0 is TSP rank {comm.rank} of its group: the writer must be TSP "
@@ -173,19 +150,10 @@ def _collect_owned_parts(comm, keep: _FirstFailure, writer: StreamingCheckpointW
                          stream: ShardStream | None) -> None:
     """The writing replica's TSP ranks report their expert files; the writer adopts them, or keeps a failure."""
     parts = keep.run(stream.finish) if stream is not None else None
-    mine = OwnedParts(comm.rank, _global_rank(), parts or [], stream.total_size if stream is not None else 0,
+    mine = OwnedParts(comm.rank, global_rank(), parts or [], stream.total_size if stream is not None else 0,
                       keep.failure)
     reports = gather_owned_parts(comm, mine)
     for report in reports[1:] if writer is not None else ():
         if report.failure is not None:
             keep.failure = keep.failure or report.failure
         keep.run(writer.adopt_parts, report.parts, report.total_size)
-
-
-def _agree_on_outcome(failure: str | None, directory: Path) -> None:
-    outcome = [failure]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise TSPConfigError(f"save_pretrained({str(directory)!r}) failed on {outcome[0]}; the previous checkpoint "
-                             "there (if any) is untouched")

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from ds_tsp.checkpoint.durable_io import fsync_path
-from ds_tsp.checkpoint.hf_save import _agree_on_outcome, _is_writer, _whole_on_this_rank
+from ds_tsp.checkpoint.collective_save import agree_on_outcome, is_writer, whole_on_this_rank
 from ds_tsp.checkpoint.safetensors_io import DEFAULT_METADATA
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -48,7 +48,7 @@ def gather_adapter(model, grads: bool = False) -> Iterator[tuple[str, torch.Tens
     time. grads=True: the factors' gradients instead (zeros where none), for tests and checks."""
     comm = model.comm
     for name, param, cut in model.lora_tensors():
-        with _whole_on_this_rank(param) as whole:
+        with whole_on_this_rank(param) as whole:
             local = whole
             if grads:
                 local = param.grad.detach() if param.grad is not None else torch.zeros_like(whole)
@@ -73,7 +73,7 @@ def _replace(path: Path, write) -> None:
 def save_adapter(model, directory: str | Path) -> Path | None:
     """Collective over every rank; global rank 0 writes. Returns the directory there, None elsewhere."""
     directory = Path(directory)
-    writer = _is_writer()
+    writer = is_writer()
     tensors = {}
     for key, full in gather_adapter(model):
         if writer and full is not None:
@@ -87,5 +87,5 @@ def save_adapter(model, directory: str | Path) -> Path | None:
             fsync_path(directory)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             failure = f"{type(exc).__name__}: {exc}"
-    _agree_on_outcome(failure, directory)
+    agree_on_outcome(failure, directory)
     return directory if writer else None

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from ds_tsp.core import finalize
 from ds_tsp.core.comm_recorder import CommRecorder
 from ds_tsp.core.watchdog import Blocked, Guard, TSPCommError, guard, post_failed, watched_wait  # noqa: F401
 
@@ -93,9 +94,11 @@ class Handle:
                 for work in self._works:
                     work.wait()
             else:
-                # device tensors (NCCL): wait() only orders the stream, so the watchdog polls completion instead
-                on_device = bool(self._keep_alive) and self._keep_alive[0].device.type != "cpu"
-                watched_wait(self._works, self._blocked, self._timeout_s, poll=on_device)
+                # device tensors (NCCL): wait() only orders the stream, so the watchdog polls an event recorded
+                # after it (never the Works: a WorkNCCL keeps its outputs until the GPU is done with them)
+                device = self._keep_alive[0].device if self._keep_alive else None
+                watched_wait(self._works, self._blocked, self._timeout_s,
+                             poll=device if device is not None and device.type != "cpu" else None)
         self._counter.wait_s += time.perf_counter() - start
         self._works = []
         self._keep_alive = ()
@@ -138,6 +141,7 @@ class TSPComm:
         else:
             self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
             self._ranks = dist.get_process_group_ranks(self.group)  # global rank of each TSP rank
+            finalize.install()  # a script that returns normally exits cleanly (no abort in gloo's teardown)
             if self.weight_group is not None and dist.get_process_group_ranks(self.weight_group) != self._ranks:
                 raise ValueError("TSPComm(weight_group=...): must span the same ranks as group, in the same order "
                                  "(ProcessGroups.build makes it as tsp_weight_group)")

@@ -7,10 +7,11 @@ the model options it turns into.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ds_tsp.core.errors import TSPConfigError
 
@@ -43,6 +44,10 @@ class TSPOptions:
         return cls(**{"keep_gathered_kv": True, "recompute_projections": False, **overrides})
 
 
+# The smallest tsp.timeout_s that does not warn on a CUDA machine (see TSPConfig._gpu_timeout_floor).
+GPU_TIMEOUT_FLOOR_S = 60
+
+
 class TSPConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -62,6 +67,22 @@ class TSPConfig(BaseModel):
     moe_dispatch: Literal["auto", "all_to_all", "ring"] = Field(
         "auto", description="mixture-of-experts layers: experts travel the ring (\"ring\"), routed tokens travel "
                             "(\"all_to_all\"), or per batch shape the one sending fewer bytes (\"auto\")")
+
+    @model_validator(mode="after")
+    def _gpu_timeout_floor(self) -> "TSPConfig":
+        """On a CUDA machine a timeout_s under GPU_TIMEOUT_FLOOR_S warns: NCCL collectives are timed from when they
+        are queued, the host queues several layers ahead, and the first step sets up the communicators, so a few
+        seconds would end a healthy long-sequence step as a stall."""
+        if self.timeout_s < GPU_TIMEOUT_FLOOR_S:
+            import torch
+
+            if torch.cuda.is_available():
+                import warnings
+
+                warnings.warn(f"tsp.timeout_s={self.timeout_s} is below the GPU floor of {GPU_TIMEOUT_FLOOR_S} s: a "
+                              "healthy step (queued layers, first-step communicator setup) may be reported as a "
+                              f"stall; use at least {GPU_TIMEOUT_FLOOR_S} s and several step times", stacklevel=2)
+        return self
 
     def options(self) -> TSPOptions:
         """The model options this block asks for."""
@@ -100,13 +121,33 @@ def parse_tsp_config(block: Any) -> TSPConfig:
         key = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden":
             allowed = ", ".join(TSPConfig.model_fields)
-            raise TSPConfigError(f'tsp.{key}: unknown key; allowed keys are {allowed}') from None
+            raise TSPConfigError(f'tsp.{key}: unknown key{_did_you_mean(key, TSPConfig.model_fields)}; allowed keys '
+                                 f'are {allowed}') from None
         raise TSPConfigError(
             f'tsp.{key}={first.get("input")!r}: {first["msg"].lower()}; expected {_describe(key)}') from None
 
 
+def _did_you_mean(key: str, choices) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_tsp_key(ds_config: dict) -> None:
+    """A top-level key that looks like "tsp" but is not ("tps", "TSP", "tsp_size") is an error: DeepSpeed ignores
+    keys it does not know, so the run would silently train as plain data parallelism without TSP."""
+    for key in ds_config:
+        if not isinstance(key, str) or key == "tsp":
+            continue
+        lower = key.lower()
+        if lower.startswith("tsp") or difflib.get_close_matches(lower, ["tsp"], n=1, cutoff=0.6):
+            raise TSPConfigError(
+                f'"{key}": unknown top-level key; did you mean \'tsp\'? DeepSpeed ignores keys it does not know, so '
+                'this would train without TSP; the TSP settings are one block: "tsp": {"size": 4, ...}')
+
+
 def check_deepspeed_compatible(ds_config: dict, tsp: TSPConfig) -> None:
-    """Reject DeepSpeed settings that would silently replace or break the TSP layout."""
+    """Reject DeepSpeed settings that would silently replace or break the TSP layout (a misspelt "tsp" key too)."""
+    check_tsp_key(ds_config)
     autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 1)
     if tsp.size > 1 and autotp and autotp > 1:
         raise TSPConfigError(

@@ -29,10 +29,15 @@ class TSPDataLoader:
     "position_ids" [S] (restarting per packed document) and "attention_mask" [S]; all samples of a micro-batch
     must have the same length. Batches also carry "tsp_shard" = (tsp rank, tsp size) and "seq_len", so
     `ds_tsp.hf.TSPForCausalLM(**batch)` knows they are already sharded.
+
+    device: where the batch tensors are put (None: left on the CPU). `ds_tsp.initialize` passes the engine's
+    device: DeepSpeed's engine does not move inputs, and the model's input check is a collective on its (NCCL
+    under a launcher) group, which takes no CPU tensor.
     """
 
     def __init__(self, dataset: Dataset, groups: ProcessGroups, *, micro_batch_size: int, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True, pad_token_id: int = 0):
+                 seed: int = 0, drop_last: bool = True, pad_token_id: int = 0,
+                 device: torch.device | str | None = None):
         if micro_batch_size < 1:
             raise TSPConfigError(f"micro_batch_size={micro_batch_size}: must be >= 1")
         self.dataset, self.groups, self.pad_token_id = dataset, groups, pad_token_id
@@ -40,6 +45,7 @@ class TSPDataLoader:
                                           shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batches = BatchSampler(self.sampler, micro_batch_size, drop_last=drop_last)
         self.micro_batch_size, self.seed = micro_batch_size, seed
+        self.device = None if device is None else torch.device(device)
         self._yielded = 0  # micro-batches handed out in this epoch (the position a checkpoint records)
         self._resume_at = 0  # micro-batches the next iteration skips (set by load_state_dict)
 
@@ -83,7 +89,8 @@ class TSPDataLoader:
             batch = shard_batch(_stack(samples, "input_ids"), tsp=self.groups.tsp_size, rank=self.groups.tsp_rank,
                                 labels=_stack(samples, "labels"), position_ids=_stack(samples, "position_ids"),
                                 attention_mask=_stack(samples, "attention_mask"), pad_token_id=self.pad_token_id)
-            out = {k: batch[k] for k in ("input_ids", "shift_labels", "position_ids", "attention_mask") if k in batch}
+            out = {k: batch[k] if self.device is None else batch[k].to(self.device)
+                   for k in ("input_ids", "shift_labels", "position_ids", "attention_mask") if k in batch}
             out.update(tsp_shard=(self.groups.tsp_rank, self.groups.tsp_size), seq_len=batch["seq_len"])
             yield out
 

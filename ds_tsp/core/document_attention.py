@@ -37,6 +37,7 @@ definition, same (out, lse) contract); the decomposition stays for the CPU and a
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import operator
 from typing import NamedTuple
@@ -55,19 +56,109 @@ class _Block(NamedTuple):
     flip: bool
 
 
+class DocumentLayout:
+    """doc_starts validated once (per step): per batch row a tuple of strictly increasing ints beginning with 0.
+
+    Frozen. Build it with `document_layout` (the one validation pass); the kernels then take it as it is, and what
+    they derive per chunk (the starts cut to the chunk's keys, the row groups, the varlen plan) is computed once
+    per chunk length and kept here, not re-derived by every layer, head block and phase.
+    """
+
+    __slots__ = ("rows", "_cuts")
+
+    def __init__(self, rows: tuple[tuple[int, ...], ...]):  # trusted: rows already validated
+        object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "_cuts", {})
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"DocumentLayout is frozen (cannot set {name})")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, b):
+        return self.rows[b]
+
+    def __eq__(self, other):  # equal to its rows: it stands where a tuple of per-row starts stood
+        if isinstance(other, DocumentLayout):
+            return self.rows == other.rows
+        if isinstance(other, (tuple, list)):
+            return self.rows == tuple(tuple(r) for r in other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.rows)
+
+    def __reduce__(self):  # pickles as its rows (the caches are rebuilt on use)
+        return DocumentLayout, (self.rows,)
+
+    def __repr__(self) -> str:
+        return f"DocumentLayout({', '.join(_short(r) for r in self.rows[:4])}{', ...' if len(self.rows) > 4 else ''})"
+
+    def cut(self, key_len: int) -> _Cut:
+        """The rows cut to the starts < key_len (a chunk's causal prefix), derived once per key_len."""
+        cut = self._cuts.get(key_len)
+        if cut is None:
+            if len(self._cuts) >= 64:  # a long-lived layout (single_documents) seeing ever new lengths stays bounded
+                self._cuts.clear()
+            cut = self._cuts[key_len] = _Cut(tuple(r[:bisect.bisect_left(r, key_len)] for r in self.rows))
+        return cut
+
+
+class _Cut:
+    """A DocumentLayout cut to one key length, with what the kernels derive from it (lazily, once)."""
+
+    __slots__ = ("rows", "multi", "_groups", "plans")
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.multi = any(len(starts) > 1 for starts in rows)  # some row holds two documents
+        self._groups = None  # [(row indices, starts)] per distinct layout
+        self.plans: dict = {}  # (window, q_start, device) -> varlen plan or None
+
+    def masked(self, window, key_len: int) -> bool:
+        return self.multi or (window is not None and window < key_len)
+
+    def groups(self):
+        if self._groups is None:
+            by_layout: dict[tuple, list[int]] = {}
+            for b, starts in enumerate(self.rows):
+                by_layout.setdefault(starts, []).append(b)
+            self._groups = [(tuple(rows), starts) for starts, rows in by_layout.items()]
+        return self._groups
+
+
+def document_layout(doc_starts, batch: int | None = None) -> DocumentLayout:
+    """doc_starts as a validated DocumentLayout: returned as it is when it is one already, else validated
+    (ValueError naming the row). `batch`: the rows it must have."""
+    layout = doc_starts if isinstance(doc_starts, DocumentLayout) else DocumentLayout(_layouts(doc_starts))
+    if batch is not None and len(layout) != batch:
+        raise ValueError(f"doc_starts has {len(layout)} rows, the batch has B={batch}")
+    return layout
+
+
+@functools.lru_cache(maxsize=64)
+def single_documents(batch: int) -> DocumentLayout:
+    """One document per row (built once per batch size: no validation pass per step)."""
+    return DocumentLayout(((0,),) * batch)
+
+
 def needs_masking(doc_starts, window, key_len: int) -> bool:
     """False when plain causal attention over `key_len` keys is exact: single documents, no effective window."""
     _check_window(window)
-    layouts = _layouts(doc_starts, key_len)
-    return any(len(starts) > 1 for starts in layouts) or (window is not None and window < key_len)
+    return document_layout(doc_starts).cut(key_len).masked(window, key_len)
 
 
 def masked_attention_forward(q, k, v, *, q_start: int, doc_starts, window: int | None, scale: float,
                              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Document-masked (and sliding-window) causal attention. Returns (out, lse); see the module doc."""
+    """Document-masked (and sliding-window) causal attention. Returns (out, lse); see the module doc.
+    doc_starts: a DocumentLayout (validated once per step by the caller) or per-row sequences (validated here)."""
     layouts = _check_inputs(q, k, v, q_start, doc_starts, window)
     Lk = k.shape[1]
-    if not needs_masking(layouts, window, Lk):
+    if not layouts.masked(window, Lk):
         return kernels.attention_forward(q, k, v, q_start=q_start, scale=scale, backend=backend)
     kernels._backend_impl(backend, q)  # a bad backend must fail even when there are no blocks (Lq == 0)
     packed = _varlen(backend, q, layouts, window, q_start, Lk)
@@ -97,7 +188,7 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, q_start: int, doc_star
     """Gradients (dq, dk, dv) of masked_attention_forward, given the (out, lse) it returned (same arguments)."""
     layouts = _check_inputs(q, k, v, q_start, doc_starts, window)
     Lk = k.shape[1]
-    if not needs_masking(layouts, window, Lk):
+    if not layouts.masked(window, Lk):
         return kernels.attention_backward(dout, q, k, v, out, lse, q_start=q_start, scale=scale, backend=backend)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (q.shape[0], q.shape[2], q.shape[1]):
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must have q's shape {tuple(q.shape)} "
@@ -125,13 +216,16 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, q_start: int, doc_star
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _varlen(backend, q, layouts, window, q_start, key_len):
+def _varlen(backend, q, layouts: _Cut, window, q_start, key_len):
     """(adapter, plan) when the backend packs the chunk's documents into one call, else None (decomposition)."""
     name = backend if backend is not None else kernels.select_backend(q.device, q.dtype, head_dim=q.shape[-1])
     impl = varlen.adapter(name)
     if impl is None:
         return None
-    plan = varlen.plan(tuple(layouts), window, q_start, key_len, q.device)
+    key = (window, q_start, q.device)
+    if key not in layouts.plans:  # varlen.plan's own cache hashes every start: once per layout and chunk, here
+        layouts.plans[key] = varlen.plan(layouts.rows, window, q_start, key_len, q.device)
+    plan = layouts.plans[key]
     return None if plan is None else (impl, plan)
 
 
@@ -164,16 +258,13 @@ def _cut(x, lo, hi, flip, dim=1):
     return x.flip(dim) if flip else x
 
 
-def _groups(layouts, device):
+def _groups(layouts: _Cut, device):
     """(rows, starts) per distinct layout; rows is a slice (views, written in place) when they are contiguous."""
-    by_layout: dict[tuple, list[int]] = {}
-    for b, starts in enumerate(layouts):
-        by_layout.setdefault(starts, []).append(b)
-    for starts, rows in by_layout.items():
+    for rows, starts in layouts.groups():
         if rows[-1] - rows[0] + 1 == len(rows):
             yield slice(rows[0], rows[-1] + 1), starts
         else:
-            yield _row_index(tuple(rows), torch.device(device)), starts
+            yield _row_index(rows, torch.device(device)), starts
 
 
 @functools.lru_cache(maxsize=256)
@@ -191,13 +282,11 @@ def _row_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
 # validation
 
 
-def _check_inputs(q, k, v, q_start, doc_starts, window):
+def _check_inputs(q, k, v, q_start, doc_starts, window) -> _Cut:
+    """Shapes and window (cheap) every call; the layout only when it is not a DocumentLayout already."""
     kernels._check_shapes(q, k, v, q_start)
     _check_window(window)
-    layouts = _layouts(doc_starts, k.shape[1])
-    if len(layouts) != q.shape[0]:
-        raise ValueError(f"doc_starts has {len(layouts)} rows, the batch has B={q.shape[0]}")
-    return layouts
+    return document_layout(doc_starts, q.shape[0]).cut(k.shape[1])
 
 
 def _check_window(window):
@@ -211,8 +300,8 @@ def _check_window(window):
         raise ValueError(f"window must be None or an int >= 1, got {window!r}")
 
 
-def _layouts(doc_starts, key_len):
-    """doc_starts validated, each row as a tuple of ints cut to the starts < key_len."""
+def _layouts(doc_starts):
+    """doc_starts validated, each row as a tuple of ints: the one pass over every start (see DocumentLayout)."""
     if doc_starts is None or isinstance(doc_starts, (str, bytes)):
         raise ValueError(f"doc_starts must be a sequence of B sorted tuples of ints, got {doc_starts!r}")
     layouts = []
@@ -225,8 +314,8 @@ def _layouts(doc_starts, key_len):
             raise ValueError(f"doc_starts[{b}] must begin with 0, got {_short(starts)}")
         if any(s1 <= s0 for s0, s1 in zip(starts, starts[1:])):
             raise ValueError(f"doc_starts[{b}] must be strictly increasing, got {_short(starts)}")
-        layouts.append(tuple(s for s in starts if s < key_len))
-    return layouts
+        layouts.append(starts)
+    return tuple(layouts)
 
 
 def _short(starts):

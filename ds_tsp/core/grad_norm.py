@@ -15,6 +15,7 @@ from torch import nn
 
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.topology import ProcessGroups
+from ds_tsp.core.watchdog import guard
 
 __all__ = ["TSP_PARAM_ATTRS", "mark_sharded", "is_tsp_sharded", "clip_grad_norm_", "group_ranks"]
 
@@ -116,14 +117,21 @@ def clip_grad_norm_(model: nn.Module | list, max_norm: float, groups: ProcessGro
         return norms.max() if inf else norms.pow(norm_type).sum()
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    # every all-reduce is guarded (the model's comm gives timeout_s): a stalled peer ends this rank with one line
+    comm = next((m.comm for m in model.modules() if hasattr(getattr(m, "comm", None), "timeout_s")), None) \
+        if isinstance(model, nn.Module) else None
+    timeout_s = comm.timeout_s if comm is not None else None
     total = torch.zeros((), dtype=acc, device=device)
     for reduce_over, grads in buckets.values():  # first-seen order: the same parameter order on every rank
         part = local_part(grads)
         for group in reduce_over:
-            dist.all_reduce(part, op=op, group=group)
+            with guard("grad norm all_reduce", timeout_s=timeout_s, group=group, comm=comm, context="clip_grad_norm_"):
+                dist.all_reduce(part, op=op, group=group)
         total = torch.maximum(total, part) if inf else total + part
     if groups.layout.tsp_enabled:
-        dist.all_reduce(total, op=op, group=groups.tsp_group)
+        with guard("grad norm all_reduce", timeout_s=timeout_s, group=groups.tsp_group, comm=comm,
+                   context="clip_grad_norm_"):
+            dist.all_reduce(total, op=op, group=groups.tsp_group)
     total_norm = total if inf else total.pow(1.0 / norm_type)
 
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

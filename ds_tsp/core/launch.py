@@ -78,9 +78,10 @@ def run_on_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, time
     """Run fn(*args) on `world_size` spawned processes that share one gloo group; return each rank's result.
 
     `fn` and `args` must be picklable (a module-level function); each result must be picklable (tensors are moved
-    to CPU). Inside `fn`, dist.get_rank() tells the rank. Raises RuntimeError naming the rank and carrying its
-    traceback as soon as any rank fails, or when `timeout_s` (overall wall clock) passes; the remaining ranks are
-    terminated in both cases.
+    to CPU). Inside `fn`, dist.get_rank() tells the rank, and local_device() is the CPU even on a GPU node (the group
+    is gloo-only; for GPUs start the script under torchrun instead). Raises RuntimeError naming the rank and
+    carrying its traceback as soon as any rank fails, or when `timeout_s` (overall wall clock) passes; the remaining
+    ranks are terminated in both cases.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be an integer >= 1")
@@ -133,8 +134,12 @@ def local_device() -> torch.device:
 
     The one rule every entry point follows (init_from_env, ds-tsp verify, the examples, ds_tsp.initialize): pick the
     GPU before anything is built, so no rank builds its shards on cuda:0 by default.
+
+    Also the CPU when a default process group is up whose CUDA tensors would go through gloo (ranks spawned by
+    run_on_local_ranks, or a user's own init_process_group("gloo")): gloo's send/recv would read a device pointer
+    from the host, so such ranks compute on the CPU, whatever the node's GPU count.
     """
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not _group_carries_cuda():
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
@@ -143,6 +148,18 @@ def local_device() -> torch.device:
                            f"{count} processes per node (--nproc_per_node {count})")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def _group_carries_cuda() -> bool:
+    """True unless the default process group exists and has no CUDA backend but gloo (or none) for CUDA tensors.
+    No group yet (a launcher's rank before init_from_env): True, the group built next gets NCCL for CUDA."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    backends = {}
+    for part in dist.get_backend_config().split(","):  # "gloo" reads "cpu:gloo,cuda:gloo"; "nccl" "cuda:nccl"
+        device, _, backend = part.rpartition(":")
+        backends[device or "cuda"] = backend
+    return backends.get("cuda", "gloo") != "gloo"
 
 
 def default_backend() -> str:
@@ -162,7 +179,11 @@ def init_from_env(timeout_s: float = 1800, backend: str | None = None) -> tuple[
         return dist.get_rank(), dist.get_world_size()
     if backend is None:
         backend = default_backend()
-    timeout = timedelta(seconds=timeout_s)
+    from ds_tsp.core.finalize import install
+    from ds_tsp.core.topology import group_timeout  # NCCL: a margin over timeout_s, so ds_tsp's report comes first
+
+    install()  # at interpreter exit: the groups destroyed and gloo's workers drained (no abort, no os._exit needed)
+    timeout = group_timeout(timeout_s, backend)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=timeout)  # env:// reads RANK, WORLD_SIZE, MASTER_ADDR/PORT
     else:
@@ -175,10 +196,11 @@ def exit_rank(code: int | None = 0) -> None:
     """End a launched rank (torchrun, accelerate launch, deepspeed) once everything is saved: flush stdout and
     stderr, destroy the default process group if one is up, and leave without interpreter finalization.
 
-    torch's gloo backend can abort at exit ("terminate called without an active exception", exit code -6) when one
-    of its worker threads releases a finished op while the interpreter finalizes; measured 2 in 20 runs of the
-    fine-tuning example even after destroy_process_group. Skipping finalization (os._exit) avoids it; nothing of
-    the run is lost because everything was written and flushed first.
+    No longer needed: a script that simply returns exits cleanly, because ds_tsp.core.finalize (installed by
+    init_from_env, TSPComm and ProcessGroups.build) stops the watchdog, destroys the groups and lets gloo's worker
+    threads release their finished ops before finalization; without it torch's gloo backend aborted at exit
+    ("terminate called without an active exception", exit code -6) in about 1 run in 5. Kept for scripts that
+    call it: it still skips finalization (os._exit) after everything was written and flushed.
     """
     import sys
 

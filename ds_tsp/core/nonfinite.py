@@ -3,7 +3,9 @@
 Gradients are watched by a hook on every parameter that ORs `~isfinite(grad).all()` into a flag tensor as the
 grads are produced (before DeepSpeed, FSDP or the TSP rings move them), so there is no device-to-host sync during
 backward. `check(loss, step)` is the one collective: the flags and the loss flag are max-reduced over the whole
-job, so every rank takes the same decision. The default raises TSPNonFiniteError naming the step and the first
+job, so every rank takes the same decision. That all-reduce is guarded like every TSP collective (the model's
+`comm` gives timeout_s): a stalled or dead rank ends the others with the watchdog's one line naming it, never
+gloo's raw timeout traceback. The default raises TSPNonFiniteError naming the step and the first
 offending parameter; with the "tsp" block's `"on_nonfinite": "skip"` it returns False instead (the caller zeroes
 the grads and does not step, so weights and optimizer state are untouched) and says so on rank 0's stderr.
 
@@ -22,15 +24,20 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_tsp.core.errors import TSPConfigError, TSPNonFiniteError
+from ds_tsp.core.watchdog import guard
 
 POLICIES = ("error", "skip")
 
 
 class NonFiniteGuard:
-    def __init__(self, model: nn.Module, *, policy: str = "error", group=None):
+    def __init__(self, model: nn.Module, *, policy: str = "error", group=None, comm=None):
+        """comm: the TSPComm whose timeout_s (and layer context) bounds the check's all-reduce; default the
+        model's own (the first module holding one)."""
         if policy not in POLICIES:
             raise TSPConfigError(f"on_nonfinite={policy!r}: choose one of {POLICIES}")
         self.policy, self.group = policy, group
+        self.comm = comm if comm is not None else next(
+            (m.comm for m in model.modules() if hasattr(getattr(m, "comm", None), "timeout_s")), None)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         device = named[0][1].device if named else torch.device("cpu")
@@ -49,8 +56,16 @@ class NonFiniteGuard:
         flags = self.flags.clone()
         self.flags.zero_()
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        if not bool(flags.any()):
+            # over the whole job: the peers named in a stall report are the group's other ranks (world by default)
+            group = self.group if self.group is not None else dist.group.WORLD
+            timeout_s = self.comm.timeout_s if self.comm is not None else None
+            with guard("non-finite check all_reduce", timeout_s=timeout_s, group=group, comm=self.comm,
+                       context=f"step {step} non-finite check"):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+                finite = not bool(flags.any())  # the host sync: on NCCL the wait happens here, so inside the guard
+        else:
+            finite = not bool(flags.any())
+        if finite:
             return True
         bad = flags[:-1].nonzero()
         what = ["the loss is non-finite" if flags[-1] else "the loss is finite"]

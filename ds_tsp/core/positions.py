@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.documents import DocStarts, document_starts
+from ds_tsp.core.document_attention import DocumentLayout, document_layout
+from ds_tsp.core.documents import document_starts
 from ds_tsp.core.partition import unshard
 from ds_tsp.core.rope import rope_cos_sin
 from ds_tsp.core.shape import ModelShape
@@ -26,12 +27,13 @@ def global_positions(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
 
 
 class StepPositions:
-    """(cos, sin, doc_starts) of the position_ids last seen, recomputed only when a different tensor arrives."""
+    """(cos, sin, doc_starts) of the position_ids last seen, recomputed only when a different tensor arrives.
+    doc_starts is a DocumentLayout (validated here, once per micro-batch, not by every layer) or None."""
 
     def __init__(self, shape: ModelShape, comm: TSPComm):
         self.shape, self.comm = shape, comm
         self._key: tuple | None = None
-        self._value: tuple[torch.Tensor, torch.Tensor, DocStarts | None] | None = None
+        self._value: tuple[torch.Tensor, torch.Tensor, DocumentLayout | None] | None = None
 
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype):
         # Identity and version, not values: comparing values would read the tensor on the host.
@@ -40,5 +42,6 @@ class StepPositions:
             cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, dtype,
                                     self.shape.rope_scaling)
             doc_starts = document_starts(global_positions(position_ids, self.comm))
+            doc_starts = None if doc_starts is None else document_layout(doc_starts, position_ids.shape[0])
             self._key, self._value = key, (cos, sin, doc_starts)
         return self._value

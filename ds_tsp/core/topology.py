@@ -17,11 +17,37 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ds_tsp.core import finalize
 from ds_tsp.core.errors import TSPConfigError
 
-__all__ = ["ParallelLayout", "ProcessGroups"]
+__all__ = ["ParallelLayout", "ProcessGroups", "group_timeout", "nccl_timeout_s"]
 
 AXES = ("pipe", "data", "tsp")
+
+
+def nccl_timeout_s(timeout_s: float) -> float:
+    """The timeout NCCL groups get for a tsp block's timeout_s: timeout_s + max(60 s, timeout_s).
+
+    Why a margin: NCCL's watchdog times a work from when it is enqueued and, when it fires, aborts the process
+    (SIGABRT and its dump, TORCH_NCCL_ASYNC_ERROR_HANDLING's default) before anything else can speak; ds_tsp's
+    watchdog times the same work from the later wait() and prints the one line naming collective, layer and peer.
+    The gap between the two clocks is the host's run-ahead (a few layers queued ahead of the GPU), the lazy
+    communicator setup of a group's first collective, and the report's own flush (<= 2 s). At least 60 s covers
+    those at small timeouts; doubling at large ones keeps NCCL a proportional backstop (it still ends a rank whose
+    ds_tsp watchdog could not run), never the first responder.
+    """
+    return timeout_s + max(60.0, timeout_s)
+
+
+def group_timeout(timeout_s: float | None, backend: str | None = None) -> timedelta | None:
+    """The `timeout=` to create a group with: timeout_s, with nccl_timeout_s's margin when the group runs NCCL
+    (backend names it, or backend is None and the default group's does). None: the backend's default."""
+    if timeout_s is None:
+        return None
+    if backend is None and dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend())
+    uses_nccl = backend is not None and "nccl" in str(backend).lower()
+    return timedelta(seconds=nccl_timeout_s(timeout_s) if uses_nccl else timeout_s)
 
 
 def _check_degree(name: str, value: int) -> None:
@@ -157,7 +183,8 @@ class ProcessGroups:
 
         torch requires every rank to call dist.new_group for every group, in the same order, even for groups it is
         not a member of; this rank keeps the three that contain it. timeout_s bounds every collective on the groups,
-        the ones DeepSpeed and FSDP post on them included (NCCL's watchdog aborts a stalled one after it).
+        the ones DeepSpeed and FSDP post on them included. Groups that run NCCL get timeout_s plus a margin
+        (nccl_timeout_s): ds_tsp's watchdog reports a stall in one line first, NCCL's abort is the backstop.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise TSPConfigError(
@@ -165,7 +192,8 @@ class ProcessGroups:
                 "before ProcessGroups.build")
         layout.check_world_size(dist.get_world_size())
         rank = dist.get_rank()
-        timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        finalize.install()  # the groups end cleanly at interpreter exit (ds_tsp.core.finalize)
+        timeout = group_timeout(timeout_s, backend)
         mine: dict[str, dist.ProcessGroup] = {}
         # weight_channel: a second communicator over each TSP group for weights (TSPComm.weight_group). NCCL runs
         # one in-order stream per communicator, so on CUDA it keeps weight prefetches from queueing ahead of K/V;

@@ -25,8 +25,15 @@ pair closure"). That is reported as the watchdog's own: "timed out", collective,
 
 On NCCL (and any backend of device tensors) `work.wait()` does not block the host: it only orders the current
 stream after the work and returns at once, so no thread is ever blocked past a deadline. Such waits are armed all
-the same (wait() may block during lazy communicator setup), and the works still in flight afterwards are polled
-by the same thread (ds_tsp.core.watchdog_polling). The message itself is built by ds_tsp.core.stall_message.
+the same (wait() may block during lazy communicator setup); then an event recorded on the stream after the wait
+is polled by the same thread (ds_tsp.core.watchdog_polling: the event, never the Work, which would keep the
+collective's output buffers alive until the GPU finishes it). NCCL's own watchdog is the backstop, not the first
+responder: ds_tsp.core.topology creates NCCL groups with a margin over timeout_s, so this one-line report comes
+first. The message itself is built by ds_tsp.core.stall_message.
+
+At interpreter exit (atexit, before finalization begins) `shutdown()` stops the thread and drops what it polls, so
+nothing is reported after a script returned, and no Python thread of ours runs into finalization
+(ds_tsp.core.finalize does the rest of a clean exit).
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_tsp.core import watchdog_polling
 from ds_tsp.core.stall_message import MESSAGE_PREFIX, Blocked, TSPCommError, caller_frames, describe, is_timeout
 from ds_tsp.core.watchdog_polling import WorkPoller
 
@@ -61,10 +69,11 @@ class Watchdog:
         self._reset()
 
     def _reset(self) -> None:
-        self.poller = WorkPoller()  # works in flight after waits that did not block
+        self.poller = WorkPoller()  # events of collectives in flight after waits that did not block
         self._armed: dict[int, tuple] = {}
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        self._stop = False  # shutdown(): the thread leaves at its next wake-up
         self._report_lock = threading.Lock()
         self._reported = False
         self._idle_s = float("inf")
@@ -92,22 +101,42 @@ class Watchdog:
         else:
             self._armed[ident] = prev
 
-    def watch(self, works: list, blocked: Blocked, start: float, timeout_s: float, frame) -> None:
-        """Poll the works still in flight after a wait() that did not block, until done or timeout_s after start."""
-        pending = [w for w in works if not w.is_completed()]
-        if not pending:
+    def watch(self, device: torch.device, blocked: Blocked, start: float, timeout_s: float, frame) -> None:
+        """After a wait() that did not block: poll an event recorded on `device`'s current stream (it completes with
+        the collectives that wait() ordered the stream after) until done, or report it timeout_s after start.
+
+        The poller gets the event, the groups (whose error state tells a failed work from a finished one) and the
+        call site; never the Works or their tensors, so every buffer is freed as soon as Python drops it."""
+        event = watchdog_polling.record_event(device)
+        if event is None or event.query():
             return
-        if self.poller.hand((start + timeout_s, start, timeout_s, blocked, pending, caller_frames(frame))):
+        comm = blocked.comm
+        groups = tuple(g for g in (getattr(comm, "group", None), getattr(comm, "weight_group", None)) if g is not None)
+        if self.poller.hand((start + timeout_s, start, timeout_s, blocked, event, groups, device,
+                             caller_frames(frame))):
             self._ensure_thread()
             self._wake.set()  # it may be sleeping until a far deadline
 
     def _ensure_thread(self) -> None:
+        if self._stop:  # after shutdown (interpreter exit): waits still run, nothing is watched any more
+            return
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="ds_tsp-watchdog", daemon=True)
             self._thread.start()
 
+    def shutdown(self, join_s: float = 5.0) -> None:
+        """Stop the thread and drop every armed wait and polled event (at interpreter exit: the script returned,
+        so nothing it waited for is a stall any more). Idempotent."""
+        self._stop = True
+        self._armed.clear()
+        self.poller.clear()
+        thread = self._thread
+        self._wake.set()
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(join_s)
+
     def _run(self) -> None:
-        while True:
+        while not self._stop:
             self._wake.clear()  # before looking, so that a set() made while we look cuts the sleep short
             now = time.perf_counter()
             wake_at = now + self._idle_s
@@ -118,6 +147,8 @@ class Watchdog:
             entry = None  # a finished wait's entry must not keep its TSPComm (and process group) alive while we sleep
             if self.poller.poll(now, self.report_and_exit):
                 wake_at = min(wake_at, now + self.poll_s)
+            if self._stop:
+                break
             self._wake.wait(max(wake_at - now, 0.0) + 0.005)
             self.wakeups += 1
 
@@ -169,11 +200,12 @@ if hasattr(os, "register_at_fork"):  # a forked child has no watchdog thread and
     os.register_at_fork(after_in_child=WATCHDOG._reset)
 
 
-def watched_wait(works: list, blocked: Blocked, timeout_s: float | None, poll: bool = False) -> None:
+def watched_wait(works: list, blocked: Blocked, timeout_s: float | None, poll: torch.device | None = None) -> None:
     """Wait for every work; bounded by timeout_s (None: unbounded, failures raise TSPCommError).
 
-    poll: wait() does not block the host for these works (NCCL: it only orders the current stream after them); the
-    watchdog thread then polls those still in flight and reports any not done timeout_s after this call began.
+    poll: the device of the works' tensors when wait() does not block the host for them (NCCL: it only orders the
+    current stream after them); the watchdog thread then polls an event recorded on that device's stream after the
+    waits and reports it if not done timeout_s after this call began.
     """
     start = time.perf_counter()
     if timeout_s is None:
@@ -187,8 +219,8 @@ def watched_wait(works: list, blocked: Blocked, timeout_s: float | None, poll: b
     try:
         for work in works:
             work.wait()
-        if poll:
-            WATCHDOG.watch(works, blocked, start, timeout_s, sys._getframe(1))
+        if poll is not None:
+            WATCHDOG.watch(poll, blocked, start, timeout_s, sys._getframe(1))
     except RuntimeError as err:
         WATCHDOG.failed(blocked, err, start, timeout_s)
     finally:

@@ -24,6 +24,10 @@ FSDP2 swaps every parameter for a new nn.Parameter(DTensor) and drops custom att
 re-marks the new parameters (`tsp_sharded`, `tensor_model_parallel`, `partition_dim`, `partition_stride`) and
 records their names in `model.tsp_sharded_param_names`, so "is this a TSP shard" still has an answer.
 
+Frozen parameters (requires_grad=False on the HF model converted) and a PEFT LoRA model (TSPForCausalLM.
+from_pretrained(peft_model, ...)) shard like any other: build the optimizer on the trainable parameters; frozen
+ones get no gradient and stay as loaded (tests/test_frozen_lora_compose.py: against single-device PEFT).
+
 Not covered: the core model's `full_state_dict` / `load_full_state_dict` / `init_weights_` expect local tensors, so
 load weights before sharding (or use torch.distributed.checkpoint on the DTensor state dict).
 """
@@ -37,6 +41,16 @@ from ds_tsp.core.topology import ProcessGroups
 from ds_tsp.model.convert import core_model
 
 __all__ = ["shard_with_fsdp2"]
+
+
+def __getattr__(name: str):
+    if name == "clip_grad_norm_":  # the previous release's ds_tsp.integrations.fsdp.clip_grad_norm_
+        from ds_tsp.core.deprecation import warn_moved
+        from ds_tsp.core.grad_norm import clip_grad_norm_
+
+        warn_moved("ds_tsp.integrations.fsdp.clip_grad_norm_", "ds_tsp.clip_grad_norm_")
+        return clip_grad_norm_
+    raise AttributeError(f"module 'ds_tsp.integrations.fsdp' has no attribute {name!r}")
 
 def shard_with_fsdp2(model: nn.Module, groups: ProcessGroups, *, mp_policy=None,
                      reshard_after_forward: bool | int = True, offload_policy=None) -> nn.Module:

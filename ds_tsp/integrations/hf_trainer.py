@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.config import parse_tsp_config
+from ds_tsp.core.config import check_tsp_key, parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.hf_config import import_transformers
 from ds_tsp.core.setup import build_runtime
@@ -43,6 +43,7 @@ def _tsp_block(args):
     config = getattr(args, "hf_deepspeed_config", None)
     if config is None:
         return None
+    check_tsp_key(config.config)  # a misspelt "tsp" would train silently without TSP
     return parse_tsp_config(config.config.get("tsp"))
 
 

@@ -1,4 +1,5 @@
-"""TRL's SFTTrainer with TSP: `class SFTWithTSP(TSPTrainer, SFTTrainer)`, ready-made as ds_tsp.hf.TSPSFTTrainer.
+"""TRL's SFTTrainer with TSP: `class SFTWithTSP(TSPTrainer, SFTTrainer)`, ready-made as ds_tsp.hf.TSPSFTTrainer
+(built in ds_tsp.integrations.sft_trainer; this module holds what TSPTrainer does for TRL, and imports no trainer).
 
     from trl import SFTConfig
     from ds_tsp.hf import TSPSFTTrainer
@@ -22,12 +23,9 @@ chat_template_path that adds tokens, selective activation checkpointing, MoE rou
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 
 from ds_tsp.core.errors import TSPConfigError
-
-INSTALL_HINT = "pip install 'ds_tsp[trl]'"
 
 
 def _trl_trainers(cls: type) -> list[type]:
@@ -141,19 +139,3 @@ def count_train_tokens(trainer, inputs: dict, before: int) -> None:
     total = trainer.accelerator.gather_for_metrics(tokens).sum().item()
     trainer._total_train_tokens = before + total // getattr(trainer, "_tp_size", 1)
     trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
-
-
-@functools.cache
-def sft_trainer_class() -> type:
-    """ds_tsp.hf.TSPSFTTrainer: `class TSPSFTTrainer(TSPTrainer, SFTTrainer)` (one class per process)."""
-    try:
-        from trl import SFTTrainer
-    except ImportError as err:
-        raise ImportError(f"ds_tsp.hf.TSPSFTTrainer needs TRL: {INSTALL_HINT}") from err
-    from ds_tsp.integrations.hf_trainer import TSPTrainer
-
-    class TSPSFTTrainer(TSPTrainer, SFTTrainer):
-        """TRL's SFTTrainer under TSP (see ds_tsp.integrations.trl)."""
-
-    TSPSFTTrainer.__module__ = __name__
-    return TSPSFTTrainer

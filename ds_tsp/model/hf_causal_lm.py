@@ -88,6 +88,10 @@ class FusedLMHeadOutput:
         return getattr(self, key)
 
 
+class NoGenerationConfig(TSPConfigError, AttributeError):
+    """model.generation_config read before a TSP trainer set it (hasattr / getattr with a default still answer)."""
+
+
 class TSPForCausalLM(nn.Module):
     main_input_name = "input_ids"
     accepts_loss_kwargs = True  # the Trainer passes num_items_in_batch
@@ -99,6 +103,14 @@ class TSPForCausalLM(nn.Module):
         self.generation_config_json: str | None = None  # the source's generation_config.json, written back on save
         self.tsp = ShardedCausalLM(ModelShape.from_hf_config(config), as_comm(tsp_group), options=options,
                                dtype=dtype, device=device, data_group=data_group)
+
+    def __getattr__(self, name: str):
+        if name == "generation_config":  # set by TSPTrainer composed with TRL; read first by a bare SFTTrainer
+            raise NoGenerationConfig(
+                "TSPForCausalLM has no generation_config: TRL's SFTTrainer needs the TSP composition, "
+                "ds_tsp.hf.TSPSFTTrainer (or class X(TSPTrainer, SFTTrainer)), to train a TSP model; a bare "
+                "SFTTrainer would feed it whole, unsharded batches. For generation, see the README's sampling loop")
+        return super().__getattr__(name)
 
     # --- construction ---------------------------------------------------------------------------------------
     @classmethod

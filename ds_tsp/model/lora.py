@@ -10,7 +10,9 @@ piece's hf_slices), and holds the factors so that its slice of the delta needs n
 | rows: q/k/v_proj, gate/up_proj (dim 0)         | B rows of the slice    | A [r, in]                    | s B_p A |
 | columns: o_proj, down_proj (dim 1)             | A columns of the slice | B [out, r]                   | s B A_p |
 
-`ShardLoRA(base)` returns base + the packed deltas as one differentiable tensor. The Function's backward hands the
+`ShardLoRA(base)` returns base + the packed deltas as one differentiable tensor, marked so the Function rebuilds it
+in backward from the base and the factors instead of keeping this second copy of the shard (core.functions.
+shard_rebuild). The Function's backward hands the
 owner its shard's gradient G_p, already summed over the TSP group, and autograd turns it into s G_p A^T (B_p) or
 s B^T G_p (A_p) locally; the replicated factor's local part s B_p^T G_p (or s G_p A_p^T) is one rank's share of
 its gradient, so it is summed over the TSP group like the norm weights' (comm.replicated_param, bucketed).
@@ -19,7 +21,9 @@ Only vanilla LoRA is exact here; every other PEFT option or method is refused by
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import re
 
@@ -28,7 +32,9 @@ from torch import nn
 
 from ds_tsp.core.comm_primitives import replicated_param
 from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.functions.shard_rebuild import attach_rebuild
 from ds_tsp.core.grad_norm import mark_sharded
+from ds_tsp.model.lora_moe import check_no_expert_lora
 from ds_tsp.model.sharded_modules import TSPAttention, TSPGatedMLP
 
 TARGETS = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
@@ -54,11 +60,13 @@ class LoRAFactors(nn.Module):
         self.sharded = "lora_B" if dim == 0 else "lora_A"
         mark_sharded(getattr(self, self.sharded))
 
-    def forward(self, comm) -> torch.Tensor:
-        """This rank's slice of the delta, s * B @ A (a module call, so ZeRO-3 gathers the factors)."""
+    def forward(self, comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this rank's slice of the delta s * B @ A, and detached A, B as it used them). A module call, so ZeRO-3
+        gathers the factors; the detached aliases keep the values backward rebuilds the shard from even after
+        ZeRO-3 releases the parameters (factor-sized; without ZeRO-3 they share the parameters' storage)."""
         a = self.lora_A if self.sharded == "lora_A" else replicated_param(self.lora_A, comm)
         b = self.lora_B if self.sharded == "lora_B" else replicated_param(self.lora_B, comm)
-        return (b @ a).mul(self.scaling)
+        return _delta(a, b, self.scaling), a.detach(), b.detach()
 
     def extra_repr(self) -> str:
         return f"r={self.lora_A.shape[0]}, scaling={self.scaling}, sharded={self.sharded}"
@@ -76,16 +84,45 @@ class ShardLoRA(nn.Module):
                         if name.endswith(".weight") and name[:-len(".weight")] in factors}
 
     def forward(self, base: torch.Tensor) -> torch.Tensor:
-        """base + this rank's packed LoRA deltas (differentiable in the factors; in base's dtype)."""
-        views = self.layout.unpack(base)
-        parts = []
+        """base + this rank's packed LoRA deltas (differentiable in the factors; in base's dtype). The result is a
+        fresh shard-sized tensor: it carries a rebuild recipe (ds_tsp.core.functions.shard_rebuild), so the
+        attention / MLP Function saves the base parameter and the factors, not this second copy of the shard, and
+        merges again in backward (the same ops on the same values: bit for bit the forward's shard)."""
+        deltas, factors, plan = {}, [], []
         for key, _ in self.layout.pieces:
             proj = self.targets.get(key)
-            if proj is None:
-                parts.append(views[key].reshape(-1))
-                continue
-            parts.append((views[key] + getattr(self, proj)(self.comm).to(base.dtype)).reshape(-1))
-        return torch.cat(parts)
+            if proj is not None:
+                f = getattr(self, proj)
+                deltas[key], a, b = f(self.comm)
+                factors += [a, b]
+                plan.append((key, f.scaling))
+        merged = _merge(self.layout, base, deltas)
+        device = base.device.type
+        autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) \
+            if torch.amp.is_autocast_available(device) else None
+        rebuild = functools.partial(_rebuild, self.layout, tuple(plan), autocast)
+        return attach_rebuild(merged, rebuild, base, *factors)
+
+
+def _delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    return (b @ a).mul(scaling)
+
+
+def _merge(layout, base: torch.Tensor, deltas: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The packed shard with each targeted piece's delta added (in base's dtype), one flat tensor."""
+    views = layout.unpack(base)
+    return torch.cat([(views[key] if key not in deltas else views[key] + deltas[key].to(base.dtype)).reshape(-1)
+                      for key, _ in layout.pieces])
+
+
+def _rebuild(layout, plan: tuple, autocast, base: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
+    """ShardLoRA.forward's merged shard again, from the saved base and factors, under forward's autocast state
+    (the delta GEMM would otherwise round differently): the same values bit for bit."""
+    device = base.device.type
+    state = torch.autocast(device, enabled=autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext()
+    with state:
+        deltas = {key: _delta(factors[2 * i], factors[2 * i + 1], scaling) for i, (key, scaling) in enumerate(plan)}
+        return _merge(layout, base, deltas)
 
 
 # --- from a PEFT model ----------------------------------------------------------------------------------------------
@@ -103,6 +140,7 @@ def peft_adapter(model) -> tuple[nn.Module, str, object] | None:
     if method != "LORA":
         raise TSPConfigError(f"PEFT method {method} ({type(config).__name__}) is not supported under TSP: only LoRA "
                              "(LoraConfig) is")
+    check_no_expert_lora(model.get_base_model(), config, adapter)  # before the generic checks: named for MoE
     _check_lora_config(config)
     base = model.get_base_model()
     for name, module in base.named_modules():

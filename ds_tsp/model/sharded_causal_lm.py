@@ -10,7 +10,7 @@ Parameters per rank (D = TSP degree, p = TSP rank; names keep HF's module path s
 | model.layers.i.mlp.gate.weight (MoE router) | [E, h]                       | replicated, grads summed     |
 | model.layers.i.*_layernorm.weight, norm     | [h]                          | replicated, grads summed     |
 | lm_head.vocab_shard (absent when tied)      | [ceil(V/D), h]               | vocab rows of rank p         |
-Inputs are this rank's zigzag shard (ds_tsp.core.partition.shard_batch): input_ids, shift_labels and the GLOBAL
+Inputs are this rank's zigzag shard (ds_tsp.shard_batch): input_ids, shift_labels and the GLOBAL
 position_ids (restarting per packed document), optionally attention_mask, each [B, S_pad/D]. forward returns this
 rank's share of the mean loss (the shares sum to it); ds_tsp.hf.TSPForCausalLM is the HF-shaped face of it.
 A mixture-of-experts model (Qwen3-MoE, Mixtral) whose config sets output_router_logits adds, as transformers does,
@@ -29,7 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from ds_tsp.checkpoint.moe_names import canonical_state_dict
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.documents import OVERFLOW, DocStarts, decode_layout, document_starts, shard_layout
+from ds_tsp.core.document_attention import DocumentLayout, document_layout
+from ds_tsp.core.documents import OVERFLOW, decode_layout, document_starts, shard_layout
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.functions.norm import TSPRMSNorm
 from ds_tsp.core.partition import unshard, zigzag_chunks, zigzag_positions
@@ -122,7 +123,7 @@ class ShardedCausalLM(nn.Module):
                 "For full batches with HF labels= use ds_tsp.hf.TSPForCausalLM")
         if shift_labels is None:
             raise TSPConfigError("shift_labels is required: ShardedCausalLM.forward(input_ids, shift_labels, "
-                                 "position_ids) takes this rank's shard (ds_tsp.core.partition.shard_batch or a "
+                                 "position_ids) takes this rank's shard (ds_tsp.shard_batch or a "
                                  "TSPDataLoader batch)")
         if tsp_shard is not None and tuple(tsp_shard) != (self.comm.rank, self.comm.size):
             raise TSPConfigError(f"tsp_shard={tuple(tsp_shard)}: the batch was sharded for TSP rank {tsp_shard[0]} of "
@@ -235,7 +236,7 @@ class ShardedCausalLM(nn.Module):
         return torch.cat((head, layout))
 
     def _check_inputs(self, input_ids, shift_labels, position_ids, attention_mask) -> tuple[torch.Tensor | None,
-                                                                                             DocStarts | None]:
+                                                                                             DocumentLayout | None]:
         """Validate on every rank at once (ONE all-gather of a fixed-size payload, ONE host read) so a bad shard
         fails every rank and none hangs; the same gather tells every rank where packed documents start.
 
@@ -244,12 +245,13 @@ class ShardedCausalLM(nn.Module):
         breaks than documents.LAYOUT_SLOTS costs a second gather and read (of the positions themselves). On the
         meta device nothing is read: the checks are skipped and every row is one document.
 
-        Returns (labelled tokens of the whole TSP group or None without labels, document starts or None).
+        Returns (labelled tokens of the whole TSP group or None without labels, document starts or None). The
+        starts are validated here, once per step, into a DocumentLayout every layer's kernels take as it is.
         """
         if position_ids is None:
             raise TSPConfigError(
                 "position_ids is missing: TSP ranks hold non-contiguous zigzag chunks, so RoPE needs the GLOBAL "
-                "position of every local token; build the batch with ds_tsp.core.partition.shard_batch")
+                "position of every local token; build the batch with ds_tsp.shard_batch")
         if input_ids.dim() != 2:
             raise TSPConfigError(f"input_ids must be [batch, local_seq], got shape {tuple(input_ids.shape)}")
         for name, t in (("shift_labels", shift_labels), ("position_ids", position_ids),
@@ -274,7 +276,7 @@ class ShardedCausalLM(nn.Module):
             raise TSPConfigError(
                 f"local shapes [batch, seq] differ across TSP ranks, or attention_mask is given on some ranks "
                 f"only ([batch, seq, has mask] per rank: {shapes}): every rank must hold its zigzag shard (two equal "
-                "chunks) of the same batch: use ds_tsp.core.partition.shard_batch")
+                "chunks) of the same batch: use ds_tsp.shard_batch")
         n_bad_total = sum(row[1] for row in rows)
         if n_bad_total > 0:
             raise TSPConfigError(
@@ -285,7 +287,7 @@ class ShardedCausalLM(nn.Module):
         if local_len % 2 or local_len == 0:
             raise TSPConfigError(
                 f"local shapes [batch, seq] differ across TSP ranks or are odd: {[s[:2] for s in shapes]}; every "
-                "rank must hold its zigzag shard (two equal chunks) of the same batch: use ds_tsp.core.partition.shard_batch")
+                "rank must hold its zigzag shard (two equal chunks) of the same batch: use ds_tsp.shard_batch")
         if shift_labels is not None and sum(row[0] for row in rows) == 0:
             raise TSPConfigError("shift_labels: no token has a target (all -100) in the whole TSP group; "
                                  "a batch needs at least one labelled token")
@@ -300,7 +302,7 @@ class ShardedCausalLM(nn.Module):
                 gathered = data[None]
             full = unshard(list(gathered.unbind(0)), dim=2)  # [fields, B, S]
             doc_starts = document_starts(full[0], full[1] if attention_mask is not None else None)
-        return total, doc_starts
+        return total, (None if doc_starts is None else document_layout(doc_starts, B))
 
     def global_loss(self, loss_share: torch.Tensor) -> torch.Tensor:
         """The global mean loss as its value, this rank's share as its gradient (so backward stays exact).

@@ -18,7 +18,7 @@ from torch import nn
 from ds_tsp.checkpoint.moe_names import MoENames
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import replicated_param
-from ds_tsp.core.functions.moe import MoESpec, choose_moe_dispatch, tsp_moe_mlp
+from ds_tsp.core.functions.moe import MoESpec, choose_moe_dispatch, moe_compute_dtype, tsp_moe_mlp
 from ds_tsp.core.grad_norm import mark_sharded
 from ds_tsp.core.shape import ModelShape
 
@@ -51,8 +51,10 @@ class TSPSparseMoE(nn.Module):
         """x [B, L, h] -> (y [B, L, h], router_logits [B*L, E]); dispatch "auto" resolved for this batch shape
         (the same answer on every rank: it depends only on shapes)."""
         s = self.spec
+        # bytes in the dtype the dispatch really sends (the autocast dtype under autocast)
+        sent = moe_compute_dtype(x.device.type, x.dtype)
         dispatch = choose_moe_dispatch(self.dispatch, x.shape[0] * x.shape[1], s.hidden, s.moe_ffn, s.num_experts,
-                                       s.top_k, self.comm.size, x.element_size())
+                                       s.top_k, self.comm.size, torch.finfo(sent).bits // 8)
         return tsp_moe_mlp(x, replicated_param(self.gate.weight, self.comm), self.experts_shard, s, self.comm,
                            dispatch=dispatch)
 

@@ -67,31 +67,22 @@ def load_hf_model(core: nn.Module, hf_model: nn.Module, state_dict: dict | None 
     return base
 
 
-def require_all_trainable(model, where: str) -> None:
-    """For conversion paths that train every weight: a PEFT model or frozen parameters are one clear error."""
-    if hasattr(model, "peft_config"):
-        raise TSPConfigError(f"a PEFT model with {where} is not supported: LoRA under TSP needs one pipeline stage")
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad] if hasattr(model, "named_parameters") \
-        else []
-    if frozen:
-        raise TSPConfigError(f"{frozen[0]} ({len(frozen)} parameters) has requires_grad=False, which {where} does not "
-                             "carry over (every weight would train): unfreeze it, or use one pipeline stage")
-
-
 def carry_requires_grad(sharded, replicated: dict[str, nn.Parameter], source: dict[str, nn.Parameter],
-                        moe_family: str | None = None) -> None:
+                        moe_family: str | None = None, held_elsewhere: set[str] = frozenset()) -> None:
     """Set requires_grad of every TSP parameter from the HF parameters it holds a part of.
 
     sharded: (HF prefix, sharded piece, its parameter) as ShardedCausalLM.sharded_modules() lists them;
     replicated: HF name -> parameter; source: HF name -> the HF parameter (base_parameters), in the checkpoint or
-    the in-memory layout (MoE names translated with moe_family's aliases). An HF parameter no TSP parameter holds,
-    or a TSP parameter none of whose HF tensors is in `source`, is an error naming it: its flag would be lost.
+    the in-memory layout (MoE names translated with moe_family's aliases); held_elsewhere: checkpoint names TSP
+    parameters of other pipeline stages hold. An HF parameter no TSP parameter holds, or a TSP parameter none of
+    whose HF tensors is in `source`, is an error naming it: its flag would be lost.
     """
     held = checkpoint_names({n: tuple(p.shape) for n, p in source.items()}, moe_family)
     by_checkpoint_name = {c: source[n] for n, names in held.items() for c in names}
     wanted = {prefix + n for prefix, module, _ in sharded for n in module.hf_shapes()} | set(replicated)
-    kept = {id(by_checkpoint_name[n]) for n in wanted if n in by_checkpoint_name}
-    orphans = [n for n, names in held.items() if not wanted.intersection(names) and id(source[n]) not in kept]
+    anywhere = wanted | set(held_elsewhere)
+    kept = {id(by_checkpoint_name[n]) for n in anywhere if n in by_checkpoint_name}
+    orphans = [n for n, names in held.items() if not anywhere.intersection(names) and id(source[n]) not in kept]
     if orphans:  # (a tied lm_head.weight IS the embedding parameter: kept through it)
         raise TSPConfigError(f"{orphans[0]} ({len(orphans)} HF parameters) has no TSP counterpart, so its "
                              f"requires_grad={source[orphans[0]].requires_grad} cannot be carried over: convert a "

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape import ModelShape
+from ds_tsp.tools.entry_point import config_error_in, report_error
 
 __all__ = ["main", "build_parser"]
 
@@ -47,7 +48,7 @@ def _positive_float(text: str) -> float:
 
 
 def _error(command: str, message: str) -> int:
-    print(f"ds-tsp {command}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    report_error(f"ds-tsp {command}", message)  # one line; under a launcher printed once, not once per rank
     return EXIT_USAGE
 
 
@@ -179,7 +180,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except Exception as exc:  # a ds_tsp input error found while running (a checkpoint, a rank's batch): one line
+        error = config_error_in(exc)
+        if error is None:
+            raise
+        return _error(args.command, str(error))
 
 
 if __name__ == "__main__":

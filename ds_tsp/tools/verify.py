@@ -191,6 +191,7 @@ def run_case_on_world(case: VerifyCase, options: TSPOptions = TSPOptions(), over
         return run_case(case, None, options, overlap)
     # the weights' own channel where a training run gets one (CUDA: ds_tsp.core.topology.ProcessGroups.build);
     # collective: every rank runs this entry
-    weights = dist.new_group(list(range(dist.get_world_size()))) if torch.cuda.is_available() else None
+    # (a spawned gloo group computes on the CPU, see local_device: no second channel there)
+    weights = dist.new_group(list(range(dist.get_world_size()))) if local_device().type == "cuda" else None
     return run_case(case, dist.group.WORLD, options, overlap, weights)
 

@@ -4,6 +4,12 @@ Same degree: the rank's own tensor is read as saved (bit for bit). Another degre
 saved shards of every old rank are put together into that module's HF tensors (ds_tsp.model.sharded_modules: unshard) and this
 rank's part is cut out of them (shard_full), one module at a time, so no rank ever holds more than one module
 whole. Replicated parameters (norms) are read from TSP rank 0's files.
+
+A LoRA factor cut along its base slice's dim (ds_tsp.model.lora: B's rows of q/k/v/gate/up, A's columns of o/down)
+is put together from every old rank's cut at that rank's start (a kv group's leader holds the live copy of a
+shared kv head's rows) and re-cut at this rank's start; the replicated factor is read from TSP rank 0's files.
+Only trainable parameters are in a checkpoint (train_state.saved_parameters): frozen ones, LoRA's base included,
+come from the model the run loads.
 """
 from __future__ import annotations
 
@@ -39,6 +45,14 @@ class ShardSource:
         self.sharded = {names[id(param)]: module for _, module, param in model.sharded_modules()}
         old = {} if self.same_layout else dict(layout_model(model, self.old_size).named_modules())
         self.old_modules = {n: old[n.rsplit(".", 1)[0]] for n in self.sharded} if old else {}
+        # sharded LoRA factors: name -> (dim, this rank's start, its length, every old rank's start)
+        self.lora = {}
+        for _, param, cut in getattr(model, "lora_tensors", lambda: [])():
+            if cut is not None:
+                name = names[id(param)]
+                dim, starts = cut
+                length = tuple(getattr(param, "ds_shape", param.shape))[dim]  # ZeRO-3 keeps the shape aside
+                self.lora[name] = (dim, starts[model.comm.rank], length, _old_starts(old, name) if old else None)
 
     def files(self) -> set[str]:
         """The files this rank reads (to verify their checksums first)."""
@@ -47,7 +61,11 @@ class ShardSource:
     def value(self, param_name: str, key: str | None = None) -> torch.Tensor:
         """This rank's shard of parameter `param_name` (its weight, or optimizer state `key`), as saved (fp32)."""
         tensor = state_tensor_name(param_name, key)
-        if param_name not in self.sharded:
+        if param_name in self.lora and not self.same_layout:
+            dim, start, length, old_starts = self.lora[param_name]
+            full = _assemble([self.readers[r].get(tensor) for r in range(self.old_size)], dim, old_starts)
+            return full.narrow(dim, start, length).contiguous()
+        if param_name not in self.sharded and param_name not in self.lora:
             return self.readers[0].get(tensor)
         if self.same_layout:
             return self.readers[self.model.comm.rank].get(tensor)
@@ -58,3 +76,21 @@ class ShardSource:
     def close(self) -> None:
         for reader in self.readers.values():
             reader.close()
+
+
+def _old_starts(old_modules: dict[str, nn.Module], factor_name: str) -> tuple[int, ...]:
+    """Every old rank's start of a LoRA factor named <piece>.lora.<proj>.lora_X: its base slice's (hf_slices)."""
+    piece_name, rest = factor_name.split(".lora.", 1)
+    piece, weight = old_modules[piece_name], rest.split(".", 1)[0] + ".weight"
+    return tuple(piece.hf_slices(r)[weight][1] for r in range(piece.comm.size))
+
+
+def _assemble(shards: list[torch.Tensor], dim: int, starts: tuple[int, ...]) -> torch.Tensor:
+    """The whole factor from every rank's cut; ranks sharing a kv head hold one slice, the first one's is kept."""
+    length = shards[0].shape[dim]
+    shape = list(shards[0].shape)
+    shape[dim] = max(starts) + length
+    full = shards[0].new_empty(shape)
+    for r in sorted(range(len(shards)), key=lambda r: -r):  # the lowest rank of a shared slice is written last
+        full.narrow(dim, starts[r], length).copy_(shards[r])
+    return full

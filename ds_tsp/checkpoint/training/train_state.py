@@ -93,16 +93,18 @@ def _check_pipeline(groups: ProcessGroups) -> None:
                              "layout only)")
 
 
-def _check_all_trainable(model: nn.Module) -> None:
-    # Frozen parameters have no optimizer state and LoRA factors are sharded in their own way: both would be
-    # written or read wrongly by the per-shard files below, so they are refused rather than resumed wrongly.
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    lora = getattr(model, "lora_tensors", lambda: [])()
-    if frozen or lora:
-        what = f"a LoRA adapter ({lora[0][0]}, ...)" if lora else f"frozen parameters ({frozen[0]}, ...)"
-        raise TSPConfigError(f"ds_tsp training checkpoints do not cover a model with {what} yet: save the adapter "
-                             "or the model with save_pretrained, or use engine.save_checkpoint / load_checkpoint "
-                             "(same layout only)")
+def saved_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a checkpoint holds: the trainable ones (weights and optimizer state). A frozen parameter has
+    no optimizer state and does not change, so it is not saved: it comes from the model the resuming run loads (a
+    LoRA run saves its adapter and the adapter's optimizer state, never the frozen base)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def sharded_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters every TSP rank holds its own part of (the rest is replicated: TSP rank 0 writes it):
+    the sharded modules' and LoRA's sharded factors."""
+    ids = {id(p) for _, _, p in model.sharded_modules()}
+    return ids | {id(p) for _, p, cut in getattr(model, "lora_tensors", lambda: [])() if cut is not None}
 
 
 def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessGroups, store: CheckpointStore,
@@ -110,15 +112,14 @@ def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
                      max_file_bytes: int = DEFAULT_FILE_BYTES) -> Path:
     """Collective. Writes DIR/step-<step> and returns its path (on every rank)."""
     _check_pipeline(groups)
-    _check_all_trainable(model)
     rank, _ = _world()
     tmp = Path(_broadcast(str(store.new_temporary(step)) if rank == 0 else None))
     tsp_rank, writes = groups.tsp_rank, groups.data_rank == 0
     writer = ShardFileWriter(tmp, f"tsp{tsp_rank:02d}", max_file_bytes) if writes else None
-    sharded = {id(p) for _, _, p in model.sharded_modules()}
+    sharded = sharded_ids(model)
     keys = access.state_keys()
     error = None
-    for name, param in model.named_parameters():
+    for name, param in saved_parameters(model):
         for key in (None, *keys):
             value = access.weight(param) if key is None else access.state(param, key)  # collective over data
             if writer is not None and error is None and (tsp_rank == 0 or id(param) in sharded):
@@ -164,8 +165,18 @@ def _commit(access, model, groups, store, step, tmp, everyone, data_state) -> No
     store.commit(tmp, step)
 
 
+# The adapter's fields that decide the factors' shapes and values: a resume with other ones is refused by name.
+_LORA_FIELDS = ("r", "lora_alpha", "use_rslora", "target_modules", "rank_pattern", "alpha_pattern",
+                "layers_to_transform")
+
+
 def _shape_dict(model: nn.Module) -> dict:
-    return json.loads(json.dumps(model.shape.to_dict()))  # tuples as lists, as the manifest reads back
+    shape = json.loads(json.dumps(model.shape.to_dict()))  # tuples as lists, as the manifest reads back
+    adapter = getattr(model, "lora_adapter_config", None)  # ds_tsp.model.trainability.load_hf_model sets it
+    if adapter:
+        config = json.loads(adapter)
+        shape["lora"] = {k: config.get(k) for k in _LORA_FIELDS}
+    return shape
 
 
 # --- load ---------------------------------------------------------------------------------------------------
@@ -184,7 +195,6 @@ def check_resumable(manifest: Manifest, access: OptimizerAccess, model: nn.Modul
                     where: Path) -> None:
     """One clear error for a checkpoint this run cannot continue from (the same on every rank)."""
     _check_pipeline(groups)
-    _check_all_trainable(model)
     if manifest.layout.pipe != 1:
         raise TSPConfigError(f"{where}: saved with pipeline_stages={manifest.layout.pipe}; resume it with "
                              "engine.load_checkpoint on the same layout")
@@ -212,14 +222,22 @@ def check_resumable(manifest: Manifest, access: OptimizerAccess, model: nn.Modul
     if missing_ranks:
         raise TSPConfigError(f"{where}: the manifest lists no files of TSP rank {missing_ranks[0]}: the checkpoint "
                              "is incomplete; resume from another one")
-    names = {state_tensor_name(n, k) for n, _ in model.named_parameters() for k in (None, *manifest.optimizer.state_keys)}
-    sharded = {n for n, p in model.named_parameters() if any(p is q for _, _, q in model.sharded_modules())}
+    saved, ids = saved_parameters(model), sharded_ids(model)
+    trainable = {n for n, _ in saved}
+    extra = sorted({t.split("::")[0] for t in manifest.shards.get(0, {})} - trainable)
+    if extra:
+        raise TSPConfigError(f"{where}: the checkpoint trained {extra[0]!r} ({len(extra)} parameters), which is "
+                             "frozen (requires_grad=False) or absent in this model: freeze the same parameters "
+                             "(and wrap the same LoRA adapter) as the run that saved it")
+    names = {state_tensor_name(n, k) for n in trainable for k in (None, *manifest.optimizer.state_keys)}
+    sharded = {n for n, p in saved if id(p) in ids}
     for tsp_rank, tensors in manifest.shards.items():
         need = names if tsp_rank == 0 else {t for t in names if t.split("::")[0] in sharded}
         missing = sorted(need - set(tensors))
         if missing:
             raise TSPConfigError(f"{where}: no tensor {missing[0]!r} for TSP rank {tsp_rank} ({len(missing)} "
-                                 "missing): the checkpoint was saved from another model")
+                                 "missing): the checkpoint was saved from another model, or with this parameter "
+                                 "frozen: freeze the same parameters as the run that saved it")
 
 
 def load_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessGroups, store: CheckpointStore,
@@ -242,13 +260,13 @@ def load_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
     _agree(_attempt(read_and_check))
     manifest, source = state["manifest"], state["source"]
     keys = manifest.optimizer.state_keys
-    params = [p for _, p in model.named_parameters()]
+    params = [p for _, p in saved_parameters(model)]
     if keys:
         access.ensure_state(params)
         if access.state_keys() != keys:
             raise TSPConfigError(f"{where}: the checkpoint holds optimizer state {keys}, this optimizer "
                                  f"{access.state_keys()}: configure the same optimizer")
-    for name, param in model.named_parameters():
+    for name, param in saved_parameters(model):
         access.set_weight(param, source.value(name))
         for key in keys:
             access.set_state(param, key, source.value(name, key))

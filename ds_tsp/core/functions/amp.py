@@ -62,6 +62,19 @@ def apply_autocast(fn_cls: type[torch.autograd.Function], device_type: str, *arg
     return autocast_function(fn_cls, device_type).apply(*args)
 
 
+def dtype_inside(fn_cls: type[torch.autograd.Function], device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a floating-point tensor argument of `dtype` on `device_type` has inside fn_cls's forward, as
+    apply_autocast would run it now (custom_fwd's own rule: float64 and other devices are never cast). Callers that
+    pick a kernel or count bytes before the Function runs (the MoE expert GEMM path, its dispatch cost) use it, so
+    they decide on the dtype the kernels will really see."""
+    cls = autocast_function(fn_cls, device_type)
+    if cls is fn_cls or fn_cls.AUTOCAST != AUTOCAST_LOW_PRECISION:
+        return dtype
+    if not dtype.is_floating_point or dtype == torch.float64:
+        return dtype
+    return torch.get_autocast_dtype(device_type)
+
+
 @functools.lru_cache(maxsize=None)
 def _autocast_variant(fn_cls, device_type: str, cast_inputs: torch.dtype | None):
     forward = torch.amp.custom_fwd(fn_cls.forward, device_type=device_type, cast_inputs=cast_inputs)

@@ -62,9 +62,15 @@ import torch.nn.functional as F
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import ShardGradReducer, ShardStream
-from ds_tsp.core.document_attention import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.document_attention import (
+    document_layout,
+    masked_attention_backward,
+    masked_attention_forward,
+    single_documents,
+)
 from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 from ds_tsp.core.functions.norm import rms_norm, rms_norm_backward
+from ds_tsp.core.functions.shard_rebuild import save_with_shard, saved_with_shard
 from ds_tsp.core.functions.weight_packing import PackedLayout
 from ds_tsp.core.kv_layout import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
 from ds_tsp.core.partition import zigzag_chunks
@@ -167,7 +173,8 @@ class _TSPAttention(torch.autograd.Function):
     def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, spec: AttentionSpec, comm: TSPComm, doc_starts):
         B, L, h = x.shape
         D, p = comm.size, comm.rank
-        doc_starts = doc_starts if doc_starts is not None else ((0,),) * B
+        # validated here unless the model's input check did it already (once per step, not per chunk and block)
+        doc_starts = single_documents(B) if doc_starts is None else document_layout(doc_starts, B)
         y = torch.zeros_like(x)
         saved_blocks, saved_groups = [], []
         shards = ShardStream(comm, packed_shard)
@@ -206,13 +213,14 @@ class _TSPAttention(torch.autograd.Function):
         ctx.has_qk_norm = q_norm is not None
         ctx.n_block_saved = len(saved_blocks)
         norms = (q_norm, k_norm) if ctx.has_qk_norm else ()
-        ctx.save_for_backward(x, packed_shard, cos, sin, *norms, *saved_blocks, *saved_groups)
+        # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
+        save_with_shard(ctx, packed_shard, x, cos, sin, *norms, *saved_blocks, *saved_groups)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         spec, comm, doc_starts = ctx.spec, ctx.comm, ctx.doc_starts
-        x, packed_shard, cos, sin, *saved = ctx.saved_tensors
+        packed_shard, (x, cos, sin, *saved) = saved_with_shard(ctx)
         q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
         saved_blocks, saved_groups = saved[:ctx.n_block_saved], saved[ctx.n_block_saved:]
         norm_grads = {"q": None, "k": None}  # this rank's q_norm / k_norm weight grads, summed over blocks
@@ -338,7 +346,7 @@ def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor
 
     qk_norm: Qwen3's (q_norm, k_norm) weights [d]; their grads are this rank's contribution (sum them over the
     group, e.g. with comm.replicated_param). doc_starts: per batch row, the global token indices where packed
-    documents start (None: one document per row).
+    documents start, or the DocumentLayout the model's input check built from them (None: one document per row).
     """
     q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
     if (q_norm is None) != (spec.qk_norm_eps is None):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import ring_backward, ring_forward
 from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION, apply_autocast
+from ds_tsp.core.functions.shard_rebuild import save_with_shard, saved_with_shard
 from ds_tsp.core.functions.weight_packing import PackedLayout
 
 
@@ -54,12 +55,12 @@ class _TSPGatedMLP(torch.autograd.Function):
 
         ring_forward(comm, packed_shard, step)
         ctx.spec, ctx.comm = spec, comm
-        ctx.save_for_backward(x, packed_shard, *kept)
+        save_with_shard(ctx, packed_shard, x, *kept)  # a LoRA-merged shard: its base and factors, rebuilt in backward
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, packed_shard, *kept = ctx.saved_tensors
+        packed_shard, (x, *kept) = saved_with_shard(ctx)
         spec = ctx.spec
         h = x.shape[-1]
         x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)

@@ -8,8 +8,16 @@ torch.autograd.Function each:
 - "all_to_all" (ds_tsp.core.functions.moe_all_to_all): token rows go to the experts' owners and come back;
   bytes proportional to tokens x top_k x hidden.
 choose_moe_dispatch picks the one with fewer bytes per layer (ds_tsp.core.functions.moe_cost); the load-balancing
-auxiliary loss is ds_tsp.core.functions.moe_aux. Host syncs: see moe_ring / moe_all_to_all (at most ONE
-device-to-host read per MoE layer forward, none in backward).
+auxiliary loss is ds_tsp.core.functions.moe_aux.
+
+Autocast: both Functions are AUTOCAST_LOW_PRECISION (ds_tsp.core.functions.amp): under torch.autocast x, the routing
+weights and the packed experts are cast to the autocast dtype ONCE on entry, so the ring carries the cast experts
+(half the bytes of fp32 master weights), all_to_all the cast rows, and backward runs in that one dtype; autograd
+casts the grads back to the fp32 parameters' dtype. The router itself runs outside, under autocast as in
+transformers (its logits in the autocast dtype, the softmax in float32).
+
+Host syncs: ONE device-to-host read per MoE layer forward under either dispatch (the per-expert row counts: the
+ring's step bounds, all_to_all's split sizes), none in backward; see moe_ring / moe_all_to_all.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import torch
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.functions.amp import apply_autocast, dtype_inside
 from ds_tsp.core.functions.moe_all_to_all import MoEAllToAll
 from ds_tsp.core.functions.moe_aux import moe_aux_loss_share
 from ds_tsp.core.functions.moe_cost import choose_moe_dispatch, moe_bytes_per_layer
@@ -28,7 +37,8 @@ from ds_tsp.core.functions.moe_ring import MoERing
 from ds_tsp.core.functions.moe_routing import route
 from ds_tsp.core.functions.weight_packing import PackedLayout
 
-__all__ = ["MoESpec", "tsp_moe_mlp", "moe_aux_loss_share", "moe_bytes_per_layer", "choose_moe_dispatch"]
+__all__ = ["MoESpec", "tsp_moe_mlp", "moe_compute_dtype", "moe_aux_loss_share", "moe_bytes_per_layer",
+           "choose_moe_dispatch"]
 
 DISPATCHES = {"ring": MoERing, "all_to_all": MoEAllToAll}
 
@@ -68,8 +78,14 @@ def _check(x, router_weight, experts_shard, spec: MoESpec, comm: TSPComm, dispat
     if x.device.type == "meta" and (dispatch == "all_to_all" or path == "loop"):
         raise TSPConfigError(f"moe_dispatch={dispatch!r} with the {path} expert GEMMs on the meta device: it reads "
                              "the per-expert row counts on the host (all_to_all split sizes / loop bounds), which "
-                             "meta tensors do not have. Use moe_dispatch='ring' with bfloat16 weights (grouped GEMMs, "
-                             "no host read) for meta runs")
+                             "meta tensors do not have. Use moe_dispatch='ring' with bfloat16 weights (grouped GEMMs; "
+                             "on meta each ring step takes a static worst-case row window instead) for meta runs")
+
+
+def moe_compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the MoE Functions compute (and send) in for a tensor of `dtype`: the autocast dtype when autocast
+    is on for `device_type` (both dispatches share the AUTOCAST_LOW_PRECISION policy), else `dtype`."""
+    return dtype_inside(MoERing, device_type, dtype)
 
 
 def tsp_moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, experts_shard: torch.Tensor, spec: MoESpec,
@@ -78,9 +94,11 @@ def tsp_moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, experts_shard: tor
     grad is summed over the TSP group); experts_shard: flat packed param of this rank's E_r experts; dispatch
     "ring" or "all_to_all" (already resolved from "auto"). Returns (y [B, L, h], router_logits [B*L, E] in
     x.dtype, differentiable w.r.t. x and router_weight -- what HF returns as router_logits)."""
-    path = select_expert_gemm(x.device, experts_shard.dtype, spec.hidden, spec.moe_ffn)
+    # the expert GEMMs see the dtype the Function casts the experts to (the autocast dtype under autocast)
+    path = select_expert_gemm(x.device, moe_compute_dtype(x.device.type, experts_shard.dtype), spec.hidden,
+                              spec.moe_ffn)
     _check(x, router_weight, experts_shard, spec, comm, dispatch, path)
     x2d = x.reshape(-1, spec.hidden)
     logits, top_w, top_i = route(x2d, router_weight, spec.top_k, spec.norm_topk_prob)
-    y2d = DISPATCHES[dispatch].apply(x2d, top_w, top_i, experts_shard, spec, comm, path)
+    y2d = apply_autocast(DISPATCHES[dispatch], x.device.type, x2d, top_w, top_i, experts_shard, spec, comm, path)
     return y2d.view(x.shape), logits

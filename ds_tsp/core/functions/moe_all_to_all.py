@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION
 from ds_tsp.core.functions.moe_experts import experts_backward, experts_forward
 from ds_tsp.core.functions.moe_routing import ExpertOrder
 
@@ -31,6 +32,10 @@ def _arrival_order_by_expert(recv_counts: torch.Tensor, rows: int, experts_per_r
 
 
 class MoEAllToAll(torch.autograd.Function):
+    # expert GEMMs: autocast's lower-precision list. x, the routing weights and the packed experts are cast once on
+    # entry (the experts before they travel), so forward and backward run in one dtype (ds_tsp.core.functions.amp)
+    AUTOCAST = AUTOCAST_LOW_PRECISION
+
     @staticmethod
     def forward(ctx, x2d, top_w, top_i, experts_shard, spec, comm, path: str):
         d, e_r, h = comm.size, spec.experts_per_rank, spec.hidden

@@ -34,8 +34,9 @@ def moe_bytes_per_layer(tokens_per_rank: int, hidden: int, moe_ffn: int, num_exp
 
 def choose_moe_dispatch(requested: str, tokens_per_rank: int, hidden: int, moe_ffn: int, num_experts: int,
                         top_k: int, tsp: int, dtype_bytes: int) -> str:
-    """"ring" / "all_to_all" as given; "auto": the one with fewer bytes per layer (ties: "ring", it needs no host
-    sync). Same answer on every rank for the same batch shape."""
+    """"ring" / "all_to_all" as given; "auto": the one with fewer bytes per layer (ties: "ring", its bytes do not
+    grow with the tokens). Both make the same one host read per layer forward, so syncs do not weigh in the choice.
+    Same answer on every rank for the same batch shape."""
     if requested in SCHEDULES:
         return requested
     if requested != "auto":

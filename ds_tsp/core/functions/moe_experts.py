@@ -2,8 +2,9 @@
 
 Rows arrive sorted by expert (the experts a rank holds at one time, in expert order). Two ways to run them:
 - "grouped": one torch grouped GEMM per projection (`torch.nn.functional.grouped_mm` / `torch._grouped_mm`), the
-  group boundaries given as DEVICE offsets (int32 cumulative row ends): no host sync. Rows past the last offset
-  are not computed (the kernel leaves them undefined); callers pass `valid` to zero them.
+  group boundaries given as DEVICE offsets (int32 cumulative row ends): no host sync here. Callers hand exactly
+  the rows the offsets cover (offsets[-1] == rows; the ring and all_to_all size their rows by the layer's one host
+  read), so no row is left undefined. Only the meta device, which computes nothing, passes a longer window.
 - "loop": one GEMM per expert over host row counts (a Python list the caller read once per layer forward).
 select_expert_gemm picks one like ds_tsp.core.kernels.select_backend picks attention: grouped on CUDA bf16 where
 torch ships the kernel, and on the meta device (bf16) where no count can be read; the loop everywhere else.
@@ -54,10 +55,6 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return _grouped_mm_fn()(a, b, offs=offs)
 
 
-def _zero_invalid(t: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    return t if valid is None else torch.where(valid[:, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
 def _bounds(counts: list) -> list[tuple[int, int, int]]:
     out, start = [], 0
     for j, n in enumerate(counts):
@@ -68,14 +65,14 @@ def _bounds(counts: list) -> list[tuple[int, int, int]]:
 
 
 def experts_forward(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, groups: Groups,
-                    valid: torch.Tensor | None = None, keep_projections: bool = False):
+                    keep_projections: bool = False):
     """rows [M, h] sorted by expert -> (unweighted outputs [M, h], the gate/up pre-activations [M, 2F] if
     keep_projections else None). groups: list = loop over host counts, tensor = one grouped GEMM per projection."""
     f = down.shape[-1]
     if isinstance(groups, torch.Tensor):
-        gu = _zero_invalid(_gmm(rows, gate_up.transpose(-2, -1), groups), valid)
+        gu = _gmm(rows, gate_up.transpose(-2, -1), groups)
         act = F.silu(gu[:, :f]) * gu[:, f:]
-        out = _zero_invalid(_gmm(act, down.transpose(-2, -1), groups), valid)
+        out = _gmm(act, down.transpose(-2, -1), groups)
         return out, (gu if keep_projections else None)
     out = torch.zeros_like(rows)
     gu_all = rows.new_zeros((rows.shape[0], 2 * f)) if keep_projections else None
@@ -88,8 +85,8 @@ def experts_forward(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
 
 
 def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, groups: Groups, *, valid: torch.Tensor | None = None,
-                     projections: torch.Tensor | None = None, need_weight_grad: bool = True):
+                     down: torch.Tensor, groups: Groups, *, projections: torch.Tensor | None = None,
+                     need_weight_grad: bool = True):
     """Backward of out_row * weight_row, recomputing the activations (unless `projections` kept them).
 
     rows [M, h], dy_rows [M, h] (the layer's output grad at each row's token), weights [M] (routing weights).
@@ -98,19 +95,18 @@ def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.T
     f = down.shape[-1]
     grouped = isinstance(groups, torch.Tensor)
     if grouped:
-        gu = projections if projections is not None else _zero_invalid(
-            _gmm(rows, gate_up.transpose(-2, -1), groups), valid)
-        g = _zero_invalid(_gmm(dy_rows, down, groups), valid)  # dy_row @ W_down: [M, F]
+        gu = projections if projections is not None else _gmm(rows, gate_up.transpose(-2, -1), groups)
+        g = _gmm(dy_rows, down, groups)  # dy_row @ W_down: [M, F]
         gate, up = gu[:, :f], gu[:, f:]
         silu_gate = F.silu(gate)
         act = silu_gate * up
         dw = (g * act).sum(-1)
         dact = g * weights[:, None]
         dgu = torch.cat([torch.ops.aten.silu_backward(dact * up, gate), dact * silu_gate], dim=1)
-        drows = _zero_invalid(_gmm(dgu, gate_up, groups), valid)
+        drows = _gmm(dgu, gate_up, groups)
         if not need_weight_grad:
             return drows, dw, None, None
-        d_gate_up = _gmm(dgu.t(), rows, groups)  # [E_r, 2F, h]: rows past the last offset do not enter
+        d_gate_up = _gmm(dgu.t(), rows, groups)  # [E_r, 2F, h]
         d_down = _gmm((dy_rows * weights[:, None]).t(), act, groups)  # [E_r, h, F]
         return drows, dw, d_gate_up, d_down
     drows = torch.zeros_like(rows)

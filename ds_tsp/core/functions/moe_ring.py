@@ -10,65 +10,89 @@ parameter). Foreign shards are dropped after their step; backward runs the ring 
 activations (spec.recompute_projections; False keeps each step's gate/up pre-activations), and the expert grads
 ride the ring home (ring_backward), as in the dense MLP.
 
-Host syncs: the loop path reads the per-expert counts ONCE per layer forward (one .tolist()) and reuses them in
-backward; the grouped path reads nothing (device offsets, and each step's rows rotated to the front of a fixed-size
-gather so the grouped GEMM needs no host offset).
+Row work per step: the rows are sorted by expert (so by owner) once per layer, one device argsort
+(ExpertOrder), and each step slices exactly its owner's segment with host bounds: the row gathers, the expert
+GEMMs (loop: host counts; grouped: device offsets of the same segment), the activation and the scatters of a step
+touch the owner's rows and nothing else (~N x top_k / D at even routing), forward and backward.
+
+Host syncs: ONE device-to-host read per layer forward, the per-expert row counts (one .tolist(), the same read
+all_to_all makes for its split sizes); both GEMM paths and backward reuse it (zero syncs in backward). Without it
+no gather could be sized to the owner's rows: a static size must cover the largest count an owner may receive,
+N x min(top_k, E_r), i.e. all N x k rows whenever E_r >= top_k (D times the real row work).
+
+Meta device (no values, so no host read): each step takes a static window of owner_row_bound = N x min(top_k, E_r)
+sorted rows instead (_StepRows, one branch). Meta computes nothing, so only the shapes matter: the schedule traces
+with every step at its worst-case row count. tsp_moe_mlp runs only the grouped GEMMs on meta.
 """
 from __future__ import annotations
 
 import torch
 
 from ds_tsp.core.comm_primitives import ring_backward, ring_forward
+from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION
 from ds_tsp.core.functions.moe_experts import experts_backward, experts_forward
 from ds_tsp.core.functions.moe_routing import ExpertOrder
 
 
-class _StepRows:
-    """Which of this rank's sorted rows meet the experts of `owner`, for either GEMM path."""
+def owner_row_bound(tokens: int, top_k: int, experts_per_rank: int) -> int:
+    """The most rows one owner's experts can receive from `tokens` tokens: a token's top_k experts are distinct, so
+    at most min(top_k, E_r) of its rows meet the E_r experts one rank owns. The meta device's static rows per ring
+    step (it has no counts to read)."""
+    return tokens * min(top_k, experts_per_rank)
 
-    def __init__(self, plan: ExpertOrder, host_counts: list | None, experts_per_rank: int):
-        self.plan, self.host_counts, self.e_r = plan, host_counts, experts_per_rank
-        if host_counts is None:
-            ends = plan.counts.cumsum(0)
-            self.starts = torch.cat([ends.new_zeros(1), ends])  # starts[e] = first sorted row of expert e
-            self.arange = torch.arange(plan.order.numel(), device=plan.order.device)
+
+class _StepRows:
+    """Which of this rank's sorted rows meet the experts of `owner`, for either GEMM path.
+
+    The rows are sorted by expert once per layer (ExpertOrder: one device argsort), so an owner's rows are one
+    contiguous segment [a, b) of `order`, its bounds read on the host once per layer (the layer's one sync; the
+    loop path's per-expert counts come from the same read). grouped: the per-expert cumulative row ends of each
+    owner, int32 on the device (one cumsum per layer), so the grouped GEMM covers exactly the segment's rows."""
+
+    def __init__(self, plan: ExpertOrder, experts_per_rank: int, path: str):
+        self.plan, self.e_r = plan, experts_per_rank
+        owners = plan.counts.numel() // experts_per_rank
+        if plan.order.is_meta:  # no values to read: every owner a worst-case window (module doc; shapes only)
+            window = owner_row_bound(plan.order.numel() // plan.top_k, plan.top_k, experts_per_rank)
+            self.counts, self.bounds = None, [(0, window)] * owners
         else:
-            self.host_starts = [0]
-            for n in host_counts:
-                self.host_starts.append(self.host_starts[-1] + n)
+            self.counts = plan.counts.tolist()  # THE host sync of this layer (module doc), reused by backward
+            ends = [0]
+            for n in self.counts:
+                ends.append(ends[-1] + n)
+            self.bounds = [(ends[p * experts_per_rank], ends[(p + 1) * experts_per_rank]) for p in range(owners)]
+        self.offsets = (plan.counts.view(owners, experts_per_rank).cumsum(1).to(torch.int32)
+                        if path == "grouped" else None)
 
     def of(self, owner: int):
-        """(row indices [M], groups, valid [M] or None) of the experts owner holds."""
-        lo, hi = owner * self.e_r, (owner + 1) * self.e_r
-        if self.host_counts is not None:
-            a, b = self.host_starts[lo], self.host_starts[hi]
-            return self.plan.order[a:b], self.host_counts[lo:hi], None
-        # grouped: a fixed-size gather that starts at this owner's first row (a device scalar), so the grouped
-        # GEMM's offsets count from 0; rows past the owner's last are masked (valid False)
-        n = self.arange.numel()
-        start = self.starts[lo]
-        rows = self.plan.order[(self.arange + start) % max(n, 1)]
-        valid = self.arange < self.starts[hi] - start
-        groups = (self.starts[lo + 1:hi + 1] - start).to(torch.int32)
-        return rows, groups, valid
+        """(row indices [M] of owner's experts, sorted by expert; groups: host counts (loop) or device offsets)."""
+        a, b = self.bounds[owner]
+        rows = self.plan.order[a:b]
+        if self.offsets is not None:
+            return rows, self.offsets[owner]
+        return rows, self.counts[owner * self.e_r:(owner + 1) * self.e_r]
 
 
 class MoERing(torch.autograd.Function):
+    # expert GEMMs: autocast's lower-precision list. x, the routing weights and the packed experts are cast once on
+    # entry (the experts before they travel), so forward and backward run in one dtype (ds_tsp.core.functions.amp)
+    AUTOCAST = AUTOCAST_LOW_PRECISION
+
     @staticmethod
     def forward(ctx, x2d, top_w, top_i, experts_shard, spec, comm, path: str):
         plan = ExpertOrder.of(top_i, spec.num_experts)
-        # loop path: THE host sync of this layer (per-expert row counts), reused by backward
-        host_counts = plan.counts.tolist() if path == "loop" else None
-        steps = _StepRows(plan, host_counts, spec.experts_per_rank)
+        steps = _StepRows(plan, spec.experts_per_rank, path)
         w_flat = top_w.reshape(-1)
         y = torch.zeros_like(x2d)
         kept = []
 
         def step(owner, shard):
             w = spec.layout.unpack(shard)
-            rows, groups, valid = steps.of(owner)
+            rows, groups = steps.of(owner)
+            if not rows.numel():  # none of this rank's rows meet owner's experts (a host-known bound): no work
+                return
             tok = plan.tokens(rows)
-            out, gu = experts_forward(x2d[tok], w["gate_up"], w["down"], groups, valid,
+            out, gu = experts_forward(x2d[tok], w["gate_up"], w["down"], groups,
                                       keep_projections=not spec.recompute_projections)
             y.index_add_(0, tok, out * w_flat[rows][:, None])
             if gu is not None:
@@ -92,14 +116,14 @@ class MoERing(torch.autograd.Function):
 
         def step(owner, shard):
             w = spec.layout.unpack(shard)
-            rows, groups, valid = steps.of(owner)
+            rows, groups = steps.of(owner)
+            if not rows.numel():  # as in forward: nothing routed to owner's experts, a zero grad contribution
+                return torch.zeros_like(shard) if need_w else None
             tok = plan.tokens(rows)
             drows, dw, d_gate_up, d_down = experts_backward(
-                x2d[tok], dy[tok], w_flat[rows], w["gate_up"], w["down"], groups, valid=valid,
+                x2d[tok], dy[tok], w_flat[rows], w["gate_up"], w["down"], groups,
                 projections=None if spec.recompute_projections else next(kept), need_weight_grad=need_w)
             dx.index_add_(0, tok, drows)
-            if valid is not None:
-                dw = torch.where(valid, dw, torch.zeros((), dtype=dw.dtype, device=dw.device))
             dw_flat.index_add_(0, rows, dw)
             return spec.layout.pack({"gate_up": d_gate_up, "down": d_down}) if need_w else None
 

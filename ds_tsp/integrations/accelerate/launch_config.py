@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import MutableMapping
 
-from ds_tsp.core.config import TSPConfig, parse_tsp_config
+from ds_tsp.core.config import TSPConfig, check_tsp_key, parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError
 
 _PC = "PARALLELISM_CONFIG_"
@@ -48,6 +48,7 @@ def _tsp_block_of(ds_config_file: str | None, deepspeed_plugin) -> TSPConfig:
     if deepspeed_plugin is not None:
         config = getattr(deepspeed_plugin, "hf_ds_config", None)
         config = deepspeed_plugin.deepspeed_config if config is None or isinstance(config, str) else config.config
+        check_tsp_key(config)  # a misspelt "tsp" would train silently without TSP
         return parse_tsp_config(config.get("tsp"))
     if not ds_config_file:
         raise TSPConfigError("the Accelerate config uses DeepSpeed but names no deepspeed_config_file: put the "
@@ -55,7 +56,9 @@ def _tsp_block_of(ds_config_file: str | None, deepspeed_plugin) -> TSPConfig:
     path = Path(ds_config_file)
     if not path.is_file():
         raise TSPConfigError(f"deepspeed_config_file {ds_config_file!r} does not exist")
-    return parse_tsp_config(json.loads(path.read_text()).get("tsp"))
+    config = json.loads(path.read_text())
+    check_tsp_key(config)
+    return parse_tsp_config(config.get("tsp"))
 
 
 def resolve_setup(env: MutableMapping[str, str] = os.environ, *, tsp_size: int | None = None,

@@ -29,7 +29,6 @@ from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
 from ds_tsp.model.convert import to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
-from ds_tsp.model.trainability import require_all_trainable
 
 
 def import_deepspeed():
@@ -64,7 +63,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     built on a TSP group of the configured size, or the path of a local HF checkpoint: then every rank reads only
     its slices and the engine wraps a ds_tsp.hf.TSPForCausalLM (HF call signature, `engine.module.save_pretrained`). `state_dict` (HF names) initialises the shards; otherwise they
     are initialised in place by ShardedCausalLM.init_weights_(seed). `training_data` (samples with "input_ids" and
-    optionally "labels"/"position_ids") comes back as a TSPDataLoader: data-parallel sampling, zigzag shards.
+    optionally "labels"/"position_ids") comes back as a TSPDataLoader: data-parallel sampling, zigzag shards,
+    batches on `engine.device`.
     Call forms: `engine(**batch)` with a loader batch, whole (it carries tsp_shard: never sharded again). Wrapping
     ShardedCausalLM it returns this rank's loss share (also `engine(input_ids, shift_labels, position_ids)`);
     wrapping TSPForCausalLM an HF output whose `.loss` is the global loss (input_ids alone positionally).
@@ -78,7 +78,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     check_deepspeed_compatible(ds_config, tsp)
     pipeline_shape = None
     if tsp.pipeline_stages > 1:  # checked before any process group is built: a config error needs no launch
-        from ds_tsp.integrations.deepspeed.pipeline import check_pipeline_moe
+        from ds_tsp.integrations.deepspeed.pipeline import check_pipeline_moe, check_pipeline_source
+        check_pipeline_source(model)  # LoRA: refused by name
         pipeline_shape = model if isinstance(model, ModelShape) else ModelShape.from_hf_config(
             getattr(model, "config", model))
         check_pipeline_moe(pipeline_shape)
@@ -97,13 +98,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         from ds_tsp.integrations.deepspeed.pipeline import build_pipeline_module, unpartitioned_pipeline_config
         ds_config["pipeline"] = unpartitioned_pipeline_config(ds_config.get("pipeline"))
         shape = pipeline_shape
-        if isinstance(model, torch.nn.Module):  # the stages are built afresh: requires_grad would not carry over
-            require_all_trainable(model, "tsp.pipeline_stages > 1")
         if state_dict is None and hasattr(model, "state_dict") and not isinstance(model, ModelShape):
             state_dict = model.state_dict()
         tsp_model = None
         module, mpu = build_pipeline_module(shape, groups, comm, runtime.options, dtype=dtype,
-                                            device=device, state_dict=state_dict, seed=seed), None
+                                            device=device, state_dict=state_dict, seed=seed,
+                                            source=model if hasattr(model, "config") else None), None
         label_modules(module, comm)  # a stalled collective's report names its layer (to_tsp_model does the rest)
     else:
         # The transformers config (and generation config) the model comes from, kept for save_consolidated.
@@ -136,8 +136,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                                  dist_init_required=False, **ds_kwargs)
     loader = None
     if training_data is not None:
+        # on the engine's device: DeepSpeed does not move inputs, and NCCL groups take no CPU tensor
         loader = TSPDataLoader(training_data, groups, micro_batch_size=engine.train_micro_batch_size_per_gpu(),
-                               seed=seed)
+                               seed=seed, device=engine.device)
     engine.tsp_groups, engine.tsp_config, engine.tsp_model = groups, tsp, tsp_model
     engine.tsp_guard = guard
     return engine, opt, loader, sched

@@ -9,6 +9,12 @@ slice of each stage is the TSP group.
 Mixture-of-experts layers run as on one stage, but the stage-to-stage activations carry no router logits, so the
 load-balancing loss (output_router_logits) cannot reach the last stage: refused (check_pipeline_moe) rather than
 trained without it. An in-memory MoE model's state dict (fused experts) is read under its checkpoint names.
+
+Frozen parameters of an in-memory HF model (requires_grad=False) are carried to the stage that holds them
+(ds_tsp.model.trainability), so they get no gradient and no optimizer state. A stage whose parameters are all
+frozen (e.g. a frozen embedding and first layers) is one error on every rank: DeepSpeed builds an optimizer per
+stage and cannot build one over nothing (and would call .backward() on an output without a graph). A PEFT (LoRA)
+model is refused by name (check_pipeline_source): the stages are built from base weights and carry no adapter.
 """
 from __future__ import annotations
 
@@ -23,8 +29,9 @@ from ds_tsp.core.functions.norm import TSPRMSNorm
 from ds_tsp.core.positions import StepPositions
 from ds_tsp.core.shape import ModelShape
 from ds_tsp.core.topology import ProcessGroups
-from ds_tsp.model.sharded_causal_lm import count_valid_tokens
+from ds_tsp.model.sharded_causal_lm import ShardedCausalLM, count_valid_tokens
 from ds_tsp.model.sharded_modules import TSPDecoderLayer, TSPLMHeadLoss, TSPVocabEmbedding, load_slices, read_from_full
+from ds_tsp.model.trainability import base_parameters, carry_requires_grad
 
 
 class EmbeddingPipe(TSPVocabEmbedding):
@@ -35,8 +42,11 @@ class EmbeddingPipe(TSPVocabEmbedding):
         input_ids, position_ids, shift_labels = inputs
         return super().forward(input_ids), position_ids, shift_labels
 
+    def tsp_pieces(self):
+        return [("model.embed_tokens.", self, self.vocab_shard)], {}
+
     def load_full(self, full: dict[str, torch.Tensor]) -> None:
-        load_slices([("model.embed_tokens.", self, self.vocab_shard)], {}, read_from_full(full))
+        load_slices(*self.tsp_pieces(), read_from_full(full))
 
 
 class DecoderPipe(TSPDecoderLayer):
@@ -51,9 +61,12 @@ class DecoderPipe(TSPDecoderLayer):
         cos, sin, doc_starts = self.positions(position_ids, h.dtype)
         return super().forward(h, cos, sin, doc_starts), position_ids, shift_labels
 
-    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+    def tsp_pieces(self):
         prefix = f"model.layers.{self.index}."
-        load_slices(self.sharded_modules(prefix), self.replicated_params(prefix), read_from_full(full))
+        return self.sharded_modules(prefix), self.replicated_params(prefix)
+
+    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+        load_slices(*self.tsp_pieces(), read_from_full(full))
 
 
 class NormHeadLossPipe(nn.Module):
@@ -70,9 +83,11 @@ class NormHeadLossPipe(nn.Module):
         n_valid = count_valid_tokens(shift_labels, self.comm, self.data_group).to(torch.promote_types(h.dtype, torch.float32))
         return self.lm_head(self.norm(h), shift_labels, n_valid)
 
+    def tsp_pieces(self):
+        return [("lm_head.", self.lm_head, self.lm_head.vocab_shard)], {"model.norm.weight": self.norm.weight}
+
     def load_full(self, full: dict[str, torch.Tensor]) -> None:
-        load_slices([("lm_head.", self.lm_head, self.lm_head.vocab_shard)], {"model.norm.weight": self.norm.weight},
-                    read_from_full(full))
+        load_slices(*self.tsp_pieces(), read_from_full(full))
 
 
 def unpartitioned_pipeline_config(pipeline: dict | None) -> dict:
@@ -99,13 +114,61 @@ def check_pipeline_moe(shape: ModelShape) -> None:
             "to train without the aux loss")
 
 
+def check_pipeline_source(model) -> None:
+    """A PEFT (LoRA) model cannot be split into stages: refused by name before any process group is built."""
+    if hasattr(model, "peft_config"):
+        raise TSPConfigError(
+            "a PEFT (LoRA) model with tsp.pipeline_stages > 1 is not supported: the pipeline stages are built from "
+            "the base weights and carry no LoRA adapter; train LoRA with tsp.pipeline_stages=1 (TSP x data, with "
+            "ZeRO or FSDP2 on the data axis for memory), or merge the adapter first (model.merge_and_unload()) to "
+            "train the whole model in stages")
+
+
+def carry_stage_requires_grad(module: nn.Module, source: nn.Module, shape: ModelShape, options: TSPOptions) -> None:
+    """requires_grad of the in-memory HF model's parameters onto this stage's TSP parameters (the other stages'
+    HF parameters are held there, not orphans)."""
+    sharded, replicated = [], {}
+    for layer in module.forward_funcs:
+        if hasattr(layer, "tsp_pieces"):
+            pieces, norms = layer.tsp_pieces()
+            sharded += pieces
+            replicated.update(norms)
+    every = set(ShardedCausalLM(shape, TSPComm.single(), options=options, device="meta").hf_shapes())
+    carry_requires_grad(sharded, replicated, base_parameters(source), shape.moe_family, held_elsewhere=every)
+
+
+def _carry_on_every_stage(module: nn.Module, source: nn.Module, shape: ModelShape, options: TSPOptions,
+                          groups: ProcessGroups) -> None:
+    """carry_stage_requires_grad, then one error on every rank alike (collective over the job, once at build
+    time) when a stage failed or has nothing to train."""
+    import torch.distributed as dist
+
+    error = None
+    try:
+        carry_stage_requires_grad(module, source, shape, options)
+        if not any(p.requires_grad for p in module.parameters()):
+            error = (f"pipeline stage {groups.pipe_rank} of {groups.pipe_size} holds only frozen parameters "
+                     "(requires_grad=False): DeepSpeed builds one optimizer per stage and cannot build one with "
+                     "nothing to train; unfreeze a parameter of its layers, use fewer tsp.pipeline_stages so every "
+                     "stage holds a trainable layer, or use tsp.pipeline_stages=1")
+    except TSPConfigError as err:
+        error = str(err)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, error)
+    first = next((e for e in everyone if e), None)
+    if first is not None:
+        raise TSPConfigError(first)
+
+
 def _loss_passthrough(loss_share, _labels):
     return loss_share
 
 
 def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPComm, options: TSPOptions, *,
-                          dtype=torch.float32, device=None, state_dict=None, seed: int = 0):
-    """A PipelineModule [embedding, decoder layers..., norm+head+loss] split over groups.pipe_size stages."""
+                          dtype=torch.float32, device=None, state_dict=None, seed: int = 0,
+                          source: nn.Module | None = None):
+    """A PipelineModule [embedding, decoder layers..., norm+head+loss] split over groups.pipe_size stages.
+    source: the in-memory HF model the weights come from, whose requires_grad each stage takes."""
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -132,4 +195,7 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
     for layer in module.forward_funcs:
         if hasattr(layer, "load_full"):
             layer.load_full(state_dict)
+    if source is not None:
+        check_pipeline_source(source)
+        _carry_on_every_stage(module, source, shape, options, groups)
     return module

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from ds_tsp.core.errors import TSPConfigError
 
@@ -234,7 +233,9 @@ def _run_recommend(args: argparse.Namespace) -> int:
 
 
 def _error(message: str) -> int:
-    print(f"ds-tsp plan: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    from ds_tsp.tools.entry_point import report_error
+
+    report_error("ds-tsp plan", message)  # one line; under a launcher printed once, not once per rank
     return EXIT_USAGE
 
 
@@ -272,6 +273,8 @@ def _print_table(plans, inp, model_name: str) -> None:
     if inp.pp > 1:
         row("reported stage", lambda p: f"{p.stage} ({p.layers_per_stage} layers)")
     console = Console()
+    if not console.is_terminal:  # piped or logged: rich would assume 80 columns and cut labels ("activatio…")
+        console = Console(width=Console(width=10_000).measure(table).maximum, soft_wrap=True)
     console.print(table)
     for plan in plans:
         for note in plan.notes:

@@ -19,10 +19,17 @@ aux loss's softmax of them stay alive too. Checked against saved-tensor hooks (t
 
 Transients (estimates of the temporaries alive at the worst point, the expert GEMM path as select_expert_gemm
 picks it: per expert on the CPU / non-bf16 ("loop"), per ring step with grouped GEMMs):
+- ring rows per step (MoEGeometry.ring_step_rows): every step slices exactly its owner's rows on both GEMM paths
+  (ds_tsp.core.functions.moe_ring bounds them by one host read of the per-expert counts per layer forward), so the
+  gathers, GEMMs, SiLU and scatters of a step touch the owner's rows only; planned at the balanced expectation
+  R/D = T x top_k / D (a skewed routing puts up to T x min(top_k, E_r) on one owner). `ds-tsp plan` reports it
+  (ring_rows_per_step, ring_row_bytes_per_step, a note) and the host reads per sparse layer (host_reads_per_layer:
+  one per forward, one more for the recompute under activation checkpointing, none in backward; all_to_all the same).
 - ring fwd: the foreign shards of the ring in flight (as the dense MLP), y, this step's gathered rows, outputs
-  and weighted outputs ([R/D, h] each), one GEMM block's gate/up, SiLU and product, the router logits [T, E].
+  and weighted outputs ([rows per step, h] each) and their int64 token ids, one GEMM block's gate/up, SiLU and
+  product, the router logits [T, E].
 - ring bwd: the ring's shard and grad buffers plus the loop's zeroed expert-grad views, dx / dy, the routing
-  weight grads, this step's rows, dy rows and row grads, one block's ~10 F-wide backward temporaries.
+  weight grads, this step's rows, dy rows and row grads and indices, one block's ~10 F-wide backward temporaries.
 - all_to_all fwd: rows out, rows in, the rows sorted by expert ([R, h] each), one block's gate/up/act, y.
 - all_to_all bwd: the received [R, 2h+1] rows and their expert-order copy (alive together for one copy; both freed
   before the expert GEMMs), the rows and dy rows copies, the row grads, the expert grads and
@@ -57,6 +64,8 @@ class MoEGeometry:
     schedule: str  # the schedule planned ("ring" / "all_to_all"; "auto" resolved)
     auto: str  # what "auto" picks for this batch shape
     bytes_per_layer: dict  # schedule -> bytes one rank sends per sparse layer, fwd + bwd (moe_bytes_per_layer)
+    grouped: bool = False  # the expert GEMMs run grouped (select_expert_gemm: bf16 on a GPU / meta), else the loop
+    checkpointing: bool = False  # activation checkpointing: each sparse layer's forward (and its host read) reruns
 
     @property
     def shard(self) -> int:
@@ -72,12 +81,24 @@ class MoEGeometry:
         """(token, slot) rows this rank routes: T x top_k."""
         return self.T * self.k
 
+    @property
+    def ring_step_rows(self) -> int:
+        """Rows one ring step gathers, computes and scatters: the owner's rows, on either GEMM path (host bounds,
+        one read per layer); R/D at even routing, the balanced expectation planned here."""
+        return ceil_div(self.rows, self.D)
+
+    @property
+    def host_reads_per_layer(self) -> int:
+        """Device-to-host reads of one sparse layer per step, either schedule: the per-expert counts in forward,
+        again in the recompute under activation checkpointing; none in backward."""
+        return 2 if self.checkpointing else 1
+
     def block_rows(self, grouped: bool) -> int:
-        """Rows one expert GEMM block sees at even routing: ring, per step this rank's R/D rows for the E_r experts
-        held (grouped: one block; loop: R/E per expert); all_to_all, the R rows arrived for the owned experts
+        """Rows one expert GEMM block sees: ring, per step the owner's rows (grouped: one block over them) or this
+        rank's R/E rows per expert at even routing (loop); all_to_all, the R rows arrived for the owned experts
         (grouped: one block; loop: R/E_r per expert)."""
         if self.schedule == "ring":
-            return ceil_div(self.rows, self.D if grouped else self.E)
+            return self.ring_step_rows if grouped else ceil_div(self.rows, self.E)
         return self.rows if grouped else ceil_div(self.rows, self.E_r)
 
 
@@ -96,7 +117,8 @@ def moe_geometry(inp: PlanInput, tokens_per_rank: int, schedule: str | None = No
     except Exception as exc:  # TSPConfigError: E not divisible by D, unknown schedule
         raise PlanInputError("degree" if "num_experts" in str(exc) else "moe_dispatch", f"tsp: {exc}") from None
     return MoEGeometry(m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.num_experts // D,
-                       m.hidden_size, D, tokens_per_rank, b, chosen, auto, cost)
+                       m.hidden_size, D, tokens_per_rank, b, chosen, auto, cost, grouped=inp.dtype == "bf16",
+                       checkpointing=inp.activation_checkpointing)
 
 
 def stage_layer_ids(inp: PlanInput, stage: Stage) -> range:
@@ -189,27 +211,38 @@ def moe_saved(inp: PlanInput, m: MoEGeometry) -> int:
 
 def moe_transients(inp: PlanInput, m: MoEGeometry, ring_buffers: int) -> dict[str, int]:
     """{"mlp_fwd", "mlp_bwd"}: the sparse MLP's temporaries under m.schedule (module docstring)."""
-    grouped = inp.dtype == "bf16"  # select_expert_gemm: grouped GEMMs need bf16 (and CUDA); the loop otherwise
+    grouped = m.grouped
     T, R, h, F, b, D = m.T, m.rows, m.h, m.F, m.b, m.D
     blk = m.block_rows(grouped)
     x = T * h * b
     shard = m.shard * b
     logits = T * m.E * b
     if m.schedule == "ring":
-        step = ceil_div(R, D)
-        return {"mlp_fwd": min(D - 1, 2) * shard + x + 3 * step * h * b + 4 * blk * F * b + logits,
-                "mlp_bwd": (ring_buffers + 2) * shard + 2 * x + R * b + 3 * step * h * b + 10 * blk * F * b}
+        step = m.ring_step_rows
+        index = step * INDEX_BYTES  # the step's token ids (its sorted rows are a view of the layer's order)
+        return {"mlp_fwd": min(D - 1, 2) * shard + x + 3 * step * h * b + index + 4 * blk * F * b + logits,
+                "mlp_bwd": (ring_buffers + 2) * shard + 2 * x + R * b + 3 * step * h * b + index
+                + 10 * blk * F * b}
     # backward: the received rows (2h+1) and their expert-order copy are both alive for one permutation copy
     # (~R(4h+2); the expert GEMMs that follow hold less); ds_tsp.core.functions.moe_all_to_all
     return {"mlp_fwd": 3 * R * h * b + 4 * blk * F * b + x + logits,
             "mlp_bwd": R * (4 * h + 1) * b + 3 * R * h * b + 2 * shard + 10 * blk * F * b + 2 * x}
 
 
+def ring_row_bytes_per_step(m: MoEGeometry) -> int:
+    """Bytes the ring's row gathers, scatters and elementwise passes move per step: the owner's x rows, outputs
+    and weighted outputs (h each) and gate/up, SiLU product (3F), read and written, plus the indices (the sorted
+    rows read, their token ids written)."""
+    return m.ring_step_rows * (2 * (3 * m.h + 3 * m.F) * m.b + 2 * INDEX_BYTES)
+
+
 def moe_summary(m: MoEGeometry, per_schedule_peak: dict[str, int] | None = None) -> dict:
     """What LayoutPlan.moe carries (and `ds-tsp plan` prints)."""
     out = {"schedule": m.schedule, "auto": m.auto, "bytes_per_layer": dict(m.bytes_per_layer),
            "num_experts": m.E, "top_k": m.k, "moe_ffn": m.F, "experts_per_rank": m.E_r,
-           "expert_params_per_layer": m.shard, "router_params_per_layer": m.router, "tokens_per_rank": m.T}
+           "expert_params_per_layer": m.shard, "router_params_per_layer": m.router, "tokens_per_rank": m.T,
+           "ring_rows_per_step": m.ring_step_rows, "ring_row_bytes_per_step": ring_row_bytes_per_step(m),
+           "host_reads_per_layer": m.host_reads_per_layer}
     if per_schedule_peak is not None:
         out["peak_bytes"] = dict(per_schedule_peak)
     return out
@@ -217,6 +250,11 @@ def moe_summary(m: MoEGeometry, per_schedule_peak: dict[str, int] | None = None)
 
 def moe_note(m: MoEGeometry, sparse: int, layers: int) -> str:
     mib = {s: m.bytes_per_layer[s] / 2 ** 20 for s in SCHEDULES}
+    rows = m.ring_step_rows
+    window = (f"; ring rows per step {rows} of {m.rows} ({ring_row_bytes_per_step(m) / 2 ** 20:.2f} MiB of row "
+              f"traffic per step, the owner's rows: R/D at even routing)" if m.schedule == "ring" and m.D > 1 else "")
+    recompute = " + 1 recompute" if m.checkpointing else ""
     return (f"MoE: {sparse} of {layers} layers sparse, {m.E} experts ({m.E_r}/rank) top-{m.k}, F_moe={m.F}; bytes "
             f"per sparse layer ring {mib['ring']:.2f} MiB, all_to_all {mib['all_to_all']:.2f} MiB (even routing): "
-            f"auto -> {m.auto}; planned: {m.schedule}")
+            f"auto -> {m.auto}; planned: {m.schedule}{window}; host reads: 1{recompute} per sparse layer forward "
+            f"(the per-expert row counts), none in backward")

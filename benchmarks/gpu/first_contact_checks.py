@@ -1,0 +1,158 @@
+"""One-GPU checks of issue 25 that the CPU cannot prove (one process, a 1-rank "cpu:gloo,cuda:nccl" group, < 1 min):
+
+- poller_memory: what a collective's output costs after its last Python reference is gone while the GPU has not
+  run it yet, with the stall watchdog (timeout_s set: its poller watches the work) and without (timeout_s=None).
+  Equal is right: the poller must hold a CUDA event, never the WorkNCCL (which keeps its outputs).
+- nccl_timeout_margin: the timeout every group build_runtime creates gets, against the tsp block's timeout_s.
+  On NCCL it must be longer (ds_tsp's one-line report first, NCCL's abort as the backstop).
+- moe_autocast: a 2-layer MoE step (fp32 weights) under bf16 autocast, per dispatch, against the fp32 step.
+
+    python benchmarks/gpu/first_contact_checks.py --out $OUT   # on the GPU machine
+    python benchmarks/gpu/first_contact_checks.py --device cpu  # self-test (CI): the MoE check runs, CUDA ones skip
+
+Prints one JSON line per check and writes results.json to --out. Exit 0 when no check has ok == False.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MIB = 2 ** 20
+
+
+def poller_memory(device: torch.device, n: int = 8, mib: int = 64) -> dict:
+    from ds_tsp.core.comm import TSPComm
+
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA (CPU works are never polled)"}
+    numel = mib * MIB // 4
+    held = {}
+    for label, timeout_s in (("with_poller", 600.0), ("without_poller", None)):
+        comm = TSPComm(dist.group.WORLD, timeout_s=timeout_s)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU work queued first: the collectives stay in flight after wait()
+        for _ in range(n):
+            out, local = torch.empty(numel, device=device), torch.ones(numel, device=device)
+            # a 1-rank TSPComm posts nothing itself: post the NCCL work and give it the path every collective takes
+            work = dist.all_gather_into_tensor(out, local, group=comm.group, async_op=True)
+            comm._started([work], (out, local), "all_gather", ("group",), "first-contact check").wait()
+            del out, local, work
+        in_flight = torch.cuda.memory_allocated(device) - base
+        torch.cuda.synchronize()
+        time.sleep(0.2)  # past a poll round
+        held[label] = {"in_flight_bytes": in_flight, "after_sync_bytes": torch.cuda.memory_allocated(device) - base}
+    extra = held["with_poller"]["in_flight_bytes"] - held["without_poller"]["in_flight_bytes"]
+    return {**held, "extra_bytes_with_poller": extra, "collectives": n, "bytes_each": numel * 4,
+            "ok": extra < numel * 4}
+
+
+def nccl_timeout_margin(device: torch.device, timeout_s: int = 5) -> dict:
+    from ds_tsp.core.config import parse_tsp_config
+    from ds_tsp.core.setup import build_runtime
+
+    created, new_group = [], dist.new_group
+
+    def spy(*args, **kwargs):
+        created.append(kwargs.get("timeout"))
+        return new_group(*args, **kwargs)
+
+    dist.new_group = spy
+    try:
+        runtime = build_runtime(parse_tsp_config({"size": 1, "timeout_s": timeout_s}))
+    finally:
+        dist.new_group = new_group
+    seconds = [None if t is None else t.total_seconds() for t in created]
+    result = {"timeout_s": timeout_s, "backend": dist.get_backend_config(), "group_timeouts_s": seconds}
+    try:  # the timeout the NCCL backend itself holds (torch-internal: informative only)
+        backend = runtime.groups.tsp_group._get_backend(torch.device("cuda"))
+        result["nccl_backend_timeout_s"] = backend.options._timeout.total_seconds()
+    except Exception as err:  # noqa: BLE001 - no NCCL backend (CPU), or the internals moved
+        result["nccl_backend_timeout_s"] = f"unavailable: {type(err).__name__}"
+    if device.type == "cuda":
+        result["ok"] = bool(seconds) and all(s is not None and s > timeout_s for s in seconds)
+    return result
+
+
+def moe_autocast(device: torch.device) -> dict:
+    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.config import TSPOptions
+    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.tools.verify import TOLERANCE
+
+    shape = ModelShape(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    ids = torch.randint(0, shape.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    batch = shard_batch(ids, tsp=1, rank=0, labels=ids)
+    tolerance = TOLERANCE["bfloat16"]
+    result = {"tolerance": tolerance}
+    for dispatch in ("ring", "all_to_all"):
+        model = ShardedCausalLM(shape, TSPComm.single(), options=TSPOptions(moe_dispatch=dispatch),
+                                dtype=torch.float32, device=device).init_weights_(seed=1)
+
+        def step(autocast: bool):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
+            loss.backward()
+            return loss.detach().float(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
+
+        try:
+            want, want_grads = step(False)
+            got, got_grads = step(True)
+        except Exception as err:  # noqa: BLE001 - recorded: the dtype error of issue 25 item 2 is what this looks for
+            result[dispatch] = {"error": f"{type(err).__name__}: {err}"[:500], "ok": False}
+            continue
+        grad_err = max(float((got_grads[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in want_grads.items())
+        loss_err = float((got - want).abs() / want.abs())
+        result[dispatch] = {"loss_rel_err": loss_err, "grad_rel_err": grad_err,
+                            "ok": loss_err <= tolerance and grad_err <= tolerance}
+    result["ok"] = all(result[d]["ok"] for d in ("ring", "all_to_all"))
+    return result
+
+
+CHECKS = {"poller_memory": poller_memory, "nccl_timeout_margin": nccl_timeout_margin, "moe_autocast": moe_autocast}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from ds_tsp.core.launch import default_backend, local_device
+
+    local_device()  # the GPU made current before the group is built (init_from_env's rule)
+    # one rank: an in-process store, no TCP port to race other processes for
+    dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=600))
+    device = local_device() if args.device == "cuda" else torch.device(args.device)
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, check in CHECKS.items():
+        entry = {"check": name, "device": str(device)}
+        try:
+            entry.update(check(device))
+        except Exception as err:  # noqa: BLE001 - one failing check must not lose the others
+            entry.update(error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=4), ok=False)
+        results.append(entry)
+        print(json.dumps(entry), flush=True)
+        if out_dir is not None:  # written as it comes: a crash later keeps the earlier checks
+            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+    return 1 if any(r.get("ok") is False for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
