@@ -1,11 +1,13 @@
-"""Hugging Face models in and out: HF-shaped TSP model, sharded loading, streaming save, Trainer, TRL's SFTTrainer.
+"""Hugging Face models in and out: HF-shaped TSP model, sharded loading, streaming save, Trainer, TRL's SFTTrainer
+and GRPOTrainer.
 
     from ds_tsp.hf import TSPForCausalLM, TSPTrainer, TSPSFTTrainer   # TSPSFTTrainer: (TSPTrainer, trl.SFTTrainer)
+    from ds_tsp.hf import TSPGRPOTrainer                              # (TSPTrainer, trl.GRPOTrainer): RL under TSP
     model = TSPForCausalLM.from_pretrained("local/llama-3.2-1b", tsp_group=group)
 """
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 
-__all__ = ["TSPForCausalLM", "TSPTrainer", "TSPSFTTrainer"]
+__all__ = ["TSPForCausalLM", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer"]
 
 
 def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerate: only when asked for
@@ -17,4 +19,8 @@ def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerat
         from ds_tsp.integrations.sft_trainer import sft_trainer_class
 
         return sft_trainer_class()
+    if name == "TSPGRPOTrainer":  # ImportError with the install hint when trl is missing
+        from ds_tsp.integrations.grpo_trainer import grpo_trainer_class
+
+        return grpo_trainer_class()
     raise AttributeError(f"module 'ds_tsp.hf' has no attribute {name!r}")

@@ -131,6 +131,9 @@ def main(argv=None):
     trainer = Trainer(model=model, args=training, train_dataset=train, eval_dataset=held_out, data_collator=collator,
                       callbacks=[JsonLines()])
     trainer.remove_callback(transformers.PrinterCallback)  # one JSON line per step, nothing else
+    if distributed and training.process_index == 0:  # what the "tsp" block (and DeepSpeed's own keys) turned on
+        emit({"activation_checkpointing": trainer.tsp_config.activation_checkpointing,
+              "offload_activations": trainer.tsp_config.offload_activations})
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if held_out is not None:
         trainer.evaluate()

@@ -126,7 +126,9 @@ def main(argv=None) -> int:
 
     if rank == 0:
         emit({"layout": {"pipe": groups.pipe_size, "data": groups.data_size, "tsp": groups.tsp_size},
-              "model": args.model, "seq_len": args.seq_len})
+              "model": args.model, "seq_len": args.seq_len,
+              "activation_checkpointing": engine.tsp_config.activation_checkpointing,
+              "offload_activations": engine.tsp_config.offload_activations})
     def maybe_save(step: int) -> None:
         if args.save_dir and ((args.save_every and step % args.save_every == 0) or step == args.max_steps):
             ds_tsp.save_training_checkpoint(engine, args.save_dir, step, loader=loader, keep_last=args.keep_last)

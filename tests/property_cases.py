@@ -313,7 +313,7 @@ def run_cases(cases: list[ModelCase], weights: list | None = None) -> list[dict]
 
 def run_cases_on_ranks(cases: list[ModelCase], weights: list | None = None, timeout_s: float = 300) -> list[dict]:
     """All `cases` (one TSP degree) in ONE process group; per case rank 0's result plus every rank's loss."""
-    from ds_tsp.core.launch import run_on_local_ranks
+    from local_ranks import run_on_local_ranks
 
     degrees = {c.tsp for c in cases}
     if len(degrees) != 1:

@@ -122,7 +122,11 @@ class _Dispatch(TorchDispatchMode):
                     target = kwargs.get("device")
                     cross = target is not None and torch.device(target) != args[0].device
                 else:
-                    cross = len(_devices(args[:2])) > 1
+                    # a non_blocking copy between a device and PINNED host memory is queued, not waited for
+                    # (ds_tsp.core.activation_offload's copies): no sync
+                    queued = (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) and any(
+                        t.device.type == "cpu" and t.is_pinned() for t in args[:2])
+                    cross = len(_devices(args[:2])) > 1 and not queued
                 kind = "cross_device_copy" if cross else None
             if kind is not None:
                 self.counter._record(kind, str(func))

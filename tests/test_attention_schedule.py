@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from nccl_rules import check, op
 
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 
 GROUPS = {2: [0, 1], 4: [0, 1, 2, 3]}
 CASES = [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True), (4, 1, False)]  # D, kv_replicas, weights

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.functions import amp
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.tools.verify import TOLERANCE
 
 LOSS_TOL, GRAD_TOL, FP32_FLOOR = 5e-4, TOLERANCE["bfloat16"], 1e-5

@@ -9,13 +9,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import forked_ranks, run_on_local_ranks
 from ds_tsp.core.shape import ModelShape
 from ds_tsp.tools.bench.cli import build_parser
 from ds_tsp.tools.bench.comm_count import CollectiveBytes
 from ds_tsp.tools.bench.config import BenchConfig
 from ds_tsp.tools.bench.report import PLOTS, markdown_table, write_report
 from ds_tsp.tools.bench.runner import run_layout
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ranks_fork_from_the_suite_server():
+    """`ds-tsp bench`, called in-process below, starts its ranks with the package's launcher: they fork
+    from the session's pre-imported server instead of each importing torch afresh (tests/local_ranks.py)."""
+    with forked_ranks():
+        yield
+
 
 REQUIRED_KEYS = ("layout", "seq", "tsp", "peak_bytes_per_rank", "comm_bytes", "step_s", "tokens_per_s")
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64"]

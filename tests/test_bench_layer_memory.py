@@ -18,8 +18,17 @@ import sys
 import pytest
 import torch
 
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import forked_ranks, run_on_local_ranks
 from ds_tsp.tools.bench.layer_memory import LayerMemoryConfig, SavedLedger, measure_rank, minimum_saved, plan_layer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ranks_fork_from_the_suite_server():
+    """`ds-tsp bench --layer-memory`, called in-process below, starts its ranks with the package's launcher: they fork
+    from the session's pre-imported server instead of each importing torch afresh (tests/local_ranks.py)."""
+    with forked_ranks():
+        yield
+
 
 # h=64, 4 heads (d=16), SwiGLU 96: a few seconds per run on 2 cores
 TINY = dict(hidden=64, heads=4, ffn=96, seq=64)

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from local_ranks import forked_ranks
 from ds_tsp.tools.bench.cli import build_parser
 from ds_tsp.tools.bench.max_seq import search
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ranks_fork_from_the_suite_server():
+    """`ds-tsp bench --max-seq`, called in-process below, starts its ranks with the package's launcher: they fork
+    from the session's pre-imported server instead of each importing torch afresh (tests/local_ranks.py)."""
+    with forked_ranks():
+        yield
+
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--vocab", "64"]
 REQUIRED_KEYS = ("layout", "seq", "tsp", "peak_bytes_per_rank", "comm_bytes", "step_s", "tokens_per_s")

@@ -5,8 +5,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from local_ranks import forked_ranks
 from ds_tsp.tools.bench.cli import main
 from ds_tsp.tools.bench.profile import KEYS, attribute, layer_of, nest, phase_of
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ranks_fork_from_the_suite_server():
+    """`ds-tsp bench --profile`, called in-process below, starts its ranks with the package's launcher: they fork
+    from the session's pre-imported server instead of each importing torch afresh (tests/local_ranks.py)."""
+    with forked_ranks():
+        yield
 
 
 def test_phase_of_names():

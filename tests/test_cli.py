@@ -7,7 +7,16 @@ import sys
 
 import pytest
 
+from local_ranks import forked_ranks
 from ds_tsp.tools.cli import main
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ranks_fork_from_the_suite_server():
+    """`ds-tsp verify`, called in-process below, starts its ranks with the package's launcher: they fork
+    from the session's pre-imported server instead of each importing torch afresh (tests/local_ranks.py)."""
+    with forked_ranks():
+        yield
 
 
 def _report(capsys) -> dict:

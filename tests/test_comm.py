@@ -8,7 +8,7 @@ from comm_autograd import all_gather_sequence, broadcast_shard
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import ShardStream, replicated_param, ring_backward, ring_forward
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 
 N = 6  # elements per shard
 

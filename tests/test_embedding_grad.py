@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.functions.embedding import tsp_embedding
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 
 V, H, TOKENS, FREQUENT = 11, 16, 600, 3
 

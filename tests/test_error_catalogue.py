@@ -17,7 +17,7 @@ import torch
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError, TSPNonFiniteError
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.partition import shard_batch
 from ds_tsp.core.shape import ModelShape
 from ds_tsp.core.topology import ParallelLayout
@@ -47,6 +47,19 @@ def _deepspeed_check(ds: dict, tsp: dict):
     from ds_tsp.core.config import check_deepspeed_compatible
 
     check_deepspeed_compatible(ds, parse_tsp_config(tsp))
+
+
+def _offload_request(ds: dict, tsp: dict):
+    from ds_tsp.core.offload_config import with_deepspeed_activation_checkpointing
+
+    with_deepspeed_activation_checkpointing(parse_tsp_config(tsp), ds)
+
+
+def _across_nodes():
+    from ds_tsp.core.node_placement import tsp_node_placement_error
+
+    # what every rank raises at setup for 2 nodes x 2 processes and tsp.size 4 (tests/test_node_placement.py)
+    raise TSPConfigError(tsp_node_placement_error(ParallelLayout.from_world_size(4, tsp=4), [0, 0, 1, 1]))
 
 
 def _hf_model():
@@ -142,6 +155,14 @@ CASES = [
     ("ds-pipeline-zero", "zero_optimization.stage",
      lambda t: _deepspeed_check({"zero_optimization": {"stage": 2}}, {"size": 2, "pipeline_stages": 2})),
     ("layout-world", "tsp", lambda t: ParallelLayout.from_world_size(6, tsp=4)),
+    ("tsp-offload-needs-checkpointing", "tsp.offload_activations",
+     lambda t: parse_tsp_config({"offload_activations": True})),
+    ("ds-cpu-checkpointing", "activation_checkpointing.cpu_checkpointing",
+     lambda t: _offload_request({"activation_checkpointing": {"cpu_checkpointing": True}}, {})),
+    ("ds-partition-activations", "activation_checkpointing.partition_activations",
+     lambda t: _offload_request({"activation_checkpointing": {"partition_activations": True}},
+                                {"activation_checkpointing": True})),
+    ("tsp-across-nodes", "tsp.size", lambda t: _across_nodes()),
     ("heads-degree", "num_heads", lambda t: ModelShape(**{**SHAPE, "num_heads": 6, "hidden_size": 36,
                                                           "num_kv_heads": 6}).check_tsp_degree(4)),
     ("kv-heads-degree", "num_kv_heads", lambda t: ModelShape(**{**SHAPE, "num_heads": 12, "hidden_size": 48,

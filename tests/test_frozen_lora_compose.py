@@ -35,7 +35,7 @@ from test_frozen_params import CLIP, LR, STEPS, _reference_loop, batches, frozen
 
 from ds_tsp.core.comm import TSPComm  # noqa: E402
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 KINDS = ("attn1_head", "lora")  # frozen: embedding and layer 0 frozen, layer 1's attention + norms + head train

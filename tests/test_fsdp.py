@@ -26,7 +26,7 @@ import torch
 from masked_patterns import MaskedPatterns
 
 from ds_tsp.core.data import TSPDataLoader
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.shape import ModelShape
 from ds_tsp.core.topology import ParallelLayout, ProcessGroups
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_

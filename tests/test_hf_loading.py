@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from hf_tiny import save_tiny_checkpoint, tiny_config  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.hf import TSPForCausalLM  # noqa: E402
 
 BIG = dict(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=3, num_attention_heads=12,

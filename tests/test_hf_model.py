@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from hf_tiny import save_tiny_checkpoint, shift  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.hf import TSPForCausalLM  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
 

@@ -25,7 +25,7 @@ from hf_tiny import MOE_FAMILIES, save_tiny_checkpoint, shift  # noqa: E402
 
 from ds_tsp.checkpoint.moe_names import canonical_state_dict  # noqa: E402
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.core.shape import ModelShape  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_  # noqa: E402
 

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from hf_tiny import save_tiny_checkpoint  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 
 def _save_twice_second_fails(source: str, target: str) -> str:

@@ -17,7 +17,7 @@ from sync_counter import SyncCounter
 
 from ds_tsp.core import documents
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.partition import shard, shard_batch
 from ds_tsp.core.shape import ModelShape
 from ds_tsp.model.sharded_causal_lm import ShardedCausalLM

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.partition import zigzag_positions
 from ds_tsp.core.rope import rope_cos_sin
 from ds_tsp.core.shape import ModelShape

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 
 B, C, N, E = 2, 3, 2, 2  # batch rows, tokens per zigzag chunk, kv heads, head dim
 GROUPS = {2: [2, 3], 3: [0, 1, 2], 4: [0, 1, 2, 3]}

@@ -17,7 +17,7 @@ from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.functions.lm_head_loss import tsp_lm_head_loss
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 
 UNTILED = 1 << 30
 

@@ -67,7 +67,7 @@ def test_initialize_gives_the_loader_the_engine_device(monkeypatch):
     monkeypatch.setattr(ds_engine, "import_deepspeed", lambda: FakeDeepSpeed)
     monkeypatch.setattr(ds_engine, "local_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(ds_engine, "_launched", lambda: True)
-    monkeypatch.setattr(ds_engine, "build_runtime", lambda tsp: runtime)
+    monkeypatch.setattr(ds_engine, "build_runtime", lambda tsp, **kw: SimpleNamespace(config=tsp, **vars(runtime)))
     monkeypatch.setattr(ds_engine, "to_tsp_model", lambda *a, **k: torch.nn.Linear(2, 2))
     monkeypatch.setattr(ds_engine, "_register_tied_head_for_zero3", lambda *a: None)
     monkeypatch.setattr(ds_engine, "NonFiniteGuard", lambda *a, **k: None)

@@ -21,7 +21,7 @@ from hf_tiny import build_tiny_model, randomize_lora_, shift  # noqa: E402
 
 from ds_tsp.core.comm import TSPComm  # noqa: E402
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, patch_float64_  # noqa: E402
 
 B, S = 2, 29

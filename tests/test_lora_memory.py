@@ -21,7 +21,7 @@ peft = pytest.importorskip("peft")
 from hf_tiny import build_tiny_model, randomize_lora_  # noqa: E402
 
 from ds_tsp.core.comm import TSPComm  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 B, S = 1, 24
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

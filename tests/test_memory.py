@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.partition import shard_batch
 from ds_tsp.core.shape import ModelShape
 from ds_tsp.model.sharded_causal_lm import ShardedCausalLM

@@ -105,7 +105,8 @@ def _meta_batch(kind: str) -> dict:
 
 def _meta_step(config, comm, kind: str) -> list[str]:
     model = TSPForCausalLM(config, comm, dtype=torch.float32, device=META,
-                           options=TSPOptions(activation_checkpointing=kind == "checkpointing"))
+                           options=TSPOptions(activation_checkpointing=kind in ("checkpointing", "offload"),
+                                              offload_activations=kind == "offload"))
     batch = _meta_batch(kind)
     with DeviceRecorder() as rec:
         out = model(**batch)
@@ -119,7 +120,8 @@ def _meta_step(config, comm, kind: str) -> list[str]:
 
 CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwen3", "plain"),
          ("mistral", "plain"), ("qwen2_sliding", "plain"), ("llama", "packed"), ("llama", "padding"),
-         ("llama3_tied", "logits_to_keep"), ("llama", "logits_to_keep"), ("llama", "checkpointing")]
+         ("llama3_tied", "logits_to_keep"), ("llama", "logits_to_keep"), ("llama", "checkpointing"),
+         ("llama", "offload")]  # offload: checkpointed layer inputs in a meta "host" pool (core/activation_offload)
 
 
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])

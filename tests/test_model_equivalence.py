@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.shape import ModelShape
 from ds_tsp.tools.verify import VerifyCase, run_case_on_world
 

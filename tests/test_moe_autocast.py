@@ -31,7 +31,7 @@ import torch
 from moe_reference import MoECase, assemble, hf_block, inputs, spec_of
 
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.partition import shard
 from ds_tsp.tools.verify import TOLERANCE
 

@@ -38,7 +38,7 @@ transformers = pytest.importorskip("transformers")
 from hf_tiny import build_tiny_model, save_tiny_checkpoint, tiny_config  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

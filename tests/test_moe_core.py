@@ -19,7 +19,7 @@ from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.functions import moe_experts
 from ds_tsp.core.functions.moe import choose_moe_dispatch, moe_aux_loss_share, moe_bytes_per_layer, tsp_moe_mlp
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.partition import shard
 
 pytest.importorskip("transformers")

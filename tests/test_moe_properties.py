@@ -17,7 +17,7 @@ from moe_reference import MoECase, assemble, reference, tsp_case, worst
 from property_cases import draw_cases
 
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 
 pytest.importorskip("transformers")
 

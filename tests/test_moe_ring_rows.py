@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 
 E, K, H, F, N = 4, 3, 16, 8, 6  # experts, top_k, hidden, per-expert width, local tokens
 D = 2

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from hf_tiny import MOE_FAMILIES, save_tiny_checkpoint  # noqa: E402
 from nccl_rules import check  # noqa: E402
 
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_logits, load_hf_reference  # noqa: E402
 
 DEGREES = (4, 2)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from nccl_rules import check, op, p2p, unbatched
 
 from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 
 KINDS = {"broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "p2p"}
 

@@ -21,7 +21,7 @@ from dist_trace import traced
 from masked_patterns import MaskedPatterns
 from nccl_rules import check, unbatched
 
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.shape import ModelShape
 from ds_tsp.tools.reference_model import (
     ReferenceCausalLM,

@@ -11,7 +11,7 @@ pytest.importorskip("deepspeed")
 
 from test_deepspeed import ENV, SHAPE, ds_config  # noqa: E402
 
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 
 class _InfGrad(torch.autograd.Function):

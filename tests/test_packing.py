@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from hf_tiny import packed_batch, save_tiny_checkpoint, shift, tiny_config  # noqa: E402
 
 from ds_tsp.core.config import TSPOptions  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
 
 SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)

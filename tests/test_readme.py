@@ -190,7 +190,7 @@ def test_plan_commands_run(ft_paths, capsys):
     from ds_tsp.tools.cli import main
 
     commands = [c for c in command_lines() if c.startswith("ds-tsp plan")]
-    assert len(commands) == 6, commands
+    assert len(commands) == 11, commands
     for command in commands:
         assert main(shlex.split(substitute(command, ft_paths))[1:]) == 0, command
     assert capsys.readouterr().out

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.launch import run_on_local_ranks
+from local_ranks import run_on_local_ranks
 from ds_tsp.core.topology import ParallelLayout, ProcessGroups
 
 LAYOUTS = [ParallelLayout(), ParallelLayout(tsp=4), ParallelLayout(data=3, tsp=2), ParallelLayout(pipe=2, data=3, tsp=2),

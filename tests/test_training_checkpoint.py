@@ -21,7 +21,7 @@ pytest.importorskip("deepspeed")
 from masked_patterns import MaskedPatterns  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.core.shape import ModelShape  # noqa: E402
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ds_tsp.checkpoint.hybrid_names import LanguageModelReader
 from ds_tsp.checkpoint.moe_names import AliasedReader
 from ds_tsp.checkpoint.safetensors_io import CheckpointReader
 from ds_tsp.core.errors import TSPConfigError
@@ -48,6 +49,8 @@ def check_checkpoint_matches(model: nn.Module, reader: CheckpointReader, where: 
 def load_sharded(model: nn.Module, directory: str | Path) -> None:
     """Fill `model`'s shards (and replicated norms) from the checkpoint in `directory`; every rank calls it."""
     reader = AliasedReader(CheckpointReader(directory), model.shape.moe_family)
+    if model.shape.hybrid_family is not None:  # a Qwen3.5 multimodal checkpoint: its language model's names
+        reader = LanguageModelReader(reader)
     check_checkpoint_matches(model, reader, str(directory))
 
     def read_into(name, dim, start, length, out):

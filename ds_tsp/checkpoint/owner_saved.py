@@ -26,7 +26,10 @@ def saved_by_owner(module, tsp_size: int) -> bool:
         return False
     shapes, owned = module.hf_shapes(), set()
     for rank in range(tsp_size):
-        for name, (dim, start, length) in module.hf_slices(rank=rank).items():
+        for name, where in module.hf_slices(rank=rank).items():
+            if isinstance(where[0], tuple):  # several ranges of the tensor (HFRanges): never all of it
+                return False
+            dim, start, length = where
             if start != 0 or length != shapes[name][dim] or name in owned:
                 return False
             owned.add(name)

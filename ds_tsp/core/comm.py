@@ -130,6 +130,9 @@ class TSPComm:
     # NCCL runs one in-order stream per communicator, so on the TSP group alone a prefetch broadcast would queue
     # ahead of the K/V gather the next kernel waits for. None: weights share `group` (one stream).
     weight_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    # The context-parallel axis (ds_tsp.core.cp_ring): a TSPComm over this rank's peers at the same TSP index in the
+    # other cp groups of its sequence, whose ring passes gathered K/V. None: cp = 1 (the sequence is this group's).
+    cp: "TSPComm | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):

@@ -1,7 +1,7 @@
 """The "tsp" block of a DeepSpeed JSON config, validated (every error names the key and the allowed values), and
 the model options it turns into.
 
-    {"tsp": {"size": 4, "pipeline_stages": 1, "keep_gathered_kv": false, "overlap": true,
+    {"tsp": {"size": 4, "cp_size": 1, "pipeline_stages": 1, "keep_gathered_kv": false, "overlap": true,
              "activation_checkpointing": false, "timeout_s": 1800, "kernel": "auto", "lm_head_chunk_tokens": 4096,
              "moe_dispatch": "auto"}}
 """
@@ -28,8 +28,12 @@ class TSPOptions:
     recompute_projections: bool = True  # recompute cheap local q/k/v and MLP gate/up GEMMs in backward
     lm_head_chunk_tokens: int = 4096  # LM head + loss builds logits [<= this many tokens, V/D] at a time
     moe_dispatch: str = "auto"  # MoE layers: "ring" (experts travel), "all_to_all" (tokens travel), "auto" per batch
+    offload_activations: bool = False  # checkpointed layer inputs wait in host memory (core/activation_offload.py)
 
     def __post_init__(self):
+        if self.offload_activations and not self.activation_checkpointing:
+            raise TSPConfigError("TSPOptions(offload_activations=True) needs activation_checkpointing=True: what "
+                                 "goes to host memory is each checkpointed decoder layer's saved input")
         n = self.lm_head_chunk_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise TSPConfigError(f"TSPOptions(lm_head_chunk_tokens={n!r}): must be an integer >= 1 (tokens per "
@@ -52,6 +56,8 @@ class TSPConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     size: int = Field(1, ge=1, description="TSP degree D: ranks that share every layer's weights and tokens")
+    cp_size: int = Field(1, ge=1, description="context-parallel degree C: TSP groups (one per node) that split one "
+                                              "sequence, K/V passed around a ring across nodes")
     pipeline_stages: int = Field(1, ge=1, description="pipeline stages on the outer axis (ZeRO <= 1 with > 1)")
     keep_gathered_kv: bool = Field(False, description="keep gathered K/V for backward: O(S) memory, no re-gather")
     recompute_projections: bool = Field(True, description="recompute local q/k/v and MLP gate/up in backward "
@@ -67,6 +73,30 @@ class TSPConfig(BaseModel):
     moe_dispatch: Literal["auto", "all_to_all", "ring"] = Field(
         "auto", description="mixture-of-experts layers: experts travel the ring (\"ring\"), routed tokens travel "
                             "(\"all_to_all\"), or per batch shape the one sending fewer bytes (\"auto\")")
+    offload_activations: bool = Field(False, description="with activation_checkpointing: each checkpointed layer's "
+                                                         "input waits in pinned host memory until its recompute")
+    allow_cross_node: bool = Field(False, description="let a TSP group span nodes (refused by default: every "
+                                                      "layer's weight broadcast would cross the inter-node network)")
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self) -> "TSPConfig":
+        if self.offload_activations and not self.activation_checkpointing:
+            raise TSPConfigError('tsp.offload_activations=true needs tsp.activation_checkpointing=true: what goes to '
+                                 'host memory is each checkpointed decoder layer\'s saved input; set "tsp": '
+                                 '{"activation_checkpointing": true, "offload_activations": true}')
+        if self.offload_activations and self.pipeline_stages > 1:
+            raise TSPConfigError(f"tsp.offload_activations=true with tsp.pipeline_stages={self.pipeline_stages}: "
+                                 "pipeline stages checkpoint through DeepSpeed's pipeline engine, which ds_tsp does not "
+                                 "offload; set pipeline_stages to 1 or offload_activations to false")
+        return self
+
+    @model_validator(mode="after")
+    def _cp_with_pipeline(self) -> "TSPConfig":
+        if self.cp_size > 1 and self.pipeline_stages > 1:
+            raise TSPConfigError(f"tsp.cp_size={self.cp_size} with tsp.pipeline_stages={self.pipeline_stages}: the "
+                                 "pipeline engine does not split a sequence over cp groups; set cp_size or "
+                                 "pipeline_stages to 1")
+        return self
 
     @model_validator(mode="after")
     def _gpu_timeout_floor(self) -> "TSPConfig":
@@ -89,7 +119,8 @@ class TSPConfig(BaseModel):
         return TSPOptions(kernel_backend=None if self.kernel == "auto" else self.kernel,
                           keep_gathered_kv=self.keep_gathered_kv, activation_checkpointing=self.activation_checkpointing,
                           recompute_projections=self.recompute_projections,
-                          lm_head_chunk_tokens=self.lm_head_chunk_tokens, moe_dispatch=self.moe_dispatch)
+                          lm_head_chunk_tokens=self.lm_head_chunk_tokens, moe_dispatch=self.moe_dispatch,
+                          offload_activations=self.offload_activations)
 
 
 def _describe(field: str) -> str:
@@ -118,6 +149,8 @@ def parse_tsp_config(block: Any) -> TSPConfig:
         return TSPConfig(**block)
     except ValidationError as err:
         first = err.errors()[0]
+        if not first["loc"] and isinstance((first.get("ctx") or {}).get("error"), TSPConfigError):
+            raise TSPConfigError(str(first["ctx"]["error"])) from None  # a check across keys names them itself
         key = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden":
             allowed = ", ".join(TSPConfig.model_fields)

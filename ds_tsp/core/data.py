@@ -1,4 +1,5 @@
-"""Batches for TSP training: data-parallel sampling over the data axis only, zigzag shards over the TSP axis.
+"""Batches for TSP training: data-parallel sampling over the data axis only, zigzag shards over the TSP axis
+(and, with a cp axis, over the cp groups first: ds_tsp.core.partition).
 
 Every TSP rank of a data replica draws the SAME samples (the sampler sees only the data axis) and keeps its
 zigzag shard of them; labels are shifted before the sequence is cut, so no token's target is lost at a shard edge.
@@ -88,7 +89,8 @@ class TSPDataLoader:
             samples = [self.dataset[i] for i in indices]
             batch = shard_batch(_stack(samples, "input_ids"), tsp=self.groups.tsp_size, rank=self.groups.tsp_rank,
                                 labels=_stack(samples, "labels"), position_ids=_stack(samples, "position_ids"),
-                                attention_mask=_stack(samples, "attention_mask"), pad_token_id=self.pad_token_id)
+                                attention_mask=_stack(samples, "attention_mask"), pad_token_id=self.pad_token_id,
+                                cp=getattr(self.groups, "cp_size", 1), cp_rank=getattr(self.groups, "cp_rank", 0))
             out = {k: batch[k] if self.device is None else batch[k].to(self.device)
                    for k in ("input_ids", "shift_labels", "position_ids", "attention_mask") if k in batch}
             out.update(tsp_shard=(self.groups.tsp_rank, self.groups.tsp_size), seq_len=batch["seq_len"])

@@ -98,9 +98,11 @@ def shard_layout(position_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 def decode_layout(rank_slots: list[list[int]], rank_breaks: list[int], batch: int, local_len: int,
-                  slots: int | None = None):
+                  slots: int | None = None, held_chunks: list[tuple[int, int]] | None = None):
     """Document starts of the global batch from every rank's shard_layout (host lists, rank order): DocStarts,
-    None (one document per row), or OVERFLOW. Raises the padding error for a mask with holes."""
+    None (one document per row), or OVERFLOW. Raises the padding error for a mask with holes.
+    held_chunks: the two global chunks (of 2 * len(rank_slots)) each rank holds; default TSP's zigzag (with a cp
+    axis: ds_tsp.core.partition.cp_global_chunks of every rank, cp-major)."""
     slots = LAYOUT_SLOTS if slots is None else slots
     tsp, c, n_edge = len(rank_slots), local_len // 2, _EDGE * 2 * batch
     if n_edge + max(rank_breaks) > slots:
@@ -108,7 +110,7 @@ def decode_layout(rank_slots: list[list[int]], rank_breaks: list[int], batch: in
     chunk_edges: list = [None] * (2 * tsp)  # global chunk -> per row (first, last, mfirst, mlast, rises)
     breaks: list[list[int]] = [[] for _ in range(batch)]
     for rank, (values, n) in enumerate(zip(rank_slots, rank_breaks)):
-        held = zigzag_chunks(tsp, rank)
+        held = zigzag_chunks(tsp, rank) if held_chunks is None else held_chunks[rank]
         for i, g in enumerate(held):
             chunk_edges[g] = [values[(b * 2 + i) * _EDGE:(b * 2 + i + 1) * _EDGE] for b in range(batch)]
         for index in values[n_edge:n_edge + n]:

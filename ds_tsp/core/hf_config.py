@@ -3,7 +3,10 @@
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
-else Mixtral; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window on every layer -> Mistral, else Llama.
+else Mixtral; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window on every layer -> Mistral, else Llama;
+a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
+A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
+model: load_config returns its text_config, and the model saves a text-only Qwen3_5ForCausalLM checkpoint.
 """
 from __future__ import annotations
 
@@ -17,7 +20,10 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape import ModelShape
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
+_MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")  # read through their text_config (the language model TSP trains)
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 
@@ -40,10 +46,23 @@ def load_config(directory: str | Path):
 
 
 def config_from_dict(values: dict):
+    if values.get("model_type") in _MULTIMODAL_TYPES:
+        return language_model_config(import_transformers().AutoConfig.for_model(**values))
     if values.get("model_type") not in ARCHITECTURES:
         raise TSPConfigError(f"model_type={values.get('model_type')!r} is not supported; TSP converts "
-                             f"{', '.join(ARCHITECTURES)}")
+                             f"{', '.join(ARCHITECTURES)}, and the language model of {', '.join(_MULTIMODAL_TYPES)}")
     return import_transformers().AutoConfig.for_model(**values)
+
+
+def language_model_config(config):
+    """The text_config of a Qwen3.5 multimodal config (carrying its dtype and tie_word_embeddings), else `config`."""
+    if getattr(config, "model_type", None) not in _MULTIMODAL_TYPES:
+        return config
+    text = copy.deepcopy(config.text_config)
+    for key in ("dtype", "tie_word_embeddings"):
+        if getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
 
 
 def config_json(config, dtype: torch.dtype) -> str:
@@ -66,6 +85,8 @@ def generation_config_json(source) -> str | None:
 
 def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
     """A config.json dict transformers reads back into the same model (see module doc for the family)."""
+    if shape.hybrid_family is not None or shape.attn_output_gate:
+        return _hybrid_config_dict(shape, dtype)
     if shape.num_experts:
         return _moe_config_dict(shape, dtype)
     windows = shape.attention_windows
@@ -138,3 +159,34 @@ def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
     return {**config, "moe_intermediate_size": shape.moe_intermediate_size, "norm_topk_prob": shape.norm_topk_prob,
             "decoder_sparse_step": 1, "mlp_only_layers": list(shape.dense_mlp_layers),
             "use_sliding_window": window is not None, "attention_bias": False}
+
+
+def _hybrid_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """Qwen3.5 text (Qwen3_5ForCausalLM) or dense Qwen3-Next: gated attention, partial rotary, zero-centred norms."""
+    family = shape.hybrid_family or "qwen3_5"
+    if not (shape.attn_output_gate and shape.zero_centred_norms and shape.qk_norm) or shape.qkv_bias:
+        raise TSPConfigError(f"hybrid_family={family!r} needs attn_output_gate, zero_centred_norms and qk_norm and no "
+                             "qkv_bias: its transformers model has exactly those")
+    model_type = ("qwen3_next" if family == "qwen3_next" else
+                  "qwen3_5_moe_text" if shape.num_experts else "qwen3_5_text")
+    config = _common_fields(shape, dtype, model_type)
+    config["rope_parameters"] = {**config["rope_parameters"], "partial_rotary_factor": shape.partial_rotary_factor}
+    config.update(attention_bias=False, layer_types=list(shape.layer_types or ["full_attention"] * shape.num_layers))
+    config.update({name: getattr(shape, name) or default for name, default in (
+        ("linear_num_key_heads", 16), ("linear_num_value_heads", 32), ("linear_key_head_dim", 128),
+        ("linear_value_head_dim", 128), ("linear_conv_kernel_dim", 4))})
+    if shape.num_experts:
+        if model_type == "qwen3_5_moe_text" and (shape.dense_mlp_layers or not shape.norm_topk_prob):
+            raise TSPConfigError(f"dense_mlp_layers={shape.dense_mlp_layers}, norm_topk_prob={shape.norm_topk_prob}:"
+                                 " Qwen3.5-MoE has no dense layers and always renormalises the top-k")
+        config.update(num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+                      moe_intermediate_size=shape.moe_intermediate_size,
+                      shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+                      router_aux_loss_coef=shape.router_aux_loss_coef,
+                      output_router_logits=shape.output_router_logits)
+        if model_type == "qwen3_5_moe_text":
+            config.pop("intermediate_size")
+    if model_type == "qwen3_next":
+        config.update(norm_topk_prob=shape.norm_topk_prob, mlp_only_layers=list(shape.dense_mlp_layers),
+                      decoder_sparse_step=1, num_experts=shape.num_experts)
+    return config

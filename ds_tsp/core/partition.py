@@ -7,6 +7,23 @@ attention chunk i costs ~(i+1) units, so every rank does (p+1) + (2D-p) = 2D+1 u
     S_pad = 8, D = 2, c = 2:   global  [0 1 | 2 3 | 4 5 | 6 7]
                                rank 0  [0 1 6 7]    rank 1  [2 3 4 5]
 
+With a context-parallel axis of C TSP groups (tsp.cp_size, ds_tsp.core.cp_ring) the same zigzag is applied
+twice: the sequence is padded to a multiple of 2*C*D and cut into 2C cp chunks of S_pad / (2C) tokens; cp group i
+holds cp chunks i and 2C-1-i, concatenated (its "cp-local" sequence of S_pad / C tokens, in global order since
+i < 2C-1-i); then TSP's zigzag above cuts that local sequence into 2D chunks of c = S_pad / (2CD) tokens and TSP
+rank p of group i holds local chunks p and 2D-1-p. So of the 2CD global chunks of c tokens, rank (i, p) holds
+global chunks i*D + p and (2C-1-i)*D + D-1-p: one piece of each of its group's two cp chunks.
+
+    S_pad = 16, C = 2, D = 2, c = 2:   global    [0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15]
+                                       cp group 0 holds [0 1 2 3 12 13 14 15], cp group 1 [4 5 6 7 8 9 10 11]
+                                       (i=0, p=0) [0 1 14 15]   (i=0, p=1) [2 3 12 13]
+                                       (i=1, p=0) [4 5 10 11]   (i=1, p=1) [6 7 8 9]
+
+Under causal attention both levels balance: a cp group's K/V blocks are skipped by the queries they are in the
+future of, and each group does the same number of block pairs (ds_tsp.core.cp_ring); inside the group the work
+splits as above. `cp_shard` / `cp_unshard` / `cp_zigzag_positions` are the two-level forms; shard_batch takes
+cp and cp_rank.
+
 Everything here is pure tensor indexing (no process groups), so the library and the tests share one definition.
 "rank order" is the concatenation of every rank's local shard, rank 0 first: what an all-gather along the
 sequence dim produces. `rank_order_to_global_index` turns it back into global token order.
@@ -32,6 +49,10 @@ __all__ = [
     "unshard",
     "shift_labels",
     "shard_batch",
+    "cp_shard",
+    "cp_unshard",
+    "cp_zigzag_positions",
+    "cp_global_chunks",
 ]
 
 
@@ -129,6 +150,35 @@ def unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return rank_order.index_select(dim, index)
 
 
+def cp_global_chunks(tsp: int, rank: int, cp: int, cp_rank: int) -> tuple[int, int]:
+    """The global chunks (of 2*cp*tsp) TSP rank `rank` of cp group `cp_rank` holds, in local order."""
+    _check_tsp(cp)
+    _check_rank(cp_rank, cp)
+    first, second = zigzag_chunks(tsp, rank)  # second >= tsp: it lies in the group's second cp chunk
+    return cp_rank * tsp + first, (2 * cp - 1 - cp_rank) * tsp + second - tsp
+
+
+def cp_zigzag_positions(padded_len: int, tsp: int, rank: int, cp: int, cp_rank: int,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions held by TSP rank `rank` of cp group `cp_rank`, in local order: [padded_len // (cp*tsp)]."""
+    _check_padded(padded_len, tsp * cp)
+    group_positions = zigzag_positions(padded_len, cp, cp_rank, device=device)
+    return group_positions[zigzag_positions(padded_len // cp, tsp, rank, device=device)]
+
+
+def cp_shard(x: torch.Tensor, tsp: int, rank: int, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """The shard of TSP rank `rank` in cp group `cp_rank` of an already padded `x` (multiple of 2*cp*tsp)."""
+    _check_padded(x.size(dim), tsp * cp, what=f"x.size({dim})")
+    return shard(shard(x, cp, cp_rank, dim=dim), tsp, rank, dim=dim)
+
+
+def cp_unshard(shards: Sequence[Sequence[torch.Tensor]], dim: int = 1) -> torch.Tensor:
+    """Inverse of `cp_shard`: shards[cp_rank][tsp_rank] back to the padded global tensor."""
+    if len(shards) == 0:
+        raise TSPConfigError("shards=[]: pass one list of TSP shards per cp group, in cp rank order")
+    return unshard([unshard(group, dim=dim) for group in shards], dim=dim)
+
+
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """ALST convention: the target of position t is labels[t+1]; the last position gets `ignore_index`.
 
@@ -182,6 +232,8 @@ def shard_batch(
     labels_are_shifted: bool = False,
     attention_mask: torch.Tensor | None = None,
     check_values: bool = True,
+    cp: int = 1,
+    cp_rank: int = 0,
 ) -> dict:
     """This rank's part of a causal-LM batch, ready for the TSP model.
 
@@ -197,6 +249,8 @@ def shard_batch(
             out of attention. Returned sharded when given.
         check_values: read the token ids and mask values to check them (one device-to-host read). False for
             callers that hand the shard straight to ShardedCausalLM, whose input check reads the same facts anyway.
+        cp, cp_rank: the context-parallel degree and this rank's cp group (tsp.cp_size): the sequence is padded to
+            a multiple of 2*cp*tsp and cut in two levels (module doc); the shards are [B, S_pad/(cp*tsp)].
 
     Returns a dict: input_ids, shift_labels, position_ids (each [B, S_pad/tsp], on input_ids' device),
     attention_mask (when given), seq_len (S) and padded_len (S_pad). Padded slots get `pad_token_id`, label `ignore_index`, and positions
@@ -208,6 +262,8 @@ def shard_batch(
                              "input_ids.unsqueeze(0)")
     _check_tsp(tsp)
     _check_rank(rank, tsp)
+    _check_tsp(cp)
+    _check_rank(cp_rank, cp)
     batch, seq_len = input_ids.shape
     if seq_len < 1:
         raise TSPConfigError(f"input_ids has shape {[batch, seq_len]}: empty sequence")
@@ -242,18 +298,20 @@ def shard_batch(
         targets = targets.masked_fill(~(real & next_real), ignore_index)
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
-    padded_len = padded_length(seq_len, tsp)
+    padded_len = padded_length(seq_len, tsp * cp)
     pad_positions = torch.arange(seq_len, padded_len, device=device).expand(batch, padded_len - seq_len)
     positions = torch.cat((position_ids.to(device=device, dtype=torch.long), pad_positions), dim=1)
 
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        return cp_shard(x, tsp, rank, cp, cp_rank)
+
     out = {
-        "input_ids": shard(pad_to(input_ids, padded_len, pad_token_id), tsp, rank),
-        "shift_labels": shard(pad_to(targets, padded_len, ignore_index), tsp, rank),
-        "position_ids": shard(positions, tsp, rank),
+        "input_ids": cut(pad_to(input_ids, padded_len, pad_token_id)),
+        "shift_labels": cut(pad_to(targets, padded_len, ignore_index)),
+        "position_ids": cut(positions),
         "seq_len": seq_len,
         "padded_len": padded_len,
     }
     if attention_mask is not None:
-        out["attention_mask"] = shard(pad_to(attention_mask.to(device=device, dtype=torch.long), padded_len, 0),
-                                      tsp, rank)
+        out["attention_mask"] = cut(pad_to(attention_mask.to(device=device, dtype=torch.long), padded_len, 0))
     return out

@@ -39,7 +39,7 @@ class StepPositions:
         # Identity and version, not values: comparing values would read the tensor on the host.
         key = (position_ids, position_ids._version, dtype)
         if self._key is None or self._key[0] is not position_ids or self._key[1:] != key[1:]:
-            cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, dtype,
+            cos, sin = rope_cos_sin(position_ids, self.shape.rotary_dim, self.shape.rope_theta, dtype,
                                     self.shape.rope_scaling)
             doc_starts = document_starts(global_positions(position_ids, self.comm))
             doc_starts = None if doc_starts is None else document_layout(doc_starts, position_ids.shape[0])

@@ -97,7 +97,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, L, H, d]; cos/sin: [B, L, d]."""
+    """x: [B, L, H, d]; cos/sin: [B, L, r], r <= d: the first r dims of every head rotate (partial rotary, as
+    transformers' Qwen3.5 / GLM apply_rotary_pos_emb), the other d - r pass through."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return x * cos + _rotate_half(x) * sin
 

@@ -17,6 +17,7 @@ What it changes, and why (the Trainer's own logic does the rest):
   full length and unshifted, in the original order (eval loaders carry the unsharded ids); prediction_loss_only
   builds neither;
 - `class X(TSPTrainer, SFTTrainer)`: TRL's SFTTrainer on TSP (ds_tsp.integrations.trl; ds_tsp.hf.TSPSFTTrainer);
+  `class G(TSPTrainer, GRPOTrainer)`: TRL's GRPO on TSP (ds_tsp.integrations.trl_grpo; ds_tsp.hf.TSPGRPOTrainer);
   other TRL trainers are refused by name when the class is defined;
 - save_model writes the HF layout, streamed, from every rank's shards (a collective).
 On CPU the launcher's process group (which TrainingArguments sets up as a 1-process accelerate state) is
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.core.config import check_tsp_key, parse_tsp_config
+from ds_tsp.core.cp_inputs import check_cp_integration
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.hf_config import import_transformers
 from ds_tsp.core.setup import build_runtime
@@ -96,15 +98,23 @@ def _with_full_batch(loader):
 
 class TSPTrainer(_transformers.Trainer):
     _tsp_with_sft = False  # composed with TRL's SFTTrainer (ds_tsp.integrations.trl)
+    _tsp_with_grpo = False  # composed with TRL's GRPOTrainer (ds_tsp.integrations.trl_grpo)
 
     def __init_subclass__(cls, **kwargs):
-        """`class X(TSPTrainer, SFTTrainer)`: TRL's SFT on TSP; any other TRL trainer is refused here, by name."""
+        """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)`: TRL's SFT / GRPO on TSP; any other TRL
+        trainer is refused here, by name."""
         super().__init_subclass__(**kwargs)
         from ds_tsp.integrations.trl import check_composition
 
-        cls._tsp_with_sft = check_composition(cls, TSPTrainer)
+        kind = check_composition(cls, TSPTrainer)
+        cls._tsp_with_sft, cls._tsp_with_grpo = kind == "sft", kind == "grpo"
 
     def __init__(self, model=None, args=None, *more, **kwargs):
+        if self._tsp_with_grpo:  # GRPOTrainer(model, reward_funcs, args, ...): everything by name from here on
+            from ds_tsp.integrations import trl as tsp_trl, trl_grpo
+
+            model, args, kwargs = trl_grpo.keyword_arguments(super().__init__, model, args, more, kwargs)
+            more = ()
         if args is None:
             raise TSPConfigError("TSPTrainer needs TrainingArguments(deepspeed=<config with a \"tsp\" block>)")
         if kwargs.get("model_init") is not None:
@@ -113,6 +123,8 @@ class TSPTrainer(_transformers.Trainer):
             from ds_tsp.integrations import trl as tsp_trl
 
             tsp_trl.check_sft_arguments(super().__init__, model, args, more, kwargs)
+        if self._tsp_with_grpo:
+            trl_grpo.check_grpo_arguments(model, args, kwargs)
         _ = args.device  # sets the process group up (TrainingArguments does it lazily)
         _register_cpu_world()
         tsp = _tsp_block(args)
@@ -123,9 +135,12 @@ class TSPTrainer(_transformers.Trainer):
                                      'DeepSpeed config has a "tsp" block, e.g. ds_configs/tsp.json')
             tsp = parse_tsp_config({"size": 1})
         _check_parallelism_config(args, tsp.size)
-        self.tsp_config = tsp
-        runtime = build_runtime(tsp)
+        check_cp_integration(tsp.cp_size, "TSPTrainer")
+        ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+        runtime = build_runtime(tsp, ds_config=ds_config)  # DeepSpeed's cpu_checkpointing: offload_activations
+        self.tsp_config = tsp = runtime.config
         self.tsp_groups = runtime.groups
+        ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_with_grpo else None
         model = to_tsp_model(model, runtime.comm, options=runtime.options, data_group=runtime.data_group,
                              hf_face=True)
         if args.gradient_checkpointing:
@@ -134,6 +149,12 @@ class TSPTrainer(_transformers.Trainer):
             tsp_trl.prepare_model(model)
             with tsp_trl.sft_init():
                 super().__init__(model, args, *more, **kwargs)
+        elif self._tsp_with_grpo:
+            trl_grpo.data_axis_batches(args, getattr(runtime.groups, "data_size", 1))
+            tsp_trl.prepare_model(model)
+            with trl_grpo.grpo_init(ref_model):
+                super().__init__(model=model, args=args, **kwargs)
+            trl_grpo.after_init(self)
         else:
             super().__init__(model, args, *more, **kwargs)
         if set(self.label_names) != {"shift_labels"} and self.label_names in (["labels"], ["labels", "shift_labels"]):
@@ -187,6 +208,10 @@ class TSPTrainer(_transformers.Trainer):
 
     # --- evaluation and prediction -------------------------------------------------------------------------------
     def get_eval_dataloader(self, eval_dataset=None):
+        if self._tsp_with_grpo:  # prompt rows: sampled over the data axis, never cut
+            from ds_tsp.integrations.trl_grpo import unsharded
+
+            return unsharded(super().get_eval_dataloader(eval_dataset))
         return _with_full_batch(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset):
@@ -197,6 +222,8 @@ class TSPTrainer(_transformers.Trainer):
         position, built from the vocab shards once per eval batch (as the plain Trainer materialises them; with
         preprocess_logits_for_metrics its output on those full logits), and the batch's own labels, full length,
         in the original order (unshifted). prediction_loss_only builds and gathers neither."""
+        if self._tsp_with_grpo:  # GRPO evaluates its loss on generated completions
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         full = inputs.pop(_FULL_BATCH, None) if isinstance(inputs, dict) else None
         if prediction_loss_only:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
@@ -216,6 +243,51 @@ class TSPTrainer(_transformers.Trainer):
         if "inputs" in self.args.include_for_metrics:  # evaluation_loop reads the caller's batch: the full ids
             inputs[getattr(self.model, "main_input_name", "input_ids")] = full["input_ids"]
         return loss, logits, None if labels is None else self._prepare_input(labels)
+
+    # --- TRL's GRPOTrainer steps under TSP (ds_tsp.integrations.trl_grpo; inert in other compositions) ---------
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        if not self._tsp_with_grpo:
+            return loader
+        from ds_tsp.integrations.trl_grpo import unsharded
+
+        return unsharded(loader)  # prompt rows: sampled over the data axis, never cut
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """The completion tokens' log-probs (and entropies) from TSP's streaming head, whole on every rank."""
+        from ds_tsp.integrations import trl_grpo
+
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        if given or compute_aux_loss:
+            raise TSPConfigError(f"TSPGRPOTrainer scores text only: {given or 'the MoE aux loss'} is not supported")
+        logps, entropies = trl_grpo.completion_logps(self, model, input_ids, attention_mask, logits_to_keep,
+                                                     batch_size, compute_entropy)
+        return logps, entropies, None
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Without vLLM: the full model gathered on TSP rank 0 of the group generates; completions broadcast."""
+        from ds_tsp.integrations import trl_grpo
+
+        if images is not None or multimodal_fields:
+            raise TSPConfigError("TSPGRPOTrainer generates text only: the dataset has images")
+        if self.use_vllm:
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                     num_generations, has_tool_images)
+            return trl_grpo.broadcast_vllm_completions(self, completion_ids, logprobs)
+        return trl_grpo.generate(self, prompt_ids), None
+
+    def _generate_and_score_completions(self, inputs):
+        from ds_tsp.integrations.trl_grpo import data_axis
+
+        with data_axis(self):
+            return super()._generate_and_score_completions(inputs)
+
+    def _compute_loss(self, model, inputs):
+        from ds_tsp.integrations.trl_grpo import data_axis
+
+        with data_axis(self):
+            return super()._compute_loss(model, inputs)
 
     # --- saving ------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

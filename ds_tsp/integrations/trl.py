@@ -15,8 +15,9 @@ labels, its collators, loss, metrics); TSPTrainer (listed FIRST, so it converts 
 - the packed-document keys TRL's collators emit (cu_seq_lens_q/k, seq_idx, seq_lengths) become position_ids
   restarting per document (integrations/accelerate/dataloaders.py), checked against the batch's position_ids;
 - TRL's num_tokens metric counts the tokens of the whole sequence (TRL would count this rank's shard).
-Refused with a TSPConfigError naming them: the other TRL trainers (DPO, GRPO, KTO, Reward, RLOO, GKD, ...: their
-losses read full logits of several models or generate), SFTTrainer listed before TSPTrainer, and the SFT options
+GRPOTrainer composes too: ds_tsp.integrations.trl_grpo (ds_tsp.hf.TSPGRPOTrainer).
+Refused with a TSPConfigError naming them: the other TRL trainers (DPO, KTO, Reward, RLOO, GKD, ...: their
+losses read full logits of several models), SFTTrainer listed before TSPTrainer, and the SFT options
 that need full logits or modify the model TRL-side (peft_config, compute_loss_func, label_smoothing_factor, a
 chat_template_path that adds tokens, selective activation checkpointing, MoE router aux loss).
 """
@@ -34,26 +35,34 @@ def _trl_trainers(cls: type) -> list[type]:
     return [c for c in cls.__mro__ if c.__module__.split(".")[0] == "trl" and issubclass(c, Trainer)]
 
 
-def check_composition(cls: type, tsp_trainer: type) -> bool:
-    """At class creation: True when `cls` composes TSPTrainer with TRL's SFTTrainer (TSPTrainer first); False
-    without TRL; TSPConfigError for any other TRL trainer, or SFTTrainer ahead of TSPTrainer."""
+def check_composition(cls: type, tsp_trainer: type) -> str | None:
+    """At class creation: "sft" / "grpo" when `cls` composes TSPTrainer with TRL's SFTTrainer / GRPOTrainer
+    (TSPTrainer first; GRPO: ds_tsp.integrations.trl_grpo); None without TRL; TSPConfigError for any other TRL
+    trainer, or the TRL trainer ahead of TSPTrainer."""
     trl_classes = _trl_trainers(cls)
     if not trl_classes:
-        return False
-    from trl import SFTTrainer
+        return None
+    from trl import GRPOTrainer, SFTTrainer
 
-    others = [c for c in trl_classes if c is not SFTTrainer and c.__name__ != "_BaseTrainer"]
+    supported = {SFTTrainer: "sft", GRPOTrainer: "grpo"}
+    others = [c for c in trl_classes if c not in supported and c.__name__ != "_BaseTrainer"]
     if others:
         name = others[0].__name__
-        raise TSPConfigError(f"{cls.__name__}: TSPTrainer with TRL's {name} is not supported (only SFTTrainer is, "
-                             f"ds_tsp.hf.TSPSFTTrainer): {name}'s loss reads full-vocabulary logits (of a policy and "
-                             "a reference model, or of generated samples), which TSP never builds per token")
+        raise TSPConfigError(f"{cls.__name__}: TSPTrainer with TRL's {name} is not supported (SFTTrainer and "
+                             f"GRPOTrainer are: ds_tsp.hf.TSPSFTTrainer, TSPGRPOTrainer): {name}'s loss reads "
+                             "full-vocabulary logits (of a policy and a reference model, or of generated samples), "
+                             "which TSP never builds per token")
     mro = list(cls.__mro__)
-    if SFTTrainer in mro and mro.index(SFTTrainer) < mro.index(tsp_trainer):
-        raise TSPConfigError(f"class {cls.__name__}(SFTTrainer, TSPTrainer): list TSPTrainer first, class "
-                             f"{cls.__name__}(TSPTrainer, SFTTrainer) (or use ds_tsp.hf.TSPSFTTrainer): TSP must "
-                             "convert the model and answer TRL's fused LM head before SFTTrainer sets them up")
-    return True
+    for trainer, kind in supported.items():
+        if trainer in mro and mro.index(trainer) < mro.index(tsp_trainer):
+            name, ready = trainer.__name__, f"TSP{trainer.__name__}"
+            raise TSPConfigError(f"class {cls.__name__}({name}, TSPTrainer): list TSPTrainer first, class "
+                                 f"{cls.__name__}(TSPTrainer, {name}) (or use ds_tsp.hf.{ready}): TSP must "
+                                 f"convert the model and answer TRL's fused LM head before {name} sets them up")
+    kinds = {supported[c] for c in trl_classes if c in supported}
+    if len(kinds) > 1:
+        raise TSPConfigError(f"{cls.__name__}: SFTTrainer and GRPOTrainer together; compose TSPTrainer with one")
+    return kinds.pop()
 
 
 def check_sft_arguments(init, model, args, more: tuple, kwargs: dict) -> None:

@@ -57,6 +57,11 @@ def as_comm(tsp_group) -> TSPComm:
     return TSPComm(tsp_group)
 
 
+def _cp_size(comm: TSPComm) -> int:
+    """The cp groups sharing each sequence (tsp.cp_size; 1 without a cp axis)."""
+    return comm.cp.size if comm.cp is not None else 1
+
+
 def _resolve_dtype(dtype, config) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -169,12 +174,19 @@ class TSPForCausalLM(nn.Module):
         """Parameters of the full model, as transformers counts them (tied weights once)."""
         return self.tsp.num_parameters(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Recompute every decoder layer in backward (the Trainer calls this for gradient_checkpointing=True)."""
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute every decoder layer in backward (the Trainer calls this for gradient_checkpointing=True; from
+        transformers 5.25 with its every_n_layers / offload, which TSP honours at their defaults only)."""
+        if every_n_layers not in (None, 1) or offload:
+            raise TSPConfigError(f"activation checkpointing with every_n_layers={every_n_layers}, offload={offload}: "
+                                 "TSP recomputes every decoder layer; for host offload use the \"tsp\" block's "
+                                 "offload_activations")
         self.tsp.options = replace(self.tsp.options, activation_checkpointing=True)
 
     def gradient_checkpointing_disable(self) -> None:
-        self.tsp.options = replace(self.tsp.options, activation_checkpointing=False)
+        """No recompute, so nothing to offload either (offload_activations goes off with it)."""
+        self.tsp.options = replace(self.tsp.options, activation_checkpointing=False, offload_activations=False)
 
     @property
     def is_gradient_checkpointing(self) -> bool:
@@ -199,11 +211,12 @@ class TSPForCausalLM(nn.Module):
                 shift_labels: torch.Tensor | None = None, logits_to_keep: int = 0,
                 tsp_shard: tuple[int, int] | None = None, seq_len: int | None = None,
                 num_items_in_batch: torch.Tensor | int | None = None, fused_lm_head: bool = False,
-                output_router_logits: bool | None = None, **kwargs):
+                output_router_logits: bool | None = None, temperature: float = 1.0, **kwargs):
         """transformers' causal-LM call. Returns CausalLMOutputWithPast(loss, logits); for a mixture-of-experts model
         MoeCausalLMOutputWithPast(loss, aux_loss, logits, router_logits).
 
-        fused_lm_head=True (TRL's SFTTrainer loss call): a FusedLMHeadOutput instead, see _fused_lm_head.
+        fused_lm_head=True (TRL's SFTTrainer loss call): a FusedLMHeadOutput instead, see _fused_lm_head;
+        temperature (with fused_lm_head only, TRL's GRPO sampling temperature): the statistics of logits / temperature.
 
         Only input_ids may be passed positionally; everything else by keyword (model(**batch) for a batch dict).
 
@@ -235,6 +248,9 @@ class TSPForCausalLM(nn.Module):
         if not isinstance(logits_to_keep, int):
             raise TSPConfigError(f"logits_to_keep={type(logits_to_keep).__name__}: only an int (the last k "
                                  "positions) is supported")
+        if temperature != 1.0 and (not fused_lm_head or not isinstance(temperature, (int, float)) or temperature <= 0):
+            raise TSPConfigError(f"temperature={temperature!r}: only with fused_lm_head=True, a number > 0 (the "
+                                 "per-token statistics of logits / temperature)")
         if fused_lm_head and (not has_targets or logits_to_keep):
             raise TSPConfigError("fused_lm_head=True scores the labels without building logits: pass labels / "
                                  "shift_labels, and no logits_to_keep")
@@ -250,7 +266,9 @@ class TSPForCausalLM(nn.Module):
             if aux_share is not None:
                 raise TSPConfigError("fused_lm_head=True on a mixture-of-experts model with output_router_logits: the "
                                      "fused head's loss has no aux loss term; set output_router_logits=False")
-            return self._fused_lm_head(h, batch, seq_len, num_items_in_batch)
+            # logits / T = (h / T) @ W^T: the streaming head scores the scaled hidden states, exactly
+            return self._fused_lm_head(h if temperature == 1.0 else h / temperature, batch, seq_len,
+                                       num_items_in_batch)
         loss = logits = None
         if has_targets and num_items_in_batch is not None:
             if isinstance(num_items_in_batch, torch.Tensor):
@@ -342,7 +360,7 @@ class TSPForCausalLM(nn.Module):
                 raise TSPConfigError("labels= with an already-sharded batch: TSPDataLoader shifts labels before "
                                      "cutting the sequence; pass its shift_labels")
             return {"input_ids": input_ids, "shift_labels": shift_labels, "position_ids": position_ids,
-                    "attention_mask": attention_mask}, seq_len or input_ids.shape[1] * comm.size
+                    "attention_mask": attention_mask}, seq_len or input_ids.shape[1] * comm.size * _cp_size(comm)
         targets = shift_labels if shift_labels is not None else labels
         if labels is not None and shift_labels is not None:
             raise TSPConfigError("pass labels (HF convention, shifted inside) or shift_labels (pre-shifted), not both")
@@ -356,7 +374,8 @@ class TSPForCausalLM(nn.Module):
             raise TSPConfigError("input_ids has one dim: pass [batch, seq] (input_ids.unsqueeze(0))")
         full = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=targets, position_ids=position_ids,
                            labels_are_shifted=shift_labels is not None, attention_mask=attention_mask,
-                           check_values=False)  # ShardedCausalLM's input check reads the same facts, once
+                           # check_values: ShardedCausalLM's input check reads the same facts, once
+                           check_values=False, cp=_cp_size(comm), cp_rank=comm.cp.rank if comm.cp else 0)
         return {"input_ids": full["input_ids"], "shift_labels": full["shift_labels"] if targets is not None else None,
                 "position_ids": full["position_ids"], "attention_mask": full.get("attention_mask")}, full["seq_len"]
 

@@ -18,6 +18,7 @@ router_aux_loss_coef x this rank's share of the load-balancing loss over the who
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from math import prod
 
@@ -27,8 +28,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ds_tsp.checkpoint.moe_names import canonical_state_dict
+from ds_tsp.core.activation_offload import ActivationOffload
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.cp_inputs import check_cp_model, full_fields, held_chunks, over_cp
 from ds_tsp.core.document_attention import DocumentLayout, document_layout
 from ds_tsp.core.documents import OVERFLOW, decode_layout, document_starts, shard_layout
 from ds_tsp.core.errors import TSPConfigError
@@ -62,7 +65,8 @@ def normalise_over_data(n_valid_tsp: torch.Tensor, data_group: dist.ProcessGroup
     total = n_valid_tsp.clone()
     with comm.guard("token count all_reduce over data", group=data_group):
         dist.all_reduce(total, group=data_group)
-    return total / dist.get_world_size(data_group)
+    # float64: an int64 count / 3 (data x cp of 3) would divide in float32, 2e-8 off in a float64 loss
+    return total.to(torch.float64) / dist.get_world_size(data_group)
 
 
 def count_valid_tokens(shift_labels: torch.Tensor, comm: TSPComm, data_group=None) -> torch.Tensor:
@@ -78,7 +82,7 @@ class _Backbone(nn.Module):
         self.embed_tokens = TSPVocabEmbedding(shape.vocab_size, shape.hidden_size, comm, dtype, device)
         self.layers = nn.ModuleList(TSPDecoderLayer(shape, comm, options, dtype, device, layer=i)
                                     for i in range(shape.num_layers))
-        self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
+        self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, shape.zero_centred_norms)
 
 
 class ShardedCausalLM(nn.Module):
@@ -87,6 +91,7 @@ class ShardedCausalLM(nn.Module):
                  data_group: dist.ProcessGroup | None = None):
         super().__init__()
         shape.check_tsp_degree(comm.size)
+        check_cp_model(shape, comm)
         self.shape, self.comm, self.options = shape, comm, options
         self.model = _Backbone(shape, comm, options, dtype, device)
         self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device,
@@ -94,6 +99,7 @@ class ShardedCausalLM(nn.Module):
                                      chunk_tokens=options.lm_head_chunk_tokens)
         self.set_data_parallel_group(data_group)
         self.lora_adapter_config: str | None = None  # adapter_config.json of an attached PEFT LoRA adapter
+        self.activation_offload = ActivationOffload()  # host pool of the checkpointed layer inputs (when offloaded)
 
     def set_data_parallel_group(self, data_group: dist.ProcessGroup | None) -> None:
         """Normalise the loss over the tokens of the whole data x TSP batch.
@@ -165,6 +171,9 @@ class ShardedCausalLM(nn.Module):
         h is final_hidden's output. Only those rows of logits are built (HF's logits_to_keep).
         """
         L = h.shape[1]
+        if self.comm.cp is not None:
+            raise TSPConfigError(f"logits with tsp.cp_size={self.comm.cp.size}: the sequence's last tokens are spread "
+                                 "over cp groups; compute logits (generation, evaluation) with cp_size 1")
         if not 1 <= keep <= seq_len <= L * self.comm.size:
             raise TSPConfigError(f"logits_to_keep={keep}: must be between 1 and the sequence length {seq_len}")
         # Which local rows hold the kept positions is known on the host (zigzag chunks are contiguous ranges): a
@@ -191,17 +200,21 @@ class ShardedCausalLM(nn.Module):
         if n_valid is not None:
             # float32 at least: bf16 would round token counts above 256
             n_valid = normalise_over_data(n_valid, self.data_group, self.comm).to(torch.promote_types(self.dtype, torch.float32))
-        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, self.dtype,
+        cos, sin = rope_cos_sin(position_ids, self.shape.rotary_dim, self.shape.rope_theta, self.dtype,
                                 self.shape.rope_scaling)
         # One all-reduce for every norm weight's grad, posted by the last one's backward (see replicated_grads);
         # opened before the embedding so that its backward ring overlaps the bucket's all-reduce.
         replicated = [*self.replicated_params().values(), *(p for _, p, cut in self.lora_tensors() if cut is None)]
         with ReplicatedGradBucket(self.comm, replicated):
             h = self.model.embed_tokens(input_ids)
-            for layer in self.model.layers:
+            last = len(self.model.layers) - 1
+            for i, layer in enumerate(self.model.layers):
                 if self.options.activation_checkpointing and torch.is_grad_enabled():
-                    # the router logits leave the checkpointed region as an output, so they carry its recompute
-                    h, logits = checkpoint(layer, h, cos, sin, doc_starts, with_router=True, use_reentrant=False)
+                    # the router logits leave the checkpointed region as an output, so they carry its recompute;
+                    # offload_activations: the saved input h waits in host memory (core/activation_offload.py)
+                    with (self.activation_offload.saved_input(h, layer=i, last=i == last)
+                          if self.options.offload_activations else contextlib.nullcontext()):
+                        h, logits = checkpoint(layer, h, cos, sin, doc_starts, with_router=True, use_reentrant=False)
                 else:
                     h, logits = layer(h, cos, sin, doc_starts, with_router=True)
                 if logits is not None and router_logits is not None:
@@ -268,6 +281,8 @@ class ShardedCausalLM(nn.Module):
         else:
             everyone = local[None]
         total = everyone[:, 0].sum() if shift_labels is not None else None
+        if self.comm.cp is not None:  # the whole sequence's payloads (ds_tsp.core.cp_inputs); total stays the group's
+            everyone = over_cp(self.comm, everyone)
         if dev.type == "meta":
             return total, None
         rows = everyone.tolist()  # the one device-to-host read: everything below works on host ints
@@ -291,7 +306,8 @@ class ShardedCausalLM(nn.Module):
         if shift_labels is not None and sum(row[0] for row in rows) == 0:
             raise TSPConfigError("shift_labels: no token has a target (all -100) in the whole TSP group; "
                                  "a batch needs at least one labelled token")
-        doc_starts = decode_layout([row[_CHECK_COUNTS:] for row in rows], [row[5] for row in rows], B, local_len)
+        doc_starts = decode_layout([row[_CHECK_COUNTS:] for row in rows], [row[5] for row in rows], B, local_len,
+                                   held_chunks=held_chunks(self.comm) if self.comm.cp is not None else None)
         if doc_starts is OVERFLOW:  # more document breaks than slots on some rank: gather the positions themselves
             fields = [position_ids] + ([attention_mask] if attention_mask is not None else [])
             data = torch.stack([f.to(device=dev, dtype=torch.int64) for f in fields])  # [fields, B, L]
@@ -300,7 +316,8 @@ class ShardedCausalLM(nn.Module):
                 self.comm.all_gather(gathered, data).wait()
             else:
                 gathered = data[None]
-            full = unshard(list(gathered.unbind(0)), dim=2)  # [fields, B, S]
+            full = (unshard(list(gathered.unbind(0)), dim=2) if self.comm.cp is None
+                    else full_fields(self.comm, gathered))  # [fields, B, S]
             doc_starts = document_starts(full[0], full[1] if attention_mask is not None else None)
         return total, (None if doc_starts is None else document_layout(doc_starts, B))
 
@@ -410,8 +427,10 @@ class ShardedCausalLM(nn.Module):
             for piece, shape in layout.pieces:
                 owner = kv_owner if piece in ("wk", "wv") else rank
                 views[piece].copy_(torch.zeros(shape) if piece.startswith("b") else normal(f"{name}{piece}{owner}", shape))
-        for name, param in self.replicated_params().items():  # norms 1; MoE routers N(0, std), same on every rank
-            param.fill_(1.0) if param.dim() == 1 else param.copy_(normal(name, param.shape))
+        # norms 1 (zero-centred norms 0: the same identity scale); MoE routers N(0, std), same on every rank
+        norm_init = 0.0 if self.shape.zero_centred_norms else 1.0
+        for name, param in self.replicated_params().items():
+            param.fill_(norm_init) if param.dim() == 1 else param.copy_(normal(name, param.shape))
         return self
 
     @torch.no_grad()

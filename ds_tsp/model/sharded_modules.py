@@ -8,6 +8,8 @@ reassembles one module at a time:
     hf_targets(p)     {name: view of parameter p}                        where each slice lands (read in place)
     pack_slices(d)    {name: sliced tensor} -> this rank's packed shard  (shard_full = pack_slices of narrowed)
     unshard(shards)   every rank's packed shard -> {name: full tensor}
+(A tensor a rank owns several ranges of gives HFRanges, a tuple of (dim, start, length), in hf_slices and a tuple
+of views in hf_targets: ds_tsp.model.hf_slices.)
 
 | module (HF prefix)                | parameter        | this rank's part                                      |
 |-----------------------------------|------------------|-------------------------------------------------------|
@@ -15,6 +17,7 @@ reassembles one module at a time:
 | model.layers.i.self_attn          | packed_shard     | q heads of block p, its kv heads, o_proj columns      |
 | model.layers.i.self_attn.q/k_norm | weight           | replicated [head_dim] (Qwen3), grads summed           |
 | model.layers.i.mlp                | packed_shard     | gate/up rows and down columns [p*F/D, (p+1)*F/D)      |
+| model.layers.i.linear_attn        | (its own)        | Gated DeltaNet heads of block p (hybrid models)       |
 | model.layers.i.mlp (MoE layer)    | experts_shard    | experts [p*E/D, (p+1)*E/D) whole; router replicated   |
 (the MoE block: ds_tsp.model.sharded_moe.TSPSparseMoE; its HF names carry their block prefix, Mixtral's
 block_sparse_moe., so its entry in sharded_modules has the layer prefix.)
@@ -35,7 +38,8 @@ from ds_tsp.core.functions.mlp import MLPSpec, tsp_gated_mlp
 from ds_tsp.core.functions.norm import TSPRMSNorm
 from ds_tsp.core.grad_norm import mark_sharded
 from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_moe import TSPSparseMoE
+from ds_tsp.model.hf_slices import HFRanges
+from ds_tsp.model.sharded_moe import TSPSparseMoE, shared_expert_shape
 
 HFSlice = tuple[int, int, int]  # (dim, start, length) of a full HF tensor
 
@@ -65,9 +69,10 @@ class _ShardedPiece(nn.Module):
 class HeadNorm(nn.Module):
     """Qwen3's q_norm / k_norm: one RMSNorm weight [head_dim] shared by every head, replicated on every rank."""
 
-    def __init__(self, head_dim: int, dtype, device):
+    def __init__(self, head_dim: int, dtype, device, zero_centred: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device))
+        # zero-centred (Qwen3.5): the norm scales by 1 + weight, so the identity is 0
+        self.weight = nn.Parameter((torch.zeros if zero_centred else torch.ones)(head_dim, dtype=dtype, device=device))
 
 
 class TSPAttention(_ShardedPiece):
@@ -85,13 +90,14 @@ class TSPAttention(_ShardedPiece):
                                   keep_gathered_kv=options.keep_gathered_kv,
                                   recompute_projections=options.recompute_projections,
                                   window=shape.layer_window(layer),
-                                  qk_norm_eps=shape.rms_norm_eps if shape.qk_norm else None)
+                                  qk_norm_eps=shape.rms_norm_eps if shape.qk_norm else None,
+                                  norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate)
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.lora.ShardLoRA when PEFT LoRA targets this layer's attention
         if shape.qk_norm:
-            self.q_norm = HeadNorm(shape.dim_per_head, dtype, device)
-            self.k_norm = HeadNorm(shape.dim_per_head, dtype, device)
+            self.q_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
+            self.k_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
 
     def forward(self, x, cos, sin, doc_starts=None):
         qk = None
@@ -102,20 +108,22 @@ class TSPAttention(_ShardedPiece):
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         s, h = self.spec, self.spec.hidden
         q, kv = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
-        shapes = {"q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+        q_rows = 2 * q if s.output_gate else q  # gated attention: [q, gate] rows per head
+        shapes = {"q_proj.weight": (q_rows, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
                   "o_proj.weight": (h, q)}
         if s.qkv_bias:
-            shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+            shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         return shapes
 
     def hf_slices(self, rank: int | None = None) -> dict[str, HFSlice]:
         p = self.comm.rank if rank is None else rank
         q, kv = self.spec.heads_per_block * self.spec.head_dim, self.spec.kv_heads_per_block * self.spec.head_dim
         pk = p // self.spec.kv_replicas  # the kv head block this rank's query heads read
-        slices = {"q_proj.weight": (0, p * q, q), "k_proj.weight": (0, pk * kv, kv),
+        qr = 2 * q if self.spec.output_gate else q  # gated: the block's heads' [q, gate] rows are contiguous
+        slices = {"q_proj.weight": (0, p * qr, qr), "k_proj.weight": (0, pk * kv, kv),
                   "v_proj.weight": (0, pk * kv, kv), "o_proj.weight": (1, p * q, q)}
         if self.spec.qkv_bias:
-            slices.update({"q_proj.bias": (0, p * q, q), "k_proj.bias": (0, pk * kv, kv),
+            slices.update({"q_proj.bias": (0, p * qr, qr), "k_proj.bias": (0, pk * kv, kv),
                            "v_proj.bias": (0, pk * kv, kv)})
         return slices
 
@@ -242,15 +250,41 @@ class TSPLMHeadLoss(TSPVocabShard):
                                 chunk_tokens=self.chunk_tokens)
 
 
+def _gated_deltanet(shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int) -> nn.Module:
+    """The Gated DeltaNet token mixer of a hybrid model's linear_attention layer (imported here: only hybrid models
+    need it)."""
+    try:
+        from ds_tsp.model.sharded_gated_deltanet import TSPGatedDeltaNet
+    except ImportError as err:
+        from ds_tsp.core.errors import TSPConfigError
+
+        raise TSPConfigError(
+            f"layer_types[{layer}]='linear_attention': the Gated DeltaNet layer (ds_tsp.model.sharded_gated_deltanet)"
+            f" is not available in this ds_tsp ({err}); only hybrid configs whose layers are all full_attention "
+            "run") from err
+    return TSPGatedDeltaNet(shape, comm, options, dtype, device, layer=layer, hf_format=shape.hybrid_family)
+
+
 class TSPDecoderLayer(nn.Module):
+    """Pre-norm decoder layer. Token mixer: `self_attn` (TSPAttention), or `linear_attn` (Gated DeltaNet) where the
+    shape's layer_types says linear_attention (Qwen3.5 / Qwen3-Next)."""
+
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
-        self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
-        self.self_attn = TSPAttention(shape, comm, options, dtype, device, layer)
-        self.post_attention_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
+        centred = shape.zero_centred_norms
+        self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, centred)
+        self.is_linear_attention = shape.layer_type(layer) == "linear_attention"
+        if self.is_linear_attention:
+            self.linear_attn = _gated_deltanet(shape, comm, options, dtype, device, layer)
+        else:
+            self.self_attn = TSPAttention(shape, comm, options, dtype, device, layer)
+        self.post_attention_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
+                                                   centred)
         self.is_moe = shape.is_moe_layer(layer)
         if self.is_moe:
-            self.mlp = TSPSparseMoE(shape, comm, options, dtype, device)
+            shared = (TSPGatedMLP(shared_expert_shape(shape), comm, dtype, device, options.recompute_projections)
+                      if shape.shared_expert_intermediate_size else None)  # Qwen3-Next / Qwen3.5-MoE
+            self.mlp = TSPSparseMoE(shape, comm, options, dtype, device, shared_expert=shared)
         else:
             self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
 
@@ -258,7 +292,10 @@ class TSPDecoderLayer(nn.Module):
         """The layer's output; with_router: (output, router logits [B*L, E] or None for a dense MLP). Callers go
         through the module (`layer(..., with_router=True)`), never a bound method: FSDP2 and ZeRO-3 gather the
         layer's parameters in its forward hooks."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, doc_starts)
+        if self.is_linear_attention:
+            h = h + self.linear_attn(self.input_layernorm(h), doc_starts)
+        else:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, doc_starts)
         router_logits = None
         if self.is_moe:
             y, router_logits = self.mlp(self.post_attention_layernorm(h))
@@ -270,17 +307,26 @@ class TSPDecoderLayer(nn.Module):
         """(HF name prefix, sharded piece, its parameter) of this layer, in checkpoint order."""
         mlp = ((prefix, self.mlp, self.mlp.experts_shard) if self.is_moe
                else (f"{prefix}mlp.", self.mlp, self.mlp.packed_shard))
-        return [(f"{prefix}self_attn.", self.self_attn, self.self_attn.packed_shard), mlp]
+        mlps = [mlp]
+        if self.is_moe and self.mlp.shared_expert is not None:  # Qwen3-Next / Qwen3.5-MoE
+            mlps.append((f"{prefix}mlp.shared_expert.", self.mlp.shared_expert, self.mlp.shared_expert.packed_shard))
+        if self.is_linear_attention:  # the Gated DeltaNet lists its own sharded pieces
+            return [*self.linear_attn.sharded_modules(f"{prefix}linear_attn."), *mlps]
+        return [(f"{prefix}self_attn.", self.self_attn, self.self_attn.packed_shard), *mlps]
 
     def replicated_params(self, prefix: str = "") -> dict[str, nn.Parameter]:
         """HF-named params every rank holds whole (their grads are summed over the TSP group)."""
         out = {f"{prefix}input_layernorm.weight": self.input_layernorm.weight,
                f"{prefix}post_attention_layernorm.weight": self.post_attention_layernorm.weight}
-        if self.self_attn.spec.qk_norm_eps is not None:
+        if self.is_linear_attention:
+            out.update(self.linear_attn.replicated_params(f"{prefix}linear_attn."))
+        elif self.self_attn.spec.qk_norm_eps is not None:
             out[f"{prefix}self_attn.q_norm.weight"] = self.self_attn.q_norm.weight
             out[f"{prefix}self_attn.k_norm.weight"] = self.self_attn.k_norm.weight
         if self.is_moe:
             out[prefix + self.mlp.router_name()] = self.mlp.gate.weight
+            if self.mlp.shared_expert_gate is not None:
+                out[f"{prefix}mlp.shared_expert_gate.weight"] = self.mlp.shared_expert_gate.weight
         return out
 
 
@@ -291,7 +337,12 @@ def load_slices(sharded: list[tuple[str, "_ShardedPiece", nn.Parameter]], replic
     parameter (dim None: the whole tensor). Only this rank's slices are requested, and they land in place."""
     for prefix, module, param in sharded:
         targets = module.hf_targets(param.data)
-        for name, (dim, start, length) in module.hf_slices().items():
+        for name, where in module.hf_slices().items():
+            if isinstance(where, HFRanges):  # several ranges of one tensor, one view each
+                for (dim, start, length), out in zip(where, targets[name], strict=True):
+                    read_into(prefix + name, dim, start, length, out)
+                continue
+            dim, start, length = where
             read_into(prefix + name, dim, start, length, targets[name])
     for name, param in replicated.items():
         read_into(name, None, 0, None, param.data)

@@ -5,20 +5,29 @@ whole (E_r = E/D), packed in one flat parameter, and the router [E, h] replicate
 |----------------------|--------------------------------|------------------------------------------------------------|
 | mlp.gate.weight      | [E, h]                         | replicated, grads summed over the TSP group               |
 | mlp.experts_shard    | [E_r * (2F*h + h*F)]           | experts of rank p: gate_up [E_r, 2F, h], down [E_r, h, F] |
+| mlp.shared_expert    | packed_shard [3 * h * Fs/D]    | Qwen3-Next / Qwen3.5-MoE: a TSPGatedMLP of width Fs, 1/D   |
+| mlp.shared_expert_gate.weight | [1, h]                | replicated, grads summed over the TSP group               |
 
 Checkpoint names are the ones transformers writes (ds_tsp.checkpoint.moe_names: one tensor per expert, Mixtral's
 under block_sparse_moe.); this rank's slices are the whole tensors of ITS experts only, so loading and saving move
 1/D of the layer. The forward returns (y, router_logits); ds_tsp.core.functions.moe does the routing and dispatch.
+With a shared expert (ModelShape.shared_expert_intermediate_size > 0), y += sigmoid(x @ shared_expert_gate.T) *
+shared_expert(x), as transformers' Qwen3NextSparseMoeBlock / Qwen3_5MoeSparseMoeBlock; the shared expert is its own
+sharded piece (TSPDecoderLayer.sharded_modules lists it under `mlp.shared_expert.`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ds_tsp.checkpoint.moe_names import MoENames
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import replicated_param
 from ds_tsp.core.functions.moe import MoESpec, choose_moe_dispatch, moe_compute_dtype, tsp_moe_mlp
+from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.grad_norm import mark_sharded
 from ds_tsp.core.shape import ModelShape
 
@@ -34,7 +43,8 @@ class Router(nn.Module):
 
 
 class TSPSparseMoE(nn.Module):
-    def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device):
+    def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device,
+                 shared_expert: nn.Module | None = None):
         super().__init__()
         self.comm, self.dispatch = comm, options.moe_dispatch
         self.names = MoENames(shape.moe_family)
@@ -46,6 +56,15 @@ class TSPSparseMoE(nn.Module):
         self.experts_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # LoRA does not target experts (no per-expert linear modules in transformers 5)
+        # Qwen3-Next / Qwen3.5-MoE: the caller builds the shared expert (a TSPGatedMLP of
+        # shared_expert_intermediate_size, see shared_expert_shape), this block owns its [1, h] gate
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None
+        if shape.shared_expert_intermediate_size:
+            if shared_expert is None:
+                raise TSPConfigError("shared_expert_intermediate_size > 0 needs the shared expert module: build "
+                                     "TSPSparseMoE through TSPDecoderLayer (ds_tsp.model.sharded_modules)")
+            self.shared_expert_gate = Router(1, shape.hidden_size, dtype, device)  # [1, h], replicated
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, h] -> (y [B, L, h], router_logits [B*L, E]); dispatch "auto" resolved for this batch shape
@@ -55,8 +74,12 @@ class TSPSparseMoE(nn.Module):
         sent = moe_compute_dtype(x.device.type, x.dtype)
         dispatch = choose_moe_dispatch(self.dispatch, x.shape[0] * x.shape[1], s.hidden, s.moe_ffn, s.num_experts,
                                        s.top_k, self.comm.size, torch.finfo(sent).bits // 8)
-        return tsp_moe_mlp(x, replicated_param(self.gate.weight, self.comm), self.experts_shard, s, self.comm,
-                           dispatch=dispatch)
+        y, logits = tsp_moe_mlp(x, replicated_param(self.gate.weight, self.comm), self.experts_shard, s, self.comm,
+                                dispatch=dispatch)
+        if self.shared_expert is not None:
+            scale = torch.sigmoid(F.linear(x, replicated_param(self.shared_expert_gate.weight, self.comm)))
+            y = y + scale * self.shared_expert(x)
+        return y, logits
 
     # --- checkpoint protocol (ds_tsp.model.sharded_modules) -------------------------------------------------
     def _experts(self, rank: int) -> range:
@@ -114,3 +137,8 @@ class TSPSparseMoE(nn.Module):
         s = self.spec
         return (f"experts={s.num_experts} ({s.experts_per_rank}/rank), top_k={s.top_k}, moe_ffn={s.moe_ffn}, "
                 f"dispatch={self.dispatch}, tsp_rank={self.comm.rank}/{self.comm.size}")
+
+
+def shared_expert_shape(shape: ModelShape) -> ModelShape:
+    """The shape whose dense MLP is the shared expert (its width: shared_expert_intermediate_size)."""
+    return dataclasses.replace(shape, intermediate_size=shape.shared_expert_intermediate_size)

@@ -1,6 +1,6 @@
 """`ds-tsp` command line: one subcommand per task, each a thin layer over a library function.
 
-    ds-tsp verify [--tsp D] [shape flags]   TSP model vs the single-device reference (ds_tsp.tools.verify.run_case)
+    ds-tsp verify [--tsp D] [--cp C] [...]  TSP model vs the single-device reference (ds_tsp.tools.verify)
     ds-tsp plan   [--model 7b] [--seq ...]  analytic per-rank memory and communication per layout (ds_tsp.tools.plan)
     ds-tsp bench  [--quick] [--out DIR]     TSP side by side with its peers, measured (ds_tsp.tools.bench)
 
@@ -62,6 +62,8 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
                     "same weights and batch. Prints one JSON line; exits 0 only when both errors are within the "
                     "dtype's tolerance (float64 1e-10, float32 1e-5, bfloat16 5e-2).")
     p.add_argument("--tsp", type=_int_at_least(1), default=2, help="TSP degree D (default 2)")
+    p.add_argument("--cp", type=_int_at_least(1), default=1,
+                   help="context-parallel degree C: C TSP groups share each sequence, C x D ranks (default 1)")
     p.add_argument("--layers", type=_int_at_least(1), default=2, help="decoder layers (default 2)")
     p.add_argument("--hidden", type=_int_at_least(1), default=64, help="hidden size (default 64)")
     p.add_argument("--heads", type=_int_at_least(1), default=4, help="query heads (default 4)")
@@ -93,16 +95,18 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
                       head_dim=args.head_dim, tie_word_embeddings=args.tie_embeddings, qkv_bias=args.qkv_bias)
 
 
-def _verify_under_launcher(case, tsp: int, timeout_s: float) -> tuple[dict | None, bool]:
-    """torchrun / deepspeed started us: the whole world is the TSP group. Returns (report on rank 0, ok)."""
+def _verify_under_launcher(case, tsp: int, timeout_s: float, cp: int = 1) -> tuple[dict | None, bool]:
+    """torchrun / deepspeed started us: the whole world is the TSP group (cp > 1: C TSP groups sharing the
+    sequence). Returns (report on rank 0, ok)."""
     import torch.distributed as dist
 
     from ds_tsp.core.launch import init_from_env
     from ds_tsp.tools.verify import run_case_on_world
+    from ds_tsp.tools.verify_cp import run_cp_case
 
     rank, world = init_from_env(timeout_s=timeout_s)
     try:
-        report = run_case_on_world(case)
+        report = run_case_on_world(case) if cp == 1 else run_cp_case(case, tsp, cp)
         verdict = [None if report is None else bool(report["ok"])]
         if world > 1:
             dist.broadcast_object_list(verdict, src=0)  # every rank exits with rank 0's verdict
@@ -122,6 +126,9 @@ def _shape_from_checkpoint(directory: str) -> ModelShape:
 
 def _verify(args: argparse.Namespace) -> int:
     try:
+        if args.cp > 1 and args.hf_model:
+            raise TSPConfigError(f"--cp {args.cp} with --hf-model: verify with a cp axis runs the ds_tsp reference "
+                                 "only; drop --hf-model or --cp")
         shape = _shape_from_checkpoint(args.hf_model) if args.hf_model else _shape_from_args(args)
         shape.check_tsp_degree(args.tsp)
         if args.documents > args.seq:
@@ -132,21 +139,28 @@ def _verify(args: argparse.Namespace) -> int:
 
     from ds_tsp.core.launch import run_on_local_ranks
     from ds_tsp.tools.verify import VerifyCase, run_case_on_world
+    from ds_tsp.tools.verify_cp import run_cp_case
 
     case = VerifyCase(shape=shape, seq=args.seq, batch=args.batch, dtype=args.dtype, seed=args.seed,
                       documents=args.documents, hf_model=args.hf_model)
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
-        if world != args.tsp:
+        if world != args.tsp * args.cp:
             if int(os.environ.get("RANK", "0")) != 0:
                 return EXIT_USAGE
+            if args.cp > 1:
+                return _error("verify", f"--tsp={args.tsp} --cp={args.cp} needs {args.tsp * args.cp} ranks but the "
+                                        f"launcher started WORLD_SIZE={world}: launch {args.tsp * args.cp} ranks")
             return _error("verify", f"--tsp={args.tsp} but the launcher started WORLD_SIZE={world} ranks: under "
                                     f"torchrun/deepspeed the whole world is one TSP group; pass --tsp {world} or "
                                     f"launch {args.tsp} ranks")
-        report, ok = _verify_under_launcher(case, args.tsp, args.timeout)
+        report, ok = _verify_under_launcher(case, args.tsp, args.timeout, cp=args.cp)
     else:
         try:
-            report = run_on_local_ranks(run_case_on_world, args.tsp, case, timeout_s=args.timeout)[0]
+            report = (run_on_local_ranks(run_case_on_world, args.tsp, case, timeout_s=args.timeout)[0]
+                      if args.cp == 1 else
+                      run_on_local_ranks(run_cp_case, args.tsp * args.cp, case, args.tsp, args.cp,
+                                         timeout_s=args.timeout)[0])
         except RuntimeError as exc:
             print(f"ds-tsp verify: failed: {exc}", file=sys.stderr, flush=True)
             return EXIT_FAILED

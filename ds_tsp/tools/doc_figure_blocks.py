@@ -16,7 +16,6 @@ from typing import Callable
 MIB = 2 ** 20
 RUN1 = "docs/bench/results.json"
 MAX_SEQ = "docs/bench/max_seq/results.json"
-RECHECK = "docs/bench/max_seq/recheck_d4/results.json"  # TSP at D=4 on the current schedule, two lengths of run 2
 OVERLAP = {(when, d): f"docs/bench/overlap/{when}_D{d}/results.json" for when in ("before", "after") for d in (2, 4)}
 DEMO2, DEMO1, VERIFY = "docs/results/demo_tsp2.json", "docs/results/demo_tsp1.json", "docs/results/verify_tsp3.json"
 
@@ -106,15 +105,6 @@ def _max_seq(rows: list[dict], layout: str, d: int, checkpointing: bool) -> int 
     return _row(rows, layout, d, checkpointing=checkpointing)["max_seq"]
 
 
-def recheck_sentence(src: dict) -> str:
-    """What TSP peaks at today, at D=4, at the lengths run 2 (older code) found to fit or not."""
-    budget = src[MAX_SEQ][0]["budget_bytes"]
-    parts = [f"S={r['seq']} {_mib(r['peak_bytes_per_rank']):.1f} MiB ({'fits' if r['peak_bytes_per_rank'] <= budget else 'over'})"
-             for r in sorted(src[RECHECK], key=lambda r: r["seq"])]
-    return (f"Run 2 predates the current attention schedule, which changed these peaks: today TSP at D=4 (no "
-            f"checkpointing)\npeaks at {' and '.join(parts)} (`{RECHECK}`).")
-
-
 def readme_max_seq(src: dict) -> str:
     rows = src[MAX_SEQ]
     peers = ("ulysses_zero3", "dtensor_tp_sp")
@@ -122,8 +112,7 @@ def readme_max_seq(src: dict) -> str:
     return ("At 64 MiB and D=4 (run 2 of docs/benchmarks.md, `docs/bench/max_seq/results.json`):\n"
             f"- TSP fits S={_max_seq(rows, 'tsp', 4, False)}, against {_max_seq(rows, 'ulysses_zero3', 4, False)} "
             f"for Ulysses + ZeRO-3 and {_max_seq(rows, 'dtensor_tp_sp', 4, False)} for TP+SP.\n"
-            f"- With checkpointing, TSP fits {_max_seq(rows, 'tsp', 4, True)}, against {best_on} for the best peer.\n\n"
-            + recheck_sentence(src))
+            f"- With checkpointing, TSP fits {_max_seq(rows, 'tsp', 4, True)}, against {best_on} for the best peer.")
 
 
 # ---- docs/benchmarks.md -----------------------------------------------------------------------------------------
@@ -220,8 +209,7 @@ def bench_max_seq_reading(src: dict) -> str:
          for layout in ("tsp", "ulysses_zero3", "dtensor_tp_sp") for d in (2, 4) for on in (False, True)}
     lines = []
     if m["ulysses_zero3", 2, False] is None:
-        error = _row(rows, "ulysses_zero3", 2, checkpointing=False)["error"]
-        over = int(error.split("(")[1].split(" >")[0])  # "even S=4 exceeds the budget (69917689 > ... bytes ...)"
+        over = _row(rows, "ulysses_zero3", 2, checkpointing=False)["next_probe_peak_bytes"]  # the S=4 probe's peak
         lines.append(f"At D=2, Ulysses + ZeRO-3 does not fit 64 MiB at any length. Even at S=4 it peaks at "
                      f"{_mib(over):.1f} MiB: the model's state\nplus DeepSpeed's buffers are already over. ")
     lines.append(
@@ -233,7 +221,7 @@ def bench_max_seq_reading(src: dict) -> str:
         f"multiplies TSP's reach by {m['tsp', 4, False] / m['tsp', 2, False]:.1f}x: its weights, grads and "
         "optimizer state\nshrink with D, as do its activations. TP+SP gains "
         f"{m['dtensor_tp_sp', 4, False] / m['dtensor_tp_sp', 2, False]:.1f}x.\n\n")
-    return "".join(lines) + recheck_sentence(src)
+    return "".join(lines).rstrip("\n")
 
 
 def bench_memory_reading(src: dict) -> str:
@@ -260,11 +248,11 @@ BLOCKS: dict[str, tuple[tuple[str, ...], Callable[[dict], str]]] = {
     "verify": ((VERIFY,), readme_verify),
     "memory-8192": ((RUN1, OVERLAP["after", 2], OVERLAP["after", 4]), readme_memory_8192),
     "speed-8192": ((RUN1,), readme_speed_8192),
-    "max-seq": ((MAX_SEQ, RECHECK), readme_max_seq),
+    "max-seq": ((MAX_SEQ,), readme_max_seq),
     "run1-table": ((RUN1,), bench_run1_table),
     "targets": ((MAX_SEQ, RUN1), bench_targets),
     "overlap-table": (tuple(OVERLAP.values()), bench_overlap_table),
     "max-seq-table": ((MAX_SEQ,), bench_max_seq_table),
-    "max-seq-reading": ((MAX_SEQ, RECHECK), bench_max_seq_reading),
+    "max-seq-reading": ((MAX_SEQ,), bench_max_seq_reading),
     "memory-reading": ((RUN1, OVERLAP["after", 2], OVERLAP["after", 4]), bench_memory_reading),
 }

@@ -12,6 +12,10 @@ global changes; other models, and float32/bfloat16 inputs, keep transformers' ex
   (computed in float32 by the rope-type init: default, linear, llama3, yarn, ...) and its `attention_scaling`, so
   the reference rope is transformers' rope; only the product is exact. Dynamic rope types keep their frequency
   update (the patched forward is wrapped in transformers' `dynamic_rope_update`).
+* Qwen3.5 / Qwen3-Next: their zero-centred RMSNorm (`x_hat * (1 + w)`, attribute `eps`) does `.float()` too:
+  patched the same way (float64 kept, other dtypes unchanged). Their rotary embedding is mrope: the patch keeps
+  transformers' three-row recomposition (`recomposition_frequencies`) and only forms the angles in float64. Their
+  Gated DeltaNet layers (delta rule, gate, gated norm) get ds_tsp.tools.gdn_reference.float64_gated_deltanet_.
 * The loss: `loss_function` upcasts logits with `.float()`, i.e. DOWNcasts float64. `hf_loss_and_grads`
   computes the token cross entropy itself, in the logits' dtype.
 * Mixture of experts (Qwen3-MoE, Mixtral): `load_balancing_loss_func` accumulates in float32. With
@@ -52,6 +56,24 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
     return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
+def _zero_centred_rmsnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    # transformers' Qwen3_5RMSNorm.forward ((1 + w), computed wide, cast after), float64 kept in float64
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xw = x.to(wide)
+    output = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (output * (1.0 + self.weight.to(wide))).type_as(x)
+
+
+def _mrope_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+    # transformers' Qwen3_5TextRotaryEmbedding.forward with float64 angles for float64 inputs
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    position_ids = position_ids.expand(3, -1, -1)
+    freqs = position_ids[..., None].to(wide) * self.inv_freq.to(device=x.device, dtype=wide)
+    cos = self.recomposition_frequencies(freqs.cos() * self.attention_scaling)
+    sin = self.recomposition_frequencies(freqs.sin() * self.attention_scaling)
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
 def patch_float64_(model: torch.nn.Module) -> int:
     """Patch every RMSNorm and rotary embedding of `model` (per instance) to compute float64 inputs in float64.
 
@@ -64,10 +86,21 @@ def patch_float64_(model: torch.nn.Module) -> int:
     if attn == "eager":
         raise ValueError("eager attention softmaxes in float32: load the model with attn_implementation='sdpa'")
     rotary = dynamic_rope_update(_rotary_forward)
+    mrope = dynamic_rope_update(_mrope_forward)
     patched = 0
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if cls.endswith("RMSNorm"):
+        if cls.endswith("RMSNorm") and hasattr(module, "eps") and not hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_zero_centred_rmsnorm_forward, module)  # Qwen3.5 / Qwen3-Next
+        elif cls.endswith("GatedDeltaNet"):  # its delta rule, gate and gated norm (ds_tsp.tools.gdn_reference)
+            from ds_tsp.tools.gdn_reference import float64_gated_deltanet_
+
+            float64_gated_deltanet_(module)
+        elif cls.endswith("RMSNormGated"):
+            continue  # patched with its Gated DeltaNet just above
+        elif cls.endswith("RotaryEmbedding") and hasattr(module, "mrope_section"):
+            module.forward = types.MethodType(mrope, module)
+        elif cls.endswith("RMSNorm"):
             if not (hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.Tensor)):
                 raise NotImplementedError(f"{name}: {cls} is not a Llama-style RMSNorm (weight, variance_epsilon)")
             module.forward = types.MethodType(_rmsnorm_forward, module)

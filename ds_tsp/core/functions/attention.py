@@ -23,6 +23,10 @@ Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict 
 ds_tsp.core.document_attention, which splits each zigzag chunk into pieces of plain causal attention (no [S, S] mask).
 Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
 applied to the local projections before RoPE, and undone by their written-out backward.
+Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] rows per head ([nq*2d, h], transformers'
+q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
+output is multiplied by sigmoid(gate) before wo. The gate is recomputed with q in backward (or saved with it when
+recompute_projections is False). Partial rotary: cos/sin [.., r] with r < d rotate the first r dims of every head.
 
 Saved per block: the attention output and its log-sum-exp (local, O(S/D)); plus x once. Backward re-broadcasts
 each block's shard, recomputes the cheap local projections q, k, v from x (three small GEMMs instead of keeping
@@ -51,6 +55,11 @@ and the previous group's dK/dV scatter are in flight: on separate streams the br
 the kernel waits for. Live buffers: 3 packed shards (j, j+1, j+2 in flight), 2 gathered K/V (this group's, the
 next one's in flight), and in backward one rank-ordered dK/dV being filled plus one being scattered.
 tests/test_attention_schedule.py checks the recorded post order against this table.
+
+With a context-parallel axis (comm.cp, tsp.cp_size > 1) the kernel calls on a block's gathered K/V become
+ds_tsp.core.cp_ring's: the same own-group attention plus the other cp groups' K/V around the cp ring (its hops on
+comm.cp, posted one block ahead inside the call; backward also returns their dK/dV into this group's rank-ordered
+buffer before its reduce-scatter). The table above is unchanged; doc_starts is then the whole sequence's layout.
 """
 from __future__ import annotations
 
@@ -62,6 +71,7 @@ import torch.nn.functional as F
 
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import ShardGradReducer, ShardStream
+from ds_tsp.core.cp_ring import cp_attention_backward, cp_attention_forward
 from ds_tsp.core.document_attention import (
     document_layout,
     masked_attention_backward,
@@ -90,7 +100,9 @@ class AttentionSpec:
 
     def saved_per_block(self) -> tuple[str, ...]:
         """Names of the tensors forward saves for each head block, in order."""
-        return ("out", "lse0", "lse1") + (() if self.recompute_projections else ("q",))
+        if self.recompute_projections:
+            return ("out", "lse0", "lse1")
+        return ("out", "lse0", "lse1", "q") + (("gate",) if self.output_gate else ())
 
     def saved_per_kv_group(self) -> tuple[str, ...]:
         """Names saved once per kv group (the kv_replicas consecutive blocks that read the same kv heads)."""
@@ -101,6 +113,8 @@ class AttentionSpec:
     kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
     window: int | None = None  # sliding window (HF semantics: key s visible to query t iff t - window < s <= t)
     qk_norm_eps: float | None = None  # Qwen3: RMSNorm (this eps) of every q and k head before RoPE; None: off
+    norm_zero_centred: bool = False  # Qwen3.5: the q/k norms scale by (1 + w) (ds_tsp.core.functions.norm)
+    output_gate: bool = False  # Qwen3.5 / Qwen3-Next: wq emits [q, gate] per head; out * sigmoid(gate) before wo
 
     @property
     def scale(self) -> float:
@@ -109,9 +123,10 @@ class AttentionSpec:
     @cached_property
     def layout(self) -> PackedLayout:
         q, kv, h = self.heads_per_block * self.head_dim, self.kv_heads_per_block * self.head_dim, self.hidden
-        pieces = [("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q))]
+        q_rows = 2 * q if self.output_gate else q  # gated: [q, gate] per head
+        pieces = [("wq", (q_rows, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q))]
         if self.qkv_bias:
-            pieces += [("bq", (q,)), ("bk", (kv,)), ("bv", (kv,))]
+            pieces += [("bq", (q_rows,)), ("bk", (kv,)), ("bv", (kv,))]
         return PackedLayout(tuple(pieces))
 
 
@@ -121,9 +136,17 @@ def _chunks(rank: int, tsp: int, local_len: int):
     return [(slice(i * c, (i + 1) * c), g * c) for i, g in enumerate(zigzag_chunks(tsp, rank))]
 
 
-def _raw_q(x, w, spec: AttentionSpec):
+def _raw_q_and_gate(x, w, spec: AttentionSpec):
+    """(q before norm and RoPE [B, L, nq, d], the output gate [B, L, nq, d] or None when the spec has none)."""
     B, L, _ = x.shape
-    return F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim)
+    if not spec.output_gate:
+        return F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim), None
+    both = F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, 2 * spec.head_dim)
+    return both[..., :spec.head_dim], both[..., spec.head_dim:]
+
+
+def _raw_q(x, w, spec: AttentionSpec):
+    return _raw_q_and_gate(x, w, spec)[0]
 
 
 def _raw_k(x, w, spec: AttentionSpec):
@@ -132,11 +155,26 @@ def _raw_k(x, w, spec: AttentionSpec):
 
 
 def _norm(t, weight, spec: AttentionSpec):
-    return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps)
+    return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps, spec.norm_zero_centred)
 
 
 def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None):
-    return apply_rope(_norm(_raw_q(x, w, spec), q_norm, spec), cos, sin)
+    """(q normed and roped [B, L, nq, d], the output gate or None)."""
+    q, gate = _raw_q_and_gate(x, w, spec)
+    return apply_rope(_norm(q, q_norm, spec), cos, sin), gate
+
+
+def _gate_forward(out, gate):
+    """The attention output wo multiplies: out, or out * sigmoid(gate) (gated attention)."""
+    return out if gate is None else out * torch.sigmoid(gate)
+
+
+def _gate_backward(d_gated, out, gate):
+    """(d out, d gate or None) from the grad of out * sigmoid(gate)."""
+    if gate is None:
+        return d_gated, None
+    sig = torch.sigmoid(gate)
+    return d_gated * sig, d_gated * out * sig * (1 - sig)
 
 
 def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
@@ -152,7 +190,7 @@ def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
     d = apply_rope_backward(d_roped, cos, sin)
     if norm_weight is None:
         return d, None
-    return rms_norm_backward(d, raw(), norm_weight, spec.qk_norm_eps)
+    return rms_norm_backward(d, raw(), norm_weight, spec.qk_norm_eps, spec.norm_zero_centred)
 
 
 def _kv_group(j: int, spec: AttentionSpec) -> tuple[bool, bool]:
@@ -188,22 +226,26 @@ class _TSPAttention(torch.autograd.Function):
             if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
                 next_local = _project_kv(x, spec.layout.unpack(shards.take(j + 1)), spec, cos, sin, k_norm)
                 next_gather = GlobalKVGather(comm, next_local)
-            q = _project_q(x, w, spec, cos, sin, q_norm)
+            q, gate = _project_q(x, w, spec, cos, sin, q_norm)
             if first:
                 kv_all = gather.wait()
                 group = {"kv_all": kv_all, "kv_local": kv_local}
                 saved_groups += [group[name] for name in spec.saved_per_kv_group()]
-            outs, lses = [], []
-            for local, start in _chunks(p, D, L):
-                end = start + local.stop - local.start
-                k_all, v_all = kv_prefix(kv_all, end)
-                o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=doc_starts,
-                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
-                outs.append(o)
-                lses.append(lse)
-            out = torch.cat(outs, dim=1)
-            y.add_(F.linear(out.reshape(B, L, -1), w["wo"]))
-            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q}
+            if comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
+                out, lses = cp_attention_forward(q, kv_all, comm, doc_starts=doc_starts, window=spec.window,
+                                                 scale=spec.scale, backend=spec.kernel_backend)
+            else:
+                outs, lses = [], []
+                for local, start in _chunks(p, D, L):
+                    end = start + local.stop - local.start
+                    k_all, v_all = kv_prefix(kv_all, end)
+                    o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=doc_starts,
+                                                      window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+                    outs.append(o)
+                    lses.append(lse)
+                out = torch.cat(outs, dim=1)
+            y.add_(F.linear(_gate_forward(out, gate).reshape(B, L, -1), w["wo"]))
+            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q, "gate": gate}
             saved_blocks += [block[name] for name in spec.saved_per_block()]
             if last:  # memory-optimal: this group's gathered K/V is dropped; at most the next one is in flight
                 kv_all = kv_local = gather = None
@@ -276,26 +318,34 @@ class _TSPAttention(torch.autograd.Function):
                 next_source = start_group(j // spec.kv_replicas + 1, spec.layout.unpack(shards.take(j + 1)))
             block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
             out, lses = block["out"], (block["lse0"], block["lse1"])
-            q = block["q"] if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
-            dout = (dy2d @ w["wo"]).view_as(out)
-            grads = {"wo": dy2d.t() @ out.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
+            q, gate = (block["q"], block.get("gate")) if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
+            dout, dgate = _gate_backward((dy2d @ w["wo"]).view_as(out), out, gate)
+            gated = _gate_forward(out, gate)
+            grads = {"wo": dy2d.t() @ gated.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
+            del gated
             if first:
                 kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()
                 kv_source = None
                 dkv = RankOrderedKVGrad(kv_all, D)  # summed over the group's blocks, scattered once
-            dq_chunks = []
-            for (local, start), lse in zip(_chunks(p, D, L), lses):
-                end = start + local.stop - local.start
-                k_all, v_all = kv_prefix(kv_all, end)
-                dq_c, dk_c, dv_c = masked_attention_backward(
-                    dout[:, local], q[:, local], k_all, v_all, out[:, local], lse, q_start=start,
-                    doc_starts=doc_starts, window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
-                dq_chunks.append(dq_c)
-                dkv.add(dk_c, dv_c)
+            if comm.cp is not None:  # and the other cp groups' dK/dV of this group's K/V come back around it
+                dq_chunks = cp_attention_backward(dout, q, kv_all, out, lses, dkv, comm, doc_starts=doc_starts,
+                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+            else:
+                dq_chunks = []
+                for (local, start), lse in zip(_chunks(p, D, L), lses):
+                    end = start + local.stop - local.start
+                    k_all, v_all = kv_prefix(kv_all, end)
+                    dq_c, dk_c, dv_c = masked_attention_backward(
+                        dout[:, local], q[:, local], k_all, v_all, out[:, local], lse, q_start=start,
+                        doc_starts=doc_starts, window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+                    dq_chunks.append(dq_c)
+                    dkv.add(dk_c, dv_c)
             if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
                 finish_group(pending)
                 pending = None
             dq, dqn = _unproject(torch.cat(dq_chunks, dim=1), cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
+            if dgate is not None:  # back to q_proj's [q, gate] rows per head
+                dq = torch.cat((dq, dgate), dim=-1)
             dq = dq.reshape(-1, w["wq"].shape[0])
             dx.view(-1, h).addmm_(dq, w["wq"])
             add_norm_grad("q", dqn)

@@ -30,6 +30,7 @@ from torch import nn
 
 from ds_tsp.checkpoint.local_state import load_model_local, load_optimizer_local, to_local
 from ds_tsp.core.config import check_deepspeed_compatible
+from ds_tsp.core.cp_inputs import check_cp_integration
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.setup import build_runtime
 from ds_tsp.core.topology import ParallelLayout, ProcessGroups
@@ -97,13 +98,15 @@ class TSPAccelerator(_accelerate.Accelerator):
             ds_config = self.state.deepspeed_plugin.deepspeed_config
             ds_config.pop("tsp", None)  # DeepSpeed must not see it
             check_deepspeed_compatible(ds_config, tsp)
+        check_cp_integration(tsp.cp_size, "TSPAccelerator")
         layout = ParallelLayout.from_world_size(self.num_processes, tsp=tsp.size)
         if self.tsp_setup.mode == "plain" and layout.data_enabled:
             raise TSPConfigError(f"{self.num_processes} processes with tsp={tsp.size} leave a data axis of "
                                  f"{layout.data}: launch with ds_configs/accelerate_tsp.yaml (DeepSpeed) or "
                                  "accelerate_tsp_fsdp2.yaml (FSDP2) for data parallelism, or TSPAccelerator(tsp_size="
                                  f"{self.num_processes})")
-        self.tsp_runtime = build_runtime(tsp, world_size=self.num_processes, groups=tsp_groups)
+        self.tsp_runtime = build_runtime(tsp, world_size=self.num_processes, groups=tsp_groups,
+                                         ds_config=ds_config if self.tsp_setup.mode == "deepspeed" else None)
         self.tsp_groups, self.tsp_comm = self.tsp_runtime.groups, self.tsp_runtime.comm
         self.tsp_model: TSPForCausalLM | None = None
 

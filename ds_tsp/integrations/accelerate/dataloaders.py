@@ -103,7 +103,8 @@ def shard_hf_batch(batch: dict, comm: TSPComm) -> dict:
     input_ids = batch.pop("input_ids")
     out = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=shifted if shifted is not None else labels,
                       labels_are_shifted=shifted is not None, position_ids=batch.pop("position_ids", None),
-                      attention_mask=batch.pop("attention_mask", None))
+                      attention_mask=batch.pop("attention_mask", None),
+                      cp=comm.cp.size if comm.cp is not None else 1, cp_rank=comm.cp.rank if comm.cp is not None else 0)
     sharded = {"input_ids": out["input_ids"], "position_ids": out["position_ids"], "tsp_shard": (comm.rank, comm.size),
                "seq_len": out["seq_len"]}
     if labels is not None or shifted is not None:

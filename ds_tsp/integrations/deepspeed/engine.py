@@ -89,7 +89,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         init_from_env(timeout_s=tsp.timeout_s)
     # Also when torch.distributed is up already: deepspeed.comm must adopt the group (PipelineModule asks it).
     deepspeed.init_distributed(timeout=timedelta(seconds=tsp.timeout_s))
-    runtime = build_runtime(tsp)
+    runtime = build_runtime(tsp, ds_config=ds_config)  # DeepSpeed's cpu_checkpointing read as offload_activations
+    tsp = runtime.config
     groups, comm = runtime.groups, runtime.comm
     if dtype is None:
         dtype = torch.bfloat16 if (ds_config.get("bf16") or {}).get("enabled") else torch.float32

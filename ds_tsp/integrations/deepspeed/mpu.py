@@ -36,15 +36,16 @@ class TSPModelParallelUnit:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self.groups.layout.tsp_group_ranks(self.groups.rank)[0]
 
-    # data parallel: the ranks holding the same shards
+    # data parallel: the ranks holding the same shards (data x cp: the cp groups of a sequence hold them too, so
+    # ZeRO partitions and averages over both; ds_tsp.core.topology)
     def get_data_parallel_group(self):
         return self.groups.data_group
 
     def get_data_parallel_rank(self) -> int:
-        return self.groups.data_rank
+        return self.groups.data_rank * self.groups.cp_size + self.groups.cp_rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.groups.data_size
+        return self.groups.data_size * self.groups.cp_size
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return self.groups.layout.data_group_ranks(self.groups.rank)

@@ -75,7 +75,7 @@ class NormHeadLossPipe(nn.Module):
     def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device, data_group, chunk_tokens: int = 4096):
         super().__init__()
         self.comm, self.data_group = comm, data_group
-        self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device)
+        self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, shape.zero_centred_norms)
         self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device, chunk_tokens=chunk_tokens)
 
     def forward(self, inputs):

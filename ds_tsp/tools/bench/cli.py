@@ -121,6 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     layer.add_argument("--fake", action="store_true",
                        help="--layer-memory under FakeTensorMode with torch's fake process group: the same "
                             "allocations without data or compute (seconds instead of an hour for the 7B layer)")
+    layer.add_argument("--offload-activations", action="store_true",
+                       help="--layer-memory --fake: a stack of --layers (8) checkpointed layers, one step with the "
+                            "layer inputs kept and one offloaded to host memory: the device peak drop and the host "
+                            "pool against the plan (ds_tsp.tools.bench.offload_memory)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -264,7 +268,10 @@ def run_layer_memory_cli(args: argparse.Namespace) -> int:
     """--layer-memory: measure, write OUT/layer_memory.json and .md, print the markdown."""
     from ds_tsp.tools.bench.layer_memory import markdown, measure, write
 
+    layers = getattr(args, "layers", None)
     try:
+        if getattr(args, "offload_activations", False):
+            return _run_offload_memory(args, layer_memory_config(args), layers or 8)
         cfg = layer_memory_config(args)
     except ValueError as exc:
         return _error(str(exc))
@@ -272,6 +279,19 @@ def run_layer_memory_cli(args: argparse.Namespace) -> int:
     result = measure(cfg, timeout_s=args.timeout)
     paths = write(result, args.out)
     print(markdown(result), flush=True)
+    print(f"wrote {paths['json']}, {paths['md']} in {time.monotonic() - start:.0f} s", flush=True)
+    return EXIT_OK
+
+
+def _run_offload_memory(args: argparse.Namespace, cfg, layers: int) -> int:
+    from ds_tsp.tools.bench import offload_memory
+
+    if not cfg.fake:
+        raise ValueError("--offload-activations: add --fake (the offload stack is measured under FakeTensorMode)")
+    start = time.monotonic()
+    result = offload_memory.measure_offload(cfg, layers)
+    paths = offload_memory.write(result, args.out)
+    print(offload_memory.markdown(result), flush=True)
     print(f"wrote {paths['json']}, {paths['md']} in {time.monotonic() - start:.0f} s", flush=True)
     return EXIT_OK
 
@@ -291,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         args.out = default_out_dir()
     if getattr(args, "layer_memory", False):
         return run_layer_memory_cli(args)
+    if getattr(args, "offload_activations", False):
+        return _error("--offload-activations: only with --layer-memory --fake (the offload stack's memory)")
     if getattr(args, "dtype", None) or getattr(args, "fake", False):
         return _error("--dtype / --fake: only with --layer-memory (the model benchmark runs fp32, for real)")
     _model_defaults(args)

@@ -12,6 +12,10 @@ Layouts (D = the degree of the one parallel axis, `PlanInput.degree`):
 | fsdp_cp            | 1/(D*dp) (FSDP)              | S/D (zigzag)         | ring K/V passes + FSDP layer gather    |
 | autotp             | 1/D layers, embedding whole  | S (replicated)       | 2 all-reduces each way, logits gather  |
 
+TSP with a context-parallel ring across nodes (tsp.cp_size = C: C TSP groups share each sequence) is planned by
+tsp_cp.py (`ds-tsp plan --cp C`, layout "tsp_cp": TSP at S/C tokens per group plus the cp ring's inter-node bytes
+and buffers; `--recommend --cp auto` picks D and C).
+
 One file per layout family, each formula beside its layer: tsp.py (+ tsp_comm.py), tp.py (tp, autotp),
 tp_sp.py, ulysses.py (ulysses, ulysses_replicated), fsdp_cp.py. Shared terms: shape_terms.py (model element
 counts, pipeline stages), activation_terms.py (what a layer saves), comm_terms.py (collective accounting),

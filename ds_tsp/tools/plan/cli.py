@@ -5,6 +5,8 @@
     ds-tsp plan --model 8b --layers 16 --seq 64k --tsp 8       shape flags override the model's fields
     ds-tsp plan --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --layers 32 --vocab 128256 --seq 32k
     ds-tsp plan --model 8b --seq 128k --recommend --gpu-mem-gib 80 --devices 8 [--json]
+    ds-tsp plan --model 8b --seq 4m --tsp 8 --activation-checkpointing --offload-activations   host + PCIe lines
+    ds-tsp plan --model 8b --tsp 8 --max-seq --gpu-mem-gib 80 --host-mem-gib 232 --offload-activations
 
 Exit codes: 0 success, 1 --recommend found nothing that fits, 2 bad input (one line on stderr naming the flag
 and the fix).
@@ -24,7 +26,8 @@ _FLAGS = {"degree": "--tsp/--tp", "seq": "--seq", "batch": "--batch", "dp": "--d
           "hidden": "--hidden", "heads": "--heads", "kv_heads": "--kv-heads", "ffn": "--ffn", "layers": "--layers",
           "vocab": "--vocab", "devices": "--devices", "gpu_mem_gib": "--gpu-mem-gib",
           "zero_bucket_elements": "--zero-bucket", "lm_head_chunk_tokens": "--lm-head-chunk-tokens",
-          "num_experts": "--num-experts", "top_k": "--top-k", "moe_ffn": "--moe-ffn", "moe_dispatch": "--moe-dispatch"}
+          "num_experts": "--num-experts", "top_k": "--top-k", "moe_ffn": "--moe-ffn", "moe_dispatch": "--moe-dispatch",
+          "offload_activations": "--offload-activations", "host_mem_gib": "--host-mem-gib"}
 _MOE_FLAGS = (("--num-experts", "num_experts", "experts per sparse layer (0: dense); a dense model becomes an MoE "
                                               "with every layer sparse"),
               ("--top-k", "top_k", "experts per token (default 2 for a model made sparse here)"),
@@ -84,6 +87,24 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "fits --gpu-mem-gib on --devices with the least communication")
     p.add_argument("--gpu-mem-gib", default=None, metavar="G", help="with --recommend: memory per device, GiB")
     p.add_argument("--devices", default=None, metavar="N", help="with --recommend: devices to use")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="TSP keeps each checkpointed layer input in host memory (implies --activation-checkpointing; "
+                        "tsp layout only): host memory per rank and node, PCIe time per step")
+    p.add_argument("--max-seq", action="store_true",
+                   help="the longest --seq (TSP, --tsp D) whose peak fits --gpu-mem-gib per device and, with "
+                        "--offload-activations, whose host pool fits --host-mem-gib per rank")
+    p.add_argument("--host-mem-gib", default=None, metavar="H",
+                   help="with --max-seq / --recommend: host memory per rank (GPU) for offloaded activations, GiB "
+                        "(a node's host memory / --gpus-per-node)")
+    p.add_argument("--gpus-per-node", default="8", metavar="N", help="GPUs per node, for the host-memory-per-node "
+                                                                    "line (default 8)")
+    p.add_argument("--gpu-tflops", default="400", metavar="T",
+                   help="sustained TFLOP/s per GPU for the compute time the PCIe time is set against (default 400)")
+    p.add_argument("--cp", default=None, metavar="C",
+                   help="context-parallel degree: C TSP groups of --tsp D (one per node) share each sequence, K/V "
+                        "passed around a ring across nodes (layout tsp_cp); with --recommend, 'auto' picks D and C")
+    p.add_argument("--inter-node-gbps", default="400", metavar="G",
+                   help="with --cp: inter-node bandwidth per GPU in Gb/s for the cp ring's time (default 400)")
     p.add_argument("--json", action="store_true", help="one JSON object per layout per line")
     p.set_defaults(run=run)
     return p
@@ -135,7 +156,8 @@ def _plan_input(args: argparse.Namespace):
         raise _UsageError("--dtype", f"{args.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
     inp = PlanInput(model=shape, seq=_int("--seq", args.seq), batch=_int("--batch", args.batch),
                     degree=next(iter(degrees.values()), 8), dp=_int("--dp", args.dp), pp=_int("--pp", args.pp),
-                    dtype=dtype, activation_checkpointing=args.activation_checkpointing,
+                    dtype=dtype, activation_checkpointing=args.activation_checkpointing or args.offload_activations,
+                    offload_activations=args.offload_activations,
                     keep_gathered_kv=args.keep_gathered_kv,
                     recompute_projections=not args.save_projections, zero_stage=_int("--zero-stage", args.zero_stage, 0),
                     lm_head_chunk_tokens=_int("--lm-head-chunk-tokens", args.lm_head_chunk_tokens),
@@ -185,15 +207,26 @@ def _shape(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from ds_tsp.tools.plan import plan_layouts
 
+    if args.cp is not None:  # TSP x a cp ring (ds_tsp.tools.plan.tsp_cp, cp_cli)
+        from ds_tsp.tools.plan.cp_cli import run_cp
+
+        return run_cp(args, _plan_input, _UsageError, _or_usage_error, rates, EXIT_OK, EXIT_NO_FIT)
     if args.recommend:
         return _run_recommend(args)
+    if args.max_seq:
+        from ds_tsp.tools.plan.max_seq_cli import run_max_seq
+
+        return run_max_seq(args, _plan_input, _UsageError, _or_usage_error, _layouts, rates, (EXIT_OK, EXIT_NO_FIT))
 
     def build():
         layouts = _layouts(args.layout)
         inp, model_name = _plan_input(args)
-        if inp.model.num_experts and not args.layout:
-            layouts = ("tsp",)  # MoE is planned for TSP only (plan_layouts refuses the peers)
-        return plan_layouts(inp, layouts), inp, model_name
+        if (inp.model.num_experts or inp.offload_activations) and not args.layout:
+            layouts = ("tsp",)  # MoE and offload are planned for TSP only (plan_layouts refuses the peers)
+        plans = plan_layouts(inp, layouts)
+        if inp.offload_activations:
+            plans = [_with_rates(args, plan, inp) for plan in plans]
+        return plans, inp, model_name
 
     built, failed = _or_usage_error(build)
     if failed is not None:
@@ -205,6 +238,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(plans, inp, model_name)
     return EXIT_OK
+
+
+def rates(args: argparse.Namespace) -> dict:
+    """--gpu-tflops and --gpus-per-node, checked (ds_tsp.tools.plan.offload.offload_summary's keywords)."""
+    try:
+        tflops = float(args.gpu_tflops)
+    except ValueError:
+        raise _UsageError("--gpu-tflops", f"{args.gpu_tflops!r} is not a number; e.g. --gpu-tflops 400") from None
+    if not tflops > 0:
+        raise _UsageError("--gpu-tflops", f"{tflops} must be > 0")
+    return {"gpu_tflops": tflops, "gpus_per_node": _int("--gpus-per-node", args.gpus_per_node)}
+
+
+def _with_rates(args: argparse.Namespace, plan, inp):
+    """`plan` with its offload figures at the flags' --gpu-tflops / --gpus-per-node."""
+    from ds_tsp.tools.plan.offload import with_offload
+    from ds_tsp.tools.plan.tsp_comm import TSPGeometry
+
+    return with_offload(plan, inp, TSPGeometry.of(inp), **rates(args))
 
 
 def _or_usage_error(build):
@@ -243,12 +295,15 @@ def _print_table(plans, inp, model_name: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from ds_tsp.tools.plan.offload_cli import offload_lines
+
     m = inp.model
     moe = (f" experts={m.num_experts} top_k={m.num_experts_per_tok} moe_ffn={m.moe_intermediate_size}"
            if m.num_experts else "")
     title = (f"{model_name}: h={m.hidden_size} layers={m.num_layers} heads={m.num_heads}/{m.num_kv_heads} "
              f"ffn={m.intermediate_size}{moe} vocab={m.vocab_size} | seq={inp.seq} batch={inp.batch} D={inp.degree} "
-             f"dp={inp.dp} pp={inp.pp} {inp.dtype}{' +AC' if inp.activation_checkpointing else ''}")
+             f"dp={inp.dp} pp={inp.pp} {inp.dtype}{' +AC' if inp.activation_checkpointing else ''}"
+             f"{' +offload' if inp.offload_activations else ''}")
     table = Table(title=title, title_justify="left")
     table.add_column("per rank", style="bold")
     for plan in plans:
@@ -265,6 +320,8 @@ def _print_table(plans, inp, model_name: str) -> None:
     row("framework buffers GiB", lambda p: gib(p.framework_bytes))
     row("transients GiB", lambda p: f"{gib(p.transients_bytes)} ({p.peak_phase})")
     row("peak GiB", lambda p: f"[bold]{gib(p.peak_bytes_per_rank)}[/bold]")
+    if any(p.host_bytes_per_rank for p in plans):
+        row("host (offloaded) GiB", lambda p: gib(p.host_bytes_per_rank))
     row("comm / layer fwd MiB", lambda p: f"{p.comm_bytes_per_layer_fwd / _MIB:.1f}")
     row("comm / layer bwd MiB", lambda p: f"{p.comm_bytes_per_layer_bwd / _MIB:.1f}")
     row("comm / step GiB", lambda p: gib(p.comm_bytes_per_step))
@@ -279,6 +336,8 @@ def _print_table(plans, inp, model_name: str) -> None:
     for plan in plans:
         for note in plan.notes:
             console.print(f"  {plan.layout}: {note}", highlight=False)
+        for line in offload_lines(plan):  # ds_tsp.tools.plan.offload_cli
+            console.print(f"  {plan.layout}: {line}", highlight=False)
     console.print("  peak = params + optimizer + framework buffers + the worst phase's live activations, grads and "
                   "transients; comm in bytes per rank "
                   "(all-reduce 2(n-1)/n, all-gather/reduce-scatter/all-to-all (n-1)/n); see ds_tsp/tools/plan/",

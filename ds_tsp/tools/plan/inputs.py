@@ -47,6 +47,8 @@ class PlanInput:
     zero_bucket_elements: DeepSpeed's reduce_bucket_size (its default 5e8; ds-tsp bench uses 5e6), a buffer
         ZeRO-2/3 keeps for the whole run.
     moe_dispatch: TSP's mixture-of-experts schedule (TSPOptions.moe_dispatch): "auto", "ring" or "all_to_all".
+    offload_activations: TSP keeps each checkpointed layer input in host memory (TSPOptions.offload_activations;
+        needs activation_checkpointing; ds_tsp.tools.plan.offload).
     """
 
     model: ModelShape
@@ -63,6 +65,7 @@ class PlanInput:
     lm_head_chunk_tokens: int = 4096
     zero_bucket_elements: int = 500_000_000
     moe_dispatch: str = "auto"
+    offload_activations: bool = False
 
     def __post_init__(self):
         for name in ("seq", "batch", "degree", "dp", "pp", "lm_head_chunk_tokens", "zero_bucket_elements"):
@@ -77,6 +80,12 @@ class PlanInput:
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise PlanInputError("moe_dispatch", f"moe_dispatch={self.moe_dispatch!r}: choose one of "
                                                  f"{', '.join(MOE_DISPATCHES)}")
+        if self.offload_activations and not self.activation_checkpointing:
+            raise PlanInputError("offload_activations", "offload_activations needs activation_checkpointing: what "
+                                                        "goes to host memory is each checkpointed layer's input")
+        if self.offload_activations and self.pp > 1:
+            raise PlanInputError("offload_activations", f"offload_activations with pp={self.pp}: pipeline stages are "
+                                                        "not offloaded (tsp.pipeline_stages must be 1)")
         if self.pp > self.model.num_layers:
             raise PlanInputError("pp", f"pp={self.pp} exceeds num_layers={self.model.num_layers}: every pipeline "
                                        f"stage needs at least one layer; pick pp <= {self.model.num_layers}")

@@ -9,6 +9,11 @@ Equal work: every candidate trains the same global batch per step, `N / D_min` m
 sequences (D_min the smallest degree considered); a candidate with fewer data-parallel replicas runs the
 difference as gradient-accumulation micro-steps, so its per-micro-batch traffic counts that many times and its
 gradient sync once. Ties on comm go to the lower peak.
+
+With offload (`recommend(..., offload=True)`, `--offload-activations`), TSP candidates also run checkpointing with
+the layer inputs in host memory: such a candidate fits when its device peak fits G and its host pool fits
+`host_mem_gib` per rank (when given). Offload moves no network bytes but costs PCIe, so among candidates with the
+same comm the one without offload wins; offload is recommended when it is what makes a layout fit.
 """
 from __future__ import annotations
 
@@ -32,11 +37,14 @@ class Candidate:
     micro_steps: int
     fits: bool
     verdict: str = ""  # "recommended", or why not
+    offload_activations: bool = False
+    host_bytes_per_rank: int = 0
 
     @property
     def label(self) -> str:
         return (f"{self.layout} D={self.degree} dp={self.dp}"
-                f"{' +activation checkpointing' if self.activation_checkpointing else ''}")
+                f"{' +activation checkpointing' if self.activation_checkpointing else ''}"
+                f"{' +offload' if self.offload_activations else ''}")
 
 
 @dataclass(frozen=True)
@@ -57,13 +65,15 @@ def _sync_bytes(plan) -> int:
     return sum(t.bytes for t in plan.step_terms if t.name.startswith("grad sync"))
 
 
-def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS) -> list[Candidate]:
+def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS, offload: bool = False) -> list[Candidate]:
     degrees = [d for d in range(2 if devices > 1 else 1, devices + 1) if devices % d == 0]
     planned = []
     for name in layouts:
+        variants = [(False, False), (True, False)] + ([(True, True)] if offload and name == "tsp" else [])
         for degree in degrees:
-            for ac in (False, True):
-                trial = replace(inp, degree=degree, dp=devices // degree, pp=1, activation_checkpointing=ac)
+            for ac, off in variants:
+                trial = replace(inp, degree=degree, dp=devices // degree, pp=1, activation_checkpointing=ac,
+                                offload_activations=off)
                 try:
                     planned.append((trial, LAYOUTS[name](trial)))
                 except PlanInputError:
@@ -77,12 +87,20 @@ def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS) -> list[
         sync = _sync_bytes(plan)
         comm = (plan.comm_bytes_per_step - sync) * micro + sync
         out.append(Candidate(plan.layout, trial.degree, trial.dp, trial.activation_checkpointing,
-                             plan.peak_bytes_per_rank, comm, micro, False))
+                             plan.peak_bytes_per_rank, comm, micro, False,
+                             offload_activations=trial.offload_activations,
+                             host_bytes_per_rank=plan.host_bytes_per_rank))
     return out
 
 
-def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int,
-              layouts=RECOMMEND_LAYOUTS) -> Recommendation:
+def _no_fit(c: Candidate, limit: int) -> str:
+    if c.peak_bytes_per_rank <= limit:  # the device fits: the host pool does not
+        return f"didn't fit: needs {c.host_bytes_per_rank / _GIB:.2f} GiB of host memory per rank"
+    return f"didn't fit: needs {c.peak_bytes_per_rank / _GIB:.2f} GiB"
+
+
+def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int, layouts=RECOMMEND_LAYOUTS,
+              offload: bool = False, host_mem_gib: float | None = None) -> Recommendation:
     if not devices >= 1:
         raise PlanInputError("devices", f"devices={devices!r}: must be an integer >= 1")
     if not gpu_mem_gib > 0:
@@ -90,14 +108,18 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int,
     limit = int(gpu_mem_gib * _GIB)
     if inp.model.num_experts:  # only TSP's MoE is modelled (plan_layouts refuses the peers)
         layouts = tuple(name for name in layouts if name == "tsp")
-    cands = [replace(c, fits=c.peak_bytes_per_rank <= limit) for c in candidates(inp, devices, layouts)]
+    host_limit = None if host_mem_gib is None else int(host_mem_gib * _GIB)
+    cands = [replace(c, fits=c.peak_bytes_per_rank <= limit and (host_limit is None
+                                                                  or c.host_bytes_per_rank <= host_limit))
+             for c in candidates(inp, devices, layouts, offload)]
     if not cands:
         raise PlanInputError("devices", f"no layout of {list(layouts)} splits this model over any degree dividing "
                                         f"{devices} devices")
-    fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.comm_bytes_per_step, c.peak_bytes_per_rank))
+    fitting = sorted((c for c in cands if c.fits),
+                     key=lambda c: (c.comm_bytes_per_step, c.offload_activations, c.peak_bytes_per_rank))
     if not fitting:
         smallest = min(cands, key=lambda c: c.peak_bytes_per_rank)
-        rejected = tuple(replace(c, verdict=f"didn't fit: needs {c.peak_bytes_per_rank / _GIB:.2f} GiB")
+        rejected = tuple(replace(c, verdict=_no_fit(c, limit))
                          for c in sorted(cands, key=lambda c: c.peak_bytes_per_rank))
         why = (f"nothing fits in {gpu_mem_gib:g} GiB; the smallest peak is {smallest.label} at "
                f"{smallest.peak_bytes_per_rank / _GIB:.2f} GiB: add devices, shorten --seq or lower --batch")
@@ -109,7 +131,7 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int,
         if c.fits:
             rejected.append(replace(c, verdict=f"fits but more comm: {c.comm_bytes_per_step / _GIB:.2f} GiB/step"))
         else:
-            rejected.append(replace(c, verdict=f"didn't fit: needs {c.peak_bytes_per_rank / _GIB:.2f} GiB"))
+            rejected.append(replace(c, verdict=_no_fit(c, limit)))
     n_fit = len(fitting)
     runner = f"; next: {fitting[1].label} at {fitting[1].comm_bytes_per_step / _GIB:.2f} GiB/step" \
         if n_fit > 1 else ""

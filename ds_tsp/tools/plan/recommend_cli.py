@@ -25,8 +25,21 @@ def recommend_from_args(args: argparse.Namespace, plan_input, usage_error):
         raise usage_error("--devices", f"{args.devices!r} is not an integer >= 1; e.g. --devices 8")
     if args.layout:
         raise usage_error("--layout", "--recommend chooses among tsp, ulysses, tp_sp and fsdp_cp itself")
+    host = None
+    if args.host_mem_gib is not None:
+        if not args.offload_activations:
+            raise usage_error("--host-mem-gib", "with --recommend it limits the offloaded activations: add "
+                                                "--offload-activations")
+        try:
+            host = float(args.host_mem_gib)
+        except ValueError:
+            raise usage_error("--host-mem-gib", f"{args.host_mem_gib!r} is not a number; e.g. --host-mem-gib 232") \
+                from None
+        if not host > 0:
+            raise usage_error("--host-mem-gib", f"{host} must be > 0")
     inp, model_name = plan_input(args)
-    return recommend(inp, gpu_mem_gib=gib, devices=int(text)), inp, model_name
+    return recommend(inp, gpu_mem_gib=gib, devices=int(text), offload=args.offload_activations,
+                     host_mem_gib=host), inp, model_name
 
 
 def print_recommendation(rec, inp, model_name: str, *, as_json: bool) -> None:
@@ -42,7 +55,9 @@ def print_recommendation(rec, inp, model_name: str, *, as_json: bool) -> None:
     else:
         b = rec.best
         print(f"recommended: {b.label}: peak {b.peak_bytes_per_rank / _GIB:.2f} GiB per rank, "
-              f"comm {b.comm_bytes_per_step / _GIB:.2f} GiB per rank per step")
+              f"comm {b.comm_bytes_per_step / _GIB:.2f} GiB per rank per step"
+              + (f", host {b.host_bytes_per_rank / _GIB:.2f} GiB per rank (offloaded layer inputs)"
+                 if b.offload_activations else ""))
         print(f"  why: {rec.why}")
     print("rejected:")
     for c in rec.rejected:

@@ -46,6 +46,13 @@ class LayoutPlan:
     # mixture of experts (TSP only; empty for a dense model): schedule planned, "auto"'s choice, bytes per sparse
     # layer of both schedules, peak per schedule (ds_tsp.tools.plan.moe_terms.moe_summary)
     moe: dict = field(default_factory=dict)
+    # offload of checkpointed layer inputs (TSP with offload_activations; 0 / empty otherwise): host bytes per rank,
+    # and the PCIe and compute figures of ds_tsp.tools.plan.offload.offload_summary
+    host_bytes_per_rank: int = 0
+    offload: dict = field(default_factory=dict)
+    # a cp ring across nodes (layout "tsp_cp", ds_tsp.tools.plan.tsp_cp): inter- vs intra-node bytes per step, the
+    # ring's buffers and its seconds per step against the attention seconds it overlaps; empty otherwise
+    cp: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

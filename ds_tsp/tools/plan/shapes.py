@@ -36,8 +36,14 @@ def shape_from_hf_config(path_or_dict: str | Path | dict) -> ModelShape:
         except json.JSONDecodeError as exc:
             raise PlanInputError("hf_config", f"{path}: not valid JSON ({exc})") from None
         where = str(path)
+    from ds_tsp.core.hybrid_shape import HYBRID_MODEL_TYPES
     from ds_tsp.tools.plan.moe_shapes import moe_shape_from_config
 
+    hybrid_type = cfg.get("model_type") or (cfg.get("text_config") or {}).get("model_type")
+    if hybrid_type in HYBRID_MODEL_TYPES:  # counting them as Llama layers would be silently wrong
+        raise PlanInputError("hf_config", f"{where}: model_type {hybrid_type!r} is a hybrid model (Gated DeltaNet "
+                             "layers, gated attention): the planner does not model its layers yet; `ds-tsp verify "
+                             "--hf-model DIR` checks it, and a training step's memory can be measured directly")
     moe = moe_shape_from_config(cfg, where)  # Qwen3-MoE / Mixtral: the model's own reader
     if moe is not None:
         return moe

@@ -44,6 +44,7 @@ from ds_tsp.tools.plan.moe_terms import (
     sparse_layer_terms,
     stage_layer_ids,
 )
+from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.shape_terms import Stage
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
@@ -149,7 +150,9 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             params += head_params
             # final norm; LM head: input, lse, labels and the loss denominator (a scalar in dtype)
             head_act = tsp_norm_saved(T, dims, b) + T * dims.h * b + T * cb + T * 8 + b
-        kept = stage.layers * T * dims.h * b if ac else kept_saved
+        # offload_activations: the inputs wait on the host; the device holds at most two (ds_tsp.tools.plan.offload)
+        kept = (device_held_inputs(stage.layers) if inp.offload_activations else stage.layers) * T * dims.h * b \
+            if ac else kept_saved
         acts = (kept + other + head_act) * stage.in_flight
         below_head = acts - head_act
         head_grads = head_params * b
@@ -183,13 +186,16 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     if T > inp.lm_head_chunk_tokens:
         notes.append(f"LM head + loss tiled over {inp.lm_head_chunk_tokens} local tokens at a time "
                      f"(logits transient chunk x V/D, not {T} x V/D)")
+    if inp.offload_activations:
+        notes.append(offload_note(inp, g))
     if moe is None:
-        return layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes))
+        return with_offload(layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes)), inp, g)
     only = Stage("only", True, True, inp.model.num_layers, 1)
     notes.append(moe_note(moe, sparse_count(inp, only), inp.model.num_layers))
     peaks = None
     if _other_schedules:  # the same plan under each schedule, for "memory per rank of both"
         peaks = {s: plan_tsp(replace(inp, moe_dispatch=s), _other_schedules=False).peak_bytes_per_rank
                  for s in ("ring", "all_to_all")}
-    return layout_plan("tsp", inp, stage_fn, fwd, bwd, sparse_saved, tuple(notes),
-                       layers_of=lambda stage: sparse_count(inp, stage), moe=moe_summary(moe, peaks))
+    return with_offload(layout_plan("tsp", inp, stage_fn, fwd, bwd, sparse_saved, tuple(notes),
+                                    layers_of=lambda stage: sparse_count(inp, stage), moe=moe_summary(moe, peaks)),
+                        inp, g)

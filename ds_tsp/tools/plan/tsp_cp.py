@@ -1,0 +1,125 @@
+"""TSP inside each node x a context-parallel (cp) ring across nodes: C TSP groups of D ranks share one sequence.
+
+Each TSP group holds S_pad / C tokens (S padded to 2CD; zigzag over the 2C cp chunks, then TSP's inside,
+ds_tsp.core.partition) and 1/D of every weight; weights are replicated over cp and their grads and optimizer
+states go with the data axis (ZeRO over data x cp). So one rank is planned as TSP (plan_tsp) at seq S_pad / C with
+dp x C data ranks, plus the cp ring (ds_tsp.core.cp_ring):
+
+- inter-node bytes: per decoder layer and head block, C-1 hops of the group's gathered K/V of that block
+  (B x S/C x 2 nkv_b x d elements) forward; backward the same K/V hops again plus C-1 hops of its dK/dV (float32
+  accumulators under bf16/fp16); activation checkpointing replays the forward hops. Every TSP rank sends its
+  block's hops on its own NIC (TSP rank p of each group talks to TSP rank p of the next);
+- memory: the ring's buffers on top of the TSP peak (conservatively, at the peak phase): two received K/V blocks
+  forward; backward also two dK/dV accumulators and one contribution buffer (float32 under bf16);
+- overlap: each hop's transfer runs behind the attention of the previous block: per hop and head block
+  c = S/(2CD) queries x S/C keys (zigzag: the same on every rank), 4 c (S/C) nq_b d FLOPs forward, 2.5x that in
+  backward. `cp` in the result gives both per step: ring seconds at `inter_node_gbps` per GPU against the attention
+  seconds at `gpu_tflops`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ds_tsp.tools.plan.comm_terms import recompute, term
+from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
+from ds_tsp.tools.plan.offload import with_offload
+from ds_tsp.tools.plan.result import LayoutPlan
+from ds_tsp.tools.plan.shape_terms import round_up
+from ds_tsp.tools.plan.tsp import plan_tsp
+from ds_tsp.tools.plan.tsp_comm import TSPGeometry
+
+INTER_NODE_GBPS = 400.0  # per GPU (one 400 Gb/s NIC per H100/H200, e.g. ConnectX-7 / InfiniBand NDR)
+ATTENTION_BACKWARD_FLOPS = 2.5  # flash backward: 5 matmuls of the forward's 2
+
+
+def group_input(inp: PlanInput, cp: int) -> PlanInput:
+    """What one TSP group of the cp ring is planned as: TSP at S_pad / C tokens, ZeRO over dp x C ranks."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise PlanInputError("cp", f"cp={cp!r}: must be an integer >= 1")
+    if cp > 1 and (inp.model.num_experts or inp.pp > 1):
+        what = f"num_experts={inp.model.num_experts}" if inp.model.num_experts else f"pp={inp.pp}"
+        raise PlanInputError("cp", f"cp={cp} with {what}: tsp.cp_size runs dense models without pipeline stages")
+    S = round_up(inp.seq, 2 * inp.degree * cp)
+    return replace(inp, seq=S // cp, dp=inp.dp * cp)
+
+
+def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_GBPS, gpu_tflops: float = 400.0,
+                gpus_per_node: int = 8) -> LayoutPlan:
+    """One rank of C TSP groups of D (inp.degree) sharing each sequence; layout "tsp_cp" (cp=1: TSP alone)."""
+    group = group_input(inp, cp)
+    base = with_offload(plan_tsp(group), group, TSPGeometry.of(group), gpu_tflops=gpu_tflops,
+                        gpus_per_node=gpus_per_node)
+    g = TSPGeometry.of(group)
+    D, C, B, b = inp.degree, cp, inp.batch, inp.dtype_bytes
+    acc_b = max(b, 4)  # dK/dV accumulators are float32 under bf16 / fp16
+    group_tokens = group.seq  # S_pad / C
+    kv_hop = B * group_tokens * 2 * g.nkv_b * g.dims.d * b
+    grad_hop = kv_hop // b * acc_b
+    hops = D * (C - 1)  # per layer: every head block's K/V goes around once
+    fwd = [term("cp ring K/V hops", "cp_ring", kv_hop, hops, hops * kv_hop)] if C > 1 else []
+    bwd = ([term("cp ring K/V hops (backward)", "cp_ring", kv_hop, hops, hops * kv_hop),
+            term("cp ring dK/dV hops", "cp_ring", grad_hop, hops, hops * grad_hop)] if C > 1 else [])
+    if inp.activation_checkpointing:
+        bwd += recompute(fwd)
+    ring_buffers = min(C - 1, 2)
+    extra_fwd = ring_buffers * kv_hop
+    extra_bwd = ring_buffers * kv_hop + (3 * grad_hop if C > 1 else 0)
+    extra = max(extra_fwd, extra_bwd)
+    layers = base.layers_per_stage
+    cp_fwd, cp_bwd = sum(t.bytes for t in fwd), sum(t.bytes for t in bwd)
+    # attention FLOPs the hops overlap: per hop and block c = S/(2CD) queries x S/C keys x nq_b heads
+    c = group_tokens // (2 * D)
+    hop_flops = 4 * B * c * group_tokens * g.nq_b * g.dims.d
+    per_layer_flops = hops * hop_flops * (1 + ATTENTION_BACKWARD_FLOPS + (1 if inp.activation_checkpointing else 0))
+    bytes_per_s = inter_node_gbps * 1e9 / 8
+    summary = {
+        "cp": C, "tsp": D, "seq_padded": group_tokens * C, "tokens_per_rank": B * group_tokens // D,
+        "inter_node_bytes_per_step": layers * (cp_fwd + cp_bwd),
+        "intra_node_bytes_per_step": layers * (base.comm_bytes_per_layer_fwd + base.comm_bytes_per_layer_bwd),
+        "grad_sync_bytes_per_step": base.comm_bytes_per_step - layers * (base.comm_bytes_per_layer_fwd
+                                                                         + base.comm_bytes_per_layer_bwd),
+        "ring_buffer_bytes": extra, "kv_hop_bytes": kv_hop,
+        "inter_node_gbps": inter_node_gbps, "gpu_tflops": gpu_tflops,
+        "cp_ring_seconds_per_step": layers * (cp_fwd + cp_bwd) / bytes_per_s,
+        "overlapped_attention_seconds_per_step": layers * per_layer_flops / (gpu_tflops * 1e12),
+        "hop_seconds": kv_hop / bytes_per_s, "hop_attention_seconds": hop_flops / (gpu_tflops * 1e12),
+    }
+    transients = {phase: size + extra for phase, size in base.transients.items()}
+    notes = tuple(n for n in base.notes if not n.startswith("zigzag:")) + (
+        f"cp: {C} TSP groups of {D} share each sequence (seq padded to {group_tokens * C}, multiple of 2CD); "
+        f"ZeRO / grad sync over dp x cp = {group.dp} ranks",
+        f"cp ring: {hops} K/V hops of {kv_hop / 2 ** 20:.1f} MiB per layer forward, twice that (+ dK/dV) backward; "
+        f"ring buffers {extra / 2 ** 30:.2f} GiB added at the peak phase (conservative)",
+    ) if C > 1 else base.notes
+    return replace(
+        base, layout="tsp_cp" if C > 1 else base.layout,
+        transients_bytes=base.transients_bytes + extra, peak_bytes_per_rank=base.peak_bytes_per_rank + extra,
+        transients=transients, phase_bytes={k: v + extra for k, v in base.phase_bytes.items()},
+        comm_bytes_per_layer_fwd=base.comm_bytes_per_layer_fwd + cp_fwd,
+        comm_bytes_per_layer_bwd=base.comm_bytes_per_layer_bwd + cp_bwd,
+        comm_bytes_per_step=base.comm_bytes_per_step + layers * (cp_fwd + cp_bwd),
+        layer_fwd_terms=base.layer_fwd_terms + tuple(fwd), layer_bwd_terms=base.layer_bwd_terms + tuple(bwd),
+        notes=notes, cp=summary)
+
+
+def recommend_tsp_cp(inp: PlanInput, *, devices: int, gpu_mem_bytes: int, gpus_per_node: int = 8,
+                     **rates) -> tuple[tuple[int, int] | None, list[tuple[int, int, LayoutPlan | str]]]:
+    """(D, C) for `devices` GPUs of `gpu_mem_bytes` in nodes of `gpus_per_node`: TSP inside a node (D the
+    largest divisor of the node that fits the model's heads), then the fewest cp groups C whose plan fits
+    (fewest inter-node hops); the rest of the devices go to data parallelism. Returns (choice or None, every
+    (D, C, plan or why not) tried)."""
+    tried: list[tuple[int, int, LayoutPlan | str]] = []
+    for D in sorted((d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0), reverse=True):
+        if devices % D:
+            continue
+        for C in (c for c in range(1, devices // D + 1) if (devices // D) % c == 0):
+            try:
+                plan = plan_tsp_cp(replace(inp, degree=D, dp=devices // (D * C)), C,
+                                   gpus_per_node=gpus_per_node, **rates)
+            except PlanInputError as exc:
+                tried.append((D, C, str(exc)))
+                break
+            tried.append((D, C, plan))
+            if plan.peak_bytes_per_rank <= gpu_mem_bytes:
+                return (D, C), tried
+    return None, tried
