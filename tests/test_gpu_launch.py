@@ -139,11 +139,13 @@ def test_groups_get_the_configured_timeout_at_creation(monkeypatch):
     monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, timeout=None: created.append(timeout) or
                         object())
     monkeypatch.setattr("ds_tsp.core.setup.TSPComm", lambda group, **kw: kw)
+    # the node-placement check exchanges node names over a real group (tests/test_node_placement.py covers it)
+    monkeypatch.setattr("ds_tsp.core.setup.check_tsp_inside_nodes", lambda *a, **k: None)
     for cuda, weight_groups in ((False, 0), (True, 2)):
         created.clear()
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         runtime = build_runtime(parse_tsp_config({"size": 2, "timeout_s": 77}))
         weights = runtime.comm.pop("weight_group")
-        assert runtime.comm == {"overlap": True, "timeout_s": 77} and (weights is not None) == cuda
+        assert runtime.comm == {"overlap": True, "timeout_s": 77, "cp": None} and (weights is not None) == cuda
         # tsp, data, pipe groups, then (on CUDA: NCCL's one stream per communicator) one more per TSP group
         assert len(created) == 2 + 2 + 4 + weight_groups and {t.total_seconds() for t in created} == {77}

@@ -356,13 +356,18 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out_dir: str) -> dict[str, str]:
+    return write_results(result, out_dir, "layer_memory", markdown(result))
+
+
+def write_results(result: dict, out_dir: str, stem: str, markdown_text: str) -> dict[str, str]:
+    """<out_dir>/<stem>.json (the result) and <stem>.md (its tables); returns both paths."""
     import json
     import os
 
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, "layer_memory.json"), "md": os.path.join(out_dir, "layer_memory.md")}
+    paths = {"json": os.path.join(out_dir, f"{stem}.json"), "md": os.path.join(out_dir, f"{stem}.md")}
     with open(paths["json"], "w") as f:
         json.dump(result, f, indent=1)
     with open(paths["md"], "w") as f:
-        f.write(markdown(result))
+        f.write(markdown_text)
     return paths

@@ -136,13 +136,6 @@ def markdown(result: dict) -> str:
 
 
 def write(result: dict, out_dir: str) -> dict[str, str]:
-    import json
-    import os
+    from ds_tsp.tools.bench.layer_memory import write_results
 
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, "offload_memory.json"), "md": os.path.join(out_dir, "offload_memory.md")}
-    with open(paths["json"], "w") as f:
-        json.dump(result, f, indent=1)
-    with open(paths["md"], "w") as f:
-        f.write(markdown(result))
-    return paths
+    return write_results(result, out_dir, "offload_memory", markdown(result))
