@@ -217,13 +217,17 @@ def test_save_pretrained_reloads_in_transformers(runs, references, family):
     assert rel(hf_logits(reloaded, ids), hf_logits(references[family], ids)) < 1e-13
 
 
-def test_plan_refuses_a_hybrid_config_instead_of_counting_llama_layers(tmp_path):
+def test_plan_reads_a_hybrid_config_as_the_model_does_not_as_llama_layers(tmp_path):
+    """The planner's reader gives the model's own hybrid shape (layer_types, linear_* fields, gated attention);
+    tests/test_plan_hybrid.py checks the plan rows against measured steps."""
+    from ds_tsp.core.shape import ModelShape
     from ds_tsp.tools.plan import shape_from_hf_config
-    from ds_tsp.tools.plan.inputs import PlanInputError
 
-    (tmp_path / "config.json").write_text(hybrid_config("qwen3_5").to_json_string())
-    with pytest.raises(PlanInputError, match="qwen3_5_text.*hybrid"):
-        shape_from_hf_config(tmp_path)
+    config = hybrid_config("qwen3_5")
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    shape = shape_from_hf_config(tmp_path)
+    assert shape == ModelShape.from_hf_config(config.to_dict())
+    assert shape.layer_types == ("linear_attention", "full_attention") and shape.attn_output_gate
 
 
 def test_qwen3_5_moe_with_gated_deltanet_layers_loads_and_agrees(tmp_path):

@@ -14,12 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import TSPOptions
 from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard_batch
+from plan_step_measure import measure_step
 from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 from ds_tsp.tools.plan import (
     PRESETS,
     PlanInput,
@@ -68,32 +66,7 @@ def _measure(names: list[str]) -> dict:
     out = {}
     for name in names:
         shape, seq, batch, dtype, options, _ = CASES[name]
-        comm = TSPComm(dist.group.WORLD)
-        model = ShardedCausalLM(shape, comm, options=TSPOptions(**options), dtype=_TORCH_DTYPE[dtype])
-        gen = torch.Generator().manual_seed(comm.rank)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        ids = torch.randint(0, shape.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-        b = shard_batch(ids, tsp=comm.size, rank=comm.rank)
-        saved = {}
-
-        def pack(t):
-            saved[(t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))] = t
-            return t
-
-        comm.counter.reset()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(b["input_ids"], b["shift_labels"], b["position_ids"])
-        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        by_storage = {}
-        for (ptr, _, _), t in saved.items():
-            if ptr not in own:
-                by_storage[ptr] = max(by_storage.get(ptr, 0), t.untyped_storage().nbytes())
-        loss.backward()
-        out[name] = {"bytes": dict(comm.counter.bytes), "saved": sum(by_storage.values()),
-                     "params": sum(p.numel() * p.element_size() for p in model.parameters()),
-                     "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())}
+        out[name] = measure_step(shape, seq, batch, _TORCH_DTYPE[dtype], options)
     return out
 
 

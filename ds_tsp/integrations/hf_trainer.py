@@ -9,8 +9,12 @@ What it changes, and why (the Trainer's own logic does the rest):
   optimizer it creates steps the shards, and the Accelerator is a ds_tsp TSPAccelerator (data-axis sampling,
   zigzag batches, the TSP mpu for DeepSpeed, TSP-aware clipping and gathering);
 - num_items_in_batch (labelled tokens of the whole accumulated global batch, as transformers intends) is counted
-  over the TSP group and the data axis, and the model divides by it; `get_tp_size()` reports the TSP degree, so
-  the Trainer's loss scaling counts the ranks that share a batch once;
+  over the TSP group, the cp groups and the data axis, and the model divides by it; `get_tp_size()` reports the
+  TSP degree, so the Trainer's loss scaling counts the ranks that share a batch once (it stays data x cp, what
+  DeepSpeed averages gradients over); `get_cp_size()` reports tsp.cp_size for the global batch size;
+- "cp_size": C (DeepSpeed): batches are cut over cp then TSP by the accelerator's loaders; eval_loss is averaged
+  over the cp groups (each holds a part of every sequence); predictions / compute_metrics (full logits) and the
+  TRL compositions are refused under cp, naming cp_size;
 - evaluation runs UNDER TSP, sharded like training (no switch-off in eval, so an eval at the training length fits);
   evaluate / predict / compute_metrics get what the plain Trainer gives them: the full logits [B, S, V] of each
   eval batch (built from the vocab shards; preprocess_logits_for_metrics runs on them) and the batch's labels,
@@ -135,7 +139,8 @@ class TSPTrainer(_transformers.Trainer):
                                      'DeepSpeed config has a "tsp" block, e.g. ds_configs/tsp.json')
             tsp = parse_tsp_config({"size": 1})
         _check_parallelism_config(args, tsp.size)
-        check_cp_integration(tsp.cp_size, "TSPTrainer")
+        if self._tsp_with_sft or self._tsp_with_grpo:  # their token counts and metrics are not cut over cp yet
+            check_cp_integration(tsp.cp_size, "TSPSFTTrainer" if self._tsp_with_sft else "TSPGRPOTrainer")
         ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
         runtime = build_runtime(tsp, ds_config=ds_config)  # DeepSpeed's cpu_checkpointing: offload_activations
         self.tsp_config = tsp = runtime.config
@@ -178,26 +183,46 @@ class TSPTrainer(_transformers.Trainer):
         """The ranks that share one batch: the TSP degree (the Trainer divides its token counts and loss scale)."""
         return self.tsp_config.size
 
+    def get_cp_size(self) -> int:
+        """The cp groups that share one sequence (tsp.cp_size): the Trainer counts the global batch over the data
+        axis alone (world / tsp / cp). Its loss scale reads get_tp_size only, so it stays data x cp: what DeepSpeed
+        averages the gradients over (the mpu's data-parallel group spans data x cp)."""
+        return self.tsp_config.cp_size
+
     # --- loss normalisation ------------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
-        """Labelled tokens of the whole accumulated batch: summed over the micro-batches, the TSP group (each rank
-        holds a zigzag part of every sample) and, with average_tokens_across_devices, the data replicas."""
+        """Labelled tokens of the whole accumulated batch, each sample counted once: summed over the micro-batches,
+        the TSP group (each rank holds a zigzag part of every sample), the cp groups (each holds a part of every
+        sequence) and, with average_tokens_across_devices, the data replicas (the data group spans data x cp, so
+        one all-reduce over it covers both)."""
         if not batch_samples or "shift_labels" not in batch_samples[0]:
             return None
         local = sum((b["shift_labels"] != -100).sum() for b in batch_samples).to(device=device, dtype=torch.int64)
-        if self.tsp_groups is not None and self.tsp_groups.layout.tsp_enabled:
-            dist.all_reduce(local, group=self.tsp_groups.tsp_group)
-        if self.args.average_tokens_across_devices and self.tsp_groups is not None and \
-                self.tsp_groups.layout.data_enabled:
-            dist.all_reduce(local, group=self.tsp_groups.data_group)
+        groups = self.tsp_groups
+        if groups is not None and groups.layout.tsp_enabled:
+            dist.all_reduce(local, group=groups.tsp_group)
+        across_data = self.args.average_tokens_across_devices and groups is not None and \
+            (groups.layout.data_enabled or groups.layout.cp_enabled)
+        if across_data:
+            dist.all_reduce(local, group=groups.data_group)
+        elif groups is not None and groups.layout.cp_enabled:
+            dist.all_reduce(local, group=groups.cp_group)
         return local
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The Trainer's (or TRL's SFTTrainer's) compute_loss; with SFT, its num_tokens metric counts the whole
         sequence, not this rank's shard."""
         if not self._tsp_with_sft:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
+            cp_size = self.tsp_config.cp_size
+            if cp_size == 1 or num_items_in_batch is None or self.args.average_tokens_across_devices:
+                return result
+            # Without average_tokens_across_devices the Trainer does not scale the loss, but DeepSpeed still
+            # averages the gradients over data x cp: the cp parts of one replica's mean are summed back (x cp).
+            if return_outputs:
+                return result[0] * cp_size, result[1]
+            return result * cp_size
         from ds_tsp.integrations.trl import count_train_tokens
 
         before = getattr(self, "_total_train_tokens", 0)
@@ -226,7 +251,12 @@ class TSPTrainer(_transformers.Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         full = inputs.pop(_FULL_BATCH, None) if isinstance(inputs, dict) else None
         if prediction_loss_only:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return self._cp_complete(loss), logits, labels
+        if self.tsp_config.cp_size > 1:
+            raise TSPConfigError(f"tsp.cp_size={self.tsp_config.cp_size}: TSPTrainer evaluates the loss only under "
+                                 "cp (the full logits of a sequence split over cp groups are not built); set "
+                                 "TrainingArguments(prediction_loss_only=True) and no compute_metrics, or cp_size 1")
         if full is None:
             raise TSPConfigError("TSPTrainer.prediction_step with predictions needs batches from its own "
                                  "get_eval_dataloader / get_test_dataloader (they carry the unsharded labels)")
@@ -243,6 +273,17 @@ class TSPTrainer(_transformers.Trainer):
         if "inputs" in self.args.include_for_metrics:  # evaluation_loop reads the caller's batch: the full ids
             inputs[getattr(self.model, "main_input_name", "input_ids")] = full["input_ids"]
         return loss, logits, None if labels is None else self._prepare_input(labels)
+
+    def _cp_complete(self, loss):
+        """Under cp each cp group's loss carries its part of every sequence, scaled by cp (compute_loss: the loss
+        scale counts data x cp), so the mean over the cp group is the replica's loss; evaluation gathers the data
+        axis only (TSPAccelerator.gather keeps one cp copy), so the cp groups agree on it first."""
+        groups = self.tsp_groups
+        if loss is None or groups is None or not groups.layout.cp_enabled:
+            return loss
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=groups.cp_group)
+        return total / groups.cp_size
 
     # --- TRL's GRPOTrainer steps under TSP (ds_tsp.integrations.trl_grpo; inert in other compositions) ---------
     def get_train_dataloader(self):

@@ -12,9 +12,10 @@ hands the rest back to Accelerate:
   checkpoint path loaded by slices), and the optimizer built on the HF model is rebound to the shards;
 - dataloaders are sampled over the data axis only and cut to zigzag shards (ds_tsp.integrations.accelerate.dataloaders);
 - DeepSpeed: Accelerate's own _prepare_deepspeed runs, and its (call-time) deepspeed.initialize receives the TSP
-  mpu and a train_batch_size counted over the data axis only;
+  mpu and a train_batch_size counted over the mpu's data-parallel ranks (data x cp; the TSP group counted once);
 - FSDP2: ds_tsp.integrations.fsdp.shard_with_fsdp2 on the data sub-mesh, bf16 via MixedPrecisionPolicy.
-clip_grad_norm_ (the full model's norm), gather_for_metrics (data axis only: TSP ranks hold the same values),
+The DeepSpeed JSON's "tsp" block may set cp_size (C TSP groups split each sequence; ZeRO over data x cp).
+clip_grad_norm_ (the full model's norm), gather_for_metrics (data axis only: TSP and cp ranks hold the same values),
 save_state / load_state (every rank's own shards) and save_model are TSP-aware. On CPU the same commands work: gloo under
 DeepSpeed (Accelerate would start one 1-rank group per process) and cpu=True otherwise (its barriers would do nothing).
 """
@@ -30,7 +31,6 @@ from torch import nn
 
 from ds_tsp.checkpoint.local_state import load_model_local, load_optimizer_local, to_local
 from ds_tsp.core.config import check_deepspeed_compatible
-from ds_tsp.core.cp_inputs import check_cp_integration
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.setup import build_runtime
 from ds_tsp.core.topology import ParallelLayout, ProcessGroups
@@ -98,8 +98,7 @@ class TSPAccelerator(_accelerate.Accelerator):
             ds_config = self.state.deepspeed_plugin.deepspeed_config
             ds_config.pop("tsp", None)  # DeepSpeed must not see it
             check_deepspeed_compatible(ds_config, tsp)
-        check_cp_integration(tsp.cp_size, "TSPAccelerator")
-        layout = ParallelLayout.from_world_size(self.num_processes, tsp=tsp.size)
+        layout = ParallelLayout.from_world_size(self.num_processes, tsp=tsp.size, cp=tsp.cp_size)
         if self.tsp_setup.mode == "plain" and layout.data_enabled:
             raise TSPConfigError(f"{self.num_processes} processes with tsp={tsp.size} leave a data axis of "
                                  f"{layout.data}: launch with ds_configs/accelerate_tsp.yaml (DeepSpeed) or "
@@ -121,7 +120,12 @@ class TSPAccelerator(_accelerate.Accelerator):
 
     @property
     def _data_group(self):
+        """The ranks holding the same shards: data x cp (data-major), the data axis alone when cp = 1."""
         return self.tsp_groups.data_group if self.tsp_groups else None
+
+    @property
+    def _cp_size(self) -> int:
+        return self.tsp_groups.cp_size if self.tsp_groups else 1
 
     # --- prepare ------------------------------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -213,12 +217,14 @@ class TSPAccelerator(_accelerate.Accelerator):
             per_replica = loaders[0].batch_size // (self.data_size if self.split_batches else 1)
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_replica
         original = deepspeed.initialize
-        groups, data_size, model = self.tsp_groups, self.data_size, self.tsp_model
+        groups, data_size, cp_size, model = self.tsp_groups, self.data_size, self._cp_size, self.tsp_model
 
         def initialize(*args, **kwargs):
             config = kwargs.get("config_params") or kwargs.get("config")
+            # DeepSpeed checks it against its data-parallel world, the mpu's data x cp (the cp groups of a
+            # sequence are gradient replicas to it); the samples per step are micro x accumulation x data_size
             config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] *
-                                          config["gradient_accumulation_steps"] * data_size)
+                                          config["gradient_accumulation_steps"] * data_size * cp_size)
             if groups is not None:
                 kwargs["mpu"] = TSPModelParallelUnit(groups)
             if model is not None and model.tsp.lm_head.tied and \
@@ -245,19 +251,21 @@ class TSPAccelerator(_accelerate.Accelerator):
         return clip_grad_norm_(list(parameters), max_norm, self.tsp_groups, norm_type)
 
     def gather(self, tensor):
-        """Gather over the DATA axis only: the ranks of a TSP group hold the same batch, so the same values."""
+        """Gather over the DATA axis only: the ranks of a TSP group hold the same batch, so the same values, and so
+        do the cp groups of one replica (one copy kept: the data group spans data x cp, data-major)."""
         from accelerate.utils import recursively_apply
 
         if self.data_size == 1:
             return tensor
+        cp_size = self._cp_size
 
         def gather_one(t: torch.Tensor) -> torch.Tensor:
             t = t.contiguous()
             if t.dim() == 0:
                 t = t[None]
-            out = [torch.empty_like(t) for _ in range(self.data_size)]
+            out = [torch.empty_like(t) for _ in range(self.data_size * cp_size)]
             dist.all_gather(out, t, group=self._data_group)
-            return torch.cat(out)
+            return torch.cat(out[::cp_size])
 
         return recursively_apply(gather_one, tensor, error_on_other_type=True)
 
@@ -274,9 +282,9 @@ class TSPAccelerator(_accelerate.Accelerator):
             if self.data_size == 1:
                 data = input_data if isinstance(input_data, list) else [input_data]
             else:
-                parts = [None] * self.data_size
+                parts = [None] * (self.data_size * self._cp_size)
                 dist.all_gather_object(parts, input_data, group=self._data_group)
-                data = [x for part in parts for x in (part if isinstance(part, list) else [part])]
+                data = [x for part in parts[::self._cp_size] for x in (part if isinstance(part, list) else [part])]
         else:
             data = self.gather(input_data)
         state = self.gradient_state

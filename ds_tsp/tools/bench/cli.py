@@ -193,6 +193,9 @@ def configs_from_args(args: argparse.Namespace):
             shape = ModelShape(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                                num_layers=layers, num_heads=args.heads,
                                num_kv_heads=args.heads if args.kv_heads is None else args.kv_heads, **moe_fields(args))
+        from ds_tsp.tools.bench.hybrid import hybrid_layouts
+
+        layouts = hybrid_layouts(shape, args.layouts, layouts)
         if any(LAYOUTS[name].module == "tsp" for name in layouts):
             shape.check_tsp_degree(args.tsp)
     except TSPConfigError as exc:
@@ -226,6 +229,10 @@ def _shape_from_hf_config(path: str, layers: int | None) -> ModelShape:
         raise ValueError(f"--hf-config: {exc}") from None
     if layers is None or layers == shape.num_layers:
         return shape
+    if shape.layer_types is not None:
+        from ds_tsp.tools.bench.hybrid import cut_layers
+
+        return cut_layers(shape, layers)
     windows = shape.attention_windows[:layers] if shape.attention_windows else None
     dense = tuple(i for i in shape.dense_mlp_layers if i < layers)
     return replace(shape, num_layers=layers, attention_windows=windows, dense_mlp_layers=dense)

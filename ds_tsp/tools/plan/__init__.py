@@ -16,7 +16,8 @@ TSP with a context-parallel ring across nodes (tsp.cp_size = C: C TSP groups sha
 tsp_cp.py (`ds-tsp plan --cp C`, layout "tsp_cp": TSP at S/C tokens per group plus the cp ring's inter-node bytes
 and buffers; `--recommend --cp auto` picks D and C).
 
-One file per layout family, each formula beside its layer: tsp.py (+ tsp_comm.py), tp.py (tp, autotp),
+One file per layout family, each formula beside its layer: tsp.py (+ tsp_comm.py; hybrid.py: the Gated DeltaNet
+layers of hybrid models), tp.py (tp, autotp),
 tp_sp.py, ulysses.py (ulysses, ulysses_replicated), fsdp_cp.py. Shared terms: shape_terms.py (model element
 counts, pipeline stages), activation_terms.py (what a layer saves), comm_terms.py (collective accounting),
 memory.py (state and the peak over phases), peer_stage.py, assemble.py. recommend.py picks a layout for a GPU.

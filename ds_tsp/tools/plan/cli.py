@@ -221,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
     def build():
         layouts = _layouts(args.layout)
         inp, model_name = _plan_input(args)
-        if (inp.model.num_experts or inp.offload_activations) and not args.layout:
-            layouts = ("tsp",)  # MoE and offload are planned for TSP only (plan_layouts refuses the peers)
+        hybrid = inp.model.layer_types is not None
+        if (inp.model.num_experts or inp.offload_activations or hybrid) and not args.layout:
+            layouts = ("tsp",)  # MoE, offload and hybrids are planned for TSP only (plan_layouts refuses the peers)
         plans = plan_layouts(inp, layouts)
         if inp.offload_activations:
             plans = [_with_rates(args, plan, inp) for plan in plans]

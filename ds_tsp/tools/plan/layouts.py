@@ -27,6 +27,9 @@ def plan_layouts(inp: PlanInput, layouts: tuple[str, ...] | list[str] = DEFAULT_
         raise PlanInputError("layout", f"layout {peers}: mixture-of-experts shapes (num_experts="
                                        f"{inp.model.num_experts}) are planned for tsp only; the peers' expert "
                                        "parallelism is not modelled. Use --layout tsp")
+    if inp.model.layer_types is not None and peers:
+        raise PlanInputError("layout", f"layout {peers}: hybrid models (Gated DeltaNet layers) are planned for tsp "
+                                       "only; the peers' plans count Llama attention layers. Use --layout tsp")
     if inp.offload_activations and peers:
         raise PlanInputError("offload_activations", f"layout {peers}: offload of checkpointed activations is "
                                                     "planned for tsp only; use --layout tsp")

@@ -106,7 +106,7 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int, layouts=RECOM
     if not gpu_mem_gib > 0:
         raise PlanInputError("gpu_mem_gib", f"gpu_mem_gib={gpu_mem_gib!r}: must be > 0")
     limit = int(gpu_mem_gib * _GIB)
-    if inp.model.num_experts:  # only TSP's MoE is modelled (plan_layouts refuses the peers)
+    if inp.model.num_experts or inp.model.layer_types is not None:  # only TSP's MoE / hybrid layers are modelled
         layouts = tuple(name for name in layouts if name == "tsp")
     host_limit = None if host_mem_gib is None else int(host_mem_gib * _GIB)
     cands = [replace(c, fits=c.peak_bytes_per_rank <= limit and (host_limit is None

@@ -40,10 +40,11 @@ def shape_from_hf_config(path_or_dict: str | Path | dict) -> ModelShape:
     from ds_tsp.tools.plan.moe_shapes import moe_shape_from_config
 
     hybrid_type = cfg.get("model_type") or (cfg.get("text_config") or {}).get("model_type")
-    if hybrid_type in HYBRID_MODEL_TYPES:  # counting them as Llama layers would be silently wrong
-        raise PlanInputError("hf_config", f"{where}: model_type {hybrid_type!r} is a hybrid model (Gated DeltaNet "
-                             "layers, gated attention): the planner does not model its layers yet; `ds-tsp verify "
-                             "--hf-model DIR` checks it, and a training step's memory can be measured directly")
+    if hybrid_type in HYBRID_MODEL_TYPES:  # the model's own reader: layer_types, linear_* fields, gated attention
+        try:
+            return ModelShape.from_hf_config(cfg)
+        except TSPConfigError as exc:
+            raise PlanInputError("hf_config", f"{where}: {exc}") from None
     moe = moe_shape_from_config(cfg, where)  # Qwen3-MoE / Mixtral: the model's own reader
     if moe is not None:
         return moe
@@ -91,6 +92,8 @@ def shape_with(base: ModelShape | None, overrides: dict[str, int | None]) -> Mod
         fields["num_kv_heads"] = given["heads"]  # an MHA model stays MHA when only --heads changes
     if ("hidden" in given or "heads" in given) and base.head_dim is not None:
         fields["head_dim"] = None  # a derived head_dim follows the new hidden / heads
+    if "layers" in given and base.layer_types is not None and given["layers"] <= base.num_layers:
+        fields["layer_types"] = base.layer_types[:given["layers"]]  # a hybrid model's first N layers
     return _checked(lambda: replace(base, **fields), given)
 
 

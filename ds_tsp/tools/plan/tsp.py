@@ -105,7 +105,11 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
 
 def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     """TSP's LayoutPlan (module docstring); comm terms in ds_tsp.tools.plan.tsp_comm; an MoE model's sparse
-    layers in ds_tsp.tools.plan.moe_terms."""
+    layers in ds_tsp.tools.plan.moe_terms; a hybrid model's in ds_tsp.tools.plan.hybrid."""
+    if inp.model.layer_types is not None:
+        from ds_tsp.tools.plan.hybrid import plan_tsp_hybrid
+
+        return plan_tsp_hybrid(inp, layer_saved=tsp_layer_saved, attention_mlp_transients=tsp_transients)
     g = TSPGeometry.of(inp)
     dims, D, b, B = g.dims, g.D, inp.dtype_bytes, inp.batch
     cb = compute_bytes(b)

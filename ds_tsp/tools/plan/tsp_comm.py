@@ -131,6 +131,9 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
 
 def tsp_counter_bytes(inp: PlanInput) -> dict[str, int]:
     """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of the whole model (pp = 1)."""
+    if inp.model.layer_types is not None:  # counting Llama layers would be silently wrong
+        raise PlanInputError("model", "a hybrid model (layer_types): its TSP counter bytes are "
+                                      "ds_tsp.tools.plan.hybrid.hybrid_counter_bytes")
     fwd, bwd = tsp_layer_terms(inp)
     out: dict[str, int] = {}
     stage = Stage("only", True, True, inp.model.num_layers, 1)

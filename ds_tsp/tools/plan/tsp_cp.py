@@ -46,6 +46,9 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
 def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_GBPS, gpu_tflops: float = 400.0,
                 gpus_per_node: int = 8) -> LayoutPlan:
     """One rank of C TSP groups of D (inp.degree) sharing each sequence; layout "tsp_cp" (cp=1: TSP alone)."""
+    if inp.model.layer_types is not None and cp > 1:
+        raise PlanInputError("cp", "cp > 1: TSP with a context-parallel ring is not modelled for hybrid (Gated "
+                                   "DeltaNet) models; plan TSP alone (--cp 1)")
     group = group_input(inp, cp)
     base = with_offload(plan_tsp(group), group, TSPGeometry.of(group), gpu_tflops=gpu_tflops,
                         gpus_per_node=gpus_per_node)
