@@ -329,15 +329,15 @@ def test_bare_sft_trainer_on_a_tsp_model_names_tsp_sft_trainer(tmp_path):
 
 def test_tsp_sft_trainer_without_trl_says_how_to_install(monkeypatch):
     import ds_tsp.hf
-    from ds_tsp.integrations import sft_trainer as tsp_sft
+    from ds_tsp.integrations import trl_composed
 
-    tsp_sft.sft_trainer_class.cache_clear()
+    trl_composed.composed_trainer_class.cache_clear()
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
     try:
         with pytest.raises(ImportError, match=r"pip install 'ds_tsp\[trl\]'"):
             _ = ds_tsp.hf.TSPSFTTrainer
     finally:
-        tsp_sft.sft_trainer_class.cache_clear()
+        trl_composed.composed_trainer_class.cache_clear()
 
 
 if __name__ == "__main__":
