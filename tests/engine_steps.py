@@ -21,3 +21,31 @@ def engine_steps(engine, batches, save_dir: str) -> dict:
     save_consolidated(engine.tsp_model, save_dir)
     engine.destroy()
     return {"losses": losses, "norms": norms}
+
+
+def train_from_shape(shape, configs: list[dict], steps: int, num_samples: int) -> list[dict]:
+    """ds_tsp.initialize once per config on `shape` (reference weights, seed 0; MaskedPatterns of length 30), then
+    `steps` engine steps from the engine's own loader: [{"losses", "grad_norms"}] per config."""
+    import ds_tsp
+    from masked_patterns import MaskedPatterns
+
+    from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
+
+    ref = ReferenceCausalLM(shape)
+    init_weights_(ref, 0)
+    full = full_state_dict(ref)
+    data = MaskedPatterns(vocab_size=shape.vocab_size, seq_len=30, num_samples=num_samples)
+    runs = []
+    for cfg in configs:
+        engine, _, loader, _ = ds_tsp.initialize(model=shape, config=cfg, training_data=data, state_dict=full)
+        batches, losses, norms = iter(loader), [], []
+        for _ in range(steps):
+            b = next(batches)
+            loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(engine.tsp_model.loss_for_logging(loss)))
+            norms.append(float(engine.get_global_grad_norm()))
+        runs.append({"losses": losses, "grad_norms": norms})
+        engine.destroy()
+    return runs

@@ -386,30 +386,9 @@ def test_plan_cli_cp(capsys):
 
 # --- ds_tsp.initialize (DeepSpeed ZeRO over data x cp) ----------------------------------------------------------------
 def _ds_train(configs, steps=6):
-    import ds_tsp
-    from masked_patterns import MaskedPatterns
+    from engine_steps import train_from_shape
 
-    from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
-
-    shape = _shape(4, 2)
-    ref = ReferenceCausalLM(shape)
-    init_weights_(ref, 0)
-    full = full_state_dict(ref)
-    data = MaskedPatterns(vocab_size=shape.vocab_size, seq_len=30, num_samples=32)
-    runs = []
-    for cfg in configs:
-        engine, _, loader, _ = ds_tsp.initialize(model=shape, config=cfg, training_data=data, state_dict=full)
-        batches, losses, norms = iter(loader), [], []
-        for _ in range(steps):
-            b = next(batches)
-            loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(engine.tsp_model.loss_for_logging(loss)))
-            norms.append(float(engine.get_global_grad_norm()))
-        runs.append({"losses": losses, "grad_norms": norms})
-        engine.destroy()
-    return runs
+    return train_from_shape(_shape(4, 2), configs, steps, num_samples=32)
 
 
 def _ds_config(tsp, cp, stage):

@@ -15,6 +15,7 @@ from masked_patterns import MaskedPatterns  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
+from engine_steps import train_from_shape  # noqa: E402
 from ds_tsp.core.shape import ModelShape  # noqa: E402
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
 
@@ -32,27 +33,7 @@ def ds_config(tsp: int, stage: int, pipeline_stages: int = 1, micro_batch: int =
 
 def _train(configs: list[dict], steps: int = STEPS) -> list[dict]:
     """Train once per config in this process group; per-step global losses and grad norms."""
-    import ds_tsp
-
-    ref = ReferenceCausalLM(SHAPE)
-    init_weights_(ref, 0)
-    full = full_state_dict(ref)
-    data = MaskedPatterns(vocab_size=SHAPE.vocab_size, seq_len=30, num_samples=64)
-    runs = []
-    for cfg in configs:
-        engine, _, loader, _ = ds_tsp.initialize(model=SHAPE, config=cfg, training_data=data, state_dict=full)
-        batches = iter(loader)
-        losses, norms = [], []
-        for _ in range(steps):
-            b = next(batches)
-            loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(engine.tsp_model.loss_for_logging(loss)))
-            norms.append(float(engine.get_global_grad_norm()))
-        runs.append({"losses": losses, "grad_norms": norms})
-        engine.destroy()
-    return runs
+    return train_from_shape(SHAPE, configs, steps, num_samples=64)
 
 
 @pytest.fixture(scope="module")
