@@ -1,5 +1,6 @@
-"""A DeepSpeed engine's training steps on TSP shards, as the composition tests run them (tests/test_frozen_params.py,
-tests/test_moe_compose.py). A helper module, not a test file."""
+"""A DeepSpeed engine's (or FSDP2's) training steps on TSP shards, as the composition tests run them
+(tests/test_frozen_params.py, tests/test_moe_compose.py, tests/test_hybrid_compose.py). A helper module, not a test
+file."""
 from __future__ import annotations
 
 
@@ -49,3 +50,26 @@ def train_from_shape(shape, configs: list[dict], steps: int, num_samples: int) -
         runs.append({"losses": losses, "grad_norms": norms})
         engine.destroy()
     return runs
+
+
+def fsdp2_steps(model, groups, batches, lr: float, weight_decay: float, clip: float) -> dict:
+    """ds_tsp.shard_with_fsdp2 on a TSPForCausalLM, then one AdamW step with TSP-aware clipping per (ids, labels) of
+    this data replica (full length: the HF face shards them). {"losses", "norms", "dtensor"}: dtensor says every
+    parameter became an FSDP2 DTensor."""
+    import torch
+
+    from ds_tsp.core.grad_norm import clip_grad_norm_
+    from ds_tsp.integrations.fsdp import shard_with_fsdp2
+
+    shard_with_fsdp2(model, groups)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses, norms = [], []
+    for ids, labels in batches:
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        norms.append(float(clip_grad_norm_(model, clip, groups)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(out.loss.detach()))
+    return {"losses": losses, "norms": norms,
+            "dtensor": all(type(p).__name__ == "DTensor" for p in model.parameters())}

@@ -40,4 +40,5 @@ def measure_step(shape: ModelShape, seq: int, batch: int, dtype: torch.dtype = t
     loss.backward()
     return {"bytes": dict(comm.counter.bytes), "saved": sum(by_storage.values()),
             "params": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())}
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()),
+            "offload_host_bytes": model.activation_offload.host_bytes}  # the offload pool (0 without offload)

@@ -139,8 +139,8 @@ def test_deepspeed_config_with_accelerate_tp_cp_sp(tmp_path, key):
         resolve_setup(env)
 
 
-@pytest.mark.parametrize("key", ["CP_SIZE", "SP_SIZE", "DP_REPLICATE_SIZE"])
-def test_fsdp2_config_with_cp_sp_replicate(key):
+@pytest.mark.parametrize("key", ["SP_SIZE", "DP_REPLICATE_SIZE"])  # CP_SIZE is tsp.cp_size: tests/test_cp_fsdp.py
+def test_fsdp2_config_with_sp_replicate(key):
     with pytest.raises(TSPConfigError, match=f"parallelism_config_{key.lower()}=2"):
         resolve_setup(_fsdp_env(**{f"PARALLELISM_CONFIG_{key}": "2"}))
 

@@ -8,7 +8,8 @@
   cp chunks, padding, and the schedule options; gradients averaged over the data group (data x cp) as a
   data-parallel engine does;
 - the same step's ops replayed under NCCL's queueing rules (tests/nccl_rules.py), TSP and cp groups together;
-- refusals: MoE, sliding windows, logits under cp name cp_size.
+- refusals: linear attention, logits under cp name cp_size (MoE runs: tests/test_cp_moe.py; sliding windows:
+  tests/test_cp_window.py).
 (D, C) = (2, 3) and (4, 2) exactness runs are marked slow (6 and 8 ranks).
 """
 from __future__ import annotations
@@ -290,18 +291,20 @@ class _FakeComm:
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}, "mixture-of-experts"),
-    ({"attention_windows": (5, None)}, "sliding-window attention"),
+    ({"layer_types": ("linear_attention", "full_attention"), "linear_num_key_heads": 1, "linear_num_value_heads": 1,
+      "linear_key_head_dim": 4, "linear_value_head_dim": 4, "linear_conv_kernel_dim": 2,
+      "hybrid_family": "qwen3_next"}, "linear-attention"),
 ])
 def test_cp_refuses_what_it_does_not_run_by_name(kw, match):
     from ds_tsp.core.cp_inputs import check_cp_model
-    from ds_tsp.core.cp_ring import check_cp_window
 
     with pytest.raises(TSPConfigError, match=f"tsp.cp_size=2 with {match}"):
         check_cp_model(_shape(4, 2, **kw), _FakeComm())
     check_cp_model(_shape(4, 2), _FakeComm())
-    with pytest.raises(TSPConfigError, match="tsp.cp_size=3"):
-        check_cp_window(7, 3)
+    # MoE runs under cp (exact against transformers: tests/test_cp_moe.py)
+    check_cp_model(_shape(4, 2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8), _FakeComm())
+    # sliding windows run under cp (exact: tests/test_cp_window.py)
+    check_cp_model(_shape(4, 2, attention_windows=(5, None)), _FakeComm())
 
 
 # --- ds-tsp verify --cp -------------------------------------------------------------------------------------------
@@ -310,8 +313,8 @@ def test_verify_cli_cp_usage_errors(monkeypatch, capsys):
 
     with pytest.raises(SystemExit):  # argparse: --cp must be >= 1
         main(["verify", "--cp", "0"])
-    assert main(["verify", "--cp", "2", "--hf-model", "somewhere"]) == 2
-    assert "--cp 2 with --hf-model" in capsys.readouterr().err
+    assert main(["verify", "--cp", "2", "--hf-model", "somewhere"]) == 2  # --hf-model with --cp: tests/test_cp_moe.py
+    assert "--hf-model somewhere: no config.json there" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert main(["verify", "--tsp", "2", "--cp", "2"]) == 2
@@ -413,9 +416,10 @@ def test_deepspeed_zero_stages_over_data_x_cp_match_one_rank():
 
 
 # --- device-correct by construction: a cp step on the meta device -----------------------------------------------------
-def run_meta_cp() -> list[str]:
+def run_meta_cp(attention_windows=None) -> list[str]:
     """Rank 1 of a fake world of 4 ((D, C) = (2, 2)) runs a cp step on `meta`: every tensor it creates stays there
-    (tests/test_meta_device.py's recorder). Returns what it found off the device."""
+    (tests/test_meta_device.py's recorder). Returns what it found off the device. attention_windows: per layer
+    (tests/test_cp_window.py runs the windowed layers' path)."""
     from test_meta_device import META, DeviceRecorder
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -425,7 +429,7 @@ def run_meta_cp() -> list[str]:
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)
     tsp_group, _, cp_group, _ = (dist.new_group(r) for r in ([0, 1], [2, 3], [1, 3], [0, 2]))
     comm = TSPComm(tsp_group, cp=TSPComm(cp_group))
-    model = ShardedCausalLM(_shape(4, 1), comm, device=META)
+    model = ShardedCausalLM(_shape(4, 1, attention_windows=attention_windows), comm, device=META)
     b = shard_batch(torch.randint(0, 61, (2, 30)), tsp=2, rank=1, cp=2, cp_rank=1)
     with DeviceRecorder() as rec:
         loss = model(*(b[k].to(META) for k in ("input_ids", "shift_labels", "position_ids")))

@@ -197,7 +197,7 @@ CASES = [
     ("ckpt-foreign-tensors", "config.json", lambda t: _checkpoint(t, _edit_config(num_hidden_layers=1))),
     ("ckpt-pickle-only", "pytorch_model.bin", lambda t: _checkpoint(t, _only_bin)),
     ("fsdp-version", "fsdp_version", lambda t: _accelerate_env(FSDP_VERSION="1")),
-    ("fsdp-cp", "parallelism_config_cp_size", lambda t: _accelerate_env(PARALLELISM_CONFIG_CP_SIZE="2")),
+    ("fsdp-sp", "parallelism_config_sp_size", lambda t: _accelerate_env(PARALLELISM_CONFIG_SP_SIZE="2")),
     ("shard-size", "max_shard_size", lambda t: __import__("ds_tsp.checkpoint.safetensors_writer", fromlist=["x"])
      .parse_size("lots")),
     ("nonfinite", "on_nonfinite", lambda t: _nonfinite()),

@@ -105,29 +105,18 @@ def _zero_run(stage: int, checkpointing: bool, save_dir: str) -> dict:
 
 def _fsdp2_run() -> dict:
     import torch.distributed as dist
+    from engine_steps import fsdp2_steps
 
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.core.grad_norm import clip_grad_norm_
     from ds_tsp.core.topology import ParallelLayout, ProcessGroups
     from ds_tsp.hf import TSPForCausalLM
-    from ds_tsp.integrations.fsdp import shard_with_fsdp2
 
     groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2))
     hf = build_tiny_model("mixtral", dtype=torch.float32)
     model = TSPForCausalLM.from_pretrained(hf, groups.tsp_group, options=TSPOptions(activation_checkpointing=True))
-    shard_with_fsdp2(model, groups)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     mine = _replica_rows(groups.data_rank)
-    losses, norms = [], []
-    for ids, labels in global_batches(hf.config.vocab_size):
-        out = model(input_ids=ids[mine], labels=labels[mine])
-        out.loss.backward()
-        norms.append(float(clip_grad_norm_(model, CLIP, groups)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(out.loss.detach()))
-    return {"losses": losses, "norms": norms,
-            "dtensor": all(type(p).__name__ == "DTensor" for p in model.parameters())}
+    batches = ((ids[mine], labels[mine]) for ids, labels in global_batches(hf.config.vocab_size))
+    return fsdp2_steps(model, groups, batches, LR, WD, CLIP)
 
 
 def _four_ranks(save_root: str) -> dict:

@@ -118,8 +118,8 @@ def test_bench_runs_hybrids_on_the_tsp_layouts_and_refuses_the_peers_by_name(tmp
     (tmp_path / "config.json").write_text(hybrid_config("qwen3_5", layer_types=(
         "linear_attention", "full_attention", "linear_attention"), num_hidden_layers=3).to_json_string())
     base = ["--hf-config", str(tmp_path / "config.json"), "--tsp", "2", "--seq", "32"]
-    configs = configs_from_args(build_parser().parse_args(base))  # --layouts all: the TSP ones
-    assert [c.layout for c in configs] == ["tsp", "tsp_speed"]
+    configs = configs_from_args(build_parser().parse_args(base))  # --layouts all: the TSP ones + the ZeRO-3 peer
+    assert [c.layout for c in configs] == ["tsp", "tsp_speed", "hf_zero3_dp"]
     assert configs[0].shape.layer_types == ("linear_attention", "full_attention", "linear_attention")
     cut = configs_from_args(build_parser().parse_args([*base, "--layers", "2", "--layouts", "tsp"]))
     assert cut[0].shape.num_layers == 2 and cut[0].shape.layer_types == ("linear_attention", "full_attention")
@@ -149,8 +149,8 @@ def test_cli_plans_a_hybrid_config_for_tsp_and_refuses_the_peers_by_name(tmp_pat
     inp = PlanInput(model=_shape("qwen3_5"), seq=4096, degree=2, dtype="bf16")
     with pytest.raises(PlanInputError, match="hybrid"):
         plan_layouts(inp, ("tsp", "ulysses"))
-    with pytest.raises(PlanInputError, match="activation_checkpointing"):
-        plan_tsp(PlanInput(model=inp.model, seq=4096, degree=2, activation_checkpointing=True))
+    with pytest.raises(PlanInputError, match="pp: not modelled"):
+        plan_tsp(PlanInput(model=inp.model, seq=4096, degree=2, pp=2))
     # the Gated DeltaNet's comm does not grow with S; the attention layer's K/V does
     long = plan_tsp(PlanInput(model=inp.model, seq=65536, degree=2, dtype="bf16"))
     short = plan_tsp(inp)

@@ -303,6 +303,31 @@ class TSPComm:
             self._post_failed(err, "ring", peer, what)
         return self._started(works, (send, recv), "ring", peer, what)
 
+    def shift_exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, shift: int, tag: int,
+                       what: str | None = None) -> Handle:
+        """Send to rank p+shift and receive from rank p-shift (mod size), in one batch_isend_irecv like
+        ring_exchange; either side may be None (this pair moves nothing: the peer posts no matching op either, by
+        the same static rule). Counted under "ring" as the bytes sent."""
+        nxt, prv = (self.rank + shift) % self.size, (self.rank - shift) % self.size
+        ops, links = [], []
+        if send is not None:
+            self.counter.add("ring", _nbytes(send))
+            ops.append(dist.P2POp(dist.isend, send, peer=self._global(nxt), group=self.weight_channel, tag=tag))
+            links.append(("send", self._global(nxt), send.numel()))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, peer=self._global(prv), group=self.weight_channel, tag=tag))
+            links.append(("recv", self._global(prv), recv.numel()))
+        if not ops:
+            return Handle([], self.counter)
+        peer = ("ring", prv, nxt)
+        self._record("p2p", send if send is not None else recv, what, p2p=tuple(links), batched=True, tag=tag,
+                     weights=True)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:
+            self._post_failed(err, "ring", peer, what)
+        return self._started(works, tuple(t for t in (send, recv) if t is not None), "ring", peer, what)
+
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    what: str | None = None) -> Handle:
         """Rows of `inp` (dim 0) split by in_splits go to group ranks 0..D-1; out receives out_splits[r] rows from

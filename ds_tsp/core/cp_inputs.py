@@ -1,5 +1,9 @@
 """What the model's input check adds with a cp axis: the whole sequence's facts, and the models cp can run.
 
+Models cp runs: dense and mixture-of-experts (experts dispatched inside each TSP group, as TSP alone; the
+load-balancing loss's counts reduced over cp x TSP, ds_tsp.core.functions.moe_aux); check_cp_model refuses the
+rest by name.
+
 The input check gathers a fixed-size payload over the TSP group (ds_tsp.model.sharded_causal_lm._check_inputs).
 With cp groups (tsp.cp_size > 1) the packed-document layout is a fact of the whole sequence, so the TSP group's
 gathered payloads are all-gathered once more over the cp ring's group (`over_cp`) and decoded with the two-level
@@ -23,14 +27,11 @@ def check_cp_model(shape: ModelShape, comm: TSPComm) -> None:
     if comm.cp is None:
         return
     why = None
-    if shape.num_experts:
-        why = (f"mixture-of-experts layers ({shape.num_experts} experts): their load-balancing loss is a statistic "
-               "of the whole sequence, which the cp groups do not reduce yet")
-    elif shape.layer_types is not None and "linear_attention" in shape.layer_types:
+    # mixture-of-experts layers run: dispatch stays inside the TSP group, the aux loss's counts are reduced over cp
+    # too (ds_tsp.core.functions.moe_aux)
+    if shape.layer_types is not None and "linear_attention" in shape.layer_types:
         why = "linear-attention (Gated DeltaNet) layers: their recurrent state does not travel the cp ring yet"
-    elif shape.attention_windows is not None and any(w is not None for w in shape.attention_windows):
-        window = next(w for w in shape.attention_windows if w is not None)
-        why = f"sliding-window attention (window {window}): the cp ring does not skip hops outside a window yet"
+    # sliding-window layers run: only the keys a window reaches travel (ds_tsp.core.cp_window)
     if why:
         raise TSPConfigError(f"tsp.cp_size={comm.cp.size} with {why}; set cp_size to 1 for this model")
 
@@ -63,4 +64,6 @@ def check_cp_integration(cp_size: int, where: str) -> None:
     if cp_size > 1:
         raise TSPConfigError(
             f"tsp.cp_size={cp_size} with {where}: its batches, token counts and metrics are not split over cp "
-            "groups yet; train with ds_tsp.initialize (DeepSpeed: ZeRO 0-3 over data x cp) or set cp_size to 1")
+            "groups yet; train with TSPTrainer or TSPAccelerator (plain, FSDP2 or DeepSpeed), ds_tsp.initialize "
+            "(DeepSpeed ZeRO 0-3 over data x cp) or ds_tsp.shard_with_fsdp2 (FSDP2 over data x cp), or set cp_size "
+            "to 1")

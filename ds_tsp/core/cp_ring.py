@@ -26,8 +26,14 @@ Both cases are one (c queries x 2 Ccp keys) of work per rank and hop, so every r
 hop and no rank waits on a slower neighbour (the zigzag ring of ring-flash-attention, here with TSP inside).
 Packed documents: a query of document [a, ...) sees the keys of r's buffer from `_buffer_offset(a, r)` on (a
 suffix of the buffer, since r's two chunks are in global order), so each run of queries in one document is one
-unmasked kernel call over a buffer suffix: no [S, S] mask. Sliding windows are refused under cp (TSPConfigError
-naming cp_size), as are MoE and linear-attention layers (ds_tsp.model.sharded_causal_lm checks the model).
+unmasked kernel call over a buffer suffix: no [S, S] mask. Linear-attention layers are refused under cp
+(TSPConfigError naming cp_size; ds_tsp.model.sharded_causal_lm checks the model). Sliding-window layers (a window
+that hides some key of S_pad) do not take this ring: ds_tsp.core.cp_window fetches, per ring distance that some
+rank needs (a static fact of window, C and Ccp, the same on every rank), only the key range each receiver's window
+reaches, straight from its owner (one exchange per distance; distances no rank needs are not posted; dK/dV go back
+the same way); its module doc has that schedule and its bytes. Full layers of the same model keep this ring. MoE
+layers need nothing here: their experts stay inside the TSP group and the aux loss's counts are reduced over cp
+(functions/moe_aux).
 
 Backward (same hops, plus the way back): K/V hops as in forward (posted one block ahead); each rank computes the
 received block's dK/dV contribution with the kernels' backward from the MERGED out / lse (exact partial grads,
@@ -49,25 +55,18 @@ import torch
 
 from ds_tsp.core import kernels
 from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.cp_window import uses_window_path, window_attention_backward, window_attention_forward
 from ds_tsp.core.document_attention import (
     DocumentLayout,
     masked_attention_backward,
     masked_attention_forward,
 )
-from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.kv_layout import RankOrderedKVGrad, kv_prefix
 from ds_tsp.core.partition import zigzag_chunks
 
-__all__ = ["cp_attention_forward", "cp_attention_backward", "local_layout", "check_cp_window"]
+__all__ = ["cp_attention_forward", "cp_attention_backward", "local_layout"]
 
 KV_TAG, GRAD_TAG = 31, 32  # gloo matches p2p by tag (NCCL by post order, the same on every rank)
-
-
-def check_cp_window(window: int | None, cp_size: int) -> None:
-    if window is not None:
-        raise TSPConfigError(
-            f"sliding-window attention (window {window}) with tsp.cp_size={cp_size}: the cp ring does not skip hops "
-            "outside a window yet; set cp_size to 1 for models with sliding-window layers")
 
 
 def _buffer_offset(a: int, cp_rank: int, cp: int, cp_chunk: int) -> int:
@@ -203,8 +202,10 @@ def cp_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, *
     (kv_all [S_loc, B, 2, nkv, d]) and, around comm.cp's ring, every other group's. doc_starts: the global
     layout. Returns (out [B, L, nq, d], [lse of chunk 1, lse of chunk 2]) merged over every block."""
     cp = _cp_of(comm)
-    check_cp_window(window, cp.size)
     B, L = q.shape[:2]
+    if uses_window_path(window, cp.size * comm.size * L):  # only the keys the window reaches travel
+        return window_attention_forward(q, kv_all, comm, cp, doc_starts=doc_starts, window=window, scale=scale,
+                                        backend=backend)
     geo = _Geometry(cp, comm.rank, comm.size, L)
     ring = _KVRing(cp, kv_all, "K/V")
     own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)
@@ -238,8 +239,10 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Ten
     """Backward of cp_attention_forward: returns dq of the two query chunks and adds the grads of this group's
     K/V (its own block's, and every other group's, brought back around the ring) into kv_grad."""
     cp = _cp_of(comm)
-    check_cp_window(window, cp.size)
     B, L = q.shape[:2]
+    if uses_window_path(window, cp.size * comm.size * L):
+        return window_attention_backward(dout, q, kv_all, out, lses, kv_grad, comm, cp, doc_starts=doc_starts,
+                                         window=window, scale=scale, backend=backend)
     geo = _Geometry(cp, comm.rank, comm.size, L)
     ring = _KVRing(cp, kv_all, "K/V (backward)")
     own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)

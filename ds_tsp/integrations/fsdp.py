@@ -13,7 +13,12 @@
 
 To FSDP each rank's TSP shards (packed_shard, vocab_shard) and replicated norm weights are ordinary local tensors:
 it shards them again over the data sub-mesh (`groups.device_mesh()["data"]`) and AVERAGES their grads over it;
-`set_data_parallel_group` makes that average the token-weighted mean over the global batch. The TSP collectives
+`set_data_parallel_group` makes that average the token-weighted mean over the global batch.
+With a cp axis (tsp.cp_size = C: C TSP groups split each sequence) the "data" sub-mesh spans data x cp: the cp
+groups hold the same shards, so FSDP2 shards them over data x cp and averages the cp groups' gradients like data
+replicas'. The model must carry the cp ring (TSPComm(groups.tsp_group, cp=TSPComm(groups.cp_group)), what
+ds_tsp.core.setup.build_runtime builds) and the batches come cut over cp then TSP (TSPDataLoader, shard_batch(...,
+cp=C, cp_rank=groups.cp_rank)); tests/test_cp_fsdp.py checks it against one process. The TSP collectives
 (weight broadcasts/rings, K/V all-gathers, the replicated-norm grad all-reduce) run inside the layers on the other
 axis, on the unsharded parameters FSDP2 installs in its pre-forward hook.
 
@@ -68,6 +73,12 @@ def shard_with_fsdp2(model: nn.Module, groups: ProcessGroups, *, mp_policy=None,
                                              != group_ranks(groups.tsp_group)):
         raise TSPConfigError(f"the model was built on a TSP group of size {core.comm.size}, not on groups.tsp_group "
                              f"(size {groups.tsp_size}): build it with TSPComm(groups.tsp_group)")
+    model_cp = core.comm.cp.size if core.comm.cp is not None else 1
+    if model_cp != groups.cp_size or (model_cp > 1 and group_ranks(core.comm.cp.group) != group_ranks(groups.cp_group)):
+        # a model without the cp ring on cp-cut batches would attend within its own chunks only: silently wrong
+        raise TSPConfigError(f"the model was built with a cp ring of size {model_cp}, the groups have tsp.cp_size="
+                             f"{groups.cp_size}: build it with TSPComm(groups.tsp_group, cp=TSPComm(groups.cp_group)) "
+                             "(ds_tsp.core.setup.build_runtime's comm), or cp_size 1 throughout")
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):

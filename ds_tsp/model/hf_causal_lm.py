@@ -276,10 +276,13 @@ class TSPForCausalLM(nn.Module):
             else:  # a fill on the device: as_tensor of a python int would be a host-to-device copy
                 total = torch.full((), num_items_in_batch, dtype=n_valid.dtype, device=h.device)
             share = self.tsp.head_loss(h, batch["shift_labels"], total, batch["attention_mask"])
+            # a share of the sequence's token sum / num_items (cp groups summed, as the Trainer scales): the aux
+            # share of the sequence likewise, not counted per cp group
             loss = self.tsp.tsp_group_loss(self._with_aux(share, aux_share))
         elif has_targets:
             share = self.tsp.head_loss(h, batch["shift_labels"], n_valid, batch["attention_mask"])
-            loss = self.tsp.global_loss(self._with_aux(share, aux_share))
+            loss = self.tsp.global_loss(self._with_aux(share, None if aux_share is None else
+                                                       self.tsp.aux_in_mean_loss(aux_share)))
         if logits_to_keep:
             logits = self.tsp.last_logits(h, seq_len, logits_to_keep)
         outputs = import_transformers().modeling_outputs
@@ -289,7 +292,20 @@ class TSPForCausalLM(nn.Module):
                     if router_logits and output_router_logits else None)
         return outputs.MoeCausalLMOutputWithPast(
             loss=loss, logits=logits, router_logits=gathered,
-            aux_loss=None if aux_share is None else self.tsp.tsp_group_loss(aux_share))
+            aux_loss=None if aux_share is None else self._sequence_aux_loss(aux_share))
+
+    def _sequence_aux_loss(self, aux_share: torch.Tensor) -> torch.Tensor:
+        """Value: the aux loss of this data replica's batch (the shares summed over the TSP group and, with a cp axis,
+        the cp groups); gradient: this rank's share in the mean loss's convention (aux_in_mean_loss)."""
+        if self.tsp.comm.cp is None:
+            return self.tsp.tsp_group_loss(aux_share)
+        total = self.tsp.tsp_group_loss(aux_share).detach().clone()
+        cp = self.tsp.comm.cp
+        with self.tsp.comm.guard("aux loss all_reduce over cp", group=cp.group,
+                                 context=self.tsp.comm.context or "loss for logging"):
+            dist.all_reduce(total, group=cp.group)
+        scaled = self.tsp.aux_in_mean_loss(aux_share)
+        return scaled + (total - scaled).detach()
 
     def _with_aux(self, share: torch.Tensor, aux_share: torch.Tensor | None) -> torch.Tensor:
         """The loss share plus, for MoE with router logits, router_aux_loss_coef x the aux loss share (as transformers
@@ -299,19 +315,24 @@ class TSPForCausalLM(nn.Module):
     @torch.no_grad()
     def _gathered_router_logits(self, router_logits: list, local_shape, seq_len: int) -> tuple[torch.Tensor, ...]:
         """Every sparse layer's router logits of the whole batch, [batch * seq_len, E] in sequence order as
-        transformers returns them (all-gathered over the TSP group, zigzag undone, padding cut)."""
-        from ds_tsp.core.partition import unshard
+        transformers returns them (all-gathered over the TSP group and, with a cp axis, the cp groups; zigzag undone,
+        padding cut)."""
+        from ds_tsp.core.cp_inputs import over_cp
+        from ds_tsp.core.partition import cp_unshard, unshard
 
         comm, (B, L) = self.tsp.comm, local_shape
         out = []
         for logits in router_logits:
             local = logits.detach().reshape(B, L, -1).contiguous()
+            everyone = local[None]
             if comm.size > 1:
                 everyone = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
                 comm.all_gather(everyone, local).wait()
+            if comm.cp is None:
                 full = unshard(list(everyone.unbind(0)), dim=1)
-            else:
-                full = local
+            else:  # [C * D, B, L, E], cp-major
+                groups = over_cp(comm, everyone).view(comm.cp.size, comm.size, *local.shape)
+                full = cp_unshard([list(group.unbind(0)) for group in groups.unbind(0)], dim=1)
             out.append(full[:, :seq_len].reshape(B * seq_len, -1))
         return tuple(out)
 

@@ -9,6 +9,13 @@ piece's hf_slices), and holds the factors so that its slice of the delta needs n
 |------------------------------------------------|------------------------|------------------------------|---------|
 | rows: q/k/v_proj, gate/up_proj (dim 0)         | B rows of the slice    | A [r, in]                    | s B_p A |
 | columns: o_proj, down_proj (dim 1)             | A columns of the slice | B [out, r]                   | s B A_p |
+| several row ranges: Gated DeltaNet in_proj_qkv | none                   | A [r, in] and B [out, r]     | s B_p A |
+
+Gated DeltaNet layers (ds_tsp.model.sharded_gated_deltanet) take LoRA on their linears the same way: in_proj_z /
+_b / _a, Qwen3-Next's in_proj_qkvz / in_proj_ba (rows of the rank's heads) and out_proj (its columns). Qwen3.5's
+in_proj_qkv gives a rank three row ranges (its q, k and v heads); there both factors stay whole on every rank (B
+is [out, r]: small) and B_p is those rows of B, so the local part of B's gradient is zero outside them and the
+replicated factor's group sum below is exact.
 
 `ShardLoRA(base)` returns base + the packed deltas as one differentiable tensor, marked so the Function rebuilds it
 in backward from the base and the factors instead of keeping this second copy of the shard (core.functions.
@@ -34,10 +41,13 @@ from ds_tsp.core.comm_primitives import replicated_param
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.functions.shard_rebuild import attach_rebuild
 from ds_tsp.core.grad_norm import mark_sharded
+from ds_tsp.model.hf_slices import HFRanges
 from ds_tsp.model.lora_moe import check_no_expert_lora
+from ds_tsp.model.sharded_gated_deltanet import TSPGatedDeltaNet
 from ds_tsp.model.sharded_modules import TSPAttention, TSPGatedMLP
 
-TARGETS = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
+TARGETS = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
+                     r"linear_attn\.(in_proj_(qkv|z|b|a|qkvz|ba)|out_proj))$")
 # LoraConfig fields that may differ from their defaults: bookkeeping, which modules get LoRA and with which rank
 # and alpha (read per module from the layers themselves, so rank_pattern / alpha_pattern / use_rslora are exact),
 # and options that only act on targets refused anyway (fan_in_fan_out: Conv1D; ensure_weight_tying: embeddings).
@@ -51,14 +61,17 @@ _PLAIN_INITS = (True, False, "gaussian")  # random or zero starts; the others re
 
 class LoRAFactors(nn.Module):
     """One targeted linear's factors as this rank holds them: lora_A [r, in] and lora_B [out, r], one of them cut
-    along `dim` (the base slice's dim: 0 cuts B's rows, 1 cuts A's columns) at `starts[rank]`."""
+    along `dim` (the base slice's dim: 0 cuts B's rows, 1 cuts A's columns) at `starts[rank]`. `rows` (the base
+    slice is several row ranges (start, length)): both factors whole, the delta uses those rows of B."""
 
-    def __init__(self, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, dim: int, starts: tuple[int, ...]):
+    def __init__(self, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, dim: int, starts: tuple[int, ...],
+                 rows: tuple[tuple[int, int], ...] | None = None):
         super().__init__()
         self.lora_A, self.lora_B = nn.Parameter(lora_a), nn.Parameter(lora_b)
-        self.scaling, self.dim, self.starts = float(scaling), dim, tuple(starts)
-        self.sharded = "lora_B" if dim == 0 else "lora_A"
-        mark_sharded(getattr(self, self.sharded))
+        self.scaling, self.dim, self.starts, self.rows = float(scaling), dim, tuple(starts), rows
+        self.sharded = None if rows is not None else "lora_B" if dim == 0 else "lora_A"
+        if self.sharded is not None:
+            mark_sharded(getattr(self, self.sharded))
 
     def forward(self, comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(this rank's slice of the delta s * B @ A, and detached A, B as it used them). A module call, so ZeRO-3
@@ -66,6 +79,8 @@ class LoRAFactors(nn.Module):
         ZeRO-3 releases the parameters (factor-sized; without ZeRO-3 they share the parameters' storage)."""
         a = self.lora_A if self.sharded == "lora_A" else replicated_param(self.lora_A, comm)
         b = self.lora_B if self.sharded == "lora_B" else replicated_param(self.lora_B, comm)
+        if self.rows is not None:  # this rank's rows of the whole B, in the packed shard's order
+            b = torch.cat([b.narrow(0, start, length) for start, length in self.rows])
         return _delta(a, b, self.scaling), a.detach(), b.detach()
 
     def extra_repr(self) -> str:
@@ -73,9 +88,9 @@ class LoRAFactors(nn.Module):
 
 
 class ShardLoRA(nn.Module):
-    """The LoRA factors of one packed shard (a layer's attention or MLP)."""
+    """The LoRA factors of one packed shard (a layer's attention, MLP or Gated DeltaNet)."""
 
-    def __init__(self, piece: TSPAttention | TSPGatedMLP, factors: dict[str, LoRAFactors]):
+    def __init__(self, piece: TSPAttention | TSPGatedMLP | TSPGatedDeltaNet, factors: dict[str, LoRAFactors]):
         super().__init__()
         for proj, f in factors.items():  # registered by projection name: parameters read like PEFT's (q_proj.lora_A)
             self.add_module(proj, f)
@@ -175,7 +190,8 @@ def _check_lora_layer(name: str, module: nn.Module, adapter: str) -> None:
 
     if not TARGETS.match(name):
         raise TSPConfigError(f"LoRA on {name!r} is not supported under TSP: target only the decoder layers' "
-                             "q/k/v/o_proj and gate/up/down_proj (target_modules)")
+                             "q/k/v/o_proj, gate/up/down_proj and the Gated DeltaNet's in_proj_* / out_proj "
+                             "(target_modules)")
     what = None
     if type(module) is not Linear:
         what = f"a {type(module).__name__} LoRA layer"
@@ -193,16 +209,16 @@ def _check_lora_layer(name: str, module: nn.Module, adapter: str) -> None:
 
 @torch.no_grad()
 def attach_lora(core: nn.Module, base: nn.Module, adapter: str) -> int:
-    """Give every sharded attention / MLP piece of `core` (a ShardedCausalLM) whose HF linears carry LoRA layers in
-    `base` its ShardLoRA: this rank's slices of the factors as TSP rank 0 holds them (collective over the TSP
-    group), requires_grad as in PEFT. Returns the pieces adapted."""
+    """Give every sharded attention / MLP / Gated DeltaNet piece of `core` (a ShardedCausalLM) whose HF linears carry
+    LoRA layers in `base` its ShardLoRA: this rank's slices of the factors as TSP rank 0 holds them (collective over
+    the TSP group), requires_grad as in PEFT. Returns the pieces adapted."""
     modules = dict(base.named_modules())
     comm, adapted = core.comm, 0
     for prefix, piece, shard in core.sharded_modules():
-        if not isinstance(piece, (TSPAttention, TSPGatedMLP)):
+        if not isinstance(piece, (TSPAttention, TSPGatedMLP, TSPGatedDeltaNet)):
             continue
         factors = {}
-        for name, (dim, start, length) in piece.hf_slices().items():
+        for name, where in piece.hf_slices().items():
             proj = name[:-len(".weight")]
             layer = modules.get(prefix + proj)
             if not name.endswith(".weight") or layer is None or not hasattr(layer, "lora_A"):
@@ -212,10 +228,17 @@ def attach_lora(core: nn.Module, base: nn.Module, adapter: str) -> int:
             if comm.size > 1:  # PEFT draws lora_A at random: ranks that did not seed alike must not disagree
                 for t in (full_a, full_b):
                     comm.broadcast(t, src=0, what=f"{prefix}{proj} LoRA factor").wait()
-            starts = tuple(piece.hf_slices(rank)[name][1] for rank in range(comm.size))
-            cut_a, cut_b = (full_a, full_b.narrow(0, start, length)) if dim == 0 else \
-                (full_a.narrow(1, start, length), full_b)
-            f = LoRAFactors(cut_a.clone(), cut_b.clone(), layer.scaling[adapter], dim, starts)
+            if isinstance(where, HFRanges):  # row ranges (in_proj_qkv: q, k, v heads): both factors whole
+                if any(dim != 0 for dim, _, _ in where):  # no such target today; B's rows are what ranges select
+                    raise TSPConfigError(f"LoRA on {prefix}{proj}: its shard is column ranges, not supported")
+                f = LoRAFactors(full_a.clone(), full_b.clone(), layer.scaling[adapter], 0, (),
+                                rows=tuple((start, length) for _, start, length in where))
+            else:
+                dim, start, length = where
+                starts = tuple(piece.hf_slices(rank)[name][1] for rank in range(comm.size))
+                cut_a, cut_b = (full_a, full_b.narrow(0, start, length)) if dim == 0 else \
+                    (full_a.narrow(1, start, length), full_b)
+                f = LoRAFactors(cut_a.clone(), cut_b.clone(), layer.scaling[adapter], dim, starts)
             f.lora_A.requires_grad_(a.requires_grad)
             f.lora_B.requires_grad_(b.requires_grad)
             factors[proj] = f

@@ -14,7 +14,8 @@ Inputs are this rank's zigzag shard (ds_tsp.shard_batch): input_ids, shift_label
 position_ids (restarting per packed document), optionally attention_mask, each [B, S_pad/D]. forward returns this
 rank's share of the mean loss (the shares sum to it); ds_tsp.hf.TSPForCausalLM is the HF-shaped face of it.
 A mixture-of-experts model (Qwen3-MoE, Mixtral) whose config sets output_router_logits adds, as transformers does,
-router_aux_loss_coef x this rank's share of the load-balancing loss over the whole batch (moe_aux_loss_share).
+router_aux_loss_coef x this rank's share of the load-balancing loss over the whole batch (moe_aux_loss_share; with
+a cp axis over the whole sequence, cp x TSP).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from ds_tsp.core.document_attention import DocumentLayout, document_layout
 from ds_tsp.core.documents import OVERFLOW, decode_layout, document_starts, shard_layout
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.functions.norm import TSPRMSNorm
-from ds_tsp.core.partition import unshard, zigzag_chunks, zigzag_positions
+from ds_tsp.core.partition import cp_zigzag_positions, unshard, zigzag_chunks, zigzag_positions
 from ds_tsp.core.replicated_grads import ReplicatedGradBucket
 from ds_tsp.core.rope import rope_cos_sin
 from ds_tsp.core.shape import ModelShape
@@ -139,24 +140,35 @@ class ShardedCausalLM(nn.Module):
         h, n_valid = self.final_hidden(input_ids, position_ids, attention_mask, shift_labels, router_logits)
         share = self.head_loss(h, shift_labels, n_valid, attention_mask)
         if router_logits:
-            share = share + self.shape.router_aux_loss_coef * self.aux_loss_share(
-                router_logits, tuple(input_ids.shape), attention_mask, seq_len)
+            share = share + self.shape.router_aux_loss_coef * self.aux_in_mean_loss(self.aux_loss_share(
+                router_logits, tuple(input_ids.shape), attention_mask, seq_len))
         return share
 
     def aux_loss_share(self, router_logits: list[torch.Tensor], local_shape: tuple[int, int],
                        attention_mask: torch.Tensor | None, seq_len: int | None) -> torch.Tensor:
-        """This rank's share of transformers' load-balancing loss over the whole batch (the TSP group's shares sum to
-        it; one all-reduce). Tokens counted as transformers counts them: attention_mask's real tokens, or every
-        token of the unpadded sequence (the zigzag padding past seq_len, which transformers never sees, left out;
-        seq_len None: no padding). local_shape: this rank's [B, L]."""
+        """This rank's share of transformers' load-balancing loss over the whole batch (the shares of the sequence's
+        ranks, TSP group x cp groups, sum to it; one all-reduce per axis). Tokens counted as transformers counts
+        them: attention_mask's real tokens, or every token of the unpadded sequence (the zigzag padding past
+        seq_len, which transformers never sees, left out; seq_len None: no padding). local_shape: this rank's
+        [B, L]."""
         from ds_tsp.core.functions.moe import moe_aux_loss_share
 
         mask, (B, L) = attention_mask, local_shape
-        if mask is None and seq_len is not None and seq_len < L * self.comm.size:
-            real = zigzag_positions(L * self.comm.size, self.comm.size, self.comm.rank, router_logits[0].device)
+        cp = self.comm.cp
+        padded = L * self.comm.size * (cp.size if cp is not None else 1)
+        if mask is None and seq_len is not None and seq_len < padded:
+            device = router_logits[0].device
+            real = (zigzag_positions(padded, self.comm.size, self.comm.rank, device) if cp is None else
+                    cp_zigzag_positions(padded, self.comm.size, self.comm.rank, cp.size, cp.rank, device))
             mask = (real < seq_len).expand(B, L)
         return moe_aux_loss_share(router_logits, self.shape.num_experts, self.shape.num_experts_per_tok, self.comm,
                                   None if mask is None else mask.reshape(-1))
+
+    def aux_in_mean_loss(self, aux_share: torch.Tensor) -> torch.Tensor:
+        """aux_loss_share as a share of the mean loss (head_loss's convention: shares summed over the TSP group,
+        averaged over data x cp). The data-parallel engine averages gradients over the cp groups, whose aux shares
+        together already make the sequence's loss, so each is counted cp_size times (x 1 without a cp axis)."""
+        return aux_share if self.comm.cp is None else aux_share * self.comm.cp.size
 
     def head_loss(self, h: torch.Tensor, shift_labels: torch.Tensor, n_valid: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,7 +211,8 @@ class ShardedCausalLM(nn.Module):
         n_valid, doc_starts = self._check_inputs(input_ids, shift_labels, position_ids, attention_mask)
         if n_valid is not None:
             # float32 at least: bf16 would round token counts above 256
-            n_valid = normalise_over_data(n_valid, self.data_group, self.comm).to(torch.promote_types(self.dtype, torch.float32))
+            n_valid = normalise_over_data(n_valid, self.data_group, self.comm)
+            n_valid = n_valid.to(torch.promote_types(self.dtype, torch.float32))
         cos, sin = rope_cos_sin(position_ids, self.shape.rotary_dim, self.shape.rope_theta, self.dtype,
                                 self.shape.rope_scaling)
         # One all-reduce for every norm weight's grad, posted by the last one's backward (see replicated_grads);

@@ -72,13 +72,23 @@ class TSPGatedDeltaNet(nn.Module):
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.norm = GatedNorm(shape.linear_value_head_dim, dtype, device)
+        # packed-layout key -> the HF linear it holds (what PEFT LoRA may target; ds_tsp.model.lora reads it)
+        self.PIECES = {"out": "out_proj.weight", **({"qkv": "in_proj_qkv.weight", "z": "in_proj_z.weight",
+                                                     "b": "in_proj_b.weight", "a": "in_proj_a.weight"}
+                                                    if hf_format == "qwen3_5" else
+                                                    {"qkvz": "in_proj_qkvz.weight", "ba": "in_proj_ba.weight"})}
+        self.lora = None  # a ds_tsp.model.lora.ShardLoRA when PEFT LoRA targets this layer's projections
+
+    def weight_shard(self) -> torch.Tensor:
+        """What the Function streams: the packed parameter, or with LoRA base + delta (differentiable)."""
+        return self.packed_shard if self.lora is None else self.lora(self.packed_shard)
 
     def forward(self, x: torch.Tensor, doc_starts=None) -> torch.Tensor:
         """x: [B, L, h] this rank's tokens in zigzag order; doc_starts: per row the global document starts or the
         step's DocumentLayout (None: one document per row)."""
         B = x.shape[0]
         layout = single_documents(B) if doc_starts is None else document_layout(doc_starts, B)
-        return tsp_gated_deltanet(x, self.packed_shard, replicated_param(self.norm.weight, self.comm), self.spec,
+        return tsp_gated_deltanet(x, self.weight_shard(), replicated_param(self.norm.weight, self.comm), self.spec,
                                   self.comm, layout.rows)
 
     # --- sharded-piece protocol (ds_tsp.model.sharded_modules) -----------------------------------------------

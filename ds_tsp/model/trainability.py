@@ -105,8 +105,9 @@ def carry_requires_grad(sharded, replicated: dict[str, nn.Parameter], source: di
             raise TSPConfigError(
                 f"{prefix.rstrip('.')}: {_in_memory(frozen, held)} frozen but {_in_memory(trainable, held)} "
                 "trainable. TSP packs a layer's attention weights (q/k/v/o and their biases) into one shard per "
-                "rank, its MLP weights (gate/up/down) into another, and a mixture-of-experts layer's experts into "
-                "one, so they train or freeze together: freeze or unfreeze the whole "
+                "rank, its MLP weights (gate/up/down) into another, a mixture-of-experts layer's experts into "
+                "one and a Gated DeltaNet's in_proj_*, conv1d, A_log, dt_bias and out_proj into one, so they "
+                "train or freeze together: freeze or unfreeze the whole "
                 f"{prefix.rstrip('.')} (e.g. `for p in layer.{_module_of(prefix)}.parameters(): "
                 "p.requires_grad_(False)`), or train a subset with LoRA (peft) instead")
         param.requires_grad_(not frozen)

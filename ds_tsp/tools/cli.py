@@ -126,9 +126,6 @@ def _shape_from_checkpoint(directory: str) -> ModelShape:
 
 def _verify(args: argparse.Namespace) -> int:
     try:
-        if args.cp > 1 and args.hf_model:
-            raise TSPConfigError(f"--cp {args.cp} with --hf-model: verify with a cp axis runs the ds_tsp reference "
-                                 "only; drop --hf-model or --cp")
         shape = _shape_from_checkpoint(args.hf_model) if args.hf_model else _shape_from_args(args)
         shape.check_tsp_degree(args.tsp)
         if args.documents > args.seq:

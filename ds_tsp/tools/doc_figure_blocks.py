@@ -17,6 +17,9 @@ MIB = 2 ** 20
 RUN1 = "docs/bench/results.json"
 MAX_SEQ = "docs/bench/max_seq/results.json"
 OVERLAP = {(when, d): f"docs/bench/overlap/{when}_D{d}/results.json" for when in ("before", "after") for d in (2, 4)}
+CP_STEP, CP_MAX_SEQ = "docs/bench/cp/step/results.json", "docs/bench/cp/max_seq/results.json"
+CP_STEP_REVERSED = "docs/bench/cp/step_reversed/results.json"  # the same command, layouts in reverse order
+CP_MAX_SEQ_64 = "docs/bench/cp/max_seq_64/results.json"  # tsp_cp and Ulysses only, at 64 MiB
 DEMO2, DEMO1, VERIFY = "docs/results/demo_tsp2.json", "docs/results/demo_tsp1.json", "docs/results/verify_tsp3.json"
 
 # The names docs/benchmarks.md gives each `ds-tsp bench` layout, in the order its tables list them.
@@ -242,6 +245,57 @@ def bench_memory_reading(src: dict) -> str:
             f"{tsp2 / peak('dtensor_tp_sp', 2):.2f}x TP+SP.")
 
 
+def _cp_cells(r: dict) -> list[str]:
+    """The layout and its ranks (C x D for tsp_cp) of a `ds-tsp bench --cp` row (ds_tsp.tools.bench.cp_report)."""
+    ranks = f"{r['world']} ({r['tsp']} x {r['cp']})" if r.get("cp", 1) > 1 else str(r["world"])
+    return [f"`{r['layout']}`", ranks]
+
+
+def _cp_mib(value) -> str:
+    return "-" if value is None else f"{_mib(value):.2f}"
+
+
+def bench_cp_step_table(src: dict) -> str:
+    """`ds-tsp bench --tsp 2 --cp 2`, run twice (layouts in order, then reversed): tsp_cp against TSP = 4 and
+    Ulysses on 4 ranks, per S; time columns give both runs (run 1 / run 2)."""
+    lines = ["| layout | ranks (D x C) | S | tokens/s | s/step / tsp_cp's | CPU s/step / tsp_cp's | peak MiB/rank | "
+             "own group MiB/step/rank | cp ring MiB/step/rank (plan) | cp grad sync MiB/step/rank | load |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    reversed_run = {(r["layout"], r["seq"]): r for r in src[CP_STEP_REVERSED]}
+
+    def runs(pair, cell) -> str:
+        return " / ".join(cell(x) for x in pair)
+
+    for r in sorted(src[CP_STEP], key=lambda r: (r["seq"], r["layout"] != "tsp_cp")):
+        pair = (r, reversed_run[r["layout"], r["seq"]])
+        ring = "-" if "comm_cp_ring_bytes" not in r else \
+            f"{_cp_mib(r['comm_cp_ring_bytes'])} ({_cp_mib(r['plan_cp_ring_bytes'])})"
+        cells = [runs(pair, lambda x: str(_tokens_s(x))), runs(pair, lambda x: f"{x['step_s_vs_tsp_cp']:.2f}"),
+                 runs(pair, lambda x: f"{x['cpu_s_vs_tsp_cp']:.2f}"), f"{_mib(r['peak_bytes_per_rank']):.1f}",
+                 _cp_mib(r["comm_group_bytes"]), ring, _cp_mib(r.get("comm_cp_grad_sync_bytes")),
+                 runs(pair, lambda x: "->".join(f"{v:.0f}" for v in x["loadavg_before_after"]))]
+        lines.append(f"| {' | '.join(_cp_cells(r))} | {r['seq']} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def bench_cp_max_seq_table(src: dict) -> str:
+    """`ds-tsp bench --max-seq --tsp 2 --cp 2` at 48 MiB (all three) and 64 MiB (tsp_cp and Ulysses): the longest S
+    in the budget, checkpointing off and on."""
+    lines = ["| budget MiB/rank | layout | ranks (D x C) | checkpointing | max S | / tsp_cp's | peak MiB/rank at max S "
+             "| next probe S | its peak MiB/rank |", "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    rows = [*src[CP_MAX_SEQ], *src[CP_MAX_SEQ_64]]
+    for r in sorted(rows, key=lambda r: (r["budget_bytes"], bool(r.get("activation_checkpointing")),
+                                         r["layout"] != "tsp_cp")):
+        ratio = r.get("max_seq_vs_tsp_cp")
+        fits = r.get("max_seq")
+        lines.append(f"| {_mib(r['budget_bytes']):.0f} | {' | '.join(_cp_cells(r))} | "
+                     f"{'on' if r.get('activation_checkpointing') else 'off'} | "
+                     f"{fits or 'none'} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+                     f"{_cp_mib(r['peak_bytes_per_rank']) if fits else '-'} | {r.get('next_probe_seq') or '-'} | "
+                     f"{_cp_mib(r.get('next_probe_peak_bytes'))} |")
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, tuple[tuple[str, ...], Callable[[dict], str]]] = {
     "demo": ((DEMO2,), readme_demo),
     "demo-tsp1": ((DEMO1,), readme_demo_tsp1),
@@ -255,4 +309,6 @@ BLOCKS: dict[str, tuple[tuple[str, ...], Callable[[dict], str]]] = {
     "max-seq-table": ((MAX_SEQ,), bench_max_seq_table),
     "max-seq-reading": ((MAX_SEQ,), bench_max_seq_reading),
     "memory-reading": ((RUN1, OVERLAP["after", 2], OVERLAP["after", 4]), bench_memory_reading),
+    "cp-step-table": ((CP_STEP, CP_STEP_REVERSED), bench_cp_step_table),
+    "cp-max-seq-table": ((CP_MAX_SEQ, CP_MAX_SEQ_64), bench_cp_max_seq_table),
 }

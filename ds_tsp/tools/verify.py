@@ -122,14 +122,15 @@ def hf_reference_loss_and_grads(case: VerifyCase, aux_out: dict | None = None):
 
 
 def _aux_loss(model: ShardedCausalLM, batch: dict, seq_len: int) -> torch.Tensor | None:
-    """The MoE aux loss of the batch (the group's value), or None when the model adds none. Gradient-free."""
+    """The MoE aux loss of the batch (the value of the sequence's ranks, TSP group x cp groups), or None when the
+    model adds none. Gradient-free."""
     if not (model.shape.num_experts and model.shape.output_router_logits):
         return None
     router_logits = []
     with torch.no_grad():
         model.final_hidden(batch["input_ids"], batch["position_ids"], None, batch["shift_labels"], router_logits)
         share = model.aux_loss_share(router_logits, tuple(batch["input_ids"].shape), None, seq_len)
-    return model.loss_for_logging(share).cpu()
+    return model.loss_for_logging(model.aux_in_mean_loss(share)).cpu()
 
 
 def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOptions = TSPOptions(),

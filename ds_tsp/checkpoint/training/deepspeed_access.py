@@ -27,7 +27,10 @@ from ds_tsp.core.partition import shard_batch
 
 class DeepSpeedAccess(OptimizerAccess):
     def __init__(self, engine: Any):
-        super().__init__(engine.optimizer, engine.lr_scheduler, global_batch_size=engine.train_batch_size(),
+        # DeepSpeed counts its train_batch_size over the mpu's data-parallel ranks, data x cp; the cp groups of a
+        # replica read the same samples, so the samples per step are that / cp_size
+        cp_size = engine.tsp_groups.cp_size if getattr(engine, "tsp_groups", None) is not None else 1
+        super().__init__(engine.optimizer, engine.lr_scheduler, global_batch_size=engine.train_batch_size() // cp_size,
                          zero_step=self._zero_step)
         self.engine = engine
 
@@ -89,8 +92,9 @@ class DeepSpeedAccess(OptimizerAccess):
     def _zero_step(self) -> None:
         """A fresh engine has no optimizer state: one engine step with an all-zero loss creates it everywhere."""
         engine, groups = self.engine, self.engine.tsp_groups
-        ids = torch.zeros(engine.train_micro_batch_size_per_gpu(), 2 * groups.tsp_size, dtype=torch.long)
-        batch = shard_batch(ids, tsp=groups.tsp_size, rank=groups.tsp_rank)
+        ids = torch.zeros(engine.train_micro_batch_size_per_gpu(), 2 * groups.tsp_size * groups.cp_size,
+                          dtype=torch.long)
+        batch = shard_batch(ids, tsp=groups.tsp_size, rank=groups.tsp_rank, cp=groups.cp_size, cp_rank=groups.cp_rank)
         inputs = [batch[k].to(engine.device) for k in ("input_ids", "shift_labels", "position_ids")]
         for _ in range(engine.gradient_accumulation_steps()):
             if engine.tsp_model is engine.module:

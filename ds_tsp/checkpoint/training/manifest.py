@@ -28,6 +28,7 @@ class Layout(BaseModel):
     tsp: int = Field(ge=1)
     data: int = Field(ge=1)
     pipe: int = Field(ge=1)
+    cp: int = Field(1, ge=1)  # tsp.cp_size: TSP groups sharing each sequence (the same shards, saved once)
 
 
 class OptimizerRecord(BaseModel):

@@ -2,9 +2,10 @@
 
 Every rank calls `save_train_state` / `load_train_state` (collective over the job). Where an engine shards state
 over the data axis, reading it is collective too, so every rank walks the parameters in the same order; data rank 0
-of each TSP rank writes that rank's shard files, rank 0 writes the RNG file and the manifest and commits the step
-directory. A failure on any rank is agreed on (one small all-gather) before the next collective, so every rank
-raises the same error instead of waiting for the one that failed.
+of each TSP rank writes that rank's shard files (with a cp axis, the cp groups hold the same shards as data replicas
+do: only cp rank 0 of data rank 0 writes, so nothing is written twice), rank 0 writes the RNG file and the manifest
+and commits the step directory. A failure on any rank is agreed on (one small all-gather) before the next
+collective, so every rank raises the same error instead of waiting for the one that failed.
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
     _check_pipeline(groups)
     rank, _ = _world()
     tmp = Path(_broadcast(str(store.new_temporary(step)) if rank == 0 else None))
-    tsp_rank, writes = groups.tsp_rank, groups.data_rank == 0
+    tsp_rank, writes = groups.tsp_rank, groups.data_rank == 0 and groups.cp_rank == 0  # one writer per TSP shard
     writer = ShardFileWriter(tmp, f"tsp{tsp_rank:02d}", max_file_bytes) if writes else None
     sharded = sharded_ids(model)
     keys = access.state_keys()
@@ -154,7 +155,7 @@ def _commit(access, model, groups, store, step, tmp, everyone, data_state) -> No
     write_file(tmp / RNG_FILE, data)
     files[RNG_FILE] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
     manifest = Manifest(
-        step=step, layout=Layout(tsp=groups.tsp_size, data=groups.data_size, pipe=groups.pipe_size),
+        step=step, layout=Layout(tsp=groups.tsp_size, data=groups.data_size, pipe=groups.pipe_size, cp=groups.cp_size),
         model=_shape_dict(model), dtype=str(model.dtype).removeprefix("torch."),
         global_batch_size=access.global_batch_size(),
         optimizer=OptimizerRecord(name=access.name(), state_keys=access.state_keys(), step=access.step_count(),

@@ -39,7 +39,8 @@ block recomputed from x and the halo under autograd, in two stages around the on
        rank's own transitions are pulled back through its chunk kernels into x, the halo and the shard.
 The block's packed weight grad is reduced to its owner (ShardGradReducer). The halo's grad returns to the ranks
 holding those tokens once, after the blocks (conv_halo's autograd dual: a reduce-scatter). Saved for backward: x,
-the halo and the parameters (no per-block activation, no foreign shard): memory O(B L h) + one block's recompute
+the halo and the parameters (a LoRA-merged shard as its base and factors, rebuilt in backward: shard_rebuild; no
+per-block activation, no foreign shard): memory O(B L h) + one block's recompute
 graph (O(B L vb (2 dk + 3 dv)) + O(D B vb dk (dk + dv))) + at most 3 packed shards in flight. Compute: the forward
 twice (the price of keeping nothing per block).
 
@@ -62,6 +63,7 @@ import torch.nn.functional as F
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.comm_primitives import ShardGradReducer, ShardStream
 from ds_tsp.core.functions.amp import AUTOCAST_LOW_PRECISION, apply_autocast
+from ds_tsp.core.functions.shard_rebuild import save_with_shard, saved_with_shard
 from ds_tsp.core.functions.weight_packing import PackedLayout
 from ds_tsp.core.gated_delta_rule import chunk_gated_delta_rule, l2_normalize
 from ds_tsp.core.gated_delta_rule_fla import BACKENDS as DELTA_RULE_BACKENDS
@@ -223,13 +225,14 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
             everyone = gather_transitions(local.transitions, comm)
             y.add_(_block_output(local, everyone, x, w, norm_weight, spec, comm.rank))
         ctx.spec, ctx.comm, ctx.plans = spec, comm, plans
-        ctx.save_for_backward(x, halo, packed_shard, norm_weight)
+        # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
+        save_with_shard(ctx, packed_shard, x, halo, norm_weight)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         spec, comm, plans = ctx.spec, ctx.comm, ctx.plans
-        x, halo, packed_shard, norm_weight = ctx.saved_tensors
+        packed_shard, (x, halo, norm_weight) = saved_with_shard(ctx)
         need_w = ctx.needs_input_grad[2]  # a frozen shard: no weight grads, nothing reduced to owners
         dy = dy.contiguous()
         acc = [torch.zeros_like(x), torch.zeros_like(halo), torch.zeros_like(norm_weight)]

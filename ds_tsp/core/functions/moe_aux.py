@@ -6,6 +6,11 @@ c_e: top-k assignments to expert e, P_e: summed softmax probabilities of e, T: r
 each summed over the layers and the whole batch. c_e and T are not differentiable, so with the GLOBAL c_e and T
 (one all-reduce per call) rank r's share E * sum_e c_e * P_e^(r) / T^2, with P_e^(r) over its own tokens, sums
 over the TSP group to the loss, and its gradient w.r.t. its logits is the true one.
+With a cp axis (tsp.cp_size = C > 1) the batch transformers sees is the whole sequence, split over C TSP groups:
+c_e and T are all-reduced once more over the cp group (TSP rank p of every group), so the shares of all C x D
+ranks sum to the loss of the sequence; the data axis stays as it is (each data replica's loss over its own rows,
+as transformers computes it per process). Two small all-reduces, TSP then cp, in that order on every rank; no
+host read.
 Precision: transformers accumulates in float32; here in float32 or the logits' dtype if wider (float64 models stay
 float64), so against transformers' own function the agreement is float32's.
 """
@@ -21,7 +26,8 @@ def moe_aux_loss_share(router_logits: list[torch.Tensor], num_experts: int, top_
     """This rank's differentiable share of transformers' load_balancing_loss_func over the GLOBAL batch: the shares of
     the TSP group sum to HF's value (all sparse layers' logits concatenated, as HF does; token_mask [N_local] (1 = real
     token, from attention_mask) weights the means as HF's attention_mask does). Per-expert counts (and the row
-    total) are all-reduced over the TSP group (one all-reduce per call)."""
+    total) are all-reduced over the TSP group and, with a cp axis, over comm.cp: the shares of every rank of the
+    sequence (cp x TSP) sum to HF's value."""
     first = router_logits[0]
     acc = torch.promote_types(torch.float32, first.dtype)
     counts = torch.zeros(num_experts, dtype=acc, device=first.device)
@@ -43,5 +49,9 @@ def moe_aux_loss_share(router_logits: list[torch.Tensor], num_experts: int, top_
             rows = rows + mask.sum()
     totals = torch.cat([counts, rows.reshape(1)])
     comm.all_reduce(totals, what="moe aux loss counts").wait()
+    if comm.cp is not None:  # the cp groups hold the rest of the sequence: its counts complete the statistic
+        cp = comm.cp
+        cp.context, cp.recorder = comm.context, comm.recorder  # its wait reported, its op recorded, like comm's
+        cp.all_reduce(totals, what="moe aux loss counts over cp").wait()
     counts, rows = totals[:-1], totals[-1]
     return num_experts * (counts * prob_sum).sum() / (rows * rows)

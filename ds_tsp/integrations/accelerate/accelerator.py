@@ -14,7 +14,9 @@ hands the rest back to Accelerate:
 - DeepSpeed: Accelerate's own _prepare_deepspeed runs, and its (call-time) deepspeed.initialize receives the TSP
   mpu and a train_batch_size counted over the mpu's data-parallel ranks (data x cp; the TSP group counted once);
 - FSDP2: ds_tsp.integrations.fsdp.shard_with_fsdp2 on the data sub-mesh, bf16 via MixedPrecisionPolicy.
-The DeepSpeed JSON's "tsp" block may set cp_size (C TSP groups split each sequence; ZeRO over data x cp).
+cp_size (C TSP groups split each sequence): the DeepSpeed JSON's "tsp" block (ZeRO over data x cp), the FSDP2
+config's parallelism_config_cp_size (fully_shard over data x cp), or TSPAccelerator(cp_size=C) without either (no
+data engine: `backward` averages the gradients over the cp groups at each optimizer step, as DDP would).
 clip_grad_norm_ (the full model's norm), gather_for_metrics (data axis only: TSP and cp ranks hold the same values),
 save_state / load_state (every rank's own shards) and save_model are TSP-aware. On CPU the same commands work: gloo under
 DeepSpeed (Accelerate would start one 1-rank group per process) and cpu=True otherwise (its barriers would do nothing).
@@ -88,9 +90,10 @@ class DataAxisScheduler(_accelerate.scheduler.AcceleratedScheduler):
 
 
 class TSPAccelerator(_accelerate.Accelerator):
-    def __init__(self, *args, tsp_size: int | None = None, tsp_groups: ProcessGroups | None = None, **kwargs):
+    def __init__(self, *args, tsp_size: int | None = None, cp_size: int | None = None,
+                 tsp_groups: ProcessGroups | None = None, **kwargs):
         self.tsp_setup: TSPAccelerateSetup = resolve_setup(
-            os.environ, tsp_size=tsp_size, deepspeed_plugin=kwargs.get("deepspeed_plugin"),
+            os.environ, tsp_size=tsp_size, cp_size=cp_size, deepspeed_plugin=kwargs.get("deepspeed_plugin"),
             fsdp_plugin=kwargs.pop("fsdp_plugin", None), parallelism_config=kwargs.pop("parallelism_config", None))
         super().__init__(*args, **_cpu_defaults(kwargs, self.tsp_setup.mode))
         tsp = self.tsp_setup.tsp
@@ -100,10 +103,12 @@ class TSPAccelerator(_accelerate.Accelerator):
             check_deepspeed_compatible(ds_config, tsp)
         layout = ParallelLayout.from_world_size(self.num_processes, tsp=tsp.size, cp=tsp.cp_size)
         if self.tsp_setup.mode == "plain" and layout.data_enabled:
-            raise TSPConfigError(f"{self.num_processes} processes with tsp={tsp.size} leave a data axis of "
-                                 f"{layout.data}: launch with ds_configs/accelerate_tsp.yaml (DeepSpeed) or "
-                                 "accelerate_tsp_fsdp2.yaml (FSDP2) for data parallelism, or TSPAccelerator(tsp_size="
-                                 f"{self.num_processes})")
+            fix = f"tsp_size={self.num_processes // tsp.cp_size}"
+            fix += f", cp_size={tsp.cp_size}" if tsp.cp_size > 1 else ""
+            raise TSPConfigError(f"{self.num_processes} processes with tsp={tsp.size} x cp={tsp.cp_size} leave a data "
+                                 f"axis of {layout.data}: launch with ds_configs/accelerate_tsp.yaml (DeepSpeed) or "
+                                 "accelerate_tsp_fsdp2.yaml (FSDP2) for data parallelism, or TSPAccelerator("
+                                 f"{fix})")
         self.tsp_runtime = build_runtime(tsp, world_size=self.num_processes, groups=tsp_groups,
                                          ds_config=ds_config if self.tsp_setup.mode == "deepspeed" else None)
         self.tsp_groups, self.tsp_comm = self.tsp_runtime.groups, self.tsp_runtime.comm
@@ -239,6 +244,16 @@ class TSPAccelerator(_accelerate.Accelerator):
             deepspeed.initialize = original
 
     # --- TSP-aware utilities --------------------------------------------------------------------------------
+    def backward(self, loss, **kwargs):
+        """Accelerate's backward; in the plain setup with cp groups (no data engine to reduce them) the cp groups'
+        gradients are then averaged over the data group (data x cp), once per optimizer step (sync_gradients), so
+        clip_grad_norm_ and the optimizer see the whole sequence's gradient."""
+        super().backward(loss, **kwargs)
+        if self.tsp_setup.mode == "plain" and self._cp_size > 1 and self.sync_gradients and self.tsp_model is not None:
+            from ds_tsp.core.data_grads import average_grads_over_group
+
+            average_grads_over_group(self.tsp_model.parameters(), self._data_group, self.tsp_comm)
+
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The norm of the FULL model's gradient (TSP shards summed over the group, norms counted once)."""
         if self.tsp_setup.mode == "deepspeed":

@@ -2,6 +2,7 @@
 
     ds-tsp bench --quick --out DIR                    all layouts, S in {512, 1024}, 2 steps (~2-3 min, 2 cores)
     ds-tsp bench --layouts tsp,tsp_speed,ulysses_zero3 --seq 2048 8192 --out DIR
+    ds-tsp bench --tsp 2 --cp 2 --seq 2048 8192       tsp_cp (2 TSP groups of 2) vs TSP=4 and Ulysses on 4 ranks
 
 `register(subparsers)` adds the subcommand to ds_tsp.tools.cli's parser; `build_parser()` is a standalone one
 (`python -m ds_tsp.tools.bench ...`). Exit codes: 0 every run ok (with --max-seq a layout that fits nothing is a
@@ -58,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tsp", type=_positive_int, nargs="+", default=None,
                    help="degree D: ranks of every parallel layout (4; --layer-memory: 2); several (e.g. 2 4) measure "
                         "every layout at each degree in one run")
+    p.add_argument("--cp", type=_positive_int, default=1, metavar="C",
+                   help="context-parallel degree C (1): layout tsp_cp runs C TSP groups of --tsp D ranks sharing each "
+                        "sequence (a cp ring between them), against its peers on the same C x D ranks (default: "
+                        "tsp and ulysses_zero3; ds_tsp.tools.bench.cp_flags); S a multiple of 2*D*C")
     p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size B (1)")
     p.add_argument("--layers", type=_positive_int, default=None,
                    help=f"decoder layers ({DEFAULT_SHAPE.num_layers}; --quick: {QUICK['layers']})")
@@ -171,12 +176,16 @@ def configs_from_args(args: argparse.Namespace):
         unknown = [name for name in layouts if name not in LAYOUTS]
         if unknown or not layouts:
             raise ValueError(f"--layouts: unknown {unknown or '(empty)'}; choose from {', '.join(LAYOUTS)} or all")
+    from ds_tsp.tools.bench.cp_flags import cp_configs, cp_degree, cp_layouts
+
+    layouts, cp = cp_layouts(args, layouts), cp_degree(args)
     seqs = tuple(sorted({s for group in args.seq for s in group})) if args.seq else \
         (QUICK["seqs"] if args.quick else DEFAULT_SEQS)
-    bad = [s for s in seqs if s % (2 * args.tsp)]
+    bad = [s for s in seqs if s % (2 * args.tsp * cp)]
     if bad:
-        raise ValueError(f"--seq {bad}: every layout gets the same tokens, so S must be a multiple of 2*--tsp="
-                         f"{2 * args.tsp} (TSP's zigzag chunks; Ulysses / sequence parallel split S by D)")
+        raise ValueError(f"--seq {bad}: every layout gets the same tokens, so S must be a multiple of 2*--tsp"
+                         f"{'*--cp' if cp > 1 else ''}={2 * args.tsp * cp} (TSP's zigzag chunks; Ulysses / sequence "
+                         "parallel split S by D)")
     steps = args.steps if args.steps is not None else (QUICK["steps"] if args.quick else 3)
     warmup = args.warmup if args.warmup is not None else QUICK["warmup"]
     if warmup < 0:
@@ -196,14 +205,15 @@ def configs_from_args(args: argparse.Namespace):
         from ds_tsp.tools.bench.hybrid import hybrid_layouts
 
         layouts = hybrid_layouts(shape, args.layouts, layouts)
-        if any(LAYOUTS[name].module == "tsp" for name in layouts):
+        if cp == 1 and any(LAYOUTS[name].module == "tsp" for name in layouts):
             shape.check_tsp_degree(args.tsp)
     except TSPConfigError as exc:
         raise ValueError(str(exc)) from None
-    return [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
-                        warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
-                        ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False),
-                        moe_dispatch=dispatch) for name in layouts for dispatch in dispatches]
+    configs = [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
+                           warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
+                           ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False),
+                           moe_dispatch=dispatch) for name in layouts for dispatch in dispatches]
+    return cp_configs(configs, cp)  # tsp_cp on C groups of D, its peers on C x D ranks (cp = 1: unchanged)
 
 
 def _check_hf_config_flags(args: argparse.Namespace) -> None:
@@ -316,6 +326,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out is None:
         args.out = default_out_dir()
+    from ds_tsp.tools.bench.cp_flags import check_cp_flags, cp_degree
+
+    try:
+        check_cp_flags(args)
+    except ValueError as exc:
+        return _error(str(exc))
     if getattr(args, "layer_memory", False):
         return run_layer_memory_cli(args)
     if getattr(args, "offload_activations", False):
@@ -335,11 +351,17 @@ def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
     results = run_layouts(configs, timeout_s=args.timeout, on_event=printer)
     first = configs[0]
+    if cp_degree(args) > 1:
+        from ds_tsp.tools.bench.cp_report import with_cp_fields
+        results = with_cp_fields(results, first.shape)
     meta = {"tsp": ", ".join(str(d) for d in dict.fromkeys(c.tsp for c in configs)), "batch": first.batch,
             "shape": first.shape.to_dict(), "steps": first.steps,
             "warmup": first.warmup, "activation_checkpointing": first.activation_checkpointing}
     paths = write_report(results, args.out, meta)
     print(markdown_table(results), flush=True)
+    if cp_degree(args) > 1:
+        from ds_tsp.tools.bench.cp_report import append_cp_table
+        print(append_cp_table(results, paths["md"]), flush=True)
     if first.shape.num_experts:
         from ds_tsp.tools.bench.moe_report import write_moe_report
         print(write_moe_report(results, args.out, paths["md"]), flush=True)
@@ -354,6 +376,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_max_seq_cli(args: argparse.Namespace) -> int:
     """--max-seq: search per layout and checkpointing variant (ds_tsp.tools.bench.max_seq), then write the report."""
+    from ds_tsp.tools.bench.cp_flags import cp_degree
     from ds_tsp.tools.bench.max_seq import VARIANTS, run_max_seq
     from ds_tsp.tools.bench.max_seq_report import write_max_seq_report
 
@@ -366,7 +389,7 @@ def run_max_seq_cli(args: argparse.Namespace) -> int:
     if args.warmup is None:
         args.warmup = 0  # the first probe always gets one warm-up step (optimizer state); later ones need none
     # placeholder S that passes every degree's S check: each search picks its own lengths
-    args.seq = [[2 * math.lcm(*args.tsp)]]
+    args.seq = [[2 * math.lcm(*args.tsp) * getattr(args, "cp", 1)]]
     try:
         configs = configs_from_args(args)
     except ValueError as exc:
@@ -379,12 +402,18 @@ def run_max_seq_cli(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - start:6.1f}s] {text}", file=sys.stderr, flush=True)
 
     rows = run_max_seq(configs, budget, timeout_s=args.timeout, say=None if args.quiet else say)
+    if cp_degree(args) > 1:
+        from ds_tsp.tools.bench.cp_report import with_cp_fields
+        rows = with_cp_fields(rows, configs[0].shape)
     first = configs[0]
     meta = {"tsp": list(dict.fromkeys(args.tsp)), "batch": first.batch, "shape": first.shape.to_dict(), "steps": 1,
             "warmup": first.warmup, "activation_checkpointing": "none and all (--max-seq)",
             "budget_bytes": budget, "variants": list(VARIANTS)}
     paths = write_max_seq_report(rows, args.out, meta, budget)
     print(paths["table"], flush=True)
+    if cp_degree(args) > 1:
+        from ds_tsp.tools.bench.cp_report import append_cp_table
+        print(append_cp_table(rows, paths["md"]), flush=True)
     print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
           + f" in {time.monotonic() - start:.0f} s", flush=True)
     return EXIT_OK if all(r.get("ok") for r in rows) else EXIT_FAILED

@@ -36,8 +36,17 @@ def global_batch(cfg: BenchConfig, seq: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def hf_config(shape: ModelShape, max_seq: int):
-    """transformers config of the same model (Llama; Qwen2 when the shape has q/k/v bias), SDPA attention."""
+    """transformers config of the same model (Llama; Qwen2 when the shape has q/k/v bias; a hybrid shape's own
+    Qwen3.5 / Qwen3-Next family), SDPA attention."""
     transformers = require("transformers")
+    if shape.layer_types is not None:  # a hybrid (Qwen3.5 / Qwen3-Next): transformers' own family, same fields
+        from ds_tsp.core.hf_config import config_dict_from_shape, config_from_dict
+
+        values = {**config_dict_from_shape(shape, torch.float32), "use_cache": False}
+        values["max_position_embeddings"] = max(max_seq, 2048)
+        config = config_from_dict(values)
+        config._attn_implementation = "sdpa"
+        return config
     common = dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                   intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
                   num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
@@ -50,7 +59,8 @@ def hf_config(shape: ModelShape, max_seq: int):
 
 
 def build_hf_model(cfg: BenchConfig):
-    """The peers' model: HF LlamaForCausalLM (fp32, SDPA), identical weights on every rank (seeded init)."""
+    """The peers' model: HF LlamaForCausalLM (a hybrid shape: its transformers family; fp32, SDPA), identical
+    weights on every rank (seeded init)."""
     transformers = require("transformers")
     torch.manual_seed(cfg.seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.shape, max(cfg.seqs)))

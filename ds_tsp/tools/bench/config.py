@@ -30,10 +30,16 @@ LAYOUTS: dict[str, LayoutSpec] = {spec.name: spec for spec in (
     LayoutSpec("single", "single", "single device (HF Llama)", single_rank=True, requires=("transformers",)),
     LayoutSpec("tsp", "tsp", "TSP memory-optimal", options=(("mode", "memory"),)),
     LayoutSpec("tsp_speed", "tsp", "TSP speed mode", options=(("mode", "speed"),)),
+    # C TSP groups of D ranks (--tsp D --cp C; ds_tsp.tools.bench.tsp_cp), on C x D ranks; only with --cp >= 2
+    LayoutSpec("tsp_cp", "tsp_cp", "TSP x cp ring", options=(("mode", "memory"),)),
     LayoutSpec("dtensor_tp_sp", "dtensor_tp_sp", "TP+SP (DTensor)", requires=("transformers",)),
     LayoutSpec("ulysses_zero3", "ulysses", "Ulysses + ZeRO-3", options=(("zero_stage", 3),),
                requires=("deepspeed", "transformers")),
     LayoutSpec("ulysses_zero1", "ulysses", "Ulysses + ZeRO-1", options=(("zero_stage", 1),),
+               requires=("deepspeed", "transformers")),
+    # transformers' own model, ZeRO-3 data parallel, a whole sequence per rank: the hybrid models' peer (not in
+    # "all" for other models; ds_tsp.tools.bench.hybrid)
+    LayoutSpec("hf_zero3_dp", "zero3_dp", "HF model + ZeRO-3 DP (whole S per rank)", options=(("zero_stage", 3),),
                requires=("deepspeed", "transformers")),
     LayoutSpec("autotp_zero1", "autotp", "AutoTP + ZeRO-1", options=(("zero_stage", 1),),
                requires=("deepspeed", "transformers")),
@@ -63,6 +69,7 @@ class BenchConfig:
     ds_bucket_elements: int = DEFAULT_DS_BUCKET
     profile: bool = False  # --profile: one extra profiled step per S (ds_tsp.tools.bench.profile), every layout
     moe_dispatch: str = "auto"  # TSP layouts on an MoE shape: TSPOptions.moe_dispatch ("auto", "ring", "all_to_all")
+    cp: int = 1  # layout tsp_cp: C TSP groups of D = tsp ranks (world C x D); 1 for every other layout
 
     def checkpointing(self) -> bool:
         """Whether this run uses activation checkpointing (peers with "peers"/"all", TSP only with "all")."""
@@ -81,4 +88,4 @@ class BenchConfig:
 
     @property
     def world(self) -> int:
-        return 1 if self.spec.single_rank else self.tsp
+        return 1 if self.spec.single_rank else self.tsp * self.cp

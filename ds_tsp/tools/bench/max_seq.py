@@ -30,8 +30,9 @@ VARIANTS = ("none", "all")
 
 
 def unit(cfg: BenchConfig) -> int:
-    """Every probed length is a multiple of this: 2*D for all multi-rank layouts (they get the same tokens)."""
-    return 2 * cfg.tsp
+    """Every probed length is a multiple of this: 2*D for all multi-rank layouts (they get the same tokens); 2*D*C
+    for tsp_cp (its peers run on C*D ranks: the same unit)."""
+    return 2 * cfg.tsp * cfg.cp
 
 
 def _round_down(value: int, step: int) -> int:

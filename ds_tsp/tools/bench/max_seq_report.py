@@ -50,13 +50,15 @@ def write_plot(rows: Sequence[dict], out_dir: str) -> str:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label in dict.fromkeys(_label(r) for r in rows):
-        pts = sorted((r["tsp"], r["max_seq"]) for r in rows if _label(r) == label and r.get("max_seq"))
+        # x = ranks: D, or C x D for tsp_cp (C TSP groups of D), so tsp_cp sits beside its peers on C x D ranks
+        pts = sorted((r.get("world") or r["tsp"], r["max_seq"]) for r in rows
+                     if _label(r) == label and r.get("max_seq"))
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
                     linestyle="--" if label.endswith("+ckpt") else "-")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
-    ax.set_xlabel("degree D (ranks)")
+    ax.set_xlabel("ranks (degree D; tsp_cp: C x D)")
     ax.set_ylabel("max sequence length S")
     budget = next((r["budget_bytes"] for r in rows), 0)
     ax.set_title(f"Longest sequence within {budget / MIB:.0f} MiB per rank")

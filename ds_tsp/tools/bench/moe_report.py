@@ -53,9 +53,10 @@ def moe_layouts(args: argparse.Namespace, layouts: list[str]) -> list[str]:
 
     if getattr(args, "num_experts", None) is None:
         return layouts
+    tsp_modules = ("tsp", "tsp_cp")  # tsp_cp: C TSP groups under --cp (ds_tsp.tools.bench.cp_flags)
     if args.layouts.strip() == "all":
-        return [name for name in layouts if LAYOUTS[name].module == "tsp"]
-    peers = [name for name in layouts if LAYOUTS[name].module != "tsp"]
+        return [name for name in layouts if LAYOUTS[name].module in tsp_modules]
+    peers = [name for name in layouts if LAYOUTS[name].module not in tsp_modules]
     if peers:
         raise ValueError(f"--layouts {peers}: a mixture-of-experts shape (--num-experts) runs on the TSP layouts "
                          "only (the peers' HF Llama has no experts); use --layouts tsp or tsp_speed")
@@ -66,6 +67,7 @@ def _planned(r: dict, schedule: str):
     """The plan of this result's run under `schedule` (fp32, as the bench runs)."""
     from ds_tsp.core.shape import ModelShape
     from ds_tsp.tools.plan import PlanInput, plan_tsp
+    from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
 
     shape = dict(r["shape"])
     shape["dense_mlp_layers"] = tuple(shape.get("dense_mlp_layers") or ())
@@ -76,7 +78,7 @@ def _planned(r: dict, schedule: str):
                     keep_gathered_kv=options.get("keep_gathered_kv", False),
                     recompute_projections=options.get("recompute_projections", True),
                     activation_checkpointing=bool(r.get("activation_checkpointing")), moe_dispatch=schedule)
-    return plan_tsp(inp)
+    return plan_tsp_cp(inp, r["cp"]) if r.get("cp", 1) > 1 else plan_tsp(inp)
 
 
 def moe_rows(results: Sequence[dict]) -> list[dict]:
@@ -134,7 +136,8 @@ def moe_markdown(rows: Sequence[dict]) -> str:
                      f"{'-' if m['cpu_s_per_step'] is None else format(m['cpu_s_per_step'], '.2f')} | "
                      f"{m['plan_auto'] or '-'} | {m['measured_faster'] or '-'} | {verdict(m, '')} | "
                      f"{m['measured_faster_cpu'] or '-'} | {verdict(m, '_cpu')} |")
-    lines += ["", "Plan: ds_tsp.tools.plan.plan_tsp at the same shape (fp32); plan comm assumes even routing "
+    lines += ["", "Plan: ds_tsp.tools.plan.plan_tsp (tsp_cp: plan_tsp_cp) at the same shape (fp32); plan comm "
+              "assumes even routing "
               "(all_to_all rows = tokens x top_k x (D-1)/D), the counter counts the real rows. auto within 10%: "
               "the measured step time of the schedule the plan's auto picks <= 1.10 x the faster one's; judged on "
               "wall time (step s, what the target names) and on CPU s/step (all ranks' CPU seconds per step, much less "

@@ -91,7 +91,7 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
     loss = (sum(losses) if ranks[0]["loss_reduce"] == "sum" else statistics.mean(losses)) if losses else None
     result = {
         "layout": cfg.layout, "title": spec.title, "ok": True, "error": None,
-        "seq": seq, "tsp": cfg.world, "world": cfg.world, "batch": cfg.batch,
+        "seq": seq, "tsp": cfg.world // cfg.cp, "cp": cfg.cp, "world": cfg.world, "batch": cfg.batch,
         "peak_bytes_per_rank": peak_rank["peak_bytes"],
         "peak_breakdown": peak_rank["peak_breakdown"],
         "peak_bytes_ranks": [r["peak_bytes"] for r in ranks],
@@ -104,10 +104,13 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         # ones return at once, so this is a lower bound of exposed communication for the peers
         "comm_call_s_tracked": max(r["c10d"]["blocking_s"] for r in ranks),
         "step_s": step_s, "step_s_per_step": per_step,
-        "tokens_per_s": cfg.batch * seq / step_s,
+        # the group's tokens per step: B*S, or D*B*S for a data-parallel layout (hf_zero3_dp: a sequence per rank)
+        "tokens_per_step": ranks[0].get("tokens_per_step", cfg.batch * seq),
+        "tokens_per_s": ranks[0].get("tokens_per_step", cfg.batch * seq) / step_s,
         # CPU seconds of all ranks together per step (median over steps): the work a step costs, which other
         # load on the machine disturbs much less than wall time
-        "cpu_s_per_step": cpu_s, "tokens_per_cpu_s": cfg.batch * seq / cpu_s if cpu_s else None,
+        "cpu_s_per_step": cpu_s,
+        "tokens_per_cpu_s": ranks[0].get("tokens_per_step", cfg.batch * seq) / cpu_s if cpu_s else None,
         # of which the threads that run the steps (the rest: gloo's and other helper threads)
         "main_thread_cpu_s_per_step": main_cpu_s,
         "exposed_comm_s": None, "exposed_comm_fraction": None,
@@ -133,8 +136,9 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
 
 def failure(cfg: BenchConfig, seq: int, error: str) -> dict:
     return {"layout": cfg.layout, "title": cfg.spec.title, "ok": False, "error": error, "seq": seq,
-            "tsp": cfg.world, "world": cfg.world, "batch": cfg.batch, "peak_bytes_per_rank": None,
-            "comm_bytes": None, "step_s": None, "tokens_per_s": None, "exposed_comm_fraction": None,
+            "tsp": cfg.world // cfg.cp, "cp": cfg.cp, "world": cfg.world, "batch": cfg.batch,
+            "peak_bytes_per_rank": None, "comm_bytes": None, "step_s": None, "tokens_per_s": None,
+            "exposed_comm_fraction": None,
             "activation_checkpointing": cfg.checkpointing(),
             "shape": cfg.shape.to_dict(), **_moe_fields(cfg)}
 

@@ -10,13 +10,24 @@ Per rank (rho = (D-1)/D, G = one Gated DeltaNet head block's packed shard, A = o
   reduce-scatter. Plus the MLP ring of every TSP layer.
 - Full-attention layer: the TSP attention terms (ds_tsp.tools.plan.tsp_comm) with q_proj's rows doubled ([q, gate]
   per head: the gate rides in the shard) and the gate saved per head block.
-The layer terms of the plan describe the Gated DeltaNet layers; the full-attention layers' come in the step terms
-("full-attention layers xN: ..."), as an MoE model's dense layers do. tests/test_plan_hybrid.py checks every comm
-kind against CommCounter exactly, params / grads exactly, the saved bytes against saved-tensor hooks and the peak
-against bench's MemTracker (10%).
+- MoE hybrids (Qwen3-Next, Qwen3.5-MoE): a sparse layer's MLP is the MoE block of ds_tsp.tools.plan.moe_terms (E/D
+  whole experts, the replicated router, ring or all_to_all dispatch) plus the shared expert, a gated MLP of width
+  Fs sharded Fs/D like the dense MLP (its own weight ring: D-1 hops forward, 2D-1 backward) scaled by
+  sigmoid(x @ shared_expert_gate.T), the gate [1, h] replicated; router and gate grads join the replicated-grads
+  all-reduce, and output_router_logits adds the aux loss's counts all-reduce. A dense layer of such a model
+  (Qwen3-Next's mlp_only_layers) keeps the dense MLP.
+- activation checkpointing: every layer's forward traffic once more in backward (the recompute); each layer keeps
+  only its input [B, L, h], and the top layer's saved tensors come back while its backward runs. With
+  offload_activations those inputs wait in host memory, at most two on the device (ds_tsp.tools.plan.offload).
+Layers are grouped by (mixer, MLP) kind: the layer terms of the plan describe the most numerous Gated DeltaNet kind
+(ties: the sparse one), every other kind's terms come in the step terms ("full-attention layers xN: ...",
+"Gated DeltaNet layers (dense MLP) xN: ..."), as an MoE model's dense layers do. tests/test_plan_hybrid.py and
+tests/test_plan_hybrid_moe.py check every comm kind against CommCounter exactly, params / grads exactly, the saved
+bytes against saved-tensor hooks, the host pool of offload against the model's, and the peak against bench's
+MemTracker (10%).
 
-Not modelled (refused by name): pipeline stages, context parallelism, activation checkpointing / offload and the
-MoE hybrids (Qwen3-Next / Qwen3.5-MoE with experts); the peers' layouts (their plans count Llama layers).
+Not modelled (refused by name): pipeline stages and context parallelism; the peers' layouts (their plans count
+Llama layers).
 """
 from __future__ import annotations
 
@@ -24,9 +35,21 @@ from dataclasses import dataclass, replace
 
 from ds_tsp.tools.plan.activation_terms import compute_bytes, tsp_norm_saved
 from ds_tsp.tools.plan.assemble import layout_plan
-from ds_tsp.tools.plan.comm_terms import dp_sync, gather_bytes, term
+from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, dp_sync, gather_bytes, recompute, term
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.memory import Phase, StageMemory, state, zero_divs
+from ds_tsp.tools.plan.moe_terms import (
+    MoEGeometry,
+    moe_geometry,
+    moe_mlp_terms,
+    moe_note,
+    moe_saved,
+    moe_summary,
+    moe_transients,
+    sparse_count,
+    sparse_layer_params,
+)
+from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_offload
 from ds_tsp.tools.plan.result import CommTerm, LayoutPlan
 from ds_tsp.tools.plan.shape_terms import Stage
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
@@ -38,14 +61,8 @@ def is_hybrid(inp: PlanInput) -> bool:
 
 def check_hybrid_input(inp: PlanInput) -> None:
     """One PlanInputError naming the field for what the hybrid plan does not model."""
-    m = inp.model
-    if m.num_experts:
-        raise PlanInputError("hf_config", "a hybrid MoE model (Qwen3-Next / Qwen3.5-MoE with experts): the planner "
-                             "models dense hybrids (Qwen3.5) only; measure it with `ds-tsp bench`")
-    for field, on in (("pp", inp.pp > 1), ("activation_checkpointing", inp.activation_checkpointing),
-                      ("offload_activations", inp.offload_activations)):
-        if on:
-            raise PlanInputError(field, f"{field}: not modelled for hybrid (Gated DeltaNet) models; plan without it")
+    if inp.pp > 1:
+        raise PlanInputError("pp", "pp: not modelled for hybrid (Gated DeltaNet) models; plan without it")
 
 
 @dataclass(frozen=True)
@@ -61,9 +78,11 @@ class HybridGeometry:
     K: int
     tail: int  # halo tokens each chunk contributes: min(c, K-1)
     transition_bytes: int  # element size of the gathered transitions (the kernel's compute dtype)
+    moe: MoEGeometry | None = None  # the sparse layers' MoE block (None: a dense hybrid)
+    Ms: int = 0  # the shared expert's packed shard, elements (3 h Fs/D)
 
     @classmethod
-    def of(cls, inp: PlanInput) -> "HybridGeometry":
+    def of(cls, inp: PlanInput, schedule: str | None = None) -> "HybridGeometry":
         g = TSPGeometry.of(inp)
         m, dims, D = inp.model, g.dims, g.D
         if m.has_linear_attention and m.linear_num_key_heads % D:
@@ -75,22 +94,75 @@ class HybridGeometry:
         channels = 2 * kb * dk + vb * dv  # conv / in_proj_qkv channels of one block
         G = channels * h + vb * dv * h + 2 * vb * h + channels * K + 2 * vb + h * vb * dv if n_linear else 0
         gate = g.nq_b * dims.d * h + (g.nq_b * dims.d if dims.bias else 0) if m.attn_output_gate else 0
+        moe = moe_geometry(inp, inp.batch * g.L, schedule)
+        Ms = 3 * h * (m.shared_expert_intermediate_size // D) if moe is not None else 0
         return cls(g, n_linear, m.num_layers - n_linear, G, g.A + gate, vb, dk, dv, K, min(g.L // 2, max(K - 1, 0)),
-                   compute_bytes(inp.dtype_bytes))
+                   compute_bytes(inp.dtype_bytes), moe, Ms)
 
 
-def gdn_layer_terms(inp: PlanInput, hg: HybridGeometry) -> tuple[list[CommTerm], list[CommTerm]]:
-    """One Gated DeltaNet decoder layer's CommCounter terms (module docstring), MLP ring included."""
+@dataclass(frozen=True)
+class LayerKind:
+    """What a decoder layer is made of: its mixer ("linear_attention" = Gated DeltaNet, "full_attention") and
+    whether its MLP is the MoE block (+ shared expert)."""
+
+    mixer: str
+    sparse: bool
+
+    def title(self, moe_model: bool) -> str:
+        name = "Gated DeltaNet layers" if self.mixer == "linear_attention" else "full-attention layers"
+        return f"{name} ({'sparse' if self.sparse else 'dense'} MLP)" if moe_model else name
+
+
+def layer_kinds(inp: PlanInput) -> list[LayerKind]:
+    m = inp.model
+    return [LayerKind(t, bool(m.num_experts) and m.is_moe_layer(i)) for i, t in enumerate(m.layer_types)]
+
+
+def described_kind(inp: PlanInput) -> LayerKind:
+    """The kind the plan's layer terms describe (module docstring): the most numerous Gated DeltaNet kind."""
+    kinds = layer_kinds(inp)
+    counts = {k: kinds.count(k) for k in kinds}
+    return max(counts, key=lambda k: (k.mixer == "linear_attention", counts[k], k.sparse))
+
+
+def _without_mlp_ring(terms: list[CommTerm]) -> list[CommTerm]:
+    return [t for t in terms if not (t.kind == "ring" and "MLP" in t.name)]
+
+
+def mlp_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool) -> tuple[list[CommTerm], list[CommTerm]]:
+    """A layer's MLP terms: the dense MLP's weight ring, or the MoE schedule's terms plus the shared expert's ring."""
+    D, b = hg.tsp.D, inp.dtype_bytes
+    if D == 1:
+        return [], []
+    if not sparse:
+        mlp = hg.tsp.M * b
+        return ([term("MLP weight ring (D-1 hops)", "ring", mlp, D - 1, (D - 1) * mlp)],
+                [term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp)])
+    fwd, bwd = moe_mlp_terms(hg.moe)
+    shared = hg.Ms * b
+    return (fwd + [term("shared expert weight ring (D-1 hops)", "ring", shared, D - 1, (D - 1) * shared)],
+            bwd + [term("shared expert ring (D-1 weight + D grad hops)", "ring", shared, 2 * D - 1,
+                        (2 * D - 1) * shared)])
+
+
+def gdn_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool = False) -> tuple[list[CommTerm],
+                                                                                       list[CommTerm]]:
+    """One Gated DeltaNet decoder layer's CommCounter terms (module docstring), its MLP's included (and, under
+    activation checkpointing, the recompute of its forward)."""
     g, b, B = hg.tsp, inp.dtype_bytes, inp.batch
-    D, h = g.D, g.dims.h
-    shard, mlp = hg.G * b, g.M * b
+    D = g.D
+    if D == 1:
+        return [], []
+    h = g.dims.h
+    shard = hg.G * b
     halo = D * 2 * B * hg.tail * h * b  # [D, 2, B, tail, h]
     trans = D * 2 * B * hg.vb * hg.dk * (hg.dk + hg.dv) * hg.transition_bytes  # one block's [D, 2, B, vb, dk, dk+dv]
     halo_calls = 1 if hg.K > 1 else 0
+    mlp_fwd, mlp_bwd = mlp_terms(inp, hg, sparse)
     fwd = [term("Gated DeltaNet shard broadcast", "broadcast", shard, D - 1, (D - 1) * shard),
            term("conv halo all-gather", "all_gather", halo, halo_calls, halo_calls * gather_bytes(halo, D)),
            term("chunk transition all-gather (per head block)", "all_gather", trans, D, D * gather_bytes(trans, D)),
-           term("MLP weight ring (D-1 hops)", "ring", mlp, D - 1, (D - 1) * mlp)]
+           *mlp_fwd]
     bwd = [term("Gated DeltaNet shard re-broadcast", "broadcast", shard, D - 1, (D - 1) * shard),
            term("Gated DeltaNet grad reduce to owner", "reduce", shard, D - 1, (D - 1) * shard),
            term("chunk transition re-gather (per head block)", "all_gather", trans, D, D * gather_bytes(trans, D)),
@@ -98,30 +170,41 @@ def gdn_layer_terms(inp: PlanInput, hg: HybridGeometry) -> tuple[list[CommTerm],
                 D * gather_bytes(trans, D)),
            term("conv halo grad reduce-scatter", "reduce_scatter", halo, halo_calls,
                 halo_calls * gather_bytes(halo, D)),
-           term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp)]
-    return fwd, bwd
+           *mlp_bwd]
+    return fwd, bwd + (recompute(fwd) if inp.activation_checkpointing else [])
 
 
-def gated_attention_layer_terms(inp: PlanInput, hg: HybridGeometry) -> tuple[list[CommTerm], list[CommTerm]]:
-    """tsp_layer_terms with the gated attention's larger shard (q_proj rows doubled)."""
-    fwd, bwd = tsp_layer_terms(inp)
+def gated_attention_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool = False) -> tuple[list[CommTerm],
+                                                                                                   list[CommTerm]]:
+    """tsp_layer_terms with the gated attention's larger shard (q_proj rows doubled) and this layer's MLP terms."""
+    fwd, bwd = tsp_layer_terms(inp)  # with its recompute under activation checkpointing
     b, old = inp.dtype_bytes, hg.tsp.A * inp.dtype_bytes
 
     def gated(t: CommTerm) -> CommTerm:
         if t.kind in ("broadcast", "reduce") and t.payload_bytes == old:
             return replace(t, payload_bytes=hg.A * b, bytes=t.calls * hg.A * b)
         return t
-    return [gated(t) for t in fwd], [gated(t) for t in bwd]
+    mlp_fwd, mlp_bwd = mlp_terms(inp, hg, sparse)
+    fwd = [gated(t) for t in _without_mlp_ring(fwd)]
+    bwd = [gated(t) for t in _without_mlp_ring(bwd)]
+    return fwd + mlp_fwd, bwd + mlp_bwd + (recompute(mlp_fwd) if inp.activation_checkpointing else [])
+
+
+def layer_terms(inp: PlanInput, hg: HybridGeometry, kind: LayerKind) -> tuple[list[CommTerm], list[CommTerm]]:
+    if kind.mixer == "linear_attention":
+        return gdn_layer_terms(inp, hg, kind.sparse)
+    return gated_attention_layer_terms(inp, hg, kind.sparse)
 
 
 def hybrid_extra_terms(inp: PlanInput, hg: HybridGeometry, stage: Stage) -> list[CommTerm]:
     """tsp_extra_terms with the replicated-grad bucket of a hybrid model: 2 norms per layer + the final norm, q/k
-    norms of the full-attention layers, the gated-norm weight [dv] of the Gated DeltaNet layers."""
-    from ds_tsp.tools.plan.comm_terms import all_reduce_bytes
-
+    norms of the full-attention layers, the gated-norm weight [dv] of the Gated DeltaNet layers, and per sparse
+    layer its router [E, h] and shared-expert gate [1, h]."""
     dims, b, D = hg.tsp.dims, inp.dtype_bytes, hg.tsp.D
     flat = (2 * stage.layers + 1) * dims.h + (2 * hg.n_full * dims.d if inp.model.qk_norm else 0) \
         + hg.n_linear * hg.dv
+    if hg.moe is not None:
+        flat += sparse_count(inp, stage) * (hg.moe.router + dims.h)
     out = []
     for t in tsp_extra_terms(inp, stage):
         if t.kind == "replicated_grad":
@@ -134,24 +217,24 @@ def hybrid_counter_bytes(inp: PlanInput) -> dict[str, int]:
     """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of a hybrid model (pp = 1)."""
     check_hybrid_input(inp)
     hg = HybridGeometry.of(inp)
-    g_fwd, g_bwd = gdn_layer_terms(inp, hg)
-    a_fwd, a_bwd = gated_attention_layer_terms(inp, hg)
     stage = Stage("only", True, True, inp.model.num_layers, 1)
     out: dict[str, int] = {}
     if hg.tsp.D == 1:
         return out
-    terms = [*g_fwd, *g_bwd] * hg.n_linear + [*a_fwd, *a_bwd] * hg.n_full + hybrid_extra_terms(inp, hg, stage)
-    for t in terms:
+    terms = [t for kind in layer_kinds(inp) for t in (lambda f, b: [*f, *b])(*layer_terms(inp, hg, kind))]
+    for t in terms + hybrid_extra_terms(inp, hg, stage):
         if t.bytes:
             out[t.kind] = out.get(t.kind, 0) + t.bytes
     return out
 
 
 def gdn_layer_saved(inp: PlanInput, hg: HybridGeometry) -> int:
-    """Saved for backward by one Gated DeltaNet decoder layer: the two norms (input, rstd), the layer's x and conv
-    halo [B, 2, K-1, h], the MLP's input."""
+    """Saved for backward by one Gated DeltaNet decoder layer with a dense MLP: the two norms (input, rstd), the
+    layer's x and conv halo [B, 2, K-1, h], the MLP's input (and its gate / up with recompute_projections off)."""
     dims, b, T = hg.tsp.dims, inp.dtype_bytes, inp.batch * hg.tsp.L
-    return 2 * tsp_norm_saved(T, dims, b) + 2 * T * dims.h * b + inp.batch * 2 * max(hg.K - 1, 0) * dims.h * b
+    kept_mlp = 0 if inp.recompute_projections else 2 * T * dims.F * b
+    return (2 * tsp_norm_saved(T, dims, b) + 2 * T * dims.h * b + inp.batch * 2 * max(hg.K - 1, 0) * dims.h * b
+            + kept_mlp)
 
 
 def gated_attention_layer_saved(inp: PlanInput, hg: HybridGeometry, tsp_layer_saved) -> int:
@@ -161,6 +244,51 @@ def gated_attention_layer_saved(inp: PlanInput, hg: HybridGeometry, tsp_layer_sa
     keep_gate = inp.model.attn_output_gate and not inp.recompute_projections
     gate = inp.batch * g.L * g.dims.nq * g.dims.d * b if keep_gate else 0
     return tsp_layer_saved(inp, g) + gate
+
+
+def sparse_mlp_saved_extra(inp: PlanInput, hg: HybridGeometry) -> int:
+    """What a sparse MLP saves beyond a dense one's input x: the MoE block's (moe_terms.moe_saved), the shared
+    expert's output [T, h] and its sigmoid gate [T, 1] (the product's operands), and with recompute_projections
+    off the shared expert's gate / up [T, Fs] instead of the dense MLP's [T, F]."""
+    dims, b, T = hg.tsp.dims, inp.dtype_bytes, inp.batch * hg.tsp.L
+    kept = 0 if inp.recompute_projections else 2 * T * inp.model.shared_expert_intermediate_size * b
+    return moe_saved(inp, hg.moe) + T * dims.h * b + T * b + kept
+
+
+def kind_saved(inp: PlanInput, hg: HybridGeometry, kind: LayerKind, tsp_layer_saved) -> int:
+    """Saved for backward by one layer of `kind` without checkpointing."""
+    dims, b, T = hg.tsp.dims, inp.dtype_bytes, inp.batch * hg.tsp.L
+    base = gdn_layer_saved(inp, hg) if kind.mixer == "linear_attention" else \
+        gated_attention_layer_saved(inp, hg, tsp_layer_saved)
+    if not kind.sparse:
+        return base
+    dense_kept = 0 if inp.recompute_projections else 2 * T * dims.F * b
+    return base - dense_kept + sparse_mlp_saved_extra(inp, hg)
+
+
+def kind_params(inp: PlanInput, hg: HybridGeometry, kind: LayerKind) -> int:
+    """Parameters per rank of one layer of `kind`: mixer + MLP (dense F/D columns, or E/D experts + router +
+    shared expert Fs/D + its gate) + the two layer norms."""
+    dims = hg.tsp.dims
+    mixer = hg.G + hg.dv if kind.mixer == "linear_attention" else \
+        hg.A + (2 * dims.d if inp.model.qk_norm else 0)
+    return mixer + kind_mlp_params(hg, kind) + 2 * dims.h
+
+
+def kind_mlp_params(hg: HybridGeometry, kind: LayerKind) -> int:
+    return sparse_layer_params(hg.moe) + hg.Ms + hg.tsp.dims.h if kind.sparse else hg.tsp.M
+
+
+def checkpointed_aux_loss_saved(inp: PlanInput, hg: HybridGeometry) -> int:
+    """Under activation checkpointing, what the aux loss (output_router_logits) keeps outside the checkpointed
+    layers: per sparse layer the router softmax [T, E] (compute dtype) and top-k indices [T, k] (int64), and the
+    step's counts [E + 1] and token total (compute dtype). Without checkpointing moe_saved counts them per layer."""
+    m = hg.moe
+    if m is None or not inp.model.output_router_logits:
+        return 0
+    cb = compute_bytes(inp.dtype_bytes)
+    sparse = sparse_count(inp, Stage("only", True, True, inp.model.num_layers, 1))
+    return sparse * (m.T * m.E * cb + m.T * m.k * 8) + (m.E + 1) * cb + cb
 
 
 GDN_CHUNK = 64  # GatedDeltaNetSpec.chunk_size: the pure-torch kernel's sub-chunk
@@ -188,55 +316,113 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
             "gdn_bwd": 2 * shard_in + min(D - 1, 3) * hg.G * b + halo + 2 * (block + trans) + 10 * square + 2 * x}
 
 
-def plan_tsp_hybrid(inp: PlanInput, *, layer_saved, attention_mlp_transients) -> LayoutPlan:
+def sparse_mlp_transients(inp: PlanInput, hg: HybridGeometry, attention_mlp_transients, ring_buffers
+                          ) -> dict[str, int]:
+    """{"moe_fwd", "moe_bwd"}: the MoE block's temporaries (moe_terms.moe_transients) or, while the shared expert
+    runs after it, the block's output y [T, h] plus the shared expert's (a dense MLP of width Fs), whichever is
+    larger."""
+    g = hg.tsp
+    moe = moe_transients(inp, hg.moe, ring_buffers(g.D))
+    shared_g = replace(g, M=hg.Ms, dims=replace(g.dims, F=inp.model.shared_expert_intermediate_size))
+    shared = attention_mlp_transients(inp, shared_g)
+    y = inp.batch * g.L * g.dims.h * inp.dtype_bytes
+    return {"moe_fwd": max(moe["mlp_fwd"], y + shared["mlp_fwd"]),
+            "moe_bwd": max(moe["mlp_bwd"], y + shared["mlp_bwd"])}
+
+
+def plan_tsp_hybrid(inp: PlanInput, *, layer_saved, attention_mlp_transients, ring_buffers,
+                    _other_schedules: bool = True) -> LayoutPlan:
     """TSP's LayoutPlan for a hybrid model (module docstring); ds_tsp.tools.plan.tsp.plan_tsp calls it with its
-    tsp_layer_saved and tsp_transients (the attention and MLP figures: passed in, so this module does not import
-    the one that dispatches to it)."""
+    tsp_layer_saved, tsp_transients and ring_buffers (the attention and MLP figures: passed in, so this module does
+    not import the one that dispatches to it)."""
     check_hybrid_input(inp)
     hg = HybridGeometry.of(inp)
     g = hg.tsp
     dims, b, T = g.dims, inp.dtype_bytes, inp.batch * g.L
-    g_fwd, g_bwd = gdn_layer_terms(inp, hg)
-    a_fwd, a_bwd = gated_attention_layer_terms(inp, hg)
-    layer_fixed = g.M + 2 * dims.h
-    linear_params = hg.G + hg.dv + layer_fixed
-    full_params = hg.A + (2 * dims.d if inp.model.qk_norm else 0) + layer_fixed
-    gdn_saved, attn_saved = gdn_layer_saved(inp, hg), gated_attention_layer_saved(inp, hg, layer_saved)
+    x = T * dims.h * b
+    ac = inp.activation_checkpointing
+    kinds = layer_kinds(inp)
+    counts = {k: kinds.count(k) for k in kinds}
+    described = described_kind(inp)
+    d_fwd, d_bwd = layer_terms(inp, hg, described)
+    saved = {k: kind_saved(inp, hg, k, layer_saved) for k in counts}
+    params_of = {k: kind_params(inp, hg, k) for k in counts}
     gated_g = replace(g, A=hg.A)  # the attention transients with the gated shard
     transients = {**attention_mlp_transients(inp, gated_g), **gdn_transients(inp, hg)}
+    if hg.moe is not None:
+        transients.update(sparse_mlp_transients(inp, hg, attention_mlp_transients, ring_buffers))
+    top = kinds[-1]  # the top layer: its backward runs first, with every other layer's saved tensors alive
 
     def stage_fn(stage: Stage) -> StageMemory:
-        params = hg.n_linear * linear_params + hg.n_full * full_params + g.Vd * dims.h
+        params = sum(counts[k] * params_of[k] for k in counts) + g.Vd * dims.h
         head_params = dims.h + (0 if dims.tied else g.Vd * dims.h)
         params += head_params
-        saved = hg.n_linear * gdn_saved + hg.n_full * attn_saved
-        head_act = tsp_norm_saved(T, dims, b) + T * dims.h * b + T * compute_bytes(b) + T * 8 + b
-        acts = saved + 2 * T * inp.model.rotary_dim * b + T * 8 + head_act  # cos, sin: the rotated dims only
+        all_saved = sum(counts[k] * saved[k] for k in counts)
+        kept = (device_held_inputs(len(kinds)) if inp.offload_activations else len(kinds)) * x \
+            + checkpointed_aux_loss_saved(inp, hg) if ac else all_saved
+        head_act = tsp_norm_saved(T, dims, b) + x + T * compute_bytes(b) + T * 8 + b
+        acts = kept + 2 * T * inp.model.rotary_dim * b + T * 8 + head_act  # cos, sin: the rotated dims only
         below_head = acts - head_act
         head_grads = head_params * b
-        # each mixer's phases as if it were the top layer (its backward then has the most saved bytes alive; a
-        # lower layer's backward holds more grads but fewer saved bytes -- same order of magnitude either way)
-        phases = {"mlp_fwd": Phase(transients["mlp_fwd"], below_head, 0),
-                  "mlp_bwd": Phase(transients["mlp_bwd"], below_head, head_grads)}
-        for mixer, present, top_saved in (("gdn", hg.n_linear, gdn_saved), ("attention", hg.n_full, attn_saved)):
+        # each mixer's and MLP's phases as if its layer were the top layer (its backward then has the most saved
+        # bytes alive; a lower layer's backward holds more grads but fewer saved bytes -- same order of magnitude
+        # either way); under checkpointing that layer's saved tensors are back (the recompute) during its backward
+        phases = {}
+        for mlp_phase, present, sparse in (("mlp", any(not k.sparse for k in counts), False),
+                                           ("moe", any(k.sparse for k in counts), True)):
             if present:
-                phases[f"{mixer}_fwd"] = Phase(transients[f"{mixer}_fwd"], below_head - top_saved
-                                               + tsp_norm_saved(T, dims, b) + T * dims.h * b, 0)
-                phases[f"{mixer}_bwd"] = Phase(transients[f"{mixer}_bwd"], below_head - T * dims.h * b,
-                                               head_grads + (g.M + dims.h) * b)
+                layer_saved_top = max(saved[k] for k in counts if k.sparse == sparse)
+                recomputing = layer_saved_top if ac else 0
+                phases[f"{mlp_phase}_fwd"] = Phase(transients[f"{mlp_phase}_fwd"], below_head, 0)
+                phases[f"{mlp_phase}_bwd"] = Phase(transients[f"{mlp_phase}_bwd"], below_head + recomputing,
+                                                   head_grads)
+        for mixer, name in (("gdn", "linear_attention"), ("attention", "full_attention")):
+            mine = [k for k in counts if k.mixer == name]
+            if not mine:
+                continue
+            k = top if top in mine else max(mine, key=lambda k: saved[k])
+            recomputing = saved[k] if ac else 0
+            phases[f"{mixer}_fwd"] = Phase(transients[f"{mixer}_fwd"], below_head - (0 if ac else saved[k])
+                                           + tsp_norm_saved(T, dims, b) + x, 0)
+            phases[f"{mixer}_bwd"] = Phase(transients[f"{mixer}_bwd"], below_head + recomputing - x,
+                                           head_grads + (kind_mlp_params(hg, k) + dims.h) * b)
         phases.update({"lm_head_fwd": Phase(transients["lm_head_fwd"], below_head, 0),
                        "lm_head_bwd": Phase(transients["lm_head_bwd"], acts, 0),
                        "end_of_backward": Phase(0, 0, params * b)})
-        full_terms = [replace(t, name=f"full-attention layers x{hg.n_full}: {t.name}", calls=t.calls * hg.n_full,
-                              bytes=t.bytes * hg.n_full) for t in (*a_fwd, *a_bwd)] if hg.n_full and g.D > 1 else []
+        other_terms = []
+        if g.D > 1:
+            for k, n in counts.items():
+                if k != described:
+                    k_fwd, k_bwd = layer_terms(inp, hg, k)
+                    other_terms += [replace(t, name=f"{k.title(hg.moe is not None)} x{n}: {t.name}",
+                                            calls=t.calls * n, bytes=t.bytes * n) for t in (*k_fwd, *k_bwd)]
         s = state(inp, params, **zero_divs(inp))
         return StageMemory(params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=acts,
                            phases=phases, step_terms=(hybrid_extra_terms(inp, hg, stage) if g.D > 1 else [])
-                           + dp_sync(inp, params, inp.dp) + full_terms)
+                           + dp_sync(inp, params, inp.dp) + other_terms)
 
-    notes = (f"zigzag: seq padded to {g.S_pad} (multiple of 2D)",
-             f"hybrid: {hg.n_linear} Gated DeltaNet layers (the layer terms) and {hg.n_full} gated full-attention "
-             "layers (in the step terms); the Gated DeltaNet's comm does not grow with S (halo K-1 tokens per chunk, "
-             "transitions [2, B, H_v/D, dk, dk + dv] per rank)")
-    return layout_plan("tsp", inp, stage_fn, g_fwd if g.D > 1 else [], g_bwd if g.D > 1 else [], gdn_saved, notes,
-                       layers_of=lambda stage: hg.n_linear)
+    notes = [f"zigzag: seq padded to {g.S_pad} (multiple of 2D)",
+             f"hybrid: {hg.n_linear} Gated DeltaNet layers and {hg.n_full} gated full-attention layers; the layer "
+             f"terms describe the {counts[described]} {described.title(hg.moe is not None)}, the others come in the "
+             "step terms; the Gated DeltaNet's comm does not grow with S (halo K-1 tokens per chunk, transitions "
+             "[2, B, H_v/D, dk, dk + dv] per rank)"]
+    if ac:
+        notes.append("activation checkpointing: each layer keeps its input only; its forward (and comm) reruns in "
+                     "backward")
+    if inp.offload_activations:
+        notes.append(offload_note(inp, g))
+    moe = {}
+    if hg.moe is not None:
+        only = Stage("only", True, True, inp.model.num_layers, 1)
+        notes.append(moe_note(hg.moe, sparse_count(inp, only), inp.model.num_layers)
+                     + f"; + a shared expert of width {inp.model.shared_expert_intermediate_size} per sparse layer")
+        peaks = None
+        if _other_schedules:
+            peaks = {s: plan_tsp_hybrid(replace(inp, moe_dispatch=s), layer_saved=layer_saved,
+                                        attention_mlp_transients=attention_mlp_transients,
+                                        ring_buffers=ring_buffers, _other_schedules=False).peak_bytes_per_rank
+                     for s in ("ring", "all_to_all")}
+        moe = moe_summary(hg.moe, peaks)
+    plan = layout_plan("tsp", inp, stage_fn, d_fwd, d_bwd, saved[described], tuple(notes),
+                       layers_of=lambda stage: counts[described], moe=moe)
+    return with_offload(plan, inp, g)

@@ -47,7 +47,10 @@ def step_flops(inp: PlanInput, g) -> tuple[float, float]:
     T = inp.batch * g.L
     mlp = m.num_experts_per_tok * m.moe_intermediate_size if m.num_experts else dims.F
     weights = dims.attn(dims.nq, dims.nkv) + 3 * dims.h * mlp
-    layer_fwd = 2.0 * T * weights + 2.0 * inp.batch * g.S_pad ** 2 * dims.nq * dims.d / g.D
+    # a hybrid model's Gated DeltaNet layers are linear in S: the quadratic term is the full-attention layers'
+    # (averaged per layer; their chunked recurrence's FLOPs are left out, so compute is underestimated there)
+    full = sum(t == "full_attention" for t in m.layer_types) / dims.layers if m.layer_types else 1.0
+    layer_fwd = 2.0 * T * weights + full * 2.0 * inp.batch * g.S_pad ** 2 * dims.nq * dims.d / g.D
     layer_passes = 4 if inp.activation_checkpointing else 3  # forward, backward (2x), the recompute
     head = 2.0 * T * dims.V * dims.h * 3
     return layer_fwd, layer_passes * layer_fwd * dims.layers + head

@@ -94,6 +94,8 @@ def shape_with(base: ModelShape | None, overrides: dict[str, int | None]) -> Mod
         fields["head_dim"] = None  # a derived head_dim follows the new hidden / heads
     if "layers" in given and base.layer_types is not None and given["layers"] <= base.num_layers:
         fields["layer_types"] = base.layer_types[:given["layers"]]  # a hybrid model's first N layers
+    if "layers" in given and base.dense_mlp_layers:  # an MoE model's dense layers among the first N
+        fields["dense_mlp_layers"] = tuple(i for i in base.dense_mlp_layers if i < given["layers"])
     return _checked(lambda: replace(base, **fields), given)
 
 

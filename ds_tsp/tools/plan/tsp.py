@@ -109,7 +109,8 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     if inp.model.layer_types is not None:
         from ds_tsp.tools.plan.hybrid import plan_tsp_hybrid
 
-        return plan_tsp_hybrid(inp, layer_saved=tsp_layer_saved, attention_mlp_transients=tsp_transients)
+        return plan_tsp_hybrid(inp, layer_saved=tsp_layer_saved, attention_mlp_transients=tsp_transients,
+                               ring_buffers=ring_buffers)
     g = TSPGeometry.of(inp)
     dims, D, b, B = g.dims, g.D, inp.dtype_bytes, inp.batch
     cb = compute_bytes(b)

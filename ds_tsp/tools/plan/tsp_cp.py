@@ -8,7 +8,9 @@ dp x C data ranks, plus the cp ring (ds_tsp.core.cp_ring):
 - inter-node bytes: per decoder layer and head block, C-1 hops of the group's gathered K/V of that block
   (B x S/C x 2 nkv_b x d elements) forward; backward the same K/V hops again plus C-1 hops of its dK/dV (float32
   accumulators under bf16/fp16); activation checkpointing replays the forward hops. Every TSP rank sends its
-  block's hops on its own NIC (TSP rank p of each group talks to TSP rank p of the next);
+  block's hops on its own NIC (TSP rank p of each group talks to TSP rank p of the next). Sliding-window layers
+  send only the keys their window reaches (ds_tsp.core.cp_window; tsp_cp_window): their bytes differ between cp
+  ranks, so the step's bytes are the busiest rank's (`inter_node_bytes_per_rank` gives each, cp-major);
 - memory: the ring's buffers on top of the TSP peak (conservatively, at the peak phase): two received K/V blocks
   forward; backward also two dK/dV accumulators and one contribution buffer (float32 under bf16);
 - overlap: each hop's transfer runs behind the attention of the previous block: per hop and head block
@@ -26,7 +28,9 @@ from ds_tsp.tools.plan.offload import with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.shape_terms import round_up
 from ds_tsp.tools.plan.tsp import plan_tsp
+from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry
+from ds_tsp.tools.plan.tsp_cp_window import window_ring
 
 INTER_NODE_GBPS = 400.0  # per GPU (one 400 Gb/s NIC per H100/H200, e.g. ConnectX-7 / InfiniBand NDR)
 ATTENTION_BACKWARD_FLOPS = 2.5  # flash backward: 5 matmuls of the forward's 2
@@ -36,9 +40,8 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
     """What one TSP group of the cp ring is planned as: TSP at S_pad / C tokens, ZeRO over dp x C ranks."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise PlanInputError("cp", f"cp={cp!r}: must be an integer >= 1")
-    if cp > 1 and (inp.model.num_experts or inp.pp > 1):
-        what = f"num_experts={inp.model.num_experts}" if inp.model.num_experts else f"pp={inp.pp}"
-        raise PlanInputError("cp", f"cp={cp} with {what}: tsp.cp_size runs dense models without pipeline stages")
+    if cp > 1 and inp.pp > 1:
+        raise PlanInputError("cp", f"cp={cp} with pp={inp.pp}: tsp.cp_size runs without pipeline stages")
     S = round_up(inp.seq, 2 * inp.degree * cp)
     return replace(inp, seq=S // cp, dp=inp.dp * cp)
 
@@ -70,21 +73,41 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
     extra = max(extra_fwd, extra_bwd)
     layers = base.layers_per_stage
     cp_fwd, cp_bwd = sum(t.bytes for t in fwd), sum(t.bytes for t in bwd)
+    # sliding-window layers send only the keys their window reaches (tsp_cp_window); the rest take the full ring
+    win = window_ring(inp.model, group_tokens * C, C, D, kv_hop // group_tokens, grad_hop // group_tokens,
+                      checkpointing=inp.activation_checkpointing)
+    full_layers = layers - win.layers
+    per_rank = [full_layers * (cp_fwd + cp_bwd) + win.fwd_bytes[k] + win.bwd_bytes[k] for k in range(C * D)]
+    busiest = max(range(C * D), key=per_rank.__getitem__)  # cp-major: cp rank busiest // D, TSP rank busiest % D
+    ring_bytes = per_rank[busiest]
+    if win.layers:  # per-layer figures: the mean over the layers (their terms: per layer of their kind)
+        calls = win.hop_calls[busiest] // win.layers
+        win_fwd, win_bwd = win.fwd_bytes[busiest] // win.layers, win.bwd_bytes[busiest] // win.layers
+        fwd, bwd = (fwd, bwd) if full_layers else ([], [])
+        fwd = fwd + [term("cp ring window K/V hops (per windowed layer)", "cp_ring", win_fwd // max(calls, 1),
+                          calls, win_fwd)]
+        bwd = bwd + [term("cp ring window K/V + dK/dV hops (backward, per windowed layer)", "cp_ring",
+                          win_bwd // max(calls, 1), 2 * calls, win_bwd)]
+        cp_fwd = (full_layers * cp_fwd + win.fwd_bytes[busiest]) // layers
+        cp_bwd = (full_layers * cp_bwd + win.bwd_bytes[busiest]) // layers
     # attention FLOPs the hops overlap: per hop and block c = S/(2CD) queries x S/C keys x nq_b heads
     c = group_tokens // (2 * D)
     hop_flops = 4 * B * c * group_tokens * g.nq_b * g.dims.d
-    per_layer_flops = hops * hop_flops * (1 + ATTENTION_BACKWARD_FLOPS + (1 if inp.activation_checkpointing else 0))
+    passes = 1 + ATTENTION_BACKWARD_FLOPS + (1 if inp.activation_checkpointing else 0)
+    per_layer_flops = hops * hop_flops * passes
+    window_flops = D * 4 * B * win.pairs[busiest] * g.nq_b * g.dims.d * passes  # the blocks its hops run behind
     bytes_per_s = inter_node_gbps * 1e9 / 8
     summary = {
         "cp": C, "tsp": D, "seq_padded": group_tokens * C, "tokens_per_rank": B * group_tokens // D,
-        "inter_node_bytes_per_step": layers * (cp_fwd + cp_bwd),
+        "inter_node_bytes_per_step": ring_bytes, "inter_node_bytes_per_rank": per_rank,
+        "windowed_layers": win.layers,
         "intra_node_bytes_per_step": layers * (base.comm_bytes_per_layer_fwd + base.comm_bytes_per_layer_bwd),
         "grad_sync_bytes_per_step": base.comm_bytes_per_step - layers * (base.comm_bytes_per_layer_fwd
                                                                          + base.comm_bytes_per_layer_bwd),
         "ring_buffer_bytes": extra, "kv_hop_bytes": kv_hop,
         "inter_node_gbps": inter_node_gbps, "gpu_tflops": gpu_tflops,
-        "cp_ring_seconds_per_step": layers * (cp_fwd + cp_bwd) / bytes_per_s,
-        "overlapped_attention_seconds_per_step": layers * per_layer_flops / (gpu_tflops * 1e12),
+        "cp_ring_seconds_per_step": ring_bytes / bytes_per_s,
+        "overlapped_attention_seconds_per_step": (full_layers * per_layer_flops + window_flops) / (gpu_tflops * 1e12),
         "hop_seconds": kv_hop / bytes_per_s, "hop_attention_seconds": hop_flops / (gpu_tflops * 1e12),
     }
     transients = {phase: size + extra for phase, size in base.transients.items()}
@@ -93,16 +116,19 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         f"ZeRO / grad sync over dp x cp = {group.dp} ranks",
         f"cp ring: {hops} K/V hops of {kv_hop / 2 ** 20:.1f} MiB per layer forward, twice that (+ dK/dV) backward; "
         f"ring buffers {extra / 2 ** 30:.2f} GiB added at the peak phase (conservative)",
-    ) if C > 1 else base.notes
-    return replace(
+    ) + ((f"cp ring of the {win.layers} sliding-window layers: only the keys a window reaches travel "
+          f"(busiest: cp rank {busiest // D}, TSP rank {busiest % D}, {win.hop_calls[busiest] // win.layers} "
+          "exchanges per layer)",)
+         if win.layers else ()) if C > 1 else base.notes
+    return with_moe_cp_terms(replace(  # MoE: TSP's rows at the group's tokens, + the aux counts over cp (moe_cp)
         base, layout="tsp_cp" if C > 1 else base.layout,
         transients_bytes=base.transients_bytes + extra, peak_bytes_per_rank=base.peak_bytes_per_rank + extra,
         transients=transients, phase_bytes={k: v + extra for k, v in base.phase_bytes.items()},
         comm_bytes_per_layer_fwd=base.comm_bytes_per_layer_fwd + cp_fwd,
         comm_bytes_per_layer_bwd=base.comm_bytes_per_layer_bwd + cp_bwd,
-        comm_bytes_per_step=base.comm_bytes_per_step + layers * (cp_fwd + cp_bwd),
+        comm_bytes_per_step=base.comm_bytes_per_step + ring_bytes,
         layer_fwd_terms=base.layer_fwd_terms + tuple(fwd), layer_bwd_terms=base.layer_bwd_terms + tuple(bwd),
-        notes=notes, cp=summary)
+        notes=notes, cp=summary), inp, C)
 
 
 def recommend_tsp_cp(inp: PlanInput, *, devices: int, gpu_mem_bytes: int, gpus_per_node: int = 8,
