@@ -206,16 +206,36 @@ def test_cp_errors_exit_2_with_one_line_naming_the_flag(argv, message, capsys, t
     assert message in err and err.count("\n") == 1, err
 
 
-def test_cp_refuses_a_hybrid_model_by_name(capsys, tmp_path):
+def test_cp_runs_a_hybrid_model(capsys, tmp_path):
+    """A hybrid model (Gated DeltaNet layers) is no longer refused under --cp: "all" keeps tsp_cp (and tsp at
+    C x D) for it, and the model's and the planner's checks pass (its step: tests/test_cp_hybrid.py)."""
     pytest.importorskip("transformers")
     from hybrid_tiny import hybrid_config
 
     hybrid_config().save_pretrained(tmp_path)
     args = build_parser().parse_args(["--hf-config", str(tmp_path), "--tsp", "2", "--cp", "2", "--seq", "64",
                                       "--out", str(tmp_path / "out")])
-    assert args.run(args) == 2
-    err = capsys.readouterr().err
-    assert "--cp 2: layout tsp_cp cannot run this model" in err and "linear-attention" in err, err
+    assert [(c.layout, c.tsp, c.cp) for c in configs_from_args(args)] == [("tsp_cp", 2, 2), ("tsp", 4, 1)]
+
+
+@pytest.mark.slow
+def test_bench_cp_hybrid_bytes_are_the_plan(tmp_path, capsys):
+    """`ds-tsp bench --hf-config <Qwen3.5> --tsp 2 --cp 2`: tsp_cp's layer bytes on the cp communicator (the
+    attention's K/V ring + the Gated DeltaNet's gathers over cp) equal the plan's inter-node bytes exactly."""
+    pytest.importorskip("transformers")
+    from hybrid_tiny import hybrid_config
+
+    hybrid_config().save_pretrained(tmp_path)
+    out = tmp_path / "out"
+    args = build_parser().parse_args(["--hf-config", str(tmp_path), "--tsp", "2", "--cp", "2", "--seq", "64",
+                                      "--steps", "1", "--quiet", "--out", str(out)])
+    assert args.run(args) == 0, capsys.readouterr().err[-3000:]
+    rows = {r["layout"]: r for r in json.loads((out / "results.json").read_text())}
+    cp = rows["tsp_cp"]
+    assert cp["ok"] and rows["tsp"]["ok"], rows
+    assert cp["comm_cp_ring_bytes"] == cp["plan_cp_ring_bytes"] > cp["comm_by_op"]["cp:ring"], cp
+    assert cp["comm_group_bytes"] + cp["comm_cp_ring_bytes"] + cp["comm_cp_grad_sync_bytes"] \
+        == cp["plan_comm_bytes_per_step"], cp
 
 
 def test_cp_bad_value_names_the_flag(capsys):

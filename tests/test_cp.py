@@ -8,8 +8,8 @@
   cp chunks, padding, and the schedule options; gradients averaged over the data group (data x cp) as a
   data-parallel engine does;
 - the same step's ops replayed under NCCL's queueing rules (tests/nccl_rules.py), TSP and cp groups together;
-- refusals: linear attention, logits under cp name cp_size (MoE runs: tests/test_cp_moe.py; sliding windows:
-  tests/test_cp_window.py).
+- refusals: logits under cp name cp_size; every layer kind runs (linear attention: tests/test_cp_hybrid.py; MoE:
+  tests/test_cp_moe.py; sliding windows: tests/test_cp_window.py).
 (D, C) = (2, 3) and (4, 2) exactness runs are marked slow (6 and 8 ranks).
 """
 from __future__ import annotations
@@ -290,20 +290,16 @@ class _FakeComm:
         size = 2
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"layer_types": ("linear_attention", "full_attention"), "linear_num_key_heads": 1, "linear_num_value_heads": 1,
-      "linear_key_head_dim": 4, "linear_value_head_dim": 4, "linear_conv_kernel_dim": 2,
-      "hybrid_family": "qwen3_next"}, "linear-attention"),
-])
-def test_cp_refuses_what_it_does_not_run_by_name(kw, match):
+def test_cp_runs_every_layer_kind():
+    """check_cp_model refuses nothing today: linear attention (exact: tests/test_cp_hybrid.py), MoE
+    (tests/test_cp_moe.py) and sliding windows (tests/test_cp_window.py) all run under cp."""
     from ds_tsp.core.cp_inputs import check_cp_model
 
-    with pytest.raises(TSPConfigError, match=f"tsp.cp_size=2 with {match}"):
-        check_cp_model(_shape(4, 2, **kw), _FakeComm())
+    check_cp_model(_shape(4, 2, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=1,
+                          linear_num_value_heads=1, linear_key_head_dim=4, linear_value_head_dim=4,
+                          linear_conv_kernel_dim=2, hybrid_family="qwen3_next"), _FakeComm())
     check_cp_model(_shape(4, 2), _FakeComm())
-    # MoE runs under cp (exact against transformers: tests/test_cp_moe.py)
     check_cp_model(_shape(4, 2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8), _FakeComm())
-    # sliding windows run under cp (exact: tests/test_cp_window.py)
     check_cp_model(_shape(4, 2, attention_windows=(5, None)), _FakeComm())
 
 

@@ -29,6 +29,7 @@ class ThreadComm:
     grad_bucket = None
     recorder = None
     weight_group = None
+    cp = None  # TSPComm.cp: no context-parallel axis (the sequence is this group's)
 
     def __init__(self, world: _World, rank: int):
         self.world, self.rank, self.size, self.context = world, rank, world.size, ""

@@ -134,6 +134,13 @@ class TSPComm:
     # other cp groups of its sequence, whose ring passes gathered K/V. None: cp = 1 (the sequence is this group's).
     cp: "TSPComm | None" = field(default=None, compare=False, repr=False)
 
+    def cp_axis(self) -> "TSPComm":
+        """self.cp, labelled and recorded like self: its waits report this layer's context, its ops join this
+        comm's recording (the NCCL-rules replay and the byte counters see both axes in one order)."""
+        cp = self.cp
+        cp.context, cp.recorder = self.context, self.recorder
+        return cp
+
     def __post_init__(self):
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not self.timeout_s > 0):
             raise ValueError(f"TSPComm(timeout_s={self.timeout_s!r}): must be a number of seconds > 0, or None to "

@@ -1,8 +1,8 @@
 """What the model's input check adds with a cp axis: the whole sequence's facts, and the models cp can run.
 
-Models cp runs: dense and mixture-of-experts (experts dispatched inside each TSP group, as TSP alone; the
-load-balancing loss's counts reduced over cp x TSP, ds_tsp.core.functions.moe_aux); check_cp_model refuses the
-rest by name.
+Models cp runs: dense, mixture-of-experts (experts dispatched inside each TSP group, as TSP alone; the
+load-balancing loss's counts reduced over cp x TSP, ds_tsp.core.functions.moe_aux), sliding-window and hybrid
+(Gated DeltaNet: ds_tsp.core.linear_attention_scan) models; check_cp_model is where a refusal by name would go.
 
 The input check gathers a fixed-size payload over the TSP group (ds_tsp.model.sharded_causal_lm._check_inputs).
 With cp groups (tsp.cp_size > 1) the packed-document layout is a fact of the whole sequence, so the TSP group's
@@ -23,24 +23,22 @@ __all__ = ["check_cp_model", "over_cp", "held_chunks", "full_fields"]
 
 
 def check_cp_model(shape: ModelShape, comm: TSPComm) -> None:
-    """Refuse, by name, the layers the cp ring does not run exactly yet (one error, at model construction)."""
+    """Refuse, by name, the layers the cp ring does not run exactly yet (one error, at model construction).
+
+    Every layer kind runs under cp today, so nothing is refused: mixture-of-experts layers (dispatch inside the TSP
+    group, the aux loss's counts reduced over cp too: ds_tsp.core.functions.moe_aux), sliding-window layers (only
+    the keys a window reaches travel: ds_tsp.core.cp_window) and linear-attention (Gated DeltaNet) layers (their
+    conv halo and chunk transitions are gathered over cp too: ds_tsp.core.linear_attention_scan). A new layer kind
+    that cp does not run raises here: TSPConfigError(f"tsp.cp_size={C} with <the layers>: <why>; set cp_size to 1
+    for this model")."""
     if comm.cp is None:
         return
-    why = None
-    # mixture-of-experts layers run: dispatch stays inside the TSP group, the aux loss's counts are reduced over cp
-    # too (ds_tsp.core.functions.moe_aux)
-    if shape.layer_types is not None and "linear_attention" in shape.layer_types:
-        why = "linear-attention (Gated DeltaNet) layers: their recurrent state does not travel the cp ring yet"
-    # sliding-window layers run: only the keys a window reaches travel (ds_tsp.core.cp_window)
-    if why:
-        raise TSPConfigError(f"tsp.cp_size={comm.cp.size} with {why}; set cp_size to 1 for this model")
 
 
 def over_cp(comm: TSPComm, gathered: torch.Tensor) -> torch.Tensor:
     """The TSP group's gathered [D, ...] tensor, all-gathered over the cp ring's group: [C * D, ...], cp-major."""
-    cp = comm.cp
+    cp = comm.cp_axis()
     out = torch.empty((cp.size, *gathered.shape), dtype=gathered.dtype, device=gathered.device)
-    cp.context, cp.recorder = comm.context, comm.recorder  # its wait reported, its op recorded, like comm's
     cp.all_gather(out, gathered.contiguous(), what="input check over cp").wait()
     return out.reshape(cp.size * gathered.shape[0], *gathered.shape[1:])
 

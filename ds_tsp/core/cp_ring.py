@@ -26,8 +26,9 @@ Both cases are one (c queries x 2 Ccp keys) of work per rank and hop, so every r
 hop and no rank waits on a slower neighbour (the zigzag ring of ring-flash-attention, here with TSP inside).
 Packed documents: a query of document [a, ...) sees the keys of r's buffer from `_buffer_offset(a, r)` on (a
 suffix of the buffer, since r's two chunks are in global order), so each run of queries in one document is one
-unmasked kernel call over a buffer suffix: no [S, S] mask. Linear-attention layers are refused under cp
-(TSPConfigError naming cp_size; ds_tsp.model.sharded_causal_lm checks the model). Sliding-window layers (a window
+unmasked kernel call over a buffer suffix: no [S, S] mask. Linear-attention (Gated DeltaNet) layers do not take
+this ring: their conv halo and chunk transitions are all-gathered over cp (ds_tsp.core.linear_attention_scan).
+Sliding-window layers (a window
 that hides some key of S_pad) do not take this ring: ds_tsp.core.cp_window fetches, per ring distance that some
 rank needs (a static fact of window, C and Ccp, the same on every rank), only the key range each receiver's window
 reaches, straight from its owner (one exchange per distance; distances no rank needs are not posted; dK/dV go back
@@ -184,13 +185,6 @@ class _KVRing:
         return self.current
 
 
-def _cp_of(comm: TSPComm) -> TSPComm:
-    """comm.cp, labelled and recorded like comm: its waits report comm's layer, its ops join comm's recording."""
-    cp = comm.cp
-    cp.context, cp.recorder = comm.context, comm.recorder
-    return cp
-
-
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in kernels._HALF else dtype
 
@@ -201,7 +195,7 @@ def cp_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, *
     """Attention of this rank's queries q [B, L, nq, d] over the whole sequence: its group's gathered K/V
     (kv_all [S_loc, B, 2, nkv, d]) and, around comm.cp's ring, every other group's. doc_starts: the global
     layout. Returns (out [B, L, nq, d], [lse of chunk 1, lse of chunk 2]) merged over every block."""
-    cp = _cp_of(comm)
+    cp = comm.cp_axis()
     B, L = q.shape[:2]
     if uses_window_path(window, cp.size * comm.size * L):  # only the keys the window reaches travel
         return window_attention_forward(q, kv_all, comm, cp, doc_starts=doc_starts, window=window, scale=scale,
@@ -238,7 +232,7 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Ten
                           ) -> list[torch.Tensor]:
     """Backward of cp_attention_forward: returns dq of the two query chunks and adds the grads of this group's
     K/V (its own block's, and every other group's, brought back around the ring) into kv_grad."""
-    cp = _cp_of(comm)
+    cp = comm.cp_axis()
     B, L = q.shape[:2]
     if uses_window_path(window, cp.size * comm.size * L):
         return window_attention_backward(dout, q, kv_all, out, lses, kv_grad, comm, cp, doc_starts=doc_starts,

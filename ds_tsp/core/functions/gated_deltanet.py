@@ -21,7 +21,8 @@ Schedule (like TSP attention: the weights travel, every rank computes its own to
         per local chunk (every row at once, document starts cut inside the kernel): chunked delta rule from a zero
             state -> o_local, q_eff (o = o_local + q_eff S_in) and the chunk's transition (M, U)
             (ds_tsp.core.gated_delta_rule)
-        all-gather the transitions, compose all 2D in sequence order -> S_in of both local chunks
+        all-gather the transitions (with cp: then over cp too), compose all 2D (2CD) in sequence order -> S_in of
+            both local chunks
         o = o_local + q_eff @ S_in (q_eff is 0 from a chunk's first document start on); gated RMSNorm;
         y += o @ Wout_j^T
 The chunk kernel: on CUDA in fp16 / bf16 flash-linear-attention's chunk_gated_delta_rule when installed (one call
@@ -48,9 +49,23 @@ Bytes per layer per rank (elements x dtype bytes; rho = (D-1)/D; W = the layer's
     forward:  rho W (shards) + 2 (D-1) B min(c, K-1) h (halo) + 2 (D-1) B H_v dk (dk + dv) (transitions, compute dtype)
     backward: rho W (re-broadcast) + rho W (weight grads to owners) + 2 x the transitions (re-gather + reduce-scatter)
               + the halo reduce-scatter
-Nothing scales with S (the halo is K-1 tokens per chunk). Host syncs: 0 (document cuts are host ints of the
-DocumentLayout; the tap masks are built by fills on the device). Collectives are posted in the same order on every
-rank: the loop and the masks are decided by shapes and the layout only, identical on all ranks.
+Nothing scales with S (the halo is K-1 tokens per chunk).
+
+With a cp axis (comm.cp: C TSP groups share the sequence, 2CD chunks of c tokens; ds_tsp.core.partition) the
+schedule is the same with both gathers two-staged (ds_tsp.core.linear_attention_scan): the TSP group's gathered
+[D, 2, ...] is all-gathered over the cp group into [C, D, 2, ...], so a halo or a state from another group's chunk
+arrives, and every rank composes all 2CD transitions; the backward duals reduce-scatter over cp, then over TSP,
+posted on every rank in the same order. The document layout is then the whole sequence's (cp_inputs), so a
+document that starts in another group's chunk resets the state and the conv here too. cp bytes per layer per rank
+(the cp communicator, across nodes; its all-gather counts the (C-1)/C that arrives):
+    forward:  (C-1) D 2 B min(c, K-1) h (halo) + per block (C-1) D 2 B H_block dk (dk + dv) (transitions)
+    backward: per block the transitions re-gathered and their grads reduce-scattered (the same bytes each) + the
+              halo's reduce-scatter
+O(1) in S as well. Without cp the collectives and bytes are exactly those above.
+
+Host syncs: 0 (document cuts are host ints of the DocumentLayout; the tap masks are built by fills on the device).
+Collectives are posted in the same order on every rank: the loop and the masks are decided by shapes and the layout
+only, identical on all ranks.
 """
 from __future__ import annotations
 
@@ -196,10 +211,11 @@ def _block_local(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPl
     return _LocalBlock(outputs, torch.stack(transitions), F.linear(x, w_z).view(B, L, vb, dv))
 
 
-def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: GatedDeltaNetSpec, rank: int):
-    """The block's [B, L, h] contribution, given every rank's transitions [D, 2, B, vb, dk, dk + dv]."""
+def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm):
+    """The block's [B, L, h] contribution, given every rank's transitions [D, 2, B, vb, dk, dk + dv] (with a cp
+    axis every cp group's: [C, D, 2, ...])."""
     B, L, h = x.shape
-    s_in = start_states(everyone, rank, spec.key_head_dim)
+    s_in = start_states(everyone, comm.rank, spec.key_head_dim, None if comm.cp is None else comm.cp.rank)
     o = torch.cat([o_local + q_eff @ s for (o_local, q_eff), s in zip(local.outputs, s_in)], dim=2)
     o = o.transpose(1, 2).to(x.dtype)  # [B, L, vb, dv]
 
@@ -223,7 +239,7 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
             w = spec.layout.unpack(shards.take(j))
             local = _block_local(x, halo, w, spec, plans)
             everyone = gather_transitions(local.transitions, comm)
-            y.add_(_block_output(local, everyone, x, w, norm_weight, spec, comm.rank))
+            y.add_(_block_output(local, everyone, x, w, norm_weight, spec, comm))
         ctx.spec, ctx.comm, ctx.plans = spec, comm, plans
         # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
         save_with_shard(ctx, packed_shard, x, halo, norm_weight)
@@ -252,7 +268,7 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 w = spec.layout.unpack(shard)
                 local = _block_local(x_, halo_, w, spec, plans)
                 everyone = gather_transitions(local.transitions, comm).requires_grad_()
-                y = _block_output(local, everyone, x_, w, nw_, spec, comm.rank)
+                y = _block_output(local, everyone, x_, w, nw_, spec, comm)
                 leaves = (x_, halo_, nw_) + ((shard,) if need_w else ())
                 # stage 1: grads from this rank's outputs, including those of every rank's transitions ...
                 first = torch.autograd.grad(y, leaves + (everyone,), dy, retain_graph=True, allow_unused=True)
@@ -277,11 +293,13 @@ def tsp_gated_deltanet(x: torch.Tensor, packed_shard: torch.Tensor, norm_weight:
     """Gated DeltaNet over the local tokens x [B, L, h] (zigzag order), every head block streamed from its owner.
 
     doc_rows: per batch row the global token indices where documents start (beginning with 0; a DocumentLayout's
-    rows). norm_weight: the replicated gated-norm weight [dv]; its grad is this rank's contribution (sum it over the
-    group, e.g. with comm.replicated_param)."""
+    rows; with a cp axis, comm.cp, the whole sequence's). norm_weight: the replicated gated-norm weight [dv]; its
+    grad is this rank's contribution (sum it over the group, e.g. with comm.replicated_param)."""
     B, L, h = x.shape
     if L % 2:
         raise ValueError(f"tsp_gated_deltanet: the local length {L} must hold two zigzag chunks (even)")
-    plans = chunk_plans(tuple(map(tuple, doc_rows)), comm.rank, comm.size, L, spec.conv_kernel, x.dtype, x.device)
+    cp = () if comm.cp is None else (comm.cp.size, comm.cp.rank)  # the chunks are then global chunks of 2 C D
+    plans = chunk_plans(tuple(map(tuple, doc_rows)), comm.rank, comm.size, L, spec.conv_kernel, x.dtype, x.device,
+                        *cp)
     halo = conv_halo(x, comm, spec.conv_kernel - 1) if spec.conv_kernel > 1 else x.new_zeros(B, 2, 0, h)
     return apply_autocast(_TSPGatedDeltaNet, x.device.type, x, halo, packed_shard, norm_weight, spec, comm, plans)

@@ -50,8 +50,6 @@ def moe_aux_loss_share(router_logits: list[torch.Tensor], num_experts: int, top_
     totals = torch.cat([counts, rows.reshape(1)])
     comm.all_reduce(totals, what="moe aux loss counts").wait()
     if comm.cp is not None:  # the cp groups hold the rest of the sequence: its counts complete the statistic
-        cp = comm.cp
-        cp.context, cp.recorder = comm.context, comm.recorder  # its wait reported, its op recorded, like comm's
-        cp.all_reduce(totals, what="moe aux loss counts over cp").wait()
+        comm.cp_axis().all_reduce(totals, what="moe aux loss counts over cp").wait()
     counts, rows = totals[:-1], totals[-1]
     return num_experts * (counts * prob_sum).sum() / (rows * rows)

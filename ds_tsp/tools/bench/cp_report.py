@@ -3,9 +3,13 @@
 `with_cp_fields` adds to every row (results.json) what the cp comparison reads:
   comm_group_bytes          bytes per step and rank inside the layout's own group: tsp_cp's TSP group of D ranks
                             (intra-node in a real run), a peer's one group of C x D ranks
-  comm_cp_ring_bytes        tsp_cp only: the cp ring's K/V and dK/dV hops (inter-node in a real run)
+  comm_cp_ring_bytes        tsp_cp only: the layers' bytes on the cp communicator (inter-node in a real run): the
+                            ring's K/V and dK/dV hops, and a hybrid model's Gated DeltaNet halo and transition
+                            all-gathers / reduce-scatters over cp (ds_tsp.core.linear_attention_scan)
   comm_cp_grad_sync_bytes   tsp_cp only: the gradient all-reduce over cp (weights are replicated over cp)
-  comm_cp_input_check_bytes tsp_cp only: the input check's all-gather over cp (whole-sequence facts)
+  comm_cp_input_check_bytes tsp_cp only: the input check's all-gather over cp (whole-sequence facts: a fixed-size
+                            payload, (C-1) D (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) int64 per rank; the rest
+                            of the cp all-gathers are the Gated DeltaNet's)
   plan_cp_ring_bytes        tsp_cp only: `ds-tsp plan --cp`'s inter-node bytes for the same shape (fp32, as the
                             bench runs; ds_tsp.tools.plan.tsp_cp): equal to comm_cp_ring_bytes for full attention
                             (the by-kind bytes are global rank 0's; with sliding windows the cp ranks move
@@ -27,13 +31,18 @@ from ds_tsp.tools.bench.tsp_cp import CP_PREFIX
 
 
 def _split(row: dict) -> dict:
+    from ds_tsp.tools.plan.tsp_comm import DOCUMENT_LAYOUT_SLOTS, INPUT_CHECK_COUNTS
+
     by_kind = row.get("comm_by_op") or {}
     if row["layout"] != CP_LAYOUT:
         return {"comm_group_bytes": row.get("comm_bytes")}
+    gathered = by_kind.get(CP_PREFIX + "all_gather", 0)
+    check = min(gathered, (row["cp"] - 1) * row["tsp"] * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8)
     return {"comm_group_bytes": sum(v for k, v in by_kind.items() if not k.startswith(CP_PREFIX)),
-            "comm_cp_ring_bytes": by_kind.get(CP_PREFIX + "ring", 0),
+            "comm_cp_ring_bytes": by_kind.get(CP_PREFIX + "ring", 0) + by_kind.get(CP_PREFIX + "reduce_scatter", 0)
+            + gathered - check,
             "comm_cp_grad_sync_bytes": by_kind.get(CP_PREFIX + "grad_sync", 0),
-            "comm_cp_input_check_bytes": by_kind.get(CP_PREFIX + "all_gather", 0)}
+            "comm_cp_input_check_bytes": check}
 
 
 def _planned(row: dict, shape) -> dict:

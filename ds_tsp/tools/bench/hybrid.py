@@ -2,7 +2,8 @@
 
 TSP runs it (ShardedCausalLM builds TSPGatedDeltaNet for every linear_attention layer), and so does the baseline
 every user has: layout hf_zero3_dp (ds_tsp.tools.bench.zero3_dp), transformers' own model of the same config under
-DeepSpeed ZeRO-3 data parallelism, each rank a whole sequence. "all" means these (tsp, tsp_speed, hf_zero3_dp).
+DeepSpeed ZeRO-3 data parallelism, each rank a whole sequence. "all" means these (tsp, tsp_speed, hf_zero3_dp);
+with --cp C, tsp_cp (C TSP groups sharing each sequence: the Gated DeltaNet gathers over cp) and tsp at C x D.
 
 The sequence-parallel peers cannot run it, and are refused by name rather than run on a model they do not build:
 - DeepSpeed Ulysses (ALST's UlyssesSPAttentionHF, layouts ulysses_zero3 / ulysses_zero1) swaps transformers'
@@ -24,7 +25,7 @@ from dataclasses import replace
 from ds_tsp.core.shape import ModelShape
 
 HYBRID_PEER = "hf_zero3_dp"  # the peer that runs transformers' own hybrid model
-_RUNS_HYBRIDS = ("tsp", "zero3_dp", "single")  # layout modules that build the hybrid model itself
+_RUNS_HYBRIDS = ("tsp", "tsp_cp", "zero3_dp", "single")  # layout modules that build the hybrid model itself
 
 
 def hybrid_layouts(shape: ModelShape, layouts_flag: str, layouts: list[str]) -> list[str]:
@@ -36,7 +37,7 @@ def hybrid_layouts(shape: ModelShape, layouts_flag: str, layouts: list[str]) -> 
     if shape.layer_types is None:
         return layouts if explicit else [name for name in layouts if name != HYBRID_PEER]
     if not explicit:
-        return [name for name in layouts if LAYOUTS[name].module == "tsp" or name == HYBRID_PEER]
+        return [name for name in layouts if LAYOUTS[name].module in ("tsp", "tsp_cp") or name == HYBRID_PEER]
     peers = [name for name in layouts if LAYOUTS[name].module not in _RUNS_HYBRIDS]
     if peers:
         raise ValueError(f"--layouts {peers}: a hybrid model (Gated DeltaNet layers, --hf-config model_type "

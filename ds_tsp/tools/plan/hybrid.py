@@ -26,8 +26,8 @@ tests/test_plan_hybrid_moe.py check every comm kind against CommCounter exactly,
 bytes against saved-tensor hooks, the host pool of offload against the model's, and the peak against bench's
 MemTracker (10%).
 
-Not modelled (refused by name): pipeline stages and context parallelism; the peers' layouts (their plans count
-Llama layers).
+Not modelled (refused by name): pipeline stages; the peers' layouts (their plans count Llama layers). Context
+parallelism adds its cp terms on top of these rows (ds_tsp.tools.plan.hybrid_cp, through plan_tsp_cp).
 """
 from __future__ import annotations
 

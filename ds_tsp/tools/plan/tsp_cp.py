@@ -13,6 +13,9 @@ dp x C data ranks, plus the cp ring (ds_tsp.core.cp_ring):
   ranks, so the step's bytes are the busiest rank's (`inter_node_bytes_per_rank` gives each, cp-major);
 - memory: the ring's buffers on top of the TSP peak (conservatively, at the peak phase): two received K/V blocks
   forward; backward also two dK/dV accumulators and one contribution buffer (float32 under bf16);
+- hybrid models (Gated DeltaNet layers): the full-attention layers take the ring above; each Gated DeltaNet layer
+  all-gathers its conv halo and chunk transitions over cp too, O(1) in S (ds_tsp.tools.plan.hybrid_cp); the
+  layer terms describe the most numerous Gated DeltaNet kind, the other kinds' cp terms come in the step terms;
 - overlap: each hop's transfer runs behind the attention of the previous block: per hop and head block
   c = S/(2CD) queries x S/C keys (zigzag: the same on every rank), 4 c (S/C) nq_b d FLOPs forward, 2.5x that in
   backward. `cp` in the result gives both per step: ring seconds at `inter_node_gbps` per GPU against the attention
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ds_tsp.tools.plan.comm_terms import recompute, term
+from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, hybrid_cp_rows
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.offload import with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
@@ -49,10 +53,8 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
 def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_GBPS, gpu_tflops: float = 400.0,
                 gpus_per_node: int = 8) -> LayoutPlan:
     """One rank of C TSP groups of D (inp.degree) sharing each sequence; layout "tsp_cp" (cp=1: TSP alone)."""
-    if inp.model.layer_types is not None and cp > 1:
-        raise PlanInputError("cp", "cp > 1: TSP with a context-parallel ring is not modelled for hybrid (Gated "
-                                   "DeltaNet) models; plan TSP alone (--cp 1)")
     group = group_input(inp, cp)
+    hybrid = inp.model.layer_types is not None and cp > 1  # Gated DeltaNet layers: their cp terms (hybrid_cp)
     base = with_offload(plan_tsp(group), group, TSPGeometry.of(group), gpu_tflops=gpu_tflops,
                         gpus_per_node=gpus_per_node)
     g = TSPGeometry.of(group)
@@ -70,7 +72,7 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
     ring_buffers = min(C - 1, 2)
     extra_fwd = ring_buffers * kv_hop
     extra_bwd = ring_buffers * kv_hop + (3 * grad_hop if C > 1 else 0)
-    extra = max(extra_fwd, extra_bwd)
+    extra = max(extra_fwd, extra_bwd, gdn_cp_buffers(group, C) if hybrid else 0)
     layers = base.layers_per_stage
     cp_fwd, cp_bwd = sum(t.bytes for t in fwd), sum(t.bytes for t in bwd)
     # sliding-window layers send only the keys their window reaches (tsp_cp_window); the rest take the full ring
@@ -78,6 +80,15 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
                       checkpointing=inp.activation_checkpointing)
     full_layers = layers - win.layers
     per_rank = [full_layers * (cp_fwd + cp_bwd) + win.fwd_bytes[k] + win.bwd_bytes[k] for k in range(C * D)]
+    hybrid_steps = []
+    if hybrid:  # every rank the same: the K/V ring of the full-attention layers, the Gated DeltaNet's gathers
+        if win.layers:
+            raise PlanInputError("cp", f"cp={C}: sliding-window layers in a hybrid (Gated DeltaNet) model are not "
+                                       "modelled under cp; plan TSP alone (--cp 1)")
+        full_layers = sum(t == "full_attention" for t in inp.model.layer_types)
+        fwd, bwd, hybrid_steps, hybrid_bytes = hybrid_cp_rows(group, C, fwd, bwd)
+        cp_fwd, cp_bwd = sum(t.bytes for t in fwd), sum(t.bytes for t in bwd)
+        per_rank = [hybrid_bytes] * (C * D)
     busiest = max(range(C * D), key=per_rank.__getitem__)  # cp-major: cp rank busiest // D, TSP rank busiest % D
     ring_bytes = per_rank[busiest]
     if win.layers:  # per-layer figures: the mean over the layers (their terms: per layer of their kind)
@@ -116,7 +127,10 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         f"ZeRO / grad sync over dp x cp = {group.dp} ranks",
         f"cp ring: {hops} K/V hops of {kv_hop / 2 ** 20:.1f} MiB per layer forward, twice that (+ dK/dV) backward; "
         f"ring buffers {extra / 2 ** 30:.2f} GiB added at the peak phase (conservative)",
-    ) + ((f"cp ring of the {win.layers} sliding-window layers: only the keys a window reaches travel "
+    ) + ((f"cp: the Gated DeltaNet layers' conv halo and chunk transitions are all-gathered over cp too "
+          f"({sum(t.bytes for t in gdn_cp_terms(group, C)[0])} B per layer forward; O(1) in S; "
+          "ds_tsp.tools.plan.hybrid_cp)",) if hybrid else ()) + (
+        (f"cp ring of the {win.layers} sliding-window layers: only the keys a window reaches travel "
           f"(busiest: cp rank {busiest // D}, TSP rank {busiest % D}, {win.hop_calls[busiest] // win.layers} "
           "exchanges per layer)",)
          if win.layers else ()) if C > 1 else base.notes
@@ -128,7 +142,7 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         comm_bytes_per_layer_bwd=base.comm_bytes_per_layer_bwd + cp_bwd,
         comm_bytes_per_step=base.comm_bytes_per_step + ring_bytes,
         layer_fwd_terms=base.layer_fwd_terms + tuple(fwd), layer_bwd_terms=base.layer_bwd_terms + tuple(bwd),
-        notes=notes, cp=summary), inp, C)
+        step_terms=base.step_terms + tuple(hybrid_steps), notes=notes, cp=summary), inp, C)
 
 
 def recommend_tsp_cp(inp: PlanInput, *, devices: int, gpu_mem_bytes: int, gpus_per_node: int = 8,

@@ -1,0 +1,85 @@
+"""A hybrid model (Gated DeltaNet + gated full attention) under the cp ring: what cp adds to TSP's hybrid rows.
+
+Each TSP group is planned as TSP alone at S_pad / C tokens (ds_tsp.tools.plan.tsp_cp.group_input; its Gated
+DeltaNet rows are ds_tsp.tools.plan.hybrid's at the group's local length L = S_pad / (C D), c = L / 2). On the cp
+communicator (across nodes), per Gated DeltaNet layer (ds_tsp.core.linear_attention_scan):
+- forward: the conv halo's second-stage all-gather over cp, (C-1) x D x 2 x B x min(c, K-1) x h elements (once
+  a layer; none for K = 1), and per head block the chunk transitions' (C-1) x D x 2 x B x H_block x dk (dk + dv)
+  (compute dtype: float32 for 16/32-bit models);
+- backward: per head block the transitions re-gathered and their grads reduce-scattered over cp (the same bytes
+  each), the halo's grad reduce-scattered once; activation checkpointing replays the forward's.
+Nothing grows with S. Full-attention layers take the K/V ring (ds_tsp.tools.plan.tsp_cp's terms). As in
+plan_tsp_hybrid, the plan's layer terms describe the most numerous Gated DeltaNet kind and every other kind's cp
+terms come in the step terms ("full-attention layers xN: cp ring K/V hops"). tests/test_cp_hybrid.py checks the
+bytes against both communicators' CommCounters of a real step.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
+from ds_tsp.tools.plan.hybrid import HybridGeometry, described_kind, layer_kinds
+from ds_tsp.tools.plan.inputs import PlanInput
+from ds_tsp.tools.plan.result import CommTerm
+
+__all__ = ["gdn_cp_terms", "gdn_cp_buffers", "hybrid_cp_rows"]
+
+
+def _payloads(group: PlanInput, cp: int) -> tuple[HybridGeometry, int, int]:
+    """(geometry, the cp-gathered halo [C, D, 2, B, tail, h] and one block's transitions [C, D, 2, B, vb, dk,
+    dk + dv], in bytes)."""
+    hg = HybridGeometry.of(group)
+    D, B, h = hg.tsp.D, group.batch, hg.tsp.dims.h
+    halo = cp * D * 2 * B * hg.tail * h * group.dtype_bytes
+    trans = cp * D * 2 * B * hg.vb * hg.dk * (hg.dk + hg.dv) * hg.transition_bytes
+    return hg, halo, trans
+
+
+def gdn_cp_terms(group: PlanInput, cp: int) -> tuple[list[CommTerm], list[CommTerm]]:
+    """One Gated DeltaNet layer's terms on the cp communicator (module docstring): (forward, backward)."""
+    if cp == 1:
+        return [], []
+    hg, halo, trans = _payloads(group, cp)
+    D = hg.tsp.D
+    halo_calls = 1 if hg.K > 1 else 0
+    fwd = [term("conv halo all-gather over cp", "all_gather", halo, halo_calls, halo_calls * gather_bytes(halo, cp)),
+           term("chunk transition all-gather over cp (per head block)", "all_gather", trans, D,
+                D * gather_bytes(trans, cp))]
+    bwd = [term("chunk transition re-gather over cp (per head block)", "all_gather", trans, D,
+                D * gather_bytes(trans, cp)),
+           term("transition grad reduce-scatter over cp (per head block)", "reduce_scatter", trans, D,
+                D * gather_bytes(trans, cp)),
+           term("conv halo grad reduce-scatter over cp", "reduce_scatter", halo, halo_calls,
+                halo_calls * gather_bytes(halo, cp))]
+    fwd, bwd = [t for t in fwd if t.calls], [t for t in bwd if t.calls]
+    return fwd, bwd + (recompute(fwd) if group.activation_checkpointing else [])
+
+
+def gdn_cp_buffers(group: PlanInput, cp: int) -> int:
+    """What the cp stage adds to a Gated DeltaNet layer's temporaries: the gathered halo and transitions grow C
+    times ((C-1) x each more), and backward holds their grads as well."""
+    if cp == 1 or not any(t == "linear_attention" for t in group.model.layer_types):
+        return 0
+    _, halo, trans = _payloads(group, cp)
+    return 2 * (halo + trans) * (cp - 1) // cp
+
+
+def hybrid_cp_rows(group: PlanInput, cp: int, attention_fwd: list[CommTerm], attention_bwd: list[CommTerm]
+                   ) -> tuple[list[CommTerm], list[CommTerm], list[CommTerm], int]:
+    """(layer forward terms, layer backward terms, step terms, cp bytes per step) of a hybrid model's cp
+    communicator: each layer kind's cp terms (Gated DeltaNet: gdn_cp_terms; full attention: the K/V ring's
+    attention_fwd / attention_bwd), the described kind's as layer terms, the others' x their count as step terms."""
+    kinds = layer_kinds(group)
+    counts = {k: kinds.count(k) for k in kinds}
+    described = described_kind(group)
+    moe_model = bool(group.model.num_experts)
+    gdn = gdn_cp_terms(group, cp)
+
+    def of(kind):
+        return gdn if kind.mixer == "linear_attention" else (attention_fwd, attention_bwd)
+
+    steps = [replace(t, name=f"{k.title(moe_model)} x{n}: {t.name}", calls=t.calls * n, bytes=t.bytes * n)
+             for k, n in counts.items() if k != described for t in (*of(k)[0], *of(k)[1])]
+    fwd, bwd = of(described)
+    per_step = counts[described] * sum(t.bytes for t in (*fwd, *bwd)) + sum(t.bytes for t in steps)
+    return list(fwd), list(bwd), steps, per_step
