@@ -6,8 +6,8 @@ Ulysses over C x D ranks, in one run.
 - the bench's tsp_cp step trains the model the reference trains: one step at (D, C) = (2, 2) on 4 ranks, loss and
   EVERY gradient (averaged over cp by the bench's flat all-reduce) against the single-device ds_tsp reference on the
   same batch and weights (fp32, as the bench runs: relative error <= 1e-5, measured ~1e-7); its counters against
-  `ds-tsp plan --cp` (cp ring bytes = the plan's inter-node bytes exactly; TSP group + cp ring + cp grad sync =
-  the plan's bytes per step exactly; the input check's all-gather over cp is the one term the plan leaves out);
+  `ds-tsp plan --cp` (cp ring + the input check's all-gather over cp = the plan's inter-node bytes exactly; every
+  byte counted, TSP group + cp ring + cp grad sync + input check over cp = the plan's bytes per step exactly);
 - a tiny `--tsp 2 --cp 2` run end to end: rows for all three layouts, bytes split by communicator, ratios, table;
   and `--max-seq` over tsp_cp and tsp = 4 (slow: opt-in);
 - errors: one line naming --cp.
@@ -121,27 +121,33 @@ def test_tsp_cp_counters_are_the_plan(step_2x2):
     from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
 
     plan = plan_tsp_cp(PlanInput(model=SHAPE, seq=SEQ, batch=2, degree=2, dtype="fp32"), 2)
+    check = plan.cp["input_check_cp_bytes_per_step"]
+    assert check == 2 * (7 + 1024) * 8  # (C-1) D payloads of INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS int64
     for r in step_2x2:
         by_kind = r["snapshot"]["bytes"]
-        assert by_kind["cp:ring"] == plan.cp["inter_node_bytes_per_step"] > 0
+        assert by_kind["cp:ring"] + by_kind["cp:all_gather"] == plan.cp["inter_node_bytes_per_step"]
+        assert by_kind["cp:all_gather"] == check and by_kind["cp:ring"] > 0, by_kind
         # the flat grad all-reduce over C = 2: 2 (C-1)/C x this rank's gradient bytes
         assert by_kind["cp:grad_sync"] == r["param_bytes"]
-        assert r["snapshot"]["total_bytes"] - by_kind["cp:all_gather"] == plan.comm_bytes_per_step
+        assert r["snapshot"]["total_bytes"] == plan.comm_bytes_per_step
     assert len({json.dumps(r["snapshot"]["bytes"], sort_keys=True) for r in step_2x2}) == 1  # same on every rank
 
 
 @pytest.mark.parametrize("schedule", ["ring", "all_to_all"])
 def test_tsp_cp_moe_step_bytes_are_the_plan(step_2x2, schedule):
-    """An MoE shape under tsp_cp (dispatch inside each TSP group): the cp ring's bytes are the plan's exactly."""
+    """An MoE shape under tsp_cp (dispatch inside each TSP group): the cp communicator's bytes (ring + input check)
+    are the plan's inter-node bytes exactly."""
     from ds_tsp.tools.plan import PlanInput
     from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
 
     plan = plan_tsp_cp(PlanInput(model=MOE_SHAPE, seq=SEQ, batch=2, degree=2, dtype="fp32", moe_dispatch=schedule), 2)
     for r in step_2x2:
         by_kind = r["moe"][schedule]["bytes"]
-        assert by_kind["cp:ring"] == plan.cp["inter_node_bytes_per_step"] > 0, (by_kind, plan.cp)
+        cp = {k: v for k, v in by_kind.items() if k.startswith("cp:") and k != "cp:grad_sync"}
+        assert cp == {"cp:ring": cp["cp:ring"], "cp:all_gather": plan.cp["input_check_cp_bytes_per_step"]}, cp
+        assert sum(cp.values()) == plan.cp["inter_node_bytes_per_step"], (by_kind, plan.cp)
         if schedule == "ring":  # all_to_all's rows follow the routing; the plan assumes even routing
-            assert r["moe"][schedule]["total_bytes"] - by_kind["cp:all_gather"] == plan.comm_bytes_per_step, by_kind
+            assert r["moe"][schedule]["total_bytes"] == plan.comm_bytes_per_step, by_kind
 
 
 def test_bench_tsp2_cp2_rows_for_all_three_layouts(tmp_path, capsys):
@@ -162,8 +168,8 @@ def test_bench_tsp2_cp2_rows_for_all_three_layouts(tmp_path, capsys):
         if r["layout"] == "tsp_cp":
             assert r["step_s_vs_tsp_cp"] == 1.0
             assert r["comm_cp_ring_bytes"] == r["plan_cp_ring_bytes"] > 0
-            assert r["comm_group_bytes"] + r["comm_cp_ring_bytes"] + r["comm_cp_grad_sync_bytes"] \
-                == r["plan_comm_bytes_per_step"]
+            assert r["comm_cp_ring_bytes"] + r["comm_cp_input_check_bytes"] == r["plan_cp_bytes_per_step"]
+            assert r["comm_bytes"] == r["plan_comm_bytes_per_step"]  # every byte of both communicators
             assert r["comm_bytes"] == r["comm_group_bytes"] + r["comm_cp_ring_bytes"] + \
                 r["comm_cp_grad_sync_bytes"] + r["comm_cp_input_check_bytes"]
         else:
@@ -234,8 +240,8 @@ def test_bench_cp_hybrid_bytes_are_the_plan(tmp_path, capsys):
     cp = rows["tsp_cp"]
     assert cp["ok"] and rows["tsp"]["ok"], rows
     assert cp["comm_cp_ring_bytes"] == cp["plan_cp_ring_bytes"] > cp["comm_by_op"]["cp:ring"], cp
-    assert cp["comm_group_bytes"] + cp["comm_cp_ring_bytes"] + cp["comm_cp_grad_sync_bytes"] \
-        == cp["plan_comm_bytes_per_step"], cp
+    assert cp["comm_cp_ring_bytes"] + cp["comm_cp_input_check_bytes"] == cp["plan_cp_bytes_per_step"], cp
+    assert cp["comm_bytes"] == cp["plan_comm_bytes_per_step"], cp
 
 
 def test_cp_bad_value_names_the_flag(capsys):

@@ -192,7 +192,7 @@ def _nccl_step(documents, D: int = 2, C: int = 2) -> dict:
         loss.backward()
     average_grads_over_data(model, runtime.data_group)
     opt.step()
-    return {"ops": rec.ops, "cp_ring_bytes": comm.cp.counter.bytes["ring"],
+    return {"ops": rec.ops, "cp_bytes": dict(comm.cp.counter.bytes),
             "syncs": [(e.kind, e.op, e.region, e.where) for e in syncs.events]}
 
 
@@ -339,14 +339,19 @@ def test_cp_step_reads_the_host_once(at_2x2):
 
 # --- ds-tsp plan --cp ---------------------------------------------------------------------------------------------
 def test_plan_cp_ring_bytes_match_the_run(at_2x2):
-    """The plan's inter-node bytes are what the cp ring's counter measured in the recorded 2 x 2 step (float64
-    there: twice the plan's float32 bytes, float32 dK/dV accumulators included)."""
+    """The plan's inter-node bytes are what the cp communicator's whole counter measured in the recorded 2 x 2 step:
+    the ring's (float64 there: twice the plan's float32 bytes, float32 dK/dV accumulators included) and the input
+    check's all-gather over cp (int64 payloads: the same in every dtype)."""
     from ds_tsp.tools.plan import PlanInput
     from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
 
     plan = plan_tsp_cp(PlanInput(model=_shape(4, 1), seq=sum(NCCL_DOCUMENTS), batch=2, degree=2, dtype="fp32"), 2)
     assert plan.layout == "tsp_cp" and plan.cp["cp"] == 2
-    assert all(r["cp_ring_bytes"] == 2 * plan.cp["inter_node_bytes_per_step"] for r in at_2x2)
+    check = plan.cp["input_check_cp_bytes_per_step"]
+    assert check == (2 - 1) * 2 * (7 + 1024) * 8  # (C-1) D payloads of INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS
+    ring = plan.cp["inter_node_bytes_per_step"] - check
+    assert all(r["cp_bytes"] == {"ring": 2 * ring, "all_gather": check} for r in at_2x2), [r["cp_bytes"]
+                                                                                           for r in at_2x2]
 
 
 def test_plan_llama3_8b_15m_tokens_on_4_nodes_of_8_h200():
@@ -375,7 +380,7 @@ def test_plan_cli_cp(capsys):
 
     assert main(["plan", "--model", "8b", "--seq", "1m", "--tsp", "8", "--cp", "4", "--activation-checkpointing"]) == 0
     out = capsys.readouterr().out
-    assert "C=4 (cp ring across nodes)" in out and "inter-node (cp ring)" in out and "at 400 Gb/s per GPU" in out
+    assert "C=4 (cp ring across nodes)" in out and "inter-node (cp axis)" in out and "at 400 Gb/s per GPU" in out
     assert main(["plan", "--model", "8b", "--seq", "1m", "--recommend", "--cp", "auto", "--devices", "32",
                  "--gpu-mem-gib", "141", "--activation-checkpointing"]) == 0
     assert 'recommended: "tsp": {"size": 8, "cp_size":' in capsys.readouterr().out

@@ -8,8 +8,15 @@ on 4 gloo ranks (D=2, C=2, data 1), a TSPForCausalLM loaded from a tiny HF check
   files (global ranks 0 and 1), and the manifest records the layout with cp=2 and the samples per step (micro x
   accumulation x data, not DeepSpeed's data x cp count);
 - save_pretrained under cp (engine.module) reloads in plain transformers with tensors identical (torch.equal) to
-  the shards the engine trained (gathered over the TSP group from DeepSpeed's fp32 masters).
-One 4-rank spawn (module fixture) for ZeRO-1, another for ZeRO-3 (marked slow).
+  the shards the engine trained (gathered over the TSP group from DeepSpeed's fp32 masters);
+- resume at another cp degree, on the same 4 ranks and global batch (2 samples per step): that checkpoint resumed
+  at (tsp 2, cp 1, data 2), (1, 2, 2) and (1, 4, 1), and one saved at (2, 1, 2) resumed at (2, 2, 1). The full
+  weights and Adam moments after the load equal the saved ones bit for bit; the resumed losses are within
+  LAYOUT_TOLERANCE (1e-6 relative) of BOTH uninterrupted runs, the saving layout's and the new layout's (the same
+  fp32 sums in another order; measured 0 to 9e-8); DeepSpeed's global_steps / global_samples, the lr and the
+  optimizer step equal the new layout's uninterrupted run's. A resume on another global batch is refused naming
+  both layouts.
+One 4-rank spawn (module fixture) for ZeRO-1 and the cp-degree resumes, another for ZeRO-3 (marked slow).
 """
 from __future__ import annotations
 
@@ -25,24 +32,25 @@ from local_ranks import run_on_local_ranks  # noqa: E402
 
 ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
 STEPS, SAVE_AT = 4, 2
+LAYOUT_TOLERANCE = 1e-6  # fp32 losses of two layouts: the same sums in another order (measured: see the test)
 
 
-def _ds_config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
+def _ds_config(stage: int, tsp: int = 2, cp: int = 2, micro: int = 2) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
                                                          "warmup_num_steps": 3}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
-            "gradient_clipping": 0.5, "tsp": {"size": 2, "cp_size": 2}}
+            "gradient_clipping": 0.5, "tsp": {"size": tsp, "cp_size": cp}}
 
 
-def _engine(model_dir: str, stage: int):
+def _engine(model_dir: str, stage: int, config: dict | None = None):
     from masked_patterns import MaskedPatterns
 
     import ds_tsp
 
     data = MaskedPatterns(vocab_size=256, seq_len=30, num_samples=64)  # 30 tokens: padded to 2 x C x D = 8's multiple
-    engine, _, loader, _ = ds_tsp.initialize(model=model_dir, config=_ds_config(stage), training_data=data)
+    engine, _, loader, _ = ds_tsp.initialize(model=model_dir, config=config or _ds_config(stage), training_data=data)
     return engine, loader
 
 
@@ -65,8 +73,10 @@ def _trained_weights(engine) -> dict[str, torch.Tensor] | None:
     return full if dist.get_rank() == 0 else None
 
 
-def _save_and_resume(model_dir: str, workdir: str, stages: tuple[int, ...]) -> dict:
+def _save_and_resume(model_dir: str, workdir: str, stages: tuple[int, ...], keep_saved: bool = False) -> dict:
+    """keep_saved: also return each saving run's full weights and moments at the save (for the cp-degree resumes)."""
     import torch.distributed as dist
+    from test_training_checkpoint import _full_state
 
     import ds_tsp
     import ds_tsp.checkpoint.training.train_state as train_state
@@ -90,7 +100,9 @@ def _save_and_resume(model_dir: str, workdir: str, stages: tuple[int, ...]) -> d
             writers.clear()
             path = ds_tsp.save_training_checkpoint(engine, where, SAVE_AT, loader=loader)
             saved_by = list(writers)
+            saved_state = _full_state(engine) if keep_saved else None
             rest = _steps(engine, batches, STEPS - SAVE_AT)
+            state = _run_state(engine)
             engine.module.save_pretrained(f"{workdir}/export{stage}")
             trained = _trained_weights(engine)
             engine.destroy()
@@ -102,22 +114,99 @@ def _save_and_resume(model_dir: str, workdir: str, stages: tuple[int, ...]) -> d
             engine.destroy()
             out[stage] = {"uninterrupted": first + rest, "resumed": resumed, "step": step, "saved_by": saved_by,
                           "files": sorted(p.name for p in path.iterdir()), "trained": trained,
-                          "manifest": json.loads((path / "manifest.json").read_text())}
+                          "manifest": json.loads((path / "manifest.json").read_text()), "saved_state": saved_state,
+                          "state": state}
     finally:
         train_state.ShardFileWriter = original
     return out
 
 
-def _spawn(workdir, stages: tuple[int, ...]):
+# --- resume at another cp degree (ZeRO-1, same 4 ranks, same global batch of 2 samples) --------------------------
+# (tsp, cp) -> data = 4 / (tsp x cp), micro batch = 2 / data
+OTHER_LAYOUTS = [(2, 1), (1, 2), (1, 4)]
+
+
+def _layout_config(tsp: int, cp: int, micro: int | None = None) -> dict:
+    return _ds_config(1, tsp=tsp, cp=cp, micro=2 // (4 // (tsp * cp)) if micro is None else micro)
+
+
+def _run_state(engine) -> dict:
+    """What must continue across a resume besides the losses: DeepSpeed's counters, the lr, the optimizer step."""
+    from ds_tsp.checkpoint.training.deepspeed_access import DeepSpeedAccess
+
+    return {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+            "lr": float(engine.get_lr()[0]), "optimizer_step": DeepSpeedAccess(engine).step_count()}
+
+
+def _moved_exactly(saved: dict, loaded: dict) -> bool:
+    return sorted(saved) == sorted(loaded) and all(torch.equal(saved[n], loaded[n]) for n in saved)
+
+
+def _resume(model_dir: str, where: str, config: dict, saved_state: dict) -> dict:
+    import ds_tsp
+    from test_training_checkpoint import _full_state
+
+    engine, loader = _engine(model_dir, 1, config)
+    step = ds_tsp.load_training_checkpoint(engine, where, loader=loader)
+    moved = _moved_exactly(saved_state, _full_state(engine))
+    losses = _steps(engine, iter(loader), STEPS - step)
+    out = {"step": step, "moved_exactly": moved, "losses": losses, "state": _run_state(engine)}
+    engine.destroy()
+    return out
+
+
+def _cp_degree_changes(model_dir: str, workdir: str, saved_at_cp2: dict) -> dict:
+    """The checkpoint of (tsp 2, cp 2, data 1) resumed at each other layout; every other layout trained
+    uninterrupted; (tsp 2, cp 1, data 2) also saves, and (tsp 2, cp 2) resumes that one; a resume that does not
+    keep the global batch is refused."""
+    import ds_tsp
+    from test_training_checkpoint import _full_state
+
+    ckpt_cp2 = f"{workdir}/ckpt1"
+    out = {"resumed": {}, "uninterrupted": {}}
+    saved_at_cp1 = None
+    for tsp, cp in OTHER_LAYOUTS:
+        engine, loader = _engine(model_dir, 1, _layout_config(tsp, cp))
+        batches = iter(loader)
+        losses = _steps(engine, batches, SAVE_AT)
+        if (tsp, cp) == (2, 1):
+            ds_tsp.save_training_checkpoint(engine, f"{workdir}/ckpt_cp1", SAVE_AT, loader=loader)
+            saved_at_cp1 = _full_state(engine)
+        losses += _steps(engine, batches, STEPS - SAVE_AT)
+        out["uninterrupted"][(tsp, cp)] = {"losses": losses, "state": _run_state(engine)}
+        engine.destroy()
+        out["resumed"][(tsp, cp)] = _resume(model_dir, ckpt_cp2, _layout_config(tsp, cp), saved_at_cp2)
+    out["resumed_cp1_at_cp2"] = _resume(model_dir, f"{workdir}/ckpt_cp1", _layout_config(2, 2), saved_at_cp1)
+    engine, loader = _engine(model_dir, 1, _layout_config(2, 1, micro=2))  # data 2 x micro 2: 4 samples per step
+    try:
+        ds_tsp.load_training_checkpoint(engine, ckpt_cp2, loader=loader)
+        out["batch_error"] = "no error"
+    except ds_tsp.TSPConfigError as err:
+        out["batch_error"] = str(err)
+    engine.destroy()
+    return out
+
+
+def _ranks(model_dir: str, workdir: str, stages: tuple[int, ...], cp_changes: bool) -> dict:
+    out = _save_and_resume(model_dir, workdir, stages, keep_saved=cp_changes)
+    if cp_changes:
+        out["cp_changes"] = _cp_degree_changes(model_dir, workdir, out[1]["saved_state"])
+    for stage in stages:
+        out[stage].pop("saved_state")
+    return out
+
+
+def _spawn(workdir, stages: tuple[int, ...], cp_changes: bool = False):
     from ds_tsp.testing import save_tiny_llama
 
     model_dir = str(save_tiny_llama(workdir / "initial", seed=0))
-    return run_on_local_ranks(_save_and_resume, 4, model_dir, str(workdir), stages, timeout_s=600, env=ENV), workdir
+    return run_on_local_ranks(_ranks, 4, model_dir, str(workdir), stages, cp_changes, timeout_s=600,
+                              env=ENV), workdir
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _spawn(tmp_path_factory.mktemp("cp_ckpt"), (1,))
+    return _spawn(tmp_path_factory.mktemp("cp_ckpt"), (1,), cp_changes=True)
 
 
 def test_resume_at_tsp2_cp2_is_bit_identical(runs):
@@ -179,3 +268,39 @@ def _assert_export_is_the_trained_tensors(runs, stage: int) -> None:
         sorted(set(state) - set(covered))
     for name in covered:
         assert torch.equal(state[name], trained[name]), (stage, name)
+
+
+def test_resume_at_another_cp_degree_continues_the_run(runs):
+    results, _ = runs
+    for rank, result in enumerate(results):
+        changes, at_cp2 = result["cp_changes"], result[1]
+        print(f"rank {rank}: " + "; ".join(f"{k}: {v['losses']}" for k, v in changes["uninterrupted"].items()))
+        for (tsp, cp), resumed in changes["resumed"].items():
+            _assert_continues(resumed, at_cp2["uninterrupted"], changes["uninterrupted"][(tsp, cp)], (rank, tsp, cp))
+        _assert_continues(changes["resumed_cp1_at_cp2"], changes["uninterrupted"][(2, 1)]["losses"],
+                          {"losses": at_cp2["uninterrupted"], "state": at_cp2["state"]}, (rank, "cp1 -> cp2"))
+
+
+def test_resume_at_another_cp_degree_needs_the_same_global_batch(runs):
+    for result in runs[0]:
+        message = result["cp_changes"]["batch_error"]
+        assert "global batch of 2 samples per step, this run has 4" in message, message
+        assert "train_batch_size" in message and "keep 2" in message and "cp does not count" in message, message
+        assert "saved at tsp=2 x cp=2 x data=1, this run is tsp=2 x cp=1 x data=2" in message, message
+
+
+def _relative(got: list[float], want: list[float]) -> float:
+    got_t, want_t = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    return float(((got_t - want_t).abs() / want_t.abs()).max())
+
+
+def _assert_continues(resumed: dict, saving_layout: list[float], new_layout: dict, what) -> None:
+    """The resumed run starts from the saved state bit for bit and continues like both uninterrupted runs."""
+    assert resumed["step"] == SAVE_AT and resumed["moved_exactly"], (what, resumed)
+    assert len(resumed["losses"]) == STEPS - SAVE_AT, (what, resumed)
+    to_saving, to_new = _relative(resumed["losses"], saving_layout[SAVE_AT:]), \
+        _relative(resumed["losses"], new_layout["losses"][SAVE_AT:])
+    print(f"{what}: resumed vs the saving layout's run {to_saving:.2e}, vs the new layout's run {to_new:.2e}")
+    assert to_saving < LAYOUT_TOLERANCE and to_new < LAYOUT_TOLERANCE, (what, resumed["losses"], saving_layout,
+                                                                        new_layout["losses"])
+    assert resumed["state"] == new_layout["state"], (what, resumed["state"], new_layout["state"])

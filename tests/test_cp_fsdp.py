@@ -13,6 +13,10 @@
   relative), gather_for_metrics returns each held-out sample once, and the model the script saves with
   save_pretrained under cp loads in transformers with the one-process run's weights (1e-4 norm-wise: Adam's early
   steps magnify fp32 noise in tiny entries);
+- TSPAccelerator.save_state under cp (plain, and DeepSpeed ZeRO-1 from the JSON's "tsp" block): saved after step 1,
+  a fresh accelerator's load_state continues bit for bit (every logged loss and grad norm, the final weights
+  torch.equal); load_state on another layout of the same 4 processes (tsp 4 x cp 1) is one clear error naming both
+  layouts;
 - resolve_setup: the FSDP2 launcher's parallelism_config_cp_size is tsp.cp_size; the plain setup's cp_size keyword;
   a cp_size keyword beside a DeepSpeed / FSDP2 launch config is refused by name.
 One 4-rank spawn runs all of it (module fixture), one 1-rank spawn the references. The data 2 x cp 2 x tsp 2 (8
@@ -132,7 +136,7 @@ def _fsdp_cp_run(data: int = 1) -> dict:
 
 
 # --- TSPAccelerator: examples/train_accelerate.py, plain and FSDP2 --------------------------------------------------
-def _accelerate_loop(model_dir: str, out: str, accelerator=None, accumulation: int = 1) -> list[dict]:
+def _accelerate_loop(model_dir: str, out: str, accelerator=None, accumulation: int = 1, *extra: str) -> list[dict]:
     """examples/train_accelerate.py in this process (optionally with another Accelerator class): its per-step log
     and its eval line (printed: captured)."""
     import contextlib
@@ -152,7 +156,7 @@ def _accelerate_loop(model_dir: str, out: str, accelerator=None, accumulation: i
                                                                 lambda self, group=None: None):
         log = example.main(["--model_name_or_path", model_dir, "--output_dir", out, "--max_steps", str(ACC_STEPS),
                             "--seq_len", str(ACC_SEQ), "--global_batch", "2", "--eval_samples", "3",
-                            "--gradient_accumulation_steps", str(accumulation)])
+                            "--gradient_accumulation_steps", str(accumulation), *extra])
     evals = [json.loads(line) for line in printed.getvalue().splitlines() if '"eval_loss"' in line]
     _reset_hf_state()
     return log + evals
@@ -164,12 +168,78 @@ def _four_ranks(model_dir: str, workdir: str) -> dict:
     from ds_tsp.accelerate import TSPAccelerator
 
     result = {"fsdp": _fsdp_cp_run()}
-    # plain: two micro-batches per step, so the gradients are averaged over cp once, at the accumulation boundary
+    # plain: two micro-batches per step, so the gradients are averaged over cp once, at the accumulation boundary;
+    # save_state after step 1, then resumed by a fresh TSPAccelerator, and refused at tsp 4 x cp 1
     result["plain"] = _accelerate_loop(model_dir, f"{workdir}/plain", functools.partial(TSPAccelerator, cp_size=2),
-                                       accumulation=2)
+                                       2, "--checkpoint_at", "1")
+    result.update(_resume_plain_state(model_dir, workdir))
+    result["deepspeed_state"] = _deepspeed_state(model_dir, workdir)
     os.environ.update(FSDP_ENV)
     result["fsdp2_accelerator"] = _accelerate_loop(model_dir, f"{workdir}/fsdp2")
     return result
+
+
+def _resume_plain_state(model_dir: str, workdir: str) -> dict:
+    """The plain run's save_state (step 1 of ACC_STEPS, at tsp 2 x cp 2) loaded by a fresh TSPAccelerator on the
+    same layout, which trains on; and by one at tsp 4 x cp 1 (same 4 processes), which must refuse it."""
+    import shutil
+
+    import torch.distributed as dist
+    from test_cp_trainers import _reset_hf_state
+
+    from ds_tsp.accelerate import TSPAccelerator
+
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{workdir}/plain/state", f"{workdir}/plain_resumed/state")
+    dist.barrier()
+    out = {"plain_resumed": _accelerate_loop(model_dir, f"{workdir}/plain_resumed",
+                                             functools.partial(TSPAccelerator, cp_size=2), 2, "--resume")}
+    try:
+        _accelerate_loop(model_dir, f"{workdir}/plain_resumed", functools.partial(TSPAccelerator, cp_size=1), 2,
+                         "--resume")
+        out["other_layout"] = "no error"
+    except TSPConfigError as err:
+        out["other_layout"] = str(err)
+        _reset_hf_state()
+    return out
+
+
+def _deepspeed_state(model_dir: str, workdir: str) -> dict:
+    """TSPAccelerator under DeepSpeed (ZeRO-1 over data x cp, tsp 2 x cp 2 from the JSON's "tsp" block): save_state
+    after step 1, resumed by a fresh accelerator; the same state refused by a JSON with tsp 4 x cp 1."""
+    import json
+    import os
+    import shutil
+
+    import torch.distributed as dist
+    from test_cp_trainers import _reset_hf_state
+
+    configs = {}
+    for tsp, cp in ((2, 2), (4, 1)):
+        configs[tsp] = f"{workdir}/accelerate_ds_tsp{tsp}.json"
+        if dist.get_rank() == 0:
+            with open(configs[tsp], "w") as f:
+                json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                           "gradient_clipping": "auto", "steps_per_print": 1_000_000,
+                           "zero_optimization": {"stage": 1}, "tsp": {"size": tsp, "cp_size": cp}}, f)
+    dist.barrier()
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no"}
+    os.environ.update(env, ACCELERATE_DEEPSPEED_CONFIG_FILE=configs[2])
+    out = {"uninterrupted": _accelerate_loop(model_dir, f"{workdir}/ds", None, 1, "--checkpoint_at", "1")}
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{workdir}/ds/state", f"{workdir}/ds_resumed/state")
+    dist.barrier()
+    out["resumed"] = _accelerate_loop(model_dir, f"{workdir}/ds_resumed", None, 1, "--resume")
+    os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = configs[4]
+    try:
+        _accelerate_loop(model_dir, f"{workdir}/ds_resumed", None, 1, "--resume")
+        out["other_layout"] = "no error"
+    except TSPConfigError as err:
+        out["other_layout"] = str(err)
+        _reset_hf_state()
+    for key in (*env, "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        os.environ.pop(key)
+    return out
 
 
 def _references(model_dir: str, workdir: str) -> dict:
@@ -238,6 +308,45 @@ def test_tsp_accelerator_without_deepspeed_at_tsp2_cp2_matches_one_process(runs,
     for name, value in ref_saved.state_dict().items():
         assert not torch.equal(value, start[name]), f"{name} did not move"
         assert (saved.state_dict()[name] - value).norm() <= 1e-4 * value.norm(), (mode, name)
+
+
+def test_tsp_accelerator_save_state_under_cp_resumes_bit_identically(runs):
+    """Plain TSPAccelerator(cp_size=2): save_state after step 1, a fresh accelerator's load_state, steps 2-3 equal
+    the run that did not stop (losses and grad norms bit for bit; the final weights torch.equal)."""
+    _, cp, workdir = runs
+    uninterrupted = [line for line in cp[0]["plain"] if "step" in line]  # rank 0 logs
+    resumed = [line for line in cp[0]["plain_resumed"] if "step" in line]
+    assert [line["step"] for line in resumed] == list(range(2, ACC_STEPS + 1)), resumed
+    assert resumed == uninterrupted[1:], (resumed, uninterrupted)  # exact float equality
+    final = transformers.AutoModelForCausalLM.from_pretrained(workdir / "plain").state_dict()
+    continued = transformers.AutoModelForCausalLM.from_pretrained(workdir / "plain_resumed").state_dict()
+    assert sorted(final) == sorted(continued)
+    for name, value in final.items():
+        assert torch.equal(continued[name], value), name
+
+
+def test_tsp_accelerator_load_state_at_another_layout_is_refused(runs):
+    for result in runs[1]:
+        message = result["other_layout"]
+        assert "save_state ran at tsp=2 x cp=2 x data=1, this run is tsp=4 x cp=1 x data=1" in message, message
+        assert "same layout only" in message and "ds_tsp.save_training_checkpoint" in message, message
+
+
+def test_tsp_accelerator_state_under_deepspeed_and_cp(runs):
+    """The same under DeepSpeed ZeRO-1 at tsp 2 x cp 2: resumed bit for bit; another layout refused by name."""
+    _, cp, workdir = runs
+    run = cp[0]["deepspeed_state"]
+    uninterrupted = [line for line in run["uninterrupted"] if "step" in line]
+    resumed = [line for line in run["resumed"] if "step" in line]
+    assert len(uninterrupted) == ACC_STEPS and [line["step"] for line in resumed] == list(range(2, ACC_STEPS + 1))
+    assert resumed == uninterrupted[1:], (resumed, uninterrupted)  # exact float equality
+    final = transformers.AutoModelForCausalLM.from_pretrained(workdir / "ds").state_dict()
+    continued = transformers.AutoModelForCausalLM.from_pretrained(workdir / "ds_resumed").state_dict()
+    for name, value in final.items():
+        assert torch.equal(continued[name], value), name
+    for result in cp:
+        message = result["deepspeed_state"]["other_layout"]
+        assert "save_state ran at tsp=2 x cp=2 x data=1, this run is tsp=4 x cp=1 x data=1" in message, message
 
 
 def test_launch_configs_read_cp_size():

@@ -290,8 +290,9 @@ def test_verify_cli_hf_model_tsp2_cp2(tmp_path, capsys):
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_plan_cp_moe_equals_the_counters_of_a_real_step(runs, dispatch):
     """ds-tsp plan --cp 2 for the MoE shape: the TSP group's bytes are TSP's MoE plan at the group's tokens
-    (tsp_counter_bytes: every kind, exactly), the cp communicator's are the attention ring's and the aux counts'
-    all-reduce over cp (exactly); params and grads per rank equal the model's."""
+    (tsp_counter_bytes: every kind, exactly), the cp communicator's whole counter is the plan's inter-node bytes:
+    the attention ring's, the aux counts' all-reduce over cp and the input check's all-gather over cp (each kind
+    exactly); params and grads per rank equal the model's."""
     from ds_tsp.core.shape import ModelShape
     from ds_tsp.tools.plan import PlanInput, tsp_counter_bytes
     from ds_tsp.tools.plan.tsp_cp import group_input, plan_tsp_cp
@@ -301,16 +302,20 @@ def test_plan_cp_moe_equals_the_counters_of_a_real_step(runs, dispatch):
                     moe_dispatch=dispatch)
     plan = plan_tsp_cp(inp, C)
     assert plan.layout == "tsp_cp" and plan.moe["schedule"] == dispatch and plan.moe["experts_per_rank"] == 2
-    aux = plan.cp["moe_aux_cp_bytes_per_step"]
+    aux, check = plan.cp["moe_aux_cp_bytes_per_step"], plan.cp["input_check_cp_bytes_per_step"]
     assert aux == 2 * 5 * 4 * (C - 1) // C  # (E + 1) fp32 counts, all-reduced over C
-    ring = plan.cp["inter_node_bytes_per_step"] - aux
+    assert check == (C - 1) * D * (7 + 1024) * 8  # the TSP group's int64 payloads from the other cp group
+    ring = [t.bytes for t in plan.layer_fwd_terms + plan.layer_bwd_terms if t.kind == "cp_ring"]
+    ring = sum(ring) * PLAN_SHAPE["num_layers"]
+    assert plan.cp["inter_node_bytes_per_step"] == ring + aux + check
+    assert plan.cp["inter_node_bytes_per_rank"] == [ring + aux + check] * (C * D)
     tsp = tsp_counter_bytes(group_input(inp, C))
     for r in results:
         measured = r["measured"][dispatch]
         assert measured["tsp"] == tsp, (r["rank"], measured["tsp"], tsp)
-        assert measured["cp"]["ring"] == ring and measured["cp"]["all_reduce"] == aux, (r["rank"], measured["cp"])
+        assert measured["cp"] == {"ring": ring, "all_reduce": aux, "all_gather": check}, (r["rank"], measured["cp"])
         assert (measured["params"], measured["grads"]) == (plan.params_bytes, plan.grads_bytes), r["rank"]
-    assert plan.comm_bytes_per_step - aux - ring - sum(tsp.values()) >= 0  # + the grad sync over dp x cp
+    assert plan.comm_bytes_per_step - sum(measured["cp"].values()) - sum(tsp.values()) >= 0  # + grad sync over dp x cp
 
 
 def test_plan_cli_cp_moe(tmp_path, capsys):

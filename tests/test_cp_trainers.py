@@ -5,11 +5,14 @@ data 1), fp32, trains like the plain single-process run on the same batches.
   -100, seq 30 padded to 32 = 2*D*C): every logged loss and grad norm equals the plain transformers Trainer's
   (1e-5 / 1e-4 relative), with average_tokens_across_devices on and off (the token count of each sample is counted
   once over tsp x cp); eval_loss too; predict (logits under cp) is refused, naming cp_size;
+- TSPTrainer on the tiny Qwen3-MoE (tests/hf_tiny.py: output_router_logits, so router_aux_loss_coef x the
+  load-balancing loss is in every loss; its counts all-reduced over TSP then cp): the same equalities (the aux term is
+  ~2.5% of the loss, so an aux counted per cp group or twice under accumulation would fail them);
 - TSPAccelerator's loop (examples/train_accelerate.py, DeepSpeed ZeRO-1 via the launcher's environment): every
   loss and grad norm equals the same script on one process; gather_for_metrics returns each held-out sample once.
 - gather / gather_for_metrics on (data 2, cp 2, tsp 1) groups: one copy per data replica.
-One 4-rank launch runs the above (module fixture), one more the average_tokens_across_devices=False run; the
-references run on one rank. ~25 s on 2 cores.
+One 4-rank launch runs the above (module fixture), one more the average_tokens_across_devices=False run (the MoE
+model's: behind the slow marker); the references run on one rank. ~35 s on 2 cores.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
+from hf_tiny import save_tiny_checkpoint  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,12 +114,13 @@ def _accelerate_loop(model_dir: str, out: str) -> list[dict]:
     return log + evals
 
 
-def _cp_ranks(model_dir: str, workdir: str) -> dict:
+def _cp_ranks(model_dir: str, moe_dir: str, workdir: str) -> dict:
     import os
 
     import torch.distributed as dist
 
-    result = {"trainer": _train_with_trainer(model_dir, f"{workdir}/t1", _trainer_ds_config(), True)}
+    result = {"trainer": _train_with_trainer(model_dir, f"{workdir}/t1", _trainer_ds_config(), True),
+              "moe_trainer": _train_with_trainer(moe_dir, f"{workdir}/m1", _trainer_ds_config(), True)}
     config = Path(workdir) / "accelerate_ds.json"
     if dist.get_rank() == 0:
         config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -148,9 +153,25 @@ def _gathers_at_data2_cp2() -> dict:
             "gather_objects": TSPAccelerator.gather_for_metrics(accelerator, [f"s{sample}"], use_gather_object=True)}
 
 
-def _reference(model_dir: str, workdir: str) -> dict:
+def _reference(model_dir: str, moe_dir: str, workdir: str) -> dict:
     return {"trainer": _train_with_trainer(model_dir, f"{workdir}/r1", None, True),
+            "moe_trainer": _train_with_trainer(moe_dir, f"{workdir}/rm1", None, True),
+            "moe_aux": _aux_term_of_first_sample(moe_dir),
             "accelerate": _accelerate_loop(model_dir, f"{workdir}/ra")}
+
+
+def _aux_term_of_first_sample(model_dir: str) -> tuple[float, float]:
+    """transformers' (loss, router_aux_loss_coef x aux_loss) on the first training sample: the aux term's weight in
+    the losses the MoE comparison checks."""
+    import torch
+
+    example = _example("hf_trainer")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sample = example._stack([example.SyntheticLM(vocab_size=model.config.vocab_size, seq_len=SEQ, num_samples=1,
+                                                 seed=0, packed=False)[0]])
+    with torch.no_grad():
+        out = model(**sample, use_cache=False)
+    return float(out.loss), float(model.config.router_aux_loss_coef * out.aux_loss)
 
 
 def _local_tokens(model_dir: str, workdir: str, ds_config: dict | None) -> dict:
@@ -163,8 +184,9 @@ def runs(tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("cp_trainers")
     model_dir = str(save_tiny_llama(workdir / "initial", seed=0))
-    reference = run_on_local_ranks(_reference, 1, model_dir, str(workdir), timeout_s=300, env=ENV)[0]
-    cp = run_on_local_ranks(_cp_ranks, 4, model_dir, str(workdir), timeout_s=300, env=ENV)
+    moe_dir = str(save_tiny_checkpoint(workdir / "moe", "qwen3_moe"))
+    reference = run_on_local_ranks(_reference, 1, model_dir, moe_dir, str(workdir), timeout_s=300, env=ENV)[0]
+    cp = run_on_local_ranks(_cp_ranks, 4, model_dir, moe_dir, str(workdir), timeout_s=300, env=ENV)
     return reference, cp
 
 
@@ -177,7 +199,7 @@ def _assert_trainer_matches(want: dict, cp: list[dict]) -> None:
     for rank, got in enumerate(cp):
         assert len(got["steps"]) == STEPS, (rank, got)
         for (loss, norm), (ref_loss, ref_norm) in zip(got["steps"], want["steps"]):
-            assert _close(loss, ref_loss, 1e-5) and _close(norm, ref_norm, 1e-4), (rank, run, got, want)
+            assert _close(loss, ref_loss, 1e-5) and _close(norm, ref_norm, 1e-4), (rank, got, want)
         assert _close(got["eval_loss"], want["eval_loss"], 1e-5), (rank, got["eval_loss"], want["eval_loss"])
         assert "tsp.cp_size=2" in got["predict"] and "prediction_loss_only=True" in got["predict"], got["predict"]
 
@@ -188,11 +210,24 @@ def test_tsp_trainer_at_tsp2_cp2_logs_the_plain_trainers_losses(runs):
     _assert_trainer_matches(reference["trainer"], [result["trainer"] for result in cp])
 
 
-def test_tsp_trainer_at_tsp2_cp2_without_average_tokens_across_devices(tmp_path):
-    """average_tokens_across_devices=False: each replica's tokens counted over tsp x cp, the loss scaled by cp."""
+def test_tsp_trainer_moe_at_tsp2_cp2_logs_the_plain_trainers_losses(runs):
+    """Qwen3-MoE with output_router_logits: each micro-batch's loss carries router_aux_loss_coef x the aux loss of
+    the whole sequence (counts over TSP then cp; the Trainer's loss scale data x cp undone by DeepSpeed's mean over
+    data x cp, so each cp group adds its share once)."""
+    reference, cp = runs
+    loss, aux_term = reference["moe_aux"]
+    assert aux_term > 1e-2 * loss, (loss, aux_term)  # the aux term weighs 1000x the loss tolerance
+    _assert_trainer_matches(reference["moe_trainer"], [result["moe_trainer"] for result in cp])
+
+
+@pytest.mark.parametrize("model", ["llama", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_tsp_trainer_at_tsp2_cp2_without_average_tokens_across_devices(tmp_path, model):
+    """average_tokens_across_devices=False: each replica's tokens counted over tsp x cp, the loss scaled by cp (for
+    the MoE model its aux term too, which num_items_in_batch leaves unscaled: counted once per sequence)."""
     from ds_tsp.testing import save_tiny_llama
 
-    model_dir = str(save_tiny_llama(tmp_path / "initial", seed=0))
+    model_dir = str(save_tiny_llama(tmp_path / "initial", seed=0) if model == "llama"
+                    else save_tiny_checkpoint(tmp_path / "initial", model))
     want = run_on_local_ranks(_local_tokens, 1, model_dir, str(tmp_path), None, timeout_s=300, env=ENV)[0]
     cp = run_on_local_ranks(_local_tokens, 4, model_dir, str(tmp_path), _trainer_ds_config(), timeout_s=300, env=ENV)
     _assert_trainer_matches(want, cp)

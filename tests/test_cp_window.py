@@ -142,13 +142,14 @@ def _recorded_step(D: int, C: int) -> dict:
     ids = torch.randint(0, 61, (2, sum(STEP_DOCS)), generator=torch.Generator().manual_seed(0))
     batch = shard_batch(ids, tsp=D, rank=groups.tsp_rank, cp=C, cp_rank=groups.cp_rank,
                         position_ids=documents_of_lengths(STEP_DOCS)[None])
-    before = comm.cp.counter.bytes["ring"]
+    before = dict(comm.cp.counter.bytes)
     with comm.recording() as rec, SyncCounter() as syncs:
         loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
         loss.backward()
     average_grads_over_data(model, runtime.data_group)
     opt.step()
-    return {"ops": rec.ops, "cp_ring_bytes": comm.cp.counter.bytes["ring"] - before, "cp_rank": groups.cp_rank,
+    cp_bytes = {kind: n - before.get(kind, 0) for kind, n in comm.cp.counter.bytes.items()}
+    return {"ops": rec.ops, "cp_bytes": {kind: n for kind, n in cp_bytes.items() if n}, "cp_rank": groups.cp_rank,
             "cp_group": list(comm.cp._ranks), "tsp_rank": groups.tsp_rank,
             "syncs": [(e.kind, e.op, e.region, e.where) for e in syncs.events]}
 
@@ -224,17 +225,21 @@ def _global(run, cp_rank):
 
 @pytest.mark.parametrize("layout, D, C", [("step_2x2", 2, 2), ("step_1x4", 1, 4)])
 def test_plan_cp_ring_bytes_of_a_windowed_model_match_the_run(on_4_ranks, layout, D, C):
-    """`ds-tsp plan --cp`'s inter-node bytes per cp rank are what the cp communicator counted in the recorded step
-    (float64 there: twice the plan's float32 bytes), the full layer's pass-KV ring and the window layer's hops."""
+    """`ds-tsp plan --cp`'s inter-node bytes per cp rank are what the cp communicator counted in the recorded step,
+    every kind: the full layer's pass-KV ring and the window layer's hops (float64 there: twice the plan's float32
+    bytes) and the input check's all-gather over cp (int64: the same in every dtype)."""
     from ds_tsp.tools.plan import PlanInput
     from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
 
     plan = plan_tsp_cp(PlanInput(model=STEP_SHAPE, seq=sum(STEP_DOCS), batch=2, degree=D, dtype="fp32"), C)
     per_rank = plan.cp["inter_node_bytes_per_rank"]  # cp-major
     assert plan.cp["windowed_layers"] == 1 and plan.cp["inter_node_bytes_per_step"] == max(per_rank)
+    check = plan.cp["input_check_cp_bytes_per_step"]
+    assert check == (C - 1) * D * (7 + 1024) * 8  # (C-1) D payloads of INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS
     for run in (r[layout] for r in on_4_ranks):
         k = run["cp_rank"] * D + run["tsp_rank"]
-        assert run["cp_ring_bytes"] == 2 * per_rank[k], (k, run["cp_ring_bytes"], per_rank)
+        assert run["cp_bytes"] == {"ring": 2 * (per_rank[k] - check), "all_gather": check}, (k, run["cp_bytes"],
+                                                                                              per_rank)
     full = plan_tsp_cp(PlanInput(model=_shape(kv=1), seq=sum(STEP_DOCS), batch=2, degree=D, dtype="fp32"), C)
     assert max(per_rank) < full.cp["inter_node_bytes_per_step"]  # the window layer moves less than a full one
 

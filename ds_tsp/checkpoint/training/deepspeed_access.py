@@ -135,6 +135,11 @@ def load_training_checkpoint(engine: Any, save_dir: str | Path, *, loader: Any =
     if found is None:
         return None
     manifest, where = found
+    saved_cp, cp = manifest.layout.cp, engine.tsp_groups.cp_size
+    if saved_cp != cp and "global_samples" in manifest.engine:
+        # DeepSpeed counts samples over its data-parallel ranks, data x cp (DeepSpeedAccess): the saved count in
+        # this layout's units, as this layout's uninterrupted run would have it (the samples per step are equal)
+        engine.global_samples = manifest.engine["global_samples"] // saved_cp * cp
     if loader is not None:
         if manifest.data is None:
             raise TSPConfigError(f"{where}: saved without a data position (no loader= at save): pass the same "

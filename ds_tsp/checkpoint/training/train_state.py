@@ -214,11 +214,15 @@ def check_resumable(manifest: Manifest, access: OptimizerAccess, model: nn.Modul
         raise TSPConfigError(f"{where}: the optimizer was {manifest.optimizer.name}, this run uses {access.name()}: "
                              "configure the same optimizer to resume")
     if manifest.global_batch_size != access.global_batch_size():
+        saved = manifest.layout
         raise TSPConfigError(
             f"{where}: saved with a global batch of {manifest.global_batch_size} samples per step, this run has "
             f"{access.global_batch_size()} (train_batch_size = micro batch x gradient_accumulation_steps x data "
-            f"degree): keep {manifest.global_batch_size} (e.g. raise the micro batch or the accumulation steps when "
-            "the data degree shrinks) so data order and schedule continue")
+            "degree; the cp groups of a replica share its samples, so cp does not count): keep "
+            f"{manifest.global_batch_size} (saved at tsp={saved.tsp} x cp={saved.cp} x data={saved.data}, this run "
+            f"is tsp={groups.tsp_size} x cp={groups.cp_size} x data={groups.data_size}: raise the micro batch or the "
+            "accumulation steps when the data degree shrinks, lower them when it grows) so data order and schedule "
+            "continue")
     missing_ranks = sorted(set(range(manifest.layout.tsp)) - set(manifest.shards))
     if missing_ranks:
         raise TSPConfigError(f"{where}: the manifest lists no files of TSP rank {missing_ranks[0]}: the checkpoint "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from ds_tsp.core.setup import build_runtime
 from ds_tsp.core.topology import ParallelLayout, ProcessGroups
 from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader
 from ds_tsp.integrations.accelerate.launch_config import TSPAccelerateSetup, resolve_setup
+from ds_tsp.integrations.accelerate.state_layout import check_layout, layout_record, write_layout
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
 from ds_tsp.model.convert import parameter_names, rebind_optimizer, to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
@@ -321,32 +323,52 @@ class TSPAccelerator(_accelerate.Accelerator):
 
     def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
         """Accelerate's save_state; outside DeepSpeed every rank also writes its own model and optimizer shards
-        (Accelerate's files hold only the main process's tensors, which differ between TSP ranks)."""
+        (Accelerate's files hold only the main process's tensors, which differ between TSP ranks). The layout
+        (tsp x cp x data) is recorded beside them: load_state refuses another one (state_layout.py)."""
         if self.tsp_setup.mode == "deepspeed":
-            return super().save_state(output_dir, safe_serialization, **kwargs)
-        models, optimizers = self._models, self._optimizers
-        self._models, self._optimizers = [], []
-        try:
             location = super().save_state(output_dir, safe_serialization, **kwargs)
-        finally:
-            self._models, self._optimizers = models, optimizers
-        state = {"models": [to_local(m.state_dict()) for m in models],
-                 "optimizers": [to_local(o.state_dict()) for o in optimizers]}
-        torch.save(state, Path(location) / STATE_FILE.format(rank=self.process_index))
+        else:
+            models, optimizers = self._models, self._optimizers
+            self._models, self._optimizers = [], []
+            try:
+                location = super().save_state(output_dir, safe_serialization, **kwargs)
+            finally:
+                self._models, self._optimizers = models, optimizers
+            state = {"models": [to_local(m.state_dict()) for m in models],
+                     "optimizers": [to_local(o.state_dict()) for o in optimizers]}
+            torch.save(state, Path(location) / STATE_FILE.format(rank=self.process_index))
+        if self.is_local_main_process:
+            write_layout(location, self._state_layout(), self.process_index)
         self.wait_for_everyone()
         return location
 
+    def _state_layout(self) -> dict[str, int]:
+        groups = self.tsp_groups
+        return layout_record(groups.tsp_size, groups.cp_size, groups.data_size) if groups else layout_record(1, 1, 1)
+
+    def _saved_state_dir(self, input_dir) -> Path | None:
+        """The directory Accelerate's load_state reads: input_dir, else its newest automatically named one."""
+        if input_dir is not None:
+            return Path(os.path.expanduser(input_dir))
+        if self.project_configuration.automatic_checkpoint_naming:
+            folders = list(Path(self.project_dir, "checkpoints").glob("*"))
+            return max(folders, key=lambda f: int(re.findall(r"[0-9]+", f.name)[0])) if folders else None
+        return None
+
     def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+        directory = self._saved_state_dir(input_dir)
+        if directory is not None:  # before anything is loaded: another layout's files would fit the wrong ranks
+            check_layout(directory, self._state_layout())
         if self.tsp_setup.mode == "deepspeed":
             return super().load_state(input_dir, load_kwargs, **kwargs)
+        if input_dir is None:
+            raise TSPConfigError("load_state needs input_dir under TSP (automatic checkpoint naming is not supported)")
         models, optimizers = self._models, self._optimizers
         self._models, self._optimizers = [], []
         try:
             super().load_state(input_dir, load_kwargs, **kwargs)
         finally:
             self._models, self._optimizers = models, optimizers
-        if input_dir is None:
-            raise TSPConfigError("load_state needs input_dir under TSP (automatic checkpoint naming is not supported)")
         path = Path(input_dir) / STATE_FILE.format(rank=self.process_index)
         if not path.is_file():
             raise TSPConfigError(f"{path} is missing: the state was saved by another layout or without TSP")

@@ -8,14 +8,18 @@
                             all-gathers / reduce-scatters over cp (ds_tsp.core.linear_attention_scan)
   comm_cp_grad_sync_bytes   tsp_cp only: the gradient all-reduce over cp (weights are replicated over cp)
   comm_cp_input_check_bytes tsp_cp only: the input check's all-gather over cp (whole-sequence facts: a fixed-size
-                            payload, (C-1) D (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) int64 per rank; the rest
-                            of the cp all-gathers are the Gated DeltaNet's)
+                            payload, ds_tsp.tools.plan.tsp_comm.input_check_cp_bytes, the plan's own formula; the
+                            rest of the cp all-gathers are the Gated DeltaNet's)
   plan_cp_ring_bytes        tsp_cp only: `ds-tsp plan --cp`'s inter-node bytes for the same shape (fp32, as the
-                            bench runs; ds_tsp.tools.plan.tsp_cp): equal to comm_cp_ring_bytes for full attention
-                            (the by-kind bytes are global rank 0's; with sliding windows the cp ranks move
+                            bench runs; ds_tsp.tools.plan.tsp_cp), its layers' part (less the input check's
+                            all-gather and an MoE model's aux counts over cp): equal to comm_cp_ring_bytes for full
+                            attention (the by-kind bytes are global rank 0's; with sliding windows the cp ranks move
                             different amounts and the plan gives the busiest one's)
-  plan_comm_bytes_per_step  tsp_cp only: the plan's bytes per step and rank, = comm_group_bytes + comm_cp_ring_bytes
-                            + comm_cp_grad_sync_bytes (the plan leaves out the input check's all-gather over cp)
+  plan_cp_bytes_per_step    tsp_cp only: the plan's whole inter-node bytes per step (plan_cp_ring_bytes + the input
+                            check's all-gather over cp + an MoE model's aux counts over cp)
+  plan_comm_bytes_per_step  tsp_cp only: the plan's bytes per step and rank, = comm_bytes (every byte of both
+                            communicators: comm_group_bytes + comm_cp_ring_bytes + comm_cp_grad_sync_bytes +
+                            comm_cp_input_check_bytes, + an MoE model's aux counts over cp)
   step_s_vs_tsp_cp          this row's s/step / tsp_cp's at the same S and checkpointing (same run)
   cpu_s_vs_tsp_cp           the same for CPU seconds of all ranks per step (less disturbed by other load)
   max_seq_vs_tsp_cp         --max-seq: this row's max S / tsp_cp's
@@ -31,13 +35,13 @@ from ds_tsp.tools.bench.tsp_cp import CP_PREFIX
 
 
 def _split(row: dict) -> dict:
-    from ds_tsp.tools.plan.tsp_comm import DOCUMENT_LAYOUT_SLOTS, INPUT_CHECK_COUNTS
+    from ds_tsp.tools.plan.tsp_comm import input_check_cp_bytes
 
     by_kind = row.get("comm_by_op") or {}
     if row["layout"] != CP_LAYOUT:
         return {"comm_group_bytes": row.get("comm_bytes")}
     gathered = by_kind.get(CP_PREFIX + "all_gather", 0)
-    check = min(gathered, (row["cp"] - 1) * row["tsp"] * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8)
+    check = min(gathered, input_check_cp_bytes(row["tsp"], row["cp"]))
     return {"comm_group_bytes": sum(v for k, v in by_kind.items() if not k.startswith(CP_PREFIX)),
             "comm_cp_ring_bytes": by_kind.get(CP_PREFIX + "ring", 0) + by_kind.get(CP_PREFIX + "reduce_scatter", 0)
             + gathered - check,
@@ -52,7 +56,10 @@ def _planned(row: dict, shape) -> dict:
     plan = plan_tsp_cp(PlanInput(model=shape, seq=row["seq"], batch=row["batch"], degree=row["tsp"], dtype="fp32",
                                  activation_checkpointing=bool(row.get("activation_checkpointing")),
                                  moe_dispatch=row.get("moe_dispatch") or "auto"), row["cp"])
-    return {"plan_cp_ring_bytes": plan.cp["inter_node_bytes_per_step"],
+    cp = plan.cp
+    steps = cp["input_check_cp_bytes_per_step"] + cp.get("moe_aux_cp_bytes_per_step", 0)
+    return {"plan_cp_ring_bytes": cp["inter_node_bytes_per_step"] - steps,
+            "plan_cp_bytes_per_step": cp["inter_node_bytes_per_step"],
             "plan_comm_bytes_per_step": plan.comm_bytes_per_step,
             "plan_peak_bytes_per_rank": plan.peak_bytes_per_rank}
 

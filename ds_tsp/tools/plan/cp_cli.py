@@ -26,7 +26,7 @@ def cp_lines(plan) -> list[str]:
         f"{cp['tokens_per_rank']} tokens per rank; peak {plan.peak_bytes_per_rank / _GIB:.2f} GiB per rank"
         + (f", host {plan.host_bytes_per_rank / _GIB:.2f} GiB per rank (offloaded layer inputs)"
            if plan.host_bytes_per_rank else ""),
-        f"per step and rank: inter-node (cp ring) {cp['inter_node_bytes_per_step'] / _GIB:.1f} GiB, intra-node (TSP) "
+        f"per step and rank: inter-node (cp axis) {cp['inter_node_bytes_per_step'] / _GIB:.1f} GiB, intra-node (TSP) "
         f"{cp['intra_node_bytes_per_step'] / _GIB:.1f} GiB, grad sync over dp x cp "
         f"{cp['grad_sync_bytes_per_step'] / _GIB:.2f} GiB",
         f"cp ring at {cp['inter_node_gbps']:g} Gb/s per GPU: {cp['cp_ring_seconds_per_step']:.1f} s per step vs "

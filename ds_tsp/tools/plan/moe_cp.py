@@ -37,8 +37,7 @@ def with_moe_cp_terms(plan: LayoutPlan, inp: PlanInput, cp: int) -> LayoutPlan:
     extra = sum(t.bytes for t in terms)
     summary = dict(plan.cp)
     summary["inter_node_bytes_per_step"] += extra
-    if "inter_node_bytes_per_cp_rank" in summary:
-        summary["inter_node_bytes_per_cp_rank"] = [b + extra for b in summary["inter_node_bytes_per_cp_rank"]]
+    summary["inter_node_bytes_per_rank"] = [b + extra for b in summary["inter_node_bytes_per_rank"]]
     summary["moe_aux_cp_bytes_per_step"] = extra
     note = (f"MoE under cp: experts dispatched inside each TSP group (bytes per sparse layer as TSP's at "
             f"{summary['tokens_per_rank']} tokens per rank); the aux loss's counts all-reduced over cp too, "

@@ -11,6 +11,9 @@ dp x C data ranks, plus the cp ring (ds_tsp.core.cp_ring):
   block's hops on its own NIC (TSP rank p of each group talks to TSP rank p of the next). Sliding-window layers
   send only the keys their window reaches (ds_tsp.core.cp_window; tsp_cp_window): their bytes differ between cp
   ranks, so the step's bytes are the busiest rank's (`inter_node_bytes_per_rank` gives each, cp-major);
+- the input check: its fixed-size payloads all-gathered over cp once per step (ds_tsp.core.cp_inputs.over_cp;
+  input_check_cp_bytes), an inter-node step term every rank pays (`input_check_cp_bytes_per_step`, in
+  `inter_node_bytes_per_step` and each `inter_node_bytes_per_rank`);
 - memory: the ring's buffers on top of the TSP peak (conservatively, at the peak phase): two received K/V blocks
   forward; backward also two dK/dV accumulators and one contribution buffer (float32 under bf16);
 - hybrid models (Gated DeltaNet layers): the full-attention layers take the ring above; each Gated DeltaNet layer
@@ -33,7 +36,7 @@ from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.shape_terms import round_up
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
-from ds_tsp.tools.plan.tsp_comm import TSPGeometry
+from ds_tsp.tools.plan.tsp_comm import DOCUMENT_LAYOUT_SLOTS, INPUT_CHECK_COUNTS, TSPGeometry, input_check_cp_bytes
 from ds_tsp.tools.plan.tsp_cp_window import window_ring
 
 INTER_NODE_GBPS = 400.0  # per GPU (one 400 Gb/s NIC per H100/H200, e.g. ConnectX-7 / InfiniBand NDR)
@@ -91,6 +94,9 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         per_rank = [hybrid_bytes] * (C * D)
     busiest = max(range(C * D), key=per_rank.__getitem__)  # cp-major: cp rank busiest // D, TSP rank busiest % D
     ring_bytes = per_rank[busiest]
+    check = input_check_cp_bytes(D, C)  # the same on every rank: the busiest stays the busiest
+    check_terms = ((term("input check + document layout all-gather over cp", "all_gather",
+                         C * D * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8, 1, check),) if C > 1 else ())
     if win.layers:  # per-layer figures: the mean over the layers (their terms: per layer of their kind)
         calls = win.hop_calls[busiest] // win.layers
         win_fwd, win_bwd = win.fwd_bytes[busiest] // win.layers, win.bwd_bytes[busiest] // win.layers
@@ -110,7 +116,8 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
     bytes_per_s = inter_node_gbps * 1e9 / 8
     summary = {
         "cp": C, "tsp": D, "seq_padded": group_tokens * C, "tokens_per_rank": B * group_tokens // D,
-        "inter_node_bytes_per_step": ring_bytes, "inter_node_bytes_per_rank": per_rank,
+        "inter_node_bytes_per_step": ring_bytes + check, "inter_node_bytes_per_rank": [b + check for b in per_rank],
+        "input_check_cp_bytes_per_step": check,
         "windowed_layers": win.layers,
         "intra_node_bytes_per_step": layers * (base.comm_bytes_per_layer_fwd + base.comm_bytes_per_layer_bwd),
         "grad_sync_bytes_per_step": base.comm_bytes_per_step - layers * (base.comm_bytes_per_layer_fwd
@@ -140,9 +147,9 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         transients=transients, phase_bytes={k: v + extra for k, v in base.phase_bytes.items()},
         comm_bytes_per_layer_fwd=base.comm_bytes_per_layer_fwd + cp_fwd,
         comm_bytes_per_layer_bwd=base.comm_bytes_per_layer_bwd + cp_bwd,
-        comm_bytes_per_step=base.comm_bytes_per_step + ring_bytes,
+        comm_bytes_per_step=base.comm_bytes_per_step + ring_bytes + check,
         layer_fwd_terms=base.layer_fwd_terms + tuple(fwd), layer_bwd_terms=base.layer_bwd_terms + tuple(bwd),
-        step_terms=base.step_terms + tuple(hybrid_steps), notes=notes, cp=summary), inp, C)
+        step_terms=base.step_terms + tuple(hybrid_steps) + check_terms, notes=notes, cp=summary), inp, C)
 
 
 def recommend_tsp_cp(inp: PlanInput, *, devices: int, gpu_mem_bytes: int, gpus_per_node: int = 8,
