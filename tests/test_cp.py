@@ -284,25 +284,6 @@ def test_cp_is_exact_at_larger_layouts(D, C):
         assert report["loss_rel_err"] < 1e-10 and report["grad_rel_err"] < 1e-10, report
 
 
-# --- refusals -------------------------------------------------------------------------------------------------
-class _FakeComm:
-    class cp:
-        size = 2
-
-
-def test_cp_runs_every_layer_kind():
-    """check_cp_model refuses nothing today: linear attention (exact: tests/test_cp_hybrid.py), MoE
-    (tests/test_cp_moe.py) and sliding windows (tests/test_cp_window.py) all run under cp."""
-    from ds_tsp.core.cp_inputs import check_cp_model
-
-    check_cp_model(_shape(4, 2, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=1,
-                          linear_num_value_heads=1, linear_key_head_dim=4, linear_value_head_dim=4,
-                          linear_conv_kernel_dim=2, hybrid_family="qwen3_next"), _FakeComm())
-    check_cp_model(_shape(4, 2), _FakeComm())
-    check_cp_model(_shape(4, 2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8), _FakeComm())
-    check_cp_model(_shape(4, 2, attention_windows=(5, None)), _FakeComm())
-
-
 # --- ds-tsp verify --cp -------------------------------------------------------------------------------------------
 def test_verify_cli_cp_usage_errors(monkeypatch, capsys):
     from ds_tsp.tools.cli import main

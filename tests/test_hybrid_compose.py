@@ -42,7 +42,6 @@ plugin run (~26 s of rank CPU on 2 cores, ~40 s with the references).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -61,8 +60,9 @@ from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 from nccl_rules import check  # noqa: E402
+from test_cp_trainers import _example, _reset_hf_state  # noqa: E402
+from test_moe_compose import _assert_steps, _plain_accelerate_loop, _rel, _replica_rows  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("qwen3_5", "qwen3_next_moe")
 ROWS, S, STEPS = 4, 32, 2  # global rows (2 per data replica); S a multiple of 2 x TSP (zigzag)
 LR, CLIP, WD = 3e-3, 0.5, 0.1
@@ -119,11 +119,6 @@ def global_batches():
     return out
 
 
-def _replica_rows(data_rank: int) -> slice:
-    rows = ROWS // 2
-    return slice(data_rank * rows, (data_rank + 1) * rows)
-
-
 # --- single-process references -----------------------------------------------------------------------------------
 def reference_loop(directory: str, frozen: bool = False, lora: bool = False) -> dict:
     """transformers' model, AdamW with clipping on the trainable parameters; MoE: replica-averaged aux loss."""
@@ -146,28 +141,6 @@ def reference_loop(directory: str, frozen: bool = False, lora: bool = False) -> 
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "norms": norms, "final": model.state_dict()}
-
-
-def plain_accelerate_loop(directory: str) -> list[dict]:
-    """examples/train_accelerate.py in one process without ds_tsp (tests/test_accelerate.py checks its loop is
-    this): AdamW 3e-3 decaying linearly to half, clipping at 1.0, RepeatingPatterns batches of 4, labels = ids."""
-    from ds_tsp.tools.synthetic import RepeatingPatterns
-
-    model = load(directory)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.5, total_iters=ACC_STEPS)
-    data = RepeatingPatterns(vocab_size=VOCAB, seq_len=ACC_SEQ, num_samples=4 * ACC_STEPS, seed=0)
-    lines = []
-    for step in range(ACC_STEPS):
-        ids = torch.stack([data[4 * step + i]["input_ids"] for i in range(4)])
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        lines.append({"step": step + 1, "loss": float(loss.detach()), "grad_norm": float(norm)})
-    return lines
 
 
 # --- 4 ranks: TSP=2 x data 2 ---------------------------------------------------------------------------------------
@@ -233,13 +206,6 @@ def _pipeline_run(directory: str) -> dict:
     return {"losses": losses, "stage": groups.pipe_rank, "mixers": mixers}
 
 
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"_example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _accelerate_run(directory: str, out: str, env: dict) -> list[dict]:
     """examples/train_accelerate.py in this rank under the environment `accelerate launch` would export."""
     import contextlib
@@ -247,7 +213,7 @@ def _accelerate_run(directory: str, out: str, env: dict) -> list[dict]:
     import os
     from unittest import mock
 
-    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.state import PartialState
 
     saved = dict(os.environ)
     os.environ.update(env)
@@ -259,10 +225,7 @@ def _accelerate_run(directory: str, out: str, env: dict) -> list[dict]:
                 ["--model_name_or_path", directory, "--output_dir", out, "--max_steps", str(ACC_STEPS),
                  "--seq_len", str(ACC_SEQ), "--global_batch", "4"])
     finally:
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-        AcceleratorState._reset_state(reset_partial_state=True)
+        _reset_hf_state()
         os.environ.clear()
         os.environ.update(saved)
 
@@ -378,17 +341,6 @@ def references(checkpoints) -> dict:
     return {family: reference_loop(directory) for family, directory in checkpoints.items()}
 
 
-def _rel(got, want) -> float:
-    got, want = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
-    return float(((got - want).abs() / want.abs()).max())
-
-
-def _assert_steps(got: dict, want: dict, what) -> None:
-    assert want["norms"][0] > CLIP, "clipping must be active"
-    assert _rel(got["losses"], want["losses"]) < 1e-5, (what, got["losses"], want["losses"])
-    assert _rel(got["norms"], want["norms"]) < 1e-4, (what, got["norms"], want["norms"])
-
-
 def _assert_saved(directory: Path, want: dict, start: dict) -> None:
     """The consolidated save reloads in transformers with the reference's final weights (1e-4 norm-wise); a tensor
     that trains moved, a frozen one (requires_grad False at the start) is bit-identical to the start."""
@@ -429,7 +381,7 @@ def test_tsp_accelerator_tsp2_dp2_trains_a_hybrid_like_one_process(four_ranks, c
     """TSPAccelerator under DeepSpeed ZeRO-2 and under its FSDP2 plugin (tsp 2 x data 2): every step's global loss
     and clip norm equal the same loop in plain transformers."""
     results, _ = four_ranks
-    want = plain_accelerate_loop(checkpoints["qwen3_5"])
+    want = _plain_accelerate_loop(checkpoints["qwen3_5"], ACC_STEPS, ACC_SEQ)
     assert want[0]["grad_norm"] > 1.0, "clipping must be active"
     for rank in range(4):
         got = results[rank][setup]
@@ -632,6 +584,7 @@ def test_gated_deltanet_lora_keeps_no_merged_shard_for_backward(checkpoints):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(**inputs)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert gdn.packed_shard.untyped_storage().data_ptr() in saved  # the hook saw the Function save its base shard
     merged = [tuple(t.shape) for ptr, t in saved.items() if t.numel() == gdn.packed_shard.numel() and ptr not in params]
     assert merged == [], merged
     out.loss.backward()

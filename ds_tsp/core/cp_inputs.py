@@ -1,8 +1,8 @@
-"""What the model's input check adds with a cp axis: the whole sequence's facts, and the models cp can run.
+"""What the model's input check adds with a cp axis: the whole sequence's facts.
 
-Models cp runs: dense, mixture-of-experts (experts dispatched inside each TSP group, as TSP alone; the
-load-balancing loss's counts reduced over cp x TSP, ds_tsp.core.functions.moe_aux), sliding-window and hybrid
-(Gated DeltaNet: ds_tsp.core.linear_attention_scan) models; check_cp_model is where a refusal by name would go.
+Every layer kind runs under cp: dense, mixture-of-experts (experts dispatched inside each TSP group, as TSP alone;
+the load-balancing loss's counts reduced over cp x TSP, ds_tsp.core.functions.moe_aux), sliding-window
+(ds_tsp.core.cp_window) and hybrid (Gated DeltaNet: ds_tsp.core.linear_attention_scan) models.
 
 The input check gathers a fixed-size payload over the TSP group (ds_tsp.model.sharded_causal_lm._check_inputs).
 With cp groups (tsp.cp_size > 1) the packed-document layout is a fact of the whole sequence, so the TSP group's
@@ -17,22 +17,8 @@ import torch
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.partition import cp_global_chunks, cp_unshard
-from ds_tsp.core.shape import ModelShape
 
-__all__ = ["check_cp_model", "over_cp", "held_chunks", "full_fields"]
-
-
-def check_cp_model(shape: ModelShape, comm: TSPComm) -> None:
-    """Refuse, by name, the layers the cp ring does not run exactly yet (one error, at model construction).
-
-    Every layer kind runs under cp today, so nothing is refused: mixture-of-experts layers (dispatch inside the TSP
-    group, the aux loss's counts reduced over cp too: ds_tsp.core.functions.moe_aux), sliding-window layers (only
-    the keys a window reaches travel: ds_tsp.core.cp_window) and linear-attention (Gated DeltaNet) layers (their
-    conv halo and chunk transitions are gathered over cp too: ds_tsp.core.linear_attention_scan). A new layer kind
-    that cp does not run raises here: TSPConfigError(f"tsp.cp_size={C} with <the layers>: <why>; set cp_size to 1
-    for this model")."""
-    if comm.cp is None:
-        return
+__all__ = ["over_cp", "held_chunks", "full_fields"]
 
 
 def over_cp(comm: TSPComm, gathered: torch.Tensor) -> torch.Tensor:

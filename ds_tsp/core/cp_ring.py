@@ -185,10 +185,6 @@ class _KVRing:
         return self.current
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in kernels._HALF else dtype
-
-
 def cp_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, *, doc_starts: DocumentLayout,
                          window: int | None, scale: float, backend: str | None
                          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -240,7 +236,7 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Ten
     geo = _Geometry(cp, comm.rank, comm.size, L)
     ring = _KVRing(cp, kv_all, "K/V (backward)")
     own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)
-    acc = _acc_dtype(q.dtype)
+    acc = kernels.accumulation_dtype(q.dtype)
     dq_chunks = []
     for (local, start, _), lse in zip(geo.queries, lses):
         k_all, v_all = kv_prefix(kv_all, start + geo.c)

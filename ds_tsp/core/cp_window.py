@@ -271,10 +271,6 @@ class _Fetch:
         return recv
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in kernels._HALF else dtype
-
-
 def window_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, cp: TSPComm, *,
                              doc_starts: DocumentLayout, window: int, scale: float, backend: str | None
                              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -315,7 +311,7 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch
     C, i, Ccp = cp.size, cp.rank, chunks.cp_chunk
     hops = window_hops(window, C, comm.size, comm.rank, chunks.c)
     fetch = _Fetch(cp, kv_all, hops, "K/V (backward)")
-    acc = _acc_dtype(q.dtype)
+    acc = kernels.accumulation_dtype(q.dtype)
     own_grad = torch.zeros(kv_all.shape, dtype=acc, device=kv_all.device)  # dK/dV of this group's buffer
     dq_chunks = []
     for (local, t0, g, base), lse in zip(chunks.queries, lses):

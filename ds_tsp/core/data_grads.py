@@ -13,30 +13,40 @@ without a gradient is skipped, which is the same on every rank of a TSP model (s
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 
 @torch.no_grad()
-def average_grads_over_group(parameters: Iterable[torch.Tensor], group: dist.ProcessGroup | None, comm) -> None:
-    """Average every `.grad` of `parameters` over `group` in place (a no-op for a missing or 1-rank group).
-    comm: the model's TSPComm, whose timeout_s bounds the all-reduce (a stalled peer is reported, not waited on)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    size = dist.get_world_size(group)
+def average_grads(parameters: Iterable[torch.Tensor], size: int, sum_all_reduce: Callable[[torch.Tensor], None]
+                  ) -> None:
+    """Average every `.grad` of `parameters` over `size` ranks in place: per dtype (in a fixed order, the same on
+    every rank) one flat buffer, summed in place by `sum_all_reduce(flat)` (blocking), divided, copied back."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+    for dtype in sorted(by_dtype, key=str):
         grads = by_dtype[dtype]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        with comm.guard(f"gradient all_reduce over data x cp ({dtype})", group=group):
-            dist.all_reduce(flat, group=group)
+        sum_all_reduce(flat)
         flat.div_(size)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def average_grads_over_group(parameters: Iterable[torch.Tensor], group: dist.ProcessGroup | None, comm) -> None:
+    """Average every `.grad` of `parameters` over `group` in place (a no-op for a missing or 1-rank group).
+    comm: the model's TSPComm, whose timeout_s bounds the all-reduce (a stalled peer is reported, not waited on)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+
+    def sum_all_reduce(flat: torch.Tensor) -> None:
+        with comm.guard(f"gradient all_reduce over data x cp ({flat.dtype})", group=group):
+            dist.all_reduce(flat, group=group)
+
+    average_grads(parameters, dist.get_world_size(group), sum_all_reduce)

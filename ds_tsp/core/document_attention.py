@@ -197,7 +197,7 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, q_start: int, doc_star
     packed = _varlen(backend, q, layouts, window, q_start, Lk)
     if packed is not None:
         return varlen.backward(dout, q, k, v, out, lse, *packed, scale=scale)
-    acc = torch.float32 if q.dtype in kernels._HALF else q.dtype  # a row / key gets up to two partial gradients
+    acc = kernels.accumulation_dtype(q.dtype)  # a row / key gets up to two partial gradients
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
     for idx, starts in _groups(layouts, q.device):
         qg, kg, vg, dog, og, lg = q[idx], k[idx], v[idx], dout[idx], out[idx], lse[idx]

@@ -175,6 +175,12 @@ def _warn_math(why, where):
                       RuntimeWarning, stacklevel=3)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where partial gradients of one tensor are summed (several blocks, hops or chunks): float32 for half precision,
+    the dtype itself otherwise (float64 stays exact)."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
 def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 

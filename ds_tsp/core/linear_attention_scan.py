@@ -74,15 +74,13 @@ def cp_chunk_slot(chunk: int, tsp: int, cp: int) -> tuple[int, int, int]:
     return cp_rank, rank, slot
 
 
-def _chunk_owners(comm: TSPComm) -> tuple[list, tuple[int, int]]:
-    """(index into the gathered [D, 2, ...] or [C, D, 2, ...] of each global chunk in sequence order, this rank's
-    two global chunks)."""
-    D = comm.size
-    if comm.cp is None:
-        return [global_chunk_slot(g, D) for g in range(2 * D)], zigzag_chunks(D, comm.rank)
-    C = comm.cp.size
-    return ([cp_chunk_slot(g, D, C) for g in range(2 * C * D)],
-            cp_global_chunks(D, comm.rank, C, comm.cp.rank))
+def _chunk_owners(tsp: int, rank: int, cp: int | None = None, cp_rank: int | None = None
+                  ) -> tuple[list, tuple[int, int]]:
+    """(index into the gathered [D, 2, ...] (cp None) or [C, D, 2, ...] of each global chunk in sequence order, this
+    rank's two global chunks)."""
+    if cp is None:
+        return [global_chunk_slot(g, tsp) for g in range(2 * tsp)], zigzag_chunks(tsp, rank)
+    return [cp_chunk_slot(g, tsp, cp) for g in range(2 * cp * tsp)], cp_global_chunks(tsp, rank, cp, cp_rank)
 
 
 def conv_halo(x: torch.Tensor, comm: TSPComm, halo: int) -> torch.Tensor:
@@ -94,7 +92,7 @@ def conv_halo(x: torch.Tensor, comm: TSPComm, halo: int) -> torch.Tensor:
     tail = min(c, halo)  # tokens each chunk contributes; with c < halo a chunk's halo spans several chunks
     local = torch.stack([x[:, c - tail:c], x[:, L - tail:L]])  # [2, B, tail, h]
     everyone = gather_all(local, comm, what=f"conv halo ({tail} tokens per chunk)")  # [(C,) D, 2, B, tail, h]
-    owners, mine = _chunk_owners(comm)
+    owners, mine = _chunk_owners(comm.size, comm.rank, *(() if comm.cp is None else (comm.cp.size, comm.cp.rank)))
     tails = [everyone[where] for where in owners]
     reach = -(-halo // tail)  # chunks a halo spans
     out = []
@@ -186,13 +184,10 @@ def start_states(everyone: torch.Tensor, rank: int, dk: int, cp_rank: int | None
     (gather_transitions; with cp_rank given, every cp group's [C, D, 2, ...]), composed in global chunk order from
     a zero state: (S_in of local chunk 0, of local chunk 1), each [B, H, dk, dv]. Differentiable in `everyone`."""
     if cp_rank is None:
-        D = everyone.shape[0]
-        ordered = [everyone[r, s] for r, s in (global_chunk_slot(g, D) for g in range(2 * D))]
-        first, second = zigzag_chunks(D, rank)
+        owners, (first, second) = _chunk_owners(everyone.shape[0], rank)
     else:
-        C, D = everyone.shape[:2]
-        ordered = [everyone[where] for where in (cp_chunk_slot(g, D, C) for g in range(2 * C * D))]
-        first, second = cp_global_chunks(D, rank, C, cp_rank)
+        owners, (first, second) = _chunk_owners(everyone.shape[1], rank, everyone.shape[0], cp_rank)
+    ordered = [everyone[where] for where in owners]
     state = torch.zeros_like(ordered[0][..., dk:])
     found = {}
     for g in range(second + 1):

@@ -32,7 +32,7 @@ from ds_tsp.checkpoint.moe_names import canonical_state_dict
 from ds_tsp.core.activation_offload import ActivationOffload
 from ds_tsp.core.comm import TSPComm
 from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.cp_inputs import check_cp_model, full_fields, held_chunks, over_cp
+from ds_tsp.core.cp_inputs import full_fields, held_chunks, over_cp
 from ds_tsp.core.document_attention import DocumentLayout, document_layout
 from ds_tsp.core.documents import OVERFLOW, decode_layout, document_starts, shard_layout
 from ds_tsp.core.errors import TSPConfigError
@@ -92,7 +92,6 @@ class ShardedCausalLM(nn.Module):
                  data_group: dist.ProcessGroup | None = None):
         super().__init__()
         shape.check_tsp_degree(comm.size)
-        check_cp_model(shape, comm)
         self.shape, self.comm, self.options = shape, comm, options
         self.model = _Backbone(shape, comm, options, dtype, device)
         self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.core.config import parse_tsp_config
+from ds_tsp.core.data_grads import average_grads_over_group
 from ds_tsp.core.launch import local_device
 from ds_tsp.core.partition import shard_batch
 from ds_tsp.core.setup import build_runtime
@@ -31,14 +32,9 @@ from ds_tsp.tools.verify import (
 
 
 def average_grads_over_data(model: torch.nn.Module, data_group: dist.ProcessGroup | None) -> None:
-    """What a data-parallel engine does to the grads of one step: the mean over the data group (here data x cp)."""
-    if data_group is None or dist.get_world_size(data_group) == 1:
-        return
-    size = dist.get_world_size(data_group)
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=data_group)
-            p.grad.div_(size)
+    """What a data-parallel engine does to the grads of one step: the mean over the data group (here data x cp).
+    model: a ShardedCausalLM (its comm bounds the all-reduce)."""
+    average_grads_over_group(model.parameters(), data_group, model.comm)
 
 
 def run_cp_case(case: VerifyCase, tsp: int, cp: int, options: dict | None = None) -> dict | None:

@@ -29,9 +29,9 @@ class DeepSpeedAccess(OptimizerAccess):
     def __init__(self, engine: Any):
         # DeepSpeed counts its train_batch_size over the mpu's data-parallel ranks, data x cp; the cp groups of a
         # replica read the same samples, so the samples per step are that / cp_size
-        cp_size = engine.tsp_groups.cp_size if getattr(engine, "tsp_groups", None) is not None else 1
-        super().__init__(engine.optimizer, engine.lr_scheduler, global_batch_size=engine.train_batch_size() // cp_size,
-                         zero_step=self._zero_step)
+        self.cp_size = engine.tsp_groups.cp_size if getattr(engine, "tsp_groups", None) is not None else 1
+        super().__init__(engine.optimizer, engine.lr_scheduler,
+                         global_batch_size=engine.train_batch_size() // self.cp_size, zero_step=self._zero_step)
         self.engine = engine
 
     @property
@@ -81,13 +81,16 @@ class DeepSpeedAccess(OptimizerAccess):
             opt.invalidate_secondary_tensor()
 
     def counters(self) -> dict[str, int]:
+        """Saved in samples (layout-free): DeepSpeed's global_samples counts over its data-parallel ranks, data x
+        cp, so it is divided by cp_size here and multiplied by this run's in set_counters (a resume at another cp
+        degree continues as that layout's uninterrupted run would)."""
         e = self.engine
-        return {"global_steps": int(e.global_steps), "global_samples": int(e.global_samples),
+        return {"global_steps": int(e.global_steps), "global_samples": int(e.global_samples) // self.cp_size,
                 "skipped_steps": int(e.skipped_steps)}
 
     def set_counters(self, counters: dict[str, int]) -> None:
         for key, value in counters.items():
-            setattr(self.engine, key, value)
+            setattr(self.engine, key, value * self.cp_size if key == "global_samples" else value)
 
     def _zero_step(self) -> None:
         """A fresh engine has no optimizer state: one engine step with an all-zero loss creates it everywhere."""
@@ -135,11 +138,6 @@ def load_training_checkpoint(engine: Any, save_dir: str | Path, *, loader: Any =
     if found is None:
         return None
     manifest, where = found
-    saved_cp, cp = manifest.layout.cp, engine.tsp_groups.cp_size
-    if saved_cp != cp and "global_samples" in manifest.engine:
-        # DeepSpeed counts samples over its data-parallel ranks, data x cp (DeepSpeedAccess): the saved count in
-        # this layout's units, as this layout's uninterrupted run would have it (the samples per step are equal)
-        engine.global_samples = manifest.engine["global_samples"] // saved_cp * cp
     if loader is not None:
         if manifest.data is None:
             raise TSPConfigError(f"{where}: saved without a data position (no loader= at save): pass the same "

@@ -9,15 +9,13 @@ C x D ranks). Without --cp, tsp_cp is not part of "all" and naming it is an erro
 
 A mixture-of-experts shape (--num-experts, or an MoE --hf-config) runs on the TSP layouts only, as without --cp:
 "all" is then tsp_cp and tsp (ds_tsp.tools.bench.moe_report.moe_layouts), each under every --moe-dispatch schedule.
-Refused by name (one error naming --cp): models the cp ring does not run (the model's own check,
-ds_tsp.core.cp_inputs.check_cp_model, and the planner's, whose cp bytes the report prints beside the counters),
---layer-memory / --offload-activations (one TSP layer on one group).
+Refused by name (one error naming --cp): shapes the cp planner refuses (the report prints its cp bytes beside the
+counters), --layer-memory / --offload-activations (one TSP layer on one group).
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from types import SimpleNamespace
 
 from ds_tsp.tools.bench.config import LAYOUTS, BenchConfig
 
@@ -81,16 +79,13 @@ def cp_configs(configs: list[BenchConfig], cp: int) -> list[BenchConfig]:
 
 
 def check_cp_shape(shape, tsp: int, cp: int) -> None:
-    """What the cp ring does not run, refused before any rank starts: the model's own check (the same text it
-    raises at construction), then the planner's (the report sets its cp bytes beside the counters)."""
-    from ds_tsp.core.cp_inputs import check_cp_model
+    """What the cp planner refuses, refused before any rank starts (the report sets its cp bytes beside the
+    counters)."""
     from ds_tsp.core.errors import TSPConfigError
     from ds_tsp.tools.plan import PlanInput
     from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
 
     try:
-        # check_cp_model reads comm.cp.size only: the degree, without building a process group
-        check_cp_model(shape, SimpleNamespace(cp=SimpleNamespace(size=cp)))
         plan_tsp_cp(PlanInput(model=shape, seq=2 * tsp * cp, degree=tsp, dtype="fp32"), cp)
     except TSPConfigError as exc:
         raise ValueError(f"--cp {cp}: layout {CP_LAYOUT} cannot run this model: {exc}") from None

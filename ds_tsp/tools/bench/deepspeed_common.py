@@ -1,4 +1,4 @@
-"""DeepSpeed engine setup shared by the Ulysses and AutoTP peers (CPU, gloo, torch AdamW: nothing compiles)."""
+"""DeepSpeed engine setup shared by the Ulysses, AutoTP and hf_zero3_dp peers (CPU, gloo, torch AdamW)."""
 from __future__ import annotations
 
 import torch

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ds_tsp.core.comm import CommCounter
 from ds_tsp.core.config import parse_tsp_config
+from ds_tsp.core.data_grads import average_grads
 from ds_tsp.core.partition import shard_batch
 from ds_tsp.core.setup import build_runtime
 from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
@@ -70,12 +70,8 @@ class Session:
 
     def average_grads_over_cp(self) -> None:
         """Mean of every gradient over the cp ring (weights are replicated over cp): one flat all-reduce."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = _flatten_dense_tensors(grads)
-        self.comm.cp.all_reduce(flat, kind="grad_sync", what="grads over cp").wait()
-        flat.div_(self.cfg.cp)
-        for grad, mean in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(mean)
+        average_grads(self.model.parameters(), self.cfg.cp,
+                      lambda flat: self.comm.cp.all_reduce(flat, kind="grad_sync", what="grads over cp").wait())
 
     def workload(self, seq: int) -> Workload:
         ids, labels, _ = global_batch(self.cfg, seq)

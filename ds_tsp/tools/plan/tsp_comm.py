@@ -96,12 +96,18 @@ INPUT_CHECK_COUNTS = 7
 DOCUMENT_LAYOUT_SLOTS = 1024
 
 
+def input_check_cp_payload(tsp: int, cp: int) -> int:
+    """Bytes of the input check's all-gathered result over the cp group: C x D payloads of (INPUT_CHECK_COUNTS +
+    DOCUMENT_LAYOUT_SLOTS) int64 (ds_tsp.core.cp_inputs.over_cp)."""
+    return cp * tsp * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8
+
+
 def input_check_cp_bytes(tsp: int, cp: int) -> int:
     """Bytes per step and rank of the input check's all-gather over the cp group (ds_tsp.core.cp_inputs.over_cp):
     the TSP group's gathered payloads, D x (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) int64, arrive from the C-1
     other cp groups. Fixed size (whatever the batch, sequence or dtype); 0 without a cp axis. The one formula the plan
     (ds_tsp.tools.plan.tsp_cp) and bench's cp report (ds_tsp.tools.bench.cp_report) both use."""
-    return gather_bytes(cp * tsp * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8, cp)
+    return gather_bytes(input_check_cp_payload(tsp, cp), cp)
 
 
 def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:

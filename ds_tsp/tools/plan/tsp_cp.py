@@ -36,7 +36,7 @@ from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.shape_terms import round_up
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
-from ds_tsp.tools.plan.tsp_comm import DOCUMENT_LAYOUT_SLOTS, INPUT_CHECK_COUNTS, TSPGeometry, input_check_cp_bytes
+from ds_tsp.tools.plan.tsp_comm import TSPGeometry, input_check_cp_bytes, input_check_cp_payload
 from ds_tsp.tools.plan.tsp_cp_window import window_ring
 
 INTER_NODE_GBPS = 400.0  # per GPU (one 400 Gb/s NIC per H100/H200, e.g. ConnectX-7 / InfiniBand NDR)
@@ -96,7 +96,7 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
     ring_bytes = per_rank[busiest]
     check = input_check_cp_bytes(D, C)  # the same on every rank: the busiest stays the busiest
     check_terms = ((term("input check + document layout all-gather over cp", "all_gather",
-                         C * D * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8, 1, check),) if C > 1 else ())
+                         input_check_cp_payload(D, C), 1, check),) if C > 1 else ())
     if win.layers:  # per-layer figures: the mean over the layers (their terms: per layer of their kind)
         calls = win.hop_calls[busiest] // win.layers
         win_fwd, win_bwd = win.fwd_bytes[busiest] // win.layers, win.bwd_bytes[busiest] // win.layers
