@@ -8,9 +8,9 @@
 --what minimal: benchmarks/exit_user_script.py, a user's own script (load a tiny local checkpoint, 2 steps,
 save_pretrained, return normally: no exit_rank, no destroy_process_group, no os._exit); the checkpoint is built
 once per measurement. demo / verify: the README's commands (`examples/demo_train.py`, `-m ds_tsp verify --tsp 2
---dtype float64`; both end through ds_tsp.tools.entry_point). script: any script (e.g. the README's Python API block
+--dtype float64`; both end through ds_tsp.tools.entry_point). script: any script (e.g. the Python API block of docs/python_api.md
 saved to a file), run as `torchrun ... SCRIPT`. A run is an abort when torchrun exits non-zero or any stderr line says "terminate called" (the
-signature of a gloo worker thread ended during interpreter finalization; see ds_tsp.core.finalize).
+signature of a gloo worker thread ended during interpreter finalization; see ds_tsp.core.reliability.clean_exit).
 Prints one line per run and a JSON summary; --keep keeps every run's stdout/stderr.
 """
 from __future__ import annotations

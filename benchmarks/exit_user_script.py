@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 benchmarks/exit_user_script.py MODEL_DIR OUT_DIR
 
-No ds_tsp.core.launch.exit_rank, no dist.destroy_process_group, no os._exit: the interpreter finalizes as it
+No ds_tsp.core.parallel.launch.exit_rank, no dist.destroy_process_group, no os._exit: the interpreter finalizes as it
 would for any script. benchmarks/exit_trials.py runs it many times and counts aborts at exit.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from ds_tsp.core.launch import init_from_env, local_device
+from ds_tsp.core.parallel.launch import init_from_env, local_device
 from ds_tsp.hf import TSPForCausalLM
 
 

@@ -40,7 +40,7 @@ def records(paths: list[str]) -> list[dict]:
 
 
 def planned(record: dict):
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.tools.plan import LAYOUTS, PlanInput
 
     layout, options = BENCH_TO_PLAN[record["bench_layout"]]

@@ -6,14 +6,14 @@ Each trial starts `--world` plain `python` processes with the standard torch.dis
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; env://, no launcher that could tear the job down), which train a
 tiny ShardedCausalLM in a loop. After `--warm-steps` steps, at a random point inside a step, one rank (random, or
 `--victim`) gets SIGSTOP. For every surviving rank the trial records whether it exits, how long after the SIGSTOP,
-its exit code, and its stderr: the ds_tsp stall messages (lines starting with ds_tsp.core.watchdog.MESSAGE_PREFIX),
+its exit code, and its stderr: the ds_tsp stall messages (lines starting with ds_tsp.core.reliability.watchdog.MESSAGE_PREFIX),
 whether the one message names the collective, the layer and the peer, and any other text (gloo's own "Timed out
 waiting 10000ms for recv operation", a Python traceback). A survivor is `ok` when it exits within timeout_s + 30 s
 with ds_tsp's exit code and exactly ONE such message (timed out, naming collective, layer and peer) and nothing
 else on stderr. A survivor still running `--observe-s` after the SIGSTOP is `hung`: its Python stacks are dumped
 (faulthandler, SIGUSR1) into its stderr file before it is killed, to show where it waits.
 
---setup runtime (default): init_process_group(timeout=timeout_s) + ds_tsp.core.setup.build_runtime with a "tsp"
+--setup runtime (default): init_process_group(timeout=timeout_s) + ds_tsp.core.parallel.runtime.build_runtime with a "tsp"
 block of that timeout_s, the path of ds_tsp.initialize (DeepSpeed) where gloo's own timeout equals timeout_s;
 --setup world: the process group keeps gloo's 1800 s default, TSPComm(WORLD, timeout_s) (tests/test_stalls.py).
 --log guard: the per-step loss all-reduce runs inside comm.guard(...); --log model: through
@@ -21,8 +21,8 @@ ShardedCausalLM.loss_for_logging (what TSPForCausalLM's forward does for its los
 --stop-at optimizer: instead of a SIGSTOP at a random time, the victim stops itself (SIGSTOP to itself) after
 the last TSP collective of a step, so every survivor's next wait is the loss logging (or, with --nonfinite, the
 non-finite check): the one wait a random stop rarely lands in.
---nonfinite: every step runs ds_tsp.core.nonfinite.NonFiniteGuard.check after backward (its job-wide all-reduce),
-as the README's DeepSpeed loop does (`engine.tsp_guard.check`); the issue's trials saw gloo's raw timeout there.
+--nonfinite: every step runs ds_tsp.core.reliability.nonfinite.NonFiniteGuard.check after backward (its job-wide all-reduce),
+as the README's DeepSpeed loop does (`engine.tsp_guard.check`); earlier trials saw gloo's raw timeout there.
 
     python benchmarks/stall_trials.py --trials 20 --timeout-s 20 --nonfinite --out /tmp/stalls.json
 
@@ -69,15 +69,15 @@ def _rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import TSPConfig
-    from ds_tsp.core.launch import init_from_env
-    from ds_tsp.core.nonfinite import NonFiniteGuard
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.setup import build_runtime
-    from ds_tsp.core.shape import ModelShape
-    from ds_tsp.core.watchdog import label_modules
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.parallel.launch import init_from_env
+    from ds_tsp.core.parallel.runtime import build_runtime
+    from ds_tsp.core.reliability.nonfinite import NonFiniteGuard
+    from ds_tsp.core.reliability.watchdog import label_modules
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     torch.set_num_threads(1)
     if args.setup == "runtime":
@@ -122,7 +122,7 @@ def _rank_main(argv: list[str]) -> None:
 
 # --- one trial ------------------------------------------------------------------------------------------------
 def _free_port() -> int:
-    from ds_tsp.core.launch import free_port
+    from ds_tsp.core.parallel.launch import free_port
 
     return free_port()
 
@@ -155,7 +155,7 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
 def analyse(stderr: str, victim: int) -> dict:
     """What a survivor's stderr says: its ds_tsp messages, and whether the one message names collective, layer
     and peer; `other` keeps the first lines that are not a ds_tsp message (gloo's raw text, a traceback)."""
-    from ds_tsp.core.watchdog import MESSAGE_PREFIX
+    from ds_tsp.core.reliability.watchdog import MESSAGE_PREFIX
 
     lines = [line for line in stderr.splitlines() if line.strip()]
     messages = [line for line in lines if line.startswith(MESSAGE_PREFIX)]
@@ -179,7 +179,7 @@ def analyse(stderr: str, victim: int) -> dict:
 
 
 def run_trial(i: int, args, rng: random.Random, keep_dir: Path) -> dict:
-    from ds_tsp.core.watchdog import EXIT_CODE
+    from ds_tsp.core.reliability.watchdog import EXIT_CODE
 
     tmp = Path(tempfile.mkdtemp(prefix=f"stall{i}_", dir=keep_dir))
     victim = rng.randrange(args.world) if args.victim < 0 else args.victim

@@ -7,7 +7,7 @@ The public surface is what these faces export (their __all__); every other modul
     ds_tsp.hf          Hugging Face models in and out, the Trainer, TRL's SFTTrainer
     ds_tsp.accelerate  the Accelerate face (TSPAccelerator)
     ds_tsp.testing     single-device references, tolerances and synthetic data for checking TSP
-Module paths of the previous release (ds_tsp.launch, ds_tsp.comm, ...) still import, with a DeprecationWarning
+Pre-release module paths (ds_tsp.launch, ds_tsp.comm, ...) still import, with a DeprecationWarning
 naming the new import (ds_tsp/_moved.py)."""
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from ds_tsp.core.version import __version__
 # public name -> the module that defines it (loaded on first access)
 _LAZY = {
     # launching and the TSP group
-    "init_from_env": "ds_tsp.core.launch",
-    "run_on_local_ranks": "ds_tsp.core.launch",
-    "local_device": "ds_tsp.core.launch",
-    "exit_rank": "ds_tsp.core.launch",
-    "TSPComm": "ds_tsp.core.comm",
-    "ParallelLayout": "ds_tsp.core.topology",
-    "ProcessGroups": "ds_tsp.core.topology",
+    "init_from_env": "ds_tsp.core.parallel.launch",
+    "run_on_local_ranks": "ds_tsp.core.parallel.launch",
+    "local_device": "ds_tsp.core.parallel.launch",
+    "exit_rank": "ds_tsp.core.parallel.launch",
+    "TSPComm": "ds_tsp.core.comm.communicator",
+    "ParallelLayout": "ds_tsp.core.parallel.topology",
+    "ProcessGroups": "ds_tsp.core.parallel.topology",
     # configuration and errors
     "TSPConfig": "ds_tsp.core.config",
     "TSPOptions": "ds_tsp.core.config",
@@ -33,16 +33,20 @@ _LAZY = {
     "TSPConfigError": "ds_tsp.core.errors",
     "TSPNonFiniteError": "ds_tsp.core.errors",
     # data and the model on raw shards
-    "shard_batch": "ds_tsp.core.partition",
-    "TSPDataLoader": "ds_tsp.core.data",
-    "pipeline_batches": "ds_tsp.core.data",
-    "ModelShape": "ds_tsp.core.shape",
-    "ShardedCausalLM": "ds_tsp.model.sharded_causal_lm",
+    "shard_batch": "ds_tsp.core.tokens.zigzag",
+    "TSPDataLoader": "ds_tsp.core.tokens.loader",
+    "pipeline_batches": "ds_tsp.core.tokens.loader",
+    "ModelShape": "ds_tsp.core.shape.model_shape",
+    "ShardedCausalLM": "ds_tsp.model.causal_lm",
     "to_tsp_model": "ds_tsp.model.convert",
+    # DeepSpeed: deepspeed.initialize with TSP, and ds_tsp's own training checkpoints of its engine
+    "initialize": "ds_tsp.integrations.deepspeed.engine",
+    "save_training_checkpoint": "ds_tsp.checkpoint.training.deepspeed_access",
+    "load_training_checkpoint": "ds_tsp.checkpoint.training.deepspeed_access",
     # the data axis
     "load_ds_config": "ds_tsp.integrations.deepspeed.engine",
     "shard_with_fsdp2": "ds_tsp.integrations.fsdp",
-    "clip_grad_norm_": "ds_tsp.core.grad_norm",
+    "clip_grad_norm_": "ds_tsp.core.grads.clip",
     # checkpoints
     "save_consolidated": "ds_tsp.checkpoint.consolidated",
     "load_consolidated": "ds_tsp.checkpoint.consolidated",
@@ -55,7 +59,7 @@ _LAZY = {
 
 _moved.install(_LAZY)
 
-__all__ = ["__version__", "initialize", "load_training_checkpoint", "save_training_checkpoint", *_LAZY]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str):
@@ -68,26 +72,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-def initialize(*args, **kwargs):
-    """deepspeed.initialize with TSP: see ds_tsp.integrations.deepspeed.engine.initialize."""
-    from ds_tsp.integrations.deepspeed.engine import initialize as _initialize
-
-    return _initialize(*args, **kwargs)
-
-
-def save_training_checkpoint(*args, **kwargs):
-    """ds_tsp's own training checkpoint of a ds_tsp.initialize engine: see
-    ds_tsp.checkpoint.training.deepspeed_access.save_training_checkpoint."""
-    from ds_tsp.checkpoint.training.deepspeed_access import save_training_checkpoint as _save
-
-    return _save(*args, **kwargs)
-
-
-def load_training_checkpoint(*args, **kwargs):
-    """Resume a ds_tsp.initialize engine (any TSP x data layout): see
-    ds_tsp.checkpoint.training.deepspeed_access.load_training_checkpoint."""
-    from ds_tsp.checkpoint.training.deepspeed_access import load_training_checkpoint as _load
-
-    return _load(*args, **kwargs)

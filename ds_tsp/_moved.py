@@ -1,4 +1,4 @@
-"""Module paths of the previous release, still importable: `import ds_tsp.launch` gives ds_tsp.core.launch (the same
+"""Module paths of the pre-release layout, still importable: `import ds_tsp.launch` gives ds_tsp.core.parallel.launch (the same
 module object, so classes and state are shared) with one DeprecationWarning naming the new import. Packages move
 whole: `ds_tsp.plan.cli` is ds_tsp.tools.plan.cli. `python -m ds_tsp.cli` runs ds_tsp.tools.cli.
 
@@ -14,31 +14,31 @@ from ds_tsp.core.deprecation import warn_moved
 
 # old module (or package) -> where it lives now; listed in CHANGELOG with the release it goes away in
 MOVED_MODULES = {
-    "ds_tsp.launch": "ds_tsp.core.launch",
-    "ds_tsp.comm": "ds_tsp.core.comm",
-    "ds_tsp.partition": "ds_tsp.core.partition",
-    "ds_tsp.model_config": "ds_tsp.core.shape",
+    "ds_tsp.launch": "ds_tsp.core.parallel.launch",
+    "ds_tsp.comm": "ds_tsp.core.comm.communicator",
+    "ds_tsp.partition": "ds_tsp.core.tokens.zigzag",
+    "ds_tsp.model_config": "ds_tsp.core.shape.model_shape",
     "ds_tsp.config": "ds_tsp.core.config",
     "ds_tsp.errors": "ds_tsp.core.errors",
-    "ds_tsp.data": "ds_tsp.core.data",
-    "ds_tsp.topology": "ds_tsp.core.topology",
-    "ds_tsp.watchdog": "ds_tsp.core.watchdog",
-    "ds_tsp.kernels": "ds_tsp.core.kernels",
-    "ds_tsp.rope": "ds_tsp.core.rope",
-    "ds_tsp.nonfinite": "ds_tsp.core.nonfinite",
-    "ds_tsp.document_attention": "ds_tsp.core.document_attention",
-    "ds_tsp.replicated_grads": "ds_tsp.core.replicated_grads",
-    "ds_tsp.layers": "ds_tsp.core.functions",
-    "ds_tsp.layers.packing": "ds_tsp.core.functions.weight_packing",
-    "ds_tsp.durable_io": "ds_tsp.checkpoint.durable_io",
+    "ds_tsp.data": "ds_tsp.core.tokens.loader",
+    "ds_tsp.topology": "ds_tsp.core.parallel.topology",
+    "ds_tsp.watchdog": "ds_tsp.core.reliability.watchdog",
+    "ds_tsp.kernels": "ds_tsp.core.layers.attention.kernels",
+    "ds_tsp.rope": "ds_tsp.core.tokens.rope",
+    "ds_tsp.nonfinite": "ds_tsp.core.reliability.nonfinite",
+    "ds_tsp.document_attention": "ds_tsp.core.layers.attention.masked",
+    "ds_tsp.replicated_grads": "ds_tsp.core.grads.replicated",
+    "ds_tsp.layers": "ds_tsp.core.layers",
+    "ds_tsp.layers.packing": "ds_tsp.core.layers.weight_packing",
+    "ds_tsp.durable_io": "ds_tsp.checkpoint.safetensors.durable",
     "ds_tsp.training_checkpoint": "ds_tsp.checkpoint.training",
-    "ds_tsp.modules": "ds_tsp.model.sharded_modules",
+    "ds_tsp.modules": "ds_tsp.model.modules.decoder",
     "ds_tsp.reference": "ds_tsp.tools.reference_model",
     "ds_tsp.synthetic": "ds_tsp.tools.synthetic",
     "ds_tsp.verify": "ds_tsp.tools.verify",
     "ds_tsp.cli": "ds_tsp.tools.cli",
     "ds_tsp.plan_cli": "ds_tsp.tools.plan.cli",
-    "ds_tsp.plan_recommend_cli": "ds_tsp.tools.plan.recommend_cli",
+    "ds_tsp.plan_recommend_cli": "ds_tsp.tools.plan.cli",
     "ds_tsp.plan": "ds_tsp.tools.plan",
     "ds_tsp.bench": "ds_tsp.tools.bench",
 }

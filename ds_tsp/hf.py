@@ -16,11 +16,11 @@ def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerat
 
         return TSPTrainer
     if name == "TSPSFTTrainer":  # ImportError with the install hint when trl is missing
-        from ds_tsp.integrations.sft_trainer import sft_trainer_class
+        from ds_tsp.integrations.trl.sft_trainer import sft_trainer_class
 
         return sft_trainer_class()
     if name == "TSPGRPOTrainer":  # ImportError with the install hint when trl is missing
-        from ds_tsp.integrations.grpo_trainer import grpo_trainer_class
+        from ds_tsp.integrations.trl.grpo_trainer import grpo_trainer_class
 
         return grpo_trainer_class()
     raise AttributeError(f"module 'ds_tsp.hf' has no attribute {name!r}")

@@ -23,8 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ds_tsp import (ModelShape, ShardedCausalLM, TSPComm, TSPConfigError, init_from_env, local_device,
-                    run_on_local_ranks, shard_batch)
+from ds_tsp import (
+    ModelShape,
+    ShardedCausalLM,
+    TSPComm,
+    TSPConfigError,
+    init_from_env,
+    local_device,
+    run_on_local_ranks,
+    shard_batch,
+)
 from ds_tsp.testing import ReferenceCausalLM, RepeatingPatterns, full_state_dict, init_weights_
 
 MIB = 2 ** 20

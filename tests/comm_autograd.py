@@ -1,12 +1,12 @@
 """Differentiable one-call forms of the shard broadcast and a rank-order sequence all-gather, for the primitive tests
-(a helper module, not a test file). The fused layers (ds_tsp.core.functions) post handle-level collectives
-(ds_tsp.core.comm_primitives, ds_tsp.core.kv_layout) to overlap transfers with compute; these wait at once.
+(a helper module, not a test file). The fused layers (ds_tsp.core.layers) post handle-level collectives
+(ds_tsp.core.comm.primitives, ds_tsp.core.comm.kv_gather) to overlap transfers with compute; these wait at once.
 """
 from __future__ import annotations
 
 import torch
 
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 
 
 class _BroadcastShard(torch.autograd.Function):

@@ -4,7 +4,7 @@ module for tests.
 
 `with traced(rec.ops):` wraps the torch.distributed collectives and point-to-point calls (and the functions
 DeepSpeed's TorchBackend captured at start-up) so that every call made while it is active, from anywhere except
-ds_tsp.core.comm (TSPComm records its own ops), appends an op dict with source="outside" and caller (the calling
+ds_tsp.core.comm.communicator (TSPComm records its own ops), appends an op dict with source="outside" and caller (the calling
 module) to the same list a CommRecorder fills: the result is one rank's post order over TSPComm and everything else.
 Calls nested inside a traced call (all_gather_object's own all_gathers) are not recorded twice. Metadata only: the
 calls run unchanged.
@@ -20,7 +20,7 @@ from functools import wraps
 import torch
 import torch.distributed as dist
 
-_TSP_COMM_MODULE = "ds_tsp.core.comm"
+_TSP_COMM_MODULE = "ds_tsp.core.comm.communicator"
 # modules of the wrappers between a caller and the call it makes
 _PASS_THROUGH = ("torch.distributed", "deepspeed.comm", "deepspeed.utils.nvtx", __name__)
 
@@ -127,7 +127,7 @@ def _wrap(name: str, fn, ops: list):
 
 @contextmanager
 def traced(ops: list):
-    """While active, append every torch.distributed call made outside ds_tsp.core.comm to `ops` (post order)."""
+    """While active, append every torch.distributed call made outside ds_tsp.core.comm.communicator to `ops` (post order)."""
     from torch.distributed import distributed_c10d as c10d
 
     names = [n for n in (*_COLLECTIVES, *_P2P, "batch_isend_irecv") if hasattr(c10d, n) or hasattr(dist, n)]

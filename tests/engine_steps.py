@@ -8,7 +8,7 @@ def engine_steps(engine, batches, save_dir: str) -> dict:
     """One engine step per (ids, labels) of this data replica (full length, sharded here for this TSP rank); then
     the consolidated model is saved to save_dir and the engine destroyed. {"losses", "norms"} per step."""
     from ds_tsp.checkpoint.consolidated import save_consolidated
-    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.core.tokens.zigzag import shard_batch
 
     comm = engine.tsp_model.comm
     losses, norms = [], []
@@ -27,9 +27,9 @@ def engine_steps(engine, batches, save_dir: str) -> dict:
 def train_from_shape(shape, configs: list[dict], steps: int, num_samples: int) -> list[dict]:
     """ds_tsp.initialize once per config on `shape` (reference weights, seed 0; MaskedPatterns of length 30), then
     `steps` engine steps from the engine's own loader: [{"losses", "grad_norms"}] per config."""
-    import ds_tsp
     from masked_patterns import MaskedPatterns
 
+    import ds_tsp
     from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
     ref = ReferenceCausalLM(shape)
@@ -58,7 +58,7 @@ def fsdp2_steps(model, groups, batches, lr: float, weight_decay: float, clip: fl
     parameter became an FSDP2 DTensor."""
     import torch
 
-    from ds_tsp.core.grad_norm import clip_grad_norm_
+    from ds_tsp.core.grads.clip import clip_grad_norm_
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
 
     shard_with_fsdp2(model, groups)

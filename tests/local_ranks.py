@@ -29,12 +29,12 @@ from typing import Any
 
 import torch.multiprocessing as torch_mp
 
-from ds_tsp.core import launch
+from ds_tsp.core.parallel import launch
 
 # Imported once, in the server: a module a rank imports that is already here costs the rank nothing. A module that
 # is not installed is skipped (multiprocessing's preload ignores ImportError).
 PRELOAD = ["torch", "torch.distributed", "pytest", "numpy", "ds_tsp", "ds_tsp.hf", "ds_tsp.testing",
-           "ds_tsp.model.sharded_causal_lm", "deepspeed", "transformers",
+           "ds_tsp.model.causal_lm", "deepspeed", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.qwen3_moe.modeling_qwen3_moe",
            "transformers.models.mixtral.modeling_mixtral", "safetensors.torch"]
 
@@ -62,7 +62,7 @@ class _ForkedContext:
 
 
 class _ForkedMP:
-    """Stands in for torch.multiprocessing inside ds_tsp.core.launch: asked for the "spawn" context, it answers with
+    """Stands in for torch.multiprocessing inside ds_tsp.core.parallel.launch: asked for the "spawn" context, it answers with
     the forked one."""
 
     def __init__(self) -> None:
@@ -80,7 +80,7 @@ _FORKED_MP = _ForkedMP()
 
 @contextlib.contextmanager
 def forked_ranks() -> Iterator[None]:
-    """Inside: every rank ds_tsp.core.launch.run_on_local_ranks starts (directly, or through `ds-tsp verify` or
+    """Inside: every rank ds_tsp.core.parallel.launch.run_on_local_ranks starts (directly, or through `ds-tsp verify` or
     `ds-tsp bench` called in-process) forks from the session's server (see the module docstring)."""
     if os.environ.get("DS_TSP_SUITE_SPAWN") == "1":
         yield

@@ -3,7 +3,7 @@ tests/test_moe_*.py files; nothing here is collected).
 
 A case is (family, E, top_k, norm_topk_prob, hidden, F, seed, tokens); the reference block is built from a tiny
 config in float64 with random weights (transformers leaves the fused expert weights uninitialised and the Qwen3
-router at zero). `tsp_case` runs one rank's share through ds_tsp.core.functions.moe.tsp_moe_mlp and returns its
+router at zero). `tsp_case` runs one rank's share through ds_tsp.core.layers.moe.layer.tsp_moe_mlp and returns its
 local outputs and grads; `assemble` puts the ranks' pieces back together for comparison.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds_tsp.core.partition import shard, unshard
+from ds_tsp.core.tokens.zigzag import shard, unshard
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def reference(case: MoECase, tsp: int) -> dict[str, torch.Tensor]:
 
 
 def spec_of(case: MoECase, tsp: int, recompute: bool = True):
-    from ds_tsp.core.functions.moe import MoESpec
+    from ds_tsp.core.layers.moe.layer import MoESpec
 
     return MoESpec(hidden=case.hidden, moe_ffn=case.ffn, num_experts=case.num_experts,
                    experts_per_rank=case.num_experts // tsp, top_k=case.top_k,
@@ -102,7 +102,7 @@ def spec_of(case: MoECase, tsp: int, recompute: bool = True):
 
 def tsp_case(case: MoECase, comm, dispatch: str, recompute: bool = True, dtype=torch.float64) -> dict:
     """One rank's share: local y, logits and grads (the router grad unsummed: the caller sums over ranks)."""
-    from ds_tsp.core.functions.moe import tsp_moe_mlp
+    from ds_tsp.core.layers.moe.layer import tsp_moe_mlp
 
     tsp, rank = comm.size, comm.rank
     spec = spec_of(case, tsp, recompute)

@@ -1,4 +1,4 @@
-"""Replay every rank's recorded ops (ds_tsp.core.comm_recorder.CommRecorder) under NCCL's rules: gloo runs each op
+"""Replay every rank's recorded ops (ds_tsp.core.comm.recorder.CommRecorder) under NCCL's rules: gloo runs each op
 on its own threads and hides orders that hang NCCL, which a CPU-only project can check only this way. A helper
 module.
 

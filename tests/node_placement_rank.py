@@ -8,8 +8,8 @@ import os
 
 from ds_tsp.core.config import parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.launch import init_from_env
-from ds_tsp.core.setup import build_runtime
+from ds_tsp.core.parallel.launch import init_from_env
+from ds_tsp.core.parallel.runtime import build_runtime
 
 
 def attempt(block: dict):

@@ -18,7 +18,7 @@ PACKAGE_DIR = Path(ds_tsp.__file__).resolve().parent
 
 @lru_cache(maxsize=None)
 def package_path(filename: str) -> str | None:
-    """`filename` relative to the package directory ("core/rope.py"), with "/" separators, or None when the file
+    """`filename` relative to the package directory ("core/tokens/rope.py"), with "/" separators, or None when the file
     is not part of ds_tsp. Cached: dispatch modes call this for every frame of every op."""
     try:
         rel = Path(os.path.realpath(filename)).relative_to(PACKAGE_DIR)

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.partition import padded_length, shift_labels
-from ds_tsp.core.rope import RopeScaling
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape, RopeScaling
+from ds_tsp.core.tokens.zigzag import padded_length, shift_labels
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
 __all__ = ["Row", "ModelCase", "ModelShape", "TSPOptions", "RopeScaling", "model_cases", "draw_cases",
@@ -156,7 +155,7 @@ def model_cases(tsp: int, max_seq: int = 40):
         first = row()
         rows = (first,) * batch if batch > 1 and draw(st.booleans()) else (first, *(row() for _ in range(batch - 1)))
         assume(any(d >= 2 for r in rows for d in r.docs))  # some token has a target
-        options = TSPOptions(kernel_backend=draw(st.sampled_from(["cpu_flash", "math"])),
+        options = TSPOptions(kernel=draw(st.sampled_from(["cpu_flash", "math"])),
                              keep_gathered_kv=draw(st.booleans()), activation_checkpointing=draw(st.booleans()),
                              recompute_projections=draw(st.booleans()))
         return ModelCase(tsp=tsp, shape=shape, rows=rows, mask=mask, seed=draw(st.integers(0, 2 ** 16)),
@@ -274,9 +273,9 @@ def reference_loss_and_grads(case: ModelCase, dtype: torch.dtype | None = None,
 
 def tsp_loss_and_grads(case: ModelCase, group=None, weights: dict[str, torch.Tensor] | None = None):
     """Collective over `group`: (global loss, full HF-named gradients) on every rank."""
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     comm = TSPComm(group, overlap=case.overlap)
     dtype = DTYPES[case.dtype]

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 class Ranks:
     def __init__(self, tmp_path: Path, world: int, argv: list[str], env: dict | None = None, tag: str = "rank"):
-        from ds_tsp.core.launch import free_port
+        from ds_tsp.core.parallel.launch import free_port
 
         port = free_port()
         self.tmp, self.tag, self.procs, self.files = tmp_path, tag, [], []

@@ -23,10 +23,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from package_frames import package_frames
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from package_frames import package_frames
 
 aten = torch.ops.aten
 
@@ -44,9 +43,9 @@ _COPIES = {aten._to_copy.default, aten.copy_.default, aten.copy.default}
 
 # (region, substrings of "path:function" of any ds_tsp frame); checked in order, the first match wins.
 REGIONS = (
-    ("input_checks", ("sharded_causal_lm.py:_check_inputs", "core/documents.py:", "core/partition.py:_check_values")),
-    ("layers", ("core/functions/", "core/kernels.py:", "core/document_attention.py:", "core/rope.py:",
-                "model/sharded_modules.py:")),
+    ("input_checks", ("core/tokens/input_check.py:check_inputs", "core/tokens/documents.py:",
+                      "core/tokens/zigzag.py:_check_values")),
+    ("layers", ("core/layers/", "core/tokens/rope.py:", "model/modules/")),
 )
 
 

@@ -168,7 +168,7 @@ def test_bad_tsp_block_is_named(tmp_path):
 
 
 def test_non_llama_family_model_is_refused():
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.model.convert import to_tsp_model
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))

@@ -11,8 +11,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.integrations.accelerate.state_layout import (  # noqa: E402
-    LAYOUT_FILE, check_layout, layout_record, write_layout)
+from ds_tsp.integrations.accelerate.state_layout import LAYOUT_FILE, check_layout, layout_record, write_layout  # noqa: E402
 
 
 def test_layout_record_round_trip_and_refusal(tmp_path):

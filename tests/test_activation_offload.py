@@ -1,4 +1,4 @@
-"""Offload of checkpointed decoder-layer inputs to host memory (issue 28, part 1; ds_tsp.core.activation_offload).
+"""Offload of checkpointed decoder-layer inputs to host memory (ds_tsp.core.activation_offload).
 
 On the CPU the same code path runs as on CUDA with every copy synchronous into a separate host pool, so here:
 - the "tsp" keys, DeepSpeed's activation_checkpointing.cpu_checkpointing read as the same request, and one error per
@@ -19,17 +19,17 @@ import copy
 
 import pytest
 import torch
+from local_ranks import run_on_local_ranks
 from sync_counter import SyncCounter
 
 from ds_tsp.core.activation_offload import ActivationOffload
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import TSPOptions, parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError
-from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.setup import build_runtime
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.core.parallel.runtime import build_runtime
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
 
 SHAPE = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2)
 B, S = 2, 16

@@ -1,4 +1,4 @@
-"""`ds-tsp plan` with offload of checkpointed activations (issue 28): the device peak, the host pool per rank and
+"""`ds-tsp plan` with offload of checkpointed activations: the device peak, the host pool per rank and
 per node, PCIe time against compute, `--max-seq`, `--recommend`, the goal numbers for Llama-3-8B at D=8, and the
 plan against the fake-tensor measurement of the production offload path (`ds-tsp bench --layer-memory --fake
 --offload-activations`, within 10%)."""
@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from ds_tsp.tools.plan import cli as plan_cli
 from ds_tsp.tools.plan import PRESETS, PlanInput, PlanInputError, plan_layouts, plan_tsp
+from ds_tsp.tools.plan import cli as plan_cli
 from ds_tsp.tools.plan.max_seq import longest_seq
 from ds_tsp.tools.plan.recommend import recommend
 

@@ -1,4 +1,4 @@
-"""Offload of checkpointed activations through the user-facing scripts (issue 28): the same losses bit for bit.
+"""Offload of checkpointed activations through the user-facing scripts: the same losses bit for bit.
 
 - examples/train.py under torchrun, TSP=2: `"tsp": {"activation_checkpointing": true, "offload_activations": true}`
   against `"activation_checkpointing": true` alone, every step's loss (the full float the script logs) equal;

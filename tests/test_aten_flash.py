@@ -18,8 +18,9 @@ import pytest
 import torch
 from test_kernels import CASES, run_case
 
-from ds_tsp.core import aten_attention, kernels, varlen
-from ds_tsp.core.aten_attention import CPU_OPS, CUDA_OPS, AtenFlash, signature_problem, table_problem
+from ds_tsp.core.layers.attention import aten as aten_attention
+from ds_tsp.core.layers.attention import kernels, varlen
+from ds_tsp.core.layers.attention.aten import CPU_OPS, CUDA_OPS, AtenFlash, signature_problem, table_problem
 
 QKV = ["query", "key", "value"]
 RNG = [("philox_seed", "rng_state"), ("philox_offset", "unused")]

@@ -1,4 +1,4 @@
-"""The attention's overlap schedule (the table in ds_tsp.core.functions.attention's docstring) as posted: the
+"""The attention's overlap schedule (the table in ds_tsp.core.layers.attention.tsp_attention's docstring) as posted: the
 recorded op order of one forward + backward equals the order the table gives, weights ride their own channel,
 and the replay under NCCL's rules (tests/nccl_rules.py) finds no deadlock and one launch order on every rank.
 Also the checker's cross-channel rule on hand-written ops. One 4-rank run covers D=2 (ranks 0, 1) and D=4."""
@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from nccl_rules import check, op
-
 from local_ranks import run_on_local_ranks
+from nccl_rules import check, op
 
 GROUPS = {2: [0, 1], 4: [0, 1, 2, 3]}
 CASES = [(2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True), (4, 4, True), (4, 1, False)]  # D, kv_replicas, weights
@@ -54,9 +53,9 @@ def expected_order(D: int, replicas: int) -> list[tuple[str, str, str]]:
 
 
 def _run_case(D, replicas, weights, group, weight_group):
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.functions.attention import AttentionSpec, tsp_attention
-    from ds_tsp.core.rope import rope_cos_sin
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, tsp_attention
+    from ds_tsp.core.tokens.rope import rope_cos_sin
 
     comm = TSPComm(group, weight_group=weight_group if weights else None)
     spec = AttentionSpec(hidden=8, heads_per_block=2, kv_heads_per_block=1, head_dim=4, qkv_bias=False,

@@ -1,10 +1,10 @@
 """A training step of ShardedCausalLM with fp32 master weights under `torch.autocast("cpu", dtype=torch.bfloat16)`.
 
-The custom Functions declare torch.amp.custom_fwd / custom_bwd through ds_tsp.core.functions.amp: the gated MLP and
+The custom Functions declare torch.amp.custom_fwd / custom_bwd through ds_tsp.core.layers.amp: the gated MLP and
 the LM head (GEMM-heavy) cast their inputs to bf16 once and run their GEMMs in bf16, forward and backward; norms,
 the embedding lookup and the cross-entropy stay fp32. At D = 1 (in process) and D = 2 (gloo), one step, checked for:
 
-(a) every GEMM (aten mm / addmm / bmm ...) issued from mlp.py or lm_head_loss.py read bf16 operands, forward and
+(a) every GEMM (aten mm / addmm / bmm ...) issued from layers/mlp.py or layers/vocab/loss.py read bf16 operands, forward and
     backward (a TorchDispatchMode records each GEMM's operand dtypes and the ds_tsp file it ran in); the same step
     without autocast records fp32 there, so the recorder can fail. At D = 2 the weight ring moves the cast shards:
     ring bytes drop by exactly 2 bytes per element of every MLP / LM head hop, the recorded MLP hops are bf16 and
@@ -33,15 +33,15 @@ import math
 
 import pytest
 import torch
+from local_ranks import run_on_local_ranks
 from nccl_rules import check
 from package_frames import package_frames
 from property_cases import ModelCase, ModelShape, Row, build_batch, make_weights, reference_loss_and_grads, rel_err
 from sync_counter import SyncCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.functions import amp
-from local_ranks import run_on_local_ranks
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.layers import amp
 from ds_tsp.tools.verify import TOLERANCE
 
 LOSS_TOL, GRAD_TOL, FP32_FLOOR = 5e-4, TOLERANCE["bfloat16"], 1e-5
@@ -51,7 +51,7 @@ CASES = {tsp: ModelCase(tsp=tsp, shape=SHAPE, rows=(Row(docs=(29,)), Row(docs=(1
          for tsp in (1, 2)}
 aten = torch.ops.aten
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addmm_, aten.mv, aten.addmv, aten.dot, aten.matmul}
-BF16_FILES = ("mlp.py", "lm_head_loss.py", "attention.py")
+BF16_FILES = ("core/layers/mlp.py", "core/layers/vocab/loss.py", "core/layers/attention/tsp_attention.py")
 
 
 class GemmDtypes(TorchDispatchMode):
@@ -64,17 +64,17 @@ class GemmDtypes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in GEMMS:
             frames = package_frames()  # by the package directory, not "/ds_tsp/" (a clone's name and its .venv)
-            where = frames[-1][0].rsplit("/", 1)[-1] if frames else "<outside ds_tsp>"
+            where = frames[-1][0] if frames else "<outside ds_tsp>"
             self.seen.append((where, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))))
         return func(*args, **(kwargs or {}))
 
     def dtypes_in(self, file: str) -> set[str]:
-        return {d for where, dtypes in self.seen if where == file for d in dtypes}
+        return {d for where, dtypes in self.seen if ("/" + where).endswith("/" + file) for d in dtypes}
 
 
 def _model(case: ModelCase, comm: TSPComm, dtype: torch.dtype, weights: dict):
-    from ds_tsp.core.watchdog import label_modules
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.reliability.watchdog import label_modules
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     model = label_modules(ShardedCausalLM(case.shape, comm, options=case.options, dtype=dtype))
     model.load_full_state_dict({k: v.to(dtype) for k, v in weights.items()})
@@ -82,7 +82,7 @@ def _model(case: ModelCase, comm: TSPComm, dtype: torch.dtype, weights: dict):
 
 
 def _batch(case: ModelCase, comm: TSPComm) -> tuple:
-    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.core.tokens.zigzag import shard_batch
 
     b = shard_batch(tsp=comm.size, rank=comm.rank, **build_batch(case))
     return b["input_ids"], b["shift_labels"], b["position_ids"], b.get("attention_mask")
@@ -265,7 +265,7 @@ def test_helper_refuses_a_function_without_a_policy():
 
 def test_lm_head_loss_divides_by_the_exact_token_count_under_autocast():
     """257 valid tokens: a count cast to bf16 would be 256."""
-    from ds_tsp.core.functions.lm_head_loss import tsp_lm_head_loss
+    from ds_tsp.core.layers.vocab.loss import tsp_lm_head_loss
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 257, 8, generator=g), torch.randn(13, 8, generator=g)

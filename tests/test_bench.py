@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from local_ranks import forked_ranks, run_on_local_ranks
-from ds_tsp.core.shape import ModelShape
+
+from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.tools.bench.cli import build_parser
 from ds_tsp.tools.bench.comm_count import CollectiveBytes
 from ds_tsp.tools.bench.config import BenchConfig

@@ -1,4 +1,4 @@
-"""`ds-tsp bench --tsp D --cp C` (issue 29): layout tsp_cp (C TSP groups of D ranks) against TSP = C x D and
+"""`ds-tsp bench --tsp D --cp C`: layout tsp_cp (C TSP groups of D ranks) against TSP = C x D and
 Ulysses over C x D ranks, in one run.
 
 - flags -> configs: tsp_cp on C groups of D, its peers on C x D ranks; "all" without --cp leaves tsp_cp out; an MoE
@@ -18,10 +18,10 @@ import json
 
 import pytest
 import torch
-
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.tools.bench.cli import build_parser, configs_from_args
 from local_ranks import forked_ranks, run_on_local_ranks
+
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.tools.bench.cli import build_parser, configs_from_args
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "4", "--ffn", "64", "--vocab", "64"]
 SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)

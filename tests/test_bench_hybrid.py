@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from hybrid_tiny import hybrid_config  # noqa: E402
 from local_ranks import forked_ranks  # noqa: E402
 
-from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
 from ds_tsp.tools.bench.cli import build_parser, configs_from_args  # noqa: E402
 from ds_tsp.tools.bench.config import BenchConfig  # noqa: E402
 
@@ -100,7 +100,7 @@ def test_max_seq_on_a_hybrid_config(two_layer_hybrid_dir, tmp_path):
 
 @pytest.mark.slow
 def test_max_seq_on_a_hybrid_config_at_d2_and_d4(two_layer_hybrid_dir, tmp_path):
-    """The issue's command on a tiny config: `ds-tsp bench --max-seq --budget-mib 1 --hf-config DIR --tsp 2 4`
+    """The hybrid max-seq command on a tiny config: `ds-tsp bench --max-seq --budget-mib 1 --hf-config DIR --tsp 2 4`
     (about 5 minutes of wall time on 2 loaded cores: the D=4 probes reach S=1024)."""
     rows = _max_seq_rows(two_layer_hybrid_dir, tmp_path / "bench", 1, ["2", "4"])
     by_degree = {(r["tsp"], r["activation_checkpointing"]): r["max_seq"] for r in rows}

@@ -1,10 +1,10 @@
 """`ds-tsp bench --layer-memory`: the saved-tensor ledger, real vs fake agreement, and saved bytes vs the design.
 
-Expectations (issue 19, item 3):
+Expectations:
 - test_ledger_*: the instrument's accounting itself (dedupe by storage, names, owners): holds on any code.
 - test_fake_matches_real_at_a_tiny_shape: the --fake run (FakeTensorMode + fake process group, used for the 7B
   layer) sees exactly the saved bytes of a real gloo run; holds on any code.
-- test_saved_bytes_are_the_design_minimum / _match_the_plan: the AFTER target. On the code before issue 19 (HF-style
+- test_saved_bytes_are_the_design_minimum / _match_the_plan: the AFTER target. Before the fused RMSNorm (HF-style
   RMSNorm under autograd: fp32 copy of the input + normalised output) the layer kept 1.80x the minimum in bf16
   (288.5 MiB vs 160.5 MiB for the 7B layer at S=8192, D=2) and these failed; with the fused RMSNorm Function
   (input + rstd) they pass.
@@ -17,8 +17,8 @@ import sys
 
 import pytest
 import torch
-
 from local_ranks import forked_ranks, run_on_local_ranks
+
 from ds_tsp.tools.bench.layer_memory import LayerMemoryConfig, SavedLedger, measure_rank, minimum_saved, plan_layer
 
 
@@ -82,7 +82,7 @@ def test_fake_matches_real_at_a_tiny_shape(fake_runs):
 @pytest.mark.parametrize("D", [1, 2])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_saved_bytes_are_the_design_minimum(fake_runs, D, dtype):
-    """AFTER target (fails on the pre-issue-19 norm; see the module docstring): within 10% of the minimum."""
+    """AFTER target (fails with the unfused HF-style norm; see the module docstring): within 10% of the minimum."""
     cfg = LayerMemoryConfig(**TINY, tsp=D, dtype=dtype)
     minimum = sum(b for _, b in minimum_saved(cfg))
     for rank in fake_runs[(D, dtype)]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from local_ranks import forked_ranks
+
 from ds_tsp.tools.bench.cli import build_parser
 from ds_tsp.tools.bench.max_seq import search
 

@@ -4,8 +4,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from local_ranks import forked_ranks
+
 from ds_tsp.tools.bench.cli import main
 from ds_tsp.tools.bench.profile import KEYS, attribute, layer_of, nest, phase_of
 

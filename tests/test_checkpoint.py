@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+from local_ranks import run_on_local_ranks  # noqa: E402
 from test_deepspeed import ENV, SHAPE, ds_config  # noqa: E402
 
-from local_ranks import run_on_local_ranks  # noqa: E402
-from ds_tsp.core.partition import shard_batch, shift_labels  # noqa: E402
+from ds_tsp.core.tokens.zigzag import shard_batch, shift_labels  # noqa: E402
 from ds_tsp.tools.synthetic import RepeatingPatterns  # noqa: E402
 
 DATA = dict(vocab_size=SHAPE.vocab_size, seq_len=30, num_samples=64)
@@ -65,8 +65,8 @@ def _reload_at_degree(export_dir: str) -> float:
     import torch.distributed as dist
 
     from ds_tsp.checkpoint.consolidated import load_consolidated
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     shape, full = load_consolidated(export_dir)
     comm = TSPComm(dist.group.WORLD if dist.is_initialized() else None)

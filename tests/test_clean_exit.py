@@ -1,6 +1,6 @@
-"""A launched script that simply returns exits with 0 (issue 25 item 7, issue 32 item 9): no exit_rank, no os._exit.
+"""A launched script that simply returns exits with 0: no exit_rank, no os._exit.
 
-Without ds_tsp.core.finalize, ~1 run in 5 of a user's script under torchrun aborted at interpreter exit ("terminate
+Without ds_tsp.core.reliability.clean_exit, ~1 run in 5 of a user's script under torchrun aborted at interpreter exit ("terminate
 called without an active exception", SIGABRT): a gloo worker thread freed its last finished work during
 finalization (see the module). The hook is installed wherever ds_tsp joins or builds groups; it stops the watchdog,
 destroys the groups and drains the threads. benchmarks/exit_trials.py measures 50 runs; here 3."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ds_tsp.core import finalize
+from ds_tsp.core.reliability import clean_exit as finalize
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,8 +34,8 @@ def hooks(monkeypatch):
 def test_comm_and_groups_install_the_hook(hooks):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
 
     TSPComm.single()
     assert hooks == []  # no process group: nothing to end
@@ -49,7 +49,7 @@ def test_comm_and_groups_install_the_hook(hooks):
 
 
 def test_init_from_env_installs_the_hook(hooks, monkeypatch):
-    from ds_tsp.core import launch
+    from ds_tsp.core.parallel import launch
 
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
@@ -63,10 +63,10 @@ def test_finalize_stops_the_watchdog_and_destroys_the_groups():
     """In a fresh interpreter: a 1-rank gloo group, a TSP group, the watchdog thread running; finalize() leaves no
     group and no watchdog thread, and the interpreter then exits with 0."""
     code = ("import json, torch, torch.distributed as dist\n"
-            "from ds_tsp.core.launch import init_from_env\n"
-            "from ds_tsp.core.comm import TSPComm\n"
-            "from ds_tsp.core.watchdog import WATCHDOG, Blocked, stats\n"
-            "from ds_tsp.core import finalize\n"
+            "from ds_tsp.core.parallel.launch import init_from_env\n"
+            "from ds_tsp.core.comm.communicator import TSPComm\n"
+            "from ds_tsp.core.reliability.watchdog import WATCHDOG, Blocked, stats\n"
+            "from ds_tsp.core.reliability import clean_exit as finalize\n"
             "init_from_env(backend='gloo')\n"
             "comm = TSPComm(dist.new_group([0]), timeout_s=600)\n"
             "WATCHDOG.disarm(WATCHDOG.arm(Blocked(comm, 'probe', ('group',)), 600.0))\n"

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from local_ranks import forked_ranks
+
 from ds_tsp.tools.cli import main
 
 
@@ -104,3 +104,39 @@ def test_verify_hf_model_errors(capsys, tmp_path):
     assert "config.json" in capsys.readouterr().err
     assert main(["verify", "--seq", "8", "--documents", "9"]) == 2
     assert "--documents 9" in capsys.readouterr().err
+
+
+# --- numbers on every command line (ds_tsp.tools.cli_types) -----------------------------------------------------
+
+def test_integer_takes_suffixes_and_e_notation():
+    from ds_tsp.tools.cli_types import integer
+
+    assert [integer(t) for t in ("4096", " 128k", "1M", "5e6", "2.5e1", "1_000")] == [4096, 131072, 2 ** 20,
+                                                                                      5_000_000, 25, 1000]
+    for bad in ("lots", "1.5", "2.5e0", "k", "", "0x10"):
+        with pytest.raises(ValueError, match="is not an integer; write e.g. 4096, 128k or 1m"):
+            integer(bad)
+
+
+def test_type_factories_raise_argparse_type_errors():
+    import argparse
+
+    from ds_tsp.tools.cli_types import at_least, integer, non_negative, positive
+
+    assert positive(integer)("8k") == 8192 and positive(float)("0.5") == 0.5 and non_negative(integer)("0") == 0
+    assert at_least(2)("2") == 2 and positive(int)("3") == 3
+    cases = ((positive(integer), "0", "0 must be >= 1"), (positive(float), "0", "0.0 must be > 0"),
+             (positive(float), "nan", "'nan' is not a finite number"), (positive(float), "x", "'x' is not a number"),
+             (positive(int), "8k", "'8k' is not an integer"), (non_negative(integer), "-1", "-1 must be >= 0"),
+             (at_least(2), "1", "1 must be >= 2"))
+    for parse, text, message in cases:
+        with pytest.raises(argparse.ArgumentTypeError) as exc:
+            parse(text)
+        assert str(exc.value) == message
+
+
+def test_bad_number_is_one_line_naming_the_flag(capsys):
+    assert main(["verify", "--tsp", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "ds-tsp verify: error: argument --tsp: 0 must be >= 1 (see ds-tsp verify --help)\n"

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from comm_autograd import all_gather_sequence, broadcast_shard
-
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.comm_primitives import ShardStream, replicated_param, ring_backward, ring_forward
 from local_ranks import run_on_local_ranks
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.comm.primitives import ShardStream, replicated_param, ring_backward, ring_forward
 
 N = 6  # elements per shard
 

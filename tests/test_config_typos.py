@@ -50,7 +50,7 @@ def test_an_unknown_key_far_from_every_key_just_lists_them():
 def test_initialize_rejects_a_misspelt_block_before_any_launch():
     pytest.importorskip("deepspeed")
     import ds_tsp
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
 
     shape = ModelShape(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
     with pytest.raises(TSPConfigError, match="did you mean 'tsp'"):

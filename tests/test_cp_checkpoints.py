@@ -143,8 +143,9 @@ def _moved_exactly(saved: dict, loaded: dict) -> bool:
 
 
 def _resume(model_dir: str, where: str, config: dict, saved_state: dict) -> dict:
-    import ds_tsp
     from test_training_checkpoint import _full_state
+
+    import ds_tsp
 
     engine, loader = _engine(model_dir, 1, config)
     step = ds_tsp.load_training_checkpoint(engine, where, loader=loader)
@@ -159,8 +160,9 @@ def _cp_degree_changes(model_dir: str, workdir: str, saved_at_cp2: dict) -> dict
     """The checkpoint of (tsp 2, cp 2, data 1) resumed at each other layout; every other layout trained
     uninterrupted; (tsp 2, cp 1, data 2) also saves, and (tsp 2, cp 2) resumes that one; a resume that does not
     keep the global batch is refused."""
-    import ds_tsp
     from test_training_checkpoint import _full_state
+
+    import ds_tsp
 
     ckpt_cp2 = f"{workdir}/ckpt1"
     out = {"resumed": {}, "uninterrupted": {}}

@@ -37,7 +37,7 @@ transformers = pytest.importorskip("transformers")
 from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
 
 SHAPE = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 STEPS, MICRO, LR, MAX_NORM = 3, 2, 3e-3, 0.5
@@ -60,7 +60,7 @@ def _reference_weights() -> dict[str, torch.Tensor]:
 def _loader(groups, micro_batch_size: int):
     from masked_patterns import MaskedPatterns
 
-    from ds_tsp.core.data import TSPDataLoader
+    from ds_tsp.core.tokens.loader import TSPDataLoader
 
     data = MaskedPatterns(vocab_size=SHAPE.vocab_size, seq_len=30, num_samples=64)
     return TSPDataLoader(data, groups, micro_batch_size=micro_batch_size, seed=0)
@@ -69,7 +69,7 @@ def _loader(groups, micro_batch_size: int):
 # --- the single-device reference ------------------------------------------------------------------------------
 def _reference_run(data_size: int) -> dict:
     """One device, micro-batch MICRO x data_size (every replica's samples of a step), float64."""
-    from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
     from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict
 
     ref = ReferenceCausalLM(SHAPE, dtype=torch.float64)
@@ -92,12 +92,12 @@ def _reference_run(data_size: int) -> dict:
 def _fsdp_cp_run(data: int = 1) -> dict:
     import torch.distributed as dist
 
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import parse_tsp_config
-    from ds_tsp.core.grad_norm import clip_grad_norm_
-    from ds_tsp.core.setup import build_runtime
+    from ds_tsp.core.grads.clip import clip_grad_norm_
+    from ds_tsp.core.parallel.runtime import build_runtime
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     runtime = build_runtime(parse_tsp_config({"size": 2, "cp_size": 2}))
     groups = runtime.groups

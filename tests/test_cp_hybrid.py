@@ -1,4 +1,4 @@
-"""Hybrid models (Gated DeltaNet linear attention) under the cp axis (issue 27/29): exact against transformers.
+"""Hybrid models (Gated DeltaNet linear attention) under the cp axis: exact against transformers.
 
 The tiny Qwen3.5 and dense Qwen3-Next of tests/hybrid_tiny.py (layer 0 linear_attention: 4 key / 8 value heads of
 dim 4, conv kernel 4; layer 1 gated full attention, which takes the cp ring) are loaded by slices as
@@ -23,7 +23,7 @@ The same spawn records a ShardedCausalLM step at (2, 2) for the NCCL-rules repla
 halo and transition gathers over TSP then cp, their reduce-scatters over cp then TSP, in the same order on every
 rank) and counts its host reads (only the input check's one); runs `ds-tsp verify --hf-model DIR --tsp 2 --cp 2
 --dtype float64 --documents 3` (its run_cp_case); counts the cp communicator's bytes against the formula of
-ds_tsp.core.linear_attention_scan; and measures fp32 steps (with and without activation checkpointing) whose
+ds_tsp.core.layers.linear_attention.scan; and measures fp32 steps (with and without activation checkpointing) whose
 counters `ds-tsp plan --cp 2` must equal exactly (TSP group: every kind; cp: the attention's K/V ring and the Gated
 DeltaNet's gathers / reduce-scatters over cp). A meta-device cp step (subprocess, fake process group) creates
 nothing off the device. (2, 3) and (4, 2) run under --runslow.
@@ -39,7 +39,6 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tiny import packed_batch, shift  # noqa: E402
 from hybrid_tiny import VOCAB, hybrid_config, padding_inputs, plain_inputs, rel, save_checkpoint  # noqa: E402
-
 from local_ranks import run_on_local_ranks  # noqa: E402
 
 TOL = 1e-10
@@ -63,7 +62,7 @@ def _step(directory: str, runtime, batch: str) -> dict:
     import torch.distributed as dist
 
     from ds_tsp.hf import TSPForCausalLM
-    from ds_tsp.tools.verify_cp import average_grads_over_data
+    from ds_tsp.tools.verify import average_grads_over_data
 
     model = TSPForCausalLM.from_pretrained(directory, runtime.comm, dtype=torch.float64, options=runtime.options,
                                            data_group=runtime.data_group)
@@ -76,7 +75,7 @@ def _step(directory: str, runtime, batch: str) -> dict:
 
 def _runtime(D: int, C: int):
     from ds_tsp.core.config import parse_tsp_config
-    from ds_tsp.core.setup import build_runtime
+    from ds_tsp.core.parallel.runtime import build_runtime
 
     return build_runtime(parse_tsp_config({"size": D, "cp_size": C}))
 
@@ -84,8 +83,8 @@ def _runtime(D: int, C: int):
 def _runs(checkpoints: dict) -> dict:
     import torch.distributed as dist
 
-    from ds_tsp.core import linear_attention_scan
-    from ds_tsp.tools.verify_cp import run_cp_case
+    from ds_tsp.core.layers.linear_attention import scan as linear_attention_scan
+    from ds_tsp.tools.verify import run_cp_case
 
     out = {"rank": dist.get_rank()}
     for (D, C), cases in CASES.items():
@@ -117,7 +116,7 @@ PLAN_SEQ, PLAN_BATCH = 15, 2  # padded 16: c = 2 < K - 1, the halo's tail is the
 
 
 def plan_shape(**overrides):
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
 
     return ModelShape.from_hf_config(hybrid_config("qwen3_5", **overrides).to_dict())
 
@@ -125,13 +124,12 @@ def plan_shape(**overrides):
 def _measure_for_plan(runtime, checkpointing: bool) -> dict:
     """One fp32 ShardedCausalLM step of the Qwen3.5 shape at (D, C) = (2, 2): both communicators' counter bytes
     (and the input check's own all-gather over cp, read off the recorded ops)."""
-    from dataclasses import replace
 
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     comm, groups = runtime.comm, runtime.groups
-    options = replace(runtime.options, activation_checkpointing=checkpointing)
+    options = runtime.options.replace(activation_checkpointing=checkpointing)
     model = ShardedCausalLM(plan_shape(), comm, options=options, data_group=runtime.data_group)
     model.init_weights_(0, std=0.2)
     ids = torch.randint(0, VOCAB, (PLAN_BATCH, PLAN_SEQ), generator=torch.Generator().manual_seed(0))
@@ -162,8 +160,8 @@ def _recorded_step(directory: str, runtime) -> dict:
     both communicators' bytes."""
     from sync_counter import SyncCounter
 
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.watchdog import label_modules
+    from ds_tsp.core.reliability.watchdog import label_modules
+    from ds_tsp.core.tokens.zigzag import shard_batch
     from ds_tsp.hf import TSPForCausalLM
 
     comm, groups = runtime.comm, runtime.groups
@@ -233,7 +231,7 @@ def test_cp_hybrid_matches_transformers_fp64(runs, references, family, batch, D,
 
 
 def test_the_cases_cover_short_chunks_and_documents_across_cp_chunks():
-    from ds_tsp.core.partition import padded_length
+    from ds_tsp.core.tokens.zigzag import padded_length
 
     K = hybrid_config().linear_conv_kernel_dim
     S = sum(PACKED_DOCUMENTS[0])
@@ -380,7 +378,7 @@ def run_meta_cp_hybrid() -> list[str]:
     from test_meta_device import META, DeviceRecorder, _meta_batch
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.hf import TSPForCausalLM
 
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers under the cp axis (issue 29): exact against transformers' own models in float64.
+"""Mixture-of-experts layers under the cp axis: exact against transformers' own models in float64.
 
 One spawn of 4 gloo ranks at (D, C) = (2, 2) (tsp innermost: TSP groups {0, 1}, {2, 3}; cp rings {0, 2}, {1, 3}).
 The tiny Qwen3-MoE of tests/hf_tiny.py (layer 0 dense through mlp_only_layers, layer 1 sparse: 8 experts, top-2,
@@ -29,7 +29,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import packed_batch, save_tiny_checkpoint, shift, tiny_config  # noqa: E402
-
 from local_ranks import run_on_local_ranks  # noqa: E402
 
 D, C = 2, 2
@@ -58,9 +57,9 @@ def _runs(directories: dict[str, str]) -> dict:
     import torch.distributed as dist
 
     from ds_tsp.core.config import parse_tsp_config
-    from ds_tsp.core.setup import build_runtime
+    from ds_tsp.core.parallel.runtime import build_runtime
     from ds_tsp.hf import TSPForCausalLM
-    from ds_tsp.tools.verify_cp import average_grads_over_data, run_cp_case
+    from ds_tsp.tools.verify import average_grads_over_data, run_cp_case
 
     out, runtimes = {"rank": dist.get_rank()}, {}
     for family, directory in directories.items():
@@ -102,10 +101,10 @@ PLAN_SEQ, PLAN_BATCH = 30, 2
 def _measure_for_plan(dispatch: str) -> dict:
     """One fp32 ShardedCausalLM step at (D, C) = (2, 2): both communicators' counter bytes, params and grads."""
     from ds_tsp.core.config import parse_tsp_config
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.setup import build_runtime
-    from ds_tsp.core.shape import ModelShape
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.parallel.runtime import build_runtime
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     runtime = build_runtime(parse_tsp_config({"size": D, "cp_size": C, "moe_dispatch": dispatch}))
     comm, groups = runtime.comm, runtime.groups
@@ -122,7 +121,7 @@ def _measure_for_plan(dispatch: str) -> dict:
 
 
 def verify_case(directory: str):
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.tools.verify import VerifyCase
 
     shape = ModelShape.from_hf_config(json.loads(open(f"{directory}/config.json").read()))
@@ -133,8 +132,8 @@ def _recorded_step(directory: str, runtime, vocab: int) -> dict:
     """One ShardedCausalLM step (the packed batch) recorded for the NCCL-rules replay and counted for host reads."""
     from sync_counter import SyncCounter
 
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.watchdog import label_modules
+    from ds_tsp.core.reliability.watchdog import label_modules
+    from ds_tsp.core.tokens.zigzag import shard_batch
     from ds_tsp.hf import TSPForCausalLM
 
     comm, groups = runtime.comm, runtime.groups
@@ -162,8 +161,8 @@ def runs(tmp_path_factory):
 
 
 def _reference(directory: str, name: str):
-    from ds_tsp.checkpoint.moe_names import canonical_state_dict
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict
+    from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
 
     model = load_hf_reference(directory, torch.float64)
@@ -229,7 +228,7 @@ def test_cp_moe_aux_statistics_cover_the_whole_sequence(runs):
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
                        output_router_logits=True).router_logits
-    from ds_tsp.core.partition import cp_zigzag_positions, padded_length
+    from ds_tsp.core.tokens.zigzag import cp_zigzag_positions, padded_length
 
     S = batch["input_ids"].shape[1]
     padded = padded_length(S, 2 * D * C)
@@ -266,7 +265,7 @@ def test_cp_moe_step_host_reads(runs, dispatch):
         assert [e[:2] for e in forward if e[2] == "input_checks"] == [("read", "tolist")], forward
         layers = [e for e in forward if e[2] != "input_checks"]  # one sparse layer: its row counts, once
         assert len(layers) == 1 and layers[0][:3] == ("read", "tolist", "layers"), forward
-        assert "functions/moe_" in layers[0][3], forward
+        assert "core/layers/moe/" in layers[0][3], forward
         assert backward == [], backward
 
 
@@ -299,7 +298,7 @@ def test_plan_cp_moe_equals_the_counters_of_a_real_step(runs, dispatch):
     (tsp_counter_bytes: every kind, exactly), the cp communicator's whole counter is the plan's inter-node bytes:
     the attention ring's, the aux counts' all-reduce over cp and the input check's all-gather over cp (each kind
     exactly); params and grads per rank equal the model's."""
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.tools.plan import PlanInput, tsp_counter_bytes
     from ds_tsp.tools.plan.tsp_cp import group_input, plan_tsp_cp
 
@@ -352,7 +351,7 @@ def run_meta_cp_moe() -> list[str]:
     from test_meta_device import META, DeviceRecorder, _meta_batch
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import TSPOptions
     from ds_tsp.hf import TSPForCausalLM
 

@@ -97,7 +97,6 @@ def _accelerate_loop(model_dir: str, out: str) -> list[dict]:
     """examples/train_accelerate.py in this process: its per-step log and its eval line (printed: captured)."""
     import contextlib
     import io
-
     from unittest import mock
 
     from accelerate.state import PartialState
@@ -142,7 +141,7 @@ def _gathers_at_data2_cp2() -> dict:
     import torch
 
     from ds_tsp.accelerate import TSPAccelerator
-    from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
 
     groups = ProcessGroups.build(ParallelLayout.from_world_size(4, tsp=1, cp=2))
     accelerator = SimpleNamespace(data_size=groups.data_size, _cp_size=groups.cp_size, _data_group=groups.data_group,

@@ -1,4 +1,4 @@
-"""Sliding-window attention under the cp axis (ds_tsp.core.cp_window): only the keys a window reaches travel.
+"""Sliding-window attention under the cp axis (ds_tsp.core.layers.attention.cp_window): only the keys a window reaches travel.
 
 - geometry: what every rank computes (own cp chunk, own past chunk, every received range cut into unmasked and
   reversed-causal blocks) covers exactly the keys HF's window rule with packed documents allows, each key once,
@@ -18,10 +18,10 @@ import random
 
 import pytest
 import torch
-
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.tools.verify import VerifyCase
 from local_ranks import run_on_local_ranks
+
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.tools.verify import VerifyCase
 
 
 def _doc_of(starts, t):
@@ -42,8 +42,8 @@ def _block_keys(t, q0, q1, k0, k1, flip, t0, g0):
 @pytest.mark.parametrize("C, D, window", [(2, 2, 3), (2, 1, 7), (3, 2, 2), (3, 2, 9), (4, 1, 4), (4, 2, 13),
                                           (3, 1, 1), (4, 1, 40)])
 def test_window_geometry_matches_brute_force(C, D, window):
-    from ds_tsp.core.cp_window import _Chunks, _chunk_layout, _segment_blocks, _segments, window_hops
-    from ds_tsp.core.document_attention import DocumentLayout
+    from ds_tsp.core.layers.attention.cp_window import _chunk_layout, _Chunks, _segment_blocks, _segments, window_hops
+    from ds_tsp.core.tokens.documents import DocumentLayout
 
     c = 3
     S = 2 * C * D * c
@@ -77,7 +77,7 @@ def test_window_geometry_matches_brute_force(C, D, window):
 
 
 def test_window_hops_skip_what_no_rank_needs():
-    from ds_tsp.core.cp_window import hop_elements, window_hops
+    from ds_tsp.core.layers.attention.cp_window import hop_elements, window_hops
 
     # C = 4, D = 1, window below a cp chunk (10): group i needs w-1 keys of i-1 (first half), of i+1 (second half)
     hops = window_hops(4, 4, 1, 0, 10)
@@ -125,14 +125,15 @@ STEP_SHAPE, STEP_DOCS = _shape(kv=1, windows=(None, 5)), [9, 14, 17]  # the reco
 
 def _recorded_step(D: int, C: int) -> dict:
     """One recorded training step of STEP_SHAPE (forward, backward, grads over data x cp, SGD)."""
-    from ds_tsp.core.config import parse_tsp_config
-    from ds_tsp.core.documents import documents_of_lengths
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.setup import build_runtime
-    from ds_tsp.core.watchdog import label_modules
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
-    from ds_tsp.tools.verify_cp import average_grads_over_data
     from sync_counter import SyncCounter
+
+    from ds_tsp.core.config import parse_tsp_config
+    from ds_tsp.core.parallel.runtime import build_runtime
+    from ds_tsp.core.reliability.watchdog import label_modules
+    from ds_tsp.core.tokens.documents import documents_of_lengths
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
+    from ds_tsp.tools.verify import average_grads_over_data
 
     runtime = build_runtime(parse_tsp_config({"size": D, "cp_size": C}))
     comm, groups = runtime.comm, runtime.groups
@@ -155,7 +156,7 @@ def _recorded_step(D: int, C: int) -> dict:
 
 
 def _all_on_4_ranks():
-    from ds_tsp.tools.verify_cp import run_cp_case
+    from ds_tsp.tools.verify import run_cp_case
 
     return {"2x2": [run_cp_case(case, 2, 2, options) for _, case, options in EXACT_2x2],
             "1x4": [run_cp_case(case, 1, 4, options) for _, case, options in EXACT_1x4],
@@ -184,8 +185,8 @@ def test_windowed_step_posts_only_the_planned_hops(on_4_ranks, layout, D, C):
     inside the layers."""
     from nccl_rules import check
 
-    from ds_tsp.core.cp_window import window_hops
-    from ds_tsp.core.partition import padded_length
+    from ds_tsp.core.layers.attention.cp_window import window_hops
+    from ds_tsp.core.tokens.zigzag import padded_length
 
     runs = [r[layout] for r in on_4_ranks]
     ops = [r["ops"] for r in runs]
@@ -271,7 +272,7 @@ def test_windowed_cp_step_creates_nothing_off_device():
 
 
 def _exact_and_step_at(D, C):
-    from ds_tsp.tools.verify_cp import run_cp_case
+    from ds_tsp.tools.verify import run_cp_case
 
     cases = [VerifyCase(shape=_shape(windows=(5, None)), seq=47, batch=2, dtype="float64", seed=16, documents=4),
              VerifyCase(shape=_shape(kv=1, windows=(29, 29)), seq=48, batch=1, dtype="float64", seed=17)]

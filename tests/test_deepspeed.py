@@ -11,12 +11,12 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+from engine_steps import train_from_shape  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from masked_patterns import MaskedPatterns  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
-from engine_steps import train_from_shape  # noqa: E402
-from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
 
 SHAPE = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -85,7 +85,7 @@ def _train_pipeline(cfg: dict, steps: int = STEPS) -> list[float]:
     import torch.distributed as dist
 
     import ds_tsp
-    from ds_tsp.core.data import pipeline_batches
+    from ds_tsp.core.tokens.loader import pipeline_batches
 
     ref = ReferenceCausalLM(SHAPE)
     init_weights_(ref, 0)

@@ -1,9 +1,9 @@
-"""ds_tsp.core.document_attention against a dense float64 reference (explicit [Lq, Lk] document / window mask,
+"""ds_tsp.core.layers.attention.masked against a dense float64 reference (explicit [Lq, Lk] document / window mask,
 softmax in float64, autograd for grads).
 
 Tolerances: float64 1e-12 relative (norm-wise; measured <= 1.1e-14), float32 1e-5 (measured 3e-7), bfloat16 3e-2
 (measured 5e-3). The fast path must be bitwise equal
-to ds_tsp.core.kernels; attention must never cross a document boundary or the window (bitwise-unchanged outputs,
+to ds_tsp.core.layers.attention.kernels; attention must never cross a document boundary or the window (bitwise-unchanged outputs,
 exactly-zero gradients).
 """
 import pytest
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_tsp.core import kernels
-from ds_tsp.core.document_attention import masked_attention_backward, masked_attention_forward, needs_masking
+from ds_tsp.core.layers.attention import kernels
+from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward, needs_masking
 
 BACKENDS = ["cpu_flash", "math"]
 D = 8

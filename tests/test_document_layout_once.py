@@ -12,15 +12,16 @@ import pickle
 import pytest
 import torch
 
-from ds_tsp.core import document_attention
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.document_attention import DocumentLayout, document_layout, masked_attention_forward
-from ds_tsp.core.documents import documents_of_lengths
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.positions import StepPositions
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.core.layers.attention import masked as document_attention
+from ds_tsp.core.layers.attention.masked import masked_attention_forward
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens import documents
+from ds_tsp.core.tokens.documents import DocumentLayout, document_layout, documents_of_lengths
+from ds_tsp.core.tokens.positions import StepPositions
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
 
 SHAPE = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2)
 LENGTHS = [[5, 7, 4], [9, 3, 4]]  # two rows of 16 tokens, three documents each
@@ -28,15 +29,15 @@ LENGTHS = [[5, 7, 4], [9, 3, 4]]  # two rows of 16 tokens, three documents each
 
 @pytest.fixture
 def validations(monkeypatch):
-    """Counts the validation passes over doc_starts (document_attention._layouts, the only one)."""
+    """Counts the validation passes over doc_starts (documents._layouts, the only one)."""
     count = [0]
-    original = document_attention._layouts
+    original = documents._layouts
 
     def spy(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(document_attention, "_layouts", spy)
+    monkeypatch.setattr(documents, "_layouts", spy)
     return count
 
 
@@ -54,7 +55,7 @@ def test_one_validation_per_step(validations, monkeypatch, checkpointing):
                         lambda *a: kernel_calls.__setitem__(0, kernel_calls[0] + 1) or check(*a))
     torch.manual_seed(0)
     model = ShardedCausalLM(SHAPE, TSPComm.single(), dtype=torch.float64,
-                            options=TSPOptions(kernel_backend="math", activation_checkpointing=checkpointing))
+                            options=TSPOptions(kernel="math", activation_checkpointing=checkpointing))
     batch = _batch()
     for step in range(1, 3):
         loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from local_ranks import run_on_local_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.functions.embedding import tsp_embedding
-from local_ranks import run_on_local_ranks
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.layers.vocab.embedding import tsp_embedding
 
 V, H, TOKENS, FREQUENT = 11, 16, 600, 3
 

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from local_ranks import run_on_local_ranks
 
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError, TSPNonFiniteError
-from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.core.topology import ParallelLayout
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.core.parallel.topology import ParallelLayout
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 SHAPE = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
@@ -56,7 +56,7 @@ def _offload_request(ds: dict, tsp: dict):
 
 
 def _across_nodes():
-    from ds_tsp.core.node_placement import tsp_node_placement_error
+    from ds_tsp.core.parallel.placement import tsp_node_placement_error
 
     # what every rank raises at setup for 2 nodes x 2 processes and tsp.size 4 (tests/test_node_placement.py)
     raise TSPConfigError(tsp_node_placement_error(ParallelLayout.from_world_size(4, tsp=4), [0, 0, 1, 1]))
@@ -76,7 +76,7 @@ def _hf_forward(**kwargs):
 
 
 def _nonfinite():
-    from ds_tsp.core.nonfinite import NonFiniteGuard
+    from ds_tsp.core.reliability.nonfinite import NonFiniteGuard
 
     model = _model().init_weights_(0)
     guard = NonFiniteGuard(model)
@@ -198,7 +198,7 @@ CASES = [
     ("ckpt-pickle-only", "pytorch_model.bin", lambda t: _checkpoint(t, _only_bin)),
     ("fsdp-version", "fsdp_version", lambda t: _accelerate_env(FSDP_VERSION="1")),
     ("fsdp-sp", "parallelism_config_sp_size", lambda t: _accelerate_env(PARALLELISM_CONFIG_SP_SIZE="2")),
-    ("shard-size", "max_shard_size", lambda t: __import__("ds_tsp.checkpoint.safetensors_writer", fromlist=["x"])
+    ("shard-size", "max_shard_size", lambda t: __import__("ds_tsp.checkpoint.safetensors.writer", fromlist=["x"])
      .parse_size("lots")),
     ("nonfinite", "on_nonfinite", lambda t: _nonfinite()),
     ("train-ckpt-keep-last", "keep_last", lambda t: __import__("ds_tsp.checkpoint.training", fromlist=["x"])

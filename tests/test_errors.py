@@ -4,14 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.errors import TSPConfigError
 from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.core.topology import ParallelLayout
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.parallel.topology import ParallelLayout
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
 
 SHAPE = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
 

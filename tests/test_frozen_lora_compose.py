@@ -30,12 +30,12 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("deepspeed")
 
 from hf_tiny import build_tiny_model  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from masked_patterns import MaskedPatterns  # noqa: E402
 from test_frozen_params import CLIP, LR, STEPS, _reference_loop, batches, frozen_model  # noqa: E402
 
-from ds_tsp.core.comm import TSPComm  # noqa: E402
+from ds_tsp.core.comm.communicator import TSPComm  # noqa: E402
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 KINDS = ("attn1_head", "lora")  # frozen: embedding and layer 0 frozen, layer 1's attention + norms + head train
@@ -194,7 +194,7 @@ def _pipeline_frozen() -> dict:
     import torch.distributed as dist
 
     import ds_tsp
-    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.core.tokens.zigzag import shard_batch
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "torch_adam": True}},
@@ -230,7 +230,7 @@ def _pipeline_frozen() -> dict:
 
 
 def _fsdp_frozen(kind: str, groups) -> dict:
-    from ds_tsp.core.grad_norm import clip_grad_norm_
+    from ds_tsp.core.grads.clip import clip_grad_norm_
     from ds_tsp.hf import TSPForCausalLM
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
 
@@ -249,7 +249,7 @@ def _fsdp_frozen(kind: str, groups) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(out.loss.detach()))
-    from ds_tsp.checkpoint.peft_adapter import gather_adapter
+    from ds_tsp.checkpoint.hf.peft_adapter import gather_adapter
 
     adapter = dict(gather_adapter(model.tsp))  # the full factors on TSP rank 0 (collective)
     moved = {n: (p.requires_grad, not torch.equal(p.detach().to_local(), start[n]))
@@ -260,7 +260,7 @@ def _fsdp_frozen(kind: str, groups) -> dict:
 def _four_ranks() -> dict:
     import torch.distributed as dist
 
-    from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
 
     out = {"pipeline": _pipeline_frozen()}
     groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2))

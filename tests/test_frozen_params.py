@@ -20,10 +20,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import build_tiny_model, save_tiny_checkpoint, shift  # noqa: E402
-
-from ds_tsp.core.comm import TSPComm  # noqa: E402
-from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
+
+from ds_tsp.core.comm.communicator import TSPComm  # noqa: E402
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from ds_tsp.model.convert import parameter_names, rebind_optimizer, to_tsp_model  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_loss_and_grads, patch_float64_  # noqa: E402
 

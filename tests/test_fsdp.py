@@ -23,12 +23,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from local_ranks import run_on_local_ranks
 from masked_patterns import MaskedPatterns
 
-from ds_tsp.core.data import TSPDataLoader
-from local_ranks import run_on_local_ranks
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.loader import TSPDataLoader
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -86,10 +86,10 @@ def _reference_run(shape: ModelShape, compute_dtype: torch.dtype | None = None) 
 def _fsdp_train(shape: ModelShape, groups: ProcessGroups, param_dtype: torch.dtype | None = None) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.grad_norm import clip_grad_norm_, is_tsp_sharded
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.grads.clip import clip_grad_norm_, is_tsp_sharded
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     model = ShardedCausalLM(shape, TSPComm(groups.tsp_group))
     model.load_full_state_dict(_reference_weights(shape))
@@ -130,7 +130,7 @@ def _hf_step(directory: str | None, groups: ProcessGroups, fsdp: bool) -> dict |
     """One forward/backward of TSPForCausalLM (float64, HF call) on this replica's rows, then the clip norms."""
     if directory is None:  # transformers is not installed
         return None
-    from ds_tsp.core.grad_norm import clip_grad_norm_
+    from ds_tsp.core.grads.clip import clip_grad_norm_
     from ds_tsp.hf import TSPForCausalLM
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
 
@@ -162,10 +162,10 @@ def _fsdp_ranks(hf_directory: str | None) -> dict:
 def _plain_ranks(hf_directory: str | None, batch: dict) -> dict:
     import torch.distributed as dist
 
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.grad_norm import clip_grad_norm_
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.grads.clip import clip_grad_norm_
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2))
     out = {}
@@ -314,7 +314,7 @@ def test_clip_grad_norm_plain_tsp2_and_hf_equal_single_device(hf_directory, requ
 
 def test_clip_grad_norm_rejects_bad_norm_type():
     from ds_tsp.core.errors import TSPConfigError
-    from ds_tsp.core.grad_norm import clip_grad_norm_
+    from ds_tsp.core.grads.clip import clip_grad_norm_
 
     groups = ProcessGroups(ParallelLayout(), 0, None, None, None)
     for bad in (0.0, -1.0, float("nan"), float("-inf")):

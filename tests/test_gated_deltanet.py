@@ -1,4 +1,4 @@
-"""TSP Gated DeltaNet (ds_tsp.model.sharded_gated_deltanet) against transformers' own layer, float64.
+"""TSP Gated DeltaNet (ds_tsp.model.modules.gated_deltanet) against transformers' own layer, float64.
 
 Reference: transformers' Qwen3_5GatedDeltaNet / Qwen3NextGatedDeltaNet with its float32 casts widened to float64
 (ds_tsp.tools.gdn_reference), packed documents run one by one (what its kernels do with cu_seq_lens). Tolerance
@@ -22,9 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from nccl_rules import check
-
 from local_ranks import run_on_local_ranks
+from nccl_rules import check
 
 TOL = 1e-10
 
@@ -68,7 +67,7 @@ def hf_layer(fmt: str, nk: int, nv: int, seed: int, kernel: int = KERNEL, hidden
 
 def tsp_shape(nk: int, nv: int, fmt: str, eps: float, kernel: int = KERNEL, hidden: int = HIDDEN, dk: int = DK,
               dv: int = DV):
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
 
     return ModelShape(vocab_size=8, hidden_size=hidden, intermediate_size=8, num_layers=1, num_heads=2,
                       num_kv_heads=2, layer_types=("linear_attention",), linear_num_key_heads=nk,
@@ -79,7 +78,7 @@ def tsp_shape(nk: int, nv: int, fmt: str, eps: float, kernel: int = KERNEL, hidd
 def tsp_layer(ref, config, fmt: str, comm, kernel: int = KERNEL, hidden: int = HIDDEN, dk: int = DK, dv: int = DV):
     """TSPGatedDeltaNet holding this rank's slices of `ref`'s weights."""
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.model.sharded_gated_deltanet import TSPGatedDeltaNet
+    from ds_tsp.model.modules.gated_deltanet import TSPGatedDeltaNet
 
     shape = tsp_shape(config.linear_num_key_heads, config.linear_num_value_heads, fmt, config.rms_norm_eps, kernel,
                       hidden, dk, dv)
@@ -109,8 +108,8 @@ def _errors(ref, layer, x, dy, docs, y, dx, grad_shards, norm_grad) -> dict:
 
 
 def _run_case(name: str, group, weight_group) -> dict:
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.partition import shard, unshard
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.tokens.zigzag import shard, unshard
 
     cfg = CASES[name]
     D = cfg["D"]

@@ -19,11 +19,11 @@ from property_cases import draw_cases
 from test_gated_deltanet import TOL, hf_layer, tsp_layer, tsp_shape
 from thread_comm import run_threads
 
-from ds_tsp.core import linear_attention_scan
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.gated_delta_rule import chunk_gated_delta_rule, l2_normalize
-from ds_tsp.core.partition import shard, unshard
-from ds_tsp.model.sharded_modules import load_slices, read_from_full
+from ds_tsp.core.layers.linear_attention import scan as linear_attention_scan
+from ds_tsp.core.layers.linear_attention.delta_rule import chunk_gated_delta_rule, l2_normalize
+from ds_tsp.core.tokens.zigzag import shard, unshard
+from ds_tsp.model.state_dict import load_slices, read_from_full
 from ds_tsp.tools.gdn_reference import _widened, reference_with_documents
 
 H, DK, DV = 8, 2, 3  # tiny dims: the drawn cases are about lengths, documents and degrees
@@ -108,7 +108,7 @@ BROKEN = dict(D=2, fmt="qwen3_5", nk=2, nv=4, kernel=4, S=12, docs=((0, 5), (0,)
 
 def test_the_reference_comparison_catches_a_missing_halo(monkeypatch):
     real = linear_attention_scan.conv_halo
-    monkeypatch.setattr("ds_tsp.core.functions.gated_deltanet.conv_halo",
+    monkeypatch.setattr("ds_tsp.core.layers.linear_attention.gated_deltanet.conv_halo",
                         lambda x, comm, halo: torch.zeros_like(real(x, comm, halo)))
     assert max(_case_errors(**BROKEN).values()) > 1e-3
 
@@ -120,7 +120,7 @@ def test_the_reference_comparison_catches_chunks_composed_out_of_order(monkeypat
 
 def test_the_reference_comparison_catches_ignored_document_starts(monkeypatch):
     real = linear_attention_scan.chunk_plans
-    monkeypatch.setattr("ds_tsp.core.functions.gated_deltanet.chunk_plans",
+    monkeypatch.setattr("ds_tsp.core.layers.linear_attention.gated_deltanet.chunk_plans",
                         lambda rows, *args: real(((0,),) * len(rows), *args))
     assert max(_case_errors(**BROKEN).values()) > 1e-3
 
@@ -175,7 +175,7 @@ def test_slices_load_and_unshard_round_trip_transformers_state_dict(fmt, D):
 
 def test_head_counts_that_do_not_split_name_the_fields_and_the_degrees_that_fit():
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.model.sharded_gated_deltanet import TSPGatedDeltaNet
+    from ds_tsp.model.modules.gated_deltanet import TSPGatedDeltaNet
 
     shape = tsp_shape(4, 8, "qwen3_5", 1e-6)
     with pytest.raises(TSPConfigError, match=r"tsp=3 does not divide linear_num_key_heads=4 .*"
@@ -211,9 +211,9 @@ def test_forward_and_backward_have_no_host_sync():
 
 
 def test_forward_and_backward_run_on_the_meta_device():
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.model.sharded_gated_deltanet import TSPGatedDeltaNet
+    from ds_tsp.model.modules.gated_deltanet import TSPGatedDeltaNet
 
     layer = TSPGatedDeltaNet(tsp_shape(2, 4, "qwen3_next", 1e-6, hidden=H, dk=DK, dv=DV), TSPComm.single(),
                              TSPOptions(), torch.float32, "meta", hf_format="qwen3_next")
@@ -227,7 +227,7 @@ def test_forward_and_backward_run_on_the_meta_device():
 def test_bfloat16_autocast_runs_the_delta_rule_in_float32():
     """Under CPU bf16 autocast the projections run in bf16 and the delta rule in float32: the result stays within
     bf16 rounding of the float32 layer (2e-2 relative), and the grads reach the float32 parameters."""
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
 
     ref, config = hf_layer("qwen3_5", 2, 4, 11, hidden=H, dk=DK, dv=DV)
     layer = tsp_layer(ref.float(), config, "qwen3_5", TSPComm.single(), hidden=H, dk=DK, dv=DV)
@@ -301,7 +301,7 @@ def fake_fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=
 def test_fla_adapter_gives_the_torch_kernels_transition_and_outputs():
     """One FLA call with v extended by dk zero columns and h0 = [0 | I] gives o_local, q_eff, M and U of the torch
     kernel, rows with different document layouts (a start at offset 0, several starts, none) in one call."""
-    from ds_tsp.core.gated_delta_rule_fla import fla_chunk_transition
+    from ds_tsp.core.layers.linear_attention.delta_rule_fla import fla_chunk_transition
 
     g = torch.Generator().manual_seed(3)
     B, Hh, c, dk, dv = 3, 2, 9, 3, 4
@@ -321,7 +321,7 @@ def test_fla_adapter_gives_the_torch_kernels_transition_and_outputs():
 
 
 def test_layer_through_the_fla_adapter_matches_transformers(monkeypatch):
-    from ds_tsp.core import gated_delta_rule_fla
+    from ds_tsp.core.layers.linear_attention import delta_rule_fla as gated_delta_rule_fla
 
     monkeypatch.setattr(gated_delta_rule_fla, "_fla_status", lambda: (fake_fla_chunk_gated_delta_rule, None))
     errors = _case_errors(D=2, fmt="qwen3_next", nk=2, nv=4, kernel=4, S=8, docs=((0, 3), (0,)), seed=19,
@@ -330,7 +330,7 @@ def test_layer_through_the_fla_adapter_matches_transformers(monkeypatch):
 
 
 def test_fla_is_selected_on_cuda_in_half_precision_and_its_absence_is_said_once(monkeypatch):
-    from ds_tsp.core import gated_delta_rule_fla as fla
+    from ds_tsp.core.layers.linear_attention import delta_rule_fla as fla
 
     monkeypatch.setattr(fla, "_fla_status", lambda: (fake_fla_chunk_gated_delta_rule, None))
     assert fla.select_delta_rule_backend("cuda", torch.bfloat16) == "fla"

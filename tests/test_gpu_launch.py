@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core import launch
+from ds_tsp.core.parallel import launch
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_deepspeed_initialize_picks_the_gpu_before_deepspeed_builds_anything(mon
 def test_groups_get_the_configured_timeout_at_creation(monkeypatch):
     """A stall inside DeepSpeed's or FSDP's own collectives on the TSP / data groups is bounded by timeout_s too."""
     from ds_tsp.core.config import parse_tsp_config
-    from ds_tsp.core.setup import build_runtime
+    from ds_tsp.core.parallel.runtime import build_runtime
 
     created: list = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -138,9 +138,9 @@ def test_groups_get_the_configured_timeout_at_creation(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # NCCL's margin: tests/test_nccl_timeout.py
     monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, timeout=None: created.append(timeout) or
                         object())
-    monkeypatch.setattr("ds_tsp.core.setup.TSPComm", lambda group, **kw: kw)
+    monkeypatch.setattr("ds_tsp.core.parallel.runtime.TSPComm", lambda group, **kw: kw)
     # the node-placement check exchanges node names over a real group (tests/test_node_placement.py covers it)
-    monkeypatch.setattr("ds_tsp.core.setup.check_tsp_inside_nodes", lambda *a, **k: None)
+    monkeypatch.setattr("ds_tsp.core.parallel.runtime.check_tsp_inside_nodes", lambda *a, **k: None)
     for cuda, weight_groups in ((False, 0), (True, 2)):
         created.clear()
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)

@@ -49,7 +49,7 @@ def test_one_failing_case_keeps_the_others(tmp_path):
 
 
 def test_first_contact_checks_self_test_on_cpu(tmp_path):
-    """benchmarks/gpu/first_contact_checks.py (issue 25's GPU-only checks): on CPU the MoE autocast step runs for
+    """benchmarks/gpu/first_contact_checks.py (the GPU-only first-contact checks): on CPU the MoE autocast step runs for
     real (bf16 autocast, both dispatches, against fp32), the timeout margin is reported, the poller check skips."""
     script = ROOT / "benchmarks" / "gpu" / "first_contact_checks.py"
     out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path)],

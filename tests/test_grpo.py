@@ -143,7 +143,7 @@ def tsp_checks(trainer, model_dir: str) -> dict:
     """On the TSP ranks: the reference's completion log-probs, and the vLLM weight stream of the reference."""
     from safetensors.torch import load_file
 
-    from ds_tsp.integrations.full_weights import sync_vllm_server
+    from ds_tsp.integrations.trl.full_weights import sync_vllm_server
 
     ids, mask, k = ref_logps_batch()
     with torch.no_grad():
@@ -328,7 +328,7 @@ def test_generation_batch_counts_data_replicas_not_tsp_ranks():
     from types import SimpleNamespace
 
     from ds_tsp.core.errors import TSPConfigError
-    from ds_tsp.integrations.trl_grpo import data_axis_batches
+    from ds_tsp.integrations.trl.grpo import data_axis_batches
 
     args = SimpleNamespace(per_device_train_batch_size=4, steps_per_generation=2, num_generations=4,
                            generation_batch_size=32)  # GRPOConfig at 4 processes; TSP=2 leaves 2 replicas
@@ -343,9 +343,10 @@ def test_temperature_and_checkpointing_arguments_are_checked():
     """temperature only scales the fused head's statistics (anything else is refused), and the Trainer's
     every_n_layers / offload (transformers 5.25) are honoured at their defaults only."""
     pytest.importorskip("transformers")
+    from hf_tiny import tiny_config
+
     from ds_tsp.core.errors import TSPConfigError
     from ds_tsp.hf import TSPForCausalLM
-    from hf_tiny import tiny_config
 
     model = TSPForCausalLM.from_config(tiny_config("llama"), seed=0)
     ids = torch.randint(0, 70, (1, 8), generator=torch.Generator().manual_seed(0))

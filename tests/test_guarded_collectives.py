@@ -1,4 +1,4 @@
-"""Every collective ds_tsp posts outside TSPComm is guarded (issue 25 item 6): the non-finite check's job-wide
+"""Every collective ds_tsp posts outside TSPComm is guarded: the non-finite check's job-wide
 all-reduce and the grad-norm all-reduces end a rank with the watchdog's ONE line naming collective and peer, never
 gloo's raw "Timed out waiting 20000ms" traceback. In-process on the fake process group (world 2); the backend's
 timeout is simulated by an all_reduce that raises gloo's words."""
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.stall_message import MESSAGE_PREFIX, TSPCommError
-from ds_tsp.core.watchdog import WATCHDOG
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.reliability.stall_message import MESSAGE_PREFIX, TSPCommError
+from ds_tsp.core.reliability.watchdog import WATCHDOG
 
 GLOO_TIMEOUT = "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete"
 
@@ -49,7 +49,7 @@ class _Tiny(nn.Module):
 
 
 def test_nonfinite_check_reports_one_line(fake_world, reports):
-    from ds_tsp.core.nonfinite import NonFiniteGuard
+    from ds_tsp.core.reliability.nonfinite import NonFiniteGuard
 
     model = _Tiny(TSPComm(dist.group.WORLD, timeout_s=20))  # the guard takes timeout_s from the model's comm
     guard = NonFiniteGuard(model)
@@ -63,7 +63,7 @@ def test_nonfinite_check_reports_one_line(fake_world, reports):
 
 
 def test_nonfinite_check_without_timeout_raises_tsp_comm_error(fake_world):
-    from ds_tsp.core.nonfinite import NonFiniteGuard
+    from ds_tsp.core.reliability.nonfinite import NonFiniteGuard
 
     guard = NonFiniteGuard(_Tiny(TSPComm(dist.group.WORLD, timeout_s=None)))
     with pytest.raises(TSPCommError, match=r"non-finite check all_reduce timed out .* waiting for rank 1"):
@@ -71,7 +71,7 @@ def test_nonfinite_check_without_timeout_raises_tsp_comm_error(fake_world):
 
 
 def test_grad_norm_reports_one_line(fake_world, reports):
-    from ds_tsp.core.grad_norm import clip_grad_norm_, mark_sharded
+    from ds_tsp.core.grads.clip import clip_grad_norm_, mark_sharded
 
     groups = SimpleNamespace(layout=SimpleNamespace(tsp_enabled=True), tsp_group=dist.group.WORLD, rank=0, tsp_rank=0)
     model = _Tiny(TSPComm(dist.group.WORLD, timeout_s=20))

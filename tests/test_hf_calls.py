@@ -19,9 +19,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import save_tiny_checkpoint, tiny_config  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.hf import TSPForCausalLM  # noqa: E402
 
 SEQ = 24

@@ -19,8 +19,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import FAMILIES, save_tiny_checkpoint, shift  # noqa: E402
-
 from local_ranks import run_on_local_ranks  # noqa: E402
+
 from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_  # noqa: E402
 
 B, S = 2, 29  # S is not a multiple of 2D: the zigzag padding path runs too

@@ -18,9 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import save_tiny_checkpoint, tiny_config  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.hf import TSPForCausalLM  # noqa: E402
 
 BIG = dict(vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=3, num_attention_heads=12,
@@ -35,7 +35,7 @@ def _measure_loading(directory: str) -> dict:
     from host_memory import HostMemoryPeak, release_free_memory
     from safetensors.torch import load_file
 
-    from ds_tsp.core.hf_config import load_config
+    from ds_tsp.core.shape.hf_config import load_config
 
     load_config(directory)  # imports transformers' config modules outside the measured block
     with HostMemoryPeak() as sliced:

@@ -11,9 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import save_tiny_checkpoint, shift  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.hf import TSPForCausalLM  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
 
@@ -79,8 +79,8 @@ def test_loss_and_last_logits_match_transformers(tmp_path, degree):
 def _full_vs_sharded(directory: str) -> dict:
     import torch.distributed as dist
 
-    from ds_tsp.core.data import TSPDataLoader
-    from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.tokens.loader import TSPDataLoader
 
     groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2))
     model = TSPForCausalLM.from_pretrained(directory, groups.tsp_group, dtype=torch.float64)

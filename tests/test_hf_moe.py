@@ -22,11 +22,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import MOE_FAMILIES, save_tiny_checkpoint, shift  # noqa: E402
-
-from ds_tsp.checkpoint.moe_names import canonical_state_dict  # noqa: E402
-from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
-from ds_tsp.core.shape import ModelShape  # noqa: E402
+
+from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict  # noqa: E402
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_  # noqa: E402
 
 B, S = 2, 29
@@ -53,7 +53,7 @@ def reference_targets(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _record_reads():
     """Wrap CheckpointReader.read to record every tensor name read on this rank."""
-    from ds_tsp.checkpoint.safetensors_io import CheckpointReader
+    from ds_tsp.checkpoint.safetensors.reader import CheckpointReader
 
     names, original = [], CheckpointReader.read
 
@@ -175,7 +175,7 @@ def test_save_pretrained_round_trip_in_plain_transformers(runs, name):
 
 def test_fused_layout_checkpoint_loads(runs):
     checkpoints, results, _ = runs
-    from ds_tsp.checkpoint.safetensors_io import CheckpointReader
+    from ds_tsp.checkpoint.safetensors.reader import CheckpointReader
 
     reader = CheckpointReader(checkpoints["qwen3_moe"])  # the per-expert original the fused one was made from
     want = {n: reader.read(n, dtype=torch.float64) for n in reader.names()}
@@ -186,7 +186,7 @@ def test_fused_layout_checkpoint_loads(runs):
 
 
 def _names(directory: str) -> set[str]:
-    from ds_tsp.checkpoint.safetensors_io import CheckpointReader
+    from ds_tsp.checkpoint.safetensors.reader import CheckpointReader
 
     return set(CheckpointReader(directory).names())
 

@@ -10,13 +10,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import save_tiny_checkpoint  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
 
 
 def _save_twice_second_fails(source: str, target: str) -> str:
-    from ds_tsp.checkpoint import safetensors_writer as safetensors_io
+    from ds_tsp.checkpoint.safetensors import writer as safetensors_io
     from ds_tsp.hf import TSPForCausalLM
 
     model = TSPForCausalLM.from_pretrained(source)
@@ -121,7 +121,7 @@ def test_writer_that_cannot_open_fails_every_rank_at_the_start(tmp_path):
 
 def test_a_module_without_tsp_shards_is_refused(tmp_path):
     """What a DeepSpeed PipelineModule (tsp.pipeline_stages > 1) is to save_streaming: no sharded_modules()."""
-    from ds_tsp.checkpoint.hf_save import save_streaming
+    from ds_tsp.checkpoint.hf.save import save_streaming
 
     with pytest.raises(TSPConfigError, match=r"Linear is not a TSP model.*PipelineModule.*pipeline_stages=1"):
         save_streaming(torch.nn.Linear(2, 2), tmp_path / "out", "{}")

@@ -13,14 +13,14 @@ import random
 
 import pytest
 import torch
+from local_ranks import run_on_local_ranks
 from sync_counter import SyncCounter
 
-from ds_tsp.core import documents
-from ds_tsp.core.comm import TSPComm
-from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard, shard_batch
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens import documents
+from ds_tsp.core.tokens.zigzag import shard, shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
 
 SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    qkv_bias=True, qk_norm=True, attention_windows=(None, 5))
@@ -109,7 +109,7 @@ def test_packed_step_runs_document_attention_and_the_fallback_agrees(runs, tsp):
 
 
 def test_a_sync_inside_a_layer_is_caught(monkeypatch):
-    from ds_tsp.core import kernels
+    from ds_tsp.core.layers.attention import kernels
 
     merge = kernels._merge
 
@@ -121,7 +121,7 @@ def test_a_sync_inside_a_layer_is_caught(monkeypatch):
     monkeypatch.setattr(kernels, "_merge", reading_merge)
     result = _step(TSPComm.single(), "packed", None)
     layers = [e for e in result["events"] if e[2] == "layers"]
-    assert layers and all("kernels.py" in e[3] or "document_attention.py" in e[3] for e in layers), layers
+    assert layers and all("kernels.py" in e[3] or "masked.py" in e[3] for e in layers), layers
 
 
 # --- the fixed-size layout payload decodes to exactly what document_starts finds on the global batch ------------
@@ -186,7 +186,7 @@ def test_shard_then_step_reads_once_and_still_checks_the_mask():
     assert [e.op for e in syncs.events] == ["tolist"], syncs.events
 
 
-# --- MoE MLP (ds_tsp.core.functions.moe): at most ONE read per MoE layer forward, none in backward ----------------
+# --- MoE MLP (ds_tsp.core.layers.moe.layer): at most ONE read per MoE layer forward, none in backward ----------------
 MOE_LAYERS = 2
 
 
@@ -196,8 +196,8 @@ def _moe_syncs(world: bool) -> dict:
     import torch.distributed as dist
     from moe_reference import MoECase, hf_block, inputs, spec_of
 
-    import ds_tsp.core.functions.moe as moe
-    from ds_tsp.core.functions.moe_experts import _grouped_mm_fn
+    import ds_tsp.core.layers.moe.layer as moe
+    from ds_tsp.core.layers.moe.experts import _grouped_mm_fn
 
     comm = TSPComm(dist.group.WORLD) if world else TSPComm.single()
     case = MoECase(skew=(2,), seed=9, hidden=16, ffn=8)
@@ -242,5 +242,5 @@ def test_moe_layer_reads_the_counts_once_per_forward(moe_runs, tsp):
         assert ("ring", "loop") in results
         for (dispatch, path), (fwd, bwd) in results.items():
             assert len(fwd) == MOE_LAYERS, (tsp, rank, dispatch, path, fwd)
-            assert all(e[:3] == ("read", "tolist", "layers") and "functions/moe_" in e[3] for e in fwd), fwd
+            assert all(e[:3] == ("read", "tolist", "layers") and "core/layers/moe/" in e[3] for e in fwd), fwd
             assert not bwd, (tsp, rank, dispatch, path, bwd)

@@ -1,5 +1,5 @@
 """Hybrid models (Qwen3.5, Qwen3-Next with experts and a shared expert) composed with what users put around them
-(issue 27: "DeepSpeed ZeRO-1/2/3, FSDP2, TSPTrainer, TSPAccelerator, activation checkpointing, frozen params"),
+(DeepSpeed ZeRO-1/2/3, FSDP2, TSPTrainer, TSPAccelerator, activation checkpointing, frozen params),
 against transformers' own model.
 
 The models are tests/hybrid_tiny.py's: a Gated DeltaNet layer then a gated full-attention layer; "qwen3_next_moe"
@@ -54,14 +54,14 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tiny import shift  # noqa: E402
 from hybrid_tiny import VOCAB, hybrid_config, packed_inputs, plain_inputs, rel, save_checkpoint  # noqa: E402
-
-from ds_tsp.checkpoint.moe_names import canonical_state_dict  # noqa: E402
-from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 from nccl_rules import check  # noqa: E402
 from test_cp_trainers import _example, _reset_hf_state  # noqa: E402
 from test_moe_compose import _assert_steps, _plain_accelerate_loop, _rel, _replica_rows  # noqa: E402
+
+from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict  # noqa: E402
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
+from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
 
 FAMILIES = ("qwen3_5", "qwen3_next_moe")
 ROWS, S, STEPS = 4, 32, 2  # global rows (2 per data replica); S a multiple of 2 x TSP (zigzag)
@@ -166,7 +166,7 @@ def _fsdp2_run(directory: str, offload: bool) -> dict:
     from engine_steps import fsdp2_steps
 
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
     from ds_tsp.hf import TSPForCausalLM
 
     groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2))
@@ -182,7 +182,7 @@ def _pipeline_run(directory: str) -> dict:
     import torch.distributed as dist
 
     import ds_tsp
-    from ds_tsp.core.partition import shard_batch
+    from ds_tsp.core.tokens.zigzag import shard_batch
 
     config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "torch_adam": True}},
@@ -232,7 +232,7 @@ def _accelerate_run(directory: str, out: str, env: dict) -> list[dict]:
 
 def _float64_step(directory: str, group, inputs: dict, frozen: bool = False, **options) -> dict:
     """One float64 TSP step on `group`: loss, HF-named grads, which shards got no grad, the recorded ops."""
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import TSPOptions
     from ds_tsp.model.convert import to_tsp_model
 
@@ -249,7 +249,7 @@ def _float64_step(directory: str, group, inputs: dict, frozen: bool = False, **o
 def _lora_step(directory: str, group, perturb: bool) -> dict:
     """float64 PEFT LoRA on `group`: loss, every factor's gradient and, after one AdamW step of the optimizer built
     on the PEFT model (rebound), the factors and the logits (factors gathered whole on TSP rank 0)."""
-    from ds_tsp.checkpoint.peft_adapter import gather_adapter
+    from ds_tsp.checkpoint.hf.peft_adapter import gather_adapter
     from ds_tsp.hf import TSPForCausalLM
     from ds_tsp.model.convert import parameter_names, rebind_optimizer
 
@@ -477,7 +477,7 @@ def test_frozen_gated_deltanet_float64_grads_none_and_no_weight_grad_collectives
 def test_freezing_part_of_a_gated_deltanet_is_one_clear_error(checkpoints, frozen):
     """A rank's Gated DeltaNet tensors are one packed shard: freezing some of them (A_log alone, in_proj_qkv
     alone) cannot be carried and is refused by name; freezing them all (the gated norm apart) works (above)."""
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.model.convert import to_tsp_model
 
     model = load(checkpoints["qwen3_5"])
@@ -566,9 +566,9 @@ def test_pipeline_stages_train_a_hybrid_like_transformers(four_ranks, references
 
 def test_gated_deltanet_lora_keeps_no_merged_shard_for_backward(checkpoints):
     """D=1: the Gated DeltaNet Function saves the base shard and the factors of a LoRA-merged shard (rebuilt in
-    backward, ds_tsp.core.functions.shard_rebuild), not the merged shard-sized tensor (tests/test_lora_memory.py's
+    backward, ds_tsp.core.layers.shard_rebuild), not the merged shard-sized tensor (tests/test_lora_memory.py's
     measure); its factors still get their gradients."""
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.hf import TSPForCausalLM
 
     model = TSPForCausalLM.from_pretrained(lora_model(checkpoints["qwen3_5"]), TSPComm.single())

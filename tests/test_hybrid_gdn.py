@@ -35,9 +35,9 @@ from hybrid_tiny import (  # noqa: E402
     save_checkpoint,
     tsp_step,
 )
-
-from ds_tsp.checkpoint.moe_names import canonical_state_dict  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
+
+from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference  # noqa: E402
 
 # family -> layer_types: Qwen3.5-MoE runs full-attention layers in the multi-rank cases (its Gated DeltaNet is
@@ -126,7 +126,7 @@ def _assert_sync_budget(syncs: list, steps: int) -> None:
     checks = [e for e in syncs if e[2] == "input_checks"]
     assert [e[:2] for e in checks] == [("read", "tolist")] * steps, checks
     others = [e for e in syncs if e[2] != "input_checks"]
-    assert all(e[:2] == ("read", "tolist") and "core/functions/moe" in e[3] for e in others), others
+    assert all(e[:2] == ("read", "tolist") and "core/layers/moe/" in e[3] for e in others), others
 
 
 @pytest.mark.parametrize("family, batch, degree", [(f, b, 4) for f, b in D4_CASES] +
@@ -156,7 +156,7 @@ def test_verify_reports_ok_with_documents(runs):
 def test_meta_step_creates_nothing_off_device(family, kind):
     from test_meta_device import _meta_step
 
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
 
     found = _meta_step(hybrid_config(family), TSPComm.single(), kind)
     assert not found, "\n".join(found)
@@ -220,7 +220,7 @@ def test_save_pretrained_reloads_in_transformers(runs, references, family):
 def test_plan_reads_a_hybrid_config_as_the_model_does_not_as_llama_layers(tmp_path):
     """The planner's reader gives the model's own hybrid shape (layer_types, linear_* fields, gated attention);
     tests/test_plan_hybrid.py checks the plan rows against measured steps."""
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.tools.plan import shape_from_hf_config
 
     config = hybrid_config("qwen3_5")

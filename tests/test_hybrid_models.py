@@ -20,6 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_tiny import shift  # noqa: E402,I001
 from hybrid_tiny import (  # noqa: E402
     assert_matches,
     expected_per_rank_parameters,
@@ -31,13 +32,11 @@ from hybrid_tiny import (  # noqa: E402
     save_checkpoint,
     tsp_step,
 )
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
-from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference  # noqa: E402
-
-from hf_tiny import shift  # noqa: E402,I001
 
 
 def gated_config(**overrides):
@@ -119,8 +118,9 @@ def test_config_errors_name_the_field():
 def test_mrope_reduces_to_plain_rope_for_text_positions():
     """transformers' interleaved mrope, given 2-D text positions (its 3 rows equal), is plain RoPE on the rotary
     dims: ds_tsp's rope_cos_sin of rotary_dim gives the same cos/sin, bit for bit in float32."""
-    from ds_tsp.core.rope import rope_cos_sin
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from ds_tsp.core.tokens.rope import rope_cos_sin
 
     config = gated_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                            "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
@@ -227,7 +227,7 @@ def test_in_memory_model_and_lora_on_the_gated_attention(tmp_path):
     peft = pytest.importorskip("peft")
     from hf_tiny import randomize_lora_
 
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.model.convert import to_tsp_model
     from ds_tsp.tools.hf_reference import patch_float64_
 

@@ -1,12 +1,12 @@
-"""ds_tsp.core.kernels against a dense float64 reference (explicit lower-right causal mask, autograd for grads).
+"""ds_tsp.core.layers.attention.kernels against a dense float64 reference (explicit lower-right causal mask, autograd for grads).
 
 Tolerances: float64 ~1e-12 (measured ~1e-15), float32 1e-5 (measured ~1e-6), bf16/fp16 loose smoke checks.
 """
 import pytest
 import torch
 
-from ds_tsp.core import kernels
-from ds_tsp.core.kernels import attention_backward, attention_forward, select_backend
+from ds_tsp.core.layers.attention import kernels
+from ds_tsp.core.layers.attention.kernels import attention_backward, attention_forward, select_backend
 
 CPU_BACKENDS = ["math", "cpu_flash"]
 

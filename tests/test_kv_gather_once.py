@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.config import TSPOptions
 from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import zigzag_positions
-from ds_tsp.core.rope import rope_cos_sin
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_modules import TSPAttention
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.rope import rope_cos_sin
+from ds_tsp.core.tokens.zigzag import zigzag_positions
+from ds_tsp.model.modules.attention import TSPAttention
 
 B, S, HEAD_DIM, HEADS = 2, 32, 8, 8  # S a multiple of 2D for D in (2, 4)
 

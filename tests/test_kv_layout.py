@@ -1,11 +1,10 @@
-"""ds_tsp.core.kv_layout moves data only: checked exactly with coordinate-encoded values (each element says which
+"""ds_tsp.core.comm.kv_gather moves data only: checked exactly with coordinate-encoded values (each element says which
 token, batch row, k/v slot, head and dim it is) at D = 1, 2, 3, 4 -- the gathered buffer is the global-order K/V,
 and the rank-ordered dK/dV reduce-scatter hands every rank the sum of all ranks' grads for its own tokens."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from local_ranks import run_on_local_ranks
 
 B, C, N, E = 2, 3, 2, 2  # batch rows, tokens per zigzag chunk, kv heads, head dim
@@ -22,15 +21,15 @@ def _coded(S: int, slot: int, rank_tag: int = 0) -> torch.Tensor:
 
 
 def _local(full: torch.Tensor, D: int, rank: int) -> torch.Tensor:
-    from ds_tsp.core.partition import zigzag_chunks
+    from ds_tsp.core.tokens.zigzag import zigzag_chunks
 
     return torch.cat([full[:, g * C:(g + 1) * C] for g in zigzag_chunks(D, rank)], dim=1)
 
 
 def _check(D: int, group) -> None:
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.kv_layout import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
-    from ds_tsp.core.partition import zigzag_chunks
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.comm.kv_gather import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
+    from ds_tsp.core.tokens.zigzag import zigzag_chunks
 
     comm = TSPComm(group)
     p, S = comm.rank, 2 * D * C

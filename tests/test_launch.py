@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.launch import run_on_local_ranks
+from ds_tsp.core.parallel.launch import run_on_local_ranks
 
 
 def _rank_info(scale: int) -> dict:

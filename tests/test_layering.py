@@ -12,10 +12,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "ds_tsp"
 LAYERS = ["core", "checkpoint", "model", "integrations", "tools"]
 FACADES = {"ds_tsp", "ds_tsp.__main__", "ds_tsp.hf", "ds_tsp.accelerate", "ds_tsp.testing", "ds_tsp._moved"}
 MAX_ROOT_ENTRIES = 15
+# Inside core/, a folder is a concept; bottom to top, each imports only its own folder and those below ("" is
+# core/'s root: config, errors, version, deprecation, activation offload).
+CORE_FOLDERS = ["", "reliability", "comm", "parallel", "grads", "shape", "tokens", "layers"]
+MAX_CORE_ROOT_MODULES = 8
 
 
 def _module_name(path: Path) -> str:
@@ -113,6 +119,30 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return circles
 
 
+def _core_folder(name: str) -> int:
+    parts = name.split(".")
+    return CORE_FOLDERS.index(parts[2] if len(parts) > 3 else "")
+
+
+def test_every_core_module_belongs_to_a_folder():
+    strays = [n for n in _modules() if n.startswith("ds_tsp.core.") and len(n.split(".")) > 3
+              and n.split(".")[2] not in CORE_FOLDERS]
+    assert not strays, f"core modules outside {CORE_FOLDERS}: {strays}"
+
+
+def test_no_core_import_runs_up_a_folder():
+    core = {n for n in _modules() if n.startswith("ds_tsp.core.")}
+    upward = [f"{src} -> {dst}" for src, dsts in _graph(False).items() if src in core for dst in dsts
+              if dst in core and _core_folder(dst) > _core_folder(src)]
+    assert not upward, "core imports running up its folders " + " < ".join(CORE_FOLDERS[1:]) + ":\n" + \
+        "\n".join(sorted(upward))
+
+
+def test_core_root_is_small():
+    modules = sorted(p.name for p in (PACKAGE / "core").glob("*.py"))
+    assert len(modules) <= MAX_CORE_ROOT_MODULES, modules
+
+
 def test_package_root_is_small():
     entries = [p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"]
     assert len(entries) <= MAX_ROOT_ENTRIES, sorted(entries)
@@ -142,3 +172,17 @@ def test_checker_sees_a_lazy_circle(tmp_path, monkeypatch):
     (fake / "checkpoint" / "b.py").write_text("def g():\n    from ds_tsp.checkpoint.a import f\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
     assert _circles(_graph(False)) == [["ds_tsp.checkpoint.a", "ds_tsp.checkpoint.b"]]
+
+
+def test_checker_sees_a_core_folder_running_up(tmp_path, monkeypatch):
+    """The folder check itself: a comm module importing a layer is reported."""
+    fake = tmp_path / "ds_tsp"
+    for folder in ("core/comm", "core/layers"):
+        (fake / folder).mkdir(parents=True)
+    for p in ("__init__.py", "core/__init__.py", "core/comm/__init__.py", "core/layers/__init__.py",
+              "core/layers/mlp.py"):
+        (fake / p).write_text("")
+    (fake / "core" / "comm" / "primitives.py").write_text("from ds_tsp.core.layers.mlp import f\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    with pytest.raises(AssertionError, match="ds_tsp.core.comm.primitives -> ds_tsp.core.layers.mlp"):
+        test_no_core_import_runs_up_a_folder()

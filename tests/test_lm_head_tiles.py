@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from local_ranks import run_on_local_ranks
 
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.functions.lm_head_loss import tsp_lm_head_loss
-from local_ranks import run_on_local_ranks
+from ds_tsp.core.layers.vocab.loss import tsp_lm_head_loss
 
 UNTILED = 1 << 30
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_tsp.core.data import TSPDataLoader
+from ds_tsp.core.tokens.loader import TSPDataLoader
 
 META = torch.device("meta")
 

@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from hf_tiny import build_tiny_model, randomize_lora_, shift  # noqa: E402
-
-from ds_tsp.core.comm import TSPComm  # noqa: E402
-from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
+
+from ds_tsp.core.comm.communicator import TSPComm  # noqa: E402
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, patch_float64_  # noqa: E402
 
 B, S = 2, 29
@@ -57,7 +57,7 @@ def _rel(a, b) -> float:
 def _tsp_runs(save_root: str) -> dict | None:
     import torch.distributed as dist
 
-    from ds_tsp.checkpoint.peft_adapter import gather_adapter
+    from ds_tsp.checkpoint.hf.peft_adapter import gather_adapter
     from ds_tsp.hf import TSPForCausalLM
     from ds_tsp.model.convert import parameter_names, rebind_optimizer
 

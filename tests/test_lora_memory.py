@@ -1,5 +1,5 @@
-"""PEFT LoRA keeps no second copy of the weight shards from forward to backward (ds_tsp.model.lora,
-ds_tsp.core.functions.shard_rebuild).
+"""PEFT LoRA keeps no second copy of the weight shards from forward to backward (ds_tsp.model.peft.lora,
+ds_tsp.core.layers.shard_rebuild).
 
 ShardLoRA hands the attention / MLP Function base + delta, a fresh shard-sized tensor. The Function saves the base
 parameter and the factors instead and merges again in backward. Measured as tests/test_memory.py measures
@@ -19,9 +19,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from hf_tiny import build_tiny_model, randomize_lora_  # noqa: E402
-
-from ds_tsp.core.comm import TSPComm  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
+
+from ds_tsp.core.comm.communicator import TSPComm  # noqa: E402
 
 B, S = 1, 24
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

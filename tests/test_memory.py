@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from ds_tsp.core.comm import TSPComm
 from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
 
 SEQ = 256  # global sequence: no model dimension equals it, so a saved full-sequence tensor is recognisable
 SHAPE = ModelShape(vocab_size=96, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=8, num_kv_heads=4)

@@ -7,9 +7,9 @@ to keep start-up cost out of the suite.
 from __future__ import annotations
 
 import pytest
-
 from local_ranks import run_on_local_ranks
-from ds_tsp.core.shape import ModelShape
+
+from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.tools.verify import VerifyCase, run_case_on_world
 
 

@@ -1,7 +1,7 @@
 """The TSP MoE MLP under `torch.autocast("cpu", dtype=torch.bfloat16)` with fp32 weights (HF Trainer bf16=True,
 Accelerate mixed_precision="bf16"), both dispatch schedules, D = 1 (in process) and D = 2 (gloo).
 
-Both Functions run through ds_tsp.core.functions.amp's wrapper (AUTOCAST_LOW_PRECISION): x, the routing weights and
+Both Functions run through ds_tsp.core.layers.amp's wrapper (AUTOCAST_LOW_PRECISION): x, the routing weights and
 the packed experts are cast to bf16 once on entry, forward and backward run in bf16, and autograd hands fp32 grads
 back to the fp32 parameters. Before that, backward raised (ring: `index_add_(): self (BFloat16) and source (Float)`,
 all_to_all: `index_copy_ ... BFloat16 and Float`).
@@ -28,11 +28,11 @@ import math
 
 import pytest
 import torch
+from local_ranks import run_on_local_ranks
 from moe_reference import MoECase, assemble, hf_block, inputs, spec_of
 
-from ds_tsp.core.comm import TSPComm
-from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.tokens.zigzag import shard
 from ds_tsp.tools.verify import TOLERANCE
 
 pytest.importorskip("transformers")
@@ -68,7 +68,7 @@ def _hf(case: MoECase, tsp: int, autocast: bool) -> dict:
 
 def autocast_case(case: MoECase, comm, dispatch: str) -> dict:
     """One rank's share with fp32 weights under bf16 autocast: local y, logits, grads and their dtypes."""
-    from ds_tsp.core.functions.moe import tsp_moe_mlp
+    from ds_tsp.core.layers.moe.layer import tsp_moe_mlp
 
     tsp, rank = comm.size, comm.rank
     spec = spec_of(case, tsp)

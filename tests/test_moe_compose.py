@@ -1,4 +1,4 @@
-"""Mixture-of-experts models composed with what users put around them (issue 20, item 5), against transformers.
+"""Mixture-of-experts models composed with what users put around them, against transformers.
 
 One spawn of 4 gloo ranks (TSP=2 x DP=2, fp32) trains the tiny Qwen3-MoE of tests/hf_tiny.py (a dense and a sparse
 layer, 8 experts top-2, output_router_logits with router_aux_loss_coef) handed IN MEMORY to ds_tsp.initialize under
@@ -36,9 +36,9 @@ pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import build_tiny_model, save_tiny_checkpoint, tiny_config  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -108,7 +108,7 @@ def _fsdp2_run() -> dict:
     from engine_steps import fsdp2_steps
 
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
     from ds_tsp.hf import TSPForCausalLM
 
     groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2))
@@ -172,7 +172,7 @@ def test_fsdp2_tsp2_dp2_mixtral_with_activation_checkpointing_matches_transforme
 # --- pipeline stages: the router logits would be dropped ----------------------------------------------------------
 def test_pipeline_stages_refuse_moe_with_router_aux_loss():
     import ds_tsp
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.integrations.deepspeed.pipeline import check_pipeline_moe
 
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},

@@ -1,4 +1,4 @@
-"""The TSP MoE MLP (ds_tsp.core.functions.moe) against transformers' own Qwen3MoeSparseMoeBlock and
+"""The TSP MoE MLP (ds_tsp.core.layers.moe.layer) against transformers' own Qwen3MoeSparseMoeBlock and
 MixtralSparseMoeBlock, both dispatch schedules, D = 1, 2, 4 (gloo, float64): y, router_logits, dx, the router
 grad (summed over ranks, as replicated_param does) and every expert weight grad (each rank's experts concatenated)
 within 1e-10 norm-wise relative error (measured ~3e-16). Also: the aux-loss shares against transformers'
@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from local_ranks import run_on_local_ranks
 from moe_reference import MoECase, assemble, inputs, reference, tsp_case, worst
 
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.functions import moe_experts
-from ds_tsp.core.functions.moe import choose_moe_dispatch, moe_aux_loss_share, moe_bytes_per_layer, tsp_moe_mlp
-from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard
+from ds_tsp.core.layers.moe import experts as moe_experts
+from ds_tsp.core.layers.moe.layer import choose_moe_dispatch, moe_aux_loss_share, moe_bytes_per_layer, tsp_moe_mlp
+from ds_tsp.core.tokens.zigzag import shard
 
 pytest.importorskip("transformers")
 
@@ -83,7 +83,7 @@ GROUPED_CASE = MoECase(hidden=16, ffn=8, num_experts=8, top_k=2, skew=(3,), seed
 def _grouped_vs_loop(comm) -> dict:
     """float32 results of both dispatches on the loop path and on the grouped path forced (this torch runs grouped
     GEMMs on the CPU in float32): device offsets, the ring's rotated rows and masked tail, idle experts."""
-    import ds_tsp.core.functions.moe as moe
+    import ds_tsp.core.layers.moe.layer as moe
 
     if moe_experts._grouped_mm_fn() is None:
         return {}
@@ -142,7 +142,7 @@ def test_matches_transformers_block(ranks, tsp, name):
 
 def test_idle_experts_and_one_expert_rank_really_happen():
     """The skewed case leaves experts without a row and the one-expert case routes a whole shard to one expert."""
-    from ds_tsp.core.functions.moe_routing import route
+    from ds_tsp.core.layers.moe.routing import route
 
     for name, tsp in (("qwen3_skewed", 4), ("qwen3_one_expert_rank", 2)):
         case = CASES[name]
@@ -208,7 +208,7 @@ def test_aux_loss_shares_sum_to_transformers(ranks, tsp, masked):
     # the ranks' local logits grads, put back in global order
     n_layers = len(logits)
     local_grads = [[r["aux"][masked]["grads"][i] for r in ranks[tsp]] for i in range(n_layers)]
-    from ds_tsp.core.partition import unshard
+    from ds_tsp.core.tokens.zigzag import unshard
 
     b = logits[0].shape[0]
     glob = [unshard([g.view(b, -1, experts) for g in layer]).reshape(-1, experts) for layer in local_grads]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from hypothesis import strategies as st
+from local_ranks import run_on_local_ranks
 from moe_reference import MoECase, assemble, reference, tsp_case, worst
 from property_cases import draw_cases
 
-from ds_tsp.core.comm import TSPComm
-from local_ranks import run_on_local_ranks
+from ds_tsp.core.comm.communicator import TSPComm
 
 pytest.importorskip("transformers")
 

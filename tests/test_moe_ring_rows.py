@@ -1,4 +1,4 @@
-"""The expert ring's row work per step (ds_tsp.core.functions.moe_ring): rows sorted by owner once per layer, each
+"""The expert ring's row work per step (ds_tsp.core.layers.moe.ring): rows sorted by owner once per layer, each
 step touching exactly the current owner's rows, forward and backward, on both expert-GEMM paths (D = 2, gloo).
 
 A spy (a TorchDispatchMode switched on only inside the ring's step callbacks) records every aten op a step runs
@@ -17,9 +17,9 @@ tests/test_host_syncs.py's.
 from __future__ import annotations
 
 import torch
-
-from ds_tsp.core.comm import TSPComm
 from local_ranks import run_on_local_ranks
+
+from ds_tsp.core.comm.communicator import TSPComm
 
 E, K, H, F, N = 4, 3, 16, 8, 6  # experts, top_k, hidden, per-expert width, local tokens
 D = 2
@@ -62,7 +62,7 @@ def _rows_touched(func, args, out) -> list[int]:
 
 
 def _spec(top_k: int, tsp: int):
-    from ds_tsp.core.functions.moe import MoESpec
+    from ds_tsp.core.layers.moe.layer import MoESpec
 
     return MoESpec(hidden=H, moe_ffn=F, num_experts=E, experts_per_rank=E // tsp, top_k=top_k, norm_topk_prob=True)
 
@@ -87,9 +87,9 @@ def _layer(rank: int, comm, path: str, preferences: dict = PREFERENCES) -> tuple
     (y, x grad, experts grad))."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import ds_tsp.core.functions.moe as moe
-    import ds_tsp.core.functions.moe_ring as ring
-    from ds_tsp.core.functions.moe import tsp_moe_mlp
+    import ds_tsp.core.layers.moe.layer as moe
+    import ds_tsp.core.layers.moe.ring as ring
+    from ds_tsp.core.layers.moe.layer import tsp_moe_mlp
 
     spec = _spec(len(preferences[rank][0]), D)
     x, router, experts = (t.requires_grad_(True) for t in _inputs(rank, preferences))
@@ -163,8 +163,8 @@ def test_meta_fallback_is_the_static_window():
     sorted rows (shapes only; meta computes nothing), and reads nothing."""
     from sync_counter import SyncCounter
 
-    from ds_tsp.core.functions.moe_ring import _StepRows, owner_row_bound
-    from ds_tsp.core.functions.moe_routing import ExpertOrder
+    from ds_tsp.core.layers.moe.ring import _StepRows, owner_row_bound
+    from ds_tsp.core.layers.moe.routing import ExpertOrder
 
     top_i = torch.empty(N, K, dtype=torch.long, device="meta")
     with SyncCounter() as syncs:
@@ -185,7 +185,7 @@ EMPTY_OWNER = {0: [(0,), (1,), (0,), (1,), (0,), (0,)], 1: [(0,), (2,), (3,), (1
 def _empty_owner() -> dict:
     """Per path: the steps, and (y, x grad, own experts grad) of the D=2 ring and of the same global batch on one
     rank (the reference: both ranks' tokens, all experts, the same GEMM path)."""
-    import ds_tsp.core.functions.moe as moe
+    import ds_tsp.core.layers.moe.layer as moe
 
     comm = TSPComm(torch.distributed.group.WORLD)
     out = {}

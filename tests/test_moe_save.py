@@ -1,5 +1,5 @@
 """save_pretrained of a Qwen3-MoE / Mixtral model: every TSP rank of the writing data replica writes ITS experts
-itself (ds_tsp.checkpoint.owner_saved), no expert byte crosses a process boundary, and the result is the standard
+itself (ds_tsp.checkpoint.hf.owned_tensors), no expert byte crosses a process boundary, and the result is the standard
 HF layout (`model-0000k-of-0000N.safetensors` + index) that plain transformers loads with identical tensors and
 logits (float64: bit-identical tensors, the weights are only copied; logits equal to a few ulps, see the test).
 
@@ -22,9 +22,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import MOE_FAMILIES, save_tiny_checkpoint  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 from nccl_rules import check  # noqa: E402
 
-from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_logits, load_hf_reference  # noqa: E402
 
 DEGREES = (4, 2)
@@ -94,7 +94,7 @@ def _record_collectives():
 def _record_parts(fail_after: int | None = None):
     """(part file, {tensor name: nbytes}) of every safetensors part this process writes; with fail_after=k the
     (k+1)-th part fails as a full disk would."""
-    from ds_tsp.checkpoint.shard_stream import ShardStream
+    from ds_tsp.checkpoint.safetensors.shard_stream import ShardStream
 
     parts, original = [], ShardStream._write_shard
 
@@ -114,7 +114,7 @@ def _record_parts(fail_after: int | None = None):
 def _save_runs(checkpoints: dict[str, str], out: str) -> dict:
     import torch.distributed as dist
 
-    from ds_tsp.checkpoint.owner_saved import saved_by_owner
+    from ds_tsp.checkpoint.hf.owned_tensors import saved_by_owner
     from ds_tsp.core.errors import TSPConfigError
     from ds_tsp.hf import TSPForCausalLM
 
@@ -185,7 +185,7 @@ def test_transformers_loads_identical_tensors_and_logits(saved, name, degree):
 def test_standard_index_and_file_names(saved, name, degree):
     from safetensors import safe_open
 
-    from ds_tsp.checkpoint.safetensors_io import CheckpointReader
+    from ds_tsp.checkpoint.safetensors.reader import CheckpointReader
 
     checkpoints, results, out = saved
     directory = out / f"{name}-d{degree}"

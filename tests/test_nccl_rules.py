@@ -15,10 +15,10 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.distributed as dist
+from local_ranks import run_on_local_ranks
 from nccl_rules import check, op, p2p, unbatched
 
 from ds_tsp.core.config import TSPOptions
-from local_ranks import run_on_local_ranks
 
 KINDS = {"broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "p2p"}
 
@@ -51,12 +51,12 @@ GROUPS = {2: [2, 3], 3: [0, 1, 2], 4: [0, 1, 2, 3]}
 
 def _step(D: int, group, cfg: dict, record: bool, weights=None) -> dict:
     """One training step (forward, backward, optimizer.step) from a fixed init; the ops it posts if record."""
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.documents import documents_of_lengths
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.shape import ModelShape
-    from ds_tsp.core.watchdog import label_modules
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.reliability.watchdog import label_modules
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.core.tokens.documents import documents_of_lengths
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     comm = TSPComm(group, overlap=cfg["overlap"], weight_group=weights if cfg.get("weight_channel") else None)
     shape = ModelShape(vocab_size=61, hidden_size=16 * D, intermediate_size=12 * D, num_layers=2, num_heads=2 * D,
@@ -80,13 +80,13 @@ def _fsdp2_step() -> list[dict]:
     """One TSP=2 x DP=2 training step under FSDP2: the TSP ops of ranks (0, 1) and (2, 3) replayed together.
 
     FSDP2's own collectives (data axis) do not go through TSPComm and are not recorded."""
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.shape import ModelShape
-    from ds_tsp.core.topology import ParallelLayout, ProcessGroups
-    from ds_tsp.core.watchdog import label_modules
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
+    from ds_tsp.core.reliability.watchdog import label_modules
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.core.tokens.zigzag import shard_batch
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     groups = ProcessGroups.build(ParallelLayout.from_world_size(dist.get_world_size(), tsp=2), weight_channel=True)
     comm = TSPComm(groups.tsp_group, weight_group=groups.tsp_weight_group)
@@ -256,7 +256,7 @@ def test_p2p_size_mismatch_is_reported():
     assert any("p2p sizes differ" in m for m in report.mismatches), report
 
 
-# --- the MoE MLP's two dispatch schedules (ds_tsp.core.functions.moe) ----------------------------------------------
+# --- the MoE MLP's two dispatch schedules (ds_tsp.core.layers.moe.layer) ----------------------------------------------
 MOE_GROUPS = {2: [2, 3], 4: [0, 1, 2, 3]}
 
 
@@ -264,7 +264,7 @@ def _moe_record() -> dict:
     """{D: {dispatch: ops of one MoE forward + backward}} on this rank (routing skewed: uneven splits)."""
     from moe_reference import MoECase, tsp_case
 
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
 
     groups = {D: dist.new_group(ranks) for D, ranks in MOE_GROUPS.items()}
     out = {}

@@ -18,11 +18,11 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from dist_trace import traced
+from local_ranks import run_on_local_ranks
 from masked_patterns import MaskedPatterns
 from nccl_rules import check, unbatched
 
-from local_ranks import run_on_local_ranks
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.tools.reference_model import (
     ReferenceCausalLM,
     full_state_dict,
@@ -47,7 +47,7 @@ ZERO3 = _config(zero=3)
 
 def _the_comm(engine):
     """The one TSPComm every layer shares (the pipeline engine has no tsp_model: ask the stage's modules)."""
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
 
     comms = {id(m.comm): m.comm for m in engine.module.modules() if isinstance(getattr(m, "comm", None), TSPComm)}
     assert len(comms) == 1, f"{len(comms)} TSPComm objects in the stage"
@@ -61,8 +61,8 @@ def _recorded_steps() -> dict:
     import torch.distributed as dist
 
     import ds_tsp
-    from ds_tsp.core.comm_recorder import CommRecorder
-    from ds_tsp.core.data import pipeline_batches
+    from ds_tsp.core.comm.recorder import CommRecorder
+    from ds_tsp.core.tokens.loader import pipeline_batches
 
     ref = ReferenceCausalLM(SHAPE)
     init_weights_(ref, 0)

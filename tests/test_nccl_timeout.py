@@ -1,4 +1,4 @@
-"""NCCL's own watchdog must not fire before ds_tsp's (issue 25 item 5): NCCL times a work from enqueue, ds_tsp from
+"""NCCL's own watchdog must not fire before ds_tsp's: NCCL times a work from enqueue, ds_tsp from
 wait(), and NCCL's abort (SIGABRT and its dump) would otherwise replace the one-line report. Groups that run NCCL are
 created with timeout_s + max(60 s, timeout_s); gloo groups keep timeout_s. On a CUDA machine a timeout_s below the
 GPU floor warns. torch.distributed is mocked: no group is created."""
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.core.config import GPU_TIMEOUT_FLOOR_S, TSPConfig
-from ds_tsp.core.topology import ParallelLayout, ProcessGroups, group_timeout, nccl_timeout_s
+from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups, group_timeout, nccl_timeout_s
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_groups_are_created_with_the_margin_on_nccl(fake_dist, default_backend, 
 
 def test_init_from_env_default_group_gets_the_margin(monkeypatch):
     """The default group carries the non-finite check and DeepSpeed's collectives: NCCL there gets the margin too."""
-    from ds_tsp.core import launch
+    from ds_tsp.core.parallel import launch
 
     seen = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

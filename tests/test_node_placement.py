@@ -1,4 +1,4 @@
-"""The TSP axis stays inside a node (issue 28, part 2): a TSP group spanning nodes is refused at setup with one
+"""The TSP axis stays inside a node: a TSP group spanning nodes is refused at setup with one
 message naming the size, the processes per node and the sizes that fit; "allow_cross_node": true keeps it.
 
 The check itself is a pure function of the layout and every rank's node (tsp_node_placement_error), tested over many
@@ -17,8 +17,8 @@ import pytest
 
 from ds_tsp.core.config import parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.node_placement import node_name, tsp_node_placement_error
-from ds_tsp.core.topology import ParallelLayout
+from ds_tsp.core.parallel.placement import node_name, tsp_node_placement_error
+from ds_tsp.core.parallel.topology import ParallelLayout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_allow_cross_node_is_a_tsp_key():
 def test_two_local_nodes_refused_at_setup_on_every_rank(tmp_path):
     """4 processes as 2 nodes x 2 (torchrun's and the deepspeed launcher's variables): size 4 refused on every rank
     before any step, 2 fits, allow_cross_node keeps 4; with neither launcher's variables the hostname decides."""
-    from ds_tsp.core.launch import free_port
+    from ds_tsp.core.parallel.launch import free_port
 
     port, procs = free_port(), []
     for rank in range(4):
@@ -122,7 +122,7 @@ def test_two_local_nodes_refused_at_setup_on_every_rank(tmp_path):
 
 
 def test_with_a_cp_axis_the_sizes_that_fit_keep_it():
-    """tsp stays innermost under cp (ds_tsp.core.topology): the check and the sizes it names hold the cp degree."""
+    """tsp stays innermost under cp (ds_tsp.core.parallel.topology): the check and the sizes it names hold the cp degree."""
     nodes = _nodes(2, 2, 2, 2)
     assert tsp_node_placement_error(ParallelLayout.from_world_size(8, tsp=2, cp=2), nodes) is None
     message = tsp_node_placement_error(ParallelLayout.from_world_size(8, tsp=4, cp=2), nodes)

@@ -9,9 +9,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from test_deepspeed import ENV, SHAPE, ds_config  # noqa: E402
-
 from local_ranks import run_on_local_ranks  # noqa: E402
+from test_deepspeed import ENV, SHAPE, ds_config  # noqa: E402
 
 
 class _InfGrad(torch.autograd.Function):

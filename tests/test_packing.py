@@ -15,9 +15,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import packed_batch, save_tiny_checkpoint, shift, tiny_config  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.core.config import TSPOptions  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference  # noqa: E402
 
 SIX_HEADS = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)
@@ -33,7 +33,7 @@ def _rel(a, b) -> float:
 def _tsp_loss_and_grads(directory: str, inputs: dict, backend: str | None) -> tuple:
     from ds_tsp.hf import TSPForCausalLM
 
-    model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64, options=TSPOptions(kernel_backend=backend))
+    model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64, options=TSPOptions(kernel=backend or "auto"))
     out = model(**inputs)
     out.loss.backward()
     return out.loss.detach(), model.tsp.full_state_dict(grads=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.partition import (
+from ds_tsp.core.tokens.zigzag import (
     global_to_rank_order_index,
     pad_to,
     padded_length,

@@ -6,18 +6,18 @@ really keeps (dedupe by storage, params excluded) within 10% (it is exact at the
 """
 from __future__ import annotations
 
-import argparse
 import json
 from fractions import Fraction
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from ds_tsp.core.config import TSPOptions
 from local_ranks import run_on_local_ranks
 from plan_step_measure import measure_step
-from ds_tsp.core.shape import ModelShape
+
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.tools.cli import build_parser
 from ds_tsp.tools.plan import (
     PRESETS,
     PlanInput,
@@ -32,9 +32,8 @@ from ds_tsp.tools.plan import (
     shape_from_hf_config,
     tsp_counter_bytes,
 )
-from ds_tsp.tools.plan import cli as plan_cli
 
-_HAS_AC = "activation_checkpointing" in TSPOptions.__dataclass_fields__
+_HAS_AC = hasattr(TSPOptions(), "activation_checkpointing")  # a dataclass before, a pydantic model now
 
 
 def _shape(**kw) -> ModelShape:
@@ -112,7 +111,7 @@ def test_tsp_comm_formula_equals_counters_exactly(measured, world, name):
 
 def test_tsp_comm_matches_design_formula_at_7b():
     """Design doc: fwd rho*W + rho*2KV; bwd rho*W + (rho*W_attn + W_mlp) + 2*rho*2KV; the norm grads of the whole
-    model are one bucketed all-reduce per step (ds_tsp.core.replicated_grads)."""
+    model are one bucketed all-reduce per step (ds_tsp.core.grads.replicated)."""
     shape, D, S, B, b = PRESETS["7b"], 8, 131072, 1, 2
     h, F, kv = shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.dim_per_head
     rho = Fraction(D - 1, D)
@@ -181,7 +180,7 @@ def test_checkpointing_pipeline_and_dp_terms():
     ac = plan_tsp(PlanInput(model=shape, seq=32768, degree=8, activation_checkpointing=True))
     plain = plan_tsp(base)
     # checkpointing keeps each layer's input [T, h] instead of its saved set: 2 norms (input + rstd), attention and
-    # MLP inputs, the attention output and LSE: ~5 [T, h] (the design's minimum, issue 19)
+    # MLP inputs, the attention output and LSE: ~5 [T, h] (the design's minimum)
     layer_input = base.batch * 32768 // 8 * shape.hidden_size * base.dtype_bytes
     assert plain.activations_bytes - ac.activations_bytes == \
         shape.num_layers * (plain.activation_bytes_per_layer - layer_input)
@@ -212,9 +211,7 @@ def test_shape_from_hf_config(tmp_path):
 # --- (d) CLI ------------------------------------------------------------------------------------------------------
 
 def _run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ds-tsp")
-    plan_cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)  # the real ds-tsp parser: its one-line errors
     return args.run(args)
 
 
@@ -248,7 +245,6 @@ def test_cli_default_all_layouts_and_table(capsys, tmp_path):
     (["--tsp", "3"], "--tsp"),
     (["--model", "9b"], "--model"),
     (["--layout", "tsp,megatron"], "--layout"),
-    (["--seq", "lots"], "--seq"),
     (["--dtype", "int8"], "--dtype"),
     (["--tsp", "2", "--tp", "4"], "--tp"),
     (["--pp", "64"], "--pp"),
@@ -346,13 +342,42 @@ def test_cli_shape_flags_override_the_model(capsys):
     (["--model", "7b", "--hidden", "4000"], "--hidden"),  # 4000 % 32 heads
     (["--model", "8b", "--heads", "12"], "--heads"),  # 12 heads over 8 kv heads
     (["--model", "8b", "--kv-heads", "5"], "--kv-heads"),
-    (["--model", "8b", "--ffn", "0"], "--ffn"),
-    (["--model", "8b", "--layers", "two"], "--layers"),
 ])
 def test_cli_bad_shape_flag_names_it(capsys, argv, flag):
     assert _run_cli(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and flag in err[0], err
+
+
+@pytest.mark.parametrize("argv,flag,message", [
+    (["--seq", "lots"], "--seq", "'lots' is not an integer; write e.g. 4096, 128k or 1m"),
+    (["--model", "8b", "--ffn", "0"], "--ffn", "0 must be >= 1"),
+    (["--model", "8b", "--layers", "two"], "--layers", "'two' is not an integer"),
+    (["--zero-stage", "-1"], "--zero-stage", "-1 must be >= 0"),
+    (["--recommend", "--gpu-mem-gib", "lots", "--devices", "8"], "--gpu-mem-gib", "'lots' is not a number"),
+    (["--recommend", "--gpu-mem-gib", "80", "--devices", "0"], "--devices", "0 must be >= 1"),
+    (["--max-seq", "--gpu-mem-gib", "80", "--host-mem-gib", "-5"], "--host-mem-gib", "-5.0 must be > 0"),
+    (["--gpu-tflops", "inf"], "--gpu-tflops", "'inf' is not a finite number"),
+    (["--gpus-per-node", "1.5"], "--gpus-per-node", "'1.5' is not an integer"),
+    (["--cp", "0"], "--cp", "0 must be >= 1"),
+    (["--cp", "2", "--inter-node-gbps", "0"], "--inter-node-gbps", "0.0 must be > 0"),
+])
+def test_cli_malformed_number_is_one_line_naming_the_flag(capsys, argv, flag, message):
+    """Numbers are parsed once, by argparse (ds_tsp.tools.cli_types): one line naming the flag, exit 2, stdout
+    empty."""
+    with pytest.raises(SystemExit) as exc:
+        _run_cli(["plan", *argv, "--json"])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"ds-tsp plan: error: argument {flag}: ") and message in line, captured.err
+
+
+def test_cli_numbers_take_suffixes_and_e_notation(capsys):
+    assert _run_cli(["plan", "--model", "8b", "--seq", "1m", "--tsp", "8", "--zero-bucket", "5e6", "--layout", "tsp",
+                     "--lm-head-chunk-tokens", "2k", "--json"]) == 0
+    inp = json.loads(capsys.readouterr().out)["input"]
+    assert (inp["seq"], inp["zero_bucket_elements"], inp["lm_head_chunk_tokens"]) == (2 ** 20, 5_000_000, 2048)
 
 
 # --- (g) --recommend ---------------------------------------------------------------------------------------------------

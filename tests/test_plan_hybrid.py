@@ -19,7 +19,7 @@ from hybrid_tiny import hybrid_config  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 from plan_step_measure import measure_step  # noqa: E402
 
-from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
 from ds_tsp.tools.plan import PlanInput, PlanInputError, plan_layouts, plan_tsp, tsp_counter_bytes  # noqa: E402
 from ds_tsp.tools.plan import cli as plan_cli  # noqa: E402
 from ds_tsp.tools.plan.hybrid import hybrid_counter_bytes  # noqa: E402

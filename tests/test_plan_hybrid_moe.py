@@ -20,7 +20,7 @@ from hybrid_tiny import hybrid_config  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 from plan_step_measure import measure_step  # noqa: E402
 
-from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
 from ds_tsp.tools.plan import PlanInput, plan_tsp  # noqa: E402
 from ds_tsp.tools.plan import cli as plan_cli  # noqa: E402
 from ds_tsp.tools.plan.hybrid import described_kind, hybrid_counter_bytes, layer_kinds  # noqa: E402

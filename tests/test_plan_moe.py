@@ -5,22 +5,21 @@ expert, so the all_to_all rows equal the plan's even-routing count), saved activ
 --hf-config on config.json files written by transformers."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.functions.moe_cost import choose_moe_dispatch, moe_bytes_per_layer
 from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.layers.moe.cost import choose_moe_dispatch, moe_bytes_per_layer
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
+from ds_tsp.tools.cli import build_parser
 from ds_tsp.tools.plan import PlanInput, plan_tsp, tsp_counter_bytes
-from ds_tsp.tools.plan import cli as plan_cli
 
 SCHEDULES = ("ring", "all_to_all")
 # Qwen3-MoE-like (q/k norms), layer 1 dense (mixed sparse / dense stack), vocab 99 and seq 30 padded.
@@ -77,7 +76,7 @@ def test_params_and_grads_equal_the_model_per_rank(measured, world):
         for name, m in per_rank.items():
             plan = plan_tsp(_input(name, world))
             assert m["params"] == plan.params_bytes and m["grads"] == plan.grads_bytes, (name, m, plan.params_bytes)
-    # the issue's target: 1/D of the experts and attention per rank, router and norms replicated
+    # what TSP's MoE is for: 1/D of the experts and attention per rank, router and norms replicated
     h, e, f = SHAPE.hidden_size, SHAPE.num_experts, SHAPE.moe_intermediate_size
     experts = 2 * e * 3 * f * h * 4  # two sparse layers, fp32
     one = plan_tsp(_input("ring", 1)).params_bytes
@@ -122,9 +121,7 @@ def test_auto_is_choose_moe_dispatch_and_both_peaks_reported():
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    plan_cli.register(parser.add_subparsers())
-    args = parser.parse_args(["plan", *argv])
+    args = build_parser().parse_args(["plan", *argv])  # the real ds-tsp parser: its one-line errors
     return args.run(args)
 
 
@@ -170,12 +167,21 @@ def test_cli_moe_flags_on_a_preset(capsys):
     (["--top-k", "2"], "--top-k"),  # no experts
     (["--num-experts", "8", "--top-k", "9"], "--top-k"),
     (["--num-experts", "8", "--layout", "tsp,ulysses"], "--layout"),  # peers refuse MoE shapes
-    (["--num-experts", "8", "--moe-ffn", "x"], "--moe-ffn"),
 ])
 def test_cli_bad_moe_flags_exit_2_naming_them(capsys, argv, flag):
     assert _run(["--model", "7b", "--seq", "4k", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ds-tsp plan: error: {flag}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv,flag", [(["--moe-ffn", "x"], "--moe-ffn"), (["--num-experts", "-1"], "--num-experts")])
+def test_cli_malformed_moe_number_is_one_line_naming_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as exc:
+        _run(["--model", "7b", "--seq", "4k", "--num-experts", "8", *argv])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert any(f"error: argument {flag}: {m} (see" in line for m in (
+        "'x' is not an integer; write e.g. 4096, 128k or 1m", "-1 must be >= 0")), line
 
 
 def test_foreign_moe_config_refused(tmp_path, capsys):
@@ -188,7 +194,7 @@ def test_foreign_moe_config_refused(tmp_path, capsys):
 
 
 def test_ring_rows_per_step_are_the_owners_rows():
-    """The ring's row work per step (ds_tsp.core.functions.moe_ring): both GEMM paths slice exactly the owner's rows
+    """The ring's row work per step (ds_tsp.core.layers.moe.ring): both GEMM paths slice exactly the owner's rows
     (host bounds, one read per layer forward), planned at the balanced R/D = T x top_k / D; no static window in the
     bf16 (grouped) plan's rows or transients. The host reads: 1 per sparse layer forward, 2 with activation
     checkpointing (the recompute reads again), either schedule; the note says so."""

@@ -45,9 +45,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from property_cases import ModelCase, Row, compare, draw_cases, model_cases, run_cases_on_ranks
 
-from ds_tsp.core.documents import document_starts, documents_of_lengths
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.partition import (
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.documents import document_starts, documents_of_lengths
+from ds_tsp.core.tokens.zigzag import (
     global_to_rank_order_index,
     pad_to,
     padded_length,
@@ -58,7 +59,6 @@ from ds_tsp.core.partition import (
     unshard,
     zigzag_positions,
 )
-from ds_tsp.core.shape import ModelShape
 
 IGNORE = -100
 FAST = settings(max_examples=150, derandomize=True, deadline=None, database=None)
@@ -308,7 +308,7 @@ def test_model_configurations_cover_the_space():
         "packed": sum(any(len(r.docs) > 1 for r in c.rows) for c in cases),
         "padded": sum(any(r.left or r.right for r in c.rows) for c in cases),
         "offset": sum(any(r.offset for r in c.rows) for c in cases),
-        "math_backend": sum(c.options.kernel_backend == "math" for c in cases),
+        "math_backend": sum(c.options.kernel == "math" for c in cases),
         "checkpointing": sum(c.options.activation_checkpointing for c in cases),
         "keep_kv": sum(c.options.keep_gathered_kv for c in cases),
         "no_overlap": sum(not c.overlap for c in cases),
@@ -318,7 +318,7 @@ def test_model_configurations_cover_the_space():
     assert not thin, f"features drawn fewer than 3 times: {thin} (all: {features})"
 
 
-# Found by these tests (fixed in ds_tsp/core/functions/lm_head_loss.py): when a rank's vocab shard holds no real row,
+# Found by these tests (fixed in ds_tsp/core/layers/vocab/loss.py): when a rank's vocab shard holds no real row,
 # V <= (D-1) * ceil(V/D), the padding mask started at a NEGATIVE index (loss silently wrong: V=5, D=4 gave 1.79
 # vs 1.61) and an all-padding shard started the running log-sum-exp with exp(-inf - -inf) = NaN. These cases pin
 # it; the strategy draws such vocab sizes too.

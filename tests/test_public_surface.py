@@ -4,6 +4,7 @@ light, and the previous release's import paths still working with one Deprecatio
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def test_every_public_name_is_exported_and_resolves():
 def test_import_ds_tsp_stays_light():
     """The faces load what they export on first use: `import ds_tsp` brings no DeepSpeed, transformers or model."""
     code = ("import sys, ds_tsp; heavy = [m for m in ('deepspeed', 'transformers', 'accelerate', "
-            "'ds_tsp.model.sharded_causal_lm') if m in sys.modules]; print(heavy)")
+            "'ds_tsp.model.causal_lm') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -108,8 +109,8 @@ def test_old_module_is_not_loaded_twice():
         old = importlib.import_module("ds_tsp.plan.cli")
         launch = importlib.import_module("ds_tsp.launch")
     assert old is importlib.import_module("ds_tsp.tools.plan.cli")
-    assert launch is importlib.import_module("ds_tsp.core.launch")
-    assert launch.__spec__.name == "ds_tsp.core.launch"  # the module keeps its own spec
+    assert launch is importlib.import_module("ds_tsp.core.parallel.launch")
+    assert launch.__spec__.name == "ds_tsp.core.parallel.launch"  # the module keeps its own spec
 
 
 def test_python_m_old_cli_runs_the_command():
@@ -162,14 +163,26 @@ def _ds_tsp_imports(code: str) -> list[str]:
     return found
 
 
-def test_readme_and_examples_import_only_the_faces():
-    """What users copy (the README's Python blocks, examples/) names only public faces, so no internal move
-    breaks it."""
+def test_docs_and_examples_import_only_the_faces():
+    """What users copy (the Python blocks of README.md and docs/*.md, examples/) names only public faces, so no
+    internal move breaks it."""
     import re
 
     faces = set(PUBLIC)
-    sources = {f"README block {i}": block for i, block in
-               enumerate(re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL))}
+    sources = {}
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), re.DOTALL)):
+            sources[f"{doc.relative_to(ROOT)} block {i}"] = block
+    assert len(sources) >= 5, sources  # README's and docs' blocks were found
     sources.update({str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "examples").glob("*.py"))})
     inner = {name: sorted(set(_ds_tsp_imports(code)) - faces) for name, code in sources.items()}
     assert not {k: v for k, v in inner.items() if v}, inner
+
+
+def test_every_moved_path_points_at_a_module_that_exists():
+    """An internal regroup that drops a module a deprecated path aliases breaks `import ds_tsp.<old>` silently
+    until someone imports it: every alias target must still be found."""
+    from ds_tsp._moved import MOVED_MODULES
+
+    missing = {old: new for old, new in MOVED_MODULES.items() if importlib.util.find_spec(new) is None}
+    assert not missing, f"deprecated paths aliasing modules that no longer exist: {missing}"

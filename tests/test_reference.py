@@ -2,7 +2,7 @@
 
 To make HF a true float64 reference, the test patches (within the test only) the two places where HF narrows
 float64 to float32: RMSNorm's `.to(float32)` and the rotary embedding's float32 angles (its float32 inverse
-frequencies are kept: ds_tsp.core.rope computes the same ones). The loss is computed from
+frequencies are kept: ds_tsp.core.tokens.rope computes the same ones). The loss is computed from
 HF's logits in float64 (HF's loss_function upcasts with `.float()`, i.e. DOWNcasts float64); HF's own loss is
 checked separately, at float32 precision, to pin the shift_labels convention.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
 transformers = pytest.importorskip("transformers")
@@ -58,7 +58,7 @@ def hf_float64(monkeypatch):
         return self.weight * x.to(dtype)
 
     def rotary_forward(self, x, position_ids):
-        # HF's own (float32) inverse frequencies, float64 angles: what ds_tsp.core.rope computes for float64 models
+        # HF's own (float32) inverse frequencies, float64 angles: what ds_tsp.core.tokens.rope computes for float64 models
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         freqs = position_ids[..., None].to(wide) * self.inv_freq.to(wide)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -12,14 +12,14 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.config import TSPOptions
 from local_ranks import run_on_local_ranks
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.replicated_grads import ReplicatedGradBucket
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.grads.replicated import ReplicatedGradBucket
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
 
 LAYERS = 3
 SHAPE = ModelShape(vocab_size=37, hidden_size=32, intermediate_size=32, num_layers=LAYERS, num_heads=4,

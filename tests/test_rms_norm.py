@@ -1,4 +1,4 @@
-"""The fused RMSNorm Function (ds_tsp.core.functions.norm.tsp_rms_norm) against HF's formula under plain autograd.
+"""The fused RMSNorm Function (ds_tsp.core.layers.norm.tsp_rms_norm) against HF's formula under plain autograd.
 
 Reference: HF LlamaRMSNorm written out (compute in float32, or the input dtype if wider; `weight * normed.to(input
 dtype)`), differentiated by autograd. Tolerances (norm-wise relative): forward bitwise equal in every dtype (the
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.functions.norm import TSPRMSNorm, rms_norm, rms_norm_backward, tsp_rms_norm
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.layers.norm import TSPRMSNorm, rms_norm, rms_norm_backward, tsp_rms_norm
 
 EPS = 1e-6
 

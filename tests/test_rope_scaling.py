@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.rope import RopeScaling, rope_cos_sin
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape, RopeScaling
+from ds_tsp.core.tokens.rope import rope_cos_sin
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,8 +19,8 @@ import torch
 from host_memory import HostMemoryPeak, current_rss_bytes
 from safetensors.torch import load_file, save_file
 
-from ds_tsp.checkpoint.safetensors_io import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointReader
-from ds_tsp.checkpoint.safetensors_writer import StreamingCheckpointWriter, parse_size
+from ds_tsp.checkpoint.safetensors.reader import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, CheckpointReader
+from ds_tsp.checkpoint.safetensors.writer import StreamingCheckpointWriter, parse_size
 from ds_tsp.core.errors import TSPConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,7 +251,7 @@ def test_active_writer_is_not_stale(tmp_path):
 
 SLOW_WRITER = """
 import sys, time, torch
-from ds_tsp.checkpoint.safetensors_writer import StreamingCheckpointWriter
+from ds_tsp.checkpoint.safetensors.writer import StreamingCheckpointWriter
 with StreamingCheckpointWriter(sys.argv[1], max_shard_size=4096) as w:
     for i in range(400):
         w.add(f"t{i}", torch.full((1024,), float(i)))  # one 4 KB shard per tensor

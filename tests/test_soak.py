@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from ds_tsp.core.launch import run_on_local_ranks  # noqa: E402
+from ds_tsp.core.parallel.launch import run_on_local_ranks  # noqa: E402
 
 pytestmark = pytest.mark.soak
 STEPS, SAVE_EVERY, SAMPLE_EVERY, WARMUP = 1000, 100, 10, 200
@@ -29,7 +29,7 @@ def _soak(save_dir: str) -> list[tuple[int, float]]:
     import gc
 
     import ds_tsp
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.tools.synthetic import RepeatingPatterns
 
     shape = ModelShape(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,

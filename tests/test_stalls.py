@@ -22,8 +22,8 @@ import pytest
 import torch
 from rank_procs import Ranks
 
-from ds_tsp.core.stall_message import MESSAGE_PREFIX, Blocked, TSPCommError, describe
-from ds_tsp.core.watchdog import EXIT_CODE, watched_wait
+from ds_tsp.core.reliability.stall_message import MESSAGE_PREFIX, Blocked, TSPCommError, describe
+from ds_tsp.core.reliability.watchdog import EXIT_CODE, watched_wait
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5
@@ -37,12 +37,12 @@ def _rank_main(steps: int, timeout_s: float | None, pg_timeout_s: float | None =
 
     import torch.distributed as dist
 
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.launch import init_from_env
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.shape import ModelShape
-    from ds_tsp.core.watchdog import label_modules, stats
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.parallel.launch import init_from_env
+    from ds_tsp.core.reliability.watchdog import label_modules, stats
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     torch.set_num_threads(1)
     rank, world = init_from_env(backend="gloo")  # process-group timeout: the 1800 s default
@@ -152,9 +152,9 @@ def test_process_group_timeout_first_reads_as_the_watchdogs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("setup", ["runtime", "world"])
 def test_stall_trials(tmp_path, setup):
-    """benchmarks/stall_trials.py, a few trials (the issue's measurement is 20): ranks started by hand, one SIGSTOPped
+    """benchmarks/stall_trials.py, a few trials (the full measurement is 20): ranks started by hand, one SIGSTOPped
     at a random point of a step, then once right before the loss logging, then once right before the non-finite
-    check (its job-wide all-reduce, issue 25 item 6); every survivor ends within timeout_s + 30 s with ONE message
+    check (its job-wide all-reduce); every survivor ends within timeout_s + 30 s with ONE message
     naming collective, layer and peer. setup runtime: the groups' own timeout is timeout_s."""
     for stop_at, trials, extra in (("random", 3, []), ("optimizer", 1, []), ("optimizer", 1, ["--nonfinite"])):
         out = tmp_path / f"{stop_at}{len(extra)}.json"
@@ -191,7 +191,7 @@ def test_healthy_run_is_not_disturbed(tmp_path):
 
 def test_watchdog_thread_never_blocks_exit():
     """The watchdog thread is a daemon: an interpreter with it started (and a wait armed and done) exits at once."""
-    code = ("from ds_tsp.core.watchdog import WATCHDOG, Blocked, stats\n"
+    code = ("from ds_tsp.core.reliability.watchdog import WATCHDOG, Blocked, stats\n"
             "WATCHDOG.disarm(WATCHDOG.arm(Blocked(None, 'probe', ('group',)), 600.0))\n"
             "assert stats()['thread'], stats()\n")
     start = time.monotonic()
@@ -274,8 +274,8 @@ def test_message_names_global_ranks():
 def test_label_modules_names_forward_backward_and_resets():
     from torch import nn
 
-    from ds_tsp.core.comm import TSPComm
-    from ds_tsp.core.watchdog import label_modules
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.reliability.watchdog import label_modules
 
     comm = TSPComm.single()
     seen = []

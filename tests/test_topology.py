@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from local_ranks import run_on_local_ranks
 
 from ds_tsp.core.errors import TSPConfigError
-from local_ranks import run_on_local_ranks
-from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
 
 LAYOUTS = [ParallelLayout(), ParallelLayout(tsp=4), ParallelLayout(data=3, tsp=2), ParallelLayout(pipe=2, data=3, tsp=2),
            ParallelLayout(pipe=3, data=1, tsp=2), ParallelLayout(pipe=2, data=2, tsp=1)]

@@ -173,7 +173,7 @@ def test_predict_and_compute_metrics_see_what_the_plain_trainer_gives(tmp_path):
 
 
 if __name__ == "__main__":
-    from ds_tsp.core.launch import exit_rank
+    from ds_tsp.core.parallel.launch import exit_rank
 
     main(*sys.argv[1:])
     exit_rank()  # a torchrun worker: skip interpreter finalization, where gloo can abort

@@ -18,11 +18,11 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+from local_ranks import run_on_local_ranks  # noqa: E402
 from masked_patterns import MaskedPatterns  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from local_ranks import run_on_local_ranks  # noqa: E402
-from ds_tsp.core.shape import ModelShape  # noqa: E402
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_  # noqa: E402
 
 SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)

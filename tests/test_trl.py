@@ -311,12 +311,12 @@ def test_bare_sft_trainer_on_a_tsp_model_names_tsp_sft_trainer(tmp_path):
     """SFTTrainer(model=TSPForCausalLM) without TSPTrainer: one TSPConfigError naming TSPSFTTrainer (it was a bare
     AttributeError: generation_config); hasattr / getattr with a default still answer as before."""
     from datasets import Dataset
+    from hf_tiny import tiny_config
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from ds_tsp.core.errors import TSPConfigError
     from ds_tsp.hf import TSPForCausalLM
-    from hf_tiny import tiny_config
 
     save_tokenizer(tmp_path / "tok")
     model = TSPForCausalLM(tiny_config("llama", vocab_size=len(WORDS) + 3))
@@ -329,7 +329,7 @@ def test_bare_sft_trainer_on_a_tsp_model_names_tsp_sft_trainer(tmp_path):
 
 def test_tsp_sft_trainer_without_trl_says_how_to_install(monkeypatch):
     import ds_tsp.hf
-    from ds_tsp.integrations import trl_composed
+    from ds_tsp.integrations.trl import composed as trl_composed
 
     trl_composed.composed_trainer_class.cache_clear()
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
@@ -341,7 +341,7 @@ def test_tsp_sft_trainer_without_trl_says_how_to_install(monkeypatch):
 
 
 if __name__ == "__main__":
-    from ds_tsp.core.launch import exit_rank
+    from ds_tsp.core.parallel.launch import exit_rank
 
     main(*sys.argv[1:])
     exit_rank()  # a torchrun worker: skip interpreter finalization, where gloo can abort

@@ -1,4 +1,4 @@
-"""ds_tsp.core.varlen: packed documents in one varlen kernel call per chunk.
+"""ds_tsp.core.layers.attention.varlen: packed documents in one varlen kernel call per chunk.
 
 No GPU here, so the varlen kernels are replaced by `reference_varlen_*` below: a pure-torch, segment-by-segment
 definition of what flash kernels' varlen entry points compute (causal aligned bottom-right inside each segment,
@@ -20,8 +20,9 @@ import torch
 from sync_counter import SyncCounter
 from test_document_attention import SCALE, dense_mask, make_inputs
 
-from ds_tsp.core import document_attention, kernels, varlen
-from ds_tsp.core.partition import zigzag_chunks
+from ds_tsp.core.layers.attention import kernels, varlen
+from ds_tsp.core.layers.attention import masked as document_attention
+from ds_tsp.core.tokens.zigzag import zigzag_chunks
 
 # ----------------------------------------------------------------------------------------------------------------
 # the reference varlen call (what a flash varlen kernel computes), in float64

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core import watchdog_polling
-from ds_tsp.core.comm import CommCounter, Handle, TSPComm
-from ds_tsp.core.stall_message import MESSAGE_PREFIX, Blocked
-from ds_tsp.core.watchdog import EXIT_CODE, POLL_S, WATCHDOG
+from ds_tsp.core.comm.communicator import CommCounter, Handle, TSPComm
+from ds_tsp.core.reliability import polling as watchdog_polling
+from ds_tsp.core.reliability.stall_message import MESSAGE_PREFIX, Blocked
+from ds_tsp.core.reliability.watchdog import EXIT_CODE, POLL_S, WATCHDOG
 
 REPO = Path(__file__).resolve().parents[1]
 # A loaded 2-core CI box may run the watchdog thread this late; the bound is timeout_s + POLL_S + SLACK_S.
@@ -164,7 +164,7 @@ def _reachable(roots, kinds, limit: int = 20_000) -> list:
 
 
 def test_poller_holds_no_tensor_and_no_work(reports, events):
-    """Issue 25 item 4: after wait() the poller keeps an event, not the Work (a WorkNCCL keeps its outputs until the
+    """After wait() the poller keeps an event, not the Work (a WorkNCCL keeps its outputs until the
     GPU finishes it). On the fake process group: the output and input buffers and the Work are freed as soon as
     Python drops them, while the collective is still 'in flight' for the poller."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -212,7 +212,7 @@ def test_record_event_needs_no_device_on_meta_and_cpu():
 def test_stalled_process_ends_with_one_message():
     """End to end: the rank goes on after wait() returned, and the watchdog ends it with EXIT_CODE."""
     code = ("import time, torch\n"
-            "from ds_tsp.core import watchdog_polling\n"
+            "from ds_tsp.core.reliability import polling as watchdog_polling\n"
             "from test_watchdog_polling import FakeEvent, StuckWork, _handle\n"
             "watchdog_polling.record_event = lambda device: FakeEvent()\n"
             "_handle(StuckWork(), 1.0).wait()\n"

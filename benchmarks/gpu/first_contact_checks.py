@@ -1,4 +1,4 @@
-"""One-GPU checks of issue 25 that the CPU cannot prove (one process, a 1-rank "cpu:gloo,cuda:nccl" group, < 1 min):
+"""One-GPU checks of GPU first contact that the CPU cannot prove (one process, a 1-rank "cpu:gloo,cuda:nccl" group, < 1 min):
 
 - poller_memory: what a collective's output costs after its last Python reference is gone while the GPU has not
   run it yet, with the stall watchdog (timeout_s set: its poller watches the work) and without (timeout_s=None).
@@ -29,7 +29,7 @@ MIB = 2 ** 20
 
 
 def poller_memory(device: torch.device, n: int = 8, mib: int = 64) -> dict:
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
 
     if device.type != "cuda":
         return {"skipped": "needs CUDA (CPU works are never polled)"}
@@ -57,7 +57,7 @@ def poller_memory(device: torch.device, n: int = 8, mib: int = 64) -> dict:
 
 def nccl_timeout_margin(device: torch.device, timeout_s: int = 5) -> dict:
     from ds_tsp.core.config import parse_tsp_config
-    from ds_tsp.core.setup import build_runtime
+    from ds_tsp.core.parallel.runtime import build_runtime
 
     created, new_group = [], dist.new_group
 
@@ -83,11 +83,11 @@ def nccl_timeout_margin(device: torch.device, timeout_s: int = 5) -> dict:
 
 
 def moe_autocast(device: torch.device) -> dict:
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.core.shape import ModelShape
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
     from ds_tsp.tools.verify import TOLERANCE
 
     shape = ModelShape(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -110,7 +110,7 @@ def moe_autocast(device: torch.device) -> dict:
         try:
             want, want_grads = step(False)
             got, got_grads = step(True)
-        except Exception as err:  # noqa: BLE001 - recorded: the dtype error of issue 25 item 2 is what this looks for
+        except Exception as err:  # noqa: BLE001 - recorded: the MoE autocast dtype error is what this looks for
             result[dispatch] = {"error": f"{type(err).__name__}: {err}"[:500], "ok": False}
             continue
         grad_err = max(float((got_grads[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in want_grads.items())
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from ds_tsp.core.launch import default_backend, local_device
+    from ds_tsp.core.parallel.launch import default_backend, local_device
 
     local_device()  # the GPU made current before the group is built (init_from_env's rule)
     # one rank: an in-process store, no TCP port to race other processes for

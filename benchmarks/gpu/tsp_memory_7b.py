@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 
 ZYPHRA_7B = ModelShape(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
                        num_kv_heads=32)
@@ -47,7 +47,7 @@ def _simulated_peers_comm(group):
     see each chunk's positions restart and silently run document-masked attention (the causal prefix never runs).
     Every other gather (K/V, weights) only needs its buffers allocated, which the fake backend does.
     """
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
 
     class SimulatedPeersComm(TSPComm):
         peer_payloads: torch.Tensor | None = None  # [D, payload] int64, what each rank's input check sends
@@ -68,8 +68,8 @@ def _simulated_peers_comm(group):
 
 def tsp_peak(shape: ModelShape, seq: int, tsp: int, device, dtype, options) -> dict:
     """Rank 0's peak over one training step (after a warm-up step, so optimizer state exists) and that step's time."""
-    from ds_tsp.core.partition import shard_batch
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
 
     _reset_peak(device)
     comm = _simulated_peers_comm(dist.group.WORLD)
@@ -177,7 +177,7 @@ def _materialize(model, config, device) -> None:
 
 def zigzag_kernel_time(shape: ModelShape, seq: int, tsp: int, device, dtype, repeats: int = 3) -> dict:
     """Forward+backward time of one head block's attention for the two zigzag chunks of ranks 0 and D-1."""
-    from ds_tsp.core import kernels
+    from ds_tsp.core.layers.attention import kernels
 
     c, heads, d = seq // (2 * tsp), shape.num_heads // tsp, shape.dim_per_head
     times = {}

@@ -1,11 +1,12 @@
-"""Every load and save: HF safetensors in (by slices) and out (streamed), consolidated checkpoints, per-rank local
-state, ds_tsp training checkpoints. Works on any model that answers the sharded-piece protocol of
-ds_tsp.model.sharded_modules, without importing the model classes."""
+"""Every load and save: safetensors/ (the sliced reader, the streaming writer), hf/ (HF checkpoints in by slices and
+out streamed), consolidated checkpoints, per-rank local state, training/ (ds_tsp's training checkpoints). Works on
+any model that answers the sharded-piece protocol of ds_tsp.model.state_dict, without importing the model
+classes."""
 from __future__ import annotations
 
 import importlib
 
-# names the previous release's ds_tsp.checkpoint (one module) exported: now in ds_tsp.checkpoint.consolidated
+# names the pre-release ds_tsp.checkpoint (one module) exported: now in ds_tsp.checkpoint.consolidated
 _MOVED = ("save_consolidated", "load_consolidated", "hf_config_dict")
 
 

@@ -8,82 +8,168 @@ the model options it turns into.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ds_tsp.core.errors import TSPConfigError
 
+KERNELS = ("auto", "flash_attn", "aten_flash", "cpu_flash", "math")
 MOE_DISPATCHES = ("auto", "all_to_all", "ring")
 
+# The smallest tsp.timeout_s that does not warn on a CUDA machine (see TSPConfig._gpu_timeout_floor).
+GPU_TIMEOUT_FLOOR_S = 60
 
-@dataclass(frozen=True)
-class TSPOptions:
-    """How the TSP schedule trades memory for speed; the defaults are the memory-optimal schedule."""
 
-    kernel_backend: str | None = None  # None: flash-attn on CUDA when importable, the CPU flash kernel on CPU
-    keep_gathered_kv: bool = False  # keep each block's gathered K/V for backward: O(S) memory, no re-gather
-    activation_checkpointing: bool = False  # save only each decoder layer's input; recompute the layer in backward
-    recompute_projections: bool = True  # recompute cheap local q/k/v and MLP gate/up GEMMs in backward
-    lm_head_chunk_tokens: int = 4096  # LM head + loss builds logits [<= this many tokens, V/D] at a time
-    moe_dispatch: str = "auto"  # MoE layers: "ring" (experts travel), "all_to_all" (tokens travel), "auto" per batch
-    offload_activations: bool = False  # checkpointed layer inputs wait in host memory (core/activation_offload.py)
+class _Checked(BaseModel):
+    """A pydantic model whose every validation error is ONE TSPConfigError naming the key, its value and what is
+    allowed (a check across keys names them itself). `_key` says how a key is written in the message."""
 
-    def __post_init__(self):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise TSPConfigError(self._explain(err)) from None
+
+    @classmethod
+    def _key(cls, key: str, value: Any = None) -> str:
+        """How a message names `key` (set to `value`, where given)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _setting(cls, key: str, value: Any) -> str:
+        """How a message names another key's wanted value."""
+        raise NotImplementedError
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """Every key, this class's own first (a "tsp" block's launch keys before the schedule's)."""
+        own = [k for k in vars(cls).get("__annotations__", {}) if k in cls.model_fields]
+        return own + [k for k in cls.model_fields if k not in own]
+
+    @classmethod
+    def _explain(cls, err: ValidationError) -> str:
+        first = err.errors()[0]
+        if not first["loc"] and isinstance((first.get("ctx") or {}).get("error"), TSPConfigError):
+            return str(first["ctx"]["error"])
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            return (f"{cls._key(key)}: unknown key{_did_you_mean(key, cls.model_fields)}; "
+                    f"allowed keys are {', '.join(cls.keys())}")
+        return f"{cls._key(key, first.get('input'))}: {first['msg'].lower()}; expected {_describe(cls, key)}"
+
+
+class ScheduleOptions(_Checked):
+    """What the model's TSP schedule does, declared once: TSPConfig (the "tsp" block) holds these keys beside the
+    launch keys, and TSPOptions (what a model is built with) holds exactly these. The defaults are the
+    memory-optimal schedule."""
+
+    kernel: Literal["auto", "flash_attn", "aten_flash", "cpu_flash", "math"] = Field(
+        "auto", description="attention kernel: \"auto\" takes flash-attn (else torch's fused attention) on CUDA "
+                            "and the CPU flash kernel on the CPU")
+    keep_gathered_kv: bool = Field(False, description="keep gathered K/V for backward: O(S) memory, no re-gather")
+    recompute_projections: bool = Field(True, description="recompute local q/k/v and MLP gate/up in backward "
+                                                          "instead of saving them")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
+    lm_head_chunk_tokens: int = Field(4096, ge=1, description="tokens per logits tile of the LM head loss: "
+                                                              "bounds its largest transient to [tokens, V/D]")
+    moe_dispatch: Literal["auto", "all_to_all", "ring"] = Field(
+        "auto", description="mixture-of-experts layers: experts travel the ring (\"ring\"), routed tokens travel "
+                            "(\"all_to_all\"), or per batch shape the one sending fewer bytes (\"auto\")")
+    offload_activations: bool = Field(False, description="with activation_checkpointing: each checkpointed layer's "
+                                                         "input waits in pinned host memory until its recompute")
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self):
         if self.offload_activations and not self.activation_checkpointing:
-            raise TSPConfigError("TSPOptions(offload_activations=True) needs activation_checkpointing=True: what "
-                                 "goes to host memory is each checkpointed decoder layer's saved input")
-        n = self.lm_head_chunk_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise TSPConfigError(f"TSPOptions(lm_head_chunk_tokens={n!r}): must be an integer >= 1 (tokens per "
-                                 "logits tile of the LM head loss)")
-        if self.moe_dispatch not in MOE_DISPATCHES:
-            raise TSPConfigError(f"TSPOptions(moe_dispatch={self.moe_dispatch!r}): must be one of "
-                                 f"{', '.join(map(repr, MOE_DISPATCHES))}")
+            raise TSPConfigError(
+                f"{self._key('offload_activations', True)} needs {self._setting('activation_checkpointing', True)}: "
+                "what goes to host memory is each checkpointed decoder layer's saved input; "
+                f"{self._both_hint()}")
+        return self
+
+    @classmethod
+    def _both_hint(cls) -> str:
+        raise NotImplementedError
+
+
+class TSPOptions(ScheduleOptions):
+    """How the TSP schedule trades memory for speed, as a model is built with it (`TSPConfig.options()` gives the
+    one a "tsp" block asks for). Keyword-only, frozen; `replace(**changes)` gives a validated copy."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kernel_backend_is_kernel(cls, data):
+        if isinstance(data, dict) and "kernel_backend" in data:
+            from ds_tsp.core.deprecation import warn_moved
+
+            data = dict(data)
+            backend = data.pop("kernel_backend")
+            warn_moved("TSPOptions(kernel_backend=...)", "TSPOptions(kernel=...) (None is \"auto\")")
+            if "kernel" not in data:
+                data["kernel"] = "auto" if backend is None else backend
+        return data
+
+    @property
+    def kernel_backend(self) -> str | None:
+        """Deprecated name of `kernel` (None for "auto")."""
+        from ds_tsp.core.deprecation import warn_moved
+
+        warn_moved("TSPOptions.kernel_backend", "TSPOptions.kernel (\"auto\" where it said None)")
+        return None if self.kernel == "auto" else self.kernel
+
+    @classmethod
+    def _key(cls, key: str, value: Any = None) -> str:
+        return f"TSPOptions({key}={value!r})"
+
+    @classmethod
+    def _setting(cls, key: str, value: Any) -> str:
+        return f"{key}={value!r}"
+
+    @classmethod
+    def _both_hint(cls) -> str:
+        return "pass TSPOptions(activation_checkpointing=True, offload_activations=True)"
 
     @classmethod
     def speed(cls, **overrides) -> "TSPOptions":
         """The speed mode: keep gathered K/V and every local projection; O(S) per layer instead of O(S/D)."""
         return cls(**{"keep_gathered_kv": True, "recompute_projections": False, **overrides})
 
+    def replace(self, **changes) -> "TSPOptions":
+        """A copy with `changes`, validated like a new TSPOptions."""
+        return type(self)(**{**self.model_dump(), **changes})
 
-# The smallest tsp.timeout_s that does not warn on a CUDA machine (see TSPConfig._gpu_timeout_floor).
-GPU_TIMEOUT_FLOOR_S = 60
 
-
-class TSPConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class TSPConfig(ScheduleOptions):
+    """The "tsp" block: the launch keys below, and the schedule keys of ScheduleOptions."""
 
     size: int = Field(1, ge=1, description="TSP degree D: ranks that share every layer's weights and tokens")
     cp_size: int = Field(1, ge=1, description="context-parallel degree C: TSP groups (one per node) that split one "
                                               "sequence, K/V passed around a ring across nodes")
     pipeline_stages: int = Field(1, ge=1, description="pipeline stages on the outer axis (ZeRO <= 1 with > 1)")
-    keep_gathered_kv: bool = Field(False, description="keep gathered K/V for backward: O(S) memory, no re-gather")
-    recompute_projections: bool = Field(True, description="recompute local q/k/v and MLP gate/up in backward "
-                                                          "instead of saving them")
     overlap: bool = Field(True, description="prefetch the next shard / K/V while computing on the current one")
-    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
     timeout_s: int = Field(1800, ge=1, description="collective timeout; a failed rank never hangs the others")
-    kernel: Literal["auto", "flash_attn", "aten_flash", "cpu_flash", "math"] = Field("auto", description="attention kernel")
-    lm_head_chunk_tokens: int = Field(4096, ge=1, description="tokens per logits tile of the LM head loss: "
-                                                              "bounds its largest transient to [tokens, V/D]")
     on_nonfinite: Literal["error", "skip"] = Field("error", description="a NaN/inf loss or gradient: stop with the "
                                                                         "step and parameter, or skip that step")
-    moe_dispatch: Literal["auto", "all_to_all", "ring"] = Field(
-        "auto", description="mixture-of-experts layers: experts travel the ring (\"ring\"), routed tokens travel "
-                            "(\"all_to_all\"), or per batch shape the one sending fewer bytes (\"auto\")")
-    offload_activations: bool = Field(False, description="with activation_checkpointing: each checkpointed layer's "
-                                                         "input waits in pinned host memory until its recompute")
     allow_cross_node: bool = Field(False, description="let a TSP group span nodes (refused by default: every "
                                                       "layer's weight broadcast would cross the inter-node network)")
 
+    @classmethod
+    def _key(cls, key: str, value: Any = None) -> str:
+        return f"tsp.{key}" if value is None else cls._setting(key, value)
+
+    @classmethod
+    def _setting(cls, key: str, value: Any) -> str:
+        return f"tsp.{key}={str(value).lower() if isinstance(value, bool) else repr(value)}"
+
+    @classmethod
+    def _both_hint(cls) -> str:
+        return 'set "tsp": {"activation_checkpointing": true, "offload_activations": true}'
+
     @model_validator(mode="after")
-    def _offload_needs_checkpointing(self) -> "TSPConfig":
-        if self.offload_activations and not self.activation_checkpointing:
-            raise TSPConfigError('tsp.offload_activations=true needs tsp.activation_checkpointing=true: what goes to '
-                                 'host memory is each checkpointed decoder layer\'s saved input; set "tsp": '
-                                 '{"activation_checkpointing": true, "offload_activations": true}')
+    def _offload_without_pipeline(self) -> "TSPConfig":
         if self.offload_activations and self.pipeline_stages > 1:
             raise TSPConfigError(f"tsp.offload_activations=true with tsp.pipeline_stages={self.pipeline_stages}: "
                                  "pipeline stages checkpoint through DeepSpeed's pipeline engine, which ds_tsp does not "
@@ -116,15 +202,11 @@ class TSPConfig(BaseModel):
 
     def options(self) -> TSPOptions:
         """The model options this block asks for."""
-        return TSPOptions(kernel_backend=None if self.kernel == "auto" else self.kernel,
-                          keep_gathered_kv=self.keep_gathered_kv, activation_checkpointing=self.activation_checkpointing,
-                          recompute_projections=self.recompute_projections,
-                          lm_head_chunk_tokens=self.lm_head_chunk_tokens, moe_dispatch=self.moe_dispatch,
-                          offload_activations=self.offload_activations)
+        return TSPOptions(**{key: getattr(self, key) for key in ScheduleOptions.model_fields})
 
 
-def _describe(field: str) -> str:
-    info = TSPConfig.model_fields[field]
+def _describe(model: type[BaseModel], field: str) -> str:
+    info = model.model_fields[field]
     annotation = info.annotation
     allowed = getattr(annotation, "__args__", None)
     if allowed and all(isinstance(a, str) for a in allowed):
@@ -145,19 +227,7 @@ def parse_tsp_config(block: Any) -> TSPConfig:
         return TSPConfig()
     if not isinstance(block, dict):
         raise TSPConfigError(f'"tsp" must be an object like {{"size": 4}}, got {type(block).__name__}')
-    try:
-        return TSPConfig(**block)
-    except ValidationError as err:
-        first = err.errors()[0]
-        if not first["loc"] and isinstance((first.get("ctx") or {}).get("error"), TSPConfigError):
-            raise TSPConfigError(str(first["ctx"]["error"])) from None  # a check across keys names them itself
-        key = ".".join(str(p) for p in first["loc"])
-        if first["type"] == "extra_forbidden":
-            allowed = ", ".join(TSPConfig.model_fields)
-            raise TSPConfigError(f'tsp.{key}: unknown key{_did_you_mean(key, TSPConfig.model_fields)}; allowed keys '
-                                 f'are {allowed}') from None
-        raise TSPConfigError(
-            f'tsp.{key}={first.get("input")!r}: {first["msg"].lower()}; expected {_describe(key)}') from None
+    return TSPConfig(**block)
 
 
 def _did_you_mean(key: str, choices) -> str:

@@ -28,7 +28,7 @@ def _caller_stacklevel() -> int:
 
 
 def warn_moved(old: str, new: str, *, as_main: bool = False) -> None:
-    """`old` (an import path the previous release documented) is replaced by `new` (what to write instead); the
+    """`old` (an import path the pre-release README documented) is replaced by `new` (what to write instead); the
     old path goes in REMOVED_IN. as_main: the old path was run (python -m), so there is no importing line: the
     warning is issued as __main__'s, which Python's default filters show."""
     if old in _warned:

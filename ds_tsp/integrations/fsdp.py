@@ -6,9 +6,9 @@
     shard_with_fsdp2(model, groups, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                    reduce_dtype=torch.float32))
     opt = torch.optim.AdamW(model.parameters(), lr=...)
-    share = model(input_ids, shift_labels, position_ids)                # batches from ds_tsp.core.data.TSPDataLoader
+    share = model(input_ids, shift_labels, position_ids)                # batches from ds_tsp.core.tokens.loader.TSPDataLoader
     share.backward()
-    norm = clip_grad_norm_(model, 1.0, groups)      # ds_tsp.core.grad_norm: the FULL model's grad norm, every rank
+    norm = clip_grad_norm_(model, 1.0, groups)      # ds_tsp.core.grads.clip: the FULL model's grad norm, every rank
     opt.step(); opt.zero_grad()
 
 To FSDP each rank's TSP shards (packed_shard, vocab_shard) and replicated norm weights are ordinary local tensors:
@@ -17,7 +17,7 @@ it shards them again over the data sub-mesh (`groups.device_mesh()["data"]`) and
 With a cp axis (tsp.cp_size = C: C TSP groups split each sequence) the "data" sub-mesh spans data x cp: the cp
 groups hold the same shards, so FSDP2 shards them over data x cp and averages the cp groups' gradients like data
 replicas'. The model must carry the cp ring (TSPComm(groups.tsp_group, cp=TSPComm(groups.cp_group)), what
-ds_tsp.core.setup.build_runtime builds) and the batches come cut over cp then TSP (TSPDataLoader, shard_batch(...,
+ds_tsp.core.parallel.runtime.build_runtime builds) and the batches come cut over cp then TSP (TSPDataLoader, shard_batch(...,
 cp=C, cp_rank=groups.cp_rank)); tests/test_cp_fsdp.py checks it against one process. The TSP collectives
 (weight broadcasts/rings, K/V all-gathers, the replicated-norm grad all-reduce) run inside the layers on the other
 axis, on the unsharded parameters FSDP2 installs in its pre-forward hook.
@@ -41,17 +41,17 @@ from __future__ import annotations
 from torch import nn
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.grad_norm import TSP_PARAM_ATTRS, group_ranks, is_tsp_sharded
-from ds_tsp.core.topology import ProcessGroups
+from ds_tsp.core.grads.clip import TSP_PARAM_ATTRS, group_ranks, is_tsp_sharded
+from ds_tsp.core.parallel.topology import ProcessGroups
 from ds_tsp.model.convert import core_model
 
 __all__ = ["shard_with_fsdp2"]
 
 
 def __getattr__(name: str):
-    if name == "clip_grad_norm_":  # the previous release's ds_tsp.integrations.fsdp.clip_grad_norm_
+    if name == "clip_grad_norm_":  # the pre-release ds_tsp.integrations.fsdp.clip_grad_norm_
         from ds_tsp.core.deprecation import warn_moved
-        from ds_tsp.core.grad_norm import clip_grad_norm_
+        from ds_tsp.core.grads.clip import clip_grad_norm_
 
         warn_moved("ds_tsp.integrations.fsdp.clip_grad_norm_", "ds_tsp.clip_grad_norm_")
         return clip_grad_norm_
@@ -73,12 +73,12 @@ def shard_with_fsdp2(model: nn.Module, groups: ProcessGroups, *, mp_policy=None,
                                              != group_ranks(groups.tsp_group)):
         raise TSPConfigError(f"the model was built on a TSP group of size {core.comm.size}, not on groups.tsp_group "
                              f"(size {groups.tsp_size}): build it with TSPComm(groups.tsp_group)")
-    model_cp = core.comm.cp.size if core.comm.cp is not None else 1
+    model_cp = core.comm.cp_size
     if model_cp != groups.cp_size or (model_cp > 1 and group_ranks(core.comm.cp.group) != group_ranks(groups.cp_group)):
         # a model without the cp ring on cp-cut batches would attend within its own chunks only: silently wrong
         raise TSPConfigError(f"the model was built with a cp ring of size {model_cp}, the groups have tsp.cp_size="
                              f"{groups.cp_size}: build it with TSPComm(groups.tsp_group, cp=TSPComm(groups.cp_group)) "
-                             "(ds_tsp.core.setup.build_runtime's comm), or cp_size 1 throughout")
+                             "(ds_tsp.core.parallel.runtime.build_runtime's comm), or cp_size 1 throughout")
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
@@ -100,5 +100,3 @@ def shard_with_fsdp2(model: nn.Module, groups: ProcessGroups, *, mp_policy=None,
             setattr(params[name], attr, value)
     model.tsp_sharded_param_names = frozenset(marks)
     return model
-
-

@@ -20,8 +20,8 @@ What it changes, and why (the Trainer's own logic does the rest):
   eval batch (built from the vocab shards; preprocess_logits_for_metrics runs on them) and the batch's labels,
   full length and unshifted, in the original order (eval loaders carry the unsharded ids); prediction_loss_only
   builds neither;
-- `class X(TSPTrainer, SFTTrainer)`: TRL's SFTTrainer on TSP (ds_tsp.integrations.trl; ds_tsp.hf.TSPSFTTrainer);
-  `class G(TSPTrainer, GRPOTrainer)`: TRL's GRPO on TSP (ds_tsp.integrations.trl_grpo; ds_tsp.hf.TSPGRPOTrainer);
+- `class X(TSPTrainer, SFTTrainer)`: TRL's SFTTrainer on TSP (ds_tsp.integrations.trl.sft; ds_tsp.hf.TSPSFTTrainer);
+  `class G(TSPTrainer, GRPOTrainer)`: TRL's GRPO on TSP (ds_tsp.integrations.trl.grpo; ds_tsp.hf.TSPGRPOTrainer);
   other TRL trainers are refused by name when the class is defined;
 - save_model writes the HF layout, streamed, from every rank's shards (a collective).
 On CPU the launcher's process group (which TrainingArguments sets up as a 1-process accelerate state) is
@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.core.config import check_tsp_key, parse_tsp_config
-from ds_tsp.core.cp_inputs import check_cp_integration
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.hf_config import import_transformers
-from ds_tsp.core.setup import build_runtime
+from ds_tsp.core.parallel.runtime import build_runtime
+from ds_tsp.core.shape.hf_config import import_transformers
+from ds_tsp.core.tokens.input_check import check_cp_integration
 from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, shard_hf_batch
 from ds_tsp.model.convert import to_tsp_model
 
@@ -101,21 +101,26 @@ def _with_full_batch(loader):
 
 
 class TSPTrainer(_transformers.Trainer):
-    _tsp_with_sft = False  # composed with TRL's SFTTrainer (ds_tsp.integrations.trl)
-    _tsp_with_grpo = False  # composed with TRL's GRPOTrainer (ds_tsp.integrations.trl_grpo)
+    """transformers' Trainer with TSP: the model becomes this rank's TSP shards, the Accelerator a TSPAccelerator,
+    and token counts, evaluation and saving are counted over the whole sequence. TrainingArguments(deepspeed=...)
+    gives the "tsp" block; `class X(TSPTrainer, SFTTrainer)` and `(TSPTrainer, GRPOTrainer)` compose with TRL."""
+
+    _tsp_with_sft = False  # composed with TRL's SFTTrainer (ds_tsp.integrations.trl.sft)
+    _tsp_with_grpo = False  # composed with TRL's GRPOTrainer (ds_tsp.integrations.trl.grpo)
 
     def __init_subclass__(cls, **kwargs):
         """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)`: TRL's SFT / GRPO on TSP; any other TRL
         trainer is refused here, by name."""
         super().__init_subclass__(**kwargs)
-        from ds_tsp.integrations.trl import check_composition
+        from ds_tsp.integrations.trl.sft import check_composition
 
         kind = check_composition(cls, TSPTrainer)
         cls._tsp_with_sft, cls._tsp_with_grpo = kind == "sft", kind == "grpo"
 
     def __init__(self, model=None, args=None, *more, **kwargs):
         if self._tsp_with_grpo:  # GRPOTrainer(model, reward_funcs, args, ...): everything by name from here on
-            from ds_tsp.integrations import trl as tsp_trl, trl_grpo
+            from ds_tsp.integrations.trl import grpo as trl_grpo
+            from ds_tsp.integrations.trl import sft as tsp_trl
 
             model, args, kwargs = trl_grpo.keyword_arguments(super().__init__, model, args, more, kwargs)
             more = ()
@@ -124,7 +129,7 @@ class TSPTrainer(_transformers.Trainer):
         if kwargs.get("model_init") is not None:
             raise TSPConfigError("model_init is not supported by TSPTrainer: pass the model")
         if self._tsp_with_sft:
-            from ds_tsp.integrations import trl as tsp_trl
+            from ds_tsp.integrations.trl import sft as tsp_trl
 
             tsp_trl.check_sft_arguments(super().__init__, model, args, more, kwargs)
         if self._tsp_with_grpo:
@@ -223,7 +228,7 @@ class TSPTrainer(_transformers.Trainer):
             if return_outputs:
                 return result[0] * cp_size, result[1]
             return result * cp_size
-        from ds_tsp.integrations.trl import count_train_tokens
+        from ds_tsp.integrations.trl.sft import count_train_tokens
 
         before = getattr(self, "_total_train_tokens", 0)
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -234,7 +239,7 @@ class TSPTrainer(_transformers.Trainer):
     # --- evaluation and prediction -------------------------------------------------------------------------------
     def get_eval_dataloader(self, eval_dataset=None):
         if self._tsp_with_grpo:  # prompt rows: sampled over the data axis, never cut
-            from ds_tsp.integrations.trl_grpo import unsharded
+            from ds_tsp.integrations.trl.grpo import unsharded
 
             return unsharded(super().get_eval_dataloader(eval_dataset))
         return _with_full_batch(super().get_eval_dataloader(eval_dataset))
@@ -285,19 +290,19 @@ class TSPTrainer(_transformers.Trainer):
         dist.all_reduce(total, group=groups.cp_group)
         return total / groups.cp_size
 
-    # --- TRL's GRPOTrainer steps under TSP (ds_tsp.integrations.trl_grpo; inert in other compositions) ---------
+    # --- TRL's GRPOTrainer steps under TSP (ds_tsp.integrations.trl.grpo; inert in other compositions) ---------
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
         if not self._tsp_with_grpo:
             return loader
-        from ds_tsp.integrations.trl_grpo import unsharded
+        from ds_tsp.integrations.trl.grpo import unsharded
 
         return unsharded(loader)  # prompt rows: sampled over the data axis, never cut
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """The completion tokens' log-probs (and entropies) from TSP's streaming head, whole on every rank."""
-        from ds_tsp.integrations import trl_grpo
+        from ds_tsp.integrations.trl import grpo as trl_grpo
 
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if given or compute_aux_loss:
@@ -308,7 +313,7 @@ class TSPTrainer(_transformers.Trainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Without vLLM: the full model gathered on TSP rank 0 of the group generates; completions broadcast."""
-        from ds_tsp.integrations import trl_grpo
+        from ds_tsp.integrations.trl import grpo as trl_grpo
 
         if images is not None or multimodal_fields:
             raise TSPConfigError("TSPGRPOTrainer generates text only: the dataset has images")
@@ -319,13 +324,13 @@ class TSPTrainer(_transformers.Trainer):
         return trl_grpo.generate(self, prompt_ids), None
 
     def _generate_and_score_completions(self, inputs):
-        from ds_tsp.integrations.trl_grpo import data_axis
+        from ds_tsp.integrations.trl.grpo import data_axis
 
         with data_axis(self):
             return super()._generate_and_score_completions(inputs)
 
     def _compute_loss(self, model, inputs):
-        from ds_tsp.integrations.trl_grpo import data_axis
+        from ds_tsp.integrations.trl.grpo import data_axis
 
         with data_axis(self):
             return super()._compute_loss(model, inputs)

@@ -1,15 +1,16 @@
-"""The TSP models: sharded pieces (sharded_modules), the causal LM on this rank's shard (sharded_causal_lm), its HF
-face (hf_causal_lm) and the one conversion entry point (convert.to_tsp_model)."""
+"""The TSP models: the sharded pieces (modules/), the causal LM on this rank's shard (causal_lm) with its loss
+reductions (loss) and checkpoint protocol (state_dict), its HF face (hf_causal_lm, TRL's fused head call in
+fused_lm_head), PEFT LoRA (peft/), and the one conversion entry point (convert.to_tsp_model)."""
 from __future__ import annotations
 
 import importlib
 
-# names the previous release's ds_tsp.model (one module) exported -> (where they live now, their name there)
+# names the pre-release ds_tsp.model (one module) exported -> (where they live now, their name there)
 _MOVED = {
-    "TSPCausalLM": ("ds_tsp.model.sharded_causal_lm", "ShardedCausalLM"),
+    "TSPCausalLM": ("ds_tsp.model.causal_lm", "ShardedCausalLM"),
     "TSPOptions": ("ds_tsp.core.config", "TSPOptions"),
-    "normalise_over_data": ("ds_tsp.model.sharded_causal_lm", "normalise_over_data"),
-    "count_valid_tokens": ("ds_tsp.model.sharded_causal_lm", "count_valid_tokens"),
+    "normalise_over_data": ("ds_tsp.model.loss", "normalise_over_data"),
+    "count_valid_tokens": ("ds_tsp.model.loss", "count_valid_tokens"),
 }
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.core.watchdog import label_modules
+from ds_tsp.core.reliability.watchdog import label_modules
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 from ds_tsp.model.trainability import checkpoint_names, hf_name, load_hf_model
 
 

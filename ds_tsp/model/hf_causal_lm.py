@@ -13,20 +13,21 @@ rank exactly its share of the gradients. There is no KV cache: this is a trainin
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.hf_config import config_json, generation_config_json, import_transformers, load_config
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.core.shape.hf_config import config_json, generation_config_json, import_transformers, load_config
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
+from ds_tsp.model.fused_lm_head import FusedLMHeadCall
+from ds_tsp.model.loss import gathered_router_logits, sequence_aux_loss
 
 # Keyword arguments HF code passes that change nothing here when they have these values.
 _HARMLESS_KWARGS = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
@@ -45,7 +46,7 @@ _GENERATE_ERROR = (
     "TSP group). To sample: model.save_pretrained(dir) and load dir in transformers "
     "(AutoModelForCausalLM.from_pretrained(dir).generate(...)) or a serving engine (vLLM, TGI, SGLang); for a quick "
     "greedy sample under TSP, loop model(input_ids=ids, logits_to_keep=1).logits[:, -1].argmax(-1) and append the "
-    "token (README: 'Sampling'; it recomputes the whole prefix each step)")
+    "token (docs/huggingface.md, 'Sampling'; it recomputes the whole prefix each step)")
 
 
 def as_comm(tsp_group) -> TSPComm:
@@ -55,11 +56,6 @@ def as_comm(tsp_group) -> TSPComm:
     if tsp_group is None:
         return TSPComm(dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None)
     return TSPComm(tsp_group)
-
-
-def _cp_size(comm: TSPComm) -> int:
-    """The cp groups sharing each sequence (tsp.cp_size; 1 without a cp axis)."""
-    return comm.cp.size if comm.cp is not None else 1
 
 
 def _resolve_dtype(dtype, config) -> torch.dtype:
@@ -75,29 +71,15 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
     raise TSPConfigError(f"dtype={dtype!r}: pass a torch dtype, its name (\"bfloat16\") or \"auto\"")
 
 
-@dataclass
-class FusedLMHeadOutput:
-    """forward(fused_lm_head=True)'s answer: the fields of TRL's FusedCausalLMOutput (per-token, [B, seq_len], zero
-    where the label is -100); those TSP does not compute (log_sum_sq_probs, mean_logits, aux_loss) are None."""
-
-    loss: torch.Tensor | None = None
-    log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    is_top1: torch.Tensor | None = None
-    label_mask: torch.Tensor | None = None
-    log_sum_sq_probs: torch.Tensor | None = None
-    mean_logits: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-
-    def __getitem__(self, key: str):  # outputs["loss"], as the Trainer reads a ModelOutput
-        return getattr(self, key)
-
-
 class NoGenerationConfig(TSPConfigError, AttributeError):
     """model.generation_config read before a TSP trainer set it (hasattr / getattr with a default still answer)."""
 
 
 class TSPForCausalLM(nn.Module):
+    """The TSP model with the face of a transformers causal LM: `from_pretrained` reads only this rank's slices,
+    the call takes the full batch (or a TSPDataLoader shard) by keyword and returns the global loss, and
+    `save_pretrained` streams the plain HF layout back. It trains and scores; it does not generate."""
+
     main_input_name = "input_ids"
     accepts_loss_kwargs = True  # the Trainer passes num_items_in_batch
 
@@ -114,7 +96,7 @@ class TSPForCausalLM(nn.Module):
             raise NoGenerationConfig(
                 "TSPForCausalLM has no generation_config: TRL's SFTTrainer needs the TSP composition, "
                 "ds_tsp.hf.TSPSFTTrainer (or class X(TSPTrainer, SFTTrainer)), to train a TSP model; a bare "
-                "SFTTrainer would feed it whole, unsharded batches. For generation, see the README's sampling loop")
+                "SFTTrainer would feed it whole, unsharded batches. For generation, see the sampling loop of docs/huggingface.md")
         return super().__getattr__(name)
 
     # --- construction ---------------------------------------------------------------------------------------
@@ -125,11 +107,11 @@ class TSPForCausalLM(nn.Module):
 
         An in-memory model's requires_grad carries to the shards (ds_tsp.model.trainability; a directory loads all
         trainable); a PEFT LoRA model (get_peft_model) keeps its base frozen and trains its adapter, folded into the
-        shards (ds_tsp.model.lora), and save_pretrained then writes the adapter as PEFT does.
+        shards (ds_tsp.model.peft.lora), and save_pretrained then writes the adapter as PEFT does.
 
         dtype "auto" keeps the checkpoint's dtype (config.json's), as transformers 5 does; collective-free.
         """
-        from ds_tsp.checkpoint.hf_load import load_sharded
+        from ds_tsp.checkpoint.hf.load import load_sharded
 
         if torch_dtype is not None:
             dtype = torch_dtype
@@ -182,11 +164,11 @@ class TSPForCausalLM(nn.Module):
             raise TSPConfigError(f"activation checkpointing with every_n_layers={every_n_layers}, offload={offload}: "
                                  "TSP recomputes every decoder layer; for host offload use the \"tsp\" block's "
                                  "offload_activations")
-        self.tsp.options = replace(self.tsp.options, activation_checkpointing=True)
+        self.tsp.options = self.tsp.options.replace(activation_checkpointing=True)
 
     def gradient_checkpointing_disable(self) -> None:
         """No recompute, so nothing to offload either (offload_activations goes off with it)."""
-        self.tsp.options = replace(self.tsp.options, activation_checkpointing=False, offload_activations=False)
+        self.tsp.options = self.tsp.options.replace(activation_checkpointing=False, offload_activations=False)
 
     @property
     def is_gradient_checkpointing(self) -> bool:
@@ -202,7 +184,7 @@ class TSPForCausalLM(nn.Module):
 
     def generate(self, *args, **kwargs):
         """Not supported: one TSPConfigError saying how to sample (save_pretrained + transformers / a serving
-        engine, or the logits_to_keep=1 greedy loop of the README)."""
+        engine, or the logits_to_keep=1 greedy loop of docs/huggingface.md)."""
         raise TSPConfigError(_GENERATE_ERROR)
 
     # --- forward ----------------------------------------------------------------------------------------------
@@ -210,13 +192,13 @@ class TSPForCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None, logits_to_keep: int = 0,
                 tsp_shard: tuple[int, int] | None = None, seq_len: int | None = None,
-                num_items_in_batch: torch.Tensor | int | None = None, fused_lm_head: bool = False,
-                output_router_logits: bool | None = None, temperature: float = 1.0, **kwargs):
+                num_items_in_batch: torch.Tensor | int | None = None, output_router_logits: bool | None = None,
+                **kwargs):
         """transformers' causal-LM call. Returns CausalLMOutputWithPast(loss, logits); for a mixture-of-experts model
         MoeCausalLMOutputWithPast(loss, aux_loss, logits, router_logits).
 
-        fused_lm_head=True (TRL's SFTTrainer loss call): a FusedLMHeadOutput instead, see _fused_lm_head;
-        temperature (with fused_lm_head only, TRL's GRPO sampling temperature): the statistics of logits / temperature.
+        TRL's fused LM head call (fused_lm_head=True, with GRPO's temperature=) is answered by
+        ds_tsp.model.fused_lm_head: a FusedLMHeadOutput instead of logits.
 
         Only input_ids may be passed positionally; everything else by keyword (model(**batch) for a batch dict).
 
@@ -235,6 +217,7 @@ class TSPForCausalLM(nn.Module):
         """
         if args:  # transformers' own positional order differs (attention_mask second): never guess
             raise TSPConfigError(_POSITIONAL_ERROR.format(n=1 + len(args)))
+        fused = FusedLMHeadCall.pop_from(kwargs)  # TRL's options, None for every other caller
         self._check_kwargs(kwargs)
         if input_ids is None:
             raise TSPConfigError("input_ids is required (inputs_embeds is not supported: the embedding is sharded)")
@@ -248,12 +231,8 @@ class TSPForCausalLM(nn.Module):
         if not isinstance(logits_to_keep, int):
             raise TSPConfigError(f"logits_to_keep={type(logits_to_keep).__name__}: only an int (the last k "
                                  "positions) is supported")
-        if temperature != 1.0 and (not fused_lm_head or not isinstance(temperature, (int, float)) or temperature <= 0):
-            raise TSPConfigError(f"temperature={temperature!r}: only with fused_lm_head=True, a number > 0 (the "
-                                 "per-token statistics of logits / temperature)")
-        if fused_lm_head and (not has_targets or logits_to_keep):
-            raise TSPConfigError("fused_lm_head=True scores the labels without building logits: pass labels / "
-                                 "shift_labels, and no logits_to_keep")
+        if fused is not None:
+            fused.check(has_targets, logits_to_keep)
         moe = self.tsp.shape.num_experts > 0
         want_router = moe and (output_router_logits if output_router_logits is not None
                                else self.tsp.shape.output_router_logits)
@@ -262,13 +241,8 @@ class TSPForCausalLM(nn.Module):
                                            batch["shift_labels"], router_logits)
         aux_share = (self.tsp.aux_loss_share(router_logits, tuple(batch["input_ids"].shape), batch["attention_mask"],
                                              seq_len) if router_logits else None)
-        if fused_lm_head:
-            if aux_share is not None:
-                raise TSPConfigError("fused_lm_head=True on a mixture-of-experts model with output_router_logits: the "
-                                     "fused head's loss has no aux loss term; set output_router_logits=False")
-            # logits / T = (h / T) @ W^T: the streaming head scores the scaled hidden states, exactly
-            return self._fused_lm_head(h if temperature == 1.0 else h / temperature, batch, seq_len,
-                                       num_items_in_batch)
+        if fused is not None:
+            return fused.answer(self.tsp, h, batch, seq_len, num_items_in_batch, aux_share)
         loss = logits = None
         if has_targets and num_items_in_batch is not None:
             if isinstance(num_items_in_batch, torch.Tensor):
@@ -288,72 +262,16 @@ class TSPForCausalLM(nn.Module):
         outputs = import_transformers().modeling_outputs
         if not moe:
             return outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
-        gathered = (self._gathered_router_logits(router_logits, batch["input_ids"].shape, seq_len)
+        gathered = (gathered_router_logits(router_logits, self.tsp.comm, batch["input_ids"].shape, seq_len)
                     if router_logits and output_router_logits else None)
         return outputs.MoeCausalLMOutputWithPast(
             loss=loss, logits=logits, router_logits=gathered,
-            aux_loss=None if aux_share is None else self._sequence_aux_loss(aux_share))
-
-    def _sequence_aux_loss(self, aux_share: torch.Tensor) -> torch.Tensor:
-        """Value: the aux loss of this data replica's batch (the shares summed over the TSP group and, with a cp axis,
-        the cp groups); gradient: this rank's share in the mean loss's convention (aux_in_mean_loss)."""
-        if self.tsp.comm.cp is None:
-            return self.tsp.tsp_group_loss(aux_share)
-        total = self.tsp.tsp_group_loss(aux_share).detach().clone()
-        cp = self.tsp.comm.cp
-        with self.tsp.comm.guard("aux loss all_reduce over cp", group=cp.group,
-                                 context=self.tsp.comm.context or "loss for logging"):
-            dist.all_reduce(total, group=cp.group)
-        scaled = self.tsp.aux_in_mean_loss(aux_share)
-        return scaled + (total - scaled).detach()
+            aux_loss=None if aux_share is None else sequence_aux_loss(aux_share, self.tsp.comm))
 
     def _with_aux(self, share: torch.Tensor, aux_share: torch.Tensor | None) -> torch.Tensor:
         """The loss share plus, for MoE with router logits, router_aux_loss_coef x the aux loss share (as transformers
         adds it: after the token mean, not scaled by num_items_in_batch)."""
         return share if aux_share is None else share + self.tsp.shape.router_aux_loss_coef * aux_share
-
-    @torch.no_grad()
-    def _gathered_router_logits(self, router_logits: list, local_shape, seq_len: int) -> tuple[torch.Tensor, ...]:
-        """Every sparse layer's router logits of the whole batch, [batch * seq_len, E] in sequence order as
-        transformers returns them (all-gathered over the TSP group and, with a cp axis, the cp groups; zigzag undone,
-        padding cut)."""
-        from ds_tsp.core.cp_inputs import over_cp
-        from ds_tsp.core.partition import cp_unshard, unshard
-
-        comm, (B, L) = self.tsp.comm, local_shape
-        out = []
-        for logits in router_logits:
-            local = logits.detach().reshape(B, L, -1).contiguous()
-            everyone = local[None]
-            if comm.size > 1:
-                everyone = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
-                comm.all_gather(everyone, local).wait()
-            if comm.cp is None:
-                full = unshard(list(everyone.unbind(0)), dim=1)
-            else:  # [C * D, B, L, E], cp-major
-                groups = over_cp(comm, everyone).view(comm.cp.size, comm.size, *local.shape)
-                full = cp_unshard([list(group.unbind(0)) for group in groups.unbind(0)], dim=1)
-            out.append(full[:, :seq_len].reshape(B * seq_len, -1))
-        return tuple(out)
-
-    def _fused_lm_head(self, h, batch: dict, seq_len: int, num_items_in_batch) -> FusedLMHeadOutput:
-        """TRL's fused LM head (trl.trainer.utils.add_fused_lm_head's output fields) through TSP's streaming head:
-        per-token log_probs / entropy / is_top1 / label_mask of the whole sequence [B, seq_len] (pre-shifted label
-        order), identical on every TSP rank, never a [tokens, vocab] logits tensor nor a full LM-head weight.
-        A loss computed from log_probs (e.g. -log_probs.sum() / num_items) has the group's value on every rank and
-        back-propagates only this rank's share (each rank keeps its tokens' slice of the gradient). Only log_probs
-        carries a gradient; entropy and is_top1 are metrics."""
-        from ds_tsp.core.functions import lm_head_token_stats as token
-
-        labels = batch["shift_labels"]
-        if batch["attention_mask"] is not None:
-            labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
-        stats = token.gather_token_stats(self.tsp.lm_head(h, labels, token_stats=True), self.tsp.comm, seq_len)
-        log_probs, mask = stats[token.LOG_PROB], stats[token.LABEL_MASK].detach().bool()
-        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedLMHeadOutput(loss=-log_probs.sum() / denominator, log_probs=log_probs,
-                                 entropy=stats[token.ENTROPY].detach(), is_top1=stats[token.IS_TOP1].detach().bool(),
-                                 label_mask=mask)
 
     def add_model_tags(self, tags: list[str] | str) -> None:
         """transformers' model tags (TRL adds its own): kept on the model, as PreTrainedModel keeps them."""
@@ -381,7 +299,7 @@ class TSPForCausalLM(nn.Module):
                 raise TSPConfigError("labels= with an already-sharded batch: TSPDataLoader shifts labels before "
                                      "cutting the sequence; pass its shift_labels")
             return {"input_ids": input_ids, "shift_labels": shift_labels, "position_ids": position_ids,
-                    "attention_mask": attention_mask}, seq_len or input_ids.shape[1] * comm.size * _cp_size(comm)
+                    "attention_mask": attention_mask}, seq_len or input_ids.shape[1] * comm.size * comm.cp_size
         targets = shift_labels if shift_labels is not None else labels
         if labels is not None and shift_labels is not None:
             raise TSPConfigError("pass labels (HF convention, shifted inside) or shift_labels (pre-shifted), not both")
@@ -396,7 +314,7 @@ class TSPForCausalLM(nn.Module):
         full = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=targets, position_ids=position_ids,
                            labels_are_shifted=shift_labels is not None, attention_mask=attention_mask,
                            # check_values: ShardedCausalLM's input check reads the same facts, once
-                           check_values=False, cp=_cp_size(comm), cp_rank=comm.cp.rank if comm.cp else 0)
+                           check_values=False, cp=comm.cp_size, cp_rank=comm.cp_rank)
         return {"input_ids": full["input_ids"], "shift_labels": full["shift_labels"] if targets is not None else None,
                 "position_ids": full["position_ids"], "attention_mask": full.get("attention_mask")}, full["seq_len"]
 
@@ -407,7 +325,7 @@ class TSPForCausalLM(nn.Module):
         transformers loads. Global rank 0 writes; modules are gathered to it one at a time, except MoE experts,
         which each TSP rank of the writing replica streams itself into the same temporary directory (a
         filesystem the TSP ranks share, as loading assumes). Returns the directory on the writer, None elsewhere."""
-        from ds_tsp.checkpoint.hf_save import save_streaming
+        from ds_tsp.checkpoint.hf.save import save_streaming
 
         unsupported = {k: v for k, v in kwargs.items()
                        if not (k == "safe_serialization" and v) and not (k == "is_main_process")}

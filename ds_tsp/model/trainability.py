@@ -11,7 +11,7 @@ PeftModel handed to a conversion, meets the names the checkpoint protocol knows.
 
 A mixture-of-experts model in memory names its weights otherwise than its checkpoint does: experts fused into
 `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, Mixtral's block under `mlp.` where its checkpoint (and
-ds_tsp's shards) say `block_sparse_moe.`. `checkpoint_names` translates with ds_tsp.checkpoint.moe_names' aliases,
+ds_tsp's shards) say `block_sparse_moe.`. `checkpoint_names` translates with ds_tsp.checkpoint.hf.moe_names' aliases,
 so a frozen expert block or router is found, never silently trained; an HF parameter no TSP parameter holds is an
 error naming it.
 """
@@ -21,7 +21,7 @@ import re
 
 from torch import nn
 
-from ds_tsp.checkpoint.moe_names import aliases
+from ds_tsp.checkpoint.hf.moe_names import aliases
 from ds_tsp.core.errors import TSPConfigError
 
 _PEFT_PREFIX = "base_model.model."
@@ -54,7 +54,7 @@ def load_hf_model(core: nn.Module, hf_model: nn.Module, state_dict: dict | None 
     """Fill `core` (a ShardedCausalLM) from an in-memory transformers or PEFT LoRA model: this rank's slices of its
     base weights (or of `state_dict`, HF names, when given), their requires_grad, and the LoRA adapter. Returns the
     transformers model under a PEFT wrapper (the model itself otherwise)."""
-    from ds_tsp.model.lora import adapter_config_json, attach_lora, peft_adapter
+    from ds_tsp.model.peft.lora import adapter_config_json, attach_lora, peft_adapter
 
     peft = peft_adapter(hf_model)  # (base model, adapter name, LoraConfig) of a PEFT LoRA model; None otherwise
     base = peft[0] if peft else hf_model

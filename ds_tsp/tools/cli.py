@@ -15,36 +15,14 @@ import sys
 from collections.abc import Sequence
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.tools.cli_types import OneLineErrors, at_least, integer, positive
 from ds_tsp.tools.entry_point import config_error_in, report_error
 
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _DTYPE_CHOICES = ("float32", "float64", "bfloat16")  # keys of ds_tsp.tools.verify.DTYPES (kept torch-free for --help)
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
-        return value
-    parse.__name__ = "int"  # argparse names the type in its messages
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
 
 
 def _error(command: str, message: str) -> int:
@@ -61,18 +39,18 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
                     "deepspeed) and compare its loss and gradients with the single-device reference built from the "
                     "same weights and batch. Prints one JSON line; exits 0 only when both errors are within the "
                     "dtype's tolerance (float64 1e-10, float32 1e-5, bfloat16 5e-2).")
-    p.add_argument("--tsp", type=_int_at_least(1), default=2, help="TSP degree D (default 2)")
-    p.add_argument("--cp", type=_int_at_least(1), default=1,
+    p.add_argument("--tsp", type=positive(integer), default=2, help="TSP degree D (default 2)")
+    p.add_argument("--cp", type=positive(integer), default=1,
                    help="context-parallel degree C: C TSP groups share each sequence, C x D ranks (default 1)")
-    p.add_argument("--layers", type=_int_at_least(1), default=2, help="decoder layers (default 2)")
-    p.add_argument("--hidden", type=_int_at_least(1), default=64, help="hidden size (default 64)")
-    p.add_argument("--heads", type=_int_at_least(1), default=4, help="query heads (default 4)")
-    p.add_argument("--kv-heads", type=_int_at_least(1), default=None, help="kv heads (default: --heads, i.e. MHA)")
-    p.add_argument("--head-dim", type=_int_at_least(2), default=None, help="head dim (default hidden/heads)")
-    p.add_argument("--ffn", type=_int_at_least(1), default=128, help="MLP intermediate size (default 128)")
-    p.add_argument("--vocab", type=_int_at_least(1), default=128, help="vocab size (default 128)")
-    p.add_argument("--seq", type=_int_at_least(2), default=64, help="global sequence length (default 64)")
-    p.add_argument("--batch", type=_int_at_least(1), default=2, help="micro-batch size (default 2)")
+    p.add_argument("--layers", type=positive(integer), default=2, help="decoder layers (default 2)")
+    p.add_argument("--hidden", type=positive(integer), default=64, help="hidden size (default 64)")
+    p.add_argument("--heads", type=positive(integer), default=4, help="query heads (default 4)")
+    p.add_argument("--kv-heads", type=positive(integer), default=None, help="kv heads (default: --heads, i.e. MHA)")
+    p.add_argument("--head-dim", type=at_least(2), default=None, help="head dim (default hidden/heads)")
+    p.add_argument("--ffn", type=positive(integer), default=128, help="MLP intermediate size (default 128)")
+    p.add_argument("--vocab", type=positive(integer), default=128, help="vocab size (default 128)")
+    p.add_argument("--seq", type=at_least(2), default=64, help="global sequence length (default 64)")
+    p.add_argument("--batch", type=positive(integer), default=2, help="micro-batch size (default 2)")
     p.add_argument("--dtype", choices=_DTYPE_CHOICES, default="float32", help="default float32")
     p.add_argument("--seed", type=int, default=0, help="weights and batch seed (default 0)")
     p.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the embedding")
@@ -80,10 +58,10 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-model", metavar="DIR", default=None,
                    help="a local HF checkpoint: the reference is transformers' own model loaded from DIR, TSP loads "
                         "DIR by slices; the shape flags are then taken from the checkpoint")
-    p.add_argument("--documents", type=_int_at_least(1), default=1,
+    p.add_argument("--documents", type=positive(integer), default=1,
                    help="pack K documents of random lengths into every sequence (position_ids restarting); the "
                         "reference runs every document on its own (default 1)")
-    p.add_argument("--timeout", type=_positive_float, default=600.0,
+    p.add_argument("--timeout", type=positive(float), default=600.0,
                    help="seconds before the ranks are stopped (default 600)")
     p.set_defaults(run=_verify)
 
@@ -100,9 +78,8 @@ def _verify_under_launcher(case, tsp: int, timeout_s: float, cp: int = 1) -> tup
     sequence). Returns (report on rank 0, ok)."""
     import torch.distributed as dist
 
-    from ds_tsp.core.launch import init_from_env
-    from ds_tsp.tools.verify import run_case_on_world
-    from ds_tsp.tools.verify_cp import run_cp_case
+    from ds_tsp.core.parallel.launch import init_from_env
+    from ds_tsp.tools.verify import run_case_on_world, run_cp_case
 
     rank, world = init_from_env(timeout_s=timeout_s)
     try:
@@ -134,9 +111,8 @@ def _verify(args: argparse.Namespace) -> int:
     except TSPConfigError as exc:
         return _error("verify", str(exc))
 
-    from ds_tsp.core.launch import run_on_local_ranks
-    from ds_tsp.tools.verify import VerifyCase, run_case_on_world
-    from ds_tsp.tools.verify_cp import run_cp_case
+    from ds_tsp.core.parallel.launch import run_on_local_ranks
+    from ds_tsp.tools.verify import VerifyCase, run_case_on_world, run_cp_case
 
     case = VerifyCase(shape=shape, seq=args.seq, batch=args.batch, dtype=args.dtype, seed=args.seed,
                       documents=args.documents, hf_model=args.hf_model)
@@ -170,9 +146,9 @@ def _verify(args: argparse.Namespace) -> int:
 # --- entry point ------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="ds-tsp", description="TSP: tensor and sequence parallelism folded onto one mesh axis.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineErrors)
     _add_verify(sub)
     from ds_tsp.tools.plan import cli as plan_cli  # torch-free, so `ds-tsp plan` and --help stay fast
 
@@ -190,7 +166,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The ds-tsp command: its exit code (a usage error is 2 after its one line on stderr, --help 0)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
         return args.run(args)
     except Exception as exc:  # a ds_tsp input error found while running (a checkpoint, a rank's batch): one line

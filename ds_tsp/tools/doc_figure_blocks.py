@@ -5,7 +5,7 @@ block's text exactly as the docs carry it. Ratios are taken of the figures as pr
 redo them from the tables on the page.
 
 Sources: docs/bench/**/results.json are `ds-tsp bench` runs (docs/benchmarks.md says which command made each);
-docs/results/*.json are the stdout of the deterministic commands the README shows (`python -m
+docs/results/*.json are the stdout of the deterministic commands the docs show (`python -m
 ds_tsp.tools.doc_figures --measure` reruns them).
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _demo_records(result: dict) -> list[dict]:
     return [json.loads(line) for line in result["stdout"] if line.startswith("{")]
 
 
-# ---- README.md -------------------------------------------------------------------------------------------------
+# ---- README.md (demo, demo-tsp1) and docs/cli.md (verify, memory-8192, speed-8192, max-seq) --------------------
 
 def readme_demo(src: dict) -> str:
     """The demo's config figures, its memory lines and summary, as `python examples/demo_train.py` prints them."""

@@ -2,7 +2,7 @@
 
     python -m ds_tsp.tools.doc_figures --check      # exit 1, naming each block whose text differs from its source
     python -m ds_tsp.tools.doc_figures --write      # rewrite every block from its source
-    python -m ds_tsp.tools.doc_figures --measure    # rerun the deterministic README commands into docs/results/
+    python -m ds_tsp.tools.doc_figures --measure    # rerun the deterministic documented commands into docs/results/
 
 A quoted figure lives between `<!-- figures:NAME ... -->` and `<!-- /figures:NAME -->`; `doc_figure_blocks.BLOCKS`
 says which files each block is rendered from. Benchmark figures come from the `ds-tsp bench` results under
@@ -27,7 +27,8 @@ from ds_tsp.tools.doc_figure_blocks import BLOCKS
 
 BLOCK = re.compile(r"<!-- figures:(?P<name>[a-z0-9-]+)(?: [^\n]*?)? -->\n(?P<body>.*?)\n<!-- /figures:(?P=name) -->",
                    re.DOTALL)
-# The README's deterministic commands: results file -> (the command as the README prints it, its argv here).
+# The deterministic commands the docs show (the demo: README.md; verify: docs/cli.md): results file -> (the command
+# as the docs print it, its argv here).
 MEASURED = {
     "docs/results/demo_tsp2.json": ("python examples/demo_train.py", ["examples/demo_train.py"]),
     "docs/results/demo_tsp1.json": ("python examples/demo_train.py --tsp 1", ["examples/demo_train.py", "--tsp", "1"]),
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="exit 1 when a block differs from its source")
     mode.add_argument("--write", action="store_true", help="rewrite every block from its source")
-    mode.add_argument("--measure", action="store_true", help="rerun the README's deterministic commands into "
+    mode.add_argument("--measure", action="store_true", help="rerun the documented deterministic commands into "
                       "docs/results/*.json, then rewrite the blocks")
     parser.add_argument("--root", type=Path, default=default_root(), help="the source checkout (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -90,7 +90,7 @@ def run_main(main: Callable[[], Any], prog: str, *, json_stdout: bool = True) ->
     after one line for a ds_tsp configuration / input error. `json_stdout`: stdout keeps only the JSON records the
     script emits (ds_tsp.tools.json_stdout); the rest goes to stderr. Ends through exit_rank (no interpreter
     finalization, where torch's gloo backend can abort); other exceptions propagate with their traceback."""
-    from ds_tsp.core.launch import exit_rank
+    from ds_tsp.core.parallel.launch import exit_rank
 
     if json_stdout:
         from ds_tsp.tools.json_stdout import reserve_stdout

@@ -21,7 +21,7 @@ global changes; other models, and float32/bfloat16 inputs, keep transformers' ex
 * Mixture of experts (Qwen3-MoE, Mixtral): `load_balancing_loss_func` accumulates in float32. With
   output_router_logits the aux loss is transformers' formula over the router logits transformers returns, for a
   float64 model accumulated in float64 (`load_balancing_loss`), else transformers' own function. The routers' float32
-  softmax is left as it is: ds_tsp routes with the same float32 probabilities (ds_tsp.core.functions.moe_routing).
+  softmax is left as it is: ds_tsp routes with the same float32 probabilities (ds_tsp.core.layers.moe.routing).
 
 Attention must not be "eager" (its softmax uses dtype=float32): the model is loaded with attn_implementation
 "sdpa", which computes in the input dtype. Every forward passes use_cache=False: transformers only applies its

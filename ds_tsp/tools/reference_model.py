@@ -4,7 +4,7 @@ Parameter names are exactly HF LlamaForCausalLM's (Qwen2ForCausalLM's with qkv_b
 qk_norm), so
 `hf_model.load_state_dict(full_state_dict(ref))` works both ways. Numerics follow HF's choices but never narrow a
 wider dtype: RMSNorm and cross-entropy run in float32, or in the model dtype when that is float64; RoPE angles come
-from ds_tsp.core.rope (float64 for float64 models). In float64 this model is the exactness reference.
+from ds_tsp.core.tokens.rope (float64 for float64 models). In float64 this model is the exactness reference.
 
     forward(input_ids [B, S], shift_labels [B, S], position_ids [B, S] | None) -> scalar loss
     shift_labels[b, t] is the target of position t (already shifted); -100 = ignored.
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.rope import apply_rope, rope_cos_sin
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.rope import apply_rope, rope_cos_sin
 
 IGNORE_INDEX = -100
 
@@ -119,6 +119,9 @@ class Backbone(nn.Module):
 
 
 class ReferenceCausalLM(nn.Module):
+    """The single-device causal LM TSP is checked against: the Llama-family model of a ModelShape, in plain torch,
+    with the parameter names of transformers' checkpoints (full_state_dict gives its weights)."""
+
     def __init__(self, shape: ModelShape, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         if shape.num_experts:

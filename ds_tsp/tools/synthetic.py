@@ -10,6 +10,9 @@ from torch.utils.data import Dataset
 
 
 class RepeatingPatterns(Dataset):
+    """`num_samples` samples {"input_ids": [seq_len]}, each one of `num_patterns` fixed random token patterns
+    repeated from a random phase: a learnable dataset that needs no download."""
+
     def __init__(self, *, vocab_size: int, seq_len: int, num_samples: int = 1024, num_patterns: int = 8,
                  alphabet: int = 64, seed: int = 0):
         g = torch.Generator().manual_seed(seed)

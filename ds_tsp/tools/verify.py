@@ -5,14 +5,15 @@ Run on every rank of a TSP group; the reference runs on TSP rank 0 only. Errors 
 
 Two references: ds_tsp.tools.reference_model.ReferenceCausalLM (weights from a seed), or with `hf_model` transformers' OWN
 model loaded from that checkpoint directory (float64 made exact by ds_tsp.tools.hf_reference), while TSP loads the same
-directory by slices (TSPForCausalLM.from_pretrained). With `documents` = K > 1 every sequence packs K documents of
+directory by slices (TSPForCausalLM.from_pretrained). With a cp axis (`run_cp_case`, `ds-tsp verify --tsp D --cp C`) C TSP groups share each sequence and the grads are
+averaged over data x cp first, as the data-parallel engine does. With `documents` = K > 1 every sequence packs K documents of
 random lengths (position_ids restarting, the first label of each document -100, as DataCollatorWithFlattening
 makes them) and the reference runs every document on its own.
 
 Mixture-of-experts checkpoints (Qwen3-MoE, Mixtral): the loss includes router_aux_loss_coef x the load-balancing
 loss when the config sets output_router_logits (as transformers adds it), and the report gives the aux loss's own
 error (aux_rel_err, from a second, gradient-free forward); transformers' fused in-memory expert gradients are
-compared per expert under the checkpoint names (ds_tsp.checkpoint.moe_names).
+compared per expert under the checkpoint names (ds_tsp.checkpoint.hf.moe_names).
 
 Tolerances (documented; float64 proves the schedule exact, the others sit on their dtype's noise floor):
 float64 1e-10 (a correct schedule reaches ~1e-14), float32 1e-5 (noise floor ~1e-6), bfloat16 5e-2.
@@ -24,15 +25,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.comm import TSPComm
-from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.documents import documents_of_lengths
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.config import TSPOptions, parse_tsp_config
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.launch import local_device
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.partition import shift_labels as shift
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+from ds_tsp.core.grads.data_parallel import average_grads_over_group
+from ds_tsp.core.parallel.launch import local_device
+from ds_tsp.core.parallel.runtime import build_runtime
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.documents import documents_of_lengths
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.core.tokens.zigzag import shift_labels as shift
+from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.tools.reference_model import ReferenceCausalLM, full_state_dict, init_weights_
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -112,7 +115,7 @@ def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
 def hf_reference_loss_and_grads(case: VerifyCase, aux_out: dict | None = None):
     """transformers' own model from case.hf_model, same batch, every packed document on its own (an MoE aux loss
     over all of them, into aux_out["aux_loss"]); gradients under the checkpoint names."""
-    from ds_tsp.checkpoint.moe_names import canonical_state_dict
+    from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict
     from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
 
     ids, labels, _ = make_batch(case)
@@ -133,51 +136,46 @@ def _aux_loss(model: ShardedCausalLM, batch: dict, seq_len: int) -> torch.Tensor
     return model.loss_for_logging(model.aux_in_mean_loss(share)).cpu()
 
 
-def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOptions = TSPOptions(),
-             overlap: bool = True, weight_group: dist.ProcessGroup | None = None) -> dict | None:
-    """Collective over `group`. Returns the report on TSP rank 0, None elsewhere. weight_group: the weights'
-    channel (TSPComm.weight_group), as training runs get it."""
-    comm = TSPComm(group, overlap=overlap, weight_group=weight_group)
-    dtype = DTYPES[case.dtype]
-    device = local_device()  # the model and its batch on this rank's GPU when there is one; the reference on CPU
-    ids, labels, positions = (t.to(device) for t in make_batch(case))
-    batch = shard_batch(ids, tsp=comm.size, rank=comm.rank, labels=labels, position_ids=positions)
+def _build_model(case: VerifyCase, comm: TSPComm, options: TSPOptions, data_group=None):
+    """(the TSP model on this rank's shards, the reference's full state dict or None for an HF checkpoint)."""
+    dtype, device = DTYPES[case.dtype], local_device()  # the model on this rank's GPU when there is one
     if case.hf_model is not None:
         from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 
-        model = TSPForCausalLM.from_pretrained(case.hf_model, comm, dtype=dtype, options=options, device=device).tsp
-    else:
-        reference = ReferenceCausalLM(case.shape, dtype=dtype)
-        init_weights_(reference, case.seed)
-        full = full_state_dict(reference)
-        del reference
-        model = ShardedCausalLM(case.shape, comm, options=options, dtype=dtype, device=device)
-        model.load_full_state_dict(full)
+        return TSPForCausalLM.from_pretrained(case.hf_model, comm, dtype=dtype, options=options, device=device,
+                                              data_group=data_group).tsp, None
+    reference = ReferenceCausalLM(case.shape, dtype=dtype)
+    init_weights_(reference, case.seed)
+    full = full_state_dict(reference)
+    del reference
+    model = ShardedCausalLM(case.shape, comm, options=options, dtype=dtype, device=device, data_group=data_group)
+    model.load_full_state_dict(full)
+    return model, full
+
+
+def _step_and_compare(case: VerifyCase, model: ShardedCausalLM, full: dict | None, batch: dict, reporter: bool,
+                      data_group=None, **layout) -> dict | None:
+    """One forward + backward of the TSP model (grads averaged over `data_group` as a data-parallel engine does,
+    when given), then on the reporting rank the comparison with the single-device reference. `layout` goes into
+    the report (tsp, and cp where there is a cp axis)."""
     loss_share = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"], seq_len=case.seq)
     loss_share.backward()
+    if data_group is not None:
+        average_grads_over_data(model, data_group)
     aux = _aux_loss(model, batch, case.seq)
     loss = model.loss_for_logging(loss_share).cpu()  # compared with the reference on the CPU, once, after the step
     grads = {name: g.cpu() for name, g in model.full_state_dict(grads=True).items()}
-    if comm.rank != 0:
+    if not reporter:
         return None
-
     ref_aux = {}
     ref_loss, ref_grads = (hf_reference_loss_and_grads(case, ref_aux) if case.hf_model is not None
                            else reference_loss_and_grads(case, full))
     grad_errs = {name: _rel_err(grads[name], g) for name, g in ref_grads.items()}
     worst = max(grad_errs, key=grad_errs.get)
-    report = {
-        "loss_rel_err": _rel_err(loss, ref_loss),
-        "grad_rel_err": grad_errs[worst],
-        "worst_grad": worst,
-        "tsp": comm.size,
-        "dtype": case.dtype,
-        "loss": float(loss),
-        "ref_loss": float(ref_loss),
-        "tolerance": case.tolerance,
-        "documents": case.documents,
-        "reference": "transformers" if case.hf_model is not None else "ds_tsp",
-    }
+    report = {"loss_rel_err": _rel_err(loss, ref_loss), "grad_rel_err": grad_errs[worst], "worst_grad": worst,
+              **layout, "dtype": case.dtype, "loss": float(loss), "ref_loss": float(ref_loss),
+              "tolerance": case.tolerance, "documents": case.documents,
+              "reference": "transformers" if case.hf_model is not None else "ds_tsp"}
     if aux is not None:
         report.update(aux_loss=float(aux), ref_aux_loss=float(ref_aux["aux_loss"]),
                       aux_rel_err=_rel_err(aux, ref_aux["aux_loss"]))
@@ -186,13 +184,45 @@ def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOpti
     return report
 
 
+def run_case(case: VerifyCase, group: dist.ProcessGroup | None, options: TSPOptions = TSPOptions(),
+             overlap: bool = True, weight_group: dist.ProcessGroup | None = None) -> dict | None:
+    """Collective over `group` (one TSP group). Returns the report on TSP rank 0, None elsewhere. weight_group:
+    the weights' channel (TSPComm.weight_group), as training runs get it."""
+    comm = TSPComm(group, overlap=overlap, weight_group=weight_group)
+    ids, labels, positions = (t.to(local_device()) for t in make_batch(case))
+    batch = shard_batch(ids, tsp=comm.size, rank=comm.rank, labels=labels, position_ids=positions)
+    model, full = _build_model(case, comm, options)
+    return _step_and_compare(case, model, full, batch, comm.rank == 0, tsp=comm.size)
+
+
+def average_grads_over_data(model: torch.nn.Module, data_group: dist.ProcessGroup | None) -> None:
+    """What a data-parallel engine does to the grads of one step: the mean over the data group (data x cp).
+    model: a ShardedCausalLM (its comm bounds the all-reduce)."""
+    average_grads_over_group(model.parameters(), data_group, model.comm)
+
+
+def run_cp_case(case: VerifyCase, tsp: int, cp: int, options: dict | None = None) -> dict | None:
+    """The same check with a context-parallel axis: C TSP groups of D ranks share each sequence (tsp.cp_size),
+    laid out by build_runtime from {"size": D, "cp_size": C}. After backward every gradient is averaged over the
+    data group (data x cp), what the data-parallel engine does in training, so the check covers the cp reduction
+    and the loss denominator as well as the cp ring. Collective over the initialised world (C x D ranks, or a
+    multiple: more data replicas of the same batch). Returns the report on global rank 0, None elsewhere."""
+    runtime = build_runtime(parse_tsp_config({"size": tsp, "cp_size": cp, **(options or {})}))
+    groups = runtime.groups
+    ids, labels, positions = (t.to(local_device()) for t in make_batch(case))
+    batch = shard_batch(ids, tsp=tsp, rank=groups.tsp_rank if groups else 0, labels=labels, position_ids=positions,
+                        cp=cp, cp_rank=groups.cp_rank if groups else 0)
+    model, full = _build_model(case, runtime.comm, runtime.options, runtime.data_group)
+    reporter = not dist.is_initialized() or dist.get_rank() == 0
+    return _step_and_compare(case, model, full, batch, reporter, runtime.data_group, tsp=tsp, cp=cp)
+
+
 def run_case_on_world(case: VerifyCase, options: TSPOptions = TSPOptions(), overlap: bool = True) -> dict | None:
     """Entry for an already-initialised default group (torchrun) or a spawned one: the whole world is one TSP group."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return run_case(case, None, options, overlap)
-    # the weights' own channel where a training run gets one (CUDA: ds_tsp.core.topology.ProcessGroups.build);
+    # the weights' own channel where a training run gets one (CUDA: ds_tsp.core.parallel.topology.ProcessGroups.build);
     # collective: every rank runs this entry
     # (a spawned gloo group computes on the CPU, see local_device: no second channel there)
     weights = dist.new_group(list(range(dist.get_world_size()))) if local_device().type == "cuda" else None
     return run_case(case, dist.group.WORLD, options, overlap, weights)
-

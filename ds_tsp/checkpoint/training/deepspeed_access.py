@@ -22,7 +22,7 @@ from ds_tsp.checkpoint.training.shard_files import DEFAULT_FILE_BYTES
 from ds_tsp.checkpoint.training.store import CheckpointStore
 from ds_tsp.checkpoint.training.train_state import load_train_state, save_train_state
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.tokens.zigzag import shard_batch
 
 
 class DeepSpeedAccess(OptimizerAccess):

@@ -1,11 +1,11 @@
 """This rank's shard of every parameter (weight or optimizer state), from shards saved at any TSP degree.
 
 Same degree: the rank's own tensor is read as saved (bit for bit). Another degree: for each sharded module the
-saved shards of every old rank are put together into that module's HF tensors (ds_tsp.model.sharded_modules: unshard) and this
+saved shards of every old rank are put together into that module's HF tensors (ds_tsp.model.modules.decoder: unshard) and this
 rank's part is cut out of them (shard_full), one module at a time, so no rank ever holds more than one module
 whole. Replicated parameters (norms) are read from TSP rank 0's files.
 
-A LoRA factor cut along its base slice's dim (ds_tsp.model.lora: B's rows of q/k/v/gate/up, A's columns of o/down)
+A LoRA factor cut along its base slice's dim (ds_tsp.model.peft.lora: B's rows of q/k/v/gate/up, A's columns of o/down)
 is put together from every old rank's cut at that rank's start (a kv group's leader holds the live copy of a
 shared kv head's rows) and re-cut at this rank's start; the replicated factor is read from TSP rank 0's files.
 Only trainable parameters are in a checkpoint (train_state.saved_parameters): frozen ones, LoRA's base included,
@@ -20,7 +20,7 @@ from torch import nn
 
 from ds_tsp.checkpoint.training.manifest import Manifest
 from ds_tsp.checkpoint.training.shard_files import ShardFileReader
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 
 
 def state_tensor_name(param_name: str, key: str | None) -> str:

@@ -14,7 +14,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from ds_tsp.checkpoint.durable_io import fsync_path
+from ds_tsp.checkpoint.safetensors.durable import fsync_path
 from ds_tsp.checkpoint.training.manifest import MANIFEST_NAME
 from ds_tsp.core.errors import TSPConfigError
 

@@ -27,7 +27,7 @@ from ds_tsp.checkpoint.training.reshard import ShardSource, state_tensor_name
 from ds_tsp.checkpoint.training.shard_files import DEFAULT_FILE_BYTES, ShardFileWriter, write_file
 from ds_tsp.checkpoint.training.store import CheckpointStore
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.topology import ProcessGroups
+from ds_tsp.core.parallel.topology import ProcessGroups
 
 RNG_FILE = "rng.safetensors"
 

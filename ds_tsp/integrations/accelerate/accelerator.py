@@ -35,8 +35,8 @@ from torch import nn
 from ds_tsp.checkpoint.local_state import load_model_local, load_optimizer_local, to_local
 from ds_tsp.core.config import check_deepspeed_compatible
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.setup import build_runtime
-from ds_tsp.core.topology import ParallelLayout, ProcessGroups
+from ds_tsp.core.parallel.runtime import build_runtime
+from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
 from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader
 from ds_tsp.integrations.accelerate.launch_config import TSPAccelerateSetup, resolve_setup
 from ds_tsp.integrations.accelerate.state_layout import check_layout, layout_record, write_layout
@@ -92,6 +92,10 @@ class DataAxisScheduler(_accelerate.scheduler.AcceleratedScheduler):
 
 
 class TSPAccelerator(_accelerate.Accelerator):
+    """Accelerate's Accelerator with TSP on the innermost axis: `prepare` converts the model to this rank's TSP
+    shards and cuts the dataloaders to zigzag shards, DeepSpeed or FSDP2 runs on the data axis. tsp_size / cp_size:
+    the TSP and cp degrees for a plain launch (a DeepSpeed or FSDP2 config gives them itself)."""
+
     def __init__(self, *args, tsp_size: int | None = None, cp_size: int | None = None,
                  tsp_groups: ProcessGroups | None = None, **kwargs):
         self.tsp_setup: TSPAccelerateSetup = resolve_setup(
@@ -252,7 +256,7 @@ class TSPAccelerator(_accelerate.Accelerator):
         clip_grad_norm_ and the optimizer see the whole sequence's gradient."""
         super().backward(loss, **kwargs)
         if self.tsp_setup.mode == "plain" and self._cp_size > 1 and self.sync_gradients and self.tsp_model is not None:
-            from ds_tsp.core.data_grads import average_grads_over_group
+            from ds_tsp.core.grads.data_parallel import average_grads_over_group
 
             average_grads_over_group(self.tsp_model.parameters(), self._data_group, self.tsp_comm)
 
@@ -263,7 +267,7 @@ class TSPAccelerator(_accelerate.Accelerator):
         self.unscale_gradients()
         if self.tsp_groups is None:
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
-        from ds_tsp.core.grad_norm import clip_grad_norm_
+        from ds_tsp.core.grads.clip import clip_grad_norm_
 
         return clip_grad_norm_(list(parameters), max_norm, self.tsp_groups, norm_type)
 

@@ -4,19 +4,19 @@ The user's DataLoader (any dataset, sampler and collate_fn, e.g. DataCollatorWit
 Accelerate's own `prepare_data_loader` with num_processes = data degree and process_index = data rank, so all TSP
 ranks of a replica draw the same samples, epochs / seeds / even_batches / resume work as Accelerate does them, and
 `gradient_state` still tracks the end of the data for `gather_for_metrics`. Each collated batch (HF keys) is then
-shifted and cut by `ds_tsp.core.partition.shard_batch` and carries `tsp_shard`, so TSPForCausalLM knows it is sharded.
+shifted and cut by `ds_tsp.core.tokens.zigzag.shard_batch` and carries `tsp_shard`, so TSPForCausalLM knows it is sharded.
 """
 from __future__ import annotations
 
 import torch
 
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.partition import shard_batch
+from ds_tsp.core.tokens.zigzag import shard_batch
 
 # Keys flattening collators add for varlen kernels (transformers' DataCollatorWithFlattening, TRL's padding-free and
 # packing collator, a packed dataset's seq_lengths). TSP reads packed documents from position_ids restarting at 0
-# (core/documents.py): each key is turned into such position_ids, or checked against the batch's position_ids.
+# (core/tokens/documents.py): each key is turned into such position_ids, or checked against the batch's position_ids.
 _DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "seq_lengths")
 # varlen buffer sizes, implied by cu_seq_lens: nothing left to honour once the documents are known
 _KERNEL_SIZE_KEYS = ("max_length_q", "max_length_k")
@@ -104,7 +104,7 @@ def shard_hf_batch(batch: dict, comm: TSPComm) -> dict:
     out = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=shifted if shifted is not None else labels,
                       labels_are_shifted=shifted is not None, position_ids=batch.pop("position_ids", None),
                       attention_mask=batch.pop("attention_mask", None),
-                      cp=comm.cp.size if comm.cp is not None else 1, cp_rank=comm.cp.rank if comm.cp is not None else 0)
+                      cp=comm.cp_size, cp_rank=comm.cp_rank)
     sharded = {"input_ids": out["input_ids"], "position_ids": out["position_ids"], "tsp_shard": (comm.rank, comm.size),
                "seq_len": out["seq_len"]}
     if labels is not None or shifted is not None:

@@ -17,18 +17,18 @@ from typing import Any
 import torch
 
 from ds_tsp.core.config import check_deepspeed_compatible, parse_tsp_config
-from ds_tsp.core.data import TSPDataLoader
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.hf_config import generation_config_json
-from ds_tsp.core.launch import init_from_env, local_device
-from ds_tsp.core.nonfinite import NonFiniteGuard
-from ds_tsp.core.setup import build_runtime
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.core.watchdog import label_modules
+from ds_tsp.core.parallel.launch import init_from_env, local_device
+from ds_tsp.core.parallel.runtime import build_runtime
+from ds_tsp.core.reliability.nonfinite import NonFiniteGuard
+from ds_tsp.core.reliability.watchdog import label_modules
+from ds_tsp.core.shape.hf_config import generation_config_json
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.loader import TSPDataLoader
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
+from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.convert import to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
 
 
 def import_deepspeed():
@@ -158,7 +158,7 @@ def _launched() -> bool:
 
 def _single_process_env() -> None:
     """The variables a launcher would set for one process (DeepSpeed's engine asserts LOCAL_RANK), on a free port."""
-    from ds_tsp.core.launch import free_port
+    from ds_tsp.core.parallel.launch import free_port
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(name, value)

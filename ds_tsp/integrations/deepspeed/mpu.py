@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ds_tsp.core.topology import ProcessGroups
+from ds_tsp.core.parallel.topology import ProcessGroups
 
 
 class TSPModelParallelUnit:
@@ -37,7 +37,7 @@ class TSPModelParallelUnit:
         return self.groups.layout.tsp_group_ranks(self.groups.rank)[0]
 
     # data parallel: the ranks holding the same shards (data x cp: the cp groups of a sequence hold them too, so
-    # ZeRO partitions and averages over both; ds_tsp.core.topology)
+    # ZeRO partitions and averages over both; ds_tsp.core.parallel.topology)
     def get_data_parallel_group(self):
         return self.groups.data_group
 

@@ -21,16 +21,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ds_tsp.checkpoint.moe_names import canonical_state_dict
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.functions.norm import TSPRMSNorm
-from ds_tsp.core.positions import StepPositions
-from ds_tsp.core.shape import ModelShape
-from ds_tsp.core.topology import ProcessGroups
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM, count_valid_tokens
-from ds_tsp.model.sharded_modules import TSPDecoderLayer, TSPLMHeadLoss, TSPVocabEmbedding, load_slices, read_from_full
+from ds_tsp.core.layers.norm import TSPRMSNorm
+from ds_tsp.core.parallel.topology import ProcessGroups
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.positions import StepPositions
+from ds_tsp.model.causal_lm import ShardedCausalLM
+from ds_tsp.model.loss import count_valid_tokens
+from ds_tsp.model.modules.decoder import TSPDecoderLayer
+from ds_tsp.model.modules.vocab import TSPLMHeadLoss, TSPVocabEmbedding
+from ds_tsp.model.state_dict import load_slices, read_from_full
 from ds_tsp.model.trainability import base_parameters, carry_requires_grad
 
 

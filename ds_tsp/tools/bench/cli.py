@@ -12,6 +12,7 @@ naming the flag). Without --out, results go to default_out_dir() (the user's cac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -20,9 +21,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ds_tsp.tools.bench.config import DEFAULT_DS_BUCKET, DEFAULT_SHAPE, LAYOUTS
+from ds_tsp.tools.cli_types import MIB, OneLineErrors, integer, non_negative, positive
 
 if TYPE_CHECKING:
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
 
 __all__ = ["register", "build_parser", "run", "main", "QUICK"]
 
@@ -33,20 +35,11 @@ QUICK = {"seqs": (512, 1024), "steps": 2, "warmup": 1, "layers": 2}
 DEFAULT_SEQS = (2048, 8192)
 # --layer-memory defaults: one decoder layer of Zyphra's 7B (Llama-2 7B shape) at S=8192 over D=2, bf16
 LAYER_MEMORY_DEFAULTS = {"hidden": 4096, "heads": 32, "ffn": 11008, "seq": 8192, "tsp": 2, "dtype": "bf16"}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+_count = positive(integer)  # 8192, 8k, 5e6
 
 
 def _seq_list(text: str) -> list[int]:
-    return [_positive_int(part) for part in text.split(",") if part.strip()]
+    return [_count(part) for part in text.split(",") if part.strip()]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,26 +49,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_seq_list, nargs="+", default=None, metavar="S",
                    help=f"sequence lengths (space or comma separated; default {' '.join(map(str, DEFAULT_SEQS))}, "
                         f"--quick: {' '.join(map(str, QUICK['seqs']))}); multiples of 2*--tsp")
-    p.add_argument("--tsp", type=_positive_int, nargs="+", default=None,
+    p.add_argument("--tsp", type=_count, nargs="+", default=None,
                    help="degree D: ranks of every parallel layout (4; --layer-memory: 2); several (e.g. 2 4) measure "
                         "every layout at each degree in one run")
-    p.add_argument("--cp", type=_positive_int, default=1, metavar="C",
+    p.add_argument("--cp", type=_count, default=1, metavar="C",
                    help="context-parallel degree C (1): layout tsp_cp runs C TSP groups of --tsp D ranks sharing each "
                         "sequence (a cp ring between them), against its peers on the same C x D ranks (default: "
                         "tsp and ulysses_zero3; ds_tsp.tools.bench.cp_flags); S a multiple of 2*D*C")
-    p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size B (1)")
-    p.add_argument("--layers", type=_positive_int, default=None,
+    p.add_argument("--batch", type=_count, default=1, help="micro-batch size B (1)")
+    p.add_argument("--layers", type=_count, default=None,
                    help=f"decoder layers ({DEFAULT_SHAPE.num_layers}; --quick: {QUICK['layers']})")
-    p.add_argument("--hidden", type=_positive_int, default=None,
+    p.add_argument("--hidden", type=_count, default=None,
                    help=f"hidden size ({DEFAULT_SHAPE.hidden_size}; --layer-memory: {LAYER_MEMORY_DEFAULTS['hidden']})")
-    p.add_argument("--heads", type=_positive_int, default=None,
+    p.add_argument("--heads", type=_count, default=None,
                    help=f"query heads ({DEFAULT_SHAPE.num_heads}; --layer-memory: {LAYER_MEMORY_DEFAULTS['heads']})")
-    p.add_argument("--kv-heads", type=_positive_int, default=None, help="kv heads (default: --heads, MHA)")
-    p.add_argument("--ffn", type=_positive_int, default=None,
+    p.add_argument("--kv-heads", type=_count, default=None, help="kv heads (default: --heads, MHA)")
+    p.add_argument("--ffn", type=_count, default=None,
                    help=f"MLP width ({DEFAULT_SHAPE.intermediate_size}; --layer-memory: {LAYER_MEMORY_DEFAULTS['ffn']})")
-    p.add_argument("--vocab", type=_positive_int, default=DEFAULT_SHAPE.vocab_size)
-    p.add_argument("--steps", type=_positive_int, default=None, help="timed steps per run (3; --quick: 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (1)")
+    p.add_argument("--vocab", type=_count, default=DEFAULT_SHAPE.vocab_size)
+    p.add_argument("--steps", type=_count, default=None, help="timed steps per run (3; --quick: 2)")
+    p.add_argument("--warmup", type=non_negative(integer), default=None, help="untimed warm-up steps (1)")
     p.add_argument("--activation-checkpointing", nargs="?", const="peers", default="none",
                    choices=("none", "peers", "all"),
                    help="bare flag or 'peers': HF gradient checkpointing for every peer (TSP's schedule already "
@@ -87,28 +80,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead of fixed --seq: per layout, with and without activation checkpointing, the "
                         "longest S whose measured per-rank peak fits --budget-mib (doubling, then bisection to 5%%; "
                         "1 tracked step per probe, --warmup default 0)")
-    p.add_argument("--budget-mib", type=float, default=None, help="per-rank memory budget for --max-seq (MiB)")
+    p.add_argument("--budget-mib", type=positive(float), default=None,
+                   help="per-rank memory budget for --max-seq (MiB)")
     p.add_argument("--out", default=None,
                    help="output folder (default: $XDG_CACHE_HOME/ds_tsp/bench, else ~/.cache/ds_tsp/bench; the "
                         "last line says where)")
-    p.add_argument("--ds-bucket", type=_positive_int, default=DEFAULT_DS_BUCKET,
+    p.add_argument("--ds-bucket", type=_count, default=DEFAULT_DS_BUCKET,
                    help=f"DeepSpeed bucket sizes in elements ({DEFAULT_DS_BUCKET:.0e}; DeepSpeed's own 5e8 default "
                         "alone shows ~1.9 GB per rank)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per layout's process group (3600)")
+    p.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per layout's process group (3600)")
     p.add_argument("--profile", action="store_true",
                    help="one extra profiled step per layout and S after the timed ones; per-phase seconds "
                         "(GEMM, attention, comm wait, copies, elementwise, other) under 'profile' in results.json, "
                         "split by layer type (attention, mlp, vocab, optimizer, rest) for TSP")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (neither the lines nor, on a terminal, the bar)")
     moe = p.add_argument_group(
         "mixture of experts (TSP layouts only)",
         "Every layer sparse (Mixtral-like: top-k probabilities renormalised). --moe-dispatch ring,all_to_all "
         "measures both schedules in one run (one row each); the MoE table beside results.md shows the plan's "
         "\"auto\" choice next to the measured faster schedule (ds_tsp.tools.bench.moe_report).")
-    moe.add_argument("--num-experts", type=_positive_int, default=None, help="experts per layer (a multiple of --tsp)")
-    moe.add_argument("--top-k", type=_positive_int, default=None, help="experts per token (2)")
-    moe.add_argument("--moe-ffn", type=_positive_int, default=None, help="per-expert MLP width (--ffn)")
+    moe.add_argument("--num-experts", type=_count, default=None, help="experts per layer (a multiple of --tsp)")
+    moe.add_argument("--top-k", type=_count, default=None, help="experts per token (2)")
+    moe.add_argument("--moe-ffn", type=_count, default=None, help="per-expert MLP width (--ffn)")
     moe.add_argument("--moe-dispatch", default="auto", metavar="LIST",
                      help="comma list of TSP MoE schedules to measure: auto, ring, all_to_all (auto)")
     p.add_argument("--hf-config", default=None, metavar="PATH",
@@ -144,7 +139,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-tsp bench", description=__doc__.splitlines()[0])
+    parser = OneLineErrors(prog="ds-tsp bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.set_defaults(run=run)
     return parser
@@ -160,7 +155,7 @@ def configs_from_args(args: argparse.Namespace):
     from ds_tsp.core.errors import TSPConfigError
 
     _model_defaults(args)
-    from ds_tsp.core.shape import ModelShape
+    from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.tools.bench.config import BenchConfig
 
     if isinstance(args.tsp, (list, tuple)):
@@ -188,8 +183,6 @@ def configs_from_args(args: argparse.Namespace):
                          "parallel split S by D)")
     steps = args.steps if args.steps is not None else (QUICK["steps"] if args.quick else 3)
     warmup = args.warmup if args.warmup is not None else QUICK["warmup"]
-    if warmup < 0:
-        raise ValueError(f"--warmup {warmup}: must be >= 0")
     layers = args.layers if args.layers is not None else (QUICK["layers"] if args.quick else DEFAULT_SHAPE.num_layers)
     from ds_tsp.tools.bench.moe_report import moe_dispatches, moe_fields, moe_layouts
 
@@ -346,10 +339,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _error(str(exc))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    total = len(configs) * len(configs[0].seqs)
-    printer = None if args.quiet else ProgressPrinter(total)
+    printer = None if args.quiet else ProgressPrinter(sum(len(c.seqs) for c in configs))
     start = time.monotonic()
-    results = run_layouts(configs, timeout_s=args.timeout, on_event=printer)
+    with printer or contextlib.nullcontext():
+        results = run_layouts(configs, timeout_s=args.timeout, on_event=printer)
     first = configs[0]
     if cp_degree(args) > 1:
         from ds_tsp.tools.bench.cp_report import with_cp_fields
@@ -379,8 +372,9 @@ def run_max_seq_cli(args: argparse.Namespace) -> int:
     from ds_tsp.tools.bench.cp_flags import cp_degree
     from ds_tsp.tools.bench.max_seq import VARIANTS, run_max_seq
     from ds_tsp.tools.bench.max_seq_report import write_max_seq_report
+    from ds_tsp.tools.bench.progress import ProgressPrinter
 
-    if args.budget_mib is None or args.budget_mib <= 0:
+    if args.budget_mib is None:
         return _error("--max-seq needs --budget-mib N (N > 0): the per-rank memory budget in MiB")
     if args.seq:
         return _error("--seq: not used with --max-seq (it searches the lengths itself)")
@@ -395,13 +389,11 @@ def run_max_seq_cli(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _error(str(exc))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    budget = int(args.budget_mib * 2 ** 20)
+    budget = int(args.budget_mib * MIB)
     start = time.monotonic()
-
-    def say(text):
-        print(f"[{time.monotonic() - start:6.1f}s] {text}", file=sys.stderr, flush=True)
-
-    rows = run_max_seq(configs, budget, timeout_s=args.timeout, say=None if args.quiet else say)
+    printer = None if args.quiet else ProgressPrinter(len(configs) * len(VARIANTS))
+    with printer or contextlib.nullcontext():
+        rows = run_max_seq(configs, budget, timeout_s=args.timeout, on_event=printer)
     if cp_degree(args) > 1:
         from ds_tsp.tools.bench.cp_report import with_cp_fields
         rows = with_cp_fields(rows, configs[0].shape)

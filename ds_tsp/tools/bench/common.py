@@ -6,8 +6,8 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.partition import shift_labels
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.zigzag import shift_labels
 from ds_tsp.tools.bench.config import INSTALL_HINT, BenchConfig
 
 
@@ -40,7 +40,7 @@ def hf_config(shape: ModelShape, max_seq: int):
     Qwen3.5 / Qwen3-Next family), SDPA attention."""
     transformers = require("transformers")
     if shape.layer_types is not None:  # a hybrid (Qwen3.5 / Qwen3-Next): transformers' own family, same fields
-        from ds_tsp.core.hf_config import config_dict_from_shape, config_from_dict
+        from ds_tsp.core.shape.hf_config import config_dict_from_shape, config_from_dict
 
         values = {**config_dict_from_shape(shape, torch.float32), "use_cache": False}
         values["max_position_embeddings"] = max(max_seq, 2048)
@@ -78,3 +78,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def valid_tokens(labels: torch.Tensor) -> int:
     return int((labels != -100).sum())
+
+
+def options_record(options) -> dict:
+    """A run's TSPOptions as its results record them; "kernel_backend" (the deprecated name of "kernel", None for
+    "auto") stays beside it so results files read by older tooling keep their key."""
+    record = options.model_dump()
+    record["kernel_backend"] = None if options.kernel == "auto" else options.kernel
+    return record

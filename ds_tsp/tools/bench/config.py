@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 
-# The model the reference numbers were measured on: Llama, hidden 256, 4 layers, 8 heads MHA, MLP 704.
+# "Model M" of docs/benchmarks.md (Llama, hidden 256, 4 layers, 8 heads MHA, MLP 704): the default, so that a plain
+# `ds-tsp bench` is comparable with the published tables, and small enough for minutes per layout on 2 CPU cores.
 DEFAULT_SHAPE = ModelShape(vocab_size=2048, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
                            num_kv_heads=8)
 # DeepSpeed's 5e8-element default buckets alone show ~1.9 GB in MemTracker on this model: use 5e6 elements.

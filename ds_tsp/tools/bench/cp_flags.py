@@ -20,7 +20,9 @@ from dataclasses import replace
 from ds_tsp.tools.bench.config import LAYOUTS, BenchConfig
 
 CP_LAYOUT = "tsp_cp"
-CP_PEERS = ("tsp", "ulysses_zero3")  # the peers: TSP = C x D and Ulysses over C x D ranks
+# The alternatives to a cp ring on the same C x D ranks: one TSP group over all of them, and DeepSpeed Ulysses +
+# ZeRO-3 (sequence parallel with the weights sharded over every rank, as TSP's are).
+CP_PEERS = ("tsp", "ulysses_zero3")
 
 
 def cp_degree(args: argparse.Namespace) -> int:

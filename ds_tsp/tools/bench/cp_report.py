@@ -5,7 +5,7 @@
                             (intra-node in a real run), a peer's one group of C x D ranks
   comm_cp_ring_bytes        tsp_cp only: the layers' bytes on the cp communicator (inter-node in a real run): the
                             ring's K/V and dK/dV hops, and a hybrid model's Gated DeltaNet halo and transition
-                            all-gathers / reduce-scatters over cp (ds_tsp.core.linear_attention_scan)
+                            all-gathers / reduce-scatters over cp (ds_tsp.core.layers.linear_attention.scan)
   comm_cp_grad_sync_bytes   tsp_cp only: the gradient all-reduce over cp (weights are replicated over cp)
   comm_cp_input_check_bytes tsp_cp only: the input check's all-gather over cp (whole-sequence facts: a fixed-size
                             payload, ds_tsp.tools.plan.tsp_comm.input_check_cp_bytes, the plan's own formula; the
@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ds_tsp.tools.bench.cp_flags import CP_LAYOUT
-from ds_tsp.tools.bench.report import MIB
 from ds_tsp.tools.bench.tsp_cp import CP_PREFIX
+from ds_tsp.tools.cli_types import MIB
 
 
 def _split(row: dict) -> dict:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 
 HYBRID_PEER = "hf_zero3_dp"  # the peer that runs transformers' own hybrid model
 _RUNS_HYBRIDS = ("tsp", "tsp_cp", "zero3_dp", "single")  # layout modules that build the hybrid model itself

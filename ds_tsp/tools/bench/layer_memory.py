@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-MIB = 2 ** 20
+from ds_tsp.tools.cli_types import MIB
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 SUBMODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -41,7 +42,7 @@ class LayerMemoryConfig:
 
     @property
     def shape(self):
-        from ds_tsp.core.shape import ModelShape
+        from ds_tsp.core.shape.model_shape import ModelShape
 
         return ModelShape(vocab_size=32000, hidden_size=self.hidden, intermediate_size=self.ffn, num_layers=1,
                           num_heads=self.heads, num_kv_heads=self.heads if self.kv_heads is None else self.kv_heads)
@@ -218,11 +219,11 @@ def measure_rank(cfg: LayerMemoryConfig) -> dict:
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.core.partition import zigzag_positions
-    from ds_tsp.core.rope import rope_cos_sin
-    from ds_tsp.model.sharded_modules import TSPDecoderLayer
+    from ds_tsp.core.tokens.rope import rope_cos_sin
+    from ds_tsp.core.tokens.zigzag import zigzag_positions
+    from ds_tsp.model.modules.decoder import TSPDecoderLayer
 
     comm = TSPComm(dist.group.WORLD)
     if comm.size != cfg.tsp:
@@ -266,7 +267,7 @@ def measure_rank(cfg: LayerMemoryConfig) -> dict:
 
 def run_real(cfg: LayerMemoryConfig, timeout_s: float = 3600) -> list[dict]:
     """D gloo processes, real tensors and kernels."""
-    from ds_tsp.core.launch import run_on_local_ranks
+    from ds_tsp.core.parallel.launch import run_on_local_ranks
 
     return run_on_local_ranks(measure_rank, cfg.tsp, cfg, timeout_s=timeout_s)
 

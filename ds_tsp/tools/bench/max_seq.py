@@ -112,6 +112,7 @@ def rank_max_seq(cfg: BenchConfig, budget_bytes: int, progress_queue=None) -> di
     """Body of one rank: build the layout once, search; returns this rank's measurement at the best length."""
     import torch.distributed as dist
 
+    from ds_tsp.tools.bench.progress import Probe
     from ds_tsp.tools.bench.runner import build_session
 
     module, session = build_session(cfg)
@@ -128,7 +129,7 @@ def rank_max_seq(cfg: BenchConfig, budget_bytes: int, progress_queue=None) -> di
         probes.append({"seq": seq, "peak_bytes_per_rank": peak, "fits": peak <= budget_bytes})
         measured[seq] = result
         if progress_queue is not None and rank == 0:
-            progress_queue.put(("probe", cfg.layout, cfg.activation_checkpointing, seq, peak, budget_bytes))
+            progress_queue.put(Probe(cfg.layout, cfg.activation_checkpointing, seq, peak, budget_bytes))
         return peak <= budget_bytes
 
     best, first_fail = search(fits, start=cfg.seqs[0], step=unit(cfg))
@@ -145,7 +146,7 @@ def start_seq(cfg: BenchConfig) -> int:
 
 def run_one(cfg: BenchConfig, budget_bytes: int, *, timeout_s: float, progress_queue=None) -> dict:
     """One (layout, checkpointing) search in its own process group -> one results.json row (never raises)."""
-    from ds_tsp.core.launch import run_on_local_ranks
+    from ds_tsp.core.parallel.launch import run_on_local_ranks
     from ds_tsp.tools.bench.config import INSTALL_HINT
     from ds_tsp.tools.bench.runner import RANK_ENV, _short, aggregate, failure, missing_requirements
 
@@ -173,29 +174,24 @@ def run_one(cfg: BenchConfig, budget_bytes: int, *, timeout_s: float, progress_q
     return {**row, **extra, "max_seq": head["max_seq"]}
 
 
-def run_max_seq(configs: list[BenchConfig], budget_bytes: int, *, timeout_s: float, say=None,
+def run_max_seq(configs: list[BenchConfig], budget_bytes: int, *, timeout_s: float, on_event=None,
                 variants: tuple[str, ...] = VARIANTS) -> list[dict]:
-    """Every layout x checkpointing variant in turn; say(text) gets progress lines (rank 0's probes included)."""
+    """Every layout x checkpointing variant in turn. on_event receives ds_tsp.tools.bench.progress's events:
+    SearchStart and SearchDone per search, Probe per probed length (from the group's rank 0)."""
+    from ds_tsp.tools.bench.progress import SearchDone, SearchStart
     from ds_tsp.tools.bench.runner import progress_pump
 
-    def on_probe(event) -> None:
-        _, layout, ckpt, seq, peak, budget = event
-        verdict = "fits" if peak <= budget else "over"
-        say(f"    {layout} (checkpointing {ckpt}) S={seq}: peak {peak / 2 ** 20:.1f} MiB/rank {verdict}")
-
     results = []
-    with progress_pump(on_probe if say is not None else None) as queue:
+    with progress_pump(on_event) as queue:
         for cfg in configs:
             for variant in variants:
                 run_cfg = dataclasses.replace(cfg, activation_checkpointing=variant)
                 start = time.monotonic()
-                if say is not None:
-                    say(f"{cfg.layout} (checkpointing {variant}): searching, budget {budget_bytes / 2 ** 20:.0f} "
-                        f"MiB/rank")
+                if on_event is not None:
+                    on_event(SearchStart(cfg.layout, variant, budget_bytes))
                 row = run_one(run_cfg, budget_bytes, timeout_s=timeout_s, progress_queue=queue)
                 row["group_wall_s"] = round(time.monotonic() - start, 1)
                 results.append(row)
-                if say is not None:
-                    say(f"{cfg.layout} (checkpointing {variant}): max S = {row['max_seq'] or 'none'} "
-                        f"({row['group_wall_s']} s)" + ("" if row["ok"] else f"  {str(row['error'])[-200:]}"))
+                if on_event is not None:
+                    on_event(SearchDone(cfg.layout, variant, row))
     return results

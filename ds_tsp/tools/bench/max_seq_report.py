@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ds_tsp.tools.bench.report import MIB, save_figure, write_report
+from ds_tsp.tools.bench.report import save_figure, write_report
+from ds_tsp.tools.cli_types import MIB
 
 PLOT = "max_seq_vs_d.png"
 

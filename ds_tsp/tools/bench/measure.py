@@ -42,7 +42,7 @@ class Workload:
     modules: list[nn.Module]
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     framework_state: list[object] = field(default_factory=list)  # walked for persistent tensors ("other")
-    tsp_counter: object | None = None  # ds_tsp.core.comm.CommCounter for TSP layouts
+    tsp_counter: object | None = None  # ds_tsp.core.comm.communicator.CommCounter for TSP layouts
     before_tracked: Callable[[], None] | None = None  # e.g. make sure no mask is first built inside MemTracker
     loss_reduce: str = "mean"  # how ranks' step() losses combine into the model's loss: "mean" or "sum" (shares)
     info: dict = field(default_factory=dict)  # layout settings worth recording in results.json

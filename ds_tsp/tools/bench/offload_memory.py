@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
+from ds_tsp.tools.cli_types import MIB
+
 OFFLOAD_VOCAB = 512
 
 
@@ -34,10 +36,10 @@ def measure_offload_rank(cfg, layers: int) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from ds_tsp.core.activation_offload import ActivationOffload
-    from ds_tsp.core.comm import TSPComm
+    from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import TSPOptions
-    from ds_tsp.core.partition import zigzag_positions
-    from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
+    from ds_tsp.core.tokens.zigzag import zigzag_positions
+    from ds_tsp.model.causal_lm import ShardedCausalLM
     from ds_tsp.tools.bench.layer_memory import DTYPES
 
     comm = TSPComm(dist.group.WORLD)
@@ -116,7 +118,7 @@ def measure_offload(cfg, layers: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    cfg, plan, mib = result["config"], result["plan"], 2 ** 20
+    cfg, plan = result["config"], result["plan"]
     lines = ["# ds-tsp bench --layer-memory --fake --offload-activations", "",
              f"{result['layers']} TSP decoder layers (hidden {cfg['hidden']}, heads {cfg['heads']}/"
              f"{cfg['kv_heads'] or cfg['heads']} kv, MLP {cfg['ffn']}), S={cfg['seq']}, D={cfg['tsp']}, batch "
@@ -125,11 +127,11 @@ def markdown(result: dict) -> str:
              "| rank | device peak, inputs kept MiB | device peak, offloaded MiB | drop MiB | host pool MiB | "
              "layer inputs left on the device |", "|---:|---:|---:|---:|---:|---:|"]
     for r in result["ranks"]:
-        lines.append(f"| {r['rank']} | {r['on_device']['device_peak'] / mib:.2f} | "
-                     f"{r['offload']['device_peak'] / mib:.2f} | {r['device_peak_drop'] / mib:.2f} | "
-                     f"{r['offload']['host_peak'] / mib:.2f} | {r['device_held_inputs']:.2f} |")
-    lines += ["", f"Plan (ds_tsp.tools.plan.plan_tsp): drop {plan['device_peak_drop'] / mib:.2f} MiB, host "
-              f"{plan['host_bytes_per_rank'] / mib:.2f} MiB per rank, at most {plan['device_held_inputs']} layer "
+        lines.append(f"| {r['rank']} | {r['on_device']['device_peak'] / MIB:.2f} | "
+                     f"{r['offload']['device_peak'] / MIB:.2f} | {r['device_peak_drop'] / MIB:.2f} | "
+                     f"{r['offload']['host_peak'] / MIB:.2f} | {r['device_held_inputs']:.2f} |")
+    lines += ["", f"Plan (ds_tsp.tools.plan.plan_tsp): drop {plan['device_peak_drop'] / MIB:.2f} MiB, host "
+              f"{plan['host_bytes_per_rank'] / MIB:.2f} MiB per rank, at most {plan['device_held_inputs']} layer "
               f"inputs on the device. Measured / plan: drop {result['drop_over_plan']:.3f}, host "
               f"{result['host_over_plan']:.3f}.", ""]
     return "\n".join(lines)

@@ -4,7 +4,7 @@ ones).
 Every profiler event's SELF time is charged once, to a (layer type, phase) cell, so the cells are disjoint and sum
 to the step's wall time:
 - phase: what the event is. GEMMs, the attention kernel and copies/reorders by op name; "comm_wait" is time in
-  communication calls: TSP blocked on a handle (ds_tsp.core.comm.COMM_WAIT_RANGE, also reported alone as
+  communication calls: TSP blocked on a handle (ds_tsp.core.comm.communicator.COMM_WAIT_RANGE, also reported alone as
   "blocked_s") plus posting its async collectives (c10d ops), a peer's time inside its c10d calls;
   "elementwise" is every other aten op (pointwise math, reductions, allocation); "other" is time inside no op
   at all: Python, autograd bookkeeping, launch overhead (and, for the peers, waits on a collective's Work that
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ds_tsp.core.comm import COMM_WAIT_RANGE
+from ds_tsp.core.comm.communicator import COMM_WAIT_RANGE
 
 # op-name substrings per phase; first match wins, so the order matters (attention before the generic copies)
 PHASES = {

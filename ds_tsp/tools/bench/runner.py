@@ -46,6 +46,7 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
     import torch
 
     from ds_tsp.tools.bench.measure import measure_workload
+    from ds_tsp.tools.bench.progress import Step
 
     spec = cfg.spec
     layout_module, session = build_session(cfg)
@@ -54,7 +55,7 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
     for seq in cfg.seqs:
         def progress(phase, i, n, seconds, seq=seq):
             if progress_queue is not None and rank == 0:
-                progress_queue.put((cfg.label, seq, phase, i, n, seconds))
+                progress_queue.put(Step(cfg.label, seq, phase, i, n, seconds))
 
         workload = session.workload(seq)
         result = measure_workload(workload, steps=cfg.steps, warmup=cfg.warmup, progress=progress)
@@ -157,7 +158,7 @@ def _short(error: str, limit: int = 4000) -> str:
 
 def run_layout(cfg: BenchConfig, *, timeout_s: float, progress_queue=None) -> list[dict]:
     """All of cfg.seqs for one layout -> result objects (ok or not), never raises for a failing layout."""
-    from ds_tsp.core.launch import run_on_local_ranks
+    from ds_tsp.core.parallel.launch import run_on_local_ranks
 
     missing = missing_requirements(cfg.layout)
     if missing:
@@ -187,22 +188,24 @@ def _loadavg() -> float | None:
 
 
 def run_layouts(configs: list[BenchConfig], *, timeout_s: float,
-                on_event: Callable[[tuple], None] | None = None) -> list[dict]:
-    """Run each layout's group in turn. on_event receives ("start", layout, seqs, world) before a group starts,
-    progress tuples (layout, seq, phase, i, n, seconds) from its rank 0, and ("done", result) per result."""
+                on_event: Callable[[object], None] | None = None) -> list[dict]:
+    """Run each layout's group in turn. on_event receives ds_tsp.tools.bench.progress's events: GroupStart before
+    a group starts, Step from its rank 0 as it runs, RunDone per result."""
+    from ds_tsp.tools.bench.progress import GroupStart, RunDone
+
     results = []
     with progress_pump(on_event) as queue:
         for cfg in configs:
             start, load_before = time.monotonic(), _loadavg()
             if on_event is not None:
-                on_event(("start", cfg.label, cfg.seqs, cfg.world))
+                on_event(GroupStart(cfg.label, tuple(cfg.seqs), cfg.world))
             for result in run_layout(cfg, timeout_s=timeout_s, progress_queue=queue):
                 result["group_wall_s"] = round(time.monotonic() - start, 1)
                 # other processes on the machine skew step times: record the 1-minute load around the group
                 result["loadavg_before_after"] = [load_before, _loadavg()]
                 results.append(result)
                 if on_event is not None:
-                    on_event(("done", result))
+                    on_event(RunDone(result))
     return results
 
 

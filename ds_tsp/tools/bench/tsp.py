@@ -4,21 +4,19 @@ Modes: memory-optimal (TSPOptions(), the default) and speed (TSPOptions.speed():
 K/V and the local projections for backward, O(S) memory, no re-gather). An MoE shape runs cfg.moe_dispatch's
 schedule (ds_tsp.tools.bench.moe_report sets it beside the plan's "auto" choice). The schedule already saves only O(S/D)
 per layer, so activation checkpointing applies to TSP only with `--activation-checkpointing all`. Comm bytes
-come from the model's own CommCounter (logical volume, see ds_tsp.core.comm); its wait_s per step is the exposed
+come from the model's own CommCounter (logical volume, see ds_tsp.core.comm.communicator); its wait_s per step is the exposed
 (not overlapped) communication.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
-from ds_tsp.core.comm import TSPComm
+from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
-from ds_tsp.tools.bench.common import global_batch
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
+from ds_tsp.tools.bench.common import global_batch, options_record
 from ds_tsp.tools.bench.config import BenchConfig
 from ds_tsp.tools.bench.measure import Workload
 
@@ -58,7 +56,7 @@ class Session:
 
         return Workload(step=step, tokens_per_step=ids.numel(), modules=[self.model], optimizers=[self.optimizer],
                         tsp_counter=self.comm.counter, loss_reduce="sum",
-                        info={"tsp_options": dataclasses.asdict(self.options)})
+                        info={"tsp_options": options_record(self.options)})
 
 
 def build(cfg: BenchConfig, options: dict) -> Session:

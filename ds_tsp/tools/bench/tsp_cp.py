@@ -1,6 +1,6 @@
 """Layout `tsp_cp`: C TSP groups of D ranks share each sequence (tsp.cp_size = C), K/V around the cp ring.
 
-The groups come from the one setup path a training run takes (ds_tsp.core.setup.build_runtime on
+The groups come from the one setup path a training run takes (ds_tsp.core.parallel.runtime.build_runtime on
 {"size": D, "cp_size": C}: TSP groups innermost, the cp ring across them, weights on their own communicator). Each
 TSP group holds S/C tokens (zigzag over the 2C cp chunks, then TSP's zigzag inside: partition.shard_batch) and 1/D
 of every weight, replicated over cp. After backward every gradient is averaged over the cp ring in ONE flat
@@ -9,23 +9,21 @@ buckets would be), then torch AdamW steps, as in the `tsp` layout.
 
 Bytes per step come from two CommCounters, read as one (`TSPAndCpCounters`): the TSP group's (weights, K/V
 gathers, the input check; intra-node in a real run) under their usual kinds, and the cp ring's (the inter-node
-traffic) prefixed "cp:": "cp:ring" (K/V and dK/dV hops, ds_tsp.core.cp_ring), "cp:all_gather" (the input check's
+traffic) prefixed "cp:": "cp:ring" (K/V and dK/dV hops, ds_tsp.core.layers.attention.cp_ring), "cp:all_gather" (the input check's
 whole-sequence facts; a hybrid model's Gated DeltaNet halo and transitions too, with their "cp:reduce_scatter",
-ds_tsp.core.linear_attention_scan) and "cp:grad_sync" (the gradient all-reduce above).
+ds_tsp.core.layers.linear_attention.scan) and "cp:grad_sync" (the gradient all-reduce above).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from ds_tsp.core.comm import CommCounter
+from ds_tsp.core.comm.communicator import CommCounter
 from ds_tsp.core.config import parse_tsp_config
-from ds_tsp.core.data_grads import average_grads
-from ds_tsp.core.partition import shard_batch
-from ds_tsp.core.setup import build_runtime
-from ds_tsp.model.sharded_causal_lm import ShardedCausalLM
-from ds_tsp.tools.bench.common import global_batch
+from ds_tsp.core.grads.data_parallel import average_grads
+from ds_tsp.core.parallel.runtime import build_runtime
+from ds_tsp.core.tokens.zigzag import shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
+from ds_tsp.tools.bench.common import global_batch, options_record
 from ds_tsp.tools.bench.config import BenchConfig
 from ds_tsp.tools.bench.measure import Workload
 from ds_tsp.tools.bench.tsp import tsp_options
@@ -92,7 +90,7 @@ class Session:
 
         return Workload(step=step, tokens_per_step=ids.numel(), modules=[self.model], optimizers=[self.optimizer],
                         tsp_counter=self.counters, loss_reduce="sum",
-                        info={"tsp_options": dataclasses.asdict(self.options)})
+                        info={"tsp_options": options_record(self.options)})
 
 
 def build(cfg: BenchConfig, options: dict) -> Session:

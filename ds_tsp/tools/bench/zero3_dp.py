@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ds_tsp.tools.bench.common import build_hf_model, global_batch, rank_and_world, require, token_loss_sum, \
-    valid_tokens
+from ds_tsp.tools.bench.common import (
+    build_hf_model,
+    global_batch,
+    rank_and_world,
+    require,
+    token_loss_sum,
+    valid_tokens,
+)
 from ds_tsp.tools.bench.config import BenchConfig
 from ds_tsp.tools.bench.deepspeed_common import ds_config, init_distributed, torch_optimizers
 from ds_tsp.tools.bench.measure import Workload

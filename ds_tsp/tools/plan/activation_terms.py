@@ -3,7 +3,7 @@
 The peers (tp, tp_sp, ulysses, fsdp_cp) run Hugging Face Llama modules (as ds_tsp.tools.bench runs them, and as ALST,
 DeepSpeed AutoTP and DTensor TP plans do): the counts below are the tensors those modules' autograd graph keeps,
 checked against saved-tensor hooks (tests/test_plan.py, bench fixture):
-- RMSNorm (HF, as ds_tsp.core.functions.norm): its input in the compute dtype (>= fp32), rsqrt [tokens, 1], the
+- RMSNorm (HF, as ds_tsp.core.layers.norm): its input in the compute dtype (>= fp32), rsqrt [tokens, 1], the
   normalised input before the weight.
 - attention: the q/k/v linears' input (one tensor for the three); RoPE saves only the shared cos/sin; SDPA's
   flash kernel saves q, k, v, the output and its log-sum-exp (fp32); o_proj reads the output in place (the CPU and
@@ -33,7 +33,7 @@ def norm_saved(tokens: int, dims: Dims, b: int) -> int:
 
 
 def tsp_norm_saved(tokens: int, dims: Dims, b: int) -> int:
-    """ds_tsp's fused RMSNorm Function (ds_tsp.core.functions.norm._TSPRMSNorm): its input (dtype) and rstd
+    """ds_tsp's fused RMSNorm Function (ds_tsp.core.layers.norm._TSPRMSNorm): its input (dtype) and rstd
     (compute dtype) only; dx and dweight are formed from them in backward."""
     return tokens * (dims.h * b + compute_bytes(b))
 

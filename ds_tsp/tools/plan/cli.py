@@ -7,9 +7,13 @@
     ds-tsp plan --model 8b --seq 128k --recommend --gpu-mem-gib 80 --devices 8 [--json]
     ds-tsp plan --model 8b --seq 4m --tsp 8 --activation-checkpointing --offload-activations   host + PCIe lines
     ds-tsp plan --model 8b --tsp 8 --max-seq --gpu-mem-gib 80 --host-mem-gib 232 --offload-activations
+    ds-tsp plan --model 8b --seq 1m --tsp 8 --cp 4             TSP in a node x a cp ring across 4 nodes
 
-Exit codes: 0 success, 1 --recommend found nothing that fits, 2 bad input (one line on stderr naming the flag
-and the fix).
+Every number is parsed by argparse (ds_tsp.tools.cli_types): a malformed one is argparse's usage error naming the
+flag. What the flags mean together (a preset and a shape, a degree the heads do not split over) is checked after.
+
+Exit codes: 0 success, 1 --recommend (or --max-seq) found nothing that fits, 2 bad input (on stderr, one line
+naming the flag and the fix; argparse's usage line comes first for a malformed number).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import argparse
 import json
 
 from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.tools.cli_types import GIB, MIB, integer, non_negative, positive
 
 __all__ = ["register", "run"]
 
@@ -36,7 +41,6 @@ _SHAPE_FLAGS = (("--hidden", "hidden", "hidden size"), ("--heads", "heads", "que
                 ("--kv-heads", "kv_heads", "kv heads (default: --heads when the shape comes from flags alone)"),
                 ("--ffn", "ffn", "MLP intermediate size"), ("--layers", "layers", "decoder layers"),
                 ("--vocab", "vocab", "vocabulary size"))
-_GIB, _MIB = 2 ** 30, 2 ** 20
 
 
 class _UsageError(Exception):
@@ -44,10 +48,16 @@ class _UsageError(Exception):
         super().__init__(f"{flag}: {message}")
 
 
+def _cp_degree(text: str) -> int | str:
+    """--cp: a degree C >= 1, or "auto" (with --recommend: pick D and C)."""
+    return "auto" if str(text).strip().lower() == "auto" else positive(integer)(text)
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `plan` subcommand; its handler is `run` (set as the `run` default)."""
     from ds_tsp.tools.plan import DEFAULT_LAYOUTS, LAYOUTS, PRESETS
 
+    count = positive(integer)  # 4096, 128k (= 131072), 1m, 5e8
     p = subparsers.add_parser(
         "plan", help="analytic per-rank memory and communication of TSP, TP, TP+SP, Ulysses and FSDP+CP",
         description="Per-rank memory (params, grads, AdamW optimizer, saved activations, transients) and "
@@ -57,19 +67,20 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                                  "give the whole shape)")
     p.add_argument("--hf-config", default=None, metavar="PATH", help="a Hugging Face config.json (or its directory)")
     for flag, _, what in _SHAPE_FLAGS:
-        p.add_argument(flag, default=None, metavar="N", help=f"{what}: overrides the model's field")
+        p.add_argument(flag, type=count, default=None, metavar="N", help=f"{what}: overrides the model's field")
     for flag, _, what in _MOE_FLAGS:
-        p.add_argument(flag, default=None, metavar="N", help=f"mixture of experts: {what}")
+        p.add_argument(flag, type=non_negative(integer), default=None, metavar="N", help=f"mixture of experts: {what}")
     p.add_argument("--moe-dispatch", default="auto", choices=("auto", "ring", "all_to_all"),
                    help="TSP's MoE schedule (TSPOptions.moe_dispatch; default auto = fewer bytes per layer)")
-    p.add_argument("--seq", default="4096", help="global sequence length per sample (default 4096)")
-    p.add_argument("--batch", default="1", help="micro-batch size in sequences (default 1)")
-    p.add_argument("--tsp", default=None, help="degree D of the one parallel axis (default 8)")
-    p.add_argument("--tp", default=None, help="alias of --tsp")
-    p.add_argument("--dp", default="1", help="data-parallel degree (default 1)")
-    p.add_argument("--pp", default="1", help="pipeline stages (default 1)")
+    p.add_argument("--seq", type=count, default=4096, help="global sequence length per sample (default 4096)")
+    p.add_argument("--batch", type=count, default=1, help="micro-batch size in sequences (default 1)")
+    p.add_argument("--tsp", type=count, default=None, help="degree D of the one parallel axis (default 8)")
+    p.add_argument("--tp", type=count, default=None, help="alias of --tsp")
+    p.add_argument("--dp", type=count, default=1, help="data-parallel degree (default 1)")
+    p.add_argument("--pp", type=count, default=1, help="pipeline stages (default 1)")
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (default bf16; AdamW states are fp32)")
-    p.add_argument("--zero-stage", default="0", help="ZeRO stage over dp for tsp/tp/tp_sp: 0, 1 or 2 (default 0)")
+    p.add_argument("--zero-stage", type=non_negative(integer), default=0,
+                   help="ZeRO stage over dp for tsp/tp/tp_sp: 0, 1 or 2 (default 0)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute every decoder layer")
     p.add_argument("--keep-gathered-kv", action="store_true", help="TSP keeps gathered K/V (no backward re-gather)")
     p.add_argument("--save-projections", action="store_true",
@@ -77,50 +88,41 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "TSPOptions.speed())")
     p.add_argument("--layout", action="append", default=None, metavar="NAMES",
                    help=f"comma list, repeatable: {', '.join(LAYOUTS)} or all (default: {','.join(DEFAULT_LAYOUTS)})")
-    p.add_argument("--zero-bucket", default="500000000", metavar="ELEMENTS",
+    p.add_argument("--zero-bucket", type=count, default=500_000_000, metavar="ELEMENTS",
                    help="DeepSpeed reduce_bucket_size for ulysses/autotp (default 5e8 = DeepSpeed's; ds-tsp bench "
                         "uses 5000000)")
-    p.add_argument("--lm-head-chunk-tokens", default="4096", metavar="N",
+    p.add_argument("--lm-head-chunk-tokens", type=count, default=4096, metavar="N",
                    help="TSP LM head tile of local tokens (TSPOptions.lm_head_chunk_tokens, default 4096)")
     p.add_argument("--recommend", action="store_true",
                    help="pick the layout (tsp, ulysses, tp_sp, fsdp_cp; degree; activation checkpointing) that "
                         "fits --gpu-mem-gib on --devices with the least communication")
-    p.add_argument("--gpu-mem-gib", default=None, metavar="G", help="with --recommend: memory per device, GiB")
-    p.add_argument("--devices", default=None, metavar="N", help="with --recommend: devices to use")
+    p.add_argument("--gpu-mem-gib", type=positive(float), default=None, metavar="G",
+                   help="with --recommend / --max-seq: memory per device, GiB")
+    p.add_argument("--devices", type=count, default=None, metavar="N", help="with --recommend: devices to use")
     p.add_argument("--offload-activations", action="store_true",
                    help="TSP keeps each checkpointed layer input in host memory (implies --activation-checkpointing; "
                         "tsp layout only): host memory per rank and node, PCIe time per step")
     p.add_argument("--max-seq", action="store_true",
                    help="the longest --seq (TSP, --tsp D) whose peak fits --gpu-mem-gib per device and, with "
                         "--offload-activations, whose host pool fits --host-mem-gib per rank")
-    p.add_argument("--host-mem-gib", default=None, metavar="H",
+    p.add_argument("--host-mem-gib", type=positive(float), default=None, metavar="H",
                    help="with --max-seq / --recommend: host memory per rank (GPU) for offloaded activations, GiB "
                         "(a node's host memory / --gpus-per-node)")
-    p.add_argument("--gpus-per-node", default="8", metavar="N", help="GPUs per node, for the host-memory-per-node "
-                                                                    "line (default 8)")
-    p.add_argument("--gpu-tflops", default="400", metavar="T",
+    p.add_argument("--gpus-per-node", type=count, default=8, metavar="N",
+                   help="GPUs per node, for the host-memory-per-node line (default 8)")
+    p.add_argument("--gpu-tflops", type=positive(float), default=400.0, metavar="T",
                    help="sustained TFLOP/s per GPU for the compute time the PCIe time is set against (default 400)")
-    p.add_argument("--cp", default=None, metavar="C",
+    p.add_argument("--cp", type=_cp_degree, default=None, metavar="C",
                    help="context-parallel degree: C TSP groups of --tsp D (one per node) share each sequence, K/V "
                         "passed around a ring across nodes (layout tsp_cp); with --recommend, 'auto' picks D and C")
-    p.add_argument("--inter-node-gbps", default="400", metavar="G",
+    p.add_argument("--inter-node-gbps", type=positive(float), default=400.0, metavar="G",
                    help="with --cp: inter-node bandwidth per GPU in Gb/s for the cp ring's time (default 400)")
     p.add_argument("--json", action="store_true", help="one JSON object per layout per line")
     p.set_defaults(run=run)
     return p
 
 
-def _int(flag: str, text, minimum: int = 1) -> int:
-    s = str(text).strip().lower()
-    scale = {"k": 1024, "m": 1024 ** 2}.get(s[-1:], 1)
-    digits = s[:-1] if scale > 1 else s
-    if not digits.isdigit():
-        raise _UsageError(flag, f"{text!r} is not an integer; write e.g. {flag} 4096 (or 128k)")
-    value = int(digits) * scale
-    if value < minimum:
-        raise _UsageError(flag, f"{value} must be >= {minimum}")
-    return value
-
+# --- flags -> PlanInput -----------------------------------------------------------------------------------------------
 
 def _layouts(values: list[str] | None) -> tuple[str, ...]:
     from ds_tsp.tools.plan import DEFAULT_LAYOUTS, LAYOUTS
@@ -147,22 +149,19 @@ def _plan_input(args: argparse.Namespace):
     from ds_tsp.tools.plan import DTYPE_BYTES, PlanInput
 
     shape, model_name = _moe_shape(args, *_shape(args))
-    degrees = {flag: _int(flag, v) for flag, v in (("--tsp", args.tsp), ("--tp", args.tp)) if v is not None}
-    if len(set(degrees.values())) > 1:
-        raise _UsageError("--tsp/--tp", f"--tsp {degrees['--tsp']} and --tp {degrees['--tp']} disagree; they name "
-                                        "the same degree: give one")
+    if args.tsp is not None and args.tp is not None and args.tsp != args.tp:
+        raise _UsageError("--tsp/--tp", f"--tsp {args.tsp} and --tp {args.tp} disagree; they name the same degree: "
+                                        "give one")
     dtype = str(args.dtype).lower()
     if dtype not in DTYPE_BYTES:
         raise _UsageError("--dtype", f"{args.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
-    inp = PlanInput(model=shape, seq=_int("--seq", args.seq), batch=_int("--batch", args.batch),
-                    degree=next(iter(degrees.values()), 8), dp=_int("--dp", args.dp), pp=_int("--pp", args.pp),
-                    dtype=dtype, activation_checkpointing=args.activation_checkpointing or args.offload_activations,
-                    offload_activations=args.offload_activations,
-                    keep_gathered_kv=args.keep_gathered_kv,
-                    recompute_projections=not args.save_projections, zero_stage=_int("--zero-stage", args.zero_stage, 0),
-                    lm_head_chunk_tokens=_int("--lm-head-chunk-tokens", args.lm_head_chunk_tokens),
-                    zero_bucket_elements=_int("--zero-bucket", args.zero_bucket),
-                    moe_dispatch=getattr(args, "moe_dispatch", "auto"))
+    inp = PlanInput(model=shape, seq=args.seq, batch=args.batch, degree=args.tsp or args.tp or 8, dp=args.dp,
+                    pp=args.pp, dtype=dtype,
+                    activation_checkpointing=args.activation_checkpointing or args.offload_activations,
+                    offload_activations=args.offload_activations, keep_gathered_kv=args.keep_gathered_kv,
+                    recompute_projections=not args.save_projections, zero_stage=args.zero_stage,
+                    lm_head_chunk_tokens=args.lm_head_chunk_tokens, zero_bucket_elements=args.zero_bucket,
+                    moe_dispatch=args.moe_dispatch)
     return inp, model_name
 
 
@@ -170,8 +169,7 @@ def _moe_shape(args: argparse.Namespace, shape, model_name: str):
     """The shape with --num-experts / --top-k / --moe-ffn applied (ds_tsp.tools.plan.moe_shapes)."""
     from ds_tsp.tools.plan.moe_shapes import moe_shape_with
 
-    overrides = {key: (None if getattr(args, key, None) is None else _int(flag, getattr(args, key), 0))
-                 for flag, key, _ in _MOE_FLAGS}
+    overrides = {key: getattr(args, key) for _, key, _ in _MOE_FLAGS}
     given = [flag for flag, key, _ in _MOE_FLAGS if overrides[key] is not None]
     if not given:
         return shape, model_name
@@ -185,8 +183,7 @@ def _shape(args: argparse.Namespace):
 
     if args.model is not None and args.hf_config is not None:
         raise _UsageError("--model", "give either --model PRESET or --hf-config PATH, not both")
-    overrides = {key: (None if getattr(args, key) is None else _int(flag, getattr(args, key)))
-                 for flag, key, _ in _SHAPE_FLAGS}
+    overrides = {key: getattr(args, key) for _, key, _ in _SHAPE_FLAGS}
     given = [flag for flag, key, _ in _SHAPE_FLAGS if overrides[key] is not None]
     if args.hf_config is not None:
         base, model_name = shape_from_hf_config(args.hf_config), args.hf_config
@@ -204,19 +201,54 @@ def _shape(args: argparse.Namespace):
     return shape, (model_name if base is None else f"{model_name} ({' '.join(given)} overridden)")
 
 
+def _rates(args: argparse.Namespace) -> dict:
+    """--gpu-tflops and --gpus-per-node (ds_tsp.tools.plan.offload.offload_summary's keywords)."""
+    return {"gpu_tflops": args.gpu_tflops, "gpus_per_node": args.gpus_per_node}
+
+
+def _with_rates(args: argparse.Namespace, plan, inp):
+    """`plan` with its offload figures at the flags' --gpu-tflops / --gpus-per-node."""
+    from ds_tsp.tools.plan.offload import with_offload
+    from ds_tsp.tools.plan.tsp_comm import TSPGeometry
+
+    return with_offload(plan, inp, TSPGeometry.of(inp), **_rates(args))
+
+
+def _or_usage_error(build):
+    """(build(), None), or (None, the exit code after printing the one-line error) for bad flags or shapes."""
+    from ds_tsp.tools.plan import PlanInputError
+
+    try:
+        return build(), None
+    except _UsageError as exc:
+        return None, _error(str(exc))
+    except PlanInputError as exc:
+        return None, _error(f"{_FLAGS.get(exc.field, exc.field)}: {exc}")
+    except TSPConfigError as exc:
+        return None, _error(str(exc))
+
+
+def _error(message: str) -> int:
+    from ds_tsp.tools.entry_point import report_error
+
+    report_error("ds-tsp plan", message)  # one line; under a launcher printed once, not once per rank
+    return EXIT_USAGE
+
+
+# --- the modes ----------------------------------------------------------------------------------------------------
+
 def run(args: argparse.Namespace) -> int:
-    from ds_tsp.tools.plan import plan_layouts
-
-    if args.cp is not None:  # TSP x a cp ring (ds_tsp.tools.plan.tsp_cp, cp_cli)
-        from ds_tsp.tools.plan.cp_cli import run_cp
-
-        return run_cp(args, _plan_input, _UsageError, _or_usage_error, rates, EXIT_OK, EXIT_NO_FIT)
+    if args.cp is not None:  # TSP x a cp ring (ds_tsp.tools.plan.tsp_cp)
+        return _run_cp(args)
     if args.recommend:
         return _run_recommend(args)
     if args.max_seq:
-        from ds_tsp.tools.plan.max_seq_cli import run_max_seq
+        return _run_max_seq(args)
+    return _run_layouts(args)
 
-        return run_max_seq(args, _plan_input, _UsageError, _or_usage_error, _layouts, rates, (EXIT_OK, EXIT_NO_FIT))
+
+def _run_layouts(args: argparse.Namespace) -> int:
+    from ds_tsp.tools.plan import plan_layouts
 
     def build():
         layouts = _layouts(args.layout)
@@ -241,62 +273,153 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def rates(args: argparse.Namespace) -> dict:
-    """--gpu-tflops and --gpus-per-node, checked (ds_tsp.tools.plan.offload.offload_summary's keywords)."""
-    try:
-        tflops = float(args.gpu_tflops)
-    except ValueError:
-        raise _UsageError("--gpu-tflops", f"{args.gpu_tflops!r} is not a number; e.g. --gpu-tflops 400") from None
-    if not tflops > 0:
-        raise _UsageError("--gpu-tflops", f"{tflops} must be > 0")
-    return {"gpu_tflops": tflops, "gpus_per_node": _int("--gpus-per-node", args.gpus_per_node)}
-
-
-def _with_rates(args: argparse.Namespace, plan, inp):
-    """`plan` with its offload figures at the flags' --gpu-tflops / --gpus-per-node."""
-    from ds_tsp.tools.plan.offload import with_offload
-    from ds_tsp.tools.plan.tsp_comm import TSPGeometry
-
-    return with_offload(plan, inp, TSPGeometry.of(inp), **rates(args))
-
-
-def _or_usage_error(build):
-    """(build(), None), or (None, the exit code after printing the one-line error) for bad flags or shapes."""
-    from ds_tsp.tools.plan import PlanInputError
-
-    try:
-        return build(), None
-    except _UsageError as exc:
-        return None, _error(str(exc))
-    except PlanInputError as exc:
-        return None, _error(f"{_FLAGS.get(exc.field, exc.field)}: {exc}")
-    except TSPConfigError as exc:
-        return None, _error(str(exc))
-
-
 def _run_recommend(args: argparse.Namespace) -> int:
-    from ds_tsp.tools.plan.recommend_cli import print_recommendation, recommend_from_args
+    """--recommend: the choice, why, and one line per rejected alternative."""
+    from ds_tsp.tools.plan import recommend
 
-    built, failed = _or_usage_error(lambda: recommend_from_args(args, _plan_input, _UsageError))
+    def build():
+        if args.gpu_mem_gib is None or args.devices is None:
+            flag = "--gpu-mem-gib" if args.gpu_mem_gib is None else "--devices"
+            raise _UsageError(flag, "--recommend needs --gpu-mem-gib G and --devices N")
+        if args.layout:
+            raise _UsageError("--layout", "--recommend chooses among tsp, ulysses, tp_sp and fsdp_cp itself")
+        if args.host_mem_gib is not None and not args.offload_activations:
+            raise _UsageError("--host-mem-gib", "with --recommend it limits the offloaded activations: add "
+                                                "--offload-activations")
+        inp, model_name = _plan_input(args)
+        return recommend(inp, gpu_mem_gib=args.gpu_mem_gib, devices=args.devices, offload=args.offload_activations,
+                         host_mem_gib=args.host_mem_gib), inp, model_name
+
+    built, failed = _or_usage_error(build)
     if failed is not None:
         return failed
     rec, inp, model_name = built
-    print_recommendation(rec, inp, model_name, as_json=args.json)
+    if args.json:
+        print(json.dumps({**rec.to_dict(), "model": model_name, "input": inp.to_dict()}), flush=True)
+    else:
+        _print_recommendation(rec, inp, model_name)
     return EXIT_OK if rec.best is not None else EXIT_NO_FIT
 
 
-def _error(message: str) -> int:
-    from ds_tsp.tools.entry_point import report_error
+def _run_max_seq(args: argparse.Namespace) -> int:
+    """--max-seq: the longest sequence TSP fits in --gpu-mem-gib per device (and, with --offload-activations,
+    --host-mem-gib of host memory per rank), with the plan at that length. A few dozen analytic plans: instant."""
+    from ds_tsp.tools.plan.max_seq import longest_seq
+    from ds_tsp.tools.plan.offload import with_offload
+    from ds_tsp.tools.plan.tsp import plan_tsp
+    from ds_tsp.tools.plan.tsp_comm import TSPGeometry
 
-    report_error("ds-tsp plan", message)  # one line; under a launcher printed once, not once per rank
-    return EXIT_USAGE
+    gpu, host = args.gpu_mem_gib, args.host_mem_gib
 
+    def build():
+        if gpu is None:
+            raise _UsageError("--gpu-mem-gib", "--max-seq needs --gpu-mem-gib G (device memory per GPU)")
+        if args.layout and [n for n in _layouts(args.layout) if n != "tsp"]:
+            raise _UsageError("--layout", "--max-seq plans the tsp layout only")
+        if args.offload_activations and host is None:
+            raise _UsageError("--host-mem-gib", "--max-seq --offload-activations needs --host-mem-gib H (host "
+                                                "memory per rank for the offloaded layer inputs)")
+        inp, model_name = _plan_input(args)
+        rates = _rates(args)
+
+        def plan_fn(trial):
+            return with_offload(plan_tsp(trial), trial, TSPGeometry.of(trial), **rates)
+
+        result = longest_seq(inp, gpu_mem_bytes=int(gpu * GIB),
+                             host_mem_bytes=None if host is None else int(host * GIB), plan_fn=plan_fn)
+        return result, inp, model_name
+
+    built, failed = _or_usage_error(build)
+    if failed is not None:
+        return failed
+    result, inp, model_name = built
+    if args.json:
+        print(json.dumps({**result.to_dict(), "model": model_name, "gpu_mem_gib": gpu, "host_mem_gib": host,
+                          "input": {**inp.to_dict(), "seq": result.seq}}), flush=True)
+        return EXIT_OK if result.seq else EXIT_NO_FIT
+    mode = ("+activation checkpointing +offload" if inp.offload_activations
+            else "+activation checkpointing" if inp.activation_checkpointing else "no checkpointing")
+    limits = f"{gpu:g} GiB per device" + (f", {host:g} GiB host per rank" if inp.offload_activations else "")
+    if not result.seq:
+        print(f"{model_name}: tsp D={inp.degree} {mode}: not even {result.unit} tokens fit {limits} "
+              f"({result.limit} memory)")
+        return EXIT_NO_FIT
+    p = result.plan
+    print(f"{model_name}: tsp D={inp.degree} batch={inp.batch} {inp.dtype} {mode}: longest sequence within {limits}: "
+          f"{result.seq} tokens ({result.seq / 2 ** 20:.2f}M); {result.unit} more would exceed {result.limit} memory")
+    print(f"  at {result.seq}: peak {p.peak_bytes_per_rank / GIB:.2f} GiB per device ({p.peak_phase})"
+          + (f", host {p.host_bytes_per_rank / GIB:.2f} GiB per rank" if inp.offload_activations else ""))
+    for line in _offload_lines(p):
+        print(f"  {line}")
+    print("  (ds_tsp.tools.plan's estimate: no CUDA context or allocator slack; leave some)", flush=True)
+    return EXIT_OK
+
+
+def _run_cp(args: argparse.Namespace) -> int:
+    """--cp C (TSP inside each node, a cp ring across nodes) and --recommend --cp auto (pick D and C for a node
+    size, a device count and a sequence): ds_tsp.tools.plan.tsp_cp's numbers, printed."""
+    from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp, recommend_tsp_cp
+
+    def build():
+        if args.layout and [n for n in args.layout if n.strip().lower() != "tsp"]:
+            raise _UsageError("--layout", "--cp plans TSP with a cp ring (layout tsp_cp) only; drop --layout")
+        inp, model_name = _plan_input(args)
+        rates = {"inter_node_gbps": args.inter_node_gbps, "gpu_tflops": args.gpu_tflops}
+        if args.recommend:
+            if args.gpu_mem_gib is None or args.devices is None:
+                raise _UsageError("--gpu-mem-gib" if args.gpu_mem_gib is None else "--devices",
+                                  "--recommend --cp auto needs --gpu-mem-gib G and --devices N")
+            choice, tried = recommend_tsp_cp(inp, devices=args.devices, gpu_mem_bytes=int(args.gpu_mem_gib * GIB),
+                                             gpus_per_node=args.gpus_per_node, **rates)
+            return (choice, tried), inp, model_name
+        if args.cp == "auto":
+            raise _UsageError("--cp", "--cp auto picks D and C with --recommend; otherwise give --cp C")
+        return plan_tsp_cp(inp, args.cp, gpus_per_node=args.gpus_per_node, **rates), inp, model_name
+
+    built, failed = _or_usage_error(build)
+    if failed is not None:
+        return failed
+    result, inp, model_name = built
+    if not args.recommend:
+        if args.json:
+            print(json.dumps({**result.to_dict(), "model": model_name, "input": inp.to_dict()}), flush=True)
+        else:
+            print(f"{model_name}: seq={inp.seq} batch={inp.batch} D={inp.degree} dp={inp.dp} {inp.dtype}"
+                  f"{' +AC' if inp.activation_checkpointing else ''}{' +offload' if inp.offload_activations else ''}")
+            for line in _cp_lines(result) + [f"  {n}" for n in result.notes]:
+                print(line, flush=True)
+        return EXIT_OK
+    choice, tried = result
+    gpu_mem = args.gpu_mem_gib * GIB
+    if args.json:
+        print(json.dumps({"choice": None if choice is None else {"tsp": choice[0], "cp": choice[1]},
+                          "tried": [{"tsp": d, "cp": c, **({"peak_bytes_per_rank": p.peak_bytes_per_rank,
+                                                             "cp_summary": p.cp} if not isinstance(p, str)
+                                                            else {"error": p})} for d, c, p in tried],
+                          "model": model_name, "input": inp.to_dict()}), flush=True)
+    else:
+        print(f"{model_name}: seq={inp.seq} batch={inp.batch} {inp.dtype} | {args.devices} devices x "
+              f"{gpu_mem / GIB:g} GiB, {args.gpus_per_node} per node")
+        for d, c, p in tried:
+            verdict = p if isinstance(p, str) else (f"peak {p.peak_bytes_per_rank / GIB:.2f} GiB: "
+                                                   + ("fits" if p.peak_bytes_per_rank <= gpu_mem else "too big"))
+            print(f"  D={d} C={c}: {verdict}")
+        if choice is None:
+            print("no D x C fits: more devices, activation checkpointing (+ offload) or a shorter sequence")
+        else:
+            plan = next(p for d, c, p in tried if (d, c) == choice)
+            dp = args.devices // (choice[0] * choice[1])
+            print(f'recommended: "tsp": {{"size": {choice[0]}, "cp_size": {choice[1]}}} (data-parallel degree {dp})')
+            for line in _cp_lines(plan):
+                print(f"  {line}", flush=True)
+    return EXIT_OK if choice is not None else EXIT_NO_FIT
+
+
+# --- text output --------------------------------------------------------------------------------------------------
 
 def _print_table(plans, inp, model_name: str) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from ds_tsp.tools.plan.offload_cli import offload_lines
 
     m = inp.model
     moe = (f" experts={m.num_experts} top_k={m.num_experts_per_tok} moe_ffn={m.moe_intermediate_size}"
@@ -313,7 +436,7 @@ def _print_table(plans, inp, model_name: str) -> None:
     def row(label, fn):
         table.add_row(label, *(fn(p) for p in plans))
 
-    gib = lambda v: f"{v / _GIB:.2f}"  # noqa: E731
+    gib = lambda v: f"{v / GIB:.2f}"  # noqa: E731
     row("params GiB", lambda p: gib(p.params_bytes))
     row("grads GiB", lambda p: gib(p.grads_bytes))
     row("optimizer GiB (AdamW)", lambda p: gib(p.optimizer_bytes))
@@ -323,8 +446,8 @@ def _print_table(plans, inp, model_name: str) -> None:
     row("peak GiB", lambda p: f"[bold]{gib(p.peak_bytes_per_rank)}[/bold]")
     if any(p.host_bytes_per_rank for p in plans):
         row("host (offloaded) GiB", lambda p: gib(p.host_bytes_per_rank))
-    row("comm / layer fwd MiB", lambda p: f"{p.comm_bytes_per_layer_fwd / _MIB:.1f}")
-    row("comm / layer bwd MiB", lambda p: f"{p.comm_bytes_per_layer_bwd / _MIB:.1f}")
+    row("comm / layer fwd MiB", lambda p: f"{p.comm_bytes_per_layer_fwd / MIB:.1f}")
+    row("comm / layer bwd MiB", lambda p: f"{p.comm_bytes_per_layer_bwd / MIB:.1f}")
     row("comm / step GiB", lambda p: gib(p.comm_bytes_per_step))
     if any(p.moe for p in plans):
         _moe_rows(row)
@@ -337,7 +460,7 @@ def _print_table(plans, inp, model_name: str) -> None:
     for plan in plans:
         for note in plan.notes:
             console.print(f"  {plan.layout}: {note}", highlight=False)
-        for line in offload_lines(plan):  # ds_tsp.tools.plan.offload_cli
+        for line in _offload_lines(plan):
             console.print(f"  {plan.layout}: {line}", highlight=False)
     console.print("  peak = params + optimizer + framework buffers + the worst phase's live activations, grads and "
                   "transients; comm in bytes per rank "
@@ -351,7 +474,64 @@ def _moe_rows(row) -> None:
         return lambda p: fn(p.moe) if p.moe else "-"
 
     for s in ("ring", "all_to_all"):
-        row(f"MoE {s}: bytes / sparse layer MiB", cell(lambda m, s=s: f"{m['bytes_per_layer'][s] / _MIB:.2f}"))
-        row(f"MoE {s}: peak GiB", cell(lambda m, s=s: f"{m['peak_bytes'][s] / _GIB:.2f}" if "peak_bytes" in m
+        row(f"MoE {s}: bytes / sparse layer MiB", cell(lambda m, s=s: f"{m['bytes_per_layer'][s] / MIB:.2f}"))
+        row(f"MoE {s}: peak GiB", cell(lambda m, s=s: f"{m['peak_bytes'][s] / GIB:.2f}" if "peak_bytes" in m
                                          else "-"))
     row("MoE auto -> / planned", cell(lambda m: f"{m['auto']} / {m['schedule']}"))
+
+
+def _offload_lines(plan) -> list[str]:
+    """The host-memory and PCIe lines of a plan with offload (what `ds-tsp plan --offload-activations` prints)."""
+    o = plan.offload
+    if not o:
+        return []
+    hidden = o["pcie_seconds_per_layer"] <= o["compute_seconds_per_layer_fwd"]
+    return [f"host memory (offloaded layer inputs): {plan.host_bytes_per_rank / GIB:.2f} GiB per rank, "
+            f"{o['host_bytes_per_node'] / GIB:.2f} GiB ({o['host_bytes_per_node'] / 1e12:.2f} TB) per node of "
+            f"{o['gpus_per_node']} GPUs; {o['offloaded_layers']} layer inputs of {o['layer_input_bytes'] / GIB:.2f} "
+            f"GiB, at most {o['device_held_layer_inputs']} on the device",
+            f"PCIe at {o['pcie_gb_per_s_per_direction']:g} GB/s per direction: {o['pcie_seconds_per_step']:.2f} s per "
+            f"step each way ({o['pcie_bytes_per_step_per_direction'] / 1e9:.1f} GB) against ~"
+            f"{o['compute_seconds_per_step']:.1f} s of compute at {o['gpu_tflops']:g} TFLOP/s; per layer "
+            f"{o['pcie_seconds_per_layer'] * 1e3:.1f} ms of copy vs {o['compute_seconds_per_layer_fwd'] * 1e3:.1f} ms "
+            f"of forward: {'hidden behind compute' if hidden else 'NOT hidden: the copies stall the step'}"]
+
+
+def _cp_lines(plan) -> list[str]:
+    """The cp ring's lines: memory per rank, inter- vs intra-node bytes, ring seconds vs the attention they hide."""
+    cp = plan.cp
+    hidden = cp["cp_ring_seconds_per_step"] <= cp["overlapped_attention_seconds_per_step"]
+    return [
+        f"D={cp['tsp']} (TSP inside a node) x C={cp['cp']} (cp ring across nodes): seq {cp['seq_padded']}, "
+        f"{cp['tokens_per_rank']} tokens per rank; peak {plan.peak_bytes_per_rank / GIB:.2f} GiB per rank"
+        + (f", host {plan.host_bytes_per_rank / GIB:.2f} GiB per rank (offloaded layer inputs)"
+           if plan.host_bytes_per_rank else ""),
+        f"per step and rank: inter-node (cp axis) {cp['inter_node_bytes_per_step'] / GIB:.1f} GiB, intra-node (TSP) "
+        f"{cp['intra_node_bytes_per_step'] / GIB:.1f} GiB, grad sync over dp x cp "
+        f"{cp['grad_sync_bytes_per_step'] / GIB:.2f} GiB",
+        f"cp ring at {cp['inter_node_gbps']:g} Gb/s per GPU: {cp['cp_ring_seconds_per_step']:.1f} s per step vs "
+        f"{cp['overlapped_attention_seconds_per_step']:.1f} s of the attention it overlaps at {cp['gpu_tflops']:g} "
+        f"TFLOP/s (per hop {cp['hop_seconds'] * 1e3:.1f} ms vs {cp['hop_attention_seconds'] * 1e3:.1f} ms): "
+        + ("hidden behind attention" if hidden else "NOT hidden: the ring stalls the step"),
+    ]
+
+
+def _print_recommendation(rec, inp, model_name: str) -> None:
+    m = inp.model
+    print(f"{model_name}: h={m.hidden_size} layers={m.num_layers} heads={m.num_heads}/{m.num_kv_heads} "
+          f"ffn={m.intermediate_size} vocab={m.vocab_size} | seq={inp.seq} batch={inp.batch} {inp.dtype} | "
+          f"{rec.devices} devices x {rec.gpu_mem_bytes / GIB:g} GiB")
+    if rec.best is None:
+        print(f"no layout fits: {rec.why}")
+    else:
+        b = rec.best
+        print(f"recommended: {b.label}: peak {b.peak_bytes_per_rank / GIB:.2f} GiB per rank, "
+              f"comm {b.comm_bytes_per_step / GIB:.2f} GiB per rank per step"
+              + (f", host {b.host_bytes_per_rank / GIB:.2f} GiB per rank (offloaded layer inputs)"
+                 if b.offload_activations else ""))
+        print(f"  why: {rec.why}")
+    print("rejected:")
+    for c in rec.rejected:
+        print(f"  {c.label}: {c.verdict}")
+    print("  (peak: ds_tsp.tools.plan's estimate, no CUDA context or allocator slack; comm: equal global batch per "
+          "step, see ds_tsp/tools/plan/recommend.py)", flush=True)

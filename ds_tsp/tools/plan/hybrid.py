@@ -1,7 +1,7 @@
 """TSP plan rows for a hybrid model (Qwen3.5 / Qwen3-Next: Gated DeltaNet layers + gated full attention).
 
 Per rank (rho = (D-1)/D, G = one Gated DeltaNet head block's packed shard, A = one gated attention head block's):
-- Gated DeltaNet layer (ds_tsp.core.functions.gated_deltanet): params G = 1/D of in_proj (q, k, v, z, b, a rows of
+- Gated DeltaNet layer (ds_tsp.core.layers.linear_attention.gated_deltanet): params G = 1/D of in_proj (q, k, v, z, b, a rows of
   the block's heads), conv channels, A_log, dt_bias and out_proj columns, + its gated-norm weight [dv] (replicated),
   + the MLP's F/D columns and the two layer norms. Saved for backward: x and the conv halo [B, 2, K-1, h] (nothing
   per block). Comm forward: D-1 shard broadcasts, one halo all-gather (min(c, K-1) tokens per chunk), D transition
@@ -53,10 +53,6 @@ from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_off
 from ds_tsp.tools.plan.result import CommTerm, LayoutPlan
 from ds_tsp.tools.plan.shape_terms import Stage
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
-
-
-def is_hybrid(inp: PlanInput) -> bool:
-    return inp.model.layer_types is not None
 
 
 def check_hybrid_input(inp: PlanInput) -> None:
@@ -297,7 +293,7 @@ GDN_CHUNK = 64  # GatedDeltaNetSpec.chunk_size: the pure-torch kernel's sub-chun
 def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     """Temporaries of a Gated DeltaNet layer: the prefetched shards (ShardStream: two foreign blocks ahead), the
     halo, one block's projections (q, k repeated to value heads, v, z; compute dtype), its gathered transitions,
-    the chunk kernel's [C, C] sub-chunk matrices (ds_tsp.core.gated_delta_rule, C = min(64, L/2): decay, k_beta k^T,
+    the chunk kernel's [C, C] sub-chunk matrices (ds_tsp.core.layers.linear_attention.delta_rule, C = min(64, L/2): decay, k_beta k^T,
     the triangular system, q k^T, intra: 5 per value head and token), y; backward the block recomputed under
     autograd, so its graph (the 5 matrices + their grads and the solves' temporaries: 10 per value head and token,
     a count FITTED to MemTracker: peaks within 7% at three shapes, tests/test_plan_hybrid.py checks one) and twice

@@ -2,7 +2,7 @@
 
 Each TSP group is planned as TSP alone at S_pad / C tokens (ds_tsp.tools.plan.tsp_cp.group_input; its Gated
 DeltaNet rows are ds_tsp.tools.plan.hybrid's at the group's local length L = S_pad / (C D), c = L / 2). On the cp
-communicator (across nodes), per Gated DeltaNet layer (ds_tsp.core.linear_attention_scan):
+communicator (across nodes), per Gated DeltaNet layer (ds_tsp.core.layers.linear_attention.scan):
 - forward: the conv halo's second-stage all-gather over cp, (C-1) x D x 2 x B x min(c, K-1) x h elements (once
   a layer; none for K = 1), and per head block the chunk transitions' (C-1) x D x 2 x B x H_block x dk (dk + dv)
   (compute dtype: float32 for 16/32-bit models);

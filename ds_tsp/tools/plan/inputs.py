@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 from ds_tsp.core.config import MOE_DISPATCHES
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ADAM_STATE_BYTES = 8  # AdamW exp_avg + exp_avg_sq in fp32
@@ -40,7 +40,7 @@ class PlanInput:
     degree: D of the one parallel axis (TSP degree, TP degree, Ulysses / context-parallel degree).
     dp, pp: data-parallel and pipeline degrees (world size = degree * dp * pp).
     zero_stage: ZeRO stage over the dp axis for tsp / tp / tp_sp / ulysses_replicated (0, 1 or 2).
-    keep_gathered_kv: TSP keeps each block's gathered K/V for backward (ds_tsp.model.sharded_causal_lm.TSPOptions).
+    keep_gathered_kv: TSP keeps each block's gathered K/V for backward (ds_tsp.model.causal_lm.TSPOptions).
     recompute_projections: False = TSP saves local q (k/v) per block and the MLP gate/up (TSPOptions.speed()).
     lm_head_chunk_tokens: TSP's LM head + loss works on at most this many local tokens at a time
         (TSPOptions.lm_head_chunk_tokens), bounding its logits transient to chunk x V/D.

@@ -4,7 +4,7 @@ Each TSP group of the ring is planned as TSP alone at S_pad / C tokens (ds_tsp.t
 its MoE rows are TSP's (ds_tsp.tools.plan.moe_terms: experts 1/D per rank, both dispatch schedules' bytes per
 sparse layer at the group's B x S_pad / (C D) local tokens, "auto" decided on those): expert dispatch never leaves
 the TSP group, so the cp ring's bytes stay the attention ring's. What cp adds is the load-balancing loss's
-statistic of the whole sequence (ds_tsp.core.functions.moe_aux): with output_router_logits, the per-expert counts
+statistic of the whole sequence (ds_tsp.core.layers.moe.aux_loss): with output_router_logits, the per-expert counts
 and the row total ((E + 1) values, compute dtype), already all-reduced over the TSP group, are all-reduced once
 more over the cp group per step, across nodes.
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.moe_shape import MOE_MODEL_TYPES
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.shape.moe import MOE_MODEL_TYPES
 from ds_tsp.tools.plan.inputs import PlanInputError
 
 # override key (CLI flag --num-experts, --top-k, --moe-ffn) -> ModelShape field

@@ -4,7 +4,7 @@ A sparse layer replaces the dense MLP's F/D columns by E/D whole experts (E_r x 
 plus the replicated router [E, h] (its grad joins the replicated-grads bucket). Which layers are sparse:
 ModelShape.is_moe_layer (Qwen3-MoE's decoder_sparse_step / mlp_only_layers; dense layers stay as tsp.py plans them).
 
-Bytes per layer: ds_tsp.core.functions.moe_cost.moe_bytes_per_layer is the single source of truth (what the
+Bytes per layer: ds_tsp.core.layers.moe.cost.moe_bytes_per_layer is the single source of truth (what the
 CommCounter counts; "all_to_all" at even routing, R = T x top_k x (D-1)/D rows leaving the rank). The split into
 forward and backward follows its docstring: ring D-1 of its 3D-2 shard hops forward; all_to_all forward the count
 exchange plus 2h of the 5h+2 elements per row. "auto" is choose_moe_dispatch for this batch shape (T = B x S_pad/D
@@ -20,7 +20,7 @@ aux loss's softmax of them stay alive too. Checked against saved-tensor hooks (t
 Transients (estimates of the temporaries alive at the worst point, the expert GEMM path as select_expert_gemm
 picks it: per expert on the CPU / non-bf16 ("loop"), per ring step with grouped GEMMs):
 - ring rows per step (MoEGeometry.ring_step_rows): every step slices exactly its owner's rows on both GEMM paths
-  (ds_tsp.core.functions.moe_ring bounds them by one host read of the per-expert counts per layer forward), so the
+  (ds_tsp.core.layers.moe.ring bounds them by one host read of the per-expert counts per layer forward), so the
   gathers, GEMMs, SiLU and scatters of a step touch the owner's rows only; planned at the balanced expectation
   R/D = T x top_k / D (a skewed routing puts up to T x min(top_k, E_r) on one owner). `ds-tsp plan` reports it
   (ring_rows_per_step, ring_row_bytes_per_step, a note) and the host reads per sparse layer (host_reads_per_layer:
@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_tsp.core.functions.moe_cost import SCHEDULES, choose_moe_dispatch, moe_bytes_per_layer
+from ds_tsp.core.layers.moe.cost import SCHEDULES, choose_moe_dispatch, moe_bytes_per_layer
+from ds_tsp.tools.cli_types import MIB
 from ds_tsp.tools.plan.activation_terms import compute_bytes
 from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, recompute, term
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
@@ -224,7 +225,7 @@ def moe_transients(inp: PlanInput, m: MoEGeometry, ring_buffers: int) -> dict[st
                 "mlp_bwd": (ring_buffers + 2) * shard + 2 * x + R * b + 3 * step * h * b + index
                 + 10 * blk * F * b}
     # backward: the received rows (2h+1) and their expert-order copy are both alive for one permutation copy
-    # (~R(4h+2); the expert GEMMs that follow hold less); ds_tsp.core.functions.moe_all_to_all
+    # (~R(4h+2); the expert GEMMs that follow hold less); ds_tsp.core.layers.moe.all_to_all
     return {"mlp_fwd": 3 * R * h * b + 4 * blk * F * b + x + logits,
             "mlp_bwd": R * (4 * h + 1) * b + 3 * R * h * b + 2 * shard + 10 * blk * F * b + 2 * x}
 
@@ -249,9 +250,9 @@ def moe_summary(m: MoEGeometry, per_schedule_peak: dict[str, int] | None = None)
 
 
 def moe_note(m: MoEGeometry, sparse: int, layers: int) -> str:
-    mib = {s: m.bytes_per_layer[s] / 2 ** 20 for s in SCHEDULES}
+    mib = {s: m.bytes_per_layer[s] / MIB for s in SCHEDULES}
     rows = m.ring_step_rows
-    window = (f"; ring rows per step {rows} of {m.rows} ({ring_row_bytes_per_step(m) / 2 ** 20:.2f} MiB of row "
+    window = (f"; ring rows per step {rows} of {m.rows} ({ring_row_bytes_per_step(m) / MIB:.2f} MiB of row "
               f"traffic per step, the owner's rows: R/D at even routing)" if m.schedule == "ring" and m.D > 1 else "")
     recompute = " + 1 recompute" if m.checkpointing else ""
     return (f"MoE: {sparse} of {layers} layers sparse, {m.E} experts ({m.E_r}/rank) top-{m.k}, F_moe={m.F}; bytes "

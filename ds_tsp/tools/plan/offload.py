@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ds_tsp.tools.cli_types import GIB
 from ds_tsp.tools.plan.inputs import PlanInput
 
 PCIE_GB_PER_S = 55.0  # per direction, per GPU
@@ -75,7 +76,7 @@ def offload_summary(inp: PlanInput, g, *, gpu_tflops: float = DEFAULT_GPU_TFLOPS
 def offload_note(inp: PlanInput, g) -> str:
     x = layer_input_bytes(inp, g)
     return (f"offload_activations: {inp.model.num_layers - 1} of {inp.model.num_layers} checkpointed layer inputs "
-            f"({x / 2 ** 30:.2f} GiB each) in host memory, at most {device_held_inputs(inp.model.num_layers)} on the "
+            f"({x / GIB:.2f} GiB each) in host memory, at most {device_held_inputs(inp.model.num_layers)} on the "
             "device")
 
 

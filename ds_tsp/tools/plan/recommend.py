@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from ds_tsp.tools.cli_types import GIB
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.layouts import LAYOUTS
 
 RECOMMEND_LAYOUTS = ("tsp", "ulysses", "tp_sp", "fsdp_cp")
-_GIB = 2 ** 30
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS, offload:
 
 def _no_fit(c: Candidate, limit: int) -> str:
     if c.peak_bytes_per_rank <= limit:  # the device fits: the host pool does not
-        return f"didn't fit: needs {c.host_bytes_per_rank / _GIB:.2f} GiB of host memory per rank"
-    return f"didn't fit: needs {c.peak_bytes_per_rank / _GIB:.2f} GiB"
+        return f"didn't fit: needs {c.host_bytes_per_rank / GIB:.2f} GiB of host memory per rank"
+    return f"didn't fit: needs {c.peak_bytes_per_rank / GIB:.2f} GiB"
 
 
 def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int, layouts=RECOMMEND_LAYOUTS,
@@ -105,10 +105,10 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int, layouts=RECOM
         raise PlanInputError("devices", f"devices={devices!r}: must be an integer >= 1")
     if not gpu_mem_gib > 0:
         raise PlanInputError("gpu_mem_gib", f"gpu_mem_gib={gpu_mem_gib!r}: must be > 0")
-    limit = int(gpu_mem_gib * _GIB)
+    limit = int(gpu_mem_gib * GIB)
     if inp.model.num_experts or inp.model.layer_types is not None:  # only TSP's MoE / hybrid layers are modelled
         layouts = tuple(name for name in layouts if name == "tsp")
-    host_limit = None if host_mem_gib is None else int(host_mem_gib * _GIB)
+    host_limit = None if host_mem_gib is None else int(host_mem_gib * GIB)
     cands = [replace(c, fits=c.peak_bytes_per_rank <= limit and (host_limit is None
                                                                   or c.host_bytes_per_rank <= host_limit))
              for c in candidates(inp, devices, layouts, offload)]
@@ -122,20 +122,20 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int, layouts=RECOM
         rejected = tuple(replace(c, verdict=_no_fit(c, limit))
                          for c in sorted(cands, key=lambda c: c.peak_bytes_per_rank))
         why = (f"nothing fits in {gpu_mem_gib:g} GiB; the smallest peak is {smallest.label} at "
-               f"{smallest.peak_bytes_per_rank / _GIB:.2f} GiB: add devices, shorten --seq or lower --batch")
+               f"{smallest.peak_bytes_per_rank / GIB:.2f} GiB: add devices, shorten --seq or lower --batch")
         return Recommendation(limit, devices, None, rejected, why)
     best = replace(fitting[0], verdict="recommended")
     rest = [c for c in cands if c is not fitting[0] and c != fitting[0]]
     rejected = []
     for c in sorted(rest, key=lambda c: (not c.fits, c.comm_bytes_per_step if c.fits else c.peak_bytes_per_rank)):
         if c.fits:
-            rejected.append(replace(c, verdict=f"fits but more comm: {c.comm_bytes_per_step / _GIB:.2f} GiB/step"))
+            rejected.append(replace(c, verdict=f"fits but more comm: {c.comm_bytes_per_step / GIB:.2f} GiB/step"))
         else:
             rejected.append(replace(c, verdict=_no_fit(c, limit)))
     n_fit = len(fitting)
-    runner = f"; next: {fitting[1].label} at {fitting[1].comm_bytes_per_step / _GIB:.2f} GiB/step" \
+    runner = f"; next: {fitting[1].label} at {fitting[1].comm_bytes_per_step / GIB:.2f} GiB/step" \
         if n_fit > 1 else ""
-    why = (f"fits {gpu_mem_gib:g} GiB with {best.peak_bytes_per_rank / _GIB:.2f} GiB per rank and moves the least "
-           f"of the {n_fit} candidates that fit: {best.comm_bytes_per_step / _GIB:.2f} GiB per rank per step "
+    why = (f"fits {gpu_mem_gib:g} GiB with {best.peak_bytes_per_rank / GIB:.2f} GiB per rank and moves the least "
+           f"of the {n_fit} candidates that fit: {best.comm_bytes_per_step / GIB:.2f} GiB per rank per step "
            f"({max(c.micro_steps * c.dp for c in cands)} micro-batches of the global batch){runner}")
     return Recommendation(limit, devices, best, tuple(rejected), why)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 
 

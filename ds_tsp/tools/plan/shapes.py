@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.tools.plan.inputs import PlanInputError
 
 # override name -> ModelShape field; the CLI names the flag --hidden, --heads, ... after the key
@@ -36,7 +36,7 @@ def shape_from_hf_config(path_or_dict: str | Path | dict) -> ModelShape:
         except json.JSONDecodeError as exc:
             raise PlanInputError("hf_config", f"{path}: not valid JSON ({exc})") from None
         where = str(path)
-    from ds_tsp.core.hybrid_shape import HYBRID_MODEL_TYPES
+    from ds_tsp.core.shape.hybrid import HYBRID_MODEL_TYPES
     from ds_tsp.tools.plan.moe_shapes import moe_shape_from_config
 
     hybrid_type = cfg.get("model_type") or (cfg.get("text_config") or {}).get("model_type")

@@ -14,7 +14,7 @@ column-parallel inputs' identity); the LM head input grad all-reduced in backwar
 """
 from __future__ import annotations
 
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.tools.plan.activation_terms import (
     Placement,
     compute_bytes,

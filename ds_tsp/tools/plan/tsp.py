@@ -8,7 +8,7 @@ Saved activations (tsp_layer_saved; exact against saved-tensor hooks in tests/te
 `ds-tsp bench --layer-memory`, which lists them tensor by tensor) plus cos/sin, the final norm, the LM head input and
 its LSE, ids and labels.
 
-Transients, counted from ds_tsp.core.functions (temporaries alive together at the worst point of each phase; checked
+Transients, counted from ds_tsp.core.layers (temporaries alive together at the worst point of each phase; checked
 against MemTracker per module, tests/fixtures/plan_bench.json):
 - attention forward: the prefetched shard, one kv group's gathered K/V (gathered straight into global order) and
   its local k/v stack, plus the next group's while its gather is in flight (the overlap schedule, when there is a
@@ -51,7 +51,7 @@ from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_t
 
 
 def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
-    """Saved for backward by one TSP decoder layer (ds_tsp.core.functions): per norm its input and rstd (the fused
+    """Saved for backward by one TSP decoder layer (ds_tsp.core.layers): per norm its input and rstd (the fused
     Function; the first norm's input is the layer input); attention: its input x, per head block the output
     [B, L, nq/D, d] and two LSEs (compute dtype); MLP: its input x only (q/k/v and the gate/up activations are
     recomputed in backward). This is the design's minimum (ds_tsp.tools.bench.layer_memory.minimum_saved)."""

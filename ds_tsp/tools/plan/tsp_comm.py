@@ -1,4 +1,4 @@
-"""TSP communication: exactly what ds_tsp.core.functions / ds_tsp.core.comm put on the CommCounter (tests check it per kind).
+"""TSP communication: exactly what ds_tsp.core.layers / ds_tsp.core.comm.communicator put on the CommCounter (tests check it per kind).
 
 Design-doc terms (W = a layer's weights, KV = B*S*h_kv, rho = (D-1)/D): fwd rho*W + rho*2KV; bwd rho*W
 (re-stream) + rho*W_attn + W_mlp (grads to owners: the ring's D grad hops carry D/D of W_mlp) + rho*2KV
@@ -90,7 +90,7 @@ def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
     return fwd, bwd
 
 
-# ShardedCausalLM._check_inputs gathers a fixed payload: 7 counts + ds_tsp.core.documents.LAYOUT_SLOTS (this module
+# ShardedCausalLM._check_inputs gathers a fixed payload: 7 counts + ds_tsp.core.tokens.documents.LAYOUT_SLOTS (this module
 # stays torch-free, so the numbers are repeated here; tests/test_plan.py checks them against the comm counters).
 INPUT_CHECK_COUNTS = 7
 DOCUMENT_LAYOUT_SLOTS = 1024
@@ -98,12 +98,12 @@ DOCUMENT_LAYOUT_SLOTS = 1024
 
 def input_check_cp_payload(tsp: int, cp: int) -> int:
     """Bytes of the input check's all-gathered result over the cp group: C x D payloads of (INPUT_CHECK_COUNTS +
-    DOCUMENT_LAYOUT_SLOTS) int64 (ds_tsp.core.cp_inputs.over_cp)."""
+    DOCUMENT_LAYOUT_SLOTS) int64 (ds_tsp.core.tokens.input_check.over_cp)."""
     return cp * tsp * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8
 
 
 def input_check_cp_bytes(tsp: int, cp: int) -> int:
-    """Bytes per step and rank of the input check's all-gather over the cp group (ds_tsp.core.cp_inputs.over_cp):
+    """Bytes per step and rank of the input check's all-gather over the cp group (ds_tsp.core.tokens.input_check.over_cp):
     the TSP group's gathered payloads, D x (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) int64, arrive from the C-1
     other cp groups. Fixed size (whatever the batch, sequence or dtype); 0 without a cp axis. The one formula the plan
     (ds_tsp.tools.plan.tsp_cp) and bench's cp report (ds_tsp.tools.bench.cp_report) both use."""
@@ -135,7 +135,7 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
     if inp.pp > 1:
         if stage.head:
             terms.append(term("final norm grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D)))
-    else:  # ds_tsp.core.replicated_grads: every replicated weight's grad in ONE all-reduce per backward
+    else:  # ds_tsp.core.grads.replicated: every replicated weight's grad in ONE all-reduce per backward
         flat = (2 * stage.layers + 1) * h + (2 * stage.layers * g.dims.d if inp.model.qk_norm else 0)
         flat += router_grad_elems(inp, stage)  # MoE routers are replicated too
         terms.append(term("replicated grads all-reduce (norms, bucketed)", "replicated_grad", flat * b, 1,

@@ -1,17 +1,17 @@
 """TSP inside each node x a context-parallel (cp) ring across nodes: C TSP groups of D ranks share one sequence.
 
 Each TSP group holds S_pad / C tokens (S padded to 2CD; zigzag over the 2C cp chunks, then TSP's inside,
-ds_tsp.core.partition) and 1/D of every weight; weights are replicated over cp and their grads and optimizer
+ds_tsp.core.tokens.zigzag) and 1/D of every weight; weights are replicated over cp and their grads and optimizer
 states go with the data axis (ZeRO over data x cp). So one rank is planned as TSP (plan_tsp) at seq S_pad / C with
-dp x C data ranks, plus the cp ring (ds_tsp.core.cp_ring):
+dp x C data ranks, plus the cp ring (ds_tsp.core.layers.attention.cp_ring):
 
 - inter-node bytes: per decoder layer and head block, C-1 hops of the group's gathered K/V of that block
   (B x S/C x 2 nkv_b x d elements) forward; backward the same K/V hops again plus C-1 hops of its dK/dV (float32
   accumulators under bf16/fp16); activation checkpointing replays the forward hops. Every TSP rank sends its
   block's hops on its own NIC (TSP rank p of each group talks to TSP rank p of the next). Sliding-window layers
-  send only the keys their window reaches (ds_tsp.core.cp_window; tsp_cp_window): their bytes differ between cp
+  send only the keys their window reaches (ds_tsp.core.layers.attention.cp_window; tsp_cp_window): their bytes differ between cp
   ranks, so the step's bytes are the busiest rank's (`inter_node_bytes_per_rank` gives each, cp-major);
-- the input check: its fixed-size payloads all-gathered over cp once per step (ds_tsp.core.cp_inputs.over_cp;
+- the input check: its fixed-size payloads all-gathered over cp once per step (ds_tsp.core.tokens.input_check.over_cp;
   input_check_cp_bytes), an inter-node step term every rank pays (`input_check_cp_bytes_per_step`, in
   `inter_node_bytes_per_step` and each `inter_node_bytes_per_rank`);
 - memory: the ring's buffers on top of the TSP peak (conservatively, at the peak phase): two received K/V blocks
@@ -28,14 +28,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ds_tsp.tools.cli_types import GIB, MIB
 from ds_tsp.tools.plan.comm_terms import recompute, term
 from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, hybrid_cp_rows
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
+from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
 from ds_tsp.tools.plan.offload import with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.shape_terms import round_up
 from ds_tsp.tools.plan.tsp import plan_tsp
-from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, input_check_cp_bytes, input_check_cp_payload
 from ds_tsp.tools.plan.tsp_cp_window import window_ring
 
@@ -132,8 +133,8 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
     notes = tuple(n for n in base.notes if not n.startswith("zigzag:")) + (
         f"cp: {C} TSP groups of {D} share each sequence (seq padded to {group_tokens * C}, multiple of 2CD); "
         f"ZeRO / grad sync over dp x cp = {group.dp} ranks",
-        f"cp ring: {hops} K/V hops of {kv_hop / 2 ** 20:.1f} MiB per layer forward, twice that (+ dK/dV) backward; "
-        f"ring buffers {extra / 2 ** 30:.2f} GiB added at the peak phase (conservative)",
+        f"cp ring: {hops} K/V hops of {kv_hop / MIB:.1f} MiB per layer forward, twice that (+ dK/dV) backward; "
+        f"ring buffers {extra / GIB:.2f} GiB added at the peak phase (conservative)",
     ) + ((f"cp: the Gated DeltaNet layers' conv halo and chunk transitions are all-gathered over cp too "
           f"({sum(t.bytes for t in gdn_cp_terms(group, C)[0])} B per layer forward; O(1) in S; "
           "ds_tsp.tools.plan.hybrid_cp)",) if hybrid else ()) + (

@@ -1,4 +1,4 @@
-"""The cp ring of sliding-window layers in ds-tsp plan: only the keys a window reaches travel (ds_tsp.core.cp_window).
+"""The cp ring of sliding-window layers in ds-tsp plan: only the keys a window reaches travel (ds_tsp.core.layers.attention.cp_window).
 
 A layer whose window hides some key of the padded sequence posts, per head block, only the ring distances some
 rank needs (cp_window.window_hops), each carrying the range its receiver needs: forward the K/V each cp rank sends;
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_tsp.core.cp_window import hop_elements, query_starts, uses_window_path, window_hops
-from ds_tsp.core.shape import ModelShape
+from ds_tsp.core.layers.attention.cp_window import hop_elements, query_starts, uses_window_path, window_hops
+from ds_tsp.core.shape.model_shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ DeepSpeed's buffers (DeepSpeed 0.19, measured with MemTracker by ds-tsp bench):
 """
 from __future__ import annotations
 
+from ds_tsp.tools.cli_types import MIB
 from ds_tsp.tools.plan.activation_terms import (
     Placement,
     compute_bytes,
@@ -110,7 +111,7 @@ def plan_ulysses(inp: PlanInput, *, zero3: bool = True) -> LayoutPlan:
     if zero3:
         notes.append(f"ZeRO-3 over D*dp={G} ranks: params, grads, optimizer / {G}; transient gathered layer")
     if zero3 or inp.zero_stage >= 2:
-        notes.append(f"DeepSpeed reduce bucket {inp.zero_bucket_elements:.0e} elements ({bucket / 2 ** 20:.0f} MiB)")
+        notes.append(f"DeepSpeed reduce bucket {inp.zero_bucket_elements:.0e} elements ({bucket / MIB:.0f} MiB)")
     return layout_plan("ulysses" if zero3 else "ulysses_replicated", inp, stage_fn, fwd, bwd, per_layer,
                        tuple(notes))
 

@@ -1,0 +1,278 @@
+"""Attention across the context-parallel (cp) axis: each TSP group's gathered K/V travels the cp ring (pass-KV).
+
+A sequence is split over C TSP groups (tsp.cp_size; layout in ds_tsp.core.tokens.zigzag): cp group i holds cp chunks
+i and 2C-1-i of the 2C cp chunks (Ccp = S_pad / (2C) tokens each). Inside the group TSP works as alone: every
+head block's K/V are all-gathered over the group (ds_tsp.core.comm.kv_gather), giving `kv_all` [S_loc = 2 Ccp, B, 2,
+nkv, d] in "cp-local order" (cp chunk i, then cp chunk 2C-1-i; global order, with a gap between them). Here,
+per head block, TSP rank p of group i:
+
+1. own block: attends its two query chunks to its own group's K/V with the kernels TSP uses alone
+   (ds_tsp.core.layers.attention.masked), the document starts mapped to cp-local coordinates (`local_layout`);
+2. ring: C-1 hops over the cp group (TSP rank p of every group; one `batch_isend_irecv` per hop and
+   direction, TSPComm.ring_exchange). Hop s brings the K/V of group r = (i - s) mod C and is posted before the
+   previous block's attention runs, so the transfer overlaps it; the received block's partial (out, lse) is merged
+   by log-sum-exp (kernels._merge) into the queries it is visible to.
+
+Causal skipping, and why zigzag balances the ring: every key of group r != i lies strictly before or strictly
+after each local query chunk (the chunks are whole cp chunks apart), so a foreign block is either unmasked (one
+kernel call) or skipped entirely:
+
+    r < i: cp chunk r is in the past of both query chunks, cp chunk 2C-1-r in the future of both
+           -> both query chunks x the first half of r's K/V
+    r > i: both of r's cp chunks are in the past of query chunk 2 (cp chunk 2C-1-i) and the future of chunk 1
+           -> query chunk 2 x all of r's K/V
+
+Both cases are one (c queries x 2 Ccp keys) of work per rank and hop, so every rank does the same work at every
+hop and no rank waits on a slower neighbour (the zigzag ring of ring-flash-attention, here with TSP inside).
+Packed documents: a query of document [a, ...) sees the keys of r's buffer from `_buffer_offset(a, r)` on (a
+suffix of the buffer, since r's two chunks are in global order), so each run of queries in one document is one
+unmasked kernel call over a buffer suffix: no [S, S] mask. Linear-attention (Gated DeltaNet) layers do not take
+this ring: their conv halo and chunk transitions are all-gathered over cp (ds_tsp.core.layers.linear_attention.scan).
+Sliding-window layers (a window
+that hides some key of S_pad) do not take this ring: ds_tsp.core.layers.attention.cp_window fetches, per ring distance that some
+rank needs (a static fact of window, C and Ccp, the same on every rank), only the key range each receiver's window
+reaches, straight from its owner (one exchange per distance; distances no rank needs are not posted; dK/dV go back
+the same way); its module doc has that schedule and its bytes. Full layers of the same model keep this ring. MoE
+layers need nothing here: their experts stay inside the TSP group and the aux loss's counts are reduced over cp
+(functions/moe_aux).
+
+Backward (same hops, plus the way back): K/V hops as in forward (posted one block ahead); each rank computes the
+received block's dK/dV contribution with the kernels' backward from the MERGED out / lse (exact partial grads,
+kernels module doc) and adds it to the accumulator that arrived with the previous hop; the accumulator of group
+r's K/V goes around the ring behind the K/V (posted at the start of the next block, so it overlaps that block's
+attention backward) and one last hop brings every group its own K/V's grads from all the others, which are added
+to the TSP group's dK/dV before its reduce-scatter (kv_layout.RankOrderedKVGrad). Accumulators are float32 for
+half-precision K/V (the sum of up to C-1 contributions).
+
+Traffic per head block (kv group) and rank: forward (C-1) x S_loc x B x 2 nkv d elements, backward twice that
+(K/V again, dK/dV back). Live buffers: two received K/V blocks (one computed on, one in flight), in backward also
+two accumulators and one contribution.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.comm.kv_gather import RankOrderedKVGrad, kv_prefix
+from ds_tsp.core.layers.attention import kernels
+from ds_tsp.core.layers.attention.cp_window import uses_window_path, window_attention_backward, window_attention_forward
+from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.tokens.documents import DocumentLayout
+from ds_tsp.core.tokens.zigzag import zigzag_chunks
+
+__all__ = ["cp_attention_forward", "cp_attention_backward", "local_layout"]
+
+KV_TAG, GRAD_TAG = 31, 32  # gloo matches p2p by tag (NCCL by post order, the same on every rank)
+
+
+def _buffer_offset(a: int, cp_rank: int, cp: int, cp_chunk: int) -> int:
+    """Where global position `a` falls in cp group `cp_rank`'s buffer (its cp chunks r and 2C-1-r, in order): the
+    first buffer key at or after `a` (2 cp_chunk when none is)."""
+    first, second = cp_rank * cp_chunk, (2 * cp - 1 - cp_rank) * cp_chunk
+    if a <= first:
+        return 0
+    if a < first + cp_chunk:
+        return a - first
+    if a <= second:
+        return cp_chunk
+    return min(cp_chunk + a - second, 2 * cp_chunk)
+
+
+@functools.lru_cache(maxsize=64)
+def local_layout(layout: DocumentLayout, cp: int, cp_rank: int, cp_chunk: int) -> DocumentLayout:
+    """The document starts of the whole sequence (global positions) as cp group `cp_rank` sees its own tokens,
+    in cp-local coordinates: a document starting in the gap between its two cp chunks starts, for it, at the
+    second chunk. Computed once per step and group (cached), not per layer and block."""
+    rows = []
+    for row in layout.rows:
+        mapped = {0}
+        for a in row:
+            offset = _buffer_offset(a, cp_rank, cp, cp_chunk)
+            if offset < 2 * cp_chunk:
+                mapped.add(offset)
+        rows.append(tuple(sorted(mapped)))
+    return DocumentLayout(tuple(rows))
+
+
+class _Geometry:
+    """Where this rank's two query chunks and a foreign group's keys lie (global positions, host ints)."""
+
+    def __init__(self, cp: TSPComm, tsp_rank: int, tsp: int, local_len: int):
+        self.cp, self.i, self.tsp, self.p = cp.size, cp.rank, tsp, tsp_rank
+        self.c = local_len // 2  # tokens per TSP chunk
+        self.cp_chunk = tsp * self.c
+        C, i = self.cp, self.i
+        first, second = zigzag_chunks(tsp, tsp_rank)
+        # (local query slice, local start in cp-local order, global start) of each query chunk
+        self.queries = [(slice(0, self.c), first * self.c, i * self.cp_chunk + first * self.c),
+                        (slice(self.c, 2 * self.c), second * self.c,
+                         (2 * C - 1 - i) * self.cp_chunk + (second - tsp) * self.c)]
+
+    def visible(self, r: int) -> list[tuple[int, int]]:
+        """(query chunk index, keys of r's buffer it sees: [0, n)) for a foreign group r: the causal skip."""
+        if r < self.i:
+            return [(0, self.cp_chunk), (1, self.cp_chunk)]
+        return [(1, 2 * self.cp_chunk)]
+
+
+def _kv_keys(buffer: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [B, hi-lo, nkv, d] views of keys lo..hi-1 of a [S, B, 2, nkv, d] buffer."""
+    keys = buffer[lo:hi]
+    return keys[:, :, 0].transpose(0, 1), keys[:, :, 1].transpose(0, 1)
+
+
+def _runs(layout: DocumentLayout | None, batch: int, t0: int, n_queries: int, r: int, geo: _Geometry,
+          n_keys: int):
+    """Per group of batch rows with the same runs: (rows slice list, [(q0, q1, k0)]): queries t0+q0 .. t0+q1-1
+    (one document) see keys k0 .. n_keys-1 of group r's buffer. Runs that see no key are left out."""
+    if layout is None:
+        return [([slice(0, batch)], [(0, n_queries, 0)])]
+    groups: dict[tuple, list[int]] = {}
+    t1 = t0 + n_queries
+    for b, starts in enumerate(layout.rows):
+        runs, doc = [], 0
+        for s in starts:  # the document holding t0
+            if s <= t0:
+                doc = s
+        cuts = [t0] + [s for s in starts if t0 < s < t1] + [t1]
+        docs = [doc] + [s for s in starts if t0 < s < t1]
+        for a, u0, u1 in zip(docs, cuts, cuts[1:]):
+            k0 = _buffer_offset(a, r, geo.cp, geo.cp_chunk)
+            if k0 < n_keys:
+                runs.append((u0 - t0, u1 - t0, k0))
+        groups.setdefault(tuple(runs), []).append(b)
+    out = []
+    for runs, rows in groups.items():
+        if runs:
+            contiguous = rows[-1] - rows[0] + 1 == len(rows)
+            out.append(([slice(rows[0], rows[-1] + 1)] if contiguous else [slice(b, b + 1) for b in rows], runs))
+    return out
+
+
+def _single(layout: DocumentLayout) -> DocumentLayout | None:
+    return None if all(len(row) == 1 for row in layout.rows) else layout
+
+
+class _KVRing:
+    """The K/V of every other group of the cp ring, one hop ahead: next() waits for hop s and posts hop s+1."""
+
+    def __init__(self, cp: TSPComm, kv_all: torch.Tensor, what: str):
+        self.cp, self.what, self.step = cp, what, 0
+        self.buffers = [torch.empty_like(kv_all), torch.empty_like(kv_all)] if cp.size > 2 else [
+            torch.empty_like(kv_all)]
+        self.current = kv_all
+        self.handle = self._post()
+
+    def _post(self):
+        if self.step >= self.cp.size - 1:
+            return None
+        recv = self.buffers[self.step % len(self.buffers)]
+        handle = self.cp.ring_exchange(self.current, recv, KV_TAG,
+                                       what=f"{self.what} cp hop {self.step + 1}/{self.cp.size - 1}")
+        self.pending = recv
+        return handle
+
+    def next(self) -> torch.Tensor:
+        """The K/V of group (i - s) mod C at the s-th call; posts the hop of the (s+1)-th."""
+        self.handle.wait()
+        self.current, self.step = self.pending, self.step + 1
+        self.handle = self._post()
+        return self.current
+
+
+def cp_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, *, doc_starts: DocumentLayout,
+                         window: int | None, scale: float, backend: str | None
+                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Attention of this rank's queries q [B, L, nq, d] over the whole sequence: its group's gathered K/V
+    (kv_all [S_loc, B, 2, nkv, d]) and, around comm.cp's ring, every other group's. doc_starts: the global
+    layout. Returns (out [B, L, nq, d], [lse of chunk 1, lse of chunk 2]) merged over every block."""
+    cp = comm.cp_axis()
+    B, L = q.shape[:2]
+    if uses_window_path(window, cp.size * comm.size * L):  # only the keys the window reaches travel
+        return window_attention_forward(q, kv_all, comm, cp, doc_starts=doc_starts, window=window, scale=scale,
+                                        backend=backend)
+    geo = _Geometry(cp, comm.rank, comm.size, L)
+    ring = _KVRing(cp, kv_all, "K/V")
+    own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)
+    outs, lses = [], []
+    for local, start, _ in geo.queries:  # own block, while hop 1 is in flight
+        k_all, v_all = kv_prefix(kv_all, start + geo.c)
+        o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=own, window=None,
+                                          scale=scale, backend=backend)
+        outs.append(o)
+        lses.append(lse)
+    impl = kernels._backend_impl(backend, q)
+    layout = _single(doc_starts)
+    for s in range(1, cp.size):
+        buffer, r = ring.next(), (cp.rank - s) % cp.size  # next hop posted: it runs behind this block
+        for chunk, n_keys in geo.visible(r):
+            local, _, t0 = geo.queries[chunk]
+            qc, oc, lc = q[:, local], outs[chunk], lses[chunk]
+            for rows, runs in _runs(layout, B, t0, geo.c, r, geo, n_keys):
+                for row in rows:
+                    for q0, q1, k0 in runs:
+                        k, v = _kv_keys(buffer[:, row], k0, n_keys)
+                        o, lse = impl.forward(qc[row, q0:q1], k, v, causal=False, scale=scale)
+                        oc[row, q0:q1], lc[row, :, q0:q1] = kernels._merge(oc[row, q0:q1], lc[row, :, q0:q1], o, lse)
+    return torch.cat(outs, dim=1), lses
+
+
+def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Tensor, out: torch.Tensor,
+                          lses: list[torch.Tensor], kv_grad: RankOrderedKVGrad, comm: TSPComm, *,
+                          doc_starts: DocumentLayout, window: int | None, scale: float, backend: str | None
+                          ) -> list[torch.Tensor]:
+    """Backward of cp_attention_forward: returns dq of the two query chunks and adds the grads of this group's
+    K/V (its own block's, and every other group's, brought back around the ring) into kv_grad."""
+    cp = comm.cp_axis()
+    B, L = q.shape[:2]
+    if uses_window_path(window, cp.size * comm.size * L):
+        return window_attention_backward(dout, q, kv_all, out, lses, kv_grad, comm, cp, doc_starts=doc_starts,
+                                         window=window, scale=scale, backend=backend)
+    geo = _Geometry(cp, comm.rank, comm.size, L)
+    ring = _KVRing(cp, kv_all, "K/V (backward)")
+    own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)
+    acc = kernels.accumulation_dtype(q.dtype)
+    dq_chunks = []
+    for (local, start, _), lse in zip(geo.queries, lses):
+        k_all, v_all = kv_prefix(kv_all, start + geo.c)
+        dq_c, dk_c, dv_c = masked_attention_backward(dout[:, local], q[:, local], k_all, v_all, out[:, local], lse,
+                                                     q_start=start, doc_starts=own, window=None, scale=scale,
+                                                     backend=backend)
+        dq_chunks.append(dq_c.to(acc))
+        kv_grad.add(dk_c, dv_c)
+    impl = kernels._backend_impl(backend, q)
+    layout = _single(doc_starts)
+    grad_shape, grad_dtype = kv_all.shape, acc
+    inbox = [torch.empty(grad_shape, dtype=grad_dtype, device=kv_all.device) for _ in range(2)]
+    carried, grad_hop = None, None  # the accumulator this rank passes on, and the hop bringing the next one
+    for s in range(1, cp.size):
+        buffer, r = ring.next(), (cp.rank - s) % cp.size
+        if carried is not None:  # the previous block's accumulator travels while this block's backward runs
+            received = inbox[s % 2]
+            grad_hop = cp.ring_exchange(carried, received, GRAD_TAG, what=f"dK/dV cp hop {s - 1}/{cp.size - 1}")
+        mine = torch.zeros(grad_shape, dtype=grad_dtype, device=kv_all.device)  # this rank's part for group r
+        for chunk, n_keys in geo.visible(r):
+            local, _, t0 = geo.queries[chunk]
+            for rows, runs in _runs(layout, B, t0, geo.c, r, geo, n_keys):
+                for row in rows:
+                    for q0, q1, k0 in runs:
+                        k, v = _kv_keys(buffer[:, row], k0, n_keys)
+                        gq, gk, gv = impl.backward(dout[row, local][:, q0:q1], q[row, local][:, q0:q1], k, v,
+                                                   out[row, local][:, q0:q1], lses[chunk][row, :, q0:q1],
+                                                   causal=False, scale=scale)
+                        dq_chunks[chunk][row, q0:q1] += gq
+                        dk, dv = _kv_keys(mine[:, row], k0, n_keys)
+                        dk += gk
+                        dv += gv
+        if grad_hop is not None:
+            grad_hop.wait()
+            mine += received
+        carried = mine
+    if carried is not None:  # the last hop brings each group the grads of its own K/V from every other group
+        home = inbox[cp.size % 2]
+        cp.ring_exchange(carried, home, GRAD_TAG, what=f"dK/dV cp hop {cp.size - 1}/{cp.size - 1}").wait()
+        dk, dv = kv_prefix(home.to(kv_all.dtype), home.shape[0])
+        kv_grad.add(dk, dv)
+    return [d.to(q.dtype) for d in dq_chunks]

@@ -1,0 +1,353 @@
+"""Sliding-window attention across the cp axis: each rank fetches only the keys its window reaches.
+
+Under cp (ds_tsp.core.layers.attention.cp_ring's module doc for the layout) cp group i holds cp chunks i and 2C-1-i (Ccp tokens
+each); its TSP rank p holds one TSP chunk of each (query chunks 1 and 2, c tokens each), and the cp ring of
+TSP rank p (comm.cp) joins TSP rank p of every group. A windowed layer (HF's rule: query t sees key s iff
+t - w < s <= t, document starts as under TSP alone) needs, of cp group r's buffer [chunk r | chunk 2C-1-r], only
+the keys some window of this rank's queries reaches. Zigzag puts those neighbours on both sides of the ring: query
+chunk 1 (in cp chunk i) reaches back into cp chunk i-1 (group i-1's first half), query chunk 2 (in cp chunk
+2C-1-i) into cp chunk 2C-2-i (group i+1's second half). Pass-KV would forward every block C-1 hops to bring group
+i+1 round; instead hop s is one exchange at ring distance s (TSPComm.shift_exchange: send to i+s, receive from
+i-s, one batch_isend_irecv) carrying exactly the range the receiver needs of the sender's own buffer:
+
+    needed(i, p <- r) = the hull, in r's buffer coordinates, of r's keys in [q0 - w + 1, q0 + c - 1] for the
+                        global starts q0 of rank (i, p)'s two query chunks (keys of r after a query chunk are
+                        after all of it: cp chunks are whole chunks apart).
+
+It is a static fact of (w, C, D, p, c), computed once per ring (`window_hops`) and the same on every rank of that
+ring, so they post the same hops in the same order in forward and backward: hop s is posted at all iff some pair
+of the ring at distance s needs a key, and a pair whose range is empty posts nothing on either side. A window below
+one TSP chunk reaches another group only from the query chunks that start a cp chunk (TSP ranks 0 and D-1): the
+other TSP ranks' rings post nothing, and those two move w - 1 keys per neighbour. Windows spanning several chunks
+reach further, up to the full causal ranges (then half of a past group's buffer, not all of it as pass-KV sends).
+Full-attention layers (window None, or >= S_pad) take cp_ring's pass-KV ring.
+
+Per query chunk the own group's keys come first: the keys of its own cp chunk with
+document_attention.masked_attention_forward (window and documents in chunk-local coordinates), then, for query
+chunk 2, cp chunk i as a past segment. A past segment (global keys [g0, g1), g1 <= every query) is cut per
+document run (queries [u0, u1) of the document starting at a; lo = max(a, g0)) into at most two exact blocks:
+
+    queries t <  lo + w : every key of [lo, g1)            -> one unmasked kernel call
+    queries t >= lo + w : keys [t - w + 1, g1), a band     -> both axes reversed it is a causal block
+                          (t < g1 + w - 1; later queries see none of the segment)   (document_attention's trick)
+
+merged into the chunk's (out, lse) by log-sum-exp. No [S, S] mask; blocks are host ints, cached per layout.
+Backward runs the same blocks with the merged (out, lse) (exact partial grads, kernels module doc); a received
+range's dK/dV go straight back to their owner by the reverse exchange (distance -s, posted after the block, so it
+runs behind the next block's backward), and are added with the own blocks' grads into the TSP group's dK/dV.
+
+Traffic per head block (kv group) and rank: forward sum over hops of the range this rank sends, x B x 2 nkv d
+elements; backward the same K/V again plus the same number of dK/dV elements back (in the accumulation dtype:
+float32 for half precision). `hop_elements` gives these counts for ds-tsp plan.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.comm.kv_gather import RankOrderedKVGrad, kv_prefix
+from ds_tsp.core.layers.attention import kernels
+from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.tokens.documents import DocumentLayout
+from ds_tsp.core.tokens.zigzag import zigzag_chunks
+
+__all__ = ["window_hops", "hop_elements", "query_starts", "uses_window_path", "window_attention_forward",
+           "window_attention_backward"]
+
+KV_TAG, GRAD_TAG = 33, 34  # gloo matches p2p by tag; cp_ring's pass-KV ring uses 31, 32
+
+
+def uses_window_path(window: int | None, padded_len: int) -> bool:
+    """A window that hides some key of a sequence of padded_len tokens (else the layer is full attention)."""
+    return window is not None and window < padded_len
+
+
+@functools.lru_cache(maxsize=256)
+def window_hops(window: int, cp: int, tsp: int, tsp_rank: int, chunk: int
+                ) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """The hops the cp ring of TSP rank `tsp_rank` posts for a windowed layer (`chunk`: tokens per TSP chunk):
+    (distance s, per receiving cp rank i the range [lo, hi) of sender (i - s) mod C's buffer it receives; (0, 0)
+    when it needs none). Distances no rank of this ring needs are left out."""
+    hops = []
+    for s in range(1, cp):
+        ranges = tuple(_needed(window, cp, tsp, chunk, query_starts(cp, i, tsp, tsp_rank, chunk), (i - s) % cp)
+                       for i in range(cp))
+        if any(hi > lo for lo, hi in ranges):
+            hops.append((s, ranges))
+    return tuple(hops)
+
+
+def query_starts(cp: int, i: int, tsp: int, tsp_rank: int, chunk: int) -> tuple[int, int]:
+    """Global starts of the two query chunks (`chunk` tokens each) of TSP rank tsp_rank of cp group i."""
+    first, second = zigzag_chunks(tsp, tsp_rank)
+    cp_chunk = tsp * chunk
+    return i * cp_chunk + first * chunk, (2 * cp - 1 - i) * cp_chunk + (second - tsp) * chunk
+
+
+def _needed(window: int, cp: int, tsp: int, chunk: int, starts: tuple[int, int], r: int) -> tuple[int, int]:
+    cp_chunk = tsp * chunk
+    lo, hi = 2 * cp_chunk, 0
+    for q0 in starts:  # the rank's query chunks [q0, q0 + chunk)
+        first_key, end_key = q0 - window + 1, q0 + chunk  # every window of the chunk: keys [first, end)
+        for base, g0 in _halves(cp, cp_chunk, r):
+            a, b = max(g0, first_key), min(g0 + cp_chunk, end_key)
+            if a < b:
+                lo, hi = min(lo, base + a - g0), max(hi, base + b - g0)
+    return (lo, hi) if hi > lo else (0, 0)
+
+
+def _halves(cp: int, cp_chunk: int, r: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(buffer offset, global start) of group r's two cp chunks."""
+    return (0, r * cp_chunk), (cp_chunk, (2 * cp - 1 - r) * cp_chunk)
+
+
+def hop_elements(window: int, cp: int, tsp: int, tsp_rank: int, chunk: int) -> tuple[int, list[int], list[int]]:
+    """(hops posted, tokens each cp rank sends, tokens it receives) per head block in forward, on TSP rank
+    tsp_rank's ring: what ds-tsp plan counts."""
+    hops = window_hops(window, cp, tsp, tsp_rank, chunk)
+    sent = [sum(_size(ranges[(i + s) % cp]) for s, ranges in hops) for i in range(cp)]
+    received = [sum(_size(ranges[i]) for _, ranges in hops) for i in range(cp)]
+    return len(hops), sent, received
+
+
+def _size(r: tuple[int, int]) -> int:
+    return r[1] - r[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# geometry: host ints, cached per layout
+
+
+class _Chunks:
+    """This rank's two query chunks: (local slice, global start, own cp chunk's global start, buffer base)."""
+
+    def __init__(self, cp: int, i: int, tsp: int, tsp_rank: int, local_len: int):
+        self.c = local_len // 2
+        self.cp_chunk = tsp * self.c
+        t1, t2 = query_starts(cp, i, tsp, tsp_rank, self.c)
+        g1, g2 = i * self.cp_chunk, (2 * cp - 1 - i) * self.cp_chunk
+        self.queries = [(slice(0, self.c), t1, g1, 0), (slice(self.c, 2 * self.c), t2, g2, self.cp_chunk)]
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_layout(layout: DocumentLayout, start: int, length: int) -> DocumentLayout:
+    """The document starts seen from the cp chunk [start, start + length), in chunk coordinates."""
+    return DocumentLayout(tuple((0,) + tuple(a - start for a in row if start < a < start + length)
+                                for row in layout.rows))
+
+
+def _run_blocks(a: int, u0: int, u1: int, g0: int, g1: int, window: int) -> list[tuple[int, int, int, int, bool]]:
+    """Queries [u0, u1) of the document starting at a against the past keys [g0, g1): (t0, t1, k0, k1, flip)."""
+    lo = max(a, g0)
+    if lo >= g1:
+        return []
+    blocks = []
+    if u0 < min(u1, lo + window):
+        blocks.append((u0, min(u1, lo + window), lo, g1, False))
+    b0, b1 = max(u0, lo + window), min(u1, g1 + window - 1)
+    if b0 < b1:
+        blocks.append((b0, b1, b0 - window + 1, g1, True))
+    return blocks
+
+
+@functools.lru_cache(maxsize=512)
+def _segment_blocks(layout: DocumentLayout, t0: int, n: int, g0: int, g1: int, window: int):
+    """Per group of batch rows with the same blocks: (row slices, blocks (q0, q1, k0, k1, flip) relative to the
+    query chunk start t0 and the segment start g0)."""
+    by_blocks: dict[tuple, list[int]] = {}
+    t1 = t0 + n
+    for b, starts in enumerate(layout.rows):
+        doc = max(s for s in starts if s <= t0)
+        cuts = [s for s in starts if t0 < s < t1]
+        blocks = []
+        for a, u0, u1 in zip([doc] + cuts, [t0] + cuts, cuts + [t1]):
+            blocks += [(q0 - t0, q1 - t0, k0 - g0, k1 - g0, f) for q0, q1, k0, k1, f in
+                       _run_blocks(a, u0, u1, g0, g1, window)]
+        by_blocks.setdefault(tuple(blocks), []).append(b)
+    out = []
+    for blocks, rows in by_blocks.items():
+        if blocks:
+            contiguous = rows[-1] - rows[0] + 1 == len(rows)
+            out.append(([slice(rows[0], rows[-1] + 1)] if contiguous else [slice(b, b + 1) for b in rows], blocks))
+    return tuple(out)
+
+
+def _segments(cp: int, cp_chunk: int, r: int, lo: int, hi: int):
+    """The global key segments of group r's buffer range [lo, hi): (buffer offset into the range, g0, g1)."""
+    out = []
+    for base, g in _halves(cp, cp_chunk, r):
+        a, b = max(lo, base), min(hi, base + cp_chunk)
+        if a < b:
+            out.append((a - lo, g + a - base, g + b - base))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one past segment: forward and backward
+
+
+def _segment_forward(q, outs, lses, chunks: _Chunks, kv: torch.Tensor, g0: int, g1: int, layout, window, scale,
+                     impl, backend):
+    """Merge the keys kv [g1 - g0, B, 2, nkv, d] (global [g0, g1)) into every query chunk they are past of."""
+    for k, (local, t0, _, _) in enumerate(chunks.queries):
+        if g1 > t0:  # after the chunk's first query: after all of it (whole cp chunks apart)
+            continue
+        qc, oc, lc = q[:, local], outs[k], lses[k]
+        for rows, blocks in _segment_blocks(layout, t0, chunks.c, g0, g1, window):
+            for row in rows:
+                for q0, q1, k0, k1, f in blocks:
+                    key, value = kv_prefix(kv[k0:k1, row], k1 - k0)
+                    if f:
+                        o, lse = kernels.attention_forward(qc[row, q0:q1].flip(1), key.flip(1), value.flip(1),
+                                                           q_start=(k1 - k0) - (q1 - q0), scale=scale,
+                                                           backend=backend)
+                        o, lse = o.flip(1), lse.flip(2)
+                    else:
+                        o, lse = impl.forward(qc[row, q0:q1], key, value, causal=False, scale=scale)
+                    oc[row, q0:q1], lc[row, :, q0:q1] = kernels._merge(oc[row, q0:q1], lc[row, :, q0:q1], o, lse)
+
+
+def _segment_backward(dout, q, out, lses, dq_chunks, chunks: _Chunks, kv: torch.Tensor, grad: torch.Tensor,
+                      g0: int, g1: int, layout, window, scale, impl, backend):
+    """Backward of _segment_forward: adds into dq_chunks and grad (kv's layout, the accumulation dtype)."""
+    for k, (local, t0, _, _) in enumerate(chunks.queries):
+        if g1 > t0:
+            continue
+        for rows, blocks in _segment_blocks(layout, t0, chunks.c, g0, g1, window):
+            for row in rows:
+                for q0, q1, k0, k1, f in blocks:
+                    key, value = kv_prefix(kv[k0:k1, row], k1 - k0)
+                    args = [dout[row, local][:, q0:q1], q[row, local][:, q0:q1], key, value,
+                            out[row, local][:, q0:q1]]
+                    lse = lses[k][row, :, q0:q1]
+                    if f:
+                        gq, gk, gv = kernels.attention_backward(*(x.flip(1) for x in args), lse.flip(2),
+                                                                q_start=(k1 - k0) - (q1 - q0), scale=scale,
+                                                                backend=backend)
+                        gq, gk, gv = gq.flip(1), gk.flip(1), gv.flip(1)
+                    else:
+                        gq, gk, gv = impl.backward(*args, lse, causal=False, scale=scale)
+                    dq_chunks[k][row, q0:q1] += gq
+                    dk, dv = kv_prefix(grad[k0:k1, row], k1 - k0)
+                    dk += gk
+                    dv += gv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the hops
+
+
+class _Fetch:
+    """The received ranges of every posted hop, one hop ahead: next() waits for hop h and posts hop h+1."""
+
+    def __init__(self, cp: TSPComm, kv_all: torch.Tensor, hops, what: str):
+        self.cp, self.kv_all, self.hops, self.what, self.step = cp, kv_all, hops, what, 0
+        self.pending = self._post(0)
+
+    def _post(self, h: int):
+        if h >= len(self.hops):
+            return None
+        s, ranges = self.hops[h]
+        i, C = self.cp.rank, self.cp.size
+        lo, hi = ranges[(i + s) % C]  # what the rank at distance s needs of this rank's buffer
+        send = self.kv_all[lo:hi].contiguous() if hi > lo else None
+        lo, hi = ranges[i]
+        recv = self.kv_all.new_empty((hi - lo, *self.kv_all.shape[1:])) if hi > lo else None
+        handle = self.cp.shift_exchange(send, recv, s, KV_TAG,
+                                        what=f"{self.what} cp hop {h + 1}/{len(self.hops)} (window, distance {s})")
+        return handle, recv
+
+    def next(self) -> torch.Tensor | None:
+        """The range received at hop h (None when this rank needs none of it); posts hop h+1."""
+        handle, recv = self.pending
+        handle.wait()
+        self.step += 1
+        self.pending = self._post(self.step)
+        return recv
+
+
+def window_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, cp: TSPComm, *,
+                             doc_starts: DocumentLayout, window: int, scale: float, backend: str | None
+                             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """cp_ring.cp_attention_forward for a windowed layer (same arguments and results; cp: comm's cp ring)."""
+    chunks = _Chunks(cp.size, cp.rank, comm.size, comm.rank, q.shape[1])
+    C, i, Ccp = cp.size, cp.rank, chunks.cp_chunk
+    hops = window_hops(window, C, comm.size, comm.rank, chunks.c)
+    fetch = _Fetch(cp, kv_all, hops, "K/V")
+    outs, lses = [], []
+    for local, t0, g, base in chunks.queries:  # the own cp chunk of each query chunk, while hop 1 is in flight
+        k_own, v_own = kv_prefix(kv_all[base:], t0 - g + chunks.c)
+        o, lse = masked_attention_forward(q[:, local], k_own, v_own, q_start=t0 - g,
+                                          doc_starts=_chunk_layout(doc_starts, g, Ccp), window=window, scale=scale,
+                                          backend=backend)
+        outs.append(o)
+        lses.append(lse)
+    impl = kernels._backend_impl(backend, q)
+    own_past = kv_all[:Ccp]  # cp chunk i, past of query chunk 2
+    _segment_forward(q, outs, lses, chunks, own_past, i * Ccp, (i + 1) * Ccp, doc_starts, window, scale, impl,
+                     backend)
+    for s, ranges in hops:
+        received, (lo, hi) = fetch.next(), ranges[i]
+        if received is None:
+            continue
+        for offset, g0, g1 in _segments(C, Ccp, (i - s) % C, lo, hi):
+            _segment_forward(q, outs, lses, chunks, received[offset:offset + g1 - g0], g0, g1, doc_starts, window,
+                             scale, impl, backend)
+    return torch.cat(outs, dim=1), lses
+
+
+def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Tensor, out: torch.Tensor,
+                              lses: list[torch.Tensor], kv_grad: RankOrderedKVGrad, comm: TSPComm, cp: TSPComm, *,
+                              doc_starts: DocumentLayout, window: int, scale: float, backend: str | None
+                              ) -> list[torch.Tensor]:
+    """cp_ring.cp_attention_backward for a windowed layer: dq of the two query chunks; this group's dK/dV (its
+    own blocks' and the other groups', sent back) added into kv_grad."""
+    chunks = _Chunks(cp.size, cp.rank, comm.size, comm.rank, q.shape[1])
+    C, i, Ccp = cp.size, cp.rank, chunks.cp_chunk
+    hops = window_hops(window, C, comm.size, comm.rank, chunks.c)
+    fetch = _Fetch(cp, kv_all, hops, "K/V (backward)")
+    acc = kernels.accumulation_dtype(q.dtype)
+    own_grad = torch.zeros(kv_all.shape, dtype=acc, device=kv_all.device)  # dK/dV of this group's buffer
+    dq_chunks = []
+    for (local, t0, g, base), lse in zip(chunks.queries, lses):
+        n_keys = t0 - g + chunks.c
+        k_own, v_own = kv_prefix(kv_all[base:], n_keys)
+        dq_c, dk_c, dv_c = masked_attention_backward(dout[:, local], q[:, local], k_own, v_own, out[:, local], lse,
+                                                     q_start=t0 - g, doc_starts=_chunk_layout(doc_starts, g, Ccp),
+                                                     window=window, scale=scale, backend=backend)
+        dq_chunks.append(dq_c.to(acc))
+        dk, dv = kv_prefix(own_grad[base:], n_keys)
+        dk += dk_c
+        dv += dv_c
+    impl = kernels._backend_impl(backend, q)
+    _segment_backward(dout, q, out, lses, dq_chunks, chunks, kv_all[:Ccp], own_grad[:Ccp], i * Ccp, (i + 1) * Ccp,
+                      doc_starts, window, scale, impl, backend)
+    returning = None  # (handle, inbox, lo, hi): the previous hop's grads coming home, behind this block
+    for h, (s, ranges) in enumerate(hops):
+        received, (lo, hi) = fetch.next(), ranges[i]
+        grad = None
+        if received is not None:
+            grad = torch.zeros(received.shape, dtype=acc, device=kv_all.device)
+            for offset, g0, g1 in _segments(C, Ccp, (i - s) % C, lo, hi):
+                _segment_backward(dout, q, out, lses, dq_chunks, chunks, received[offset:offset + g1 - g0],
+                                  grad[offset:offset + g1 - g0], g0, g1, doc_starts, window, scale, impl, backend)
+        if returning is not None:
+            _add_returned(own_grad, *returning)
+        sent_lo, sent_hi = ranges[(i + s) % C]  # the range this rank sent at this hop: its grads come back
+        inbox = own_grad.new_empty((sent_hi - sent_lo, *own_grad.shape[1:])) if sent_hi > sent_lo else None
+        handle = cp.shift_exchange(grad, inbox, -s, GRAD_TAG,
+                                   what=f"dK/dV cp hop {h + 1}/{len(hops)} (window, distance {s})")
+        returning = (handle, inbox, sent_lo, sent_hi)
+    if returning is not None:
+        _add_returned(own_grad, *returning)
+    dk, dv = kv_prefix(own_grad.to(kv_all.dtype), own_grad.shape[0])
+    kv_grad.add(dk, dv)
+    return [d.to(q.dtype) for d in dq_chunks]
+
+
+def _add_returned(own_grad: torch.Tensor, handle, inbox: torch.Tensor | None, lo: int, hi: int) -> None:
+    handle.wait()
+    if inbox is not None:
+        own_grad[lo:hi] += inbox

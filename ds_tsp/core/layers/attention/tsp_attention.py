@@ -1,0 +1,401 @@
+"""TSP attention: head blocks are streamed by broadcast, tokens never leave their rank except K/V.
+
+Shapes (rank p of D, local tokens L = S_pad/D = two zigzag chunks of c = L/2):
+| tensor            | shape                         | sharding                                   |
+|-------------------|-------------------------------|--------------------------------------------|
+| x                 | [B, L, h]                     | tokens of rank p (zigzag chunks p, 2D-1-p) |
+| packed shard j    | [layout.numel]                | Wq_j [nq*d, h], Wk_j, Wv_j [nkv*d, h], Wo_j [h, nq*d], biases |
+| q_j               | [B, L, nq, d]                 | local tokens, head block j                 |
+| k_j, v_j          | [B, L, nkv, d]                | local tokens, head block j                 |
+| K_j, V_j gathered | [B, S_pad, nkv, d]            | all tokens (global order), head block j; transient |
+| y                 | [B, L, h]                     | local tokens, summed over head blocks      |
+nq = n_heads/D and nkv = n_kv_heads/D are the heads of ONE block. With fewer kv heads than ranks (MQA, or GQA at
+large D) each block holds the one kv head its query heads read (nkv = 1) and D/n_kv_heads consecutive blocks (a
+kv group) share it. Its K/V is gathered ONCE per group and kept while the group's blocks run (then dropped), and
+backward sums the group's dK/dV before ONE reduce-scatter: K/V traffic is n_kv_heads heads, not D blocks. Only
+the group's first rank (its leader) holds the live kv weights: forward and backward read wk/wv from the leader's
+shard, and the group's kv weight grad goes to the leader alone (the other copies get zero grads and are never
+read). So every kv head is one parameter to the optimizer and to gradient norms: DeepSpeed's clipping norm (which
+sums every TSP-sharded element over the TSP ranks) counts it once, not once per replica.
+
+Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict which keys a query sees:
+`doc_starts` (global token indices where documents start, per batch row) and `spec.window` go to
+ds_tsp.core.layers.attention.masked, which splits each zigzag chunk into pieces of plain causal attention (no [S, S] mask).
+Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
+applied to the local projections before RoPE, and undone by their written-out backward.
+Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] rows per head ([nq*2d, h], transformers'
+q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
+output is multiplied by sigmoid(gate) before wo. The gate is recomputed with q in backward (or saved with it when
+recompute_projections is False). Partial rotary: cos/sin [.., r] with r < d rotate the first r dims of every head.
+
+Saved per block: the attention output and its log-sum-exp (local, O(S/D)); plus x once. Backward re-broadcasts
+each block's shard, recomputes the cheap local projections q, k, v from x (three small GEMMs instead of keeping
+[B, L, (nq + 2 nkv) d] per block), re-gathers K/V, runs the kernel backward with the saved output and
+log-sum-exp (no attention recomputation), reduce-scatters dK/dV to the token owners and reduces the packed weight
+grad to the block owner. No foreign shard and no gathered K/V is kept, unless `keep_gathered_kv` trades O(S)
+memory per kv group for skipping the backward re-gather. A frozen shard (requires_grad False, alike on every rank)
+still re-broadcasts for dx but computes no weight grad and reduces nothing to the owners.
+
+Overlap schedule. NCCL runs each communicator as ONE in-order stream, so what is posted on a channel waits behind
+everything posted there before it. Weights travel on `comm.weight_channel` (a second communicator over the same
+ranks when the comm has one: ds_tsp.core.parallel.runtime gives every CUDA run one), sequence data on the TSP group. K/V arrive as
+two all-gathers per kv group (one per zigzag half, straight into global order: ds_tsp.core.comm.kv_gather). g(j) is
+block j's kv group; "next group" is g(j)+1, whose first block is j+1 when j is the last block of its group.
+| when (block j)                        | posted                                    | channel | awaited            |
+|---------------------------------------|-------------------------------------------|---------|--------------------|
+| before block 0                        | broadcast shards 0, 1                     | weights | take(j), block j   |
+| before block 0                        | K/V gather of group 0 (2 all-gathers)     | tsp     | block 0, after q   |
+| start of block j                      | broadcast shard j+2                       | weights | block j+2 (start)  |
+| j last of its group, before attention | K/V gather of the next group (needs shard j+1, taken early) | tsp | block j+1, after its q projection |
+| backward: same three rows (re-broadcast, re-gather unless keep_gathered_kv)  | | | |
+| backward: j last of its group, after its attention backward | dK/dV reduce-scatter of group g(j) | tsp | block j+1 after ITS attention backward (end of loop for the last) |
+| backward: once block j's grads are whole | reduce of block j's packed grad to owner j (last block of a group: when the scatter is consumed) | weights | 2 reduces later, or at the end |
+So block j's attention (forward or backward) runs while the next group's K/V gather, the next shards' broadcasts
+and the previous group's dK/dV scatter are in flight: on separate streams the broadcasts never hold up the K/V
+the kernel waits for. Live buffers: 3 packed shards (j, j+1, j+2 in flight), 2 gathered K/V (this group's, the
+next one's in flight), and in backward one rank-ordered dK/dV being filled plus one being scattered.
+tests/test_attention_schedule.py checks the recorded post order against this table.
+
+With a context-parallel axis (comm.cp, tsp.cp_size > 1) the kernel calls on a block's gathered K/V become
+ds_tsp.core.layers.attention.cp_ring's: the same own-group attention plus the other cp groups' K/V around the cp ring (its hops on
+comm.cp, posted one block ahead inside the call; backward also returns their dK/dV into this group's rank-ordered
+buffer before its reduce-scatter). The table above is unchanged; doc_starts is then the whole sequence's layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.comm.kv_gather import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
+from ds_tsp.core.comm.primitives import ShardGradReducer, ShardStream
+from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
+from ds_tsp.core.layers.attention.cp_ring import cp_attention_backward, cp_attention_forward
+from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.layers.norm import rms_norm, rms_norm_backward
+from ds_tsp.core.layers.shard_rebuild import save_with_shard, saved_with_shard
+from ds_tsp.core.layers.weight_packing import PackedLayout
+from ds_tsp.core.tokens.documents import document_layout, single_documents
+from ds_tsp.core.tokens.rope import apply_rope, apply_rope_backward
+from ds_tsp.core.tokens.zigzag import zigzag_chunks
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    hidden: int
+    heads_per_block: int  # query heads owned by one rank
+    kv_heads_per_block: int
+    head_dim: int
+    qkv_bias: bool
+    kv_replicas: int = 1  # > 1 when num_kv_heads < D: that many consecutive ranks hold the same kv head
+    keep_gathered_kv: bool = False  # save every block's gathered K/V (O(S) memory) to skip the backward re-gather
+    recompute_projections: bool = True  # False: save local q per block (and k/v per kv group), not recompute
+
+    def saved_per_block(self) -> tuple[str, ...]:
+        """Names of the tensors forward saves for each head block, in order."""
+        if self.recompute_projections:
+            return ("out", "lse0", "lse1")
+        return ("out", "lse0", "lse1", "q") + (("gate",) if self.output_gate else ())
+
+    def saved_per_kv_group(self) -> tuple[str, ...]:
+        """Names saved once per kv group (the kv_replicas consecutive blocks that read the same kv heads)."""
+        if self.keep_gathered_kv:
+            return ("kv_all",)
+        return () if self.recompute_projections else ("kv_local",)
+
+    kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
+    window: int | None = None  # sliding window (HF semantics: key s visible to query t iff t - window < s <= t)
+    qk_norm_eps: float | None = None  # Qwen3: RMSNorm (this eps) of every q and k head before RoPE; None: off
+    norm_zero_centred: bool = False  # Qwen3.5: the q/k norms scale by (1 + w) (ds_tsp.core.layers.norm)
+    output_gate: bool = False  # Qwen3.5 / Qwen3-Next: wq emits [q, gate] per head; out * sigmoid(gate) before wo
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @cached_property
+    def layout(self) -> PackedLayout:
+        q, kv, h = self.heads_per_block * self.head_dim, self.kv_heads_per_block * self.head_dim, self.hidden
+        q_rows = 2 * q if self.output_gate else q  # gated: [q, gate] per head
+        pieces = [("wq", (q_rows, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q))]
+        if self.qkv_bias:
+            pieces += [("bq", (q_rows,)), ("bk", (kv,)), ("bv", (kv,))]
+        return PackedLayout(tuple(pieces))
+
+
+def _chunks(rank: int, tsp: int, local_len: int):
+    """(local slice, global start position) of the two zigzag chunks held by `rank`."""
+    c = local_len // 2
+    return [(slice(i * c, (i + 1) * c), g * c) for i, g in enumerate(zigzag_chunks(tsp, rank))]
+
+
+def _raw_q_and_gate(x, w, spec: AttentionSpec):
+    """(q before norm and RoPE [B, L, nq, d], the output gate [B, L, nq, d] or None when the spec has none)."""
+    B, L, _ = x.shape
+    if not spec.output_gate:
+        return F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, spec.head_dim), None
+    both = F.linear(x, w["wq"], w.get("bq")).view(B, L, spec.heads_per_block, 2 * spec.head_dim)
+    return both[..., :spec.head_dim], both[..., spec.head_dim:]
+
+
+def _raw_q(x, w, spec: AttentionSpec):
+    return _raw_q_and_gate(x, w, spec)[0]
+
+
+def _raw_k(x, w, spec: AttentionSpec):
+    B, L, _ = x.shape
+    return F.linear(x, w["wk"], w.get("bk")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+
+
+def _norm(t, weight, spec: AttentionSpec):
+    return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps, spec.norm_zero_centred)
+
+
+def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None):
+    """(q normed and roped [B, L, nq, d], the output gate or None)."""
+    q, gate = _raw_q_and_gate(x, w, spec)
+    return apply_rope(_norm(q, q_norm, spec), cos, sin), gate
+
+
+def _gate_forward(out, gate):
+    """The attention output wo multiplies: out, or out * sigmoid(gate) (gated attention)."""
+    return out if gate is None else out * torch.sigmoid(gate)
+
+
+def _gate_backward(d_gated, out, gate):
+    """(d out, d gate or None) from the grad of out * sigmoid(gate)."""
+    if gate is None:
+        return d_gated, None
+    sig = torch.sigmoid(gate)
+    return d_gated * sig, d_gated * out * sig * (1 - sig)
+
+
+def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
+    """This rank's K (normed, roped) and V of one kv head block, chunk-major for the gather: [2, c, B, 2, nkv, d]."""
+    B, L, _ = x.shape
+    k = apply_rope(_norm(_raw_k(x, w, spec), k_norm, spec), cos, sin)
+    v = F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+    return local_kv(k, v)
+
+
+def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
+    """Grad w.r.t. the raw projection (and the norm weight's grad, or None) from the grad of the roped one."""
+    d = apply_rope_backward(d_roped, cos, sin)
+    if norm_weight is None:
+        return d, None
+    return rms_norm_backward(d, raw(), norm_weight, spec.qk_norm_eps, spec.norm_zero_centred)
+
+
+def _kv_group(j: int, spec: AttentionSpec) -> tuple[bool, bool]:
+    """(first, last) block of its kv group: blocks j // kv_replicas share one kv head, gathered once for all."""
+    r = spec.kv_replicas
+    return j % r == 0, j % r == r - 1
+
+
+def _kv_weights(w: dict) -> dict:
+    """A copy of the kv projection weights of a block: kept past the block (for its deferred dK/dV), not the shard."""
+    return {n: w[n].clone() for n in ("wk", "wv", "bk", "bv") if n in w}
+
+
+class _TSPAttention(torch.autograd.Function):
+    AUTOCAST = AUTOCAST_LOW_PRECISION  # projections and attention kernels: autocast's lower-precision list
+
+    @staticmethod
+    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, spec: AttentionSpec, comm: TSPComm, doc_starts):
+        B, L, h = x.shape
+        D, p = comm.size, comm.rank
+        # validated here unless the model's input check did it already (once per step, not per chunk and block)
+        doc_starts = single_documents(B) if doc_starts is None else document_layout(doc_starts, B)
+        y = torch.zeros_like(x)
+        saved_blocks, saved_groups = [], []
+        shards = ShardStream(comm, packed_shard)
+        kv_local = _project_kv(x, spec.layout.unpack(shards.take(0)), spec, cos, sin, k_norm)
+        gather = GlobalKVGather(comm, kv_local)
+        kv_all = None
+        for j in range(D):
+            shards.next_block(j)
+            w = spec.layout.unpack(shards.take(j))
+            first, last = _kv_group(j, spec)
+            if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
+                next_local = _project_kv(x, spec.layout.unpack(shards.take(j + 1)), spec, cos, sin, k_norm)
+                next_gather = GlobalKVGather(comm, next_local)
+            q, gate = _project_q(x, w, spec, cos, sin, q_norm)
+            if first:
+                kv_all = gather.wait()
+                group = {"kv_all": kv_all, "kv_local": kv_local}
+                saved_groups += [group[name] for name in spec.saved_per_kv_group()]
+            if comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
+                out, lses = cp_attention_forward(q, kv_all, comm, doc_starts=doc_starts, window=spec.window,
+                                                 scale=spec.scale, backend=spec.kernel_backend)
+            else:
+                outs, lses = [], []
+                for local, start in _chunks(p, D, L):
+                    end = start + local.stop - local.start
+                    k_all, v_all = kv_prefix(kv_all, end)
+                    o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=doc_starts,
+                                                      window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+                    outs.append(o)
+                    lses.append(lse)
+                out = torch.cat(outs, dim=1)
+            y.add_(F.linear(_gate_forward(out, gate).reshape(B, L, -1), w["wo"]))
+            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q, "gate": gate}
+            saved_blocks += [block[name] for name in spec.saved_per_block()]
+            if last:  # memory-optimal: this group's gathered K/V is dropped; at most the next one is in flight
+                kv_all = kv_local = gather = None
+                if j + 1 < D:
+                    kv_local, gather = next_local, next_gather
+        ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
+        ctx.has_qk_norm = q_norm is not None
+        ctx.n_block_saved = len(saved_blocks)
+        norms = (q_norm, k_norm) if ctx.has_qk_norm else ()
+        # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
+        save_with_shard(ctx, packed_shard, x, cos, sin, *norms, *saved_blocks, *saved_groups)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, comm, doc_starts = ctx.spec, ctx.comm, ctx.doc_starts
+        packed_shard, (x, cos, sin, *saved) = saved_with_shard(ctx)
+        q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
+        saved_blocks, saved_groups = saved[:ctx.n_block_saved], saved[ctx.n_block_saved:]
+        norm_grads = {"q": None, "k": None}  # this rank's q_norm / k_norm weight grads, summed over blocks
+        dy = dy.contiguous()
+        B, L, h = x.shape
+        D, p = comm.size, comm.rank
+        # A frozen shard (requires_grad False on every rank alike): no weight-grad GEMMs and no reduce to owners
+        need_w = ctx.needs_input_grad[1]
+        dx = torch.zeros_like(x)
+        x2d, dy2d = x.reshape(-1, h), dy.reshape(-1, h)
+        reducer = ShardGradReducer(comm)
+        names, group_names = spec.saved_per_block(), spec.saved_per_kv_group()
+        shards = ShardStream(comm, packed_shard)
+
+        def add_norm_grad(key, grad):
+            if grad is not None:
+                norm_grads[key] = grad if norm_grads[key] is None else norm_grads[key] + grad
+
+        def start_group(g: int, w):
+            """The kv group's gathered K/V: kept from forward, or re-gathered (posted now, waited on first use)."""
+            group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
+            if spec.keep_gathered_kv:
+                return group["kv_all"]
+            kv_local = group.get("kv_local")
+            return GlobalKVGather(comm, kv_local if kv_local is not None else _project_kv(x, w, spec, cos, sin, k_norm))
+
+        def finish_group(pending):
+            """A kv group's reduce-scattered dK/dV -> dx, its kv weight grads (into its last block's grad, which
+            _kv_grads_to_group_leaders moves to the leader) and that block's reduce to its owner."""
+            dkv_local, scatter, w_kv, grads, j = pending
+            scatter.wait()
+            dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm, lambda: _raw_k(x, w_kv, spec),
+                                 spec)
+            dk = dk.reshape(-1, w_kv["wk"].shape[0])
+            dv = local_from_chunks(dkv_local, 1).reshape(-1, w_kv["wv"].shape[0])
+            dx.view(-1, h).addmm_(dk, w_kv["wk"]).addmm_(dv, w_kv["wv"])
+            add_norm_grad("k", dkn)
+            if need_w:
+                grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
+                if spec.qkv_bias:
+                    grads["bk"], grads["bv"] = dk.sum(0), dv.sum(0)
+                reducer.reduce(j, spec.layout.pack(grads))
+
+        kv_source = start_group(0, spec.layout.unpack(shards.take(0)))
+        kv_all = dkv = w_kv = pending = None
+        for j in range(D):
+            shards.next_block(j)
+            w = spec.layout.unpack(shards.take(j))
+            first, last = _kv_group(j, spec)
+            if first:  # the group's live kv weights (the other blocks' copies are stale: see the module docstring)
+                w_kv = _kv_weights(w)
+            if last and j + 1 < D:  # the next group's K/V travel while this block's attention backward runs
+                next_source = start_group(j // spec.kv_replicas + 1, spec.layout.unpack(shards.take(j + 1)))
+            block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
+            out, lses = block["out"], (block["lse0"], block["lse1"])
+            q, gate = (block["q"], block.get("gate")) if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
+            dout, dgate = _gate_backward((dy2d @ w["wo"]).view_as(out), out, gate)
+            gated = _gate_forward(out, gate)
+            grads = {"wo": dy2d.t() @ gated.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
+            del gated
+            if first:
+                kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()
+                kv_source = None
+                dkv = RankOrderedKVGrad(kv_all, D)  # summed over the group's blocks, scattered once
+            if comm.cp is not None:  # and the other cp groups' dK/dV of this group's K/V come back around it
+                dq_chunks = cp_attention_backward(dout, q, kv_all, out, lses, dkv, comm, doc_starts=doc_starts,
+                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+            else:
+                dq_chunks = []
+                for (local, start), lse in zip(_chunks(p, D, L), lses):
+                    end = start + local.stop - local.start
+                    k_all, v_all = kv_prefix(kv_all, end)
+                    dq_c, dk_c, dv_c = masked_attention_backward(
+                        dout[:, local], q[:, local], k_all, v_all, out[:, local], lse, q_start=start,
+                        doc_starts=doc_starts, window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+                    dq_chunks.append(dq_c)
+                    dkv.add(dk_c, dv_c)
+            if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
+                finish_group(pending)
+                pending = None
+            dq, dqn = _unproject(torch.cat(dq_chunks, dim=1), cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
+            if dgate is not None:  # back to q_proj's [q, gate] rows per head
+                dq = torch.cat((dq, dgate), dim=-1)
+            dq = dq.reshape(-1, w["wq"].shape[0])
+            dx.view(-1, h).addmm_(dq, w["wq"])
+            add_norm_grad("q", dqn)
+            if need_w:
+                grads["wq"] = dq.t() @ x2d
+                if spec.qkv_bias:
+                    grads["bq"] = dq.sum(0)
+            if last:
+                kv_all = None
+                dkv_local, scatter = dkv.scatter(comm)
+                pending, dkv = (dkv_local, scatter, w_kv, grads, j), None
+                if j + 1 < D:
+                    kv_source = next_source
+            elif need_w:  # the group's kv weight grad lands in its last block (see finish_group)
+                for name in ("wk", "wv", "bk", "bv"):
+                    if name in w:
+                        grads[name] = torch.zeros_like(w[name])
+                reducer.reduce(j, spec.layout.pack(grads))
+        finish_group(pending)
+        grad_shard = reducer.finish() if need_w else None
+        if need_w and spec.kv_replicas > 1:
+            _kv_grads_to_group_leaders(grad_shard, spec, comm)
+        return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, None, None
+
+
+def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
+    """In place: a kv group's leader gets the sum of the kv weight grads of all the group's blocks, the other
+    replicas zeros (their copies are never read)."""
+    views = spec.layout.unpack(grad_shard)
+    names = [n for n in ("wk", "wv", "bk", "bv") if n in views]
+    local = torch.cat([views[n].reshape(-1) for n in names])
+    everyone = torch.empty(comm.size, local.numel(), dtype=local.dtype, device=local.device)
+    comm.all_gather(everyone, local).wait()
+    mine = everyone.view(comm.size // spec.kv_replicas, spec.kv_replicas, -1)[comm.rank // spec.kv_replicas].sum(0)
+    if comm.rank % spec.kv_replicas:
+        mine.zero_()
+    offset = 0
+    for n in names:
+        numel = views[n].numel()
+        views[n].copy_(mine[offset:offset + numel].view_as(views[n]))
+        offset += numel
+
+
+def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  spec: AttentionSpec, comm: TSPComm, *, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  doc_starts: tuple[tuple[int, ...], ...] | None = None) -> torch.Tensor:
+    """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner.
+
+    qk_norm: Qwen3's (q_norm, k_norm) weights [d]; their grads are this rank's contribution (sum them over the
+    group, e.g. with comm.replicated_param). doc_starts: per batch row, the global token indices where packed
+    documents start, or the DocumentLayout the model's input check built from them (None: one document per row).
+    """
+    q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
+    if (q_norm is None) != (spec.qk_norm_eps is None):
+        raise ValueError("spec.qk_norm_eps and the qk_norm weights must be given together")
+    return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, spec, comm,
+                          doc_starts)

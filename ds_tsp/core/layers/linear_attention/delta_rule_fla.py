@@ -1,0 +1,116 @@
+"""flash-linear-attention's chunk_gated_delta_rule as the chunk kernel of TSP Gated DeltaNet (CUDA, fp16 / bf16).
+
+TSP needs more from a chunk than its output: o_local, q_eff, and the transition (M, U)
+(ds_tsp.core.layers.linear_attention.delta_rule). FLA's kernel returns an output and a final state from a given initial state, and
+the recurrence is linear in (v, initial state), so ONE call yields all four: append dk zero columns to v and start
+from h0 = [0 | I] ([dk, dv + dk]):
+
+    output      = [o_local | q_eff]        (the I columns carry q_t^T P_t, P_t the transition up to token t)
+    final state = [U       | M    ]        (U: the end state from zero; M = P_T acting on I)
+
+Packed documents run as FLA's variable-length sequences (cu_seqlens over the B rows flattened, one sequence per
+document piece of a chunk); a piece after a document start starts from h0 = 0, so it contributes neither q_eff nor
+M, exactly as the torch kernel's resets. The value width grows from dv to dv + dk: about twice the kernel's work,
+still far below the pure-torch path on a GPU.
+
+Selection (`select_delta_rule_backend`, like ds_tsp.core.layers.attention.kernels.select_backend): "fla" on CUDA for fp16 / bf16
+when `fla` imports (FLA refuses float32); "torch" everywhere else (float32 / float64: the exact path). On CUDA in
+fp16 / bf16 without FLA it says so once per process (pip install flash-linear-attention). Never run on a GPU here:
+the adapter is tested on the CPU against the torch kernel with a stand-in that follows FLA's documented contract.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+
+import torch
+
+BACKENDS = ("fla", "torch")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _import_fla():
+    return importlib.import_module("fla.ops.gated_delta_rule")
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_status():
+    """(fla's chunk_gated_delta_rule or None, why not)."""
+    try:
+        return _import_fla().chunk_gated_delta_rule, None
+    except ImportError as err:
+        return None, f"flash-linear-attention is not installed ({err}); pip install flash-linear-attention"
+    except Exception as err:  # noqa: BLE001 - a wheel that fails to load (triton / CUDA mismatch): do not use it
+        return None, f"flash-linear-attention fails to load: {type(err).__name__}: {err}"
+
+
+_WARNED: set = set()
+
+
+def select_delta_rule_backend(device: torch.device | str, dtype: torch.dtype) -> str:
+    """"fla" or "torch" for the Gated DeltaNet chunk kernel on tensors of `device` / `dtype` (the layer's input)."""
+    if torch.device(device).type != "cuda" or dtype not in _HALF:
+        return "torch"
+    fn, why = _fla_status()
+    if fn is None:
+        if why not in _WARNED:  # the layer runs per block and layer: say it once per process and reason
+            _WARNED.add(why)
+            warnings.warn(f"ds_tsp Gated DeltaNet uses its pure-torch chunk kernel on CUDA: {why}", RuntimeWarning,
+                          stacklevel=3)
+        return "torch"
+    return "fla"
+
+
+def fla_kernel():
+    """FLA's chunk_gated_delta_rule (raises with the install hint when it is not importable)."""
+    fn, why = _fla_status()
+    if fn is None:
+        raise RuntimeError(f"delta rule backend 'fla' requested but {why}")
+    return fn
+
+
+@functools.lru_cache(maxsize=16)
+def _varlen_plan(doc_starts_in_chunk: tuple[tuple[int, ...], ...], chunk_len: int, device: torch.device):
+    """(cu_seqlens [N+1] int64, reads_start [N] (1: the piece continues the chunk's incoming document), last [B]
+    (index of each row's last piece)) for rows flattened back to back; built by fills on `device`, once per layout.
+    doc_starts_in_chunk: per row, the chunk offsets where documents start."""
+    bounds, reads, last = [0], [], []
+    for b, starts in enumerate(doc_starts_in_chunk):
+        cuts = sorted({0, chunk_len, *starts})
+        for i, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
+            bounds.append(b * chunk_len + hi)
+            reads.append(i == 0 and 0 not in starts)
+        last.append(len(reads) - 1)
+    with torch.inference_mode(False):
+        cu = torch.empty(len(bounds), dtype=torch.int64, device=device)
+        for i, v in enumerate(bounds):
+            cu[i] = v
+        reads_t = torch.zeros(len(reads), dtype=torch.float32, device=device)
+        for i, r in enumerate(reads):
+            if r:
+                reads_t[i] = 1
+        last_t = torch.empty(len(last), dtype=torch.int64, device=device)
+        for i, v in enumerate(last):
+            last_t[i] = v
+    return cu, reads_t, last_t
+
+
+def fla_chunk_transition(fn, q, k, v, g, beta, doc_starts_in_chunk: tuple[tuple[int, ...], ...], kernel_dtype):
+    """(o_local, q_eff, M, U) as ds_tsp.core.layers.linear_attention.delta_rule.chunk_gated_delta_rule returns them, from one call
+    of FLA's chunk_gated_delta_rule `fn`. q, k, v: [B, H, c, d] (q normalized and scaled, k normalized), g, beta:
+    [B, H, c], all in the compute dtype; kernel_dtype: what q, k, v enter FLA as (the layer's fp16 / bf16)."""
+    B, H, c, dk = k.shape
+    dv = v.shape[-1]
+    cu, reads, last = _varlen_plan(doc_starts_in_chunk, c, q.device)
+    flat = lambda t: t.transpose(1, 2).reshape(1, B * c, *t.shape[1:2], *t.shape[3:])  # noqa: E731 [1, B c, H, .]
+    v_ext = torch.cat([v, v.new_zeros(B, H, c, dk)], dim=-1)
+    eye = torch.eye(dk, dtype=torch.float32 if kernel_dtype in _HALF else q.dtype, device=q.device)
+    h0 = torch.cat([eye.new_zeros(reads.shape[0], H, dk, dv),
+                    eye.expand(reads.shape[0], H, dk, dk) * reads.to(eye.dtype)[:, None, None, None]], dim=-1)
+    o, ht = fn(flat(q).to(kernel_dtype), flat(k).to(kernel_dtype), flat(v_ext).to(kernel_dtype),
+               flat(g.unsqueeze(-1)).squeeze(-1), flat(beta.unsqueeze(-1)).squeeze(-1).to(kernel_dtype),
+               scale=1.0, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
+    o = o.reshape(B, c, H, dv + dk).transpose(1, 2).to(q.dtype)
+    state = ht.index_select(0, last).to(q.dtype)  # [B, H, dk, dv + dk]: each row's last piece
+    return o[..., :dv], o[..., dv:], state[..., dv:], state[..., :dv]

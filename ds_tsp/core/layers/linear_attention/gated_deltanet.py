@@ -1,0 +1,309 @@
+"""TSP Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention): weights 1/D by linear heads, tokens 1/D (zigzag).
+
+Shapes (rank p of D, local tokens L = two zigzag chunks of c = L/2; kb = linear_num_key_heads/D and
+vb = linear_num_value_heads/D heads per block; the value heads of block j read its key heads, r = vb/kb each):
+| tensor              | shape                          | sharding                                            |
+|---------------------|--------------------------------|-----------------------------------------------------|
+| x                   | [B, L, h]                      | tokens of rank p (chunks p and 2D-1-p)              |
+| halo                | [B, 2, K-1, h]                 | the K-1 tokens before each local chunk (elsewhere)  |
+| packed shard j      | [layout.numel]                 | in_proj rows of block j's heads (q, k, v, z, b, a), |
+|                     |                                | its conv channels, A_log, dt_bias, out_proj columns |
+| norm weight         | [dv]                           | replicated (grads summed over the group by caller)  |
+| q, k / v, z         | [B, L, vb, dk] / [B, L, vb, dv]| local tokens, block j (q, k repeated to value heads)|
+| (M | U) per chunk   | [2, B, vb, dk, dk + dv]        | gathered from every rank (per-block sequence data)  |
+| y                   | [B, L, h]                      | local tokens, summed over head blocks               |
+
+Schedule (like TSP attention: the weights travel, every rank computes its own tokens):
+    halo = all-gather of the last min(c, K-1) hidden states of every chunk       (once per layer, before the blocks)
+    for j in 0..D-1:   shard j broadcast by its owner (prefetched two blocks ahead: ShardStream)
+        project the local tokens and the halo (q|k|v, z, a, b); causal conv over [halo | chunk] with the taps of
+        other documents masked; silu; l2-normalize q, k; beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)
+        per local chunk (every row at once, document starts cut inside the kernel): chunked delta rule from a zero
+            state -> o_local, q_eff (o = o_local + q_eff S_in) and the chunk's transition (M, U)
+            (ds_tsp.core.layers.linear_attention.delta_rule)
+        all-gather the transitions (with cp: then over cp too), compose all 2D (2CD) in sequence order -> S_in of
+            both local chunks
+        o = o_local + q_eff @ S_in (q_eff is 0 from a chunk's first document start on); gated RMSNorm;
+        y += o @ Wout_j^T
+The chunk kernel: on CUDA in fp16 / bf16 flash-linear-attention's chunk_gated_delta_rule when installed (one call
+yields o_local, q_eff, M and U: ds_tsp.core.layers.linear_attention.delta_rule_fla), else the pure-torch chunked kernel (float32 /
+float64, CPU: the exact path). The transitions travel in the kernel's compute dtype: float32 for float32 /
+bfloat16 / float16 models (the M chain is a product of up to 2D matrices: bf16 would drift), float64 for float64.
+Document starts reset the state (M = 0 from there) and the conv (masked taps), as transformers' kernels do with
+cu_seq_lens.
+
+Backward (hand-written loop, autograd inside each block): for j in 0..D-1 the shard is broadcast again and the
+block recomputed from x and the halo under autograd, in two stages around the one explicit collective:
+    1. grads of this rank's output w.r.t. x, the halo, the norm weight, the shard AND every rank's gathered (M, U)
+    2. reduce-scatter of the (M, U) grads, posted by EVERY rank (also one whose chunks all start documents and so
+       read no state: autograd alone would skip it there and the other ranks would wait), then the grads of this
+       rank's own transitions are pulled back through its chunk kernels into x, the halo and the shard.
+The block's packed weight grad is reduced to its owner (ShardGradReducer). The halo's grad returns to the ranks
+holding those tokens once, after the blocks (conv_halo's autograd dual: a reduce-scatter). Saved for backward: x,
+the halo and the parameters (a LoRA-merged shard as its base and factors, rebuilt in backward: shard_rebuild; no
+per-block activation, no foreign shard): memory O(B L h) + one block's recompute
+graph (O(B L vb (2 dk + 3 dv)) + O(D B vb dk (dk + dv))) + at most 3 packed shards in flight. Compute: the forward
+twice (the price of keeping nothing per block).
+
+Bytes per layer per rank (elements x dtype bytes; rho = (D-1)/D; W = the layer's sharded weights):
+    forward:  rho W (shards) + 2 (D-1) B min(c, K-1) h (halo) + 2 (D-1) B H_v dk (dk + dv) (transitions, compute dtype)
+    backward: rho W (re-broadcast) + rho W (weight grads to owners) + 2 x the transitions (re-gather + reduce-scatter)
+              + the halo reduce-scatter
+Nothing scales with S (the halo is K-1 tokens per chunk).
+
+With a cp axis (comm.cp: C TSP groups share the sequence, 2CD chunks of c tokens; ds_tsp.core.tokens.zigzag) the
+schedule is the same with both gathers two-staged (ds_tsp.core.layers.linear_attention.scan): the TSP group's gathered
+[D, 2, ...] is all-gathered over the cp group into [C, D, 2, ...], so a halo or a state from another group's chunk
+arrives, and every rank composes all 2CD transitions; the backward duals reduce-scatter over cp, then over TSP,
+posted on every rank in the same order. The document layout is then the whole sequence's (cp_inputs), so a
+document that starts in another group's chunk resets the state and the conv here too. cp bytes per layer per rank
+(the cp communicator, across nodes; its all-gather counts the (C-1)/C that arrives):
+    forward:  (C-1) D 2 B min(c, K-1) h (halo) + per block (C-1) D 2 B H_block dk (dk + dv) (transitions)
+    backward: per block the transitions re-gathered and their grads reduce-scattered (the same bytes each) + the
+              halo's reduce-scatter
+O(1) in S as well. Without cp the collectives and bytes are exactly those above.
+
+Host syncs: 0 (document cuts are host ints of the DocumentLayout; the tap masks are built by fills on the device).
+Collectives are posted in the same order on every rank: the loop and the masks are decided by shapes and the layout
+only, identical on all ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.comm.primitives import ShardGradReducer, ShardStream
+from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
+from ds_tsp.core.layers.linear_attention.delta_rule import chunk_gated_delta_rule, l2_normalize
+from ds_tsp.core.layers.linear_attention.delta_rule_fla import BACKENDS as DELTA_RULE_BACKENDS
+from ds_tsp.core.layers.linear_attention.delta_rule_fla import (
+    fla_chunk_transition,
+    fla_kernel,
+    select_delta_rule_backend,
+)
+from ds_tsp.core.layers.linear_attention.scan import (
+    ChunkPlan,
+    chunk_plans,
+    conv_halo,
+    gather_transitions,
+    scatter_transition_grads,
+    start_states,
+)
+from ds_tsp.core.layers.shard_rebuild import save_with_shard, saved_with_shard
+from ds_tsp.core.layers.weight_packing import PackedLayout
+
+HF_FORMATS = ("qwen3_5", "qwen3_next")
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    hidden: int
+    key_heads_per_block: int  # kb
+    value_heads_per_block: int  # vb (a multiple of kb)
+    key_head_dim: int  # dk
+    value_head_dim: int  # dv
+    conv_kernel: int  # K
+    norm_eps: float
+    hf_format: str = "qwen3_5"  # "qwen3_5": in_proj_qkv / _z / _b / _a; "qwen3_next": in_proj_qkvz / _ba per key head
+    chunk_size: int = 64  # sub-chunk of the pure-torch kernel
+    delta_rule_backend: str | None = None  # "fla" / "torch"; None: select_delta_rule_backend by device and dtype
+
+    def __post_init__(self):
+        if self.hf_format not in HF_FORMATS:
+            raise ValueError(f"hf_format={self.hf_format!r}: must be one of {HF_FORMATS}")
+        if self.delta_rule_backend not in (None, *DELTA_RULE_BACKENDS):
+            raise ValueError(f"delta_rule_backend={self.delta_rule_backend!r}: must be None or one of "
+                             f"{DELTA_RULE_BACKENDS}")
+
+    @property
+    def conv_channels(self) -> int:
+        """q | k | v channels of one block, the conv's (and in_proj_qkv's) channel order."""
+        return 2 * self.key_heads_per_block * self.key_head_dim + self.value_heads_per_block * self.value_head_dim
+
+    @property
+    def group_rows(self) -> int:
+        """Qwen3-Next in_proj_qkvz rows per key head: q, k (dk each), its r value heads' v and z (r dv each)."""
+        r = self.value_heads_per_block // self.key_heads_per_block
+        return 2 * self.key_head_dim + 2 * r * self.value_head_dim
+
+    @cached_property
+    def layout(self) -> PackedLayout:
+        h, kb, vb = self.hidden, self.key_heads_per_block, self.value_heads_per_block
+        dv = self.value_head_dim
+        if self.hf_format == "qwen3_5":
+            pieces = [("qkv", (self.conv_channels, h)), ("z", (vb * dv, h)), ("b", (vb, h)), ("a", (vb, h))]
+        else:  # rows in the checkpoint's per-key-head grouping, so each is ONE contiguous slice of the HF tensor
+            pieces = [("qkvz", (kb * self.group_rows, h)), ("ba", (2 * vb, h))]
+        return PackedLayout(tuple(pieces + [("conv", (self.conv_channels, 1, self.conv_kernel)), ("dt_bias", (vb,)),
+                                            ("A_log", (vb,)), ("out", (h, vb * dv))]))
+
+
+def _projections(w: dict, spec: GatedDeltaNetSpec):
+    """(W_qkv [conv_channels, h] in conv channel order, W_z [vb dv, h], W_b [vb, h], W_a [vb, h]) of one block."""
+    if spec.hf_format == "qwen3_5":
+        return w["qkv"], w["z"], w["b"], w["a"]
+    kb, h = spec.key_heads_per_block, spec.hidden
+    r, dk, dv = spec.value_heads_per_block // kb, spec.key_head_dim, spec.value_head_dim
+    q, k, v, z = w["qkvz"].view(kb, spec.group_rows, h).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = w["ba"].view(kb, 2 * r, h).split([r, r], dim=1)
+    qkv = torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)])
+    return qkv, z.reshape(-1, h), b.reshape(-1, h), a.reshape(-1, h)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _causal_conv(pre: torch.Tensor, pre_halo: torch.Tensor, conv: torch.Tensor, plan: ChunkPlan, i: int, c: int):
+    """silu(depthwise causal conv) of local chunk i: [B, c, C]. pre: [B, L, C], pre_halo: [B, 2, K-1, C]."""
+    K = conv.shape[-1]
+    ext = torch.cat([pre_halo[:, i], pre[:, i * c:(i + 1) * c]], dim=1) if K > 1 else pre[:, i * c:(i + 1) * c]
+    weight = conv.reshape(conv.shape[0], K)
+    acc = None
+    for s in range(K):  # tap s reads the token s steps back (transformers' conv1d weight index K-1-s)
+        term = ext[:, K - 1 - s:K - 1 - s + c] * weight[:, K - 1 - s]
+        if plan.tap_mask is not None and s > 0:
+            term = term * plan.tap_mask[:, :, s, None].to(term.dtype)
+        acc = term if acc is None else acc + term
+    return F.silu(acc)
+
+
+@dataclass
+class _LocalBlock:
+    """What one head block computes from the local tokens alone (before the state hand-off)."""
+
+    outputs: list  # per local chunk: (o_local [B, vb, c, dv] from a zero state, q_eff [B, vb, c, dk])
+    transitions: torch.Tensor  # [2, B, vb, dk, dk + dv]: (M | U) of both local chunks
+    z: torch.Tensor  # [B, L, vb, dv] the output gate
+
+
+def _block_local(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPlan, ...]) -> _LocalBlock:
+    """Projections, conv, and the chunked delta rule of both local chunks from a zero state (documents reset inside
+    the kernel, every row in one batch)."""
+    B, L, h = x.shape
+    c, cd = L // 2, _compute_dtype(x.dtype)
+    kb, vb, dk, dv = spec.key_heads_per_block, spec.value_heads_per_block, spec.key_head_dim, spec.value_head_dim
+    w_qkv, w_z, w_b, w_a = _projections(w, spec)
+    pre = F.linear(x, w_qkv)
+    pre_halo = F.linear(halo, w_qkv) if spec.conv_kernel > 1 else None
+    mixed = torch.cat([_causal_conv(pre, pre_halo, w["conv"], plan, i, c) for i, plan in enumerate(plans)], dim=1)
+    q, k, v = mixed.split([kb * dk, kb * dk, vb * dv], dim=-1)
+    q = l2_normalize(q.reshape(B, L, kb, dk).to(cd)) * dk ** -0.5
+    k = l2_normalize(k.reshape(B, L, kb, dk).to(cd))
+    if vb != kb:
+        q, k = q.repeat_interleave(vb // kb, dim=2), k.repeat_interleave(vb // kb, dim=2)
+    v = v.reshape(B, L, vb, dv).to(cd)
+    beta = torch.sigmoid(F.linear(x, w_b)).to(cd)
+    g = -w["A_log"].to(cd).exp() * F.softplus(F.linear(x, w_a).to(cd) + w["dt_bias"].to(cd))
+    q, k, v, beta, g = (t.transpose(1, 2) for t in (q, k, v, beta, g))  # [B, vb, L, ...]
+
+    backend = spec.delta_rule_backend or select_delta_rule_backend(x.device, x.dtype)
+    outputs, transitions = [], []
+    for i, plan in enumerate(plans):
+        local = slice(i * c, (i + 1) * c)
+        args = (q[:, :, local], k[:, :, local], v[:, :, local], g[:, :, local], beta[:, :, local])
+        if backend == "fla":
+            o_local, q_eff, m, u = fla_chunk_transition(fla_kernel(), *args, plan.starts_in_chunk, x.dtype)
+        else:
+            o_local, q_eff, m, u = chunk_gated_delta_rule(*args, spec.chunk_size, plan.reset)
+        outputs.append((o_local, q_eff))
+        transitions.append(torch.cat([m, u], dim=-1))
+    return _LocalBlock(outputs, torch.stack(transitions), F.linear(x, w_z).view(B, L, vb, dv))
+
+
+def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm):
+    """The block's [B, L, h] contribution, given every rank's transitions [D, 2, B, vb, dk, dk + dv] (with a cp
+    axis every cp group's: [C, D, 2, ...])."""
+    B, L, h = x.shape
+    s_in = start_states(everyone, comm.rank, spec.key_head_dim, None if comm.cp is None else comm.cp.rank)
+    o = torch.cat([o_local + q_eff @ s for (o_local, q_eff), s in zip(local.outputs, s_in)], dim=2)
+    o = o.transpose(1, 2).to(x.dtype)  # [B, L, vb, dv]
+
+    # Qwen3_5RMSNormGated: normalise in float32 (float64 stays), weight in the input dtype, times silu(z)
+    nd = _compute_dtype(x.dtype)
+    on = o.to(nd)
+    on = on * torch.rsqrt(on.pow(2).mean(-1, keepdim=True) + spec.norm_eps)
+    on = (norm_weight * on.to(x.dtype)) * F.silu(local.z.to(nd))
+    return F.linear(on.to(x.dtype).reshape(B, L, -1), w["out"])
+
+
+class _TSPGatedDeltaNet(torch.autograd.Function):
+    AUTOCAST = AUTOCAST_LOW_PRECISION  # projections in the autocast dtype; the delta rule itself runs in float32
+
+    @staticmethod
+    def forward(ctx, x, halo, packed_shard, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm, plans):
+        y = torch.zeros_like(x)
+        shards = ShardStream(comm, packed_shard)
+        for j in range(comm.size):
+            shards.next_block(j)
+            w = spec.layout.unpack(shards.take(j))
+            local = _block_local(x, halo, w, spec, plans)
+            everyone = gather_transitions(local.transitions, comm)
+            y.add_(_block_output(local, everyone, x, w, norm_weight, spec, comm))
+        ctx.spec, ctx.comm, ctx.plans = spec, comm, plans
+        # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
+        save_with_shard(ctx, packed_shard, x, halo, norm_weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, comm, plans = ctx.spec, ctx.comm, ctx.plans
+        packed_shard, (x, halo, norm_weight) = saved_with_shard(ctx)
+        need_w = ctx.needs_input_grad[2]  # a frozen shard: no weight grads, nothing reduced to owners
+        dy = dy.contiguous()
+        acc = [torch.zeros_like(x), torch.zeros_like(halo), torch.zeros_like(norm_weight)]
+        shards = ShardStream(comm, packed_shard)
+        reducer = ShardGradReducer(comm)
+
+        def add(grads, into):
+            for i, gr in enumerate(grads):
+                if gr is not None:  # None: unused (the empty halo of a kernel-1 conv)
+                    into[i] = gr if into[i] is None else into[i] + gr
+
+        for j in range(comm.size):
+            shards.next_block(j)
+            with torch.enable_grad():
+                x_, halo_, nw_ = (t.detach().requires_grad_() for t in (x, halo, norm_weight))
+                shard = shards.take(j).detach().requires_grad_(need_w)
+                w = spec.layout.unpack(shard)
+                local = _block_local(x_, halo_, w, spec, plans)
+                everyone = gather_transitions(local.transitions, comm).requires_grad_()
+                y = _block_output(local, everyone, x_, w, nw_, spec, comm)
+                leaves = (x_, halo_, nw_) + ((shard,) if need_w else ())
+                # stage 1: grads from this rank's outputs, including those of every rank's transitions ...
+                first = torch.autograd.grad(y, leaves + (everyone,), dy, retain_graph=True, allow_unused=True)
+                d_everyone = first[-1] if first[-1] is not None else torch.zeros_like(everyone)
+                # ... stage 2: the sum over ranks of the grads of OUR transitions (posted on every rank), into them
+                d_local = scatter_transition_grads(d_everyone, comm)
+                second = torch.autograd.grad(local.transitions, leaves, d_local, allow_unused=True)
+            block = [None] * len(leaves)
+            add(first[:-1], block)
+            add(second, block)
+            for i in range(3):
+                if block[i] is not None:
+                    acc[i].add_(block[i])
+            if need_w:
+                reducer.reduce(j, block[3].contiguous())
+        grad_shard = reducer.finish() if need_w else None
+        return acc[0], acc[1], grad_shard, acc[2], None, None, None
+
+
+def tsp_gated_deltanet(x: torch.Tensor, packed_shard: torch.Tensor, norm_weight: torch.Tensor,
+                       spec: GatedDeltaNetSpec, comm: TSPComm, doc_rows: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Gated DeltaNet over the local tokens x [B, L, h] (zigzag order), every head block streamed from its owner.
+
+    doc_rows: per batch row the global token indices where documents start (beginning with 0; a DocumentLayout's
+    rows; with a cp axis, comm.cp, the whole sequence's). norm_weight: the replicated gated-norm weight [dv]; its
+    grad is this rank's contribution (sum it over the group, e.g. with comm.replicated_param)."""
+    B, L, h = x.shape
+    if L % 2:
+        raise ValueError(f"tsp_gated_deltanet: the local length {L} must hold two zigzag chunks (even)")
+    cp = () if comm.cp is None else (comm.cp.size, comm.cp.rank)  # the chunks are then global chunks of 2 C D
+    plans = chunk_plans(tuple(map(tuple, doc_rows)), comm.rank, comm.size, L, spec.conv_kernel, x.dtype, x.device,
+                        *cp)
+    halo = conv_halo(x, comm, spec.conv_kernel - 1) if spec.conv_kernel > 1 else x.new_zeros(B, 2, 0, h)
+    return apply_autocast(_TSPGatedDeltaNet, x.device.type, x, halo, packed_shard, norm_weight, spec, comm, plans)

@@ -1,0 +1,192 @@
+"""transformers configs in and out: the config a TSP model was built from, and the config.json it saves.
+
+A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
+and its generation_config.json (generation_config_json);
+one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
+else Mixtral; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window on every layer -> Mistral, else Llama;
+a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
+A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
+model: load_config returns its text_config, and the model saves a text-only Qwen3_5ForCausalLM checkpoint.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.shape.model_shape import ModelShape
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
+_MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")  # read through their text_config (the language model TSP trains)
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def import_transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("ds_tsp.hf needs transformers: pip install 'ds_tsp[hf]'") from err
+    return transformers
+
+
+def load_config(directory: str | Path):
+    """The transformers config object of a LOCAL checkpoint directory (never the Hub)."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise TSPConfigError(f"{path} does not exist: from_pretrained takes a local checkpoint directory with a "
+                             "config.json (download it first; ds_tsp never fetches from the Hub)")
+    return config_from_dict(json.loads(path.read_text()))
+
+
+def config_from_dict(values: dict):
+    if values.get("model_type") in _MULTIMODAL_TYPES:
+        return language_model_config(import_transformers().AutoConfig.for_model(**values))
+    if values.get("model_type") not in ARCHITECTURES:
+        raise TSPConfigError(f"model_type={values.get('model_type')!r} is not supported; TSP converts "
+                             f"{', '.join(ARCHITECTURES)}, and the language model of {', '.join(_MULTIMODAL_TYPES)}")
+    return import_transformers().AutoConfig.for_model(**values)
+
+
+def language_model_config(config):
+    """The text_config of a Qwen3.5 multimodal config (carrying its dtype and tie_word_embeddings), else `config`."""
+    if getattr(config, "model_type", None) not in _MULTIMODAL_TYPES:
+        return config
+    text = copy.deepcopy(config.text_config)
+    for key in ("dtype", "tie_word_embeddings"):
+        if getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
+
+
+def config_json(config, dtype: torch.dtype) -> str:
+    """config.json text for saving: the config with its architecture and the saved dtype set."""
+    config = copy.deepcopy(config)
+    config.architectures = [ARCHITECTURES[config.model_type]]
+    config.dtype = dtype
+    return config.to_json_string(use_diff=False)
+
+
+def generation_config_json(source) -> str | None:
+    """The generation_config.json text of a checkpoint directory (its file, verbatim) or of an in-memory transformers
+    model (its generation_config, as transformers' save_pretrained writes it); None when it has none."""
+    if isinstance(source, (str, Path)):
+        path = Path(source) / GENERATION_CONFIG_NAME
+        return path.read_text() if path.is_file() else None
+    generation = getattr(source, "generation_config", None)
+    return generation.to_json_string(use_diff=True) if generation is not None else None
+
+
+def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """A config.json dict transformers reads back into the same model (see module doc for the family)."""
+    if shape.hybrid_family is not None or shape.attn_output_gate:
+        return _hybrid_config_dict(shape, dtype)
+    if shape.num_experts:
+        return _moe_config_dict(shape, dtype)
+    windows = shape.attention_windows
+    uniform_window = windows is not None and len(set(windows)) == 1 and windows[0] is not None
+    model_type = ("qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else
+                  "mistral" if uniform_window else "llama")
+    if windows is not None and model_type == "llama":
+        raise TSPConfigError(f"attention_windows={windows}: no transformers Llama-family config expresses "
+                             "per-layer windows without q/k/v bias or q/k norms (Qwen2/Qwen3 do)")
+    config = _common_fields(shape, dtype, model_type)
+    if model_type in ("llama", "qwen3"):
+        config.update(attention_bias=False)
+    if model_type == "llama":
+        config.update(mlp_bias=False)
+    if model_type == "mistral":
+        config.update(sliding_window=windows[0])
+    if model_type in ("qwen2", "qwen3"):
+        sliding = windows is not None
+        config.update(use_sliding_window=sliding, sliding_window=next((w for w in windows if w), None) if sliding else None,
+                      layer_types=["sliding_attention" if sliding and windows[i] else "full_attention"
+                                   for i in range(shape.num_layers)])
+        if sliding and len({w for w in windows if w}) > 1:
+            raise TSPConfigError(f"attention_windows={windows}: Qwen configs have one sliding_window for all "
+                                 "sliding layers")
+    return config
+
+
+def _common_fields(shape: ModelShape, dtype: torch.dtype, model_type: str) -> dict:
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling is not None:
+        s = shape.rope_scaling
+        rope.update({k: v for k, v in vars(s).items()
+                     if v is not None and k not in ("max_position_embeddings", "truncate")})
+        if s.rope_type == "yarn" and not s.truncate:
+            rope["truncate"] = False
+    return {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.dim_per_head, "rms_norm_eps": shape.rms_norm_eps,
+        "tie_word_embeddings": shape.tie_word_embeddings, "hidden_act": "silu", "dtype": str(dtype)[6:],
+        "max_position_embeddings": (shape.rope_scaling.max_position_embeddings if shape.rope_scaling and
+                                    shape.rope_scaling.max_position_embeddings else 131072),
+        "rope_parameters": rope, "rope_theta": shape.rope_theta,
+    }
+
+
+def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """Qwen3-MoE (q/k norms) or Mixtral: the MoE shape's family (ModelShape.moe_family)."""
+    model_type = shape.moe_family
+    windows = shape.attention_windows
+    window = None if windows is None else windows[0]
+    if windows is not None and (len(set(windows)) != 1 or window is None):
+        raise TSPConfigError(f"attention_windows={windows}: Qwen3-MoE and Mixtral configs have one sliding_window "
+                             "for every layer")
+    if shape.qkv_bias:
+        raise TSPConfigError("qkv_bias=True with experts: neither Qwen3-MoE nor Mixtral has q/k/v biases")
+    config = {**_common_fields(shape, dtype, model_type), "num_local_experts": shape.num_experts,
+              "num_experts_per_tok": shape.num_experts_per_tok, "router_aux_loss_coef": shape.router_aux_loss_coef,
+              "output_router_logits": shape.output_router_logits, "sliding_window": window}
+    if model_type == "mixtral":
+        if shape.dense_mlp_layers or not shape.norm_topk_prob:
+            raise TSPConfigError(f"dense_mlp_layers={shape.dense_mlp_layers}, norm_topk_prob={shape.norm_topk_prob} "
+                                 "without q/k norms: Mixtral has no dense layers and always renormalises the top-k; "
+                                 "set qk_norm=True for a Qwen3-MoE shape")
+        if shape.intermediate_size != shape.moe_intermediate_size:
+            raise TSPConfigError(f"intermediate_size={shape.intermediate_size} != moe_intermediate_size="
+                                 f"{shape.moe_intermediate_size}: a Mixtral expert's width is its intermediate_size")
+        return {**config, "router_jitter_noise": 0.0}
+    return {**config, "moe_intermediate_size": shape.moe_intermediate_size, "norm_topk_prob": shape.norm_topk_prob,
+            "decoder_sparse_step": 1, "mlp_only_layers": list(shape.dense_mlp_layers),
+            "use_sliding_window": window is not None, "attention_bias": False}
+
+
+def _hybrid_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """Qwen3.5 text (Qwen3_5ForCausalLM) or dense Qwen3-Next: gated attention, partial rotary, zero-centred norms."""
+    family = shape.hybrid_family or "qwen3_5"
+    if not (shape.attn_output_gate and shape.zero_centred_norms and shape.qk_norm) or shape.qkv_bias:
+        raise TSPConfigError(f"hybrid_family={family!r} needs attn_output_gate, zero_centred_norms and qk_norm and no "
+                             "qkv_bias: its transformers model has exactly those")
+    model_type = ("qwen3_next" if family == "qwen3_next" else
+                  "qwen3_5_moe_text" if shape.num_experts else "qwen3_5_text")
+    config = _common_fields(shape, dtype, model_type)
+    config["rope_parameters"] = {**config["rope_parameters"], "partial_rotary_factor": shape.partial_rotary_factor}
+    config.update(attention_bias=False, layer_types=list(shape.layer_types or ["full_attention"] * shape.num_layers))
+    config.update({name: getattr(shape, name) or default for name, default in (
+        ("linear_num_key_heads", 16), ("linear_num_value_heads", 32), ("linear_key_head_dim", 128),
+        ("linear_value_head_dim", 128), ("linear_conv_kernel_dim", 4))})
+    if shape.num_experts:
+        if model_type == "qwen3_5_moe_text" and (shape.dense_mlp_layers or not shape.norm_topk_prob):
+            raise TSPConfigError(f"dense_mlp_layers={shape.dense_mlp_layers}, norm_topk_prob={shape.norm_topk_prob}:"
+                                 " Qwen3.5-MoE has no dense layers and always renormalises the top-k")
+        config.update(num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+                      moe_intermediate_size=shape.moe_intermediate_size,
+                      shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+                      router_aux_loss_coef=shape.router_aux_loss_coef,
+                      output_router_logits=shape.output_router_logits)
+        if model_type == "qwen3_5_moe_text":
+            config.pop("intermediate_size")
+    if model_type == "qwen3_next":
+        config.update(norm_topk_prob=shape.norm_topk_prob, mlp_only_layers=list(shape.dense_mlp_layers),
+                      decoder_sparse_step=1, num_experts=shape.num_experts)
+    return config

@@ -1,0 +1,359 @@
+"""Shape of a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with experts),
+independent of how it is parallelised. The MoE fields' rules live in ds_tsp.core.shape.moe."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.shape.hybrid import HYBRID_MODEL_TYPES, HYBRID_TEXT_MODEL_TYPES, hybrid_fields_from_config, text_config
+from ds_tsp.core.shape.moe import MOE_MODEL_TYPES, check_moe_degree, check_moe_fields, moe_fields_from_config
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rope_parameters / rope_scaling block of an HF config (only the keys its rope type reads)."""
+
+    rope_type: str = "default"
+    factor: float | None = None
+    # llama3
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    # yarn
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    max_position_embeddings: int | None = None  # yarn infers factor from it when factor is None
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise TSPConfigError(f"rope_parameters.rope_type={self.rope_type!r} is not supported; ds_tsp implements "
+                                 f"{', '.join(ROPE_TYPES)} (as transformers computes them)")
+        need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings"),
+                "yarn": ("original_max_position_embeddings",)}.get(self.rope_type, ())
+        missing = [k for k in need if getattr(self, k) is None]
+        if missing:
+            raise TSPConfigError(f"rope_parameters (rope_type={self.rope_type!r}) lacks {', '.join(missing)}: "
+                                 "the checkpoint's config.json must give them")
+        if self.rope_type == "yarn" and self.factor is None and self.max_position_embeddings is None:
+            raise TSPConfigError("rope_parameters (rope_type='yarn') has no factor and the config no "
+                                 "max_position_embeddings to infer it from")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a causal LM, independent of how it is parallelised: sizes, heads, RoPE, norms, and the MoE and
+    hybrid fields. `ModelShape.from_hf_config(config)` reads a transformers config (refusing what TSP does not
+    compute exactly); `check_tsp_degree(D)` says whether D ranks can share it."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2-style bias on q/k/v projections (o_proj has none)
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k (weights [head_dim]) before RoPE
+    rope_scaling: RopeScaling | None = None  # None: default RoPE
+    attention_windows: tuple[int | None, ...] | None = None  # per layer: sliding window, None = full attention
+    # Mixture of experts (num_experts 0: dense). Sparse layers route each token to num_experts_per_tok of
+    # num_experts SwiGLU experts of width moe_intermediate_size; dense_mlp_layers keep the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top_k
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing probabilities to sum 1 (Mixtral: always)
+    dense_mlp_layers: tuple[int, ...] = ()  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step, resolved
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False  # transformers adds router_aux_loss_coef * aux loss only when true
+    # Hybrid models (Qwen3.5, Qwen3-Next): per-layer token mixer, "full_attention" or "linear_attention" (Gated
+    # DeltaNet, ds_tsp.model.modules.gated_deltanet); None: every layer full attention. The linear_* fields shape
+    # the Gated DeltaNet layers (all 0 when there are none).
+    layer_types: tuple[str, ...] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # Gated attention (Qwen3.5 / Qwen3-Next full-attention layers): q_proj emits [q, gate] per head and the
+    # attention output is multiplied by sigmoid(gate) before o_proj.
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first int(head_dim * factor) dims of every head
+    # Qwen3.5 / Qwen3-Next RMSNorm (decoder norms, final norm, q/k norms): weights stored zero-centred, the norm
+    # computes x_hat * (1 + w) in float32 and casts after (Llama: w * x_hat.to(dtype)).
+    zero_centred_norms: bool = False
+    hybrid_family: str | None = None  # "qwen3_5" | "qwen3_next": the checkpoint layout of a hybrid model's layers
+    # Qwen3-Next / Qwen3.5-MoE: every sparse MoE block adds a shared expert (a dense SwiGLU of this width, sharded
+    # 1/D like the MLP) scaled by sigmoid(shared_expert_gate(x)); 0: none
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise TSPConfigError(f"{name}={value!r}: must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise TSPConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}: "
+                "grouped-query attention needs every kv head to serve the same number of query heads")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise TSPConfigError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}: "
+                "choose a hidden size that is a multiple of the head count, or set head_dim explicitly")
+        if self.dim_per_head % 2:
+            raise TSPConfigError(f"head_dim={self.dim_per_head} must be even for rotary embeddings")
+        if self.attention_windows is not None:
+            if len(self.attention_windows) != self.num_layers:
+                raise TSPConfigError(f"attention_windows has {len(self.attention_windows)} entries for "
+                                     f"num_layers={self.num_layers}: give one (int or None) per layer")
+            bad = [w for w in self.attention_windows if w is not None and (not isinstance(w, int) or w < 1)]
+            if bad:
+                raise TSPConfigError(f"sliding_window={bad[0]!r}: a window is a positive number of tokens")
+        if isinstance(self.dense_mlp_layers, list):  # from a JSON manifest
+            object.__setattr__(self, "dense_mlp_layers", tuple(self.dense_mlp_layers))
+        check_moe_fields(self)
+        self._check_hybrid_fields()
+
+    def _check_hybrid_fields(self) -> None:
+        if isinstance(self.layer_types, list):  # from a JSON manifest
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise TSPConfigError(f"layer_types has {len(self.layer_types)} entries for num_layers="
+                                     f"{self.num_layers}: give one per layer")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise TSPConfigError(f"layer_types contains {unknown}: hybrid models take {', '.join(LAYER_TYPES)}")
+            if self.attention_windows is not None:
+                raise TSPConfigError("layer_types with sliding windows: hybrid models have no sliding attention")
+        if self.has_linear_attention:
+            for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel_dim"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise TSPConfigError(f"{name}={value!r}: must be a positive integer when layer_types has "
+                                         "linear_attention layers")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise TSPConfigError(
+                    f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                    f"linear_num_key_heads={self.linear_num_key_heads}: every key head serves the same number of "
+                    "value heads")
+        if self.hybrid_family not in (None, "qwen3_5", "qwen3_next"):
+            raise TSPConfigError(f"hybrid_family={self.hybrid_family!r}: must be None, 'qwen3_5' or 'qwen3_next'")
+        if self.has_linear_attention and self.hybrid_family is None:
+            raise TSPConfigError("layer_types has linear_attention layers but hybrid_family is None: set "
+                                 "hybrid_family='qwen3_5' or 'qwen3_next' (the Gated DeltaNet checkpoint layout)")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise TSPConfigError(f"partial_rotary_factor={self.partial_rotary_factor}: must be in (0, 1]")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise TSPConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives a rotary dim "
+                                 f"{self.rotary_dim} of head_dim={self.dim_per_head}: it must be even and >= 2")
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of every head RoPE rotates (the first ones; transformers: int(head_dim * partial_rotary_factor))."""
+        return int(self.dim_per_head * self.partial_rotary_factor)
+
+    def layer_type(self, layer: int) -> str:
+        """The token mixer of decoder layer `layer`: "full_attention" or "linear_attention" (Gated DeltaNet)."""
+        return "full_attention" if self.layer_types is None else self.layer_types[layer]
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the sparse experts MLP (else the dense SwiGLU of intermediate_size)."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
+    @property
+    def moe_family(self) -> str | None:
+        """The transformers family whose checkpoint names an MoE model uses: Qwen3-MoE has q/k norms, Mixtral not."""
+        return None if self.num_experts == 0 else "qwen3_moe" if self.qk_norm else "mixtral"
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of decoder layer `layer` (HF: key s visible to query t iff t - window < s <= t)."""
+        return None if self.attention_windows is None else self.attention_windows[layer]
+
+    def check_tsp_degree(self, tsp: int) -> None:
+        """Raise unless every sharded dimension splits evenly over `tsp` ranks."""
+        if tsp < 1:
+            raise TSPConfigError(f"tsp={tsp}: the TSP degree must be >= 1")
+        if self.num_heads % tsp:
+            raise TSPConfigError(
+                f"num_heads={self.num_heads} is not divisible by tsp={tsp}: every rank owns num_heads/tsp query "
+                f"heads; pick tsp among {_divisors(self.num_heads)}")
+        if self.num_kv_heads % tsp and tsp % self.num_kv_heads:
+            raise TSPConfigError(
+                f"num_kv_heads={self.num_kv_heads} and tsp={tsp} do not divide each other: every rank owns "
+                "num_kv_heads/tsp kv heads, or (when num_kv_heads < tsp) one kv head replicated on tsp/num_kv_heads "
+                f"ranks; pick tsp among {sorted(set(_divisors(self.num_kv_heads)) | set(_multiples(self.num_kv_heads, self.num_heads)))}")
+        check_moe_degree(self, tsp)
+        if self.has_linear_attention:
+            for name in ("linear_num_key_heads", "linear_num_value_heads"):
+                heads = getattr(self, name)
+                if heads % tsp:
+                    fits = sorted(set(_divisors(self.linear_num_key_heads)) & set(_divisors(self.num_heads)))
+                    raise TSPConfigError(
+                        f"{name}={heads} is not divisible by tsp={tsp}: every rank owns {name}/tsp Gated DeltaNet "
+                        f"heads (key and value heads both split over the TSP ranks); pick tsp among {fits}")
+        shared = self.shared_expert_intermediate_size
+        if self.num_experts and shared % tsp:
+            raise TSPConfigError(
+                f"shared_expert_intermediate_size={shared} is not divisible by tsp={tsp}: every rank owns "
+                f"shared_expert_intermediate_size/tsp shared-expert columns; pick tsp among {_divisors(shared)}")
+        has_dense_mlp = not all(self.is_moe_layer(i) for i in range(self.num_layers))
+        if has_dense_mlp and self.intermediate_size % tsp:
+            raise TSPConfigError(
+                f"intermediate_size={self.intermediate_size} is not divisible by tsp={tsp}: every rank owns "
+                f"intermediate_size/tsp MLP columns; pick tsp among {_divisors(self.intermediate_size)}")
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelShape":
+        """From a transformers Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral config (object or config.json dict).
+
+        Strict: every config field that would change the computation and that TSP does not implement is one
+        TSPConfigError naming the field (never silently ignored). No transformers import.
+        """
+        return _shape_from_config(config)
+
+    def kv_replicas(self, tsp: int) -> int:
+        """How many TSP ranks share one kv head (1 unless num_kv_heads < tsp, e.g. MQA)."""
+        return max(tsp // self.num_kv_heads, 1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LAYER_TYPES = ("full_attention", "linear_attention")
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)
+# Defaults of the transformers config classes for the fields below, for config.json dicts that omit them.
+_SLIDING_DEFAULTS = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "qwen3_moe": 4096}
+# Qwen3Config's default, the hybrids' (Qwen3.5 / Qwen3-Next: 256); others (Qwen3-MoE, Mixtral too): hidden / heads
+_HEAD_DIM_DEFAULTS = {"qwen3": 128, **{t: 256 for t in HYBRID_TEXT_MODEL_TYPES}}
+_EPS_DEFAULTS = {"mixtral": 1e-5}
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def _getter(config):
+    if isinstance(config, dict):
+        return lambda key, default=None: config.get(key, default)
+    return lambda key, default=None: getattr(config, key, default)
+
+
+def _shape_from_config(config) -> ModelShape:
+    config = text_config(config)  # a Qwen3.5 multimodal config: its language model
+    get = _getter(config)
+    model_type = get("model_type", "llama")
+    if model_type not in SUPPORTED_HF_MODEL_TYPES:
+        raise TSPConfigError(f"model_type={model_type!r} is not supported; TSP converts "
+                             f"{', '.join(SUPPORTED_HF_MODEL_TYPES)} (Llama-family: RMSNorm, RoPE, SwiGLU)")
+    hybrid = model_type in HYBRID_TEXT_MODEL_TYPES
+    for key in _MOE_FIELDS if model_type not in MOE_MODEL_TYPES and not hybrid else ():
+        if get(key):
+            raise TSPConfigError(f"{key}={get(key)!r}: mixture-of-experts MLPs are not supported; TSP shards a "
+                                 "dense SwiGLU MLP")
+    if get("hidden_act", "silu") != "silu":
+        raise TSPConfigError(f"hidden_act={get('hidden_act')!r} is not supported: TSP's gated MLP is SwiGLU (silu)")
+    if get("mlp_bias", False):
+        raise TSPConfigError("mlp_bias=True is not supported: TSP's MLP has no biases")
+    if get("attention_bias", False):
+        raise TSPConfigError(f"attention_bias=True on a {model_type} config adds an o_proj bias, which TSP does not "
+                             "support (Qwen2's q/k/v-only bias is supported)")
+    if float(get("attention_dropout", 0.0) or 0.0) > 0:
+        raise TSPConfigError(f"attention_dropout={get('attention_dropout')}: TSP attention has no dropout; set it "
+                             "to 0.0")
+    if (get("pretraining_tp", 1) or 1) > 1:
+        raise TSPConfigError(f"pretraining_tp={get('pretraining_tp')}: the sliced-projection emulation is not "
+                             "supported; set pretraining_tp to 1")
+    theta, scaling = _rope_from_config(get, 1e6 if model_type == "mixtral" else 10000.0, partial_allowed=hybrid)
+    heads = get("num_attention_heads")
+    layers = get("num_hidden_layers")
+    moe = moe_fields_from_config(get, model_type, layers) if model_type in MOE_MODEL_TYPES else {}
+    if hybrid:  # refuses the MoE hybrids (shared expert) before anything reads their MoE fields
+        moe = hybrid_fields_from_config(get, model_type, layers)
+    # Qwen3.5-MoE has no dense MLP and no intermediate_size: the (unused) dense width is its experts'
+    intermediate = get("intermediate_size") or (moe.get("moe_intermediate_size") if hybrid else None)
+    return ModelShape(vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
+                      intermediate_size=intermediate, num_layers=layers, num_heads=heads,
+                      num_kv_heads=get("num_key_value_heads") or heads,
+                      head_dim=get("head_dim", _HEAD_DIM_DEFAULTS.get(model_type)),
+                      rope_theta=theta, rms_norm_eps=float(get("rms_norm_eps", _EPS_DEFAULTS.get(model_type, 1e-6))),
+                      tie_word_embeddings=bool(get("tie_word_embeddings", False)), qkv_bias=model_type == "qwen2",
+                      qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid, rope_scaling=scaling,
+                      attention_windows=_windows_from_config(get, model_type, layers), **moe)
+
+
+def _rope_from_config(get, default_theta: float = 10000.0,
+                      partial_allowed: bool = False) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling.
+    partial_allowed: the family reads partial_rotary_factor (hybrid_shape); elsewhere it is refused."""
+    params = dict(get("rope_parameters") or get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise TSPConfigError("rope_parameters is nested per layer type: per-layer RoPE is not supported")
+    theta = float(params.get("rope_theta") or get("rope_theta") or default_theta)
+    partial = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0) and not partial_allowed:
+        raise TSPConfigError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    allowed = {f for f in RopeScaling.__dataclass_fields__ if f not in ("rope_type", "max_position_embeddings")}
+    kwargs = {k: v for k, v in params.items() if k in allowed}
+    if rope_type in ("llama3", "yarn") and kwargs.get("original_max_position_embeddings") is None:
+        kwargs["original_max_position_embeddings"] = get("original_max_position_embeddings") or get(
+            "max_position_embeddings")
+    return theta, RopeScaling(rope_type=rope_type, max_position_embeddings=get("max_position_embeddings"), **kwargs)
+
+
+def _windows_from_config(get, model_type: str, layers: int) -> tuple[int | None, ...] | None:
+    """Per-layer sliding windows, as each family's transformers model applies them."""
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):  # one window on every layer, when set
+        if model_type == "qwen3_moe":  # Qwen3MoeConfig drops the window unless use_sliding_window
+            window = get("sliding_window", _SLIDING_DEFAULTS[model_type]) if get("use_sliding_window", False) else None
+        else:
+            window = get("sliding_window", _SLIDING_DEFAULTS.get(model_type))
+        return None if window is None else (window,) * layers
+    if model_type not in ("qwen2", "qwen3"):
+        if get("sliding_window") is not None:
+            raise TSPConfigError(f"sliding_window={get('sliding_window')} on a {model_type} config: its "
+                                 "transformers model does not apply it; remove it")
+        return None
+    window = get("sliding_window", _SLIDING_DEFAULTS[model_type]) if get("use_sliding_window", False) else None
+    layer_types = get("layer_types")
+    if layer_types is None:
+        first = get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                       for i in range(layers)]
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise TSPConfigError(f"layer_types contains {unknown}: only full_attention and sliding_attention layers "
+                             "are supported")
+    if len(layer_types) != layers:
+        raise TSPConfigError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={layers}")
+    if "sliding_attention" in layer_types and window is None:
+        raise TSPConfigError("layer_types has sliding_attention layers but sliding_window is None (or "
+                             "use_sliding_window is false): set both, or make every layer full_attention")
+    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return windows if any(w is not None for w in windows) else None
+
+
+def _multiples(n: int, limit: int) -> list[int]:
+    return [m for m in range(n, limit + 1, n) if limit % m == 0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

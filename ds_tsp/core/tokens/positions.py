@@ -1,0 +1,46 @@
+"""What a step derives from its position_ids once, for every decoder layer: RoPE tables and packed-document starts.
+
+position_ids are GLOBAL positions of this rank's zigzag tokens (restarting at 0 where a packed document starts).
+RoPE needs only the local ones; finding the documents needs the whole sequence, so it costs one all-gather over the
+TSP group. The causal LM does both once in its forward; a pipeline stage, which receives position_ids as an
+activation, asks a `StepPositions` shared by its layers, which pays once per micro-batch, not once per layer.
+"""
+from __future__ import annotations
+
+import torch
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.documents import DocumentLayout, document_layout, document_starts
+from ds_tsp.core.tokens.rope import rope_cos_sin
+from ds_tsp.core.tokens.zigzag import unshard
+
+
+def global_positions(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+    """[B, S] positions in sequence order from every rank's zigzag shard [B, S/D] (collective over the group)."""
+    if comm.size == 1:
+        return position_ids
+    gathered = torch.empty((comm.size, *position_ids.shape), dtype=position_ids.dtype, device=position_ids.device)
+    comm.all_gather(gathered, position_ids.contiguous()).wait()
+    return unshard(list(gathered.unbind(0)), dim=1)
+
+
+class StepPositions:
+    """(cos, sin, doc_starts) of the position_ids last seen, recomputed only when a different tensor arrives.
+    doc_starts is a DocumentLayout (validated here, once per micro-batch, not by every layer) or None."""
+
+    def __init__(self, shape: ModelShape, comm: TSPComm):
+        self.shape, self.comm = shape, comm
+        self._key: tuple | None = None
+        self._value: tuple[torch.Tensor, torch.Tensor, DocumentLayout | None] | None = None
+
+    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        # Identity and version, not values: comparing values would read the tensor on the host.
+        key = (position_ids, position_ids._version, dtype)
+        if self._key is None or self._key[0] is not position_ids or self._key[1:] != key[1:]:
+            cos, sin = rope_cos_sin(position_ids, self.shape.rotary_dim, self.shape.rope_theta, dtype,
+                                    self.shape.rope_scaling)
+            doc_starts = document_starts(global_positions(position_ids, self.comm))
+            doc_starts = None if doc_starts is None else document_layout(doc_starts, position_ids.shape[0])
+            self._key, self._value = key, (cos, sin, doc_starts)
+        return self._value

@@ -1,0 +1,95 @@
+"""TSP attention as a sharded piece: head block p of q/k/v/o packed in one parameter (ds_tsp.core.layers.attention
+runs it), Qwen3's replicated q/k norms beside it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.comm.primitives import replicated_param
+from ds_tsp.core.grads.clip import mark_sharded
+from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, tsp_attention
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.model.modules.piece import ShardedPiece
+from ds_tsp.model.modules.slices import HFSlice
+
+
+class HeadNorm(nn.Module):
+    """Qwen3's q_norm / k_norm: one RMSNorm weight [head_dim] shared by every head, replicated on every rank."""
+
+    def __init__(self, head_dim: int, dtype, device, zero_centred: bool = False):
+        super().__init__()
+        # zero-centred (Qwen3.5): the norm scales by 1 + weight, so the identity is 0
+        self.weight = nn.Parameter((torch.zeros if zero_centred else torch.ones)(head_dim, dtype=dtype, device=device))
+
+
+class TSPAttention(ShardedPiece):
+    PIECES = {"wq": "q_proj.weight", "wk": "k_proj.weight", "wv": "v_proj.weight", "wo": "o_proj.weight",
+              "bq": "q_proj.bias", "bk": "k_proj.bias", "bv": "v_proj.bias"}
+
+    def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
+        super().__init__()
+        self.comm, self.num_heads, self.num_kv_heads = comm, shape.num_heads, shape.num_kv_heads
+        self.spec = AttentionSpec(hidden=shape.hidden_size, heads_per_block=shape.num_heads // comm.size,
+                                  kv_heads_per_block=max(shape.num_kv_heads // comm.size, 1),
+                                  head_dim=shape.dim_per_head, qkv_bias=shape.qkv_bias,
+                                  kv_replicas=shape.kv_replicas(comm.size),
+                                  kernel_backend=None if options.kernel == "auto" else options.kernel,
+                                  keep_gathered_kv=options.keep_gathered_kv,
+                                  recompute_projections=options.recompute_projections,
+                                  window=shape.layer_window(layer),
+                                  qk_norm_eps=shape.rms_norm_eps if shape.qk_norm else None,
+                                  norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate)
+        self.packed_shard = mark_sharded(nn.Parameter(
+            torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
+        self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's attention
+        if shape.qk_norm:
+            self.q_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
+            self.k_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
+
+    def forward(self, x, cos, sin, doc_starts=None):
+        qk = None
+        if self.spec.qk_norm_eps is not None:
+            qk = (replicated_param(self.q_norm.weight, self.comm), replicated_param(self.k_norm.weight, self.comm))
+        return tsp_attention(x, self.weight_shard(), cos, sin, self.spec, self.comm, qk_norm=qk, doc_starts=doc_starts)
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        s, h = self.spec, self.spec.hidden
+        q, kv = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
+        q_rows = 2 * q if s.output_gate else q  # gated attention: [q, gate] rows per head
+        shapes = {"q_proj.weight": (q_rows, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+                  "o_proj.weight": (h, q)}
+        if s.qkv_bias:
+            shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+        return shapes
+
+    def hf_slices(self, rank: int | None = None) -> dict[str, HFSlice]:
+        p = self.comm.rank if rank is None else rank
+        q, kv = self.spec.heads_per_block * self.spec.head_dim, self.spec.kv_heads_per_block * self.spec.head_dim
+        pk = p // self.spec.kv_replicas  # the kv head block this rank's query heads read
+        qr = 2 * q if self.spec.output_gate else q  # gated: the block's heads' [q, gate] rows are contiguous
+        slices = {"q_proj.weight": (0, p * qr, qr), "k_proj.weight": (0, pk * kv, kv),
+                  "v_proj.weight": (0, pk * kv, kv), "o_proj.weight": (1, p * q, q)}
+        if self.spec.qkv_bias:
+            slices.update({"q_proj.bias": (0, p * qr, qr), "k_proj.bias": (0, pk * kv, kv),
+                           "v_proj.bias": (0, pk * kv, kv)})
+        return slices
+
+    def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        views = [self.spec.layout.unpack(s) for s in shards]
+        kv_owners = views[::self.spec.kv_replicas]  # one copy of each replicated kv head
+
+        def cat(key, dim=0):
+            return torch.cat([v[key] for v in (kv_owners if key[1] in "kv" else views)], dim=dim)
+
+        full = {"q_proj.weight": cat("wq"), "k_proj.weight": cat("wk"), "v_proj.weight": cat("wv"),
+                "o_proj.weight": cat("wo", 1)}
+        if self.spec.qkv_bias:
+            full.update({"q_proj.bias": cat("bq"), "k_proj.bias": cat("bk"), "v_proj.bias": cat("bv")})
+        return full
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        window = f", window={s.window}" if s.window is not None else ""
+        return (f"heads/block={s.heads_per_block}, kv_heads/block={s.kv_heads_per_block}, head_dim={s.head_dim}"
+                f"{window}, tsp_rank={self.comm.rank}/{self.comm.size}")

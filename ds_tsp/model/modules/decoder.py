@@ -1,0 +1,107 @@
+"""The TSP model's nn.Modules: one per sharded piece, each knowing which slices of the HF tensors it owns.
+
+Every sharded module answers three questions for checkpoints, so loading reads ONLY this rank's slices and saving
+reassembles one module at a time:
+
+    hf_shapes()       {HF tensor name (relative): full shape}            what the checkpoint must contain
+    hf_slices()       {name: (dim, start, length)}                       the part of each tensor this rank owns
+    hf_targets(p)     {name: view of parameter p}                        where each slice lands (read in place)
+    pack_slices(d)    {name: sliced tensor} -> this rank's packed shard  (shard_full = pack_slices of narrowed)
+    unshard(shards)   every rank's packed shard -> {name: full tensor}
+(A tensor a rank owns several ranges of gives HFRanges, a tuple of (dim, start, length), in hf_slices and a tuple
+of views in hf_targets: ds_tsp.model.modules.slices.)
+
+| module (HF prefix)                | parameter        | this rank's part                                      |
+|-----------------------------------|------------------|-------------------------------------------------------|
+| model.embed_tokens / lm_head      | vocab_shard      | vocab rows [p*Vd, (p+1)*Vd), zero past V              |
+| model.layers.i.self_attn          | packed_shard     | q heads of block p, its kv heads, o_proj columns      |
+| model.layers.i.self_attn.q/k_norm | weight           | replicated [head_dim] (Qwen3), grads summed           |
+| model.layers.i.mlp                | packed_shard     | gate/up rows and down columns [p*F/D, (p+1)*F/D)      |
+| model.layers.i.linear_attn        | (its own)        | Gated DeltaNet heads of block p (hybrid models)       |
+| model.layers.i.mlp (MoE layer)    | experts_shard    | experts [p*E/D, (p+1)*E/D) whole; router replicated   |
+(the MoE block: ds_tsp.model.modules.moe.TSPSparseMoE; its HF names carry their block prefix, Mixtral's
+block_sparse_moe., so its entry in sharded_modules has the layer prefix.)
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.layers.norm import TSPRMSNorm
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.model.modules.attention import TSPAttention
+from ds_tsp.model.modules.gated_deltanet import TSPGatedDeltaNet
+from ds_tsp.model.modules.mlp import TSPGatedMLP
+from ds_tsp.model.modules.moe import TSPSparseMoE, shared_expert_shape
+from ds_tsp.model.modules.piece import ShardedPiece
+
+# The pre-release path ds_tsp.modules is this module (ds_tsp/_moved.py): the other names it exported stay reachable.
+from ds_tsp.model.modules.attention import HeadNorm  # noqa: E402,F401,I001
+from ds_tsp.model.modules.vocab import TSPLMHeadLoss, TSPVocabEmbedding, TSPVocabShard  # noqa: E402,F401
+from ds_tsp.model.state_dict import load_slices, read_from_full  # noqa: E402,F401
+
+
+class TSPDecoderLayer(nn.Module):
+    """Pre-norm decoder layer. Token mixer: `self_attn` (TSPAttention), or `linear_attn` (Gated DeltaNet) where the
+    shape's layer_types says linear_attention (Qwen3.5 / Qwen3-Next)."""
+
+    def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
+        super().__init__()
+        centred = shape.zero_centred_norms
+        self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, centred)
+        self.is_linear_attention = shape.layer_type(layer) == "linear_attention"
+        if self.is_linear_attention:
+            self.linear_attn = TSPGatedDeltaNet(shape, comm, options, dtype, device, layer=layer,
+                                                hf_format=shape.hybrid_family)
+        else:
+            self.self_attn = TSPAttention(shape, comm, options, dtype, device, layer)
+        self.post_attention_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
+                                                   centred)
+        self.is_moe = shape.is_moe_layer(layer)
+        if self.is_moe:
+            shared = (TSPGatedMLP(shared_expert_shape(shape), comm, dtype, device, options.recompute_projections)
+                      if shape.shared_expert_intermediate_size else None)  # Qwen3-Next / Qwen3.5-MoE
+            self.mlp = TSPSparseMoE(shape, comm, options, dtype, device, shared_expert=shared)
+        else:
+            self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
+
+    def forward(self, h, cos, sin, doc_starts=None, *, with_router: bool = False):
+        """The layer's output; with_router: (output, router logits [B*L, E] or None for a dense MLP). Callers go
+        through the module (`layer(..., with_router=True)`), never a bound method: FSDP2 and ZeRO-3 gather the
+        layer's parameters in its forward hooks."""
+        if self.is_linear_attention:
+            h = h + self.linear_attn(self.input_layernorm(h), doc_starts)
+        else:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, doc_starts)
+        router_logits = None
+        if self.is_moe:
+            y, router_logits = self.mlp(self.post_attention_layernorm(h))
+        else:
+            y = self.mlp(self.post_attention_layernorm(h))
+        return (h + y, router_logits) if with_router else h + y
+
+    def sharded_modules(self, prefix: str = "") -> list[tuple[str, "ShardedPiece", nn.Parameter]]:
+        """(HF name prefix, sharded piece, its parameter) of this layer, in checkpoint order."""
+        mlp = ((prefix, self.mlp, self.mlp.experts_shard) if self.is_moe
+               else (f"{prefix}mlp.", self.mlp, self.mlp.packed_shard))
+        mlps = [mlp]
+        if self.is_moe and self.mlp.shared_expert is not None:  # Qwen3-Next / Qwen3.5-MoE
+            mlps.append((f"{prefix}mlp.shared_expert.", self.mlp.shared_expert, self.mlp.shared_expert.packed_shard))
+        if self.is_linear_attention:  # the Gated DeltaNet lists its own sharded pieces
+            return [*self.linear_attn.sharded_modules(f"{prefix}linear_attn."), *mlps]
+        return [(f"{prefix}self_attn.", self.self_attn, self.self_attn.packed_shard), *mlps]
+
+    def replicated_params(self, prefix: str = "") -> dict[str, nn.Parameter]:
+        """HF-named params every rank holds whole (their grads are summed over the TSP group)."""
+        out = {f"{prefix}input_layernorm.weight": self.input_layernorm.weight,
+               f"{prefix}post_attention_layernorm.weight": self.post_attention_layernorm.weight}
+        if self.is_linear_attention:
+            out.update(self.linear_attn.replicated_params(f"{prefix}linear_attn."))
+        elif self.self_attn.spec.qk_norm_eps is not None:
+            out[f"{prefix}self_attn.q_norm.weight"] = self.self_attn.q_norm.weight
+            out[f"{prefix}self_attn.k_norm.weight"] = self.self_attn.k_norm.weight
+        if self.is_moe:
+            out[prefix + self.mlp.router_name()] = self.mlp.gate.weight
+            if self.mlp.shared_expert_gate is not None:
+                out[f"{prefix}mlp.shared_expert_gate.weight"] = self.mlp.shared_expert_gate.weight
+        return out
