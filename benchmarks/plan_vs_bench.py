@@ -1,4 +1,4 @@
-"""Record `ds-tsp bench` peaks as the fixture tests/test_plan.py checks `ds-tsp plan` against (within 10%).
+"""Record `ds-tsp bench` peaks as the fixture tests/tools/test_plan.py checks `ds-tsp plan` against (within 10%).
 
     for D in 2 4; do
       ds-tsp bench --layouts tsp,tsp_speed,dtensor_tp_sp,ulysses_zero3,ulysses_zero1,autotp_zero1 \

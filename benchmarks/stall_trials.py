@@ -15,7 +15,7 @@ else on stderr. A survivor still running `--observe-s` after the SIGSTOP is `hun
 
 --setup runtime (default): init_process_group(timeout=timeout_s) + ds_tsp.core.parallel.runtime.build_runtime with a "tsp"
 block of that timeout_s, the path of ds_tsp.initialize (DeepSpeed) where gloo's own timeout equals timeout_s;
---setup world: the process group keeps gloo's 1800 s default, TSPComm(WORLD, timeout_s) (tests/test_stalls.py).
+--setup world: the process group keeps gloo's 1800 s default, TSPComm(WORLD, timeout_s) (tests/reliability/test_stalls.py).
 --log guard: the per-step loss all-reduce runs inside comm.guard(...); --log model: through
 ShardedCausalLM.loss_for_logging (what TSPForCausalLM's forward does for its loss); --log none: no logging.
 --stop-at optimizer: instead of a SIGSTOP at a random time, the victim stops itself (SIGSTOP to itself) after
@@ -117,7 +117,7 @@ def _rank_main(argv: list[str]) -> None:
         print(f"step {step} loss {float(logged):.4f} step_s {now - last:.4f}", flush=True)
         last = now
     sys.stderr.flush()
-    os._exit(0)  # no gloo teardown (see tests/test_stalls.py)
+    os._exit(0)  # no gloo teardown (see tests/reliability/test_stalls.py)
 
 
 # --- one trial ------------------------------------------------------------------------------------------------

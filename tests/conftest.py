@@ -1,9 +1,15 @@
 """Shared pytest setup: the suite's environment (below), `slow` tests are opt-in (pytest --runslow, or RUN_SLOW=1
-in the environment); `soak` tests run only when selected (pytest -m soak)."""
+in the environment); `soak` tests run only when selected (pytest -m soak).
+
+The tests live in one folder per concept (core/, model/, moe/, hybrid/, cp/, checkpoint/, integrations/,
+reliability/, tools/, meta/); what they share (multi-rank launchers, tiny checkpoints, references, the sync and
+NCCL-rule checkers) is in helpers/. Every one of these folders is put on sys.path and PYTHONPATH here, so a test
+imports a helper (or another test's fixtures) by its module name, and so do the ranks and scripts it starts."""
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +21,12 @@ import pytest
 # and thread-dependent checks assume one OpenMP thread per process, whatever the calling shell exports.
 SUITE_ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 os.environ.update(SUITE_ENV)
+
+_TESTS = Path(__file__).resolve().parent
+SUITE_PATHS = [str(_TESTS / "helpers"), *sorted(str(d) for d in _TESTS.iterdir()
+                                                 if d.is_dir() and d.name not in ("helpers", "fixtures", "__pycache__"))]
+sys.path[:0] = [p for p in SUITE_PATHS if p not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join([*SUITE_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])])
 if "torch" in sys.modules:  # imported before us (a plugin): its thread pool already read the environment
     sys.modules["torch"].set_num_threads(int(SUITE_ENV["OMP_NUM_THREADS"]))
 

@@ -18,7 +18,7 @@ With a cp axis (tsp.cp_size = C: C TSP groups split each sequence) the "data" su
 groups hold the same shards, so FSDP2 shards them over data x cp and averages the cp groups' gradients like data
 replicas'. The model must carry the cp ring (TSPComm(groups.tsp_group, cp=TSPComm(groups.cp_group)), what
 ds_tsp.core.parallel.runtime.build_runtime builds) and the batches come cut over cp then TSP (TSPDataLoader, shard_batch(...,
-cp=C, cp_rank=groups.cp_rank)); tests/test_cp_fsdp.py checks it against one process. The TSP collectives
+cp=C, cp_rank=groups.cp_rank)); tests/cp/test_cp_fsdp.py checks it against one process. The TSP collectives
 (weight broadcasts/rings, K/V all-gathers, the replicated-norm grad all-reduce) run inside the layers on the other
 axis, on the unsharded parameters FSDP2 installs in its pre-forward hook.
 
@@ -31,7 +31,7 @@ records their names in `model.tsp_sharded_param_names`, so "is this a TSP shard"
 
 Frozen parameters (requires_grad=False on the HF model converted) and a PEFT LoRA model (TSPForCausalLM.
 from_pretrained(peft_model, ...)) shard like any other: build the optimizer on the trainable parameters; frozen
-ones get no gradient and stay as loaded (tests/test_frozen_lora_compose.py: against single-device PEFT).
+ones get no gradient and stay as loaded (tests/model/test_frozen_lora_compose.py: against single-device PEFT).
 
 Not covered: the core model's `full_state_dict` / `load_full_state_dict` / `init_weights_` expect local tensors, so
 load weights before sharding (or use torch.distributed.checkpoint on the DTensor state dict).

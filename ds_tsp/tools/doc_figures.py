@@ -8,7 +8,7 @@ A quoted figure lives between `<!-- figures:NAME ... -->` and `<!-- /figures:NAM
 says which files each block is rendered from. Benchmark figures come from the `ds-tsp bench` results under
 docs/bench/ (rerun the bench to change them, then --write). The demo's and `ds-tsp verify`'s outputs are
 deterministic (every figure but a wall time), so --measure reruns those commands and stores their stdout as
-docs/results/*.json; tests/test_doc_figures.py runs them again and compares. Works on a source checkout (the
+docs/results/*.json; tests/meta/test_doc_figures.py runs them again and compares. Works on a source checkout (the
 repository root holds README.md and docs/), not on an installed wheel.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ rank waited for, and exit code ds_tsp.core.reliability.watchdog.EXIT_CODE. Block
 bounded the same way inside `with comm.guard("what"):`.
 
 `with comm.recording() as rec:` lists, in post order, every op this comm posts (ds_tsp.core.comm.recorder): what a
-replay under NCCL's queueing rules checks (tests/nccl_rules.py), since gloo's threads hide orders that hang NCCL.
+replay under NCCL's queueing rules checks (tests/helpers/nccl_rules.py), since gloo's threads hide orders that hang NCCL.
 """
 from __future__ import annotations
 
@@ -304,7 +304,7 @@ class TSPComm:
 
         One batch_isend_irecv per hop: NCCL runs a batch's send and receive together, whereas a bare isend posted
         first on every rank blocks each rank's queue until its peer's receive, which never comes (a ring deadlock
-        above NCCL's eager size; tests/nccl_rules.py). NCCL ignores `tag`: hops match because every rank posts them
+        above NCCL's eager size; tests/helpers/nccl_rules.py). NCCL ignores `tag`: hops match because every rank posts them
         in the same order.
         """
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size

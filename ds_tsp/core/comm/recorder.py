@@ -1,6 +1,6 @@
 """What one rank posts through a TSPComm, in post order: `with comm.recording() as rec:` fills a CommRecorder.
 
-A replay under NCCL's queueing rules checks these lists (tests/nccl_rules.py), since gloo's threads hide orders
+A replay under NCCL's queueing rules checks these lists (tests/helpers/nccl_rules.py), since gloo's threads hide orders
 that hang NCCL.
 """
 from __future__ import annotations

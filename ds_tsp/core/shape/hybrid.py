@@ -7,7 +7,7 @@ transformers' rules, mirrored here (models/{qwen3_5,qwen3_5_moe,qwen3_next}/conf
   head (default 0.25 when the config omits it) and q/k-normalise every head; every RMSNorm of these families except
   the Gated DeltaNet's output norm is zero-centred (x_hat * (1 + w)).
 * mrope (rope_parameters.mrope_section / mrope_interleaved): text positions give the three rows (t, h, w) the same
-  position, so the interleaved frequencies are the plain RoPE frequencies (tests/test_hybrid_models.py proves it
+  position, so the interleaved frequencies are the plain RoPE frequencies (tests/hybrid/test_hybrid_models.py proves it
   against transformers' own rotary embedding); TSP takes 2-D text positions only.
 * A Qwen3_5ForConditionalGeneration (Qwen3_5MoeForConditionalGeneration) config.json, model_type "qwen3_5"
   ("qwen3_5_moe"), is read through its text_config: TSP trains the language model (checkpoint names under

@@ -2,7 +2,7 @@
 
 The peers (tp, tp_sp, ulysses, fsdp_cp) run Hugging Face Llama modules (as ds_tsp.tools.bench runs them, and as ALST,
 DeepSpeed AutoTP and DTensor TP plans do): the counts below are the tensors those modules' autograd graph keeps,
-checked against saved-tensor hooks (tests/test_plan.py, bench fixture):
+checked against saved-tensor hooks (tests/tools/test_plan.py, bench fixture):
 - RMSNorm (HF, as ds_tsp.core.layers.norm): its input in the compute dtype (>= fp32), rsqrt [tokens, 1], the
   normalised input before the weight.
 - attention: the q/k/v linears' input (one tensor for the three); RoPE saves only the shared cos/sin; SDPA's

@@ -21,8 +21,8 @@ Per rank (rho = (D-1)/D, G = one Gated DeltaNet head block's packed shard, A = o
   offload_activations those inputs wait in host memory, at most two on the device (ds_tsp.tools.plan.offload).
 Layers are grouped by (mixer, MLP) kind: the layer terms of the plan describe the most numerous Gated DeltaNet kind
 (ties: the sparse one), every other kind's terms come in the step terms ("full-attention layers xN: ...",
-"Gated DeltaNet layers (dense MLP) xN: ..."), as an MoE model's dense layers do. tests/test_plan_hybrid.py and
-tests/test_plan_hybrid_moe.py check every comm kind against CommCounter exactly, params / grads exactly, the saved
+"Gated DeltaNet layers (dense MLP) xN: ..."), as an MoE model's dense layers do. tests/tools/test_plan_hybrid.py and
+tests/tools/test_plan_hybrid_moe.py check every comm kind against CommCounter exactly, params / grads exactly, the saved
 bytes against saved-tensor hooks, the host pool of offload against the model's, and the peak against bench's
 MemTracker (10%).
 
@@ -296,7 +296,7 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     the chunk kernel's [C, C] sub-chunk matrices (ds_tsp.core.layers.linear_attention.delta_rule, C = min(64, L/2): decay, k_beta k^T,
     the triangular system, q k^T, intra: 5 per value head and token), y; backward the block recomputed under
     autograd, so its graph (the 5 matrices + their grads and the solves' temporaries: 10 per value head and token,
-    a count FITTED to MemTracker: peaks within 7% at three shapes, tests/test_plan_hybrid.py checks one) and twice
+    a count FITTED to MemTracker: peaks within 7% at three shapes, tests/tools/test_plan_hybrid.py checks one) and twice
     the token-sized tensors, the grad reducer's shards and dx. This is the pure-torch kernel (CPU, or without
     flash-linear-attention); fla's fused kernel holds less, so the plan is an upper bound there."""
     g, b, B = hg.tsp, inp.dtype_bytes, inp.batch

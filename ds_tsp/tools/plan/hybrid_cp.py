@@ -10,7 +10,7 @@ communicator (across nodes), per Gated DeltaNet layer (ds_tsp.core.layers.linear
   each), the halo's grad reduce-scattered once; activation checkpointing replays the forward's.
 Nothing grows with S. Full-attention layers take the K/V ring (ds_tsp.tools.plan.tsp_cp's terms). As in
 plan_tsp_hybrid, the plan's layer terms describe the most numerous Gated DeltaNet kind and every other kind's cp
-terms come in the step terms ("full-attention layers xN: cp ring K/V hops"). tests/test_cp_hybrid.py checks the
+terms come in the step terms ("full-attention layers xN: cp ring K/V hops"). tests/cp/test_cp_hybrid.py checks the
 bytes against both communicators' CommCounters of a real step.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ the router softmax [T, E] (fp32), top-k indices [T, k] (int64), with norm_topk_p
 their sum (fp32), the routing weights [T, k] (dtype), the sorted row order [T*k] and per-expert counts [E] (int64;
 all_to_all adds the arrival permutation [~T*k]); with recompute_projections False the gate/up pre-activations of
 every routed row (all_to_all: and the received rows). With output_router_logits each layer's logits [T, E] and the
-aux loss's softmax of them stay alive too. Checked against saved-tensor hooks (tests/test_plan_moe.py).
+aux loss's softmax of them stay alive too. Checked against saved-tensor hooks (tests/tools/test_plan_moe.py).
 
 Transients (estimates of the temporaries alive at the worst point, the expert GEMM path as select_expert_gemm
 picks it: per expert on the CPU / non-bf16 ("loop"), per ring step with grouped GEMMs):

@@ -4,7 +4,7 @@ Params per rank: per layer the packed attention shard (nq/D q heads, max(nkv/D, 
 + 2 replicated norms; ceil(V/D) rows of the embedding and of the LM head; the final norm. Grads appear during
 backward (torch AdamW, zero_grad(set_to_none=True)); the LM head's is the first to exist.
 
-Saved activations (tsp_layer_saved; exact against saved-tensor hooks in tests/test_plan.py and against
+Saved activations (tsp_layer_saved; exact against saved-tensor hooks in tests/tools/test_plan.py and against
 `ds-tsp bench --layer-memory`, which lists them tensor by tensor) plus cos/sin, the final norm, the LM head input and
 its LSE, ids and labels.
 

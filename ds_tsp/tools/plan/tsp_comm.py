@@ -90,8 +90,9 @@ def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
     return fwd, bwd
 
 
-# ShardedCausalLM._check_inputs gathers a fixed payload: 7 counts + ds_tsp.core.tokens.documents.LAYOUT_SLOTS (this module
-# stays torch-free, so the numbers are repeated here; tests/test_plan.py checks them against the comm counters).
+# The input check (ds_tsp.core.tokens.input_check) gathers a fixed payload: its PayloadHead's 7 counts +
+# ds_tsp.core.tokens.documents.LAYOUT_SLOTS (this module stays torch-free, so the numbers are repeated here;
+# tests/tools/test_plan.py checks them against the comm counters).
 INPUT_CHECK_COUNTS = 7
 DOCUMENT_LAYOUT_SLOTS = 1024
 

@@ -15,7 +15,7 @@ positions), so it repeats the short diagonal K/V slice (Lq keys) and sums dk / d
 
 Every op is called by POSITION with the names pinned in its table: `signature_problem` compares them with the
 schema torch exposes, so an upgrade that renames or reorders an argument turns the backend off (math, with a
-warning naming the op) instead of passing a value to the wrong parameter; tests/test_aten_flash.py pins the
+warning naming the op) instead of passing a value to the wrong parameter; tests/core/test_aten_flash.py pins the
 schemas of the supported torch range.
 """
 from __future__ import annotations

@@ -54,7 +54,7 @@ So block j's attention (forward or backward) runs while the next group's K/V gat
 and the previous group's dK/dV scatter are in flight: on separate streams the broadcasts never hold up the K/V
 the kernel waits for. Live buffers: 3 packed shards (j, j+1, j+2 in flight), 2 gathered K/V (this group's, the
 next one's in flight), and in backward one rank-ordered dK/dV being filled plus one being scattered.
-tests/test_attention_schedule.py checks the recorded post order against this table.
+tests/core/test_attention_schedule.py checks the recorded post order against this table.
 
 With a context-parallel axis (comm.cp, tsp.cp_size > 1) the kernel calls on a block's gathered K/V become
 ds_tsp.core.layers.attention.cp_ring's: the same own-group attention plus the other cp groups' K/V around the cp ring (its hops on

@@ -11,7 +11,7 @@ lengths. Segment i holds the queries of one document in this chunk and the keys 
 
 Causal masking aligned bottom-right inside each segment (flash-attn >= 2.1 and torch's vendored copy) is the
 document mask; window_size = (w - 1, 0) is the sliding window (key s visible to query t iff t - w < s <= t). So
-the call computes exactly what document_attention defines, and `tests/test_varlen.py` checks it against the
+the call computes exactly what document_attention defines, and `tests/core/test_varlen.py` checks it against the
 decomposition with a pure-torch implementation of the varlen call.
 
 Used where the backend has a varlen entry (flash_attn: flash-attn's `_flash_attn_varlen_forward`; aten_flash:

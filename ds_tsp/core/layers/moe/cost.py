@@ -1,6 +1,6 @@
 """Bytes one rank sends per MoE layer (forward + backward) under each dispatch schedule, and the "auto" choice.
 
-Counted exactly as TSPComm's CommCounter counts them (tests/test_moe_core.py asserts it):
+Counted exactly as TSPComm's CommCounter counts them (tests/moe/test_moe_core.py asserts it):
 - ring: the dense MLP's weight ring over the packed experts (E_r x 3 x F x h): D-1 weight hops forward, D-1 weight
   hops and D grad hops backward (ds_tsp.core.comm.primitives.ring_forward / ring_backward); trainable experts.
 - all_to_all (ds_tsp.core.layers.moe.all_to_all): R = tokens x top_k x (D-1) / D rows leave the rank per

@@ -1,0 +1,160 @@
+"""Tiny transformers checkpoints for tests (a helper module, not a test file: nothing here is collected).
+
+`FAMILIES` covers the architectures ds_tsp loads from the Hub: Llama (rope default / llama3 / linear / yarn,
+explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window) and
+Qwen3 (per-head q_norm/k_norm). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
+heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
+original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
+
+`MOE_FAMILIES` (tests/moe/test_hf_moe.py): Qwen3-MoE (one dense layer via mlp_only_layers, one sparse; 8 experts, top-2,
+expert width 12, which 4 does not divide) and Mixtral (4 experts, top-2, sliding window), both with
+output_router_logits and an aux coefficient large enough to move the gradients visibly.
+"""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+_COMMON = dict(num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128, hidden_act="silu",
+               rms_norm_eps=1e-6)
+
+FAMILIES: dict[str, dict] = {
+    # default rope, GQA 4/2, untied
+    "llama": dict(model_type="llama", vocab_size=70, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False),
+    # "Llama-3-style": llama3 rope (factor 8, low 1, high 4, original 16), GQA, tied embeddings
+    "llama3_tied": dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=96,
+                        num_key_value_heads=2, tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 16}),
+    "llama_linear": dict(model_type="llama", vocab_size=67, hidden_size=32, intermediate_size=64,
+                         num_key_value_heads=4, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    # max_position_embeddings 64 = factor * original: transformers warns when the implicit yarn factor differs
+    "llama_yarn": dict(model_type="llama", vocab_size=72, hidden_size=64, intermediate_size=96,
+                       num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=64,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 16}),
+    # explicit head_dim 12 != hidden/heads = 8
+    "llama_head_dim": dict(model_type="llama", vocab_size=66, hidden_size=32, intermediate_size=64,
+                           num_key_value_heads=2, head_dim=12, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "mistral": dict(model_type="mistral", vocab_size=83, hidden_size=32, intermediate_size=64,
+                    num_key_value_heads=2, sliding_window=5, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # q/k/v bias, full attention everywhere
+    "qwen2": dict(model_type="qwen2", vocab_size=90, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                  use_sliding_window=False, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # layer_types -> ["full_attention", "sliding_attention"] (layers >= max_window_layers slide)
+    "qwen2_sliding": dict(model_type="qwen2", vocab_size=77, hidden_size=32, intermediate_size=64,
+                          num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                          tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # "Qwen3-style": q_norm/k_norm, explicit head_dim 16 != 32/4, tied, GQA
+    "qwen3": dict(model_type="qwen3", vocab_size=98, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                  head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+MOE_FAMILIES: dict[str, dict] = {
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=91, hidden_size=32, intermediate_size=48,
+                      moe_intermediate_size=12, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                      mlp_only_layers=[0], decoder_sparse_step=1, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=False, use_sliding_window=False, output_router_logits=True,
+                      router_aux_loss_coef=0.05, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "mixtral": dict(model_type="mixtral", vocab_size=75, hidden_size=32, intermediate_size=16, num_local_experts=4,
+                    num_experts_per_tok=2, num_key_value_heads=2, sliding_window=5, tie_word_embeddings=False,
+                    output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+def _config_class(model_type: str):
+    import transformers
+    return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+            "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[model_type]
+
+
+def tiny_config(name: str, **overrides):
+    """The transformers config of family `name` (FAMILIES or MOE_FAMILIES; overrides win), attn_implementation
+    "sdpa"."""
+    kwargs = {**_COMMON, **FAMILIES.get(name, MOE_FAMILIES.get(name, {})), **overrides}
+    cls = _config_class(kwargs.pop("model_type"))
+    return cls(**kwargs, attn_implementation="sdpa")
+
+
+@torch.no_grad()
+def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Deterministic, thread-count independent: each parameter from a CPU generator seeded by (seed, name), float64.
+
+    Same rule as ds_tsp.tools.reference_model.init_weights_: N(0, 0.02) for matrices, embeddings and biases, 1 + 0.1 N(0, 1)
+    for norm weights (incl. q_norm/k_norm) so norm gradients are non-trivial, N(0, 0.5) for MoE routers. A tied
+    lm_head is listed once.
+    """
+    for name, param in model.named_parameters():
+        gen = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2 ** 63))
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+        scale = 0.5 if name.endswith(".gate.weight") else 0.02  # MoE routers: logits spread enough to route unevenly
+        param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
+    return model
+
+
+def build_tiny_model(name_or_config, *, dtype: torch.dtype = torch.float32, seed: int = 0):
+    import transformers
+    config = tiny_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return init_tiny_weights_(model.to(torch.float64), seed).to(dtype)
+
+
+def save_tiny_checkpoint(directory, name_or_config, *, dtype: torch.dtype = torch.float32, seed: int = 0,
+                         max_shard_size=None) -> Path:
+    """Build family `name_or_config` (or a config object), init deterministically, save_pretrained (safetensors)."""
+    model = build_tiny_model(name_or_config, dtype=dtype, seed=seed)
+    directory = Path(directory)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def shift(labels: torch.Tensor) -> torch.Tensor:
+    """HF labels (unshifted) -> shift_labels: the target of position t is labels[t + 1]; the last is -100."""
+    return torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], -100)), dim=1)
+
+
+def packed_batch(vocab_size: int, doc_lengths_per_row, seed: int = 0) -> dict:
+    """Packed rows like DataCollatorWithFlattening: positions restart at 0 per document, and the first label of
+    every document is -100 (labels are the input ids, unshifted). Also returns `documents` (the lengths)."""
+    documents = [list(map(int, row)) for row in doc_lengths_per_row]
+    lengths = {sum(row) for row in documents}
+    if len(lengths) != 1 or min(min(row) for row in documents) < 1:
+        raise ValueError(f"every row must have the same total length and documents >= 1 token: {documents}")
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (len(documents), lengths.pop()), generator=g)
+    labels = input_ids.clone()
+    position_ids = torch.empty_like(input_ids)
+    for b, row in enumerate(documents):
+        start = 0
+        for n in row:
+            position_ids[b, start:start + n] = torch.arange(n)
+            labels[b, start] = -100
+            start += n
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "documents": documents}
+
+
+def randomize_lora_(wrapped, seed: int = 7):
+    """PEFT initialises B to zero (the adapter starts as a no-op): random factors make every LoRA gradient, A's
+    included, nonzero, so a comparison can fail."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return wrapped

@@ -1,0 +1,348 @@
+"""Gated DeltaNet under TSP, single process: the kernel, drawn cases at D = 1..4, the checkpoint protocol, errors,
+host syncs and the meta device.
+
+The D ranks run as threads (tests/helpers/thread_comm.py: the same collectives, met at a barrier), so hypothesis can draw
+sequence lengths, document splits, D, head counts and conv kernels cheaply; every case is compared (output, dx and
+every weight grad) with transformers' layer in float64 (tests/hybrid/test_gated_deltanet.py: hf_layer; 1e-10). The same
+harness shows the comparison fails when one piece of the schedule is broken on purpose (no halo, chunks composed in
+rank order instead of sequence order, document resets ignored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from property_cases import draw_cases
+from test_gated_deltanet import TOL, hf_layer, tsp_layer, tsp_shape
+from thread_comm import run_threads
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.layers.linear_attention import scan as linear_attention_scan
+from ds_tsp.core.layers.linear_attention.delta_rule import chunk_gated_delta_rule, l2_normalize
+from ds_tsp.core.tokens.zigzag import shard, unshard
+from ds_tsp.model.state_dict import load_slices, read_from_full
+from ds_tsp.tools.gdn_reference import _widened, reference_with_documents
+
+H, DK, DV = 8, 2, 3  # tiny dims: the drawn cases are about lengths, documents and degrees
+
+
+def _case_errors(D, fmt, nk, nv, kernel, S, docs, seed, backend=None) -> dict:
+    """max |TSP - transformers| over y, dx and every weight grad for one drawn case (D threads); backend: force
+    the delta-rule backend ("fla": through the FLA adapter, with the stand-in installed by the caller)."""
+    ref, config = hf_layer(fmt, nk, nv, seed, kernel=kernel, hidden=H, dk=DK, dv=DV)
+    g = torch.Generator().manual_seed(seed)
+    B = len(docs)
+    x = torch.randn(B, S, H, dtype=torch.float64, generator=g)
+    dy = torch.randn(B, S, H, dtype=torch.float64, generator=g)
+
+    def rank(comm):
+        layer = tsp_layer(ref, config, fmt, comm, kernel=kernel, hidden=H, dk=DK, dv=DV)
+        if backend is not None:
+            layer.spec = dataclasses.replace(layer.spec, delta_rule_backend=backend)
+        x_local = shard(x, D, comm.rank).requires_grad_()
+        y = layer(x_local, docs)
+        y.backward(shard(dy, D, comm.rank))
+        return layer, y.detach(), x_local.grad, layer.packed_shard.grad, layer.norm.weight.grad, comm.posted
+
+    out = run_threads(D, rank)
+    layer = out[0][0]
+    xr = x.clone().requires_grad_()
+    y_ref = reference_with_documents(ref, xr, docs)
+    names, params = zip(*ref.named_parameters())
+    grads = torch.autograd.grad(y_ref, (xr, *params), dy)
+    full = layer.unshard([o[3] for o in out])
+    full["norm.weight"] = out[0][4]
+    errors = {"y": (unshard([o[1] for o in out]) - y_ref).abs().max().item(),
+              "dx": (unshard([o[2] for o in out]) - grads[0]).abs().max().item()}
+    errors.update({n: (full[n] - gr).abs().max().item() for n, gr in zip(names, grads[1:])})
+    assert all(o[5] == out[0][5] for o in out), "ranks posted different collectives"
+    return errors
+
+
+@st.composite
+def cases(draw):
+    # sampled_from lists lead with what matters most: hypothesis starts from (and shrinks toward) the first entry
+    D = draw(st.sampled_from([2, 4, 3, 1]))
+    nk = D * draw(st.sampled_from([1, 2]))
+    nv = nk * draw(st.sampled_from([2, 1]))
+    kernel = draw(st.sampled_from([4, 3, 2, 1]))
+    c = draw(st.sampled_from([2, 1, 3, 5]))  # zigzag chunk length: shorter than the halo (K-1) or not
+    S = 2 * D * c
+    rows = []
+    for _ in range(draw(st.sampled_from([2, 1]))):
+        cuts = draw(st.sets(st.integers(1, S - 1), max_size=4)) if S > 1 else set()
+        rows.append(tuple(sorted({0, *cuts})))
+    return dict(D=D, fmt=draw(st.sampled_from(["qwen3_5", "qwen3_next"])), nk=nk, nv=nv, kernel=kernel, S=S,
+                docs=tuple(rows), seed=draw(st.integers(0, 99)))
+
+
+# derandomized, spread over shapes (tests/property_cases.draw_cases), plus the case that once found a bug: rank 1's
+# chunks both start documents, so its output needs no state, yet it must still post the transitions' grad
+# reduce-scatter that rank 0 waits for
+DRAWN = draw_cases(cases(), 12) + [dict(D=2, fmt="qwen3_5", nk=2, nv=2, kernel=2, S=4, docs=((0, 1, 2),), seed=0)]
+
+
+def _case_id(case: dict) -> str:
+    return f"D{case['D']}-{case['fmt']}-k{case['kernel']}-S{case['S']}-docs{len(sum(case['docs'], ()))}"
+
+
+@pytest.mark.parametrize("case", DRAWN, ids=_case_id)
+def test_drawn_cases_match_transformers(case):
+    errors = _case_errors(**case)
+    assert max(errors.values()) < TOL, (case, errors)
+
+
+def test_the_draw_covers_degrees_formats_short_chunks_and_document_starts():
+    assert {1, 2, 3, 4} <= {c["D"] for c in DRAWN}
+    assert {"qwen3_5", "qwen3_next"} <= {c["fmt"] for c in DRAWN}
+    assert any(c["S"] // (2 * c["D"]) < c["kernel"] - 1 for c in DRAWN)  # a chunk shorter than the conv halo
+    assert any(c["nv"] > c["nk"] for c in DRAWN) and any(c["nk"] > c["D"] for c in DRAWN)
+    assert any(len(row) > 2 for c in DRAWN for row in c["docs"])
+
+
+BROKEN = dict(D=2, fmt="qwen3_5", nk=2, nv=4, kernel=4, S=12, docs=((0, 5), (0,)), seed=7)
+
+
+def test_the_reference_comparison_catches_a_missing_halo(monkeypatch):
+    real = linear_attention_scan.conv_halo
+    monkeypatch.setattr("ds_tsp.core.layers.linear_attention.gated_deltanet.conv_halo",
+                        lambda x, comm, halo: torch.zeros_like(real(x, comm, halo)))
+    assert max(_case_errors(**BROKEN).values()) > 1e-3
+
+
+def test_the_reference_comparison_catches_chunks_composed_out_of_order(monkeypatch):
+    monkeypatch.setattr(linear_attention_scan, "global_chunk_slot", lambda g, tsp: (g // 2, g % 2))
+    assert max(_case_errors(**BROKEN).values()) > 1e-3
+
+
+def test_the_reference_comparison_catches_ignored_document_starts(monkeypatch):
+    real = linear_attention_scan.chunk_plans
+    monkeypatch.setattr("ds_tsp.core.layers.linear_attention.gated_deltanet.chunk_plans",
+                        lambda rows, *args: real(((0,),) * len(rows), *args))
+    assert max(_case_errors(**BROKEN).values()) > 1e-3
+
+
+def test_kernel_matches_transformers_recurrence_from_any_start_state():
+    """o = o_local + q_eff S0 and S_end = M S0 + U against transformers' torch_recurrent_gated_delta_rule (float64)
+    for sub-chunk sizes that divide T, do not, and exceed it."""
+    rec = _widened("transformers.models.qwen3_5.modeling_qwen3_5")["torch_recurrent_gated_delta_rule"]
+    g = torch.Generator().manual_seed(0)
+    N, T, Hh, dk, dv = 2, 13, 3, 4, 5
+    q, k = (torch.randn(N, T, Hh, dk, dtype=torch.float64, generator=g) for _ in range(2))
+    v = torch.randn(N, T, Hh, dv, dtype=torch.float64, generator=g)
+    decay = -2 * torch.rand(N, T, Hh, dtype=torch.float64, generator=g)
+    beta = torch.rand(N, T, Hh, dtype=torch.float64, generator=g)
+    s0 = torch.randn(N, Hh, dk, dv, dtype=torch.float64, generator=g)
+    o_ref, s_ref = rec(q, k, v, decay, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    for chunk in (1, 4, 13, 64):
+        o_local, q_eff, m, u = chunk_gated_delta_rule(t(l2_normalize(q) * dk ** -0.5), t(l2_normalize(k)), t(v),
+                                                      t(decay), t(beta), chunk)
+        assert (t(o_local + q_eff @ s0) - o_ref).abs().max() < 1e-12
+        assert (m @ s0 + u - s_ref).abs().max() < 1e-12
+
+
+# --- checkpoint protocol ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("D", [1, 2, 4])
+def test_slices_load_and_unshard_round_trip_transformers_state_dict(fmt, D):
+    """Every rank loads its slices through load_slices (the checkpoint reader's path) from transformers' state
+    dict; unshard of all ranks gives back every tensor bit for bit, and per-rank bytes are exactly 1/D of the
+    sharded tensors plus the replicated norm weight."""
+    ref, config = hf_layer(fmt, 4, 8, 5, hidden=H, dk=DK, dv=DV)
+    full = {k: v.detach() for k, v in ref.state_dict().items()}
+    layers = []
+    for p in range(D):
+        comm = types.SimpleNamespace(rank=p, size=D)
+        layer = tsp_layer(ref, config, fmt, comm, hidden=H, dk=DK, dv=DV)
+        fresh = tsp_layer(ref, config, fmt, comm, hidden=H, dk=DK, dv=DV)
+        with torch.no_grad():
+            fresh.packed_shard.zero_()
+            fresh.norm.weight.zero_()
+        load_slices(fresh.sharded_modules(), fresh.replicated_params(), read_from_full(full))
+        assert torch.equal(fresh.packed_shard, layer.packed_shard)  # load_slices == shard_full
+        layers.append(fresh)
+    back = layers[0].unshard([m.packed_shard.detach() for m in layers])
+    back.update({n: p.detach() for n, p in layers[0].replicated_params().items()})
+    assert set(back) == set(full) and set(layers[0].hf_shapes()) | {"norm.weight"} == set(full)
+    assert all(torch.equal(back[n], full[n]) for n in full)
+    sharded = sum(t.numel() for n, t in full.items() if n != "norm.weight") * 8
+    assert all(m.parameter_bytes() == {"sharded": sharded // D, "replicated": DV * 8} for m in layers)
+
+
+def test_head_counts_that_do_not_split_name_the_fields_and_the_degrees_that_fit():
+    from ds_tsp.core.config import TSPOptions
+    from ds_tsp.model.modules.gated_deltanet import TSPGatedDeltaNet
+
+    shape = tsp_shape(4, 8, "qwen3_5", 1e-6)
+    with pytest.raises(TSPConfigError, match=r"tsp=3 does not divide linear_num_key_heads=4 .*"
+                                             r"linear_num_value_heads=8.*degrees that fit: \[1, 2, 4\]"):
+        TSPGatedDeltaNet(shape, types.SimpleNamespace(rank=0, size=3), TSPOptions(), torch.float64, "cpu")
+    both = "linear_num_(value_heads=6.*linear_num_key_heads=4|key_heads=4.*linear_num_value_heads=6)"
+    with pytest.raises(TSPConfigError, match=both):
+        TSPGatedDeltaNet(tsp_shape(4, 6, "qwen3_5", 1e-6), types.SimpleNamespace(rank=0, size=1), TSPOptions(),
+                         torch.float64, "cpu")
+    with pytest.raises(TSPConfigError, match="hf_format='llama'"):
+        TSPGatedDeltaNet(shape, types.SimpleNamespace(rank=0, size=1), TSPOptions(), torch.float64, "cpu",
+                         hf_format="llama")
+
+
+# --- device discipline -------------------------------------------------------------------------------------
+def test_forward_and_backward_have_no_host_sync():
+    """Counted as tests/reliability/test_host_syncs.py counts a training step: no value read, no host data turned into a
+    tensor, no data-dependent op, at D=2 (threads) with packed documents."""
+    from sync_counter import SyncCounter
+
+    ref, config = hf_layer("qwen3_5", 2, 4, 3, hidden=H, dk=DK, dv=DV)
+    x = torch.randn(2, 12, H, dtype=torch.float64)
+
+    def rank(comm):
+        layer = tsp_layer(ref, config, "qwen3_5", comm, hidden=H, dk=DK, dv=DV)
+        x_local = shard(x, 2, comm.rank).requires_grad_()
+        with SyncCounter() as syncs:
+            layer(x_local, ((0, 5), (0, 1, 9))).sum().backward()
+        return list(syncs.events)
+
+    events = run_threads(2, rank)
+    assert events == [[], []], events
+
+
+def test_forward_and_backward_run_on_the_meta_device():
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.config import TSPOptions
+    from ds_tsp.model.modules.gated_deltanet import TSPGatedDeltaNet
+
+    layer = TSPGatedDeltaNet(tsp_shape(2, 4, "qwen3_next", 1e-6, hidden=H, dk=DK, dv=DV), TSPComm.single(),
+                             TSPOptions(), torch.float32, "meta", hf_format="qwen3_next")
+    x = torch.empty(2, 10, H, device="meta", requires_grad=True)
+    y = layer(x, ((0, 3), (0,)))
+    y.sum().backward()
+    assert y.shape == x.shape and y.device.type == "meta"
+    assert x.grad.device.type == layer.packed_shard.grad.device.type == "meta"
+
+
+def test_bfloat16_autocast_runs_the_delta_rule_in_float32():
+    """Under CPU bf16 autocast the projections run in bf16 and the delta rule in float32: the result stays within
+    bf16 rounding of the float32 layer (2e-2 relative), and the grads reach the float32 parameters."""
+    from ds_tsp.core.comm.communicator import TSPComm
+
+    ref, config = hf_layer("qwen3_5", 2, 4, 11, hidden=H, dk=DK, dv=DV)
+    layer = tsp_layer(ref.float(), config, "qwen3_5", TSPComm.single(), hidden=H, dk=DK, dv=DV)
+    layer.float()
+    x = torch.randn(2, 12, H)
+    exact = layer(x, ((0, 5), (0,))).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x, ((0, 5), (0,)))
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - exact).abs().max() / exact.abs().max()) < 2e-2
+    assert layer.packed_shard.grad.dtype == torch.float32 and layer.packed_shard.grad.abs().max() > 0
+
+
+def test_float32_matches_transformers_own_float32_layer():
+    """float32 at D=2 against transformers' unpatched float32 layer (its own casts): within float32 noise."""
+    ref64, config = hf_layer("qwen3_next", 2, 4, 13, hidden=H, dk=DK, dv=DV)
+    stock = type(ref64)(config, 0)  # a fresh instance: transformers' own forward, no float64 patch
+    stock.load_state_dict({k: v.float() for k, v in ref64.state_dict().items()})
+    x = torch.randn(2, 12, H)
+
+    def rank(comm):
+        layer = tsp_layer(ref64, config, "qwen3_next", comm, hidden=H, dk=DK, dv=DV).float()
+        return layer(shard(x, 2, comm.rank), None).detach()
+
+    y = unshard(run_threads(2, rank))
+    y_ref = stock(x).detach()
+    assert ((y - y_ref).abs().max() / y_ref.abs().max()) < 1e-5
+
+
+def test_a_frozen_shard_reduces_nothing_and_still_gives_dx():
+    """requires_grad False on the packed shard (alike on every rank): the blocks are still re-broadcast for dx, but
+    no weight grad is computed or reduced to the owners; dx still matches transformers."""
+    ref, config = hf_layer("qwen3_5", 2, 4, 17, hidden=H, dk=DK, dv=DV)
+    x = torch.randn(1, 8, H, dtype=torch.float64)
+    docs = ((0, 3),)
+
+    def rank(comm):
+        layer = tsp_layer(ref, config, "qwen3_5", comm, hidden=H, dk=DK, dv=DV)
+        layer.packed_shard.requires_grad_(False)
+        x_local = shard(x, 2, comm.rank).requires_grad_()
+        layer(x_local, docs).sum().backward()
+        return x_local.grad, layer.packed_shard.grad, [kind for kind, _ in comm.posted]
+
+    out = run_threads(2, rank)
+    xr = x.clone().requires_grad_()
+    reference_with_documents(ref, xr, docs).sum().backward()
+    assert (unshard([o[0] for o in out]) - xr.grad).abs().max() < TOL
+    assert all(o[1] is None and "reduce" not in o[2] and "broadcast" in o[2] for o in out)
+
+
+# --- the CUDA kernel adapter (flash-linear-attention), with a stand-in for FLA ------------------------------------
+def fake_fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False):
+    """FLA's documented contract (fla/ops/gated_delta_rule/chunk.py), computed by transformers' own recurrence
+    (float64-widened): [B, T, H, *] inputs, with cu_seqlens B == 1 and one initial state per sequence."""
+    assert q.dtype == k.dtype == v.dtype and not head_first and not use_qk_l2norm_in_kernel
+    rec = _widened("transformers.models.qwen3_5.modeling_qwen3_5")["torch_recurrent_gated_delta_rule"]
+    bounds = [0, q.shape[1]] if cu_seqlens is None else [int(b) for b in cu_seqlens]
+    assert cu_seqlens is None or (q.shape[0] == 1 and initial_state.shape[0] == len(bounds) - 1)
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    outs, finals = [], []
+    for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        o, ht = rec(q[:, lo:hi] * scale * k.shape[-1] ** 0.5, k[:, lo:hi], v[:, lo:hi], g[:, lo:hi],
+                    beta[:, lo:hi], initial_state=initial_state[n:n + 1], output_final_state=True)
+        outs.append(o)
+        finals.append(ht)
+    return torch.cat(outs, dim=1), (torch.cat(finals) if output_final_state else None)
+
+
+def test_fla_adapter_gives_the_torch_kernels_transition_and_outputs():
+    """One FLA call with v extended by dk zero columns and h0 = [0 | I] gives o_local, q_eff, M and U of the torch
+    kernel, rows with different document layouts (a start at offset 0, several starts, none) in one call."""
+    from ds_tsp.core.layers.linear_attention.delta_rule_fla import fla_chunk_transition
+
+    g = torch.Generator().manual_seed(3)
+    B, Hh, c, dk, dv = 3, 2, 9, 3, 4
+    q = l2_normalize(torch.randn(B, Hh, c, dk, dtype=torch.float64, generator=g)) * dk ** -0.5
+    k = l2_normalize(torch.randn(B, Hh, c, dk, dtype=torch.float64, generator=g))
+    v = torch.randn(B, Hh, c, dv, dtype=torch.float64, generator=g)
+    decay = -torch.rand(B, Hh, c, dtype=torch.float64, generator=g)
+    beta = torch.rand(B, Hh, c, dtype=torch.float64, generator=g)
+    starts = ((0, 4), (2, 3, 8), ())
+    reset = torch.zeros(B, c, dtype=torch.float64)
+    for b, row in enumerate(starts):
+        reset[b, list(row)] = 1
+    want = chunk_gated_delta_rule(q, k, v, decay, beta, 4, reset)
+    got = fla_chunk_transition(fake_fla_chunk_gated_delta_rule, q, k, v, decay, beta, starts, torch.float64)
+    for name, a, b in zip(("o_local", "q_eff", "M", "U"), got, want):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-12, name
+
+
+def test_layer_through_the_fla_adapter_matches_transformers(monkeypatch):
+    from ds_tsp.core.layers.linear_attention import delta_rule_fla as gated_delta_rule_fla
+
+    monkeypatch.setattr(gated_delta_rule_fla, "_fla_status", lambda: (fake_fla_chunk_gated_delta_rule, None))
+    errors = _case_errors(D=2, fmt="qwen3_next", nk=2, nv=4, kernel=4, S=8, docs=((0, 3), (0,)), seed=19,
+                          backend="fla")
+    assert max(errors.values()) < TOL, errors
+
+
+def test_fla_is_selected_on_cuda_in_half_precision_and_its_absence_is_said_once(monkeypatch):
+    from ds_tsp.core.layers.linear_attention import delta_rule_fla as fla
+
+    monkeypatch.setattr(fla, "_fla_status", lambda: (fake_fla_chunk_gated_delta_rule, None))
+    assert fla.select_delta_rule_backend("cuda", torch.bfloat16) == "fla"
+    assert fla.select_delta_rule_backend("cuda", torch.float32) == "torch"  # FLA refuses float32
+    assert fla.select_delta_rule_backend("cpu", torch.bfloat16) == "torch"
+    monkeypatch.setattr(fla, "_fla_status", lambda: (None, "flash-linear-attention is not installed (test)"))
+    monkeypatch.setattr(fla, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="pure-torch chunk kernel on CUDA: flash-linear-attention is not "):
+        assert fla.select_delta_rule_backend("cuda", torch.float16) == "torch"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fla.select_delta_rule_backend("cuda", torch.float16) == "torch"  # said once
+    with pytest.raises(RuntimeError, match="'fla' requested but flash-linear-attention is not installed"):
+        fla.fla_kernel()

@@ -1,0 +1,246 @@
+"""Host syncs of one training step (forward + backward) of ShardedCausalLM, at D=1 and D=2 (gloo).
+
+Counted on the CPU by what runs (tests/helpers/sync_counter.py), so a CPU test sees what a GPU step would stall on. The
+budget: NOTHING inside the decoder layers, kernels, document attention, embedding or loss; ONE device-to-host
+read per step in the input checks (ShardedCausalLM._check_inputs gathers a fixed-size payload and reads it once).
+Packed documents, left padding and a sliding-window layer make document attention run its blocked path, with
+batch rows of the same layout that are not adjacent (an index tensor, built once on the device). A rank with more
+document breaks than documents.LAYOUT_SLOTS falls back to gathering the positions: exactly one more read, same loss.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from local_ranks import run_on_local_ranks
+from sync_counter import SyncCounter
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens import documents
+from ds_tsp.core.tokens.zigzag import shard, shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
+
+SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   qkv_bias=True, qk_norm=True, attention_windows=(None, 5))
+B, S = 3, 24
+DOCS = [(7, 9, 8), (24,), (7, 9, 8)]  # rows 0 and 2 share a layout, row 1 does not: a non-contiguous row group
+LEFT_PAD = 3  # row 1
+
+
+def _batch(kind: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, SHAPE.vocab_size, (B, S), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=g) < 0.2] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if kind == "packed":
+        batch["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, :LEFT_PAD] = 0
+        batch["attention_mask"] = mask
+    return batch
+
+
+def _step(comm: TSPComm, kind: str, slots: int | None) -> dict:
+    """One forward + backward under the counter; events as plain tuples (they cross process boundaries)."""
+    b = shard_batch(tsp=comm.size, rank=comm.rank, **_batch(kind))
+    args = (b["input_ids"], b["shift_labels"], b["position_ids"], b.get("attention_mask"))
+    model = ShardedCausalLM(SHAPE, comm, dtype=torch.float64).init_weights_(0)
+    default = documents.LAYOUT_SLOTS
+    documents.LAYOUT_SLOTS = slots or default
+    try:
+        doc_starts = model._check_inputs(*args)[1]
+        with SyncCounter() as syncs:
+            loss = model(*args)
+            logged = model.loss_for_logging(loss)
+            loss.backward()
+    finally:
+        documents.LAYOUT_SLOTS = default
+    return {"events": [(e.kind, e.op, e.region, e.where) for e in syncs.events], "loss": float(logged),
+            "doc_starts": doc_starts}
+
+
+CASES = [("plain", None), ("packed", None), ("packed", 31)]  # 31 slots: the edges fit, the breaks do not
+
+
+def _all_cases(world: bool) -> list[dict]:
+    import torch.distributed as dist
+
+    comm = TSPComm(dist.group.WORLD) if world else TSPComm.single()
+    return [_step(comm, kind, slots) for kind, slots in CASES]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[list[dict]]]:
+    """{D: per rank, per case: result}."""
+    return {1: [_all_cases(False)], 2: run_on_local_ranks(_all_cases, 2, True, timeout_s=120)}
+
+
+@pytest.mark.parametrize("tsp", [1, 2])
+def test_no_sync_outside_the_input_check(runs, tsp):
+    for rank, results in enumerate(runs[tsp]):
+        for (kind, slots), result in zip(CASES, results):
+            elsewhere = [e for e in result["events"] if e[2] != "input_checks"]
+            assert not elsewhere, (tsp, rank, kind, slots, elsewhere)
+
+
+@pytest.mark.parametrize("tsp", [1, 2])
+def test_one_read_per_step_in_the_input_check(runs, tsp):
+    for rank, results in enumerate(runs[tsp]):
+        for (kind, slots), result in zip(CASES, results):
+            checks = [e for e in result["events"] if e[2] == "input_checks"]
+            assert len(checks) == (2 if slots else 1), (tsp, rank, kind, slots, checks)
+            assert all(e[:2] == ("read", "tolist") for e in checks), checks
+
+
+@pytest.mark.parametrize("tsp", [1, 2])
+def test_packed_step_runs_document_attention_and_the_fallback_agrees(runs, tsp):
+    starts = ((0, 7, 16), (0, LEFT_PAD), (0, 7, 16))
+    for results in runs[tsp]:
+        plain, packed, fallback = results
+        assert plain["doc_starts"] is None
+        assert packed["doc_starts"] == fallback["doc_starts"] == starts
+        assert packed["loss"] == pytest.approx(fallback["loss"], rel=1e-13)
+        assert abs(packed["loss"] - plain["loss"]) > 1e-6  # the layout changed the computation (near-uniform init)
+    losses = {round(r[1]["loss"], 12) for r in runs[tsp]}
+    assert len(losses) == 1, losses  # loss_for_logging: the same global loss on every rank
+
+
+def test_a_sync_inside_a_layer_is_caught(monkeypatch):
+    from ds_tsp.core.layers.attention import kernels
+
+    merge = kernels._merge
+
+    def reading_merge(*args):
+        out = merge(*args)
+        float(out[1].max())  # what an innocent-looking check inside a kernel would cost on a GPU
+        return out
+
+    monkeypatch.setattr(kernels, "_merge", reading_merge)
+    result = _step(TSPComm.single(), "packed", None)
+    layers = [e for e in result["events"] if e[2] == "layers"]
+    assert layers and all("kernels.py" in e[3] or "masked.py" in e[3] for e in layers), layers
+
+
+# --- the fixed-size layout payload decodes to exactly what document_starts finds on the global batch ------------
+
+def _random_layout(rng: random.Random, tsp: int):
+    batch, c = rng.randint(1, 3), rng.randint(1, 5)
+    seq = 2 * tsp * c
+    positions = torch.empty(batch, seq, dtype=torch.long)
+    for b in range(batch):
+        t = 0
+        while t < seq:
+            n = min(rng.randint(1, seq), seq - t)
+            positions[b, t:t + n] = torch.arange(n) + (rng.randint(1, 3) if rng.random() < 0.2 else 0)
+            t += n
+    mask = None
+    if rng.random() < 0.5:
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        for b in range(batch):
+            mask[b, :rng.randint(0, seq // 3)] = 0
+            mask[b, seq - rng.randint(0, seq // 3):] = 0
+            if rng.random() < 0.15:
+                mask[b, rng.randrange(seq)] ^= 1  # usually a hole
+    return positions, mask
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as err:  # noqa: BLE001 - the error itself is compared
+        return type(err).__name__, str(err)
+
+
+@pytest.mark.parametrize("tsp", [1, 2, 3, 4])
+def test_layout_payload_matches_document_starts(tsp):
+    rng = random.Random(tsp)
+    decoded = overflowed = 0
+    for _ in range(150):
+        positions, mask = _random_layout(rng, tsp)
+        slots = rng.choice([None, 24, 40])
+        shards = [documents.shard_layout(shard(positions, tsp, p), None if mask is None else shard(mask, tsp, p),
+                                         slots=slots) for p in range(tsp)]
+        got = _outcome(lambda: documents.decode_layout([s.tolist() for _, s in shards], [int(n) for n, _ in shards],
+                                                       positions.shape[0], positions.shape[1] // tsp, slots=slots))
+        if got == ("ok", documents.OVERFLOW):
+            overflowed += 1
+            continue
+        decoded += 1
+        assert got == _outcome(lambda: documents.document_starts(positions, mask)), (positions, mask)
+    assert decoded > 100 and overflowed > 0
+
+
+def test_shard_then_step_reads_once_and_still_checks_the_mask():
+    """shard_batch(check_values=False) leaves the value checks to the model's one read, mask values included."""
+    from ds_tsp.core.errors import TSPConfigError
+
+    model = ShardedCausalLM(SHAPE, TSPComm.single(), dtype=torch.float64)
+    batch = _batch("packed")
+    batch["attention_mask"][0, 5] = 2
+    with SyncCounter() as syncs, pytest.raises(TSPConfigError, match=r"only 0 \(padding\) and 1"):
+        b = shard_batch(tsp=1, rank=0, check_values=False, **batch)
+        model(b["input_ids"], b["shift_labels"], b["position_ids"], b["attention_mask"])
+    assert [e.op for e in syncs.events] == ["tolist"], syncs.events
+
+
+# --- MoE MLP (ds_tsp.core.layers.moe.layer): at most ONE read per MoE layer forward, none in backward ----------------
+MOE_LAYERS = 2
+
+
+def _moe_syncs(world: bool) -> dict:
+    """{(dispatch, path): (forward events, backward events)} of MOE_LAYERS MoE layers, forced expert-GEMM path
+    (grouped runs on this torch's CPU kernels in float32)."""
+    import torch.distributed as dist
+    from moe_reference import MoECase, hf_block, inputs, spec_of
+
+    import ds_tsp.core.layers.moe.layer as moe
+    from ds_tsp.core.layers.moe.experts import _grouped_mm_fn
+
+    comm = TSPComm(dist.group.WORLD) if world else TSPComm.single()
+    case = MoECase(skew=(2,), seed=9, hidden=16, ffn=8)
+    spec = spec_of(case, comm.size)
+    block = hf_block(case)
+    e_r = spec.experts_per_rank
+    own = slice(comm.rank * e_r, (comm.rank + 1) * e_r)
+    packed = spec.layout.pack({"gate_up": block.experts.gate_up_proj[own], "down": block.experts.down_proj[own]})
+    packed = packed.detach().float().requires_grad_(True)
+    router = block.gate.weight.detach().float().requires_grad_(True)
+    x = shard(inputs(case, comm.size)["x"], comm.size, comm.rank).float().requires_grad_(True)
+    select, out = moe.select_expert_gemm, {}
+    try:
+        for path in ("loop", "grouped") if _grouped_mm_fn() is not None else ("loop",):
+            moe.select_expert_gemm = lambda device, dtype, *_, path=path: path
+            for dispatch in ("ring", "all_to_all"):
+                with SyncCounter() as fwd:
+                    h, logits = x, []
+                    for _ in range(MOE_LAYERS):
+                        h, lg = moe.tsp_moe_mlp(h, router, packed, spec, comm, dispatch=dispatch)
+                        logits.append(lg)
+                    loss = h.square().sum() + moe.moe_aux_loss_share(logits, case.num_experts, case.top_k, comm)
+                with SyncCounter() as bwd:
+                    loss.backward()
+                out[dispatch, path] = ([(e.kind, e.op, e.region, e.where) for e in fwd.events],
+                                       [(e.kind, e.op, e.region, e.where) for e in bwd.events])
+    finally:
+        moe.select_expert_gemm = select
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_runs() -> dict[int, list[dict]]:
+    return {1: [_moe_syncs(False)], 2: run_on_local_ranks(_moe_syncs, 2, True, timeout_s=120)}
+
+
+@pytest.mark.parametrize("tsp", [1, 2])
+def test_moe_layer_reads_the_counts_once_per_forward(moe_runs, tsp):
+    """all_to_all: the split sizes (one .tolist() per layer forward); ring, on both expert-GEMM paths: the
+    per-expert counts that bound each step's owner rows, the same one read. Backward and the aux loss: nothing."""
+    for rank, results in enumerate(moe_runs[tsp]):
+        assert ("ring", "loop") in results
+        for (dispatch, path), (fwd, bwd) in results.items():
+            assert len(fwd) == MOE_LAYERS, (tsp, rank, dispatch, path, fwd)
+            assert all(e[:3] == ("read", "tolist", "layers") and "core/layers/moe/" in e[3] for e in fwd), fwd
+            assert not bwd, (tsp, rank, dispatch, path, bwd)

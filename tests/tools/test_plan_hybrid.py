@@ -1,0 +1,158 @@
+"""`ds-tsp plan` / `ds-tsp bench` for hybrid (Gated DeltaNet) models: ds_tsp.tools.plan.hybrid against real TSP steps.
+
+Comm bytes per CommCounter kind equal the measured totals EXACTLY on every rank; params and grads bytes per rank
+exactly; saved activations within 10% of what autograd keeps (saved-tensor hooks, deduped by storage, params
+excluded) and the peak within 10% of bench's MemTracker reading of one training step (bench's own TSP session,
+so this also runs `ds-tsp bench`'s TSP layout on a hybrid model) -- the tolerances tests/tools/test_plan.py uses.
+One launch of 2 ranks for every case.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+from hybrid_tiny import hybrid_config  # noqa: E402
+from local_ranks import run_on_local_ranks  # noqa: E402
+from plan_step_measure import measure_step  # noqa: E402
+
+from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
+from ds_tsp.tools.plan import PlanInput, PlanInputError, plan_layouts, plan_tsp, tsp_counter_bytes  # noqa: E402
+from ds_tsp.tools.plan import cli as plan_cli  # noqa: E402
+from ds_tsp.tools.plan.hybrid import hybrid_counter_bytes  # noqa: E402
+
+# name -> (config kwargs, seq, batch): seq 29 pads to 2D; seq 6 gives chunks of 1-2 tokens, shorter than the conv's
+# K-1 = 3 halo (the halo then spans several chunks)
+CASES = {
+    "qwen3_5": (dict(family="qwen3_5"), 29, 2),
+    "qwen3_next_short": (dict(family="qwen3_next", layer_types=("linear_attention", "linear_attention",
+                                                                "full_attention"), num_hidden_layers=3), 6, 1),
+}
+
+
+def _shape(name: str) -> ModelShape:
+    kwargs, _, _ = CASES[name]
+    return ModelShape.from_hf_config(hybrid_config(**kwargs).to_dict())
+
+
+def _measure(shapes: dict) -> dict:
+    out = {}
+    for name, shape in shapes.items():
+        _, seq, batch = CASES[name]
+        out[name] = measure_step(shape, seq, batch)
+    return out
+
+
+# the live peak: a Gated DeltaNet layer on top (its backward is the peak), S = 512 so the chunk kernel's [C, C]
+# matrices (C = 64) dominate the temporaries as they do at scale
+PEAK_SEQ = 512
+
+
+def _peak_shape() -> ModelShape:
+    return ModelShape.from_hf_config(hybrid_config("qwen3_5", layer_types=("full_attention", "linear_attention"),
+                                                   hidden_size=64, intermediate_size=192, vocab_size=512).to_dict())
+
+
+def _measure_and_peak(shapes: dict, peak_shape: ModelShape) -> dict:
+    from ds_tsp.tools.bench import tsp
+    from ds_tsp.tools.bench.config import BenchConfig
+    from ds_tsp.tools.bench.measure import tracked_step
+
+    out = _measure(shapes)
+    cfg = BenchConfig(layout="tsp", seqs=(PEAK_SEQ,), tsp=dist.get_world_size(), shape=peak_shape)
+    workload = tsp.build(cfg, {"mode": "memory"}).workload(PEAK_SEQ)
+    workload.step()  # optimizer state exists from here on, as in the bench's warm-up
+    out["peak"] = tracked_step(workload)["peak_bytes"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[dict]:
+    return run_on_local_ranks(_measure_and_peak, 2, {name: _shape(name) for name in CASES}, _peak_shape(),
+                              timeout_s=240)
+
+
+def _input(name: str) -> PlanInput:
+    _, seq, batch = CASES[name]
+    return PlanInput(model=_shape(name), seq=seq, batch=batch, degree=2, dtype="fp32")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hybrid_comm_params_and_grads_equal_the_measured_step(measured, name):
+    inp = _input(name)
+    predicted = hybrid_counter_bytes(inp)
+    with pytest.raises(PlanInputError, match="hybrid_counter_bytes"):  # not Llama layers' bytes
+        tsp_counter_bytes(inp)
+    for rank, per_rank in enumerate(measured):
+        assert per_rank[name]["bytes"] == predicted, (rank, per_rank[name]["bytes"], predicted)
+    plan = plan_tsp(inp)
+    for per_rank in measured:
+        assert per_rank[name]["params"] == plan.params_bytes and per_rank[name]["grads"] == plan.grads_bytes
+    assert plan.comm_bytes_per_step == sum(predicted.values())
+    linear = sum(t == "linear_attention" for t in inp.model.layer_types)
+    assert linear * (plan.comm_bytes_per_layer_fwd + plan.comm_bytes_per_layer_bwd) + \
+        sum(t.bytes for t in plan.step_terms) == plan.comm_bytes_per_step
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hybrid_saved_activations_within_10_percent(measured, name):
+    plan = plan_tsp(_input(name))
+    for per_rank in measured:
+        assert abs(plan.activations_bytes - per_rank[name]["saved"]) <= 0.10 * per_rank[name]["saved"], \
+            (plan.activations_bytes, per_rank[name]["saved"])
+
+
+def test_hybrid_peak_within_10_percent_of_the_bench_measurement(measured):
+    peak = max(per_rank["peak"] for per_rank in measured)
+    plan = plan_tsp(PlanInput(model=_peak_shape(), seq=PEAK_SEQ, degree=2, dtype="fp32"))
+    assert abs(plan.peak_bytes_per_rank - peak) <= 0.10 * peak, (plan.peak_bytes_per_rank, peak, plan.peak_phase)
+    assert plan.peak_phase == "gdn_bwd"
+
+
+def test_bench_runs_hybrids_on_the_tsp_layouts_and_refuses_the_peers_by_name(tmp_path):
+    from ds_tsp.tools.bench.cli import build_parser, configs_from_args
+
+    (tmp_path / "config.json").write_text(hybrid_config("qwen3_5", layer_types=(
+        "linear_attention", "full_attention", "linear_attention"), num_hidden_layers=3).to_json_string())
+    base = ["--hf-config", str(tmp_path / "config.json"), "--tsp", "2", "--seq", "32"]
+    configs = configs_from_args(build_parser().parse_args(base))  # --layouts all: the TSP ones + the ZeRO-3 peer
+    assert [c.layout for c in configs] == ["tsp", "tsp_speed", "hf_zero3_dp"]
+    assert configs[0].shape.layer_types == ("linear_attention", "full_attention", "linear_attention")
+    cut = configs_from_args(build_parser().parse_args([*base, "--layers", "2", "--layouts", "tsp"]))
+    assert cut[0].shape.num_layers == 2 and cut[0].shape.layer_types == ("linear_attention", "full_attention")
+    with pytest.raises(ValueError, match=r"ulysses_zero3.*hybrid.*Gated DeltaNet"):
+        configs_from_args(build_parser().parse_args([*base, "--layouts", "tsp,ulysses_zero3"]))
+
+
+def _run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ds-tsp")
+    plan_cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def test_cli_plans_a_hybrid_config_for_tsp_and_refuses_the_peers_by_name(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(hybrid_config("qwen3_5").to_json_string())
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--seq", "4k", "--tsp", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert [r["layout"] for r in rows] == ["tsp"]
+    names = [t["name"] for t in rows[0]["layer_fwd_terms"]]
+    assert "chunk transition all-gather (per head block)" in names and "conv halo all-gather" in names
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--seq", "4k", "--tsp", "2", "--layers", "1",
+                     "--json"]) == 0  # --layers keeps the first layers' types
+    one = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert one["comm_bytes_per_step"] < rows[0]["comm_bytes_per_step"]
+    assert not any(t["name"].startswith("full-attention layers") for t in one["step_terms"])
+    inp = PlanInput(model=_shape("qwen3_5"), seq=4096, degree=2, dtype="bf16")
+    with pytest.raises(PlanInputError, match="hybrid"):
+        plan_layouts(inp, ("tsp", "ulysses"))
+    with pytest.raises(PlanInputError, match="pp: not modelled"):
+        plan_tsp(PlanInput(model=inp.model, seq=4096, degree=2, pp=2))
+    # the Gated DeltaNet's comm does not grow with S; the attention layer's K/V does
+    long = plan_tsp(PlanInput(model=inp.model, seq=65536, degree=2, dtype="bf16"))
+    short = plan_tsp(inp)
+    assert long.comm_bytes_per_layer_fwd == short.comm_bytes_per_layer_fwd
+    assert long.comm_bytes_per_step > short.comm_bytes_per_step
