@@ -35,7 +35,7 @@ from ds_tsp.core.layers.norm import TSPRMSNorm
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.input_check import check_inputs, input_check_payload
-from ds_tsp.core.tokens.rope import rope_cos_sin
+from ds_tsp.core.tokens.positions import RopeTables, rope_tables
 from ds_tsp.core.tokens.zigzag import cp_zigzag_positions, zigzag_chunks, zigzag_positions
 from ds_tsp.model.loss import count_valid_tokens, global_loss, loss_for_logging, normalise_over_data, tsp_group_loss
 from ds_tsp.model.modules.decoder import TSPDecoderLayer
@@ -43,6 +43,12 @@ from ds_tsp.model.modules.vocab import TSPLMHeadLoss, TSPVocabEmbedding
 from ds_tsp.model.state_dict import ShardedStateDict
 
 __all__ = ["ShardedCausalLM", "count_valid_tokens", "normalise_over_data"]
+
+
+def _checkpointed_layer(layer: nn.Module, h, cos, sin, q_scale, doc_starts):
+    """A decoder layer under activation checkpointing: the step's RoPE tables go to checkpoint as its own tensor
+    arguments (kept once for the recompute, and seen as such by saved-tensor hooks), not inside a tuple."""
+    return layer(h, RopeTables(cos, sin, q_scale), doc_starts, with_router=True)
 
 
 class _Backbone(nn.Module):
@@ -185,8 +191,7 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
             # float32 at least: bf16 would round token counts above 256
             n_valid = normalise_over_data(n_valid, self.data_group, self.comm)
             n_valid = n_valid.to(torch.promote_types(self.dtype, torch.float32))
-        cos, sin = rope_cos_sin(position_ids, self.shape.rotary_dim, self.shape.rope_theta, self.dtype,
-                                self.shape.rope_scaling)
+        rope = rope_tables(position_ids, self.shape, self.dtype)
         # One all-reduce for every norm weight's grad, posted by the last one's backward (see replicated_grads);
         # opened before the embedding so that its backward ring overlaps the bucket's all-reduce.
         replicated = [*self.replicated_params().values(), *(p for _, p, cut in self.lora_tensors() if cut is None)]
@@ -199,9 +204,9 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
                     # offload_activations: the saved input h waits in host memory (core/activation_offload.py)
                     with (self.activation_offload.saved_input(h, layer=i, last=i == last)
                           if self.options.offload_activations else contextlib.nullcontext()):
-                        h, logits = checkpoint(layer, h, cos, sin, doc_starts, with_router=True, use_reentrant=False)
+                        h, logits = checkpoint(_checkpointed_layer, layer, h, *rope, doc_starts, use_reentrant=False)
                 else:
-                    h, logits = layer(h, cos, sin, doc_starts, with_router=True)
+                    h, logits = layer(h, rope, doc_starts, with_router=True)
                 if logits is not None and router_logits is not None:
                     router_logits.append(logits)
             return self.model.norm(h), n_valid

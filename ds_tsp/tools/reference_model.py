@@ -130,6 +130,9 @@ class ReferenceCausalLM(nn.Module):
         if shape.attn_output_gate or shape.layer_types is not None or shape.zero_centred_norms:
             raise TSPConfigError("a hybrid (Qwen3.5 / Qwen3-Next) shape: the ds_tsp reference model is Llama-family; "
                                  "check a hybrid model against transformers' own (ds-tsp verify --hf-model DIR)")
+        if shape.query_scale_beta:
+            raise TSPConfigError("query_scale_beta (Ministral 3's position-scaled queries): the ds_tsp reference model "
+                                 "does not scale queries; check it against transformers' own (ds-tsp verify --hf-model)")
         self.shape = shape
         self.model = Backbone(shape, dtype, device)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, dtype=dtype, device=device)

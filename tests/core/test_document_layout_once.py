@@ -97,9 +97,9 @@ def test_layout_is_frozen_and_checked_against_the_batch():
 def test_pipeline_stage_positions_validate_once_per_micro_batch(validations):
     positions = StepPositions(SHAPE, TSPComm.single())
     ids = _batch()["position_ids"]
-    _, _, doc_starts = positions(ids, torch.float64)
+    _, doc_starts = positions(ids, torch.float64)
     assert isinstance(doc_starts, DocumentLayout) and validations[0] == 1
     assert doc_starts.rows == ((0, 5, 12), (0, 9, 12))
     for _ in range(SHAPE.num_layers):  # every layer of the stage asks again: the same object, no new pass
-        assert positions(ids, torch.float64)[2] is doc_starts
+        assert positions(ids, torch.float64)[1] is doc_starts
     assert validations[0] == 1

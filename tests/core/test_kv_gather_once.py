@@ -16,6 +16,7 @@ from local_ranks import run_on_local_ranks
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.positions import RopeTables
 from ds_tsp.core.tokens.rope import rope_cos_sin
 from ds_tsp.core.tokens.zigzag import zigzag_positions
 from ds_tsp.model.modules.attention import TSPAttention
@@ -36,7 +37,7 @@ def _one_layer(group, n_kv: int, keep_gathered_kv: bool) -> dict:
     positions = zigzag_positions(S, comm.size, comm.rank).expand(B, L)
     cos, sin = rope_cos_sin(positions, HEAD_DIM, shape.rope_theta, torch.float32)
     comm.counter.reset()
-    attn(x, cos, sin).square().sum().backward()
+    attn(x, RopeTables(cos, sin)).square().sum().backward()
     return dict(comm.counter.bytes)
 
 

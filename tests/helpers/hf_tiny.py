@@ -1,8 +1,8 @@
 """Tiny transformers checkpoints for tests (a helper module, not a test file: nothing here is collected).
 
 `FAMILIES` covers the architectures ds_tsp loads from the Hub: Llama (rope default / llama3 / linear / yarn,
-explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window) and
-Qwen3 (per-head q_norm/k_norm). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
+explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window), Qwen3
+(per-head q_norm/k_norm) and Ministral 3 (yarn, position-scaled queries, sliding window). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
 heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
 
@@ -54,6 +54,14 @@ FAMILIES: dict[str, dict] = {
                           num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=1,
                           tie_word_embeddings=False,
                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Ministral 3: yarn rope and position-scaled queries with a period of 8 (transformers' llama_4_scaling_beta:
+    # queries from position 8 on are scaled, differently again from 24 on), a sliding window of 11
+    "ministral3": dict(model_type="ministral3", vocab_size=85, hidden_size=32, intermediate_size=64,
+                       num_key_value_heads=2, head_dim=8, sliding_window=11, tie_word_embeddings=False,
+                       max_position_embeddings=32,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
     # "Qwen3-style": q_norm/k_norm, explicit head_dim 16 != 32/4, tied, GQA
     "qwen3": dict(model_type="qwen3", vocab_size=98, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                   head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
@@ -78,7 +86,8 @@ def _config_class(model_type: str):
     import transformers
     return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
             "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-            "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[model_type]
+            "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+            "ministral3": transformers.Ministral3Config}[model_type]
 
 
 def tiny_config(name: str, **overrides):

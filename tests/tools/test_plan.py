@@ -15,8 +15,7 @@ import torch.distributed as dist
 from local_ranks import run_on_local_ranks
 from plan_step_measure import measure_step
 
-from ds_tsp.core.config import TSPOptions
-from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.shape.model_shape import ModelShape, RopeScaling
 from ds_tsp.tools.cli import build_parser
 from ds_tsp.tools.plan import (
     PRESETS,
@@ -32,8 +31,6 @@ from ds_tsp.tools.plan import (
     shape_from_hf_config,
     tsp_counter_bytes,
 )
-
-_HAS_AC = hasattr(TSPOptions(), "activation_checkpointing")  # a dataclass before, a pydantic model now
 
 
 def _shape(**kw) -> ModelShape:
@@ -54,9 +51,14 @@ CASES = {
                               {"recompute_projections": False}, (2,)),
     "gqa_speed": (_shape(num_heads=8, num_kv_heads=2), 30, 2, "fp32",
                   {"keep_gathered_kv": True, "recompute_projections": False}, (4,)),
+    "mha_checkpointing": (_shape(), 30, 2, "fp32", {"activation_checkpointing": True}, (2,)),
+    # Ministral 3: position-scaled queries (one more per-step table), a window, checkpointing (the tables are the
+    # checkpoint's own inputs)
+    "ministral3_checkpointing": (_shape(num_kv_heads=2, attention_windows=(7, 7), query_scale_beta=0.1,
+                                        query_scale_period=8, rope_scaling=RopeScaling("yarn", factor=4.0,
+                                                                                       original_max_position_embeddings=8)),
+                                 30, 2, "fp32", {"activation_checkpointing": True}, (2,)),
 }
-if _HAS_AC:
-    CASES["mha_checkpointing"] = (_shape(), 30, 2, "fp32", {"activation_checkpointing": True}, (2,))
 _TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

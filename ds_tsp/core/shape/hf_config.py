@@ -3,7 +3,8 @@
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
-else Mixtral; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window on every layer -> Mistral, else Llama;
+else Mixtral; position-scaled queries -> Ministral 3; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding
+window on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
 model: load_config returns its text_config, and the model saves a text-only Qwen3_5ForCausalLM checkpoint.
@@ -17,13 +18,9 @@ from pathlib import Path
 import torch
 
 from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.shape.families import ARCHITECTURES, WRAPPERS, family_of
 from ds_tsp.core.shape.model_shape import ModelShape
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                 "qwen3_next": "Qwen3NextForCausalLM"}
-_MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")  # read through their text_config (the language model TSP trains)
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 
@@ -46,17 +43,15 @@ def load_config(directory: str | Path):
 
 
 def config_from_dict(values: dict):
-    if values.get("model_type") in _MULTIMODAL_TYPES:
+    if values.get("model_type") in WRAPPERS:
         return language_model_config(import_transformers().AutoConfig.for_model(**values))
-    if values.get("model_type") not in ARCHITECTURES:
-        raise TSPConfigError(f"model_type={values.get('model_type')!r} is not supported; TSP converts "
-                             f"{', '.join(ARCHITECTURES)}, and the language model of {', '.join(_MULTIMODAL_TYPES)}")
+    family_of(values.get("model_type"))  # one error naming every family TSP converts
     return import_transformers().AutoConfig.for_model(**values)
 
 
 def language_model_config(config):
-    """The text_config of a Qwen3.5 multimodal config (carrying its dtype and tie_word_embeddings), else `config`."""
-    if getattr(config, "model_type", None) not in _MULTIMODAL_TYPES:
+    """The text_config of a multimodal config (carrying its dtype and tie_word_embeddings), else `config`."""
+    if getattr(config, "model_type", None) not in WRAPPERS:
         return config
     text = copy.deepcopy(config.text_config)
     for key in ("dtype", "tie_word_embeddings"):
@@ -89,6 +84,8 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
         return _hybrid_config_dict(shape, dtype)
     if shape.num_experts:
         return _moe_config_dict(shape, dtype)
+    if shape.query_scale_beta:
+        return _ministral3_config_dict(shape, dtype)
     windows = shape.attention_windows
     uniform_window = windows is not None and len(set(windows)) == 1 and windows[0] is not None
     model_type = ("qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else
@@ -132,6 +129,21 @@ def _common_fields(shape: ModelShape, dtype: torch.dtype, model_type: str) -> di
                                     shape.rope_scaling.max_position_embeddings else 131072),
         "rope_parameters": rope, "rope_theta": shape.rope_theta,
     }
+
+
+def _ministral3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """Ministral 3: position-scaled queries (the rope's llama_4_scaling_beta, period original_max_position_embeddings)."""
+    windows = shape.attention_windows
+    if shape.qkv_bias or shape.qk_norm or (windows is not None and (len(set(windows)) != 1 or windows[0] is None)):
+        raise TSPConfigError("query_scale_beta with q/k/v bias, q/k norms or per-layer windows: Ministral 3, the "
+                             "family with position-scaled queries, has none of them")
+    scaling = shape.rope_scaling
+    if scaling is None or scaling.original_max_position_embeddings != shape.query_scale_period:
+        raise TSPConfigError(f"query_scale_period={shape.query_scale_period}: Ministral 3 scales queries with the "
+                             "period of its rope's original_max_position_embeddings; give a rope_scaling with it")
+    config = _common_fields(shape, dtype, "ministral3")
+    config["rope_parameters"] = {**config["rope_parameters"], "llama_4_scaling_beta": shape.query_scale_beta}
+    return {**config, "sliding_window": None if windows is None else windows[0]}
 
 
 def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:

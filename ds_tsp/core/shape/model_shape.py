@@ -1,49 +1,14 @@
-"""Shape of a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with experts),
-independent of how it is parallelised. The MoE fields' rules live in ds_tsp.core.shape.moe."""
+"""Shape of a causal LM, independent of how it is parallelised: a pre-norm decoder with RoPE attention and gated MLPs,
+and the fields each family's mechanisms add (experts, hybrid layers, windows, position-scaled queries). The MoE
+fields' rules live in ds_tsp.core.shape.moe; reading a transformers config into a shape is each family's adapter
+(ds_tsp.core.shape.families)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.shape.hybrid import HYBRID_MODEL_TYPES, HYBRID_TEXT_MODEL_TYPES, hybrid_fields_from_config, text_config
-from ds_tsp.core.shape.moe import MOE_MODEL_TYPES, check_moe_degree, check_moe_fields, moe_fields_from_config
-
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """A rope_parameters / rope_scaling block of an HF config (only the keys its rope type reads)."""
-
-    rope_type: str = "default"
-    factor: float | None = None
-    # llama3
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
-    # yarn
-    attention_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    max_position_embeddings: int | None = None  # yarn infers factor from it when factor is None
-
-    def __post_init__(self):
-        if self.rope_type not in ROPE_TYPES:
-            raise TSPConfigError(f"rope_parameters.rope_type={self.rope_type!r} is not supported; ds_tsp implements "
-                                 f"{', '.join(ROPE_TYPES)} (as transformers computes them)")
-        need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                                  "original_max_position_embeddings"),
-                "yarn": ("original_max_position_embeddings",)}.get(self.rope_type, ())
-        missing = [k for k in need if getattr(self, k) is None]
-        if missing:
-            raise TSPConfigError(f"rope_parameters (rope_type={self.rope_type!r}) lacks {', '.join(missing)}: "
-                                 "the checkpoint's config.json must give them")
-        if self.rope_type == "yarn" and self.factor is None and self.max_position_embeddings is None:
-            raise TSPConfigError("rope_parameters (rope_type='yarn') has no factor and the config no "
-                                 "max_position_embeddings to infer it from")
+from ds_tsp.core.shape.moe import check_moe_degree, check_moe_fields
+from ds_tsp.core.shape.rope_scaling import ROPE_TYPES, RopeScaling  # noqa: F401 - ModelShape's field type
 
 
 @dataclass(frozen=True)
@@ -95,6 +60,10 @@ class ModelShape:
     # Qwen3-Next / Qwen3.5-MoE: every sparse MoE block adds a shared expert (a dense SwiGLU of this width, sharded
     # 1/D like the MLP) scaled by sigmoid(shared_expert_gate(x)); 0: none
     shared_expert_intermediate_size: int = 0
+    # Ministral 3 (transformers' llama_4_scaling_beta): each query, after RoPE, is scaled by
+    # 1 + query_scale_beta * log(1 + floor(position / query_scale_period)) (1 below the first period); 0: off
+    query_scale_beta: float = 0.0
+    query_scale_period: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -122,6 +91,12 @@ class ModelShape:
             object.__setattr__(self, "dense_mlp_layers", tuple(self.dense_mlp_layers))
         check_moe_fields(self)
         self._check_hybrid_fields()
+        if self.query_scale_beta:
+            if not self.query_scale_beta > 0 or not isinstance(self.query_scale_period, int) or \
+                    isinstance(self.query_scale_period, bool) or self.query_scale_period < 1:
+                raise TSPConfigError(f"query_scale_beta={self.query_scale_beta}, query_scale_period="
+                                     f"{self.query_scale_period!r}: a position-scaled query needs beta > 0 and a "
+                                     "period >= 1 (the rope's original_max_position_embeddings)")
 
     def _check_hybrid_fields(self) -> None:
         if isinstance(self.layer_types, list):  # from a JSON manifest
@@ -223,12 +198,15 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelShape":
-        """From a transformers Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral config (object or config.json dict).
+        """From a transformers config (object or config.json dict) of a family TSP converts
+        (ds_tsp.core.shape.families: one adapter per family; a multimodal config is read through its text_config).
 
         Strict: every config field that would change the computation and that TSP does not implement is one
         TSPConfigError naming the field (never silently ignored). No transformers import.
         """
-        return _shape_from_config(config)
+        from ds_tsp.core.shape.families import shape_fields
+
+        return cls(**shape_fields(config))
 
     def kv_replicas(self, tsp: int) -> int:
         """How many TSP ranks share one kv head (1 unless num_kv_heads < tsp, e.g. MQA)."""
@@ -239,116 +217,6 @@ class ModelShape:
 
 
 LAYER_TYPES = ("full_attention", "linear_attention")
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)
-# Defaults of the transformers config classes for the fields below, for config.json dicts that omit them.
-_SLIDING_DEFAULTS = {"mistral": 4096, "qwen2": 4096, "qwen3": 4096, "qwen3_moe": 4096}
-# Qwen3Config's default, the hybrids' (Qwen3.5 / Qwen3-Next: 256); others (Qwen3-MoE, Mixtral too): hidden / heads
-_HEAD_DIM_DEFAULTS = {"qwen3": 128, **{t: 256 for t in HYBRID_TEXT_MODEL_TYPES}}
-_EPS_DEFAULTS = {"mixtral": 1e-5}
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
-
-
-def _getter(config):
-    if isinstance(config, dict):
-        return lambda key, default=None: config.get(key, default)
-    return lambda key, default=None: getattr(config, key, default)
-
-
-def _shape_from_config(config) -> ModelShape:
-    config = text_config(config)  # a Qwen3.5 multimodal config: its language model
-    get = _getter(config)
-    model_type = get("model_type", "llama")
-    if model_type not in SUPPORTED_HF_MODEL_TYPES:
-        raise TSPConfigError(f"model_type={model_type!r} is not supported; TSP converts "
-                             f"{', '.join(SUPPORTED_HF_MODEL_TYPES)} (Llama-family: RMSNorm, RoPE, SwiGLU)")
-    hybrid = model_type in HYBRID_TEXT_MODEL_TYPES
-    for key in _MOE_FIELDS if model_type not in MOE_MODEL_TYPES and not hybrid else ():
-        if get(key):
-            raise TSPConfigError(f"{key}={get(key)!r}: mixture-of-experts MLPs are not supported; TSP shards a "
-                                 "dense SwiGLU MLP")
-    if get("hidden_act", "silu") != "silu":
-        raise TSPConfigError(f"hidden_act={get('hidden_act')!r} is not supported: TSP's gated MLP is SwiGLU (silu)")
-    if get("mlp_bias", False):
-        raise TSPConfigError("mlp_bias=True is not supported: TSP's MLP has no biases")
-    if get("attention_bias", False):
-        raise TSPConfigError(f"attention_bias=True on a {model_type} config adds an o_proj bias, which TSP does not "
-                             "support (Qwen2's q/k/v-only bias is supported)")
-    if float(get("attention_dropout", 0.0) or 0.0) > 0:
-        raise TSPConfigError(f"attention_dropout={get('attention_dropout')}: TSP attention has no dropout; set it "
-                             "to 0.0")
-    if (get("pretraining_tp", 1) or 1) > 1:
-        raise TSPConfigError(f"pretraining_tp={get('pretraining_tp')}: the sliced-projection emulation is not "
-                             "supported; set pretraining_tp to 1")
-    theta, scaling = _rope_from_config(get, 1e6 if model_type == "mixtral" else 10000.0, partial_allowed=hybrid)
-    heads = get("num_attention_heads")
-    layers = get("num_hidden_layers")
-    moe = moe_fields_from_config(get, model_type, layers) if model_type in MOE_MODEL_TYPES else {}
-    if hybrid:  # refuses the MoE hybrids (shared expert) before anything reads their MoE fields
-        moe = hybrid_fields_from_config(get, model_type, layers)
-    # Qwen3.5-MoE has no dense MLP and no intermediate_size: the (unused) dense width is its experts'
-    intermediate = get("intermediate_size") or (moe.get("moe_intermediate_size") if hybrid else None)
-    return ModelShape(vocab_size=get("vocab_size"), hidden_size=get("hidden_size"),
-                      intermediate_size=intermediate, num_layers=layers, num_heads=heads,
-                      num_kv_heads=get("num_key_value_heads") or heads,
-                      head_dim=get("head_dim", _HEAD_DIM_DEFAULTS.get(model_type)),
-                      rope_theta=theta, rms_norm_eps=float(get("rms_norm_eps", _EPS_DEFAULTS.get(model_type, 1e-6))),
-                      tie_word_embeddings=bool(get("tie_word_embeddings", False)), qkv_bias=model_type == "qwen2",
-                      qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid, rope_scaling=scaling,
-                      attention_windows=_windows_from_config(get, model_type, layers), **moe)
-
-
-def _rope_from_config(get, default_theta: float = 10000.0,
-                      partial_allowed: bool = False) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling.
-    partial_allowed: the family reads partial_rotary_factor (hybrid_shape); elsewhere it is refused."""
-    params = dict(get("rope_parameters") or get("rope_scaling") or {})
-    if any(isinstance(v, dict) for v in params.values()):
-        raise TSPConfigError("rope_parameters is nested per layer type: per-layer RoPE is not supported")
-    theta = float(params.get("rope_theta") or get("rope_theta") or default_theta)
-    partial = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0) and not partial_allowed:
-        raise TSPConfigError(f"partial_rotary_factor={partial}: partial rotary embeddings are not supported")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    allowed = {f for f in RopeScaling.__dataclass_fields__ if f not in ("rope_type", "max_position_embeddings")}
-    kwargs = {k: v for k, v in params.items() if k in allowed}
-    if rope_type in ("llama3", "yarn") and kwargs.get("original_max_position_embeddings") is None:
-        kwargs["original_max_position_embeddings"] = get("original_max_position_embeddings") or get(
-            "max_position_embeddings")
-    return theta, RopeScaling(rope_type=rope_type, max_position_embeddings=get("max_position_embeddings"), **kwargs)
-
-
-def _windows_from_config(get, model_type: str, layers: int) -> tuple[int | None, ...] | None:
-    """Per-layer sliding windows, as each family's transformers model applies them."""
-    if model_type in ("mistral", "mixtral", "qwen3_moe"):  # one window on every layer, when set
-        if model_type == "qwen3_moe":  # Qwen3MoeConfig drops the window unless use_sliding_window
-            window = get("sliding_window", _SLIDING_DEFAULTS[model_type]) if get("use_sliding_window", False) else None
-        else:
-            window = get("sliding_window", _SLIDING_DEFAULTS.get(model_type))
-        return None if window is None else (window,) * layers
-    if model_type not in ("qwen2", "qwen3"):
-        if get("sliding_window") is not None:
-            raise TSPConfigError(f"sliding_window={get('sliding_window')} on a {model_type} config: its "
-                                 "transformers model does not apply it; remove it")
-        return None
-    window = get("sliding_window", _SLIDING_DEFAULTS[model_type]) if get("use_sliding_window", False) else None
-    layer_types = get("layer_types")
-    if layer_types is None:
-        first = get("max_window_layers", 28)
-        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                       for i in range(layers)]
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise TSPConfigError(f"layer_types contains {unknown}: only full_attention and sliding_attention layers "
-                             "are supported")
-    if len(layer_types) != layers:
-        raise TSPConfigError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={layers}")
-    if "sliding_attention" in layer_types and window is None:
-        raise TSPConfigError("layer_types has sliding_attention layers but sliding_window is None (or "
-                             "use_sliding_window is false): set both, or make every layer full_attention")
-    windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-    return windows if any(w is not None for w in windows) else None
 
 
 def _multiples(n: int, limit: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""What a step derives from its position_ids once, for every decoder layer: RoPE tables and packed-document starts.
+"""What a step derives from its position_ids once, for every decoder layer: RoPE tables (and each query's scale,
+where the family scales queries by position) and packed-document starts.
 
 position_ids are GLOBAL positions of this rank's zigzag tokens (restarting at 0 where a packed document starts).
 RoPE needs only the local ones; finding the documents needs the whole sequence, so it costs one all-gather over the
@@ -7,13 +8,31 @@ activation, asks a `StepPositions` shared by its layers, which pays once per mic
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.documents import DocumentLayout, document_layout, document_starts
-from ds_tsp.core.tokens.rope import rope_cos_sin
+from ds_tsp.core.tokens.rope import query_scale, rope_cos_sin
 from ds_tsp.core.tokens.zigzag import unshard
+
+
+class RopeTables(NamedTuple):
+    """What every attention layer of one step rotates its local queries and keys with."""
+
+    cos: torch.Tensor  # [B, L, rotary_dim]
+    sin: torch.Tensor
+    q_scale: torch.Tensor | None = None  # [B, L, 1, 1] each query's scale after RoPE (Ministral 3); None: 1
+
+
+def rope_tables(position_ids: torch.Tensor, shape: ModelShape, dtype: torch.dtype) -> RopeTables:
+    """The RoPE tables of this rank's tokens (GLOBAL position_ids [B, L]), for every layer of the step."""
+    cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, shape.rope_theta, dtype, shape.rope_scaling)
+    scale = (query_scale(position_ids, shape.query_scale_beta, shape.query_scale_period, dtype)
+             if shape.query_scale_beta else None)
+    return RopeTables(cos, sin, scale)
 
 
 def global_positions(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
@@ -26,21 +45,20 @@ def global_positions(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
 
 
 class StepPositions:
-    """(cos, sin, doc_starts) of the position_ids last seen, recomputed only when a different tensor arrives.
+    """(RopeTables, doc_starts) of the position_ids last seen, recomputed only when a different tensor arrives.
     doc_starts is a DocumentLayout (validated here, once per micro-batch, not by every layer) or None."""
 
     def __init__(self, shape: ModelShape, comm: TSPComm):
         self.shape, self.comm = shape, comm
         self._key: tuple | None = None
-        self._value: tuple[torch.Tensor, torch.Tensor, DocumentLayout | None] | None = None
+        self._value: tuple[RopeTables, DocumentLayout | None] | None = None
 
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype):
         # Identity and version, not values: comparing values would read the tensor on the host.
         key = (position_ids, position_ids._version, dtype)
         if self._key is None or self._key[0] is not position_ids or self._key[1:] != key[1:]:
-            cos, sin = rope_cos_sin(position_ids, self.shape.rotary_dim, self.shape.rope_theta, dtype,
-                                    self.shape.rope_scaling)
+            rope = rope_tables(position_ids, self.shape, dtype)
             doc_starts = document_starts(global_positions(position_ids, self.comm))
             doc_starts = None if doc_starts is None else document_layout(doc_starts, position_ids.shape[0])
-            self._key, self._value = key, (cos, sin, doc_starts)
+            self._key, self._value = key, (rope, doc_starts)
         return self._value

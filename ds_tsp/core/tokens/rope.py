@@ -77,6 +77,13 @@ def apply_rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return apply_rope(grad, cos, -sin)
 
 
+def query_scale(position_ids: torch.Tensor, beta: float, period: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, L, 1, 1]: each query's scale after RoPE, 1 + beta * log(1 + floor(position / period)) (Ministral 3,
+    transformers' llama_4_scaling_beta), in float32 as transformers computes it, then cast to the model's dtype."""
+    scale = 1 + beta * torch.log(1 + torch.floor(position_ids / period))
+    return scale.to(dtype)[:, :, None, None]
+
+
 # --- the rope types, in transformers' float32 arithmetic ----------------------------------------------------
 
 def _default_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:

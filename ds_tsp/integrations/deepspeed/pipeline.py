@@ -61,8 +61,8 @@ class DecoderPipe(TSPDecoderLayer):
     def forward(self, inputs):
         h, position_ids, shift_labels = inputs
         # The stage's layers share one StepPositions: one positions gather per micro-batch, not one per layer.
-        cos, sin, doc_starts = self.positions(position_ids, h.dtype)
-        return super().forward(h, cos, sin, doc_starts), position_ids, shift_labels
+        rope, doc_starts = self.positions(position_ids, h.dtype)
+        return super().forward(h, rope, doc_starts), position_ids, shift_labels
 
     def tsp_pieces(self):
         prefix = f"model.layers.{self.index}."

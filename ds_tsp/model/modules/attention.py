@@ -10,6 +10,7 @@ from ds_tsp.core.comm.primitives import replicated_param
 from ds_tsp.core.grads.clip import mark_sharded
 from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, tsp_attention
 from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.positions import RopeTables
 from ds_tsp.model.modules.piece import ShardedPiece
 from ds_tsp.model.modules.slices import HFSlice
 
@@ -47,11 +48,12 @@ class TSPAttention(ShardedPiece):
             self.q_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
             self.k_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
 
-    def forward(self, x, cos, sin, doc_starts=None):
+    def forward(self, x, rope: RopeTables, doc_starts=None):
         qk = None
         if self.spec.qk_norm_eps is not None:
             qk = (replicated_param(self.q_norm.weight, self.comm), replicated_param(self.k_norm.weight, self.comm))
-        return tsp_attention(x, self.weight_shard(), cos, sin, self.spec, self.comm, qk_norm=qk, doc_starts=doc_starts)
+        return tsp_attention(x, self.weight_shard(), rope.cos, rope.sin, self.spec, self.comm, qk_norm=qk,
+                             doc_starts=doc_starts, q_scale=rope.q_scale)
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         s, h = self.spec, self.spec.hidden

@@ -29,14 +29,17 @@ from torch import nn
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.layers.norm import TSPRMSNorm
 from ds_tsp.core.shape.model_shape import ModelShape
-from ds_tsp.model.modules.attention import TSPAttention
+from ds_tsp.core.tokens.positions import RopeTables
+
+# The pre-release path ds_tsp.modules is this module (ds_tsp/_moved.py): the other names it exported stay reachable.
+from ds_tsp.model.modules.attention import (
+    HeadNorm,  # noqa: E402,F401,I001
+    TSPAttention,
+)
 from ds_tsp.model.modules.gated_deltanet import TSPGatedDeltaNet
 from ds_tsp.model.modules.mlp import TSPGatedMLP
 from ds_tsp.model.modules.moe import TSPSparseMoE, shared_expert_shape
 from ds_tsp.model.modules.piece import ShardedPiece
-
-# The pre-release path ds_tsp.modules is this module (ds_tsp/_moved.py): the other names it exported stay reachable.
-from ds_tsp.model.modules.attention import HeadNorm  # noqa: E402,F401,I001
 from ds_tsp.model.modules.vocab import TSPLMHeadLoss, TSPVocabEmbedding, TSPVocabShard  # noqa: E402,F401
 from ds_tsp.model.state_dict import load_slices, read_from_full  # noqa: E402,F401
 
@@ -65,14 +68,15 @@ class TSPDecoderLayer(nn.Module):
         else:
             self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
 
-    def forward(self, h, cos, sin, doc_starts=None, *, with_router: bool = False):
-        """The layer's output; with_router: (output, router logits [B*L, E] or None for a dense MLP). Callers go
+    def forward(self, h, rope: RopeTables, doc_starts=None, *, with_router: bool = False):
+        """The layer's output; with_router: (output, router logits [B*L, E] or None for a dense MLP). rope: the
+        step's RoPE tables (ds_tsp.core.tokens.positions.rope_tables). Callers go
         through the module (`layer(..., with_router=True)`), never a bound method: FSDP2 and ZeRO-3 gather the
         layer's parameters in its forward hooks."""
         if self.is_linear_attention:
             h = h + self.linear_attn(self.input_layernorm(h), doc_starts)
         else:
-            h = h + self.self_attn(self.input_layernorm(h), cos, sin, doc_starts)
+            h = h + self.self_attn(self.input_layernorm(h), rope, doc_starts)
         router_logits = None
         if self.is_moe:
             y, router_logits = self.mlp(self.post_attention_layernorm(h))

@@ -221,6 +221,7 @@ def measure_rank(cfg: LayerMemoryConfig) -> dict:
 
     from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.config import TSPOptions
+    from ds_tsp.core.tokens.positions import RopeTables
     from ds_tsp.core.tokens.rope import rope_cos_sin
     from ds_tsp.core.tokens.zigzag import zigzag_positions
     from ds_tsp.model.modules.decoder import TSPDecoderLayer
@@ -248,7 +249,7 @@ def measure_rank(cfg: LayerMemoryConfig) -> dict:
     ledger = SavedLedger(layer)
     with tracker:
         with ledger:
-            y = layer(x, cos, sin)
+            y = layer(x, RopeTables(cos, sin))
         ledger.mark("parameter", list(layer.parameters()))
         ledger.mark("caller: layer input", [x])
         ledger.mark("caller: cos/sin (shared by every layer)", [cos, sin])

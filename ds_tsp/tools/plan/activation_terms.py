@@ -68,8 +68,9 @@ def hf_layer_saved(inp: PlanInput, dims: Dims, at: Placement) -> int:
 
 
 def rope_tables(tokens: int, dims: Dims, b: int) -> int:
-    """cos and sin [B, tokens, d], computed once per forward and shared by every layer."""
-    return 2 * tokens * dims.d * b
+    """cos and sin [B, tokens, d] (and each query's scale [B, tokens] where queries are scaled by position),
+    computed once per forward and shared by every layer."""
+    return 2 * tokens * dims.d * b + (tokens * b if dims.q_scaled else 0)
 
 
 def hf_head_saved(inp: PlanInput, dims: Dims, *, norm_tokens: int, head_tokens: int, logits_tokens: int,

@@ -1,35 +1,29 @@
-"""Mixture-of-experts model shapes for the planner: a Qwen3-MoE / Mixtral config.json read by ModelShape.from_hf_config
-(the model's own strict reader), and the --num-experts / --top-k / --moe-ffn overrides."""
+"""Mixture-of-experts model shapes for the planner: an MoE config of a family TSP does not convert refused by name
+(the families' own configs are read by ModelShape.from_hf_config), and the --num-experts / --top-k / --moe-ffn
+overrides."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.model_shape import ModelShape
-from ds_tsp.core.shape.moe import MOE_MODEL_TYPES
 from ds_tsp.tools.plan.inputs import PlanInputError
 
 # override key (CLI flag --num-experts, --top-k, --moe-ffn) -> ModelShape field
 MOE_FIELDS = {"num_experts": "num_experts", "top_k": "num_experts_per_tok", "moe_ffn": "moe_intermediate_size"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen3_5_moe", "qwen3_next")
 # config.json keys of MoE families TSP does not convert (DeepSeek, OLMoE, Qwen2-MoE, ...)
 _FOREIGN_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def moe_shape_from_config(cfg: dict, where: str) -> ModelShape | None:
-    """The shape of a Qwen3-MoE / Mixtral config (None for other model types); an MoE config of another family is
-    refused naming its field, never planned as a dense model."""
-    model_type = cfg.get("model_type")
-    if model_type not in MOE_MODEL_TYPES:
-        for key in _FOREIGN_MOE_KEYS:
-            if cfg.get(key):
-                raise PlanInputError("hf_config", f"{where}: {key}={cfg[key]!r} on model_type={model_type!r}: "
-                                                  f"mixture-of-experts is planned for {', '.join(MOE_MODEL_TYPES)} "
-                                                  "configs only")
-        return None
-    try:
-        return ModelShape.from_hf_config(cfg)
-    except TSPConfigError as exc:
-        raise PlanInputError("hf_config", f"{where}: {exc}") from None
+def refuse_foreign_moe(cfg: dict, where: str) -> None:
+    """An MoE config of a family TSP does not convert (DeepSeek, OLMoE, Qwen2-MoE, ...) is refused naming its field,
+    never planned as a dense model."""
+    for key in _FOREIGN_MOE_KEYS:
+        if cfg.get(key):
+            raise PlanInputError("hf_config", f"{where}: {key}={cfg[key]!r} on model_type={cfg.get('model_type')!r}: "
+                                              "mixture-of-experts is planned for the MoE families TSP converts "
+                                              f"({', '.join(MOE_FAMILIES)}) only")
 
 
 def moe_shape_with(base: ModelShape, overrides: dict[str, int | None]) -> ModelShape:

@@ -28,11 +28,12 @@ class Dims:
     d: int
     bias: bool
     tied: bool
+    q_scaled: bool = False  # queries scaled per position after RoPE (Ministral 3): one more table per step
 
     @classmethod
     def of(cls, m: ModelShape) -> "Dims":
         return cls(m.hidden_size, m.intermediate_size, m.vocab_size, m.num_layers, m.num_heads, m.num_kv_heads,
-                   m.dim_per_head, m.qkv_bias, m.tie_word_embeddings)
+                   m.dim_per_head, m.qkv_bias, m.tie_word_embeddings, m.query_scale_beta > 0)
 
     def attn(self, nq: int, nkv: int) -> int:
         """Attention weights for nq query heads and nkv kv heads (the packed TSP layout: q, k, v, o + biases)."""

@@ -20,8 +20,9 @@ def shape_from_hf_config(path_or_dict: str | Path | dict) -> ModelShape:
     Reads hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads (default:
     num_attention_heads), head_dim (default hidden/heads), vocab_size, tie_word_embeddings (default False),
     attention_bias (or model_type qwen2: bias on q/k/v), rope_theta, rms_norm_eps. A multimodal config's
-    text_config is used when the top level has no hidden_size. Qwen3-MoE / Mixtral configs are read by
-    ModelShape.from_hf_config (experts, top-k, sparse layers; ds_tsp.tools.plan.moe_shapes).
+    text_config is used when the top level has no hidden_size. A family TSP converts (ds_tsp.core.shape.families)
+    is read by ModelShape.from_hf_config, its own strict reader (experts, hybrid layers, windows, ...); another
+    model_type is planned as the Llama-shaped decoder those fields describe, unless it names experts.
     """
     if isinstance(path_or_dict, dict):
         cfg, where = path_or_dict, "config"
@@ -36,18 +37,15 @@ def shape_from_hf_config(path_or_dict: str | Path | dict) -> ModelShape:
         except json.JSONDecodeError as exc:
             raise PlanInputError("hf_config", f"{path}: not valid JSON ({exc})") from None
         where = str(path)
-    from ds_tsp.core.shape.hybrid import HYBRID_MODEL_TYPES
-    from ds_tsp.tools.plan.moe_shapes import moe_shape_from_config
+    from ds_tsp.core.shape.families import MODEL_TYPES
+    from ds_tsp.tools.plan.moe_shapes import refuse_foreign_moe
 
-    hybrid_type = cfg.get("model_type") or (cfg.get("text_config") or {}).get("model_type")
-    if hybrid_type in HYBRID_MODEL_TYPES:  # the model's own reader: layer_types, linear_* fields, gated attention
+    if cfg.get("model_type") in MODEL_TYPES:  # a family TSP converts: its own strict reader (every field it reads)
         try:
             return ModelShape.from_hf_config(cfg)
         except TSPConfigError as exc:
             raise PlanInputError("hf_config", f"{where}: {exc}") from None
-    moe = moe_shape_from_config(cfg, where)  # Qwen3-MoE / Mixtral: the model's own reader
-    if moe is not None:
-        return moe
+    refuse_foreign_moe(cfg, where)
     if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg["text_config"], "tie_word_embeddings": cfg.get("tie_word_embeddings",
                                                                      cfg["text_config"].get("tie_word_embeddings"))}

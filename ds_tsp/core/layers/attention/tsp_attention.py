@@ -154,10 +154,12 @@ def _norm(t, weight, spec: AttentionSpec):
     return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps, spec.norm_zero_centred)
 
 
-def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None):
-    """(q normed and roped [B, L, nq, d], the output gate or None)."""
+def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None, q_scale=None):
+    """(q normed, roped and scaled per position (q_scale [B, L, 1, 1] or None) [B, L, nq, d], the output gate or
+    None)."""
     q, gate = _raw_q_and_gate(x, w, spec)
-    return apply_rope(_norm(q, q_norm, spec), cos, sin), gate
+    q = apply_rope(_norm(q, q_norm, spec), cos, sin)
+    return (q if q_scale is None else q * q_scale), gate
 
 
 def _gate_forward(out, gate):
@@ -204,7 +206,8 @@ class _TSPAttention(torch.autograd.Function):
     AUTOCAST = AUTOCAST_LOW_PRECISION  # projections and attention kernels: autocast's lower-precision list
 
     @staticmethod
-    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, spec: AttentionSpec, comm: TSPComm, doc_starts):
+    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, spec: AttentionSpec, comm: TSPComm,
+                doc_starts):
         B, L, h = x.shape
         D, p = comm.size, comm.rank
         # validated here unless the model's input check did it already (once per step, not per chunk and block)
@@ -222,7 +225,7 @@ class _TSPAttention(torch.autograd.Function):
             if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
                 next_local = _project_kv(x, spec.layout.unpack(shards.take(j + 1)), spec, cos, sin, k_norm)
                 next_gather = GlobalKVGather(comm, next_local)
-            q, gate = _project_q(x, w, spec, cos, sin, q_norm)
+            q, gate = _project_q(x, w, spec, cos, sin, q_norm, q_scale)
             if first:
                 kv_all = gather.wait()
                 group = {"kv_all": kv_all, "kv_local": kv_local}
@@ -248,17 +251,19 @@ class _TSPAttention(torch.autograd.Function):
                 if j + 1 < D:
                     kv_local, gather = next_local, next_gather
         ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
-        ctx.has_qk_norm = q_norm is not None
+        ctx.has_qk_norm, ctx.has_q_scale = q_norm is not None, q_scale is not None
         ctx.n_block_saved = len(saved_blocks)
         norms = (q_norm, k_norm) if ctx.has_qk_norm else ()
+        scale = (q_scale,) if ctx.has_q_scale else ()
         # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
-        save_with_shard(ctx, packed_shard, x, cos, sin, *norms, *saved_blocks, *saved_groups)
+        save_with_shard(ctx, packed_shard, x, cos, sin, *scale, *norms, *saved_blocks, *saved_groups)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         spec, comm, doc_starts = ctx.spec, ctx.comm, ctx.doc_starts
         packed_shard, (x, cos, sin, *saved) = saved_with_shard(ctx)
+        q_scale = saved.pop(0) if ctx.has_q_scale else None
         q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
         saved_blocks, saved_groups = saved[:ctx.n_block_saved], saved[ctx.n_block_saved:]
         norm_grads = {"q": None, "k": None}  # this rank's q_norm / k_norm weight grads, summed over blocks
@@ -314,7 +319,8 @@ class _TSPAttention(torch.autograd.Function):
                 next_source = start_group(j // spec.kv_replicas + 1, spec.layout.unpack(shards.take(j + 1)))
             block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
             out, lses = block["out"], (block["lse0"], block["lse1"])
-            q, gate = (block["q"], block.get("gate")) if "q" in block else _project_q(x, w, spec, cos, sin, q_norm)
+            q, gate = ((block["q"], block.get("gate")) if "q" in block
+                       else _project_q(x, w, spec, cos, sin, q_norm, q_scale))
             dout, dgate = _gate_backward((dy2d @ w["wo"]).view_as(out), out, gate)
             gated = _gate_forward(out, gate)
             grads = {"wo": dy2d.t() @ gated.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
@@ -339,7 +345,9 @@ class _TSPAttention(torch.autograd.Function):
             if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
                 finish_group(pending)
                 pending = None
-            dq, dqn = _unproject(torch.cat(dq_chunks, dim=1), cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
+            dq = torch.cat(dq_chunks, dim=1)
+            dq, dqn = _unproject(dq if q_scale is None else dq * q_scale, cos, sin, q_norm, lambda: _raw_q(x, w, spec),
+                                 spec)
             if dgate is not None:  # back to q_proj's [q, gate] rows per head
                 dq = torch.cat((dq, dgate), dim=-1)
             dq = dq.reshape(-1, w["wq"].shape[0])
@@ -364,7 +372,7 @@ class _TSPAttention(torch.autograd.Function):
         grad_shard = reducer.finish() if need_w else None
         if need_w and spec.kv_replicas > 1:
             _kv_grads_to_group_leaders(grad_shard, spec, comm)
-        return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, None, None
+        return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, None, None, None
 
 
 def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
@@ -387,15 +395,17 @@ def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, co
 
 def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   spec: AttentionSpec, comm: TSPComm, *, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  doc_starts: tuple[tuple[int, ...], ...] | None = None) -> torch.Tensor:
+                  doc_starts: tuple[tuple[int, ...], ...] | None = None,
+                  q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner.
 
     qk_norm: Qwen3's (q_norm, k_norm) weights [d]; their grads are this rank's contribution (sum them over the
     group, e.g. with comm.replicated_param). doc_starts: per batch row, the global token indices where packed
     documents start, or the DocumentLayout the model's input check built from them (None: one document per row).
+    q_scale: [B, L, 1, 1] each local query's scale after RoPE (Ministral 3's position-scaled queries), or None.
     """
     q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
     if (q_norm is None) != (spec.qk_norm_eps is None):
         raise ValueError("spec.qk_norm_eps and the qk_norm weights must be given together")
-    return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, spec, comm,
-                          doc_starts)
+    return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, spec,
+                          comm, doc_starts)

@@ -1,0 +1,74 @@
+"""One adapter per transformers model family: what its config says, read into a ModelShape (base.Family).
+
+    llama, mistral, qwen2, qwen3          dense decoders (q/k/v bias, q/k norms, sliding windows)
+    qwen3_moe, mixtral                    mixtures of experts
+    qwen3_5 (dense, MoE), qwen3_next      hybrids: Gated DeltaNet and gated full attention
+    ministral3                            Mistral's layer with yarn RoPE and position-scaled queries
+
+Adding a family is one module here (its reader, with transformers' defaults and every field TSP does not compute
+refused by name) plus its entry in FAMILIES; a family that brings a new mechanism adds the ModelShape field that
+names it and the layer code that honours it. Checkpoint names are the shared ones (q_proj, gate_proj, ...) unless
+the family's fields say otherwise.
+"""
+from __future__ import annotations
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.shape.families import (
+    llama,
+    ministral3,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_next,
+)
+from ds_tsp.core.shape.families.base import Family, HFConfig
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
+                                mixtral.FAMILY, qwen3_5.DENSE, qwen3_5.MOE, qwen3_next.FAMILY, ministral3.FAMILY)
+# text model_type -> (its family, the ForCausalLM class a checkpoint of it names)
+ARCHITECTURES = {t: arch for f in FAMILIES for t, arch in f.architectures.items()}
+# multimodal model_type -> the text model_type of its language model (read through its text_config)
+WRAPPERS = {outer: inner for f in FAMILIES for outer, inner in f.wrappers.items()}
+MODEL_TYPES = (*ARCHITECTURES, *WRAPPERS)
+_BY_TYPE = {t: f for f in FAMILIES for t in f.architectures}
+
+__all__ = ["ARCHITECTURES", "FAMILIES", "MODEL_TYPES", "WRAPPERS", "HFConfig", "family_of", "language_model",
+           "shape_fields"]
+
+
+def language_model(config):
+    """The language-model config of a multimodal config (its text_config, a dict given the text model_type when it
+    lacks one), else `config` itself."""
+    cfg = HFConfig(config)
+    inner_type = WRAPPERS.get(cfg.model_type)
+    if inner_type is None:
+        return config
+    inner = cfg.get("text_config")
+    if inner is None:
+        raise TSPConfigError(f"model_type={cfg.model_type!r} config has no text_config: TSP trains the language "
+                             "model of this checkpoint and reads its shape from text_config")
+    if isinstance(inner, dict) and "model_type" not in inner:
+        inner = {**inner, "model_type": inner_type}
+    return inner
+
+
+def family_of(model_type: str | None) -> Family:
+    """The adapter of a text model_type; one error listing every family when TSP has none for it."""
+    family = _BY_TYPE.get(model_type)
+    if family is None:
+        raise TSPConfigError(f"model_type={model_type!r} is not supported; TSP converts {', '.join(ARCHITECTURES)} "
+                             f"and the language model of {', '.join(WRAPPERS)}")
+    return family
+
+
+def shape_fields(config) -> dict:
+    """ModelShape keyword arguments of a transformers config (object or config.json dict; a multimodal one is read
+    through its text_config)."""
+    cfg = HFConfig(language_model(config))
+    model_type = cfg.model_type or "llama"
+    if cfg.model_type is None:
+        cfg = HFConfig({**cfg.raw, "model_type": "llama"}) if isinstance(cfg.raw, dict) else cfg
+    return family_of(model_type).read(cfg)

@@ -1,0 +1,119 @@
+"""Model families as adapters (ds_tsp.core.shape.families): every family reads its own transformers config class,
+defaults included, into the same ModelShape as its config.json; what a family does not compute is refused by name;
+Ministral 3's position-scaled queries are transformers' formula and really change the model.
+
+The families' numerics against transformers' own models (float64, D = 2 and 4, save round trips) are in
+tests/model/test_hf_families.py, tests/moe/test_hf_moe.py and tests/hybrid/test_hybrid_models.py.
+"""
+from __future__ import annotations
+
+import pkgutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_tiny import save_tiny_checkpoint, shift  # noqa: E402
+
+from ds_tsp import ModelShape, TSPConfigError  # noqa: E402
+from ds_tsp.core.shape import families  # noqa: E402
+from ds_tsp.core.shape.families import ARCHITECTURES, FAMILIES, WRAPPERS, family_of  # noqa: E402
+from ds_tsp.core.shape.hf_config import config_dict_from_shape  # noqa: E402
+
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8)
+EXTRA = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+         "qwen3_5_moe_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                  shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
+         "qwen3_5_text": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                              linear_value_head_dim=8),
+         "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=8, linear_value_head_dim=8)}
+
+
+def test_each_adapter_module_is_registered_once():
+    modules = {m.name for m in pkgutil.iter_modules(families.__path__)} - {"base"}
+    registered = {f.read.__module__.rsplit(".", 1)[1] for f in FAMILIES}
+    assert registered == modules, "a family module that FAMILIES does not list (or the reverse)"
+    types = [t for f in FAMILIES for t in f.architectures]
+    assert len(types) == len(set(types)) == len(ARCHITECTURES)
+    assert set(WRAPPERS.values()) <= set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_a_family_reads_its_config_class_and_its_config_json_alike(model_type):
+    config = transformers.AutoConfig.for_model(model_type, **SIZES, **EXTRA.get(model_type, {}))
+    assert ARCHITECTURES[model_type] in {a for a in dir(transformers) if a.endswith("ForCausalLM")}
+    from_object, from_json = ModelShape.from_hf_config(config), ModelShape.from_hf_config(config.to_dict())
+    assert from_object == from_json
+    assert (from_object.num_layers, from_object.num_heads, from_object.dim_per_head) == (2, 4, 8)
+
+
+def test_an_unknown_family_is_one_error_naming_every_supported_one():
+    with pytest.raises(TSPConfigError, match=r"model_type='gemma3_text' is not supported; TSP converts llama, "):
+        ModelShape.from_hf_config({"model_type": "gemma3_text", **SIZES})
+    with pytest.raises(TSPConfigError, match="ministral3"):
+        family_of("olmo3")
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("hidden_act", "gelu", "hidden_act='gelu' on a ministral3 config"),
+    ("num_local_experts", 8, "num_local_experts=8 on a ministral3 config"),
+    ("mlp_bias", True, "mlp_bias=True on a ministral3 config"),
+    ("attention_dropout", 0.1, "attention_dropout=0.1"),
+])
+def test_ministral3_refuses_what_it_does_not_compute(field, value, match):
+    config = transformers.Ministral3Config(**SIZES).to_dict()
+    with pytest.raises(TSPConfigError, match=match):
+        ModelShape.from_hf_config({**config, field: value})
+
+
+def test_ministral3_defaults_are_its_config_class_defaults():
+    shape = ModelShape.from_hf_config({"model_type": "ministral3", **SIZES})  # a config.json with no rope block
+    assert shape == ModelShape.from_hf_config(transformers.Ministral3Config(**SIZES))
+    assert (shape.query_scale_beta, shape.query_scale_period, shape.rope_scaling.rope_type) == (0.1, 16384, "yarn")
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "llama_4_scaling_beta": 0.1}
+    with pytest.raises(TSPConfigError, match="llama_4_scaling_beta=0.1 without original_max_position_embeddings"):
+        ModelShape.from_hf_config({"model_type": "ministral3", **SIZES, "rope_parameters": rope})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_query_scale_is_transformers_formula_bit_for_bit(dtype):
+    from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+
+    from ds_tsp.core.tokens.rope import query_scale
+
+    positions = torch.arange(0, 200).view(2, 100)
+    want = get_llama_4_attn_scale(positions, 0.1, 16).to(dtype)  # [B, 1, L, 1]: transformers' head-major layout
+    assert torch.equal(query_scale(positions, 0.1, 16, dtype), want.transpose(1, 2))
+
+
+def test_a_bare_ministral3_shape_saves_as_ministral3():
+    shape = ModelShape.from_hf_config(transformers.Ministral3Config(**SIZES, sliding_window=7))
+    config = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(config).__name__ == "Ministral3Config" and ModelShape.from_hf_config(config) == shape
+
+
+def test_the_query_scale_changes_the_model(tmp_path, monkeypatch):
+    """The positive control of the Ministral 3 rows of tests/model/test_hf_families.py: the same checkpoint with
+    the query scale left out is measurably another model, with it the loss is transformers' (D=1, float64)."""
+    from ds_tsp.core.tokens import positions
+    from ds_tsp.hf import TSPForCausalLM
+    from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
+
+    directory = save_tiny_checkpoint(tmp_path / "ministral3", "ministral3")
+    ids = torch.randint(0, 85, (1, 29), generator=torch.Generator().manual_seed(0))
+    ref_loss, _ = hf_loss_and_grads(load_hf_reference(directory, torch.float64), ids, shift(ids))
+
+    def tsp_loss() -> float:
+        model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+        return float(model(input_ids=ids, labels=ids).loss.detach())
+
+    assert abs(tsp_loss() - float(ref_loss)) < 1e-12 * float(ref_loss)
+    monkeypatch.setattr(positions, "query_scale", lambda p, beta, period, dtype: torch.ones_like(p, dtype=dtype)[
+        :, :, None, None])
+    assert abs(tsp_loss() - float(ref_loss)) > 1e-6 * float(ref_loss)  # measured 2.1e-6 (tiny weights)
