@@ -54,7 +54,8 @@ def _checkpointed_layer(layer: nn.Module, h, cos, sin, q_scale, doc_starts):
 class _Backbone(nn.Module):
     def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device):
         super().__init__()
-        self.embed_tokens = TSPVocabEmbedding(shape.vocab_size, shape.hidden_size, comm, dtype, device)
+        self.embed_tokens = TSPVocabEmbedding(shape.vocab_size, shape.hidden_size, comm, dtype, device,
+                                              padding_idx=shape.pad_token_id)
         self.layers = nn.ModuleList(TSPDecoderLayer(shape, comm, options, dtype, device, layer=i)
                                     for i in range(shape.num_layers))
         self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, shape.zero_centred_norms)

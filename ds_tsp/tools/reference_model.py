@@ -113,7 +113,8 @@ class Backbone(nn.Module):
 
     def __init__(self, shape: ModelShape, dtype=None, device=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, shape.pad_token_id, dtype=dtype,
+                                         device=device)
         self.layers = nn.ModuleList(DecoderLayer(shape, dtype, device, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype, device)
 

@@ -2,7 +2,8 @@
 
 `FAMILIES` covers the architectures ds_tsp loads from the Hub: Llama (rope default / llama3 / linear / yarn,
 explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window), Qwen3
-(per-head q_norm/k_norm) and Ministral 3 (yarn, position-scaled queries, sliding window). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
+(per-head q_norm/k_norm), Ministral 3 (yarn, position-scaled queries, sliding window) and Phi-3 (fused qkv_proj /
+gate_up_proj, partial rotary, sliding window). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
 heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
 
@@ -62,6 +63,11 @@ FAMILIES: dict[str, dict] = {
                        rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
                                         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
                                         "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, partial rotary (half of every head, as Phi-4-mini's 0.75),
+    # GQA, a sliding window
+    "phi3": dict(model_type="phi3", vocab_size=79, hidden_size=64, intermediate_size=96, num_key_value_heads=2,
+                 sliding_window=9, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # "Qwen3-style": q_norm/k_norm, explicit head_dim 16 != 32/4, tied, GQA
     "qwen3": dict(model_type="qwen3", vocab_size=98, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                   head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
@@ -87,7 +93,7 @@ def _config_class(model_type: str):
     return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
             "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
             "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
-            "ministral3": transformers.Ministral3Config}[model_type]
+            "ministral3": transformers.Ministral3Config, "phi3": transformers.Phi3Config}[model_type]
 
 
 def tiny_config(name: str, **overrides):

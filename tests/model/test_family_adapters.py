@@ -23,7 +23,8 @@ from ds_tsp.core.shape.hf_config import config_dict_from_shape  # noqa: E402
 
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
-EXTRA = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+EXTRA = {"phi3": dict(pad_token_id=0),  # its class default 32000 is past this tiny vocabulary
+         "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
          "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
          "qwen3_5_moe_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                   shared_expert_intermediate_size=16, linear_num_key_heads=2,
@@ -117,3 +118,46 @@ def test_the_query_scale_changes_the_model(tmp_path, monkeypatch):
     monkeypatch.setattr(positions, "query_scale", lambda p, beta, period, dtype: torch.ones_like(p, dtype=dtype)[
         :, :, None, None])
     assert abs(tsp_loss() - float(ref_loss)) > 1e-6 * float(ref_loss)  # measured 2.1e-6 (tiny weights)
+
+
+def test_a_bare_phi3_shape_saves_as_phi3():
+    shape = ModelShape.from_hf_config(transformers.Phi3Config(**{**SIZES, "head_dim": None}, pad_token_id=0,
+                                                               sliding_window=5))
+    assert shape.fused_qkv and shape.fused_gate_up and shape.head_dim is None
+    config = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(config).__name__ == "Phi3Config" and ModelShape.from_hf_config(config) == shape
+
+
+def test_phi3_refuses_longrope_and_dropout_by_name():
+    base = transformers.Phi3Config(**SIZES, pad_token_id=0).to_dict()
+    with pytest.raises(TSPConfigError, match="rope_type='longrope' on a phi3 config"):
+        ModelShape.from_hf_config({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                                                "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}})
+    with pytest.raises(TSPConfigError, match="resid_pdrop=0.1 on a phi3 config"):
+        ModelShape.from_hf_config({**base, "resid_pdrop": 0.1})
+
+
+@pytest.mark.parametrize("degree", [1, 2])
+def test_the_padding_row_gets_no_gradient_as_in_transformers(tmp_path, degree):
+    """transformers' embedding is nn.Embedding(padding_idx=config.pad_token_id): that row's grad is zero however
+    often the token occurs. The batch here is full of the pad token (0) so a missing zeroing cannot hide."""
+    from local_ranks import run_on_local_ranks
+
+    from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
+
+    directory = save_tiny_checkpoint(tmp_path / "phi3", "phi3")
+    ids = torch.randint(0, 79, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, ::3] = 0
+    _, ref_grads = hf_loss_and_grads(load_hf_reference(directory, torch.float64), ids, shift(ids))
+    grads = run_on_local_ranks(_embedding_grad, degree, str(directory), ids)[0]
+    want = ref_grads["model.embed_tokens.weight"]
+    assert torch.count_nonzero(want[0]) == 0 and torch.count_nonzero(grads[0]) == 0
+    assert float((grads - want).norm() / want.norm()) < 1e-12
+
+
+def _embedding_grad(directory: str, ids: torch.Tensor) -> torch.Tensor:
+    from ds_tsp.hf import TSPForCausalLM
+
+    model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return model.tsp.full_state_dict(grads=True)["model.embed_tokens.weight"]

@@ -3,7 +3,7 @@
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
-else Mixtral; position-scaled queries -> Ministral 3; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding
+else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding
 window on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
@@ -86,6 +86,8 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
         return _moe_config_dict(shape, dtype)
     if shape.query_scale_beta:
         return _ministral3_config_dict(shape, dtype)
+    if shape.fused_qkv or shape.fused_gate_up:
+        return _phi3_config_dict(shape, dtype)
     windows = shape.attention_windows
     uniform_window = windows is not None and len(set(windows)) == 1 and windows[0] is not None
     model_type = ("qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else
@@ -125,6 +127,7 @@ def _common_fields(shape: ModelShape, dtype: torch.dtype, model_type: str) -> di
         "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.dim_per_head, "rms_norm_eps": shape.rms_norm_eps,
         "tie_word_embeddings": shape.tie_word_embeddings, "hidden_act": "silu", "dtype": str(dtype)[6:],
+        "pad_token_id": shape.pad_token_id,
         "max_position_embeddings": (shape.rope_scaling.max_position_embeddings if shape.rope_scaling and
                                     shape.rope_scaling.max_position_embeddings else 131072),
         "rope_parameters": rope, "rope_theta": shape.rope_theta,
@@ -143,6 +146,20 @@ def _ministral3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
                              "period of its rope's original_max_position_embeddings; give a rope_scaling with it")
     config = _common_fields(shape, dtype, "ministral3")
     config["rope_parameters"] = {**config["rope_parameters"], "llama_4_scaling_beta": shape.query_scale_beta}
+    return {**config, "sliding_window": None if windows is None else windows[0]}
+
+
+def _phi3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, partial rotary."""
+    windows = shape.attention_windows
+    if not (shape.fused_qkv and shape.fused_gate_up) or shape.qkv_bias or shape.qk_norm or (
+            windows is not None and (len(set(windows)) != 1 or windows[0] is None)):
+        raise TSPConfigError("fused_qkv / fused_gate_up: Phi-3, the family with fused projections, fuses both, and has "
+                             "no q/k/v bias, no q/k norms and at most one window for every layer")
+    config = _common_fields(shape, dtype, "phi3")
+    if shape.head_dim is None:  # Phi3Config has no head_dim field: hidden / heads
+        config.pop("head_dim")
+    config["rope_parameters"] = {**config["rope_parameters"], "partial_rotary_factor": shape.partial_rotary_factor}
     return {**config, "sliding_window": None if windows is None else windows[0]}
 
 

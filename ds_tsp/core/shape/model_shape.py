@@ -64,6 +64,12 @@ class ModelShape:
     # 1 + query_scale_beta * log(1 + floor(position / query_scale_period)) (1 below the first period); 0: off
     query_scale_beta: float = 0.0
     query_scale_period: int = 0
+    # Phi-3's checkpoint layout: q, k, v rows fused in qkv_proj and gate, up rows in gate_up_proj (the math is
+    # Llama's; only where each rank's slices lie in the checkpoint changes)
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    # transformers' embedding is nn.Embedding(padding_idx=config.pad_token_id): that row never gets a gradient
+    pad_token_id: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -91,6 +97,13 @@ class ModelShape:
             object.__setattr__(self, "dense_mlp_layers", tuple(self.dense_mlp_layers))
         check_moe_fields(self)
         self._check_hybrid_fields()
+        if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or
+                                              isinstance(self.pad_token_id, bool) or
+                                              not 0 <= self.pad_token_id < self.vocab_size):
+            raise TSPConfigError(f"pad_token_id={self.pad_token_id!r}: the embedding's padding row must be a token id "
+                                 f"in [0, vocab_size={self.vocab_size}) (or None)")
+        if self.fused_qkv and (self.qkv_bias or self.attn_output_gate):
+            raise TSPConfigError("fused_qkv with q/k/v bias or gated attention: Phi-3's fused qkv_proj has neither")
         if self.query_scale_beta:
             if not self.query_scale_beta > 0 or not isinstance(self.query_scale_period, int) or \
                     isinstance(self.query_scale_period, bool) or self.query_scale_period < 1:

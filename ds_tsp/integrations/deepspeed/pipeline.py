@@ -39,7 +39,7 @@ from ds_tsp.model.trainability import base_parameters, carry_requires_grad
 
 class EmbeddingPipe(TSPVocabEmbedding):
     def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device):
-        super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device)
+        super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device, padding_idx=shape.pad_token_id)
 
     def forward(self, inputs):
         input_ids, position_ids, shift_labels = inputs

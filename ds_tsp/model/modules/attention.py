@@ -12,7 +12,7 @@ from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, tsp_attent
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.positions import RopeTables
 from ds_tsp.model.modules.piece import ShardedPiece
-from ds_tsp.model.modules.slices import HFSlice
+from ds_tsp.model.modules.slices import HFRanges, HFSlice
 
 
 class HeadNorm(nn.Module):
@@ -31,6 +31,7 @@ class TSPAttention(ShardedPiece):
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
         self.comm, self.num_heads, self.num_kv_heads = comm, shape.num_heads, shape.num_kv_heads
+        self.fused = shape.fused_qkv  # Phi-3: q, k, v rows in one qkv_proj tensor
         self.spec = AttentionSpec(hidden=shape.hidden_size, heads_per_block=shape.num_heads // comm.size,
                                   kv_heads_per_block=max(shape.num_kv_heads // comm.size, 1),
                                   head_dim=shape.dim_per_head, qkv_bias=shape.qkv_bias,
@@ -58,6 +59,8 @@ class TSPAttention(ShardedPiece):
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         s, h = self.spec, self.spec.hidden
         q, kv = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
+        if self.fused:
+            return {"qkv_proj.weight": (q + 2 * kv, h), "o_proj.weight": (h, q)}
         q_rows = 2 * q if s.output_gate else q  # gated attention: [q, gate] rows per head
         shapes = {"q_proj.weight": (q_rows, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
                   "o_proj.weight": (h, q)}
@@ -65,11 +68,18 @@ class TSPAttention(ShardedPiece):
             shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         return shapes
 
-    def hf_slices(self, rank: int | None = None) -> dict[str, HFSlice]:
+    def hf_keys(self) -> dict[str, str | tuple[str, ...]]:
+        return {"qkv_proj.weight": ("wq", "wk", "wv"), "o_proj.weight": "wo"} if self.fused else super().hf_keys()
+
+    def hf_slices(self, rank: int | None = None) -> dict[str, HFSlice | HFRanges]:
         p = self.comm.rank if rank is None else rank
         q, kv = self.spec.heads_per_block * self.spec.head_dim, self.spec.kv_heads_per_block * self.spec.head_dim
         pk = p // self.spec.kv_replicas  # the kv head block this rank's query heads read
         qr = 2 * q if self.spec.output_gate else q  # gated: the block's heads' [q, gate] rows are contiguous
+        if self.fused:  # rows [0, Q) q, [Q, Q + KV) k, [Q + KV, Q + 2 KV) v
+            Q, KV = self.num_heads * self.spec.head_dim, self.num_kv_heads * self.spec.head_dim
+            return {"qkv_proj.weight": HFRanges(((0, p * q, q), (0, Q + pk * kv, kv), (0, Q + KV + pk * kv, kv))),
+                    "o_proj.weight": (1, p * q, q)}
         slices = {"q_proj.weight": (0, p * qr, qr), "k_proj.weight": (0, pk * kv, kv),
                   "v_proj.weight": (0, pk * kv, kv), "o_proj.weight": (1, p * q, q)}
         if self.spec.qkv_bias:
@@ -84,6 +94,8 @@ class TSPAttention(ShardedPiece):
         def cat(key, dim=0):
             return torch.cat([v[key] for v in (kv_owners if key[1] in "kv" else views)], dim=dim)
 
+        if self.fused:
+            return {"qkv_proj.weight": torch.cat((cat("wq"), cat("wk"), cat("wv"))), "o_proj.weight": cat("wo", 1)}
         full = {"q_proj.weight": cat("wq"), "k_proj.weight": cat("wk"), "v_proj.weight": cat("wv"),
                 "o_proj.weight": cat("wo", 1)}
         if self.spec.qkv_bias:

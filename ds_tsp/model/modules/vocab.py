@@ -50,8 +50,14 @@ class TSPVocabShard(ShardedPiece):
 
 
 class TSPVocabEmbedding(TSPVocabShard):
+    """The embedding; padding_idx: the row transformers' nn.Embedding never updates (config.pad_token_id)."""
+
+    def __init__(self, vocab_size: int, hidden: int, comm: TSPComm, dtype, device, padding_idx: int | None = None):
+        super().__init__(vocab_size, hidden, comm, dtype, device)
+        self.padding_idx = padding_idx
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return tsp_embedding(input_ids, self.vocab_shard, self.comm)
+        return tsp_embedding(input_ids, self.vocab_shard, self.comm, self.padding_idx)
 
 
 class TSPLMHeadLoss(TSPVocabShard):

@@ -190,7 +190,9 @@ def _check_lora_layer(name: str, module: nn.Module, adapter: str) -> None:
     from peft.tuners.lora.layer import Linear
 
     if not TARGETS.match(name):
-        raise TSPConfigError(f"LoRA on {name!r} is not supported under TSP: target only the decoder layers' "
+        fused = " (Phi-3's fused qkv_proj / gate_up_proj are not LoRA targets in this version; o_proj and down_proj " \
+                "are)" if name.endswith(("qkv_proj", "gate_up_proj")) else ""
+        raise TSPConfigError(f"LoRA on {name!r} is not supported under TSP{fused}: target only the decoder layers' "
                              "q/k/v/o_proj, gate/up/down_proj and the Gated DeltaNet's in_proj_* / out_proj "
                              "(target_modules)")
     what = None

@@ -4,6 +4,9 @@ Rank p owns rows [p*Vd, (p+1)*Vd) of the (padded) table, Vd = ceil(V/D). Streami
 Vd*h) instead of all-gathering token ids and reduce-scattering partial rows keeps every temporary at O(S/D):
 the gather alternative needs an [S, h] buffer on every rank.
 
+padding_idx (transformers' nn.Embedding(padding_idx=config.pad_token_id)): that row's grad from the lookup is zero,
+as torch's embedding backward leaves it; the owner zeroes it in its ring step (a host int, no sync).
+
 The table's grad is accumulated in float32 (or the shard's dtype if wider) within each ring step: a bf16 grad row
 that one frequent token adds to hundreds of times would otherwise round at every add. Each step's contribution is
 cast to the shard's dtype as it leaves the step (the grad ring carries the parameter's dtype).
@@ -21,7 +24,7 @@ class _TSPEmbedding(torch.autograd.Function):
     AUTOCAST = AUTOCAST_KEEP_DTYPE  # a lookup: rows keep the table's dtype, as eager autocast leaves embedding
 
     @staticmethod
-    def forward(ctx, input_ids, vocab_shard, comm: TSPComm):
+    def forward(ctx, input_ids, vocab_shard, comm: TSPComm, padding_idx: int | None):
         rows = vocab_shard.shape[0]
         out = vocab_shard.new_zeros((*input_ids.shape, vocab_shard.shape[1]))
 
@@ -32,7 +35,7 @@ class _TSPEmbedding(torch.autograd.Function):
             out.copy_(torch.where(hit[..., None], shard[local.clamp(0, rows - 1)], out))
 
         ring_forward(comm, vocab_shard, step)
-        ctx.comm = comm
+        ctx.comm, ctx.padding_idx = comm, padding_idx
         ctx.save_for_backward(input_ids, vocab_shard)
         return out
 
@@ -50,11 +53,16 @@ class _TSPEmbedding(torch.autograd.Function):
             # torch.where instead of boolean indexing keeps the ring free of device-to-host syncs
             grad = torch.zeros((rows + 1, h), dtype=acc, device=shard.device)
             grad.index_add_(0, torch.where(hit, local, rows), dout_acc)
+            pad = None if ctx.padding_idx is None else ctx.padding_idx - owner * rows
+            if pad is not None and 0 <= pad < rows:
+                grad[pad] = 0
             return grad[:rows].to(shard.dtype)
 
-        return None, ring_backward(ctx.comm, vocab_shard, step), None
+        return None, ring_backward(ctx.comm, vocab_shard, step), None, None
 
 
-def tsp_embedding(input_ids: torch.Tensor, vocab_shard: torch.Tensor, comm: TSPComm) -> torch.Tensor:
-    """[B, L] local token ids -> [B, L, h] rows of the vocab-sharded table."""
-    return apply_autocast(_TSPEmbedding, vocab_shard.device.type, input_ids, vocab_shard, comm)
+def tsp_embedding(input_ids: torch.Tensor, vocab_shard: torch.Tensor, comm: TSPComm,
+                  padding_idx: int | None = None) -> torch.Tensor:
+    """[B, L] local token ids -> [B, L, h] rows of the vocab-sharded table; padding_idx: the row whose grad stays
+    zero (torch's nn.Embedding(padding_idx=...))."""
+    return apply_autocast(_TSPEmbedding, vocab_shard.device.type, input_ids, vocab_shard, comm, padding_idx)

@@ -51,10 +51,11 @@ class Family:
 # --- the Llama-shaped decoder every family starts from ------------------------------------------------------------
 
 def decoder_fields(cfg: HFConfig, *, head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0,
-                   partial_rotary: bool = False, act: str = "silu") -> dict:
+                   partial_rotary: bool = False, act: str = "silu", pad_token_id: int | None = None) -> dict:
     """The fields of a pre-norm decoder with RoPE attention and a gated MLP (Llama's), with the defaults of the
     family's config class; the common fields TSP does not compute are refused here.
-    partial_rotary: the family reads partial_rotary_factor (else refused); act: the MLP activation it has."""
+    partial_rotary: the family reads partial_rotary_factor (else refused); act: the MLP activation it has;
+    pad_token_id: the config class's default (the embedding row that never gets a gradient)."""
     if cfg.get("hidden_act", act) != act:
         raise TSPConfigError(f"hidden_act={cfg.get('hidden_act')!r} on a {cfg.model_type} config: its gated MLP is "
                              f"{act} under TSP; a checkpoint with another activation is another model")
@@ -74,7 +75,8 @@ def decoder_fields(cfg: HFConfig, *, head_dim: int | None = None, eps: float = 1
                 num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim", head_dim), rope_theta=rope_theta,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", eps)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_scaling=scaling)
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), rope_scaling=scaling,
+                pad_token_id=cfg.get("pad_token_id", pad_token_id))
 
 
 def dense_only(cfg: HFConfig) -> None:

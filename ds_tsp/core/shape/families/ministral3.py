@@ -26,7 +26,7 @@ def read(cfg: HFConfig) -> dict:
                              "the query scale's period is that field; set it")
     longest = cfg.get("max_position_embeddings", 262144)
     fields = decoder_fields(HFConfig(_with(cfg, rope_parameters=rope, max_position_embeddings=longest)), head_dim=128,
-                            eps=1e-5, theta=1e6)
+                            eps=1e-5, theta=1e6, pad_token_id=11)
     return {**fields, "attention_windows": uniform_window(cfg, fields["num_layers"]),
             "query_scale_beta": beta, "query_scale_period": int(period) if beta else 0}
 
