@@ -1,6 +1,6 @@
-"""Module paths of the pre-release layout, still importable: `import ds_tsp.launch` gives ds_tsp.core.parallel.launch (the same
-module object, so classes and state are shared) with one DeprecationWarning naming the new import. Packages move
-whole: `ds_tsp.plan.cli` is ds_tsp.tools.plan.cli. `python -m ds_tsp.cli` runs ds_tsp.tools.cli.
+"""Module paths of the pre-release layout, still importable: `import ds_tsp.launch` gives ds_tsp.core.parallel.launch
+(the same module object, so classes and state are shared) with one DeprecationWarning naming the new import. Packages
+move whole: `ds_tsp.plan.cli` is ds_tsp.tools.plan.cli. `python -m ds_tsp.cli` runs ds_tsp.tools.cli.
 
 Prefer the public faces (ds_tsp, ds_tsp.hf, ds_tsp.accelerate, ds_tsp.testing) to any module path."""
 from __future__ import annotations

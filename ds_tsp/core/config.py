@@ -172,8 +172,8 @@ class TSPConfig(ScheduleOptions):
     def _offload_without_pipeline(self) -> "TSPConfig":
         if self.offload_activations and self.pipeline_stages > 1:
             raise TSPConfigError(f"tsp.offload_activations=true with tsp.pipeline_stages={self.pipeline_stages}: "
-                                 "pipeline stages checkpoint through DeepSpeed's pipeline engine, which ds_tsp does not "
-                                 "offload; set pipeline_stages to 1 or offload_activations to false")
+                                 "pipeline stages checkpoint through DeepSpeed's pipeline engine, which ds_tsp does "
+                                 "not offload; set pipeline_stages to 1 or offload_activations to false")
         return self
 
     @model_validator(mode="after")

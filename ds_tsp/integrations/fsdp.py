@@ -6,7 +6,7 @@
     shard_with_fsdp2(model, groups, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                    reduce_dtype=torch.float32))
     opt = torch.optim.AdamW(model.parameters(), lr=...)
-    share = model(input_ids, shift_labels, position_ids)                # batches from ds_tsp.core.tokens.loader.TSPDataLoader
+    share = model(input_ids, shift_labels, position_ids)                # batches from ds_tsp.TSPDataLoader
     share.backward()
     norm = clip_grad_norm_(model, 1.0, groups)      # ds_tsp.core.grads.clip: the FULL model's grad norm, every rank
     opt.step(); opt.zero_grad()
@@ -17,10 +17,10 @@ it shards them again over the data sub-mesh (`groups.device_mesh()["data"]`) and
 With a cp axis (tsp.cp_size = C: C TSP groups split each sequence) the "data" sub-mesh spans data x cp: the cp
 groups hold the same shards, so FSDP2 shards them over data x cp and averages the cp groups' gradients like data
 replicas'. The model must carry the cp ring (TSPComm(groups.tsp_group, cp=TSPComm(groups.cp_group)), what
-ds_tsp.core.parallel.runtime.build_runtime builds) and the batches come cut over cp then TSP (TSPDataLoader, shard_batch(...,
-cp=C, cp_rank=groups.cp_rank)); tests/cp/test_cp_fsdp.py checks it against one process. The TSP collectives
-(weight broadcasts/rings, K/V all-gathers, the replicated-norm grad all-reduce) run inside the layers on the other
-axis, on the unsharded parameters FSDP2 installs in its pre-forward hook.
+ds_tsp.core.parallel.runtime.build_runtime builds) and the batches come cut over cp then TSP (TSPDataLoader,
+shard_batch(..., cp=C, cp_rank=groups.cp_rank)); tests/cp/test_cp_fsdp.py checks it against one process. The TSP
+collectives (weight broadcasts/rings, K/V all-gathers, the replicated-norm grad all-reduce) run inside the layers on the
+other axis, on the unsharded parameters FSDP2 installs in its pre-forward hook.
 
 Units: one per decoder layer, then the root (embedding + final norm + LM head). The tied LM head reads the
 embedding's `vocab_shard` from another module, so both stay in the root unit that owns the shared parameter.

@@ -2,10 +2,10 @@
 
 A script written for transformers builds `model = AutoModelForCausalLM...` and `optimizer = AdamW(model
 .parameters())` before `prepare`. `to_tsp_model` converts the model (an HF Llama-family model, a local checkpoint
-path, a config or ModelShape, or an existing TSP model); `rebind_optimizer` points the SAME optimizer object (so a scheduler built on
-it keeps working) at the TSP shards, param group by param group, mapping HF parameter names to the shard that holds
-them (a mixture-of-experts model's in-memory names, fused experts and Mixtral's `mlp.` block, translated to the
-checkpoint names the shards use: ds_tsp.model.trainability.checkpoint_names).
+path, a config or ModelShape, or an existing TSP model); `rebind_optimizer` points the SAME optimizer object (so a
+scheduler built on it keeps working) at the TSP shards, param group by param group, mapping HF parameter names to the
+shard that holds them (a mixture-of-experts model's in-memory names, fused experts and Mixtral's `mlp.` block,
+translated to the checkpoint names the shards use: ds_tsp.model.trainability.checkpoint_names).
 """
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def core_model(model: nn.Module) -> ShardedCausalLM:
     for _ in range(3):  # e.g. DDP(TSPForCausalLM(...)).module.tsp
         if isinstance(inner, ShardedCausalLM):
             return inner
-        inner = inner.tsp if isinstance(getattr(inner, "tsp", None), ShardedCausalLM) else getattr(inner, "module", None)
+        inner = (inner.tsp if isinstance(getattr(inner, "tsp", None), ShardedCausalLM)
+                 else getattr(inner, "module", None))
         if not isinstance(inner, nn.Module):
             break
     raise TSPConfigError(f"{type(model).__name__} is not a ds_tsp model: pass a ShardedCausalLM or a "

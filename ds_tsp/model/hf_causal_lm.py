@@ -96,7 +96,8 @@ class TSPForCausalLM(nn.Module):
             raise NoGenerationConfig(
                 "TSPForCausalLM has no generation_config: TRL's SFTTrainer needs the TSP composition, "
                 "ds_tsp.hf.TSPSFTTrainer (or class X(TSPTrainer, SFTTrainer)), to train a TSP model; a bare "
-                "SFTTrainer would feed it whole, unsharded batches. For generation, see the sampling loop of docs/huggingface.md")
+                "SFTTrainer would feed it whole, unsharded batches. For generation, see the sampling loop of "
+                "docs/huggingface.md")
         return super().__getattr__(name)
 
     # --- construction ---------------------------------------------------------------------------------------

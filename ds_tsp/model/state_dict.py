@@ -48,7 +48,8 @@ class ShardedStateDict:
 
     def lora_tensors(self) -> list[tuple[str, nn.Parameter, tuple[int, tuple[int, ...]] | None]]:
         """(PEFT key less its base_model.model. prefix, this rank's LoRA factor, (dim, start of every TSP rank) when
-        the factor is sharded or None when replicated) of every LoRA factor (ds_tsp.model.peft.lora); [] without LoRA."""
+        the factor is sharded or None when replicated) of every LoRA factor (ds_tsp.model.peft.lora); [] without
+        LoRA."""
         out = []
         for prefix, piece, _ in self.sharded_modules():
             lora = getattr(piece, "lora", None)
@@ -104,7 +105,8 @@ class ShardedStateDict:
             kv_owner = rank // getattr(module.spec, "kv_replicas", 1)
             for piece, shape in layout.pieces:
                 owner = kv_owner if piece in ("wk", "wv") else rank
-                views[piece].copy_(torch.zeros(shape) if piece.startswith("b") else normal(f"{name}{piece}{owner}", shape))
+                views[piece].copy_(torch.zeros(shape) if piece.startswith("b")
+                                   else normal(f"{name}{piece}{owner}", shape))
         # norms 1 (zero-centred norms 0: the same identity scale); MoE routers N(0, std), same on every rank
         norm_init = 0.0 if self.shape.zero_centred_norms else 1.0
         for name, param in self.replicated_params().items():

@@ -170,7 +170,8 @@ def bench_targets(src: dict) -> str:
         f"| extra CPU of TSP memory-optimal over one device | D=2: {cpu['tsp', 2]:.2f} vs {cpu['single', 1]:.2f} s: "
         f"**+{extra_cpu('tsp', 2):.1f}%** (speed mode +{extra_cpu('tsp_speed', 2):.1f}%); D=4: "
         f"**+{extra_cpu('tsp', 4):.0f}%** | {'met' if extra_cpu('tsp', 2) <= 0 else 'missed'} |",
-        "| K/V bytes with GQA at D > n_kv = the gather-once formula | exact (tests/core/test_kv_gather_once.py) | met |"])
+        "| K/V bytes with GQA at D > n_kv = the gather-once formula | exact (tests/core/test_kv_gather_once.py) "
+        "| met |"])
 
 
 def bench_overlap_table(src: dict) -> str:

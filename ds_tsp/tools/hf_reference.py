@@ -174,7 +174,8 @@ def hf_logits(model, input_ids, position_ids=None, attention_mask=None) -> torch
 
 
 def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor, position_ids=None,
-                      attention_mask=None, documents: Sequence[Sequence[int]] | None = None, aux_out: dict | None = None):
+                      attention_mask=None, documents: Sequence[Sequence[int]] | None = None,
+                      aux_out: dict | None = None):
     """Token-mean cross entropy over shift_labels != -100 (shift_labels[b, t] is the target of position t) and
     the gradient of every parameter, HF-named (a tied lm_head.weight is reported too: the embedding's grad).
 

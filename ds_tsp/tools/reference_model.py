@@ -133,7 +133,8 @@ class ReferenceCausalLM(nn.Module):
                                  "check a hybrid model against transformers' own (ds-tsp verify --hf-model DIR)")
         if shape.query_scale_beta:
             raise TSPConfigError("query_scale_beta (Ministral 3's position-scaled queries): the ds_tsp reference model "
-                                 "does not scale queries; check it against transformers' own (ds-tsp verify --hf-model)")
+                                 "does not scale queries; check it against transformers' own "
+                                 "(ds-tsp verify --hf-model)")
         self.shape = shape
         self.model = Backbone(shape, dtype, device)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, dtype=dtype, device=device)

@@ -3,12 +3,13 @@
 Run on every rank of a TSP group; the reference runs on TSP rank 0 only. Errors are norm-wise relative
 (||g_tsp - g_ref|| / ||g_ref||) per parameter, HF-named; the report keeps the largest.
 
-Two references: ds_tsp.tools.reference_model.ReferenceCausalLM (weights from a seed), or with `hf_model` transformers' OWN
-model loaded from that checkpoint directory (float64 made exact by ds_tsp.tools.hf_reference), while TSP loads the same
-directory by slices (TSPForCausalLM.from_pretrained). With a cp axis (`run_cp_case`, `ds-tsp verify --tsp D --cp C`) C TSP groups share each sequence and the grads are
-averaged over data x cp first, as the data-parallel engine does. With `documents` = K > 1 every sequence packs K documents of
-random lengths (position_ids restarting, the first label of each document -100, as DataCollatorWithFlattening
-makes them) and the reference runs every document on its own.
+Two references: ds_tsp.tools.reference_model.ReferenceCausalLM (weights from a seed), or with `hf_model` transformers'
+OWN model loaded from that checkpoint directory (float64 made exact by ds_tsp.tools.hf_reference), while TSP loads the
+same directory by slices (TSPForCausalLM.from_pretrained). With a cp axis (`run_cp_case`,
+`ds-tsp verify --tsp D --cp C`) C TSP groups share each sequence and the grads are averaged over data x cp first, as the
+data-parallel engine does. With `documents` = K > 1 every sequence packs K documents of random lengths (position_ids
+restarting, the first label of each document -100, as DataCollatorWithFlattening makes them) and the reference runs
+every document on its own.
 
 Mixture-of-experts checkpoints (Qwen3-MoE, Mixtral): the loss includes router_aux_loss_coef x the load-balancing
 loss when the config sets output_router_logits (as transformers adds it), and the report gives the aux loss's own

@@ -1,9 +1,9 @@
 """Load a local HF safetensors checkpoint into TSP shards, each rank reading ONLY its own slices.
 
-The model's modules say which slice of which tensor they own (ds_tsp.model.modules.decoder: hf_slices) and where it lands
-(hf_targets: views of the packed parameter); CheckpointReader reads exactly those bytes, in bounded chunks, straight
-into those views, casting to the model dtype. Peak host memory per rank is therefore its shards plus one chunk of
-file pages, ~1/D of the checkpoint (measured in tests/checkpoint/test_hf_loading.py), where loading a full
+The model's modules say which slice of which tensor they own (ds_tsp.model.modules.decoder: hf_slices) and where it
+lands (hf_targets: views of the packed parameter); CheckpointReader reads exactly those bytes, in bounded chunks,
+straight into those views, casting to the model dtype. Peak host memory per rank is therefore its shards plus one chunk
+of file pages, ~1/D of the checkpoint (measured in tests/checkpoint/test_hf_loading.py), where loading a full
 state dict on every rank needs 100%+.
 
 Mixture-of-experts weights are read under the names transformers writes from any layout it reads itself

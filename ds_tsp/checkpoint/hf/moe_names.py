@@ -47,7 +47,8 @@ class MoENames:
 
 @dataclass(frozen=True)
 class Source:
-    """Where a canonical tensor lives: `name` whole, or row block [row, row + rows) of expert `expert` of a fused one."""
+    """Where a canonical tensor lives: `name` whole, or row block [row, row + rows) of expert `expert` of a fused
+    one."""
 
     name: str
     expert: int | None = None

@@ -3,9 +3,9 @@
 
 Every TSP rank of the writing data replica streams its own tensors into the writer's temporary directory (a
 filesystem the TSP ranks share, as loading by slices already assumes) as part files of its own
-(`model-tsp{p}-0000k.safetensors.part`, ds_tsp.checkpoint.safetensors.shard_stream). At the end each sends the writer, over the
-TSP group (gather_object: names and file names, a few KB, never tensor bytes), what it wrote or why it failed; the
-writer adopts the parts (StreamingCheckpointWriter.adopt_parts), so the final names (`model-0000k-of-0000N`), the
+(`model-tsp{p}-0000k.safetensors.part`, ds_tsp.checkpoint.safetensors.shard_stream). At the end each sends the writer,
+over the TSP group (gather_object: names and file names, a few KB, never tensor bytes), what it wrote or why it failed;
+the writer adopts the parts (StreamingCheckpointWriter.adopt_parts), so the final names (`model-0000k-of-0000N`), the
 index and the atomic rename cover every rank's files, or, if any rank failed, drops them all with its own.
 """
 from __future__ import annotations

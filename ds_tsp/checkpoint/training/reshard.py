@@ -1,8 +1,8 @@
 """This rank's shard of every parameter (weight or optimizer state), from shards saved at any TSP degree.
 
 Same degree: the rank's own tensor is read as saved (bit for bit). Another degree: for each sharded module the
-saved shards of every old rank are put together into that module's HF tensors (ds_tsp.model.modules.decoder: unshard) and this
-rank's part is cut out of them (shard_full), one module at a time, so no rank ever holds more than one module
+saved shards of every old rank are put together into that module's HF tensors (ds_tsp.model.modules.decoder: unshard)
+and this rank's part is cut out of them (shard_full), one module at a time, so no rank ever holds more than one module
 whole. Replicated parameters (norms) are read from TSP rank 0's files.
 
 A LoRA factor cut along its base slice's dim (ds_tsp.model.peft.lora: B's rows of q/k/v/gate/up, A's columns of o/down)

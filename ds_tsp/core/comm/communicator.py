@@ -7,13 +7,15 @@ Byte accounting (`CommCounter`) follows the algorithm's logical volume per rank:
 a reduce on senders, all-gather counts the (D-1)/D of its output that arrives, reduce-scatter the (D-1)/D of its
 input that leaves, a ring hop counts what is sent. Summed over a full head-block loop every rank counts the same.
 
-Every blocking wait is bounded by `TSPComm.timeout_s` (ds_tsp.core.reliability.watchdog): a dead or stalled peer ends the rank with
-one stderr line naming the collective, the layer (`comm.context`, kept by ds_tsp.core.reliability.watchdog.label_modules) and the
-rank waited for, and exit code ds_tsp.core.reliability.watchdog.EXIT_CODE. Blocking torch.distributed calls made elsewhere are
-bounded the same way inside `with comm.guard("what"):`.
+Every blocking wait is bounded by `TSPComm.timeout_s` (ds_tsp.core.reliability.watchdog): a dead or stalled peer ends
+the rank with one stderr line naming the collective, the layer (`comm.context`, kept by
+ds_tsp.core.reliability.watchdog.label_modules) and the rank waited for, and exit code
+ds_tsp.core.reliability.watchdog.EXIT_CODE. Blocking torch.distributed calls made elsewhere are bounded the same way
+inside `with comm.guard("what"):`.
 
 `with comm.recording() as rec:` lists, in post order, every op this comm posts (ds_tsp.core.comm.recorder): what a
-replay under NCCL's queueing rules checks (tests/helpers/nccl_rules.py), since gloo's threads hide orders that hang NCCL.
+replay under NCCL's queueing rules checks (tests/helpers/nccl_rules.py), since gloo's threads hide orders that hang
+NCCL.
 """
 from __future__ import annotations
 
@@ -66,8 +68,8 @@ class CommCounter:
 
 
 class Handle:
-    """Pending communication; `wait()` blocks (at most `timeout_s`, see ds_tsp.core.reliability.watchdog) and charges the blocked
-    time to the counter."""
+    """Pending communication; `wait()` blocks (at most `timeout_s`, see ds_tsp.core.reliability.watchdog) and charges
+    the blocked time to the counter."""
 
     @classmethod
     def started(cls, works: list, counter: CommCounter, keep_alive: tuple, overlap: bool,
@@ -130,8 +132,9 @@ class TSPComm:
     # NCCL runs one in-order stream per communicator, so on the TSP group alone a prefetch broadcast would queue
     # ahead of the K/V gather the next kernel waits for. None: weights share `group` (one stream).
     weight_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
-    # The context-parallel axis (ds_tsp.core.layers.attention.cp_ring): a TSPComm over this rank's peers at the same TSP index in the
-    # other cp groups of its sequence, whose ring passes gathered K/V. None: cp = 1 (the sequence is this group's).
+    # The context-parallel axis (ds_tsp.core.layers.attention.cp_ring): a TSPComm over this rank's peers at the same TSP
+    # index in the other cp groups of its sequence, whose ring passes gathered K/V. None: cp = 1 (the sequence is this
+    # group's).
     cp: "TSPComm | None" = field(default=None, compare=False, repr=False)
 
     @property
@@ -304,8 +307,8 @@ class TSPComm:
 
         One batch_isend_irecv per hop: NCCL runs a batch's send and receive together, whereas a bare isend posted
         first on every rank blocks each rank's queue until its peer's receive, which never comes (a ring deadlock
-        above NCCL's eager size; tests/helpers/nccl_rules.py). NCCL ignores `tag`: hops match because every rank posts them
-        in the same order.
+        above NCCL's eager size; tests/helpers/nccl_rules.py). NCCL ignores `tag`: hops match because every rank posts
+        them in the same order.
         """
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.counter.add("ring", _nbytes(send))

@@ -1,4 +1,5 @@
-"""Two of the three TSP primitives on a TSPComm (ds_tsp.core.comm.communicator), and the replicated-parameter all-reduce.
+"""Two of the three TSP primitives on a TSPComm (ds_tsp.core.comm.communicator), and the replicated-parameter
+all-reduce.
 
 Every primitive is a forward/backward pair built on handles, so layers can start the next transfer before
 computing on the current one:
@@ -7,7 +8,8 @@ computing on the current one:
 |----------------------|------------------------------------------|-----------------------------------------------|
 | shard broadcast      | ShardStream: rank j's packed shard to all | ShardGradReducer: weight grads summed on j   |
 | weight ring          | pass shards to rank p+1, D-1 hops        | grads travel with the shard, D hops to owner  |
-| sequence all-gather  | ds_tsp.core.comm.kv_gather: K/V straight into global token order | dK/dV reduce-scattered from rank order |
+| sequence all-gather  | ds_tsp.core.comm.kv_gather: K/V straight | dK/dV reduce-scattered from rank order        |
+|                      | into global token order                  |                                               |
 
 The fused layers (ds_tsp.core.layers) call these directly; every wait goes through a Handle, so it is bounded
 by the comm's timeout_s (ds_tsp.core.reliability.watchdog).

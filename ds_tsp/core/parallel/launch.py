@@ -198,8 +198,8 @@ def exit_rank(code: int | None = 0) -> None:
     """End a launched rank (torchrun, accelerate launch, deepspeed) once everything is saved: flush stdout and
     stderr, destroy the default process group if one is up, and leave without interpreter finalization.
 
-    No longer needed: a script that simply returns exits cleanly, because ds_tsp.core.reliability.clean_exit (installed by
-    init_from_env, TSPComm and ProcessGroups.build) stops the watchdog, destroys the groups and lets gloo's worker
+    No longer needed: a script that simply returns exits cleanly, because ds_tsp.core.reliability.clean_exit (installed
+    by init_from_env, TSPComm and ProcessGroups.build) stops the watchdog, destroys the groups and lets gloo's worker
     threads release their finished ops before finalization; without it torch's gloo backend aborted at exit
     ("terminate called without an active exception", exit code -6) in about 1 run in 5. Kept for scripts that
     call it: it still skips finalization (os._exit) after everything was written and flushed.

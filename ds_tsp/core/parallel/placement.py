@@ -1,9 +1,10 @@
 """The TSP axis stays inside a node: a TSP group that spans nodes is refused at setup, before any step.
 
-Why: every decoder layer broadcasts its weight shards and gathers K/V over the TSP group (ds_tsp.core.comm.communicator), so the
-group must sit on one node's fast interconnect (NVLink); the data and pipe axes, one gradient reduction or one
-activation hop per step, are the ones meant to cross nodes. The layout puts tsp innermost (ds_tsp.core.parallel.topology),
-so a TSP group spans nodes only when tsp.size does not divide the processes per node, or exceeds it.
+Why: every decoder layer broadcasts its weight shards and gathers K/V over the TSP group
+(ds_tsp.core.comm.communicator), so the group must sit on one node's fast interconnect (NVLink); the data and pipe axes,
+one gradient reduction or one activation hop per step, are the ones meant to cross nodes. The layout puts tsp innermost
+(ds_tsp.core.parallel.topology), so a TSP group spans nodes only when tsp.size does not divide the processes per node,
+or exceeds it.
 
 Where the node of each rank comes from: each rank names its node, the launcher's node rank when it sets one
 (torchrun: GROUP_RANK; the deepspeed launcher: CROSS_RANK), else its hostname (mp.spawn, a hand-rolled launcher),

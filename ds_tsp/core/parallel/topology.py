@@ -3,8 +3,8 @@
 Axes are ordered (pipe, data, cp, tsp) with tsp INNERMOST and cp next:
 rank = ((pipe_idx * data + data_idx) * cp + cp_idx) * tsp + tsp_idx. A TSP group is therefore `tsp` adjacent
 ranks, i.e. one node's fast interconnect carries the per-layer weight and K/V traffic, while the cp axis (one
-K/V ring hop per head block, ds_tsp.core.layers.attention.cp_ring), the data axis (one gradient reduction per step) and the pipe
-axis (one activation hop) cross nodes. cp = 1 is the plain pipe x data x tsp layout (same ranks, same groups).
+K/V ring hop per head block, ds_tsp.core.layers.attention.cp_ring), the data axis (one gradient reduction per step) and
+the pipe axis (one activation hop) cross nodes. cp = 1 is the plain pipe x data x tsp layout (same ranks, same groups).
 
 The context-parallel (cp) axis splits ONE sequence over cp TSP groups; they hold the same weight shards, so
 their gradients are reduced like data-parallel ones: `ProcessGroups.data_group` spans data x cp (what DeepSpeed,
@@ -206,7 +206,8 @@ class ProcessGroups:
         self.layout = layout
         self.rank = rank
         self.tsp_group = tsp_group
-        self.cp_group = cp_group  # the K/V ring of one sequence (ds_tsp.core.layers.attention.cp_ring); None when cp = 1
+        # the K/V ring of one sequence (ds_tsp.core.layers.attention.cp_ring); None when cp = 1
+        self.cp_group = cp_group
         self.tsp_weight_group = tsp_weight_group  # same ranks as tsp_group: its own NCCL stream for weights
         self.data_group = data_group
         self.pipe_group = pipe_group
@@ -224,8 +225,8 @@ class ProcessGroups:
         """
         if not dist.is_available() or not dist.is_initialized():
             raise TSPConfigError(
-                "torch.distributed is not initialized: call dist.init_process_group (or ds_tsp.core.parallel.launch.init_from_env) "
-                "before ProcessGroups.build")
+                "torch.distributed is not initialized: call dist.init_process_group (or "
+                "ds_tsp.core.parallel.launch.init_from_env) before ProcessGroups.build")
         layout.check_world_size(dist.get_world_size())
         rank = dist.get_rank()
         finalize.install()  # the groups end cleanly at interpreter exit (ds_tsp.core.reliability.clean_exit)

@@ -18,7 +18,8 @@ call), i.e. after the script returned but BEFORE finalization begins, in this or
    worker still holding a finished work takes the GIL and frees it while the interpreter is fully alive (Linux:
    /proc/self/task; elsewhere a fixed pause). Bounded by `DRAIN_LIMIT_S`; costs ~20 ms on an idle exit.
 
-`ds_tsp.exit_rank()` (os._exit after flushing) is not needed for a clean exit; it stays for scripts that must end at once.
+`ds_tsp.exit_rank()` (os._exit after flushing) is not needed for a clean exit; it stays for scripts that must end at
+once.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 On NCCL (and any backend of device tensors) `work.wait()` only orders the current stream after the work and
 returns at once. The waiting thread then records a device event on that stream (`record_event`) and hands the
-EVENT, never the Work, to the watchdog thread (ds_tsp.core.reliability.watchdog), which queries it every poll_s while any is in
-flight and reports one still pending timeout_s after its wait began. Why not the Work: a WorkNCCL keeps its
+EVENT, never the Work, to the watchdog thread (ds_tsp.core.reliability.watchdog), which queries it every poll_s while
+any is in flight and reports one still pending timeout_s after its wait began. Why not the Work: a WorkNCCL keeps its
 collective's outputs (the gathered K/V buffer, broadcast shards, grad buffers) until the GPU finishes it, so a
 polled Work would pin every buffer of the host's run-ahead window; an event holds no tensor. The event completes
 when the stream reaches the point right after the collective: the same moment the work completes.

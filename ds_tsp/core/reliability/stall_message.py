@@ -1,5 +1,6 @@
 """The watchdog's one-line report of a failed or stalled TSP wait: collective, rank, time waited, the rank(s) waited
-for, the layer (`comm.context`) and the call site. Built only when something goes wrong (ds_tsp.core.reliability.watchdog)."""
+for, the layer (`comm.context`) and the call site. Built only when something goes wrong
+(ds_tsp.core.reliability.watchdog)."""
 from __future__ import annotations
 
 import os

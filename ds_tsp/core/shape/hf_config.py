@@ -3,8 +3,8 @@
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
-else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding
-window on every layer -> Mistral, else Llama;
+else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; dense: qk_norm -> Qwen3, q/k/v bias ->
+Qwen2, one sliding window on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
 model: load_config returns its text_config, and the model saves a text-only Qwen3_5ForCausalLM checkpoint.
@@ -104,7 +104,8 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
         config.update(sliding_window=windows[0])
     if model_type in ("qwen2", "qwen3"):
         sliding = windows is not None
-        config.update(use_sliding_window=sliding, sliding_window=next((w for w in windows if w), None) if sliding else None,
+        config.update(use_sliding_window=sliding,
+                      sliding_window=next((w for w in windows if w), None) if sliding else None,
                       layer_types=["sliding_attention" if sliding and windows[i] else "full_attention"
                                    for i in range(shape.num_layers)])
         if sliding and len({w for w in windows if w}) > 1:
@@ -135,7 +136,8 @@ def _common_fields(shape: ModelShape, dtype: torch.dtype, model_type: str) -> di
 
 
 def _ministral3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
-    """Ministral 3: position-scaled queries (the rope's llama_4_scaling_beta, period original_max_position_embeddings)."""
+    """Ministral 3: position-scaled queries (the rope's llama_4_scaling_beta, period
+    original_max_position_embeddings)."""
     windows = shape.attention_windows
     if shape.qkv_bias or shape.qk_norm or (windows is not None and (len(set(windows)) != 1 or windows[0] is None)):
         raise TSPConfigError("query_scale_beta with q/k/v bias, q/k norms or per-layer windows: Ministral 3, the "

@@ -188,7 +188,8 @@ class ModelShape:
             raise TSPConfigError(
                 f"num_kv_heads={self.num_kv_heads} and tsp={tsp} do not divide each other: every rank owns "
                 "num_kv_heads/tsp kv heads, or (when num_kv_heads < tsp) one kv head replicated on tsp/num_kv_heads "
-                f"ranks; pick tsp among {sorted(set(_divisors(self.num_kv_heads)) | set(_multiples(self.num_kv_heads, self.num_heads)))}")
+                "ranks; pick tsp among "
+                f"{sorted(set(_divisors(self.num_kv_heads)) | set(_multiples(self.num_kv_heads, self.num_heads)))}")
         check_moe_degree(self, tsp)
         if self.has_linear_attention:
             for name in ("linear_num_key_heads", "linear_num_value_heads"):

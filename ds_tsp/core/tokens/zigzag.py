@@ -7,9 +7,9 @@ attention chunk i costs ~(i+1) units, so every rank does (p+1) + (2D-p) = 2D+1 u
     S_pad = 8, D = 2, c = 2:   global  [0 1 | 2 3 | 4 5 | 6 7]
                                rank 0  [0 1 6 7]    rank 1  [2 3 4 5]
 
-With a context-parallel axis of C TSP groups (tsp.cp_size, ds_tsp.core.layers.attention.cp_ring) the same zigzag is applied
-twice: the sequence is padded to a multiple of 2*C*D and cut into 2C cp chunks of S_pad / (2C) tokens; cp group i
-holds cp chunks i and 2C-1-i, concatenated (its "cp-local" sequence of S_pad / C tokens, in global order since
+With a context-parallel axis of C TSP groups (tsp.cp_size, ds_tsp.core.layers.attention.cp_ring) the same zigzag is
+applied twice: the sequence is padded to a multiple of 2*C*D and cut into 2C cp chunks of S_pad / (2C) tokens; cp group
+i holds cp chunks i and 2C-1-i, concatenated (its "cp-local" sequence of S_pad / C tokens, in global order since
 i < 2C-1-i); then TSP's zigzag above cuts that local sequence into 2D chunks of c = S_pad / (2CD) tokens and TSP
 rank p of group i holds local chunks p and 2D-1-p. So of the 2CD global chunks of c tokens, rank (i, p) holds
 global chunks i*D + p and (2C-1-i)*D + D-1-p: one piece of each of its group's two cp chunks.
@@ -20,8 +20,8 @@ global chunks i*D + p and (2C-1-i)*D + D-1-p: one piece of each of its group's t
                                        (i=1, p=0) [4 5 10 11]   (i=1, p=1) [6 7 8 9]
 
 Under causal attention both levels balance: a cp group's K/V blocks are skipped by the queries they are in the
-future of, and each group does the same number of block pairs (ds_tsp.core.layers.attention.cp_ring); inside the group the work
-splits as above. `cp_shard` / `cp_unshard` / `cp_zigzag_positions` are the two-level forms; shard_batch takes
+future of, and each group does the same number of block pairs (ds_tsp.core.layers.attention.cp_ring); inside the group
+the work splits as above. `cp_shard` / `cp_unshard` / `cp_zigzag_positions` are the two-level forms; shard_batch takes
 cp and cp_rank.
 
 Everything here is pure tensor indexing (no process groups), so the library and the tests share one definition.
@@ -253,8 +253,8 @@ def shard_batch(
             a multiple of 2*cp*tsp and cut in two levels (module doc); the shards are [B, S_pad/(cp*tsp)].
 
     Returns a dict: input_ids, shift_labels, position_ids (each [B, S_pad/tsp], on input_ids' device),
-    attention_mask (when given), seq_len (S) and padded_len (S_pad). Padded slots get `pad_token_id`, label `ignore_index`, and positions
-    continuing the sequence (S, S+1, ...).
+    attention_mask (when given), seq_len (S) and padded_len (S_pad). Padded slots get `pad_token_id`, label
+    `ignore_index`, and positions continuing the sequence (S, S+1, ...).
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__

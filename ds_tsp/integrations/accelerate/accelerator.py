@@ -18,8 +18,9 @@ cp_size (C TSP groups split each sequence): the DeepSpeed JSON's "tsp" block (Ze
 config's parallelism_config_cp_size (fully_shard over data x cp), or TSPAccelerator(cp_size=C) without either (no
 data engine: `backward` averages the gradients over the cp groups at each optimizer step, as DDP would).
 clip_grad_norm_ (the full model's norm), gather_for_metrics (data axis only: TSP and cp ranks hold the same values),
-save_state / load_state (every rank's own shards) and save_model are TSP-aware. On CPU the same commands work: gloo under
-DeepSpeed (Accelerate would start one 1-rank group per process) and cpu=True otherwise (its barriers would do nothing).
+save_state / load_state (every rank's own shards) and save_model are TSP-aware. On CPU the same commands work: gloo
+under DeepSpeed (Accelerate would start one 1-rank group per process) and cpu=True otherwise (its barriers would do
+nothing).
 """
 from __future__ import annotations
 
@@ -196,8 +197,9 @@ class TSPAccelerator(_accelerate.Accelerator):
         if precision == "no":
             return None
         if precision != "bf16":
-            raise TSPConfigError(f"mixed_precision={precision!r} with FSDP2 + TSP: use 'bf16' (its MixedPrecisionPolicy:"
-                                 " bf16 compute, fp32 gradient reduction and master weights) or 'no'")
+            raise TSPConfigError(f"mixed_precision={precision!r} with FSDP2 + TSP: use 'bf16' (its "
+                                 "MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction and master weights) "
+                                 "or 'no'")
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

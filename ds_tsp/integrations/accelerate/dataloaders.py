@@ -4,7 +4,8 @@ The user's DataLoader (any dataset, sampler and collate_fn, e.g. DataCollatorWit
 Accelerate's own `prepare_data_loader` with num_processes = data degree and process_index = data rank, so all TSP
 ranks of a replica draw the same samples, epochs / seeds / even_batches / resume work as Accelerate does them, and
 `gradient_state` still tracks the end of the data for `gather_for_metrics`. Each collated batch (HF keys) is then
-shifted and cut by `ds_tsp.core.tokens.zigzag.shard_batch` and carries `tsp_shard`, so TSPForCausalLM knows it is sharded.
+shifted and cut by `ds_tsp.core.tokens.zigzag.shard_batch` and carries `tsp_shard`, so TSPForCausalLM knows it is
+sharded.
 """
 from __future__ import annotations
 

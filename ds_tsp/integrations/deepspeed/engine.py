@@ -61,10 +61,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     `model` is a ModelShape, an HF config, an HF Llama-family model (converted, weights sharded), a ShardedCausalLM
     built on a TSP group of the configured size, or the path of a local HF checkpoint: then every rank reads only
-    its slices and the engine wraps a ds_tsp.hf.TSPForCausalLM (HF call signature, `engine.module.save_pretrained`). `state_dict` (HF names) initialises the shards; otherwise they
-    are initialised in place by ShardedCausalLM.init_weights_(seed). `training_data` (samples with "input_ids" and
-    optionally "labels"/"position_ids") comes back as a TSPDataLoader: data-parallel sampling, zigzag shards,
-    batches on `engine.device`.
+    its slices and the engine wraps a ds_tsp.hf.TSPForCausalLM (HF call signature, `engine.module.save_pretrained`).
+    `state_dict` (HF names) initialises the shards; otherwise they are initialised in place by
+    ShardedCausalLM.init_weights_(seed). `training_data` (samples with "input_ids" and optionally
+    "labels"/"position_ids") comes back as a TSPDataLoader: data-parallel sampling, zigzag shards, batches on
+    `engine.device`.
     Call forms: `engine(**batch)` with a loader batch, whole (it carries tsp_shard: never sharded again). Wrapping
     ShardedCausalLM it returns this rank's loss share (also `engine(input_ids, shift_labels, position_ids)`);
     wrapping TSPForCausalLM an HF output whose `.loss` is the global loss (input_ids alone positionally).

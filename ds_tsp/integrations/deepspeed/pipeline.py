@@ -83,7 +83,8 @@ class NormHeadLossPipe(nn.Module):
 
     def forward(self, inputs):
         h, _, shift_labels = inputs
-        n_valid = count_valid_tokens(shift_labels, self.comm, self.data_group).to(torch.promote_types(h.dtype, torch.float32))
+        n_valid = count_valid_tokens(shift_labels, self.comm, self.data_group).to(
+            torch.promote_types(h.dtype, torch.float32))
         return self.lm_head(self.norm(h), shift_labels, n_valid)
 
     def tsp_pieces(self):

@@ -1,8 +1,9 @@
 """TSPGatedDeltaNet: a hybrid model's linear-attention layer (Qwen3.5 / Qwen3-Next `linear_attn`) as a sharded piece.
 
 Rank p owns linear head block p: key heads [p*kb, (p+1)*kb) and the value heads that read them [p*vb, (p+1)*vb)
-(kb = linear_num_key_heads/D, vb = linear_num_value_heads/D). Its packed shard (ds_tsp.core.layers.linear_attention.gated_deltanet)
-holds, relative to the layer prefix `model.layers.{i}.linear_attn.`:
+(kb = linear_num_key_heads/D, vb = linear_num_value_heads/D). Its packed shard
+(ds_tsp.core.layers.linear_attention.gated_deltanet) holds, relative to the layer prefix
+`model.layers.{i}.linear_attn.`:
 | HF tensor (qwen3_5)        | this rank's part                                        | contiguous?            |
 |----------------------------|---------------------------------------------------------|------------------------|
 | in_proj_qkv.weight         | q rows of its key heads, k rows, v rows of its value heads | 3 ranges (HFRanges) |

@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"query heads ({DEFAULT_SHAPE.num_heads}; --layer-memory: {LAYER_MEMORY_DEFAULTS['heads']})")
     p.add_argument("--kv-heads", type=_count, default=None, help="kv heads (default: --heads, MHA)")
     p.add_argument("--ffn", type=_count, default=None,
-                   help=f"MLP width ({DEFAULT_SHAPE.intermediate_size}; --layer-memory: {LAYER_MEMORY_DEFAULTS['ffn']})")
+                   help=f"MLP width ({DEFAULT_SHAPE.intermediate_size}; "
+                        f"--layer-memory: {LAYER_MEMORY_DEFAULTS['ffn']})")
     p.add_argument("--vocab", type=_count, default=DEFAULT_SHAPE.vocab_size)
     p.add_argument("--steps", type=_count, default=None, help="timed steps per run (3; --quick: 2)")
     p.add_argument("--warmup", type=non_negative(integer), default=None, help="untimed warm-up steps (1)")

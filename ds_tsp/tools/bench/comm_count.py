@@ -7,7 +7,8 @@ collectives as `_c10d_functional::*` ops, DeepSpeed's shared-memory all-reduce a
 So one counter serves DTensor TP+SP, DeepSpeed (Ulysses, ZeRO, AutoTP) and TSP alike (for TSP it cross-checks the
 library's own CommCounter). Only traffic that bypasses the dispatcher (none in these peers) would be missed.
 
-Bytes are the LOGICAL volume per rank, the convention of ds_tsp.core.comm.communicator.CommCounter (D = size of the op's group):
+Bytes are the LOGICAL volume per rank, the convention of ds_tsp.core.comm.communicator.CommCounter (D = size of the op's
+group):
 
 | op kind        | counted bytes per rank                         |
 |----------------|------------------------------------------------|

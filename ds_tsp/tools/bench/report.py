@@ -72,8 +72,9 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Peak: MemTracker's peak per rank (max over ranks), broken down by category AT the peak; "
               "`other` = persistent framework buffers outside modules and optimizer states (DeepSpeed flat "
-              "partitions, gradient buckets). Comm: logical bytes per rank per step (ds_tsp.core.comm.communicator convention); TSP "
-              "from its own counter, peers from every c10d / functional collective seen by the dispatcher. "
+              "partitions, gradient buckets). Comm: logical bytes per rank per step (ds_tsp.core.comm.communicator "
+              "convention); TSP from its own counter, peers from every c10d / functional collective seen by the "
+              "dispatcher. "
               "Step s: median over timed steps of the slowest rank's wall time; tokens/s = B*S / step s "
               "(hf_zero3_dp: D*B*S, a sequence per rank). "
               "CPU s/step: CPU seconds of all ranks together per step (less disturbed by other load than wall "

@@ -4,8 +4,8 @@ Modes: memory-optimal (TSPOptions(), the default) and speed (TSPOptions.speed():
 K/V and the local projections for backward, O(S) memory, no re-gather). An MoE shape runs cfg.moe_dispatch's
 schedule (ds_tsp.tools.bench.moe_report sets it beside the plan's "auto" choice). The schedule already saves only O(S/D)
 per layer, so activation checkpointing applies to TSP only with `--activation-checkpointing all`. Comm bytes
-come from the model's own CommCounter (logical volume, see ds_tsp.core.comm.communicator); its wait_s per step is the exposed
-(not overlapped) communication.
+come from the model's own CommCounter (logical volume, see ds_tsp.core.comm.communicator); its wait_s per step is the
+exposed (not overlapped) communication.
 """
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ buckets would be), then torch AdamW steps, as in the `tsp` layout.
 
 Bytes per step come from two CommCounters, read as one (`TSPAndCpCounters`): the TSP group's (weights, K/V
 gathers, the input check; intra-node in a real run) under their usual kinds, and the cp ring's (the inter-node
-traffic) prefixed "cp:": "cp:ring" (K/V and dK/dV hops, ds_tsp.core.layers.attention.cp_ring), "cp:all_gather" (the input check's
-whole-sequence facts; a hybrid model's Gated DeltaNet halo and transitions too, with their "cp:reduce_scatter",
-ds_tsp.core.layers.linear_attention.scan) and "cp:grad_sync" (the gradient all-reduce above).
+traffic) prefixed "cp:": "cp:ring" (K/V and dK/dV hops, ds_tsp.core.layers.attention.cp_ring), "cp:all_gather" (the
+input check's whole-sequence facts; a hybrid model's Gated DeltaNet halo and transitions too, with their
+"cp:reduce_scatter", ds_tsp.core.layers.linear_attention.scan) and "cp:grad_sync" (the gradient all-reduce above).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Communication arithmetic shared by every layout: bytes per rank of each collective, and the step-level terms.
 
-Accounting (ds_tsp.core.comm.communicator.CommCounter's): bytes per rank, logical volume -- broadcast counts on receivers, reduce on
-senders, all-gather (n-1)/n of its output, reduce-scatter (n-1)/n of its input, all-to-all (n-1)/n of its input,
-all-reduce 2(n-1)/n of its payload (a ring all-reduce; the textbook "2x" is its n -> infinity limit), a ring or
-pipeline hop what it sends. Integer floor as CommCounter does it.
+Accounting (ds_tsp.core.comm.communicator.CommCounter's): bytes per rank, logical volume -- broadcast counts on
+receivers, reduce on senders, all-gather (n-1)/n of its output, reduce-scatter (n-1)/n of its input, all-to-all (n-1)/n
+of its input, all-reduce 2(n-1)/n of its payload (a ring all-reduce; the textbook "2x" is its n -> infinity limit), a
+ring or pipeline hop what it sends. Integer floor as CommCounter does it.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """TSP plan rows for a hybrid model (Qwen3.5 / Qwen3-Next: Gated DeltaNet layers + gated full attention).
 
 Per rank (rho = (D-1)/D, G = one Gated DeltaNet head block's packed shard, A = one gated attention head block's):
-- Gated DeltaNet layer (ds_tsp.core.layers.linear_attention.gated_deltanet): params G = 1/D of in_proj (q, k, v, z, b, a rows of
-  the block's heads), conv channels, A_log, dt_bias and out_proj columns, + its gated-norm weight [dv] (replicated),
-  + the MLP's F/D columns and the two layer norms. Saved for backward: x and the conv halo [B, 2, K-1, h] (nothing
-  per block). Comm forward: D-1 shard broadcasts, one halo all-gather (min(c, K-1) tokens per chunk), D transition
-  all-gathers ([2, B, H_v/D, dk, dk + dv] per rank, float32 for 16/32-bit models); backward: the broadcasts again,
-  D-1 grad reduces to the owners, the D transition all-gathers again, their D reduce-scatters, the halo's
+- Gated DeltaNet layer (ds_tsp.core.layers.linear_attention.gated_deltanet): params G = 1/D of in_proj (q, k, v, z, b, a
+  rows of the block's heads), conv channels, A_log, dt_bias and out_proj columns, + its gated-norm weight [dv]
+  (replicated), + the MLP's F/D columns and the two layer norms. Saved for backward: x and the conv halo [B, 2, K-1, h]
+  (nothing per block). Comm forward: D-1 shard broadcasts, one halo all-gather (min(c, K-1) tokens per chunk), D
+  transition all-gathers ([2, B, H_v/D, dk, dk + dv] per rank, float32 for 16/32-bit models); backward: the broadcasts
+  again, D-1 grad reduces to the owners, the D transition all-gathers again, their D reduce-scatters, the halo's
   reduce-scatter. Plus the MLP ring of every TSP layer.
 - Full-attention layer: the TSP attention terms (ds_tsp.tools.plan.tsp_comm) with q_proj's rows doubled ([q, gate]
   per head: the gate rides in the shard) and the gate saved per head block.
@@ -293,12 +293,12 @@ GDN_CHUNK = 64  # GatedDeltaNetSpec.chunk_size: the pure-torch kernel's sub-chun
 def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     """Temporaries of a Gated DeltaNet layer: the prefetched shards (ShardStream: two foreign blocks ahead), the
     halo, one block's projections (q, k repeated to value heads, v, z; compute dtype), its gathered transitions,
-    the chunk kernel's [C, C] sub-chunk matrices (ds_tsp.core.layers.linear_attention.delta_rule, C = min(64, L/2): decay, k_beta k^T,
-    the triangular system, q k^T, intra: 5 per value head and token), y; backward the block recomputed under
-    autograd, so its graph (the 5 matrices + their grads and the solves' temporaries: 10 per value head and token,
-    a count FITTED to MemTracker: peaks within 7% at three shapes, tests/tools/test_plan_hybrid.py checks one) and twice
-    the token-sized tensors, the grad reducer's shards and dx. This is the pure-torch kernel (CPU, or without
-    flash-linear-attention); fla's fused kernel holds less, so the plan is an upper bound there."""
+    the chunk kernel's [C, C] sub-chunk matrices (ds_tsp.core.layers.linear_attention.delta_rule, C = min(64, L/2):
+    decay, k_beta k^T, the triangular system, q k^T, intra: 5 per value head and token), y; backward the block
+    recomputed under autograd, so its graph (the 5 matrices + their grads and the solves' temporaries: 10 per value head
+    and token, a count FITTED to MemTracker: peaks within 7% at three shapes, tests/tools/test_plan_hybrid.py checks
+    one) and twice the token-sized tensors, the grad reducer's shards and dx. This is the pure-torch kernel (CPU, or
+    without flash-linear-attention); fla's fused kernel holds less, so the plan is an upper bound there."""
     g, b, B = hg.tsp, inp.dtype_bytes, inp.batch
     D, T, h = g.D, B * g.L, g.dims.h
     cb = hg.transition_bytes

@@ -1,4 +1,5 @@
-"""TSP communication: exactly what ds_tsp.core.layers / ds_tsp.core.comm.communicator put on the CommCounter (tests check it per kind).
+"""TSP communication: exactly what ds_tsp.core.layers / ds_tsp.core.comm.communicator put on the CommCounter (tests
+check it per kind).
 
 Design-doc terms (W = a layer's weights, KV = B*S*h_kv, rho = (D-1)/D): fwd rho*W + rho*2KV; bwd rho*W
 (re-stream) + rho*W_attn + W_mlp (grads to owners: the ring's D grad hops carry D/D of W_mlp) + rho*2KV
@@ -104,10 +105,11 @@ def input_check_cp_payload(tsp: int, cp: int) -> int:
 
 
 def input_check_cp_bytes(tsp: int, cp: int) -> int:
-    """Bytes per step and rank of the input check's all-gather over the cp group (ds_tsp.core.tokens.input_check.over_cp):
-    the TSP group's gathered payloads, D x (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) int64, arrive from the C-1
-    other cp groups. Fixed size (whatever the batch, sequence or dtype); 0 without a cp axis. The one formula the plan
-    (ds_tsp.tools.plan.tsp_cp) and bench's cp report (ds_tsp.tools.bench.cp_report) both use."""
+    """Bytes per step and rank of the input check's all-gather over the cp group
+    (ds_tsp.core.tokens.input_check.over_cp): the TSP group's gathered payloads, D x (INPUT_CHECK_COUNTS +
+    DOCUMENT_LAYOUT_SLOTS) int64, arrive from the C-1 other cp groups. Fixed size (whatever the batch, sequence or
+    dtype); 0 without a cp axis. The one formula the plan (ds_tsp.tools.plan.tsp_cp) and bench's cp report
+    (ds_tsp.tools.bench.cp_report) both use."""
     return gather_bytes(input_check_cp_payload(tsp, cp), cp)
 
 

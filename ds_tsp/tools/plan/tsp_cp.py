@@ -9,8 +9,8 @@ dp x C data ranks, plus the cp ring (ds_tsp.core.layers.attention.cp_ring):
   (B x S/C x 2 nkv_b x d elements) forward; backward the same K/V hops again plus C-1 hops of its dK/dV (float32
   accumulators under bf16/fp16); activation checkpointing replays the forward hops. Every TSP rank sends its
   block's hops on its own NIC (TSP rank p of each group talks to TSP rank p of the next). Sliding-window layers
-  send only the keys their window reaches (ds_tsp.core.layers.attention.cp_window; tsp_cp_window): their bytes differ between cp
-  ranks, so the step's bytes are the busiest rank's (`inter_node_bytes_per_rank` gives each, cp-major);
+  send only the keys their window reaches (ds_tsp.core.layers.attention.cp_window; tsp_cp_window): their bytes differ
+  between cp ranks, so the step's bytes are the busiest rank's (`inter_node_bytes_per_rank` gives each, cp-major);
 - the input check: its fixed-size payloads all-gathered over cp once per step (ds_tsp.core.tokens.input_check.over_cp;
   input_check_cp_bytes), an inter-node step term every rank pays (`input_check_cp_bytes_per_step`, in
   `inter_node_bytes_per_step` and each `inter_node_bytes_per_rank`);

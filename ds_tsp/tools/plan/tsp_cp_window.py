@@ -1,4 +1,5 @@
-"""The cp ring of sliding-window layers in ds-tsp plan: only the keys a window reaches travel (ds_tsp.core.layers.attention.cp_window).
+"""The cp ring of sliding-window layers in ds-tsp plan: only the keys a window reaches travel
+(ds_tsp.core.layers.attention.cp_window).
 
 A layer whose window hides some key of the padded sequence posts, per head block, only the ring distances some
 rank needs (cp_window.window_hops), each carrying the range its receiver needs: forward the K/V each cp rank sends;

@@ -1,7 +1,7 @@
 """Sliding-window attention across the cp axis: each rank fetches only the keys its window reaches.
 
-Under cp (ds_tsp.core.layers.attention.cp_ring's module doc for the layout) cp group i holds cp chunks i and 2C-1-i (Ccp tokens
-each); its TSP rank p holds one TSP chunk of each (query chunks 1 and 2, c tokens each), and the cp ring of
+Under cp (ds_tsp.core.layers.attention.cp_ring's module doc for the layout) cp group i holds cp chunks i and 2C-1-i (Ccp
+tokens each); its TSP rank p holds one TSP chunk of each (query chunks 1 and 2, c tokens each), and the cp ring of
 TSP rank p (comm.cp) joins TSP rank p of every group. A windowed layer (HF's rule: query t sees key s iff
 t - w < s <= t, document starts as under TSP alone) needs, of cp group r's buffer [chunk r | chunk 2C-1-r], only
 the keys some window of this rank's queries reaches. Zigzag puts those neighbours on both sides of the ring: query

@@ -293,7 +293,8 @@ def _call_by_name(fn, values):
             kwargs[name] = values[name]
         elif param.default is inspect.Parameter.empty:
             raise RuntimeError(f"unsupported flash-attn version: {python_fn.__name__} needs argument {name!r}; "
-                               "this adapter maps the flash-attn 2.x signatures by argument name (untested on GPU here)")
+                               "this adapter maps the flash-attn 2.x signatures by argument name "
+                               "(untested on GPU here)")
     return fn(**kwargs)
 
 

@@ -32,8 +32,9 @@ flipped back and added up (dq over the blocks of a row, dk / dv over the blocks 
 
 Batch rows with the same layout are computed together in one call per block; kernel calls are per tile, so tiny
 windows over long chunks mean many small calls (correct, but slow). Where the backend has a varlen entry point
-(CUDA: flash-attn, or torch's own flash kernel) the whole chunk is ONE call instead (ds_tsp/core/layers/attention/varlen.py: same
-definition, same (out, lse) contract); the decomposition stays for the CPU and as the reference.
+(CUDA: flash-attn, or torch's own flash kernel) the whole chunk is ONE call instead
+(ds_tsp/core/layers/attention/varlen.py: same definition, same (out, lse) contract); the decomposition stays for the CPU
+and as the reference.
 """
 from __future__ import annotations
 

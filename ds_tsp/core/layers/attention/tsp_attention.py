@@ -20,8 +20,8 @@ sums every TSP-sharded element over the TSP ranks) counts it once, not once per 
 
 Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict which keys a query sees:
 `doc_starts` (global token indices where documents start, per batch row) and `spec.window` go to
-ds_tsp.core.layers.attention.masked, which splits each zigzag chunk into pieces of plain causal attention (no [S, S] mask).
-Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
+ds_tsp.core.layers.attention.masked, which splits each zigzag chunk into pieces of plain causal attention (no [S, S]
+mask). Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
 applied to the local projections before RoPE, and undone by their written-out backward.
 Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] rows per head ([nq*2d, h], transformers'
 q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
@@ -38,18 +38,24 @@ still re-broadcasts for dx but computes no weight grad and reduces nothing to th
 
 Overlap schedule. NCCL runs each communicator as ONE in-order stream, so what is posted on a channel waits behind
 everything posted there before it. Weights travel on `comm.weight_channel` (a second communicator over the same
-ranks when the comm has one: ds_tsp.core.parallel.runtime gives every CUDA run one), sequence data on the TSP group. K/V arrive as
-two all-gathers per kv group (one per zigzag half, straight into global order: ds_tsp.core.comm.kv_gather). g(j) is
-block j's kv group; "next group" is g(j)+1, whose first block is j+1 when j is the last block of its group.
+ranks when the comm has one: ds_tsp.core.parallel.runtime gives every CUDA run one), sequence data on the TSP group. K/V
+arrive as two all-gathers per kv group (one per zigzag half, straight into global order: ds_tsp.core.comm.kv_gather).
+g(j) is block j's kv group; "next group" is g(j)+1, whose first block is j+1 when j is the last block of its group.
 | when (block j)                        | posted                                    | channel | awaited            |
 |---------------------------------------|-------------------------------------------|---------|--------------------|
 | before block 0                        | broadcast shards 0, 1                     | weights | take(j), block j   |
 | before block 0                        | K/V gather of group 0 (2 all-gathers)     | tsp     | block 0, after q   |
 | start of block j                      | broadcast shard j+2                       | weights | block j+2 (start)  |
-| j last of its group, before attention | K/V gather of the next group (needs shard j+1, taken early) | tsp | block j+1, after its q projection |
+| j last of its group, before attention | K/V gather of the next group (needs shard | tsp     | block j+1, after   |
+|                                       | j+1, taken early)                         |         | its q projection   |
 | backward: same three rows (re-broadcast, re-gather unless keep_gathered_kv)  | | | |
-| backward: j last of its group, after its attention backward | dK/dV reduce-scatter of group g(j) | tsp | block j+1 after ITS attention backward (end of loop for the last) |
-| backward: once block j's grads are whole | reduce of block j's packed grad to owner j (last block of a group: when the scatter is consumed) | weights | 2 reduces later, or at the end |
+| backward: j last of its group, after  | dK/dV reduce-scatter of group g(j)        | tsp     | block j+1 after    |
+| its attention backward                |                                           |         | ITS attention      |
+|                                       |                                           |         | backward (end of   |
+|                                       |                                           |         | loop for the last) |
+| backward: once block j's grads        | reduce of block j's packed grad to owner  | weights | 2 reduces later,   |
+| are whole                             | j (last block of a group: when the        |         | or at the end      |
+|                                       | scatter is consumed)                      |         |                    |
 So block j's attention (forward or backward) runs while the next group's K/V gather, the next shards' broadcasts
 and the previous group's dK/dV scatter are in flight: on separate streams the broadcasts never hold up the K/V
 the kernel waits for. Live buffers: 3 packed shards (j, j+1, j+2 in flight), 2 gathered K/V (this group's, the
@@ -57,9 +63,10 @@ next one's in flight), and in backward one rank-ordered dK/dV being filled plus 
 tests/core/test_attention_schedule.py checks the recorded post order against this table.
 
 With a context-parallel axis (comm.cp, tsp.cp_size > 1) the kernel calls on a block's gathered K/V become
-ds_tsp.core.layers.attention.cp_ring's: the same own-group attention plus the other cp groups' K/V around the cp ring (its hops on
-comm.cp, posted one block ahead inside the call; backward also returns their dK/dV into this group's rank-ordered
-buffer before its reduce-scatter). The table above is unchanged; doc_starts is then the whole sequence's layout.
+ds_tsp.core.layers.attention.cp_ring's: the same own-group attention plus the other cp groups' K/V around the cp ring
+(its hops on comm.cp, posted one block ahead inside the call; backward also returns their dK/dV into this group's
+rank-ordered buffer before its reduce-scatter). The table above is unchanged; doc_starts is then the whole sequence's
+layout.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """flash-linear-attention's chunk_gated_delta_rule as the chunk kernel of TSP Gated DeltaNet (CUDA, fp16 / bf16).
 
 TSP needs more from a chunk than its output: o_local, q_eff, and the transition (M, U)
-(ds_tsp.core.layers.linear_attention.delta_rule). FLA's kernel returns an output and a final state from a given initial state, and
-the recurrence is linear in (v, initial state), so ONE call yields all four: append dk zero columns to v and start
-from h0 = [0 | I] ([dk, dv + dk]):
+(ds_tsp.core.layers.linear_attention.delta_rule). FLA's kernel returns an output and a final state from a given initial
+state, and the recurrence is linear in (v, initial state), so ONE call yields all four: append dk zero columns to v and
+start from h0 = [0 | I] ([dk, dv + dk]):
 
     output      = [o_local | q_eff]        (the I columns carry q_t^T P_t, P_t the transition up to token t)
     final state = [U       | M    ]        (U: the end state from zero; M = P_T acting on I)
@@ -13,10 +13,10 @@ document piece of a chunk); a piece after a document start starts from h0 = 0, s
 M, exactly as the torch kernel's resets. The value width grows from dv to dv + dk: about twice the kernel's work,
 still far below the pure-torch path on a GPU.
 
-Selection (`select_delta_rule_backend`, like ds_tsp.core.layers.attention.kernels.select_backend): "fla" on CUDA for fp16 / bf16
-when `fla` imports (FLA refuses float32); "torch" everywhere else (float32 / float64: the exact path). On CUDA in
-fp16 / bf16 without FLA it says so once per process (pip install flash-linear-attention). Never run on a GPU here:
-the adapter is tested on the CPU against the torch kernel with a stand-in that follows FLA's documented contract.
+Selection (`select_delta_rule_backend`, like ds_tsp.core.layers.attention.kernels.select_backend): "fla" on CUDA for
+fp16 / bf16 when `fla` imports (FLA refuses float32); "torch" everywhere else (float32 / float64: the exact path). On
+CUDA in fp16 / bf16 without FLA it says so once per process (pip install flash-linear-attention). Never run on a GPU
+here: the adapter is tested on the CPU against the torch kernel with a stand-in that follows FLA's documented contract.
 """
 from __future__ import annotations
 
@@ -97,9 +97,9 @@ def _varlen_plan(doc_starts_in_chunk: tuple[tuple[int, ...], ...], chunk_len: in
 
 
 def fla_chunk_transition(fn, q, k, v, g, beta, doc_starts_in_chunk: tuple[tuple[int, ...], ...], kernel_dtype):
-    """(o_local, q_eff, M, U) as ds_tsp.core.layers.linear_attention.delta_rule.chunk_gated_delta_rule returns them, from one call
-    of FLA's chunk_gated_delta_rule `fn`. q, k, v: [B, H, c, d] (q normalized and scaled, k normalized), g, beta:
-    [B, H, c], all in the compute dtype; kernel_dtype: what q, k, v enter FLA as (the layer's fp16 / bf16)."""
+    """(o_local, q_eff, M, U) as ds_tsp.core.layers.linear_attention.delta_rule.chunk_gated_delta_rule returns them,
+    from one call of FLA's chunk_gated_delta_rule `fn`. q, k, v: [B, H, c, d] (q normalized and scaled, k normalized),
+    g, beta: [B, H, c], all in the compute dtype; kernel_dtype: what q, k, v enter FLA as (the layer's fp16 / bf16)."""
     B, H, c, dk = k.shape
     dv = v.shape[-1]
     cu, reads, last = _varlen_plan(doc_starts_in_chunk, c, q.device)

@@ -26,8 +26,8 @@ Schedule (like TSP attention: the weights travel, every rank computes its own to
         o = o_local + q_eff @ S_in (q_eff is 0 from a chunk's first document start on); gated RMSNorm;
         y += o @ Wout_j^T
 The chunk kernel: on CUDA in fp16 / bf16 flash-linear-attention's chunk_gated_delta_rule when installed (one call
-yields o_local, q_eff, M and U: ds_tsp.core.layers.linear_attention.delta_rule_fla), else the pure-torch chunked kernel (float32 /
-float64, CPU: the exact path). The transitions travel in the kernel's compute dtype: float32 for float32 /
+yields o_local, q_eff, M and U: ds_tsp.core.layers.linear_attention.delta_rule_fla), else the pure-torch chunked kernel
+(float32 / float64, CPU: the exact path). The transitions travel in the kernel's compute dtype: float32 for float32 /
 bfloat16 / float16 models (the M chain is a product of up to 2D matrices: bf16 would drift), float64 for float64.
 Document starts reset the state (M = 0 from there) and the conv (masked taps), as transformers' kernels do with
 cu_seq_lens.

@@ -19,9 +19,9 @@ transitions itself. cp bytes per rank: (C-1) D 2 B min(c, K-1) h for the halo (o
 (C-1) D 2 B H_block dk (dk + dv) for the transitions (per block): O(1) in S. Without a cp axis nothing changes.
 
 Packed documents (`ChunkPlan`): a document start resets the state (`reset`: the chunk kernel cuts it exactly, see
-ds_tsp.core.layers.linear_attention.delta_rule) and the conv (taps never read a token of an earlier document: `tap_mask`).
-Everything here is shapes and host ints from the DocumentLayout; the masks are built by fills on the input's
-device (no host-to-device copy, no sync).
+ds_tsp.core.layers.linear_attention.delta_rule) and the conv (taps never read a token of an earlier document:
+`tap_mask`). Everything here is shapes and host ints from the DocumentLayout; the masks are built by fills on the
+input's device (no host-to-device copy, no sync).
 """
 from __future__ import annotations
 

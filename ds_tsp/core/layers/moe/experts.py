@@ -6,8 +6,8 @@ Rows arrive sorted by expert (the experts a rank holds at one time, in expert or
   the rows the offsets cover (offsets[-1] == rows; the ring and all_to_all size their rows by the layer's one host
   read), so no row is left undefined. Only the meta device, which computes nothing, passes a longer window.
 - "loop": one GEMM per expert over host row counts (a Python list the caller read once per layer forward).
-select_expert_gemm picks one like ds_tsp.core.layers.attention.kernels.select_backend picks attention: grouped on CUDA bf16 where
-torch ships the kernel, and on the meta device (bf16) where no count can be read; the loop everywhere else.
+select_expert_gemm picks one like ds_tsp.core.layers.attention.kernels.select_backend picks attention: grouped on CUDA
+bf16 where torch ships the kernel, and on the meta device (bf16) where no count can be read; the loop everywhere else.
 
 Weights: gate_up [E_r, 2F, h] (gate = rows [0, F), up = rows [F, 2F)) and down [E_r, h, F], transformers' fused
 in-memory layout. The expert output returned is UNWEIGHTED (callers multiply by the routing weight), so the
