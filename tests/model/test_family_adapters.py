@@ -161,3 +161,22 @@ def _embedding_grad(directory: str, ids: torch.Tensor) -> torch.Tensor:
     model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
     model(input_ids=ids, labels=ids).loss.backward()
     return model.tsp.full_state_dict(grads=True)["model.embed_tokens.weight"]
+
+
+def test_tsp_trainer_on_phi3_equals_the_plain_trainer(tmp_path):
+    """A new family through what users put on it: examples/hf_trainer.py on a tiny Phi-3 (fused projections, a
+    padding row, partial rotary, a window), TSPTrainer at TSP=2 against the plain Trainer, per logged step (fp32,
+    1e-5), and the TSP save reloads in plain transformers as the same model."""
+    pytest.importorskip("deepspeed")
+    from test_hf_trainer import ROOT, _assert_steps_match, _run, _steps
+
+    directory = save_tiny_checkpoint(tmp_path / "phi3", "phi3")
+    common = ["--model_name_or_path", str(directory), "--max_steps", "3", "--global_batch", "2", "--lr", "3e-3"]
+    reference = _run(tmp_path / "ref", *common)
+    tsp = _run(tmp_path / "tsp", "--ds_config", str(ROOT / "ds_configs" / "tsp.json"), *common, processes=2)
+    _assert_steps_match(_steps(tsp), _steps(reference))
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tsp").state_dict()
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").state_dict()
+    assert set(saved) == set(want) and "model.layers.0.self_attn.qkv_proj.weight" in saved
+    for name, value in want.items():
+        assert (saved[name] - value).norm() <= 1e-4 * value.norm(), name
