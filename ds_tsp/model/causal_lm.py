@@ -35,7 +35,7 @@ from ds_tsp.core.layers.norm import TSPRMSNorm
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.input_check import check_inputs, input_check_payload
-from ds_tsp.core.tokens.positions import RopeTables, rope_tables
+from ds_tsp.core.tokens.positions import RopeTables, step_rope
 from ds_tsp.core.tokens.zigzag import cp_zigzag_positions, zigzag_chunks, zigzag_positions
 from ds_tsp.model.loss import count_valid_tokens, global_loss, loss_for_logging, normalise_over_data, tsp_group_loss
 from ds_tsp.model.modules.decoder import TSPDecoderLayer
@@ -55,7 +55,7 @@ class _Backbone(nn.Module):
     def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device):
         super().__init__()
         self.embed_tokens = TSPVocabEmbedding(shape.vocab_size, shape.hidden_size, comm, dtype, device,
-                                              padding_idx=shape.pad_token_id)
+                                              padding_idx=shape.pad_token_id, scale=shape.embedding_scale)
         self.layers = nn.ModuleList(TSPDecoderLayer(shape, comm, options, dtype, device, layer=i)
                                     for i in range(shape.num_layers))
         self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, shape.zero_centred_norms)
@@ -192,7 +192,7 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
             # float32 at least: bf16 would round token counts above 256
             n_valid = normalise_over_data(n_valid, self.data_group, self.comm)
             n_valid = n_valid.to(torch.promote_types(self.dtype, torch.float32))
-        rope = rope_tables(position_ids, self.shape, self.dtype)
+        ropes = step_rope(position_ids, self.shape, self.dtype)
         # One all-reduce for every norm weight's grad, posted by the last one's backward (see replicated_grads);
         # opened before the embedding so that its backward ring overlaps the bucket's all-reduce.
         replicated = [*self.replicated_params().values(), *(p for _, p, cut in self.lora_tensors() if cut is None)]
@@ -200,6 +200,7 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
             h = self.model.embed_tokens(input_ids)
             last = len(self.model.layers) - 1
             for i, layer in enumerate(self.model.layers):
+                rope = ropes.for_layer(self.shape, i)
                 if self.options.activation_checkpointing and torch.is_grad_enabled():
                     # the router logits leave the checkpointed region as an output, so they carry its recompute;
                     # offload_activations: the saved input h waits in host memory (core/activation_offload.py)

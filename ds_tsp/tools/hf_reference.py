@@ -56,6 +56,16 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
     return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
+def _layered_rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
+    # transformers' Gemma3RotaryEmbedding.forward (one inv_freq per layer type) with float64 angles for float64 inputs
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = getattr(self, f"{layer_type}_inv_freq")
+    freqs = position_ids[..., None].to(wide) * inv_freq.to(device=x.device, dtype=wide)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scaling = getattr(self, f"{layer_type}_attention_scaling")
+    return (emb.cos() * scaling).to(dtype=x.dtype), (emb.sin() * scaling).to(dtype=x.dtype)
+
+
 def _zero_centred_rmsnorm_forward(self, x: torch.Tensor) -> torch.Tensor:
     # transformers' Qwen3_5RMSNorm.forward ((1 + w), computed wide, cast after), float64 kept in float64
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -104,6 +114,8 @@ def patch_float64_(model: torch.nn.Module) -> int:
             if not (hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.Tensor)):
                 raise NotImplementedError(f"{name}: {cls} is not a Llama-style RMSNorm (weight, variance_epsilon)")
             module.forward = types.MethodType(_rmsnorm_forward, module)
+        elif cls.endswith("RotaryEmbedding") and hasattr(module, "layer_types") and not hasattr(module, "inv_freq"):
+            module.forward = types.MethodType(_layered_rotary_forward, module)  # Gemma 3: a rope per layer type
         elif cls.endswith("RotaryEmbedding"):
             if not (hasattr(module, "inv_freq") and hasattr(module, "attention_scaling")):
                 raise NotImplementedError(f"{name}: {cls} is not a Llama-style rotary embedding")

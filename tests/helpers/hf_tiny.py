@@ -3,7 +3,7 @@
 `FAMILIES` covers the architectures ds_tsp loads from the Hub: Llama (rope default / llama3 / linear / yarn,
 explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window), Qwen3
 (per-head q_norm/k_norm), Ministral 3 (yarn, position-scaled queries, sliding window) and Phi-3 (fused qkv_proj /
-gate_up_proj, partial rotary, sliding window). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
+gate_up_proj, partial rotary, sliding window) and Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
 heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
 
@@ -68,6 +68,13 @@ FAMILIES: dict[str, dict] = {
     "phi3": dict(model_type="phi3", vocab_size=79, hidden_size=64, intermediate_size=96, num_key_value_heads=2,
                  sliding_window=9, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # Gemma 3: sliding layers (window 7) with their own rope theta, a full layer with linear-scaled rope, softmax
+    # scale from query_pre_attn_scalar, four (1 + w) norms per layer, GeGLU, scaled and tied embeddings, pad row 0
+    "gemma3": dict(model_type="gemma3_text", vocab_size=93, hidden_size=32, intermediate_size=64,
+                   num_key_value_heads=2, head_dim=16, sliding_window=7, query_pre_attn_scalar=12,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
     # "Qwen3-style": q_norm/k_norm, explicit head_dim 16 != 32/4, tied, GQA
     "qwen3": dict(model_type="qwen3", vocab_size=98, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                   head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
@@ -93,7 +100,8 @@ def _config_class(model_type: str):
     return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
             "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
             "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
-            "ministral3": transformers.Ministral3Config, "phi3": transformers.Phi3Config}[model_type]
+            "ministral3": transformers.Ministral3Config, "phi3": transformers.Phi3Config,
+            "gemma3_text": transformers.Gemma3TextConfig}[model_type]
 
 
 def tiny_config(name: str, **overrides):

@@ -55,8 +55,8 @@ def test_a_family_reads_its_config_class_and_its_config_json_alike(model_type):
 
 
 def test_an_unknown_family_is_one_error_naming_every_supported_one():
-    with pytest.raises(TSPConfigError, match=r"model_type='gemma3_text' is not supported; TSP converts llama, "):
-        ModelShape.from_hf_config({"model_type": "gemma3_text", **SIZES})
+    with pytest.raises(TSPConfigError, match=r"model_type='gpt_oss' is not supported; TSP converts llama, "):
+        ModelShape.from_hf_config({"model_type": "gpt_oss", **SIZES})
     with pytest.raises(TSPConfigError, match="ministral3"):
         family_of("olmo3")
 
@@ -180,3 +180,36 @@ def test_tsp_trainer_on_phi3_equals_the_plain_trainer(tmp_path):
     assert set(saved) == set(want) and "model.layers.0.self_attn.qkv_proj.weight" in saved
     for name, value in want.items():
         assert (saved[name] - value).norm() <= 1e-4 * value.norm(), name
+
+
+def test_a_bare_gemma3_shape_saves_as_gemma3():
+    config = transformers.Gemma3TextConfig(**{**SIZES, "num_hidden_layers": 3}, sliding_window=5,
+                                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                           query_pre_attn_scalar=12)
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.sandwich_norms, shape.mlp_activation, shape.attention_scale, shape.sliding_rope_theta) == (
+        True, "gelu_tanh", 12 ** -0.5, 10000.0)
+    assert shape.layer_rope(0) == "sliding" and shape.layer_rope(1) == "full"
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(again).__name__ == "Gemma3TextConfig" and ModelShape.from_hf_config(again) == shape
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0 on a gemma3_text config"),
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention=True"),
+    ("hidden_activation", "relu", "hidden_activation='relu'"),
+])
+def test_gemma3_refuses_what_it_does_not_compute(field, value, match):
+    config = transformers.Gemma3TextConfig(**SIZES).to_dict()
+    with pytest.raises(TSPConfigError, match=match):
+        ModelShape.from_hf_config({**config, field: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_the_embedding_scale_is_rounded_as_transformers_holds_it(dtype):
+    from ds_tsp.model.modules.vocab import _in_dtype
+
+    for hidden in (32, 640, 1152, 1536, 2304, 2560, 3840, 5376):
+        value = hidden ** 0.5  # transformers: a scalar buffer made in the model's dtype
+        assert _in_dtype(value, dtype) == float(torch.tensor(value, dtype=torch.float64).to(dtype)), hidden

@@ -122,7 +122,8 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("mistral", "plain"), ("qwen2_sliding", "plain"), ("llama", "packed"), ("llama", "padding"),
          ("llama3_tied", "logits_to_keep"), ("llama", "logits_to_keep"), ("llama", "checkpointing"),
          ("llama", "offload"),  # offload: checkpointed layer inputs in a meta "host" pool (core/activation_offload)
-         ("ministral3", "plain"), ("phi3", "plain")]  # position-scaled queries; fused projections, a padding row
+         ("ministral3", "plain"), ("phi3", "plain"),  # position-scaled queries; fused projections, a padding row
+         ("gemma3", "plain")]  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
 
 
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
@@ -156,7 +157,8 @@ def _run_in_fresh_process(runner: str) -> str:
 
 
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
-         (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain")]
+         (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain"),
+         (2, "gemma3", "packed")]
 
 
 def run_multi() -> list[str]:

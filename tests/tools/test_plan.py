@@ -52,6 +52,11 @@ CASES = {
     "gqa_speed": (_shape(num_heads=8, num_kv_heads=2), 30, 2, "fp32",
                   {"keep_gathered_kv": True, "recompute_projections": False}, (4,)),
     "mha_checkpointing": (_shape(), 30, 2, "fp32", {"activation_checkpointing": True}, (2,)),
+    # Gemma 3: four norms a layer (their grads in the bucket), GeGLU, scaled embeddings, a softmax scale, sliding
+    # layers with their own rope theta
+    "gemma3": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, zero_centred_norms=True,
+                      sandwich_norms=True, mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5,
+                      attention_scale=0.3, sliding_rope_theta=1e4), 30, 2, "fp32", {}, (2,)),
     # Ministral 3: position-scaled queries (one more per-step table), a window, checkpointing (the tables are the
     # checkpoint's own inputs)
     "ministral3_checkpointing": (_shape(num_kv_heads=2, attention_windows=(7, 7), query_scale_beta=0.1,

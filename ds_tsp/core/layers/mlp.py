@@ -1,4 +1,5 @@
-"""TSP gated MLP (SwiGLU): weight shards travel around a ring, activations never leave their rank.
+"""TSP gated MLP (SwiGLU, or GeGLU with spec.activation "gelu_tanh"): weight shards travel around a ring,
+activations never leave their rank.
 
 Rank p owns F/D intermediate columns: packed [Wg_p [F/D, h], Wu_p [F/D, h], Wd_p [h, F/D]].
 At ring step k rank p holds the shard of (p - k) mod D and adds that slice's output to its local tokens:
@@ -31,6 +32,7 @@ class MLPSpec:
     hidden: int
     ffn_per_rank: int  # intermediate_size / D
     recompute_projections: bool = True  # False: save every shard's gate/up pre-activations ([B, L, F] in all)
+    activation: str = "silu"  # the gate's: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU, tanh-approximated GELU)
 
     @cached_property
     def layout(self) -> PackedLayout:
@@ -49,7 +51,7 @@ class _TSPGatedMLP(torch.autograd.Function):
         def step(owner, shard):
             w = spec.layout.unpack(shard)
             gate, up = F.linear(x, w["gate"]), F.linear(x, w["up"])
-            y.add_(F.linear(F.silu(gate) * up, w["down"]))
+            y.add_(F.linear(_act(gate, spec) * up, w["down"]))
             if not spec.recompute_projections:
                 kept.extend((gate, up))
 
@@ -73,12 +75,11 @@ class _TSPGatedMLP(torch.autograd.Function):
                 gate, up = x2d @ w["gate"].t(), x2d @ w["up"].t()
             else:
                 gate, up = next(kept).reshape(-1, spec.ffn_per_rank), next(kept).reshape(-1, spec.ffn_per_rank)
-            silu_gate = F.silu(gate)
-            act = silu_gate * up
+            act_gate = _act(gate, spec)
+            act = act_gate * up
             dact = dy2d @ w["down"]
-            # aten's fused silu_backward: one pass for dact*up * d silu(g)/dg instead of six elementwise ops
-            dgate = torch.ops.aten.silu_backward(dact * up, gate)
-            dup = dact * silu_gate
+            dgate = _act_backward(dact * up, gate, spec)
+            dup = dact * act_gate
             dx2d.addmm_(dgate, w["gate"]).addmm_(dup, w["up"])
             if not need_w:
                 return None
@@ -92,6 +93,17 @@ class _TSPGatedMLP(torch.autograd.Function):
         return dx2d.view_as(x), grad_shard, None, None
 
 
+def _act(gate: torch.Tensor, spec: MLPSpec) -> torch.Tensor:
+    return F.silu(gate) if spec.activation == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def _act_backward(grad: torch.Tensor, gate: torch.Tensor, spec: MLPSpec) -> torch.Tensor:
+    """grad * d act(g) / dg with aten's fused backward (one pass instead of several elementwise ops)."""
+    if spec.activation == "silu":
+        return torch.ops.aten.silu_backward(grad, gate)
+    return torch.ops.aten.gelu_backward(grad, gate, approximate="tanh")
+
+
 def tsp_gated_mlp(x: torch.Tensor, packed_shard: torch.Tensor, spec: MLPSpec, comm: TSPComm) -> torch.Tensor:
-    """SwiGLU MLP of the local tokens with every rank's weight slice passed around the ring."""
+    """Gated MLP of the local tokens with every rank's weight slice passed around the ring."""
     return apply_autocast(_TSPGatedMLP, x.device.type, x, packed_shard, spec, comm)

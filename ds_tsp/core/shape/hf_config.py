@@ -3,7 +3,8 @@
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
-else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; dense: qk_norm -> Qwen3, q/k/v bias ->
+else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; sandwich norms, GeGLU,
+scaled embeddings -> Gemma 3; dense: qk_norm -> Qwen3, q/k/v bias ->
 Qwen2, one sliding window on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
@@ -88,6 +89,9 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
         return _ministral3_config_dict(shape, dtype)
     if shape.fused_qkv or shape.fused_gate_up:
         return _phi3_config_dict(shape, dtype)
+    if shape.sandwich_norms or shape.mlp_activation != "silu" or shape.embedding_scale != 1.0 or \
+            shape.attention_scale is not None or shape.sliding_rope_theta:
+        return _gemma3_config_dict(shape, dtype)
     windows = shape.attention_windows
     uniform_window = windows is not None and len(set(windows)) == 1 and windows[0] is not None
     model_type = ("qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else
@@ -163,6 +167,37 @@ def _phi3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
         config.pop("head_dim")
     config["rope_parameters"] = {**config["rope_parameters"], "partial_rotary_factor": shape.partial_rotary_factor}
     return {**config, "sliding_window": None if windows is None else windows[0]}
+
+
+def _gemma3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """Gemma 3 text: sandwich (1 + w) norms, GeGLU, sqrt(hidden)-scaled embeddings, query_pre_attn_scalar, per-layer-
+    type RoPE."""
+    if not (shape.sandwich_norms and shape.zero_centred_norms and shape.qk_norm and shape.mlp_activation == "gelu_tanh"
+            and abs(shape.embedding_scale - shape.hidden_size ** 0.5) < 1e-12) or shape.qkv_bias:
+        raise TSPConfigError("sandwich_norms / mlp_activation / embedding_scale / attention_scale / "
+                             "sliding_rope_theta: Gemma 3, the family with them, has all of sandwich (1 + w) norms, "
+                             "q/k norms, GeGLU and "
+                             "sqrt(hidden)-scaled embeddings, and no q/k/v bias")
+    windows = shape.attention_windows or (None,) * shape.num_layers
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise TSPConfigError(f"attention_windows={windows}: Gemma 3 has one sliding_window for its sliding layers")
+    config = _common_fields(shape, dtype, "gemma3_text")
+    full = config.pop("rope_parameters")
+    local = {"rope_type": "default", "rope_theta": shape.sliding_rope_theta or shape.rope_theta}
+    if shape.sliding_rope_scaling is not None:
+        local.update({k: v for k, v in vars(shape.sliding_rope_scaling).items()
+                      if v is not None and k not in ("max_position_embeddings", "truncate")})
+    scalar = round((shape.attention_scale or shape.dim_per_head ** -0.5) ** -2, 6)
+    if scalar != int(scalar):
+        raise TSPConfigError(f"attention_scale={shape.attention_scale}: Gemma 3's softmax scale is "
+                             "query_pre_attn_scalar ** -0.5 for an integer query_pre_attn_scalar")
+    config.pop("hidden_act")
+    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": int(scalar),
+            "sliding_window": next(iter(sliding), None), "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
 
 
 def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:

@@ -70,6 +70,16 @@ class ModelShape:
     fused_gate_up: bool = False
     # transformers' embedding is nn.Embedding(padding_idx=config.pad_token_id): that row never gets a gradient
     pad_token_id: int | None = None
+    # Gemma 3: the gated MLP's activation ("silu": SwiGLU; "gelu_tanh": GeGLU with tanh-approximated GELU), the
+    # embedding output scaled (by sqrt(hidden), rounded to the model's dtype as transformers does), a norm on each
+    # sublayer's output too (sandwich norms: post_attention_layernorm, pre_/post_feedforward_layernorm), the
+    # softmax scale (None: head_dim ** -0.5) and the RoPE of the sliding-window layers (theta 0: the full layers')
+    mlp_activation: str = "silu"
+    embedding_scale: float = 1.0
+    sandwich_norms: bool = False
+    attention_scale: float | None = None
+    sliding_rope_theta: float = 0.0
+    sliding_rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -102,6 +112,14 @@ class ModelShape:
                                               not 0 <= self.pad_token_id < self.vocab_size):
             raise TSPConfigError(f"pad_token_id={self.pad_token_id!r}: the embedding's padding row must be a token id "
                                  f"in [0, vocab_size={self.vocab_size}) (or None)")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise TSPConfigError(f"mlp_activation={self.mlp_activation!r}: TSP's gated MLP computes "
+                                 f"{', '.join(MLP_ACTIVATIONS)}")
+        if self.mlp_activation != "silu" and (self.num_experts or self.has_linear_attention):
+            raise TSPConfigError(f"mlp_activation={self.mlp_activation!r} with experts or linear attention: those "
+                                 "blocks are SwiGLU (silu) only")
+        if self.sliding_rope_theta and self.attention_windows is None:
+            raise TSPConfigError("sliding_rope_theta without sliding-window layers: it is the RoPE of those layers")
         if self.fused_qkv and (self.qkv_bias or self.attn_output_gate):
             raise TSPConfigError("fused_qkv with q/k/v bias or gated attention: Phi-3's fused qkv_proj has neither")
         if self.query_scale_beta:
@@ -172,6 +190,10 @@ class ModelShape:
         """The transformers family whose checkpoint names an MoE model uses: Qwen3-MoE has q/k norms, Mixtral not."""
         return None if self.num_experts == 0 else "qwen3_moe" if self.qk_norm else "mixtral"
 
+    def layer_rope(self, layer: int) -> str:
+        """Which RoPE decoder layer `layer` rotates with: "sliding" (its own theta, Gemma 3) or "full"."""
+        return "sliding" if self.sliding_rope_theta and self.layer_window(layer) is not None else "full"
+
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of decoder layer `layer` (HF: key s visible to query t iff t - window < s <= t)."""
         return None if self.attention_windows is None else self.attention_windows[layer]
@@ -231,6 +253,7 @@ class ModelShape:
 
 
 LAYER_TYPES = ("full_attention", "linear_attention")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _multiples(n: int, limit: int) -> list[int]:

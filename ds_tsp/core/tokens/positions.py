@@ -35,6 +35,26 @@ def rope_tables(position_ids: torch.Tensor, shape: ModelShape, dtype: torch.dtyp
     return RopeTables(cos, sin, scale)
 
 
+class StepRope(NamedTuple):
+    """Every layer's RoPE tables of one step: the full-attention layers', and the sliding-window layers' own where
+    the shape gives them another theta (Gemma 3's local base)."""
+
+    full: RopeTables
+    sliding: RopeTables | None = None
+
+    def for_layer(self, shape: ModelShape, layer: int) -> RopeTables:
+        return self.sliding if shape.layer_rope(layer) == "sliding" else self.full
+
+
+def step_rope(position_ids: torch.Tensor, shape: ModelShape, dtype: torch.dtype) -> StepRope:
+    """The step's tables for every layer (ModelShape.layer_rope picks a layer's)."""
+    full = rope_tables(position_ids, shape, dtype)
+    if not shape.sliding_rope_theta:
+        return StepRope(full)
+    cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, shape.sliding_rope_theta, dtype, shape.sliding_rope_scaling)
+    return StepRope(full, RopeTables(cos, sin, full.q_scale))
+
+
 def global_positions(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
     """[B, S] positions in sequence order from every rank's zigzag shard [B, S/D] (collective over the group)."""
     if comm.size == 1:
@@ -45,19 +65,19 @@ def global_positions(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
 
 
 class StepPositions:
-    """(RopeTables, doc_starts) of the position_ids last seen, recomputed only when a different tensor arrives.
+    """(StepRope, doc_starts) of the position_ids last seen, recomputed only when a different tensor arrives.
     doc_starts is a DocumentLayout (validated here, once per micro-batch, not by every layer) or None."""
 
     def __init__(self, shape: ModelShape, comm: TSPComm):
         self.shape, self.comm = shape, comm
         self._key: tuple | None = None
-        self._value: tuple[RopeTables, DocumentLayout | None] | None = None
+        self._value: tuple[StepRope, DocumentLayout | None] | None = None
 
     def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype):
         # Identity and version, not values: comparing values would read the tensor on the host.
         key = (position_ids, position_ids._version, dtype)
         if self._key is None or self._key[0] is not position_ids or self._key[1:] != key[1:]:
-            rope = rope_tables(position_ids, self.shape, dtype)
+            rope = step_rope(position_ids, self.shape, dtype)
             doc_starts = document_starts(global_positions(position_ids, self.comm))
             doc_starts = None if doc_starts is None else document_layout(doc_starts, position_ids.shape[0])
             self._key, self._value = key, (rope, doc_starts)

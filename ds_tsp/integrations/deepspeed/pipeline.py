@@ -39,7 +39,8 @@ from ds_tsp.model.trainability import base_parameters, carry_requires_grad
 
 class EmbeddingPipe(TSPVocabEmbedding):
     def __init__(self, shape: ModelShape, comm: TSPComm, dtype, device):
-        super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device, padding_idx=shape.pad_token_id)
+        super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device, padding_idx=shape.pad_token_id,
+                         scale=shape.embedding_scale)
 
     def forward(self, inputs):
         input_ids, position_ids, shift_labels = inputs
@@ -56,13 +57,13 @@ class DecoderPipe(TSPDecoderLayer):
     def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device, index: int,
                  positions: StepPositions):
         super().__init__(shape, comm, options, dtype, device, layer=index)
-        self.index, self.positions = index, positions
+        self.shape, self.index, self.positions = shape, index, positions
 
     def forward(self, inputs):
         h, position_ids, shift_labels = inputs
         # The stage's layers share one StepPositions: one positions gather per micro-batch, not one per layer.
-        rope, doc_starts = self.positions(position_ids, h.dtype)
-        return super().forward(h, rope, doc_starts), position_ids, shift_labels
+        ropes, doc_starts = self.positions(position_ids, h.dtype)
+        return super().forward(h, ropes.for_layer(self.shape, self.index), doc_starts), position_ids, shift_labels
 
     def tsp_pieces(self):
         prefix = f"model.layers.{self.index}."

@@ -41,7 +41,8 @@ class TSPAttention(ShardedPiece):
                                   recompute_projections=options.recompute_projections,
                                   window=shape.layer_window(layer),
                                   qk_norm_eps=shape.rms_norm_eps if shape.qk_norm else None,
-                                  norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate)
+                                  norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate,
+                                  softmax_scale=shape.attention_scale)
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's attention

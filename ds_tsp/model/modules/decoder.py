@@ -46,7 +46,11 @@ from ds_tsp.model.state_dict import load_slices, read_from_full  # noqa: E402,F4
 
 class TSPDecoderLayer(nn.Module):
     """Pre-norm decoder layer. Token mixer: `self_attn` (TSPAttention), or `linear_attn` (Gated DeltaNet) where the
-    shape's layer_types says linear_attention (Qwen3.5 / Qwen3-Next)."""
+    shape's layer_types says linear_attention (Qwen3.5 / Qwen3-Next). With the shape's sandwich_norms (Gemma 3) each
+    sublayer's output is normed too, under transformers' names:
+        h = h + post_attention_layernorm(attn(input_layernorm(h)))
+        h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+    (without them post_attention_layernorm is the MLP's input norm, Llama's name for it)."""
 
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
@@ -60,6 +64,12 @@ class TSPDecoderLayer(nn.Module):
             self.self_attn = TSPAttention(shape, comm, options, dtype, device, layer)
         self.post_attention_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
                                                    centred)
+        self.sandwich = shape.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
+                                                        centred)
+            self.post_feedforward_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
+                                                         centred)
         self.is_moe = shape.is_moe_layer(layer)
         if self.is_moe:
             shared = (TSPGatedMLP(shared_expert_shape(shape), comm, dtype, device, options.recompute_projections)
@@ -75,13 +85,18 @@ class TSPDecoderLayer(nn.Module):
         layer's parameters in its forward hooks."""
         if self.is_linear_attention:
             h = h + self.linear_attn(self.input_layernorm(h), doc_starts)
+        elif self.sandwich:
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, doc_starts))
         else:
             h = h + self.self_attn(self.input_layernorm(h), rope, doc_starts)
         router_logits = None
+        mlp_in = self.pre_feedforward_layernorm(h) if self.sandwich else self.post_attention_layernorm(h)
         if self.is_moe:
-            y, router_logits = self.mlp(self.post_attention_layernorm(h))
+            y, router_logits = self.mlp(mlp_in)
         else:
-            y = self.mlp(self.post_attention_layernorm(h))
+            y = self.mlp(mlp_in)
+        if self.sandwich:
+            y = self.post_feedforward_layernorm(y)
         return (h + y, router_logits) if with_router else h + y
 
     def sharded_modules(self, prefix: str = "") -> list[tuple[str, "ShardedPiece", nn.Parameter]]:
@@ -99,6 +114,9 @@ class TSPDecoderLayer(nn.Module):
         """HF-named params every rank holds whole (their grads are summed over the TSP group)."""
         out = {f"{prefix}input_layernorm.weight": self.input_layernorm.weight,
                f"{prefix}post_attention_layernorm.weight": self.post_attention_layernorm.weight}
+        if self.sandwich:
+            out[f"{prefix}pre_feedforward_layernorm.weight"] = self.pre_feedforward_layernorm.weight
+            out[f"{prefix}post_feedforward_layernorm.weight"] = self.post_feedforward_layernorm.weight
         if self.is_linear_attention:
             out.update(self.linear_attn.replicated_params(f"{prefix}linear_attn."))
         elif self.self_attn.spec.qk_norm_eps is not None:

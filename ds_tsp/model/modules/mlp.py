@@ -21,7 +21,7 @@ class TSPGatedMLP(ShardedPiece):
         self.comm, self.intermediate_size = comm, shape.intermediate_size
         self.fused = shape.fused_gate_up  # Phi-3: gate and up rows in one gate_up_proj tensor
         self.spec = MLPSpec(hidden=shape.hidden_size, ffn_per_rank=shape.intermediate_size // comm.size,
-                            recompute_projections=recompute_projections)
+                            recompute_projections=recompute_projections, activation=shape.mlp_activation)
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's MLP

@@ -2,6 +2,9 @@
 zero past V (ds_tsp.core.layers.vocab streams them around the ring)."""
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 from torch import nn
 
@@ -50,14 +53,30 @@ class TSPVocabShard(ShardedPiece):
 
 
 class TSPVocabEmbedding(TSPVocabShard):
-    """The embedding; padding_idx: the row transformers' nn.Embedding never updates (config.pad_token_id)."""
+    """The embedding; padding_idx: the row transformers' nn.Embedding never updates (config.pad_token_id); scale:
+    the output's factor (Gemma: sqrt(hidden)), rounded to the output's dtype first, as transformers multiplies."""
 
-    def __init__(self, vocab_size: int, hidden: int, comm: TSPComm, dtype, device, padding_idx: int | None = None):
+    def __init__(self, vocab_size: int, hidden: int, comm: TSPComm, dtype, device, padding_idx: int | None = None,
+                 scale: float = 1.0):
         super().__init__(vocab_size, hidden, comm, dtype, device)
-        self.padding_idx = padding_idx
+        self.padding_idx, self.scale = padding_idx, scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return tsp_embedding(input_ids, self.vocab_shard, self.comm, self.padding_idx)
+        out = tsp_embedding(input_ids, self.vocab_shard, self.comm, self.padding_idx)
+        return out if self.scale == 1.0 else out * _in_dtype(self.scale, out.dtype)
+
+
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded once to `dtype`, as transformers holds it (a scalar buffer made in the model's dtype); pure host
+    arithmetic: no tensor, no sync."""
+    if dtype == torch.float32:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", value))[0]
+    if dtype == torch.bfloat16:  # 8 significant bits, round half to even (Python's round)
+        mantissa, exponent = math.frexp(value)
+        return math.ldexp(round(mantissa * 256) / 256, exponent)
+    return value
 
 
 class TSPLMHeadLoss(TSPVocabShard):

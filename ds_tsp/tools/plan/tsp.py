@@ -56,7 +56,8 @@ def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
     [B, L, nq/D, d] and two LSEs (compute dtype); MLP: its input x only (q/k/v and the gate/up activations are
     recomputed in backward). This is the design's minimum (ds_tsp.tools.bench.layer_memory.minimum_saved)."""
     dims, b, T = g.dims, inp.dtype_bytes, inp.batch * g.L
-    saved = (2 * tsp_norm_saved(T, dims, b) + 2 * T * dims.h * b + T * dims.nq * dims.d * b
+    norms = 4 if inp.model.sandwich_norms else 2  # Gemma 3 norms each sublayer's output too
+    saved = (norms * tsp_norm_saved(T, dims, b) + 2 * T * dims.h * b + T * dims.nq * dims.d * b
              + T * dims.nq * compute_bytes(b))
     groups = g.D // g.kv_replicas  # blocks sharing a kv head (n_kv < D) save its K/V once
     if inp.keep_gathered_kv:
@@ -118,13 +119,14 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     fwd, bwd = tsp_layer_terms(inp)
     dense_fwd, dense_bwd = fwd, bwd
     qk_norms = 2 * dims.d if inp.model.qk_norm else 0  # Qwen3's q/k norm weights, replicated
-    layer_params = g.A + g.M + 2 * dims.h + qk_norms
+    layer_norms = (4 if inp.model.sandwich_norms else 2) * dims.h
+    layer_params = g.A + g.M + layer_norms + qk_norms
     transients = tsp_transients(inp, g)
     per_layer = tsp_layer_saved(inp, g)
     ac = inp.activation_checkpointing
     moe = moe_geometry(inp, T)
     if moe is not None:  # per-layer figures describe a sparse layer; dense ones (if any) are counted per stage
-        sparse_params = g.A + sparse_layer_params(moe) + 2 * dims.h + qk_norms
+        sparse_params = g.A + sparse_layer_params(moe) + layer_norms + qk_norms
         sparse_saved = per_layer + moe_saved(inp, moe) - (0 if inp.recompute_projections else 2 * T * dims.F * b)
         sparse_transients = {**transients, **moe_transients(inp, moe, ring_buffers(D))}
         fwd, bwd = sparse_layer_terms(inp, dense_fwd, dense_bwd, moe)

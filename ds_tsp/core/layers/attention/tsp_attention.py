@@ -118,10 +118,11 @@ class AttentionSpec:
     qk_norm_eps: float | None = None  # Qwen3: RMSNorm (this eps) of every q and k head before RoPE; None: off
     norm_zero_centred: bool = False  # Qwen3.5: the q/k norms scale by (1 + w) (ds_tsp.core.layers.norm)
     output_gate: bool = False  # Qwen3.5 / Qwen3-Next: wq emits [q, gate] per head; out * sigmoid(gate) before wo
+    softmax_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
 
     @property
     def scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.head_dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
 
     @cached_property
     def layout(self) -> PackedLayout:

@@ -1,0 +1,72 @@
+"""Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text): interleaved sliding and full layers (layer_types; by default
+every 6th layer full), each with its own RoPE (rope_parameters per layer type: the full layers' theta 1e6 and
+scaling, the sliding layers' theta 1e4), softmax scale query_pre_attn_scalar ** -0.5, per-head q/k norms, four
+zero-centred (1 + w) norms per layer (a norm on each sublayer's input and output), embeddings scaled by
+sqrt(hidden_size), a GeGLU MLP (gelu_pytorch_tanh), tied embeddings and padding row 0 by default.
+Refused by name in this version: logit soft-capping (final or attention), bidirectional attention, and the
+multimodal Gemma3ForConditionalGeneration (its vision tower)."""
+from __future__ import annotations
+
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.shape.families.base import (
+    Family,
+    HFConfig,
+    decoder_fields,
+    dense_only,
+    layer_type_windows,
+    rope_fields,
+)
+
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def read(cfg: HFConfig) -> dict:
+    dense_only(cfg)
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise TSPConfigError(f"{key}={cfg.get(key)} on a gemma3_text config: logit soft-capping is not "
+                                 "implemented by TSP's streaming LM head and attention kernels; set it to null")
+    cfg.refuse("use_bidirectional_attention", "TSP attention is causal (Gemma 3 embedding models are not)")
+    activation = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation not in _ACTIVATIONS:
+        raise TSPConfigError(f"hidden_activation={activation!r} on a gemma3_text config: TSP's gated MLP computes "
+                             "gelu_pytorch_tanh (GeGLU) or silu")
+    full, sliding = _ropes(cfg)
+    fields = decoder_fields(HFConfig(_with(cfg, rope_parameters=full)), head_dim=256, pad_token_id=0,
+                            act=cfg.get("hidden_act", "silu"))
+    _, local = rope_fields(HFConfig(_with(cfg, rope_parameters=sliding)))
+    layers = fields["num_layers"]
+    layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern",
+                                                                                          6)) else "full_attention"
+                                             for i in range(layers)]
+    windows = layer_type_windows(cfg, layers, cfg.get("sliding_window", 4096), layer_types)
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    return {**fields, "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)), "qk_norm": True,
+            "zero_centred_norms": True, "sandwich_norms": True, "mlp_activation": _ACTIVATIONS[activation],
+            "embedding_scale": fields["hidden_size"] ** 0.5, "attention_scale": scalar ** -0.5,
+            "attention_windows": windows,
+            "sliding_rope_theta": float(sliding["rope_theta"]) if windows is not None else 0.0,
+            "sliding_rope_scaling": local if windows is not None else None}
+
+
+def _ropes(cfg: HFConfig) -> tuple[dict, dict]:
+    """(full layers' rope parameters, sliding layers'), from transformers 5's rope_parameters per layer type or an
+    older config's rope_theta / rope_scaling / rope_local_base_freq, with Gemma3TextConfig's defaults."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        full, sliding = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full, sliding = {**params, **dict(cfg.get("rope_scaling") or {})}, {}
+    full.setdefault("rope_type", "default")
+    full.setdefault("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
+    sliding.setdefault("rope_type", "default")
+    sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
+    return full, sliding
+
+
+def _with(cfg: HFConfig, **values) -> dict:
+    raw = cfg.raw if isinstance(cfg.raw, dict) else cfg.raw.to_dict()
+    return {**raw, **values, "rope_scaling": None}
+
+
+FAMILY = Family({"gemma3_text": "Gemma3ForCausalLM"}, read)
