@@ -35,6 +35,13 @@ class HFConfig:
             raise TSPConfigError(f"{key}={value!r} on a {self.model_type} config: {why}")
 
 
+    def with_values(self, **values) -> "HFConfig":
+        """This config (as its config.json dict) with `values` set: how a family hands the shared readers the
+        fields it has normalised (a rope block of one layer type, a default filled in)."""
+        raw = self.raw if isinstance(self.raw, dict) else self.raw.to_dict()
+        return HFConfig({**raw, **values})
+
+
 ReadShape = Callable[[HFConfig], dict]
 
 

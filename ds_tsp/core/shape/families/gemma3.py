@@ -32,9 +32,9 @@ def read(cfg: HFConfig) -> dict:
         raise TSPConfigError(f"hidden_activation={activation!r} on a gemma3_text config: TSP's gated MLP computes "
                              "gelu_pytorch_tanh (GeGLU) or silu")
     full, sliding = _ropes(cfg)
-    fields = decoder_fields(HFConfig(_with(cfg, rope_parameters=full)), head_dim=256, pad_token_id=0,
+    fields = decoder_fields(cfg.with_values(rope_parameters=full, rope_scaling=None), head_dim=256, pad_token_id=0,
                             act=cfg.get("hidden_act", "silu"))
-    _, local = rope_fields(HFConfig(_with(cfg, rope_parameters=sliding)))
+    _, local = rope_fields(cfg.with_values(rope_parameters=sliding, rope_scaling=None))
     layers = fields["num_layers"]
     layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern",
                                                                                           6)) else "full_attention"
@@ -62,11 +62,6 @@ def _ropes(cfg: HFConfig) -> tuple[dict, dict]:
     sliding.setdefault("rope_type", "default")
     sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
     return full, sliding
-
-
-def _with(cfg: HFConfig, **values) -> dict:
-    raw = cfg.raw if isinstance(cfg.raw, dict) else cfg.raw.to_dict()
-    return {**raw, **values, "rope_scaling": None}
 
 
 FAMILY = Family({"gemma3_text": "Gemma3ForCausalLM"}, read)

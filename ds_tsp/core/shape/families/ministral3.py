@@ -25,16 +25,10 @@ def read(cfg: HFConfig) -> dict:
         raise TSPConfigError(f"rope_parameters.llama_4_scaling_beta={beta} without original_max_position_embeddings: "
                              "the query scale's period is that field; set it")
     longest = cfg.get("max_position_embeddings", 262144)
-    fields = decoder_fields(HFConfig(_with(cfg, rope_parameters=rope, max_position_embeddings=longest)), head_dim=128,
+    fields = decoder_fields(cfg.with_values(rope_parameters=rope, max_position_embeddings=longest), head_dim=128,
                             eps=1e-5, theta=1e6, pad_token_id=11)
     return {**fields, "attention_windows": uniform_window(cfg, fields["num_layers"]),
             "query_scale_beta": beta, "query_scale_period": int(period) if beta else 0}
-
-
-def _with(cfg: HFConfig, **values) -> dict | object:
-    """The config with `values` set, as a dict (a config object's own fields kept)."""
-    raw = cfg.raw if isinstance(cfg.raw, dict) else cfg.raw.to_dict()
-    return {**raw, **values}
 
 
 FAMILY = Family({"ministral3": "Ministral3ForCausalLM"}, read)
