@@ -8,17 +8,17 @@ the model options it turns into.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ds_tsp.core.errors import TSPConfigError
 
-KERNELS = ("auto", "flash_attn", "aten_flash", "cpu_flash", "math")
-MOE_DISPATCHES = ("auto", "all_to_all", "ring")
-
 # The smallest tsp.timeout_s that does not warn on a CUDA machine (see TSPConfig._gpu_timeout_floor).
 GPU_TIMEOUT_FLOOR_S = 60
+
+
+_UNSET = object()  # a key named without a value (an unknown key); None is a value a block can give
 
 
 class _Checked(BaseModel):
@@ -34,7 +34,7 @@ class _Checked(BaseModel):
             raise TSPConfigError(self._explain(err)) from None
 
     @classmethod
-    def _key(cls, key: str, value: Any = None) -> str:
+    def _key(cls, key: str, value: Any = _UNSET) -> str:
         """How a message names `key` (set to `value`, where given)."""
         raise NotImplementedError
 
@@ -121,8 +121,8 @@ class TSPOptions(ScheduleOptions):
         return None if self.kernel == "auto" else self.kernel
 
     @classmethod
-    def _key(cls, key: str, value: Any = None) -> str:
-        return f"TSPOptions({key}={value!r})"
+    def _key(cls, key: str, value: Any = _UNSET) -> str:
+        return f"TSPOptions({key})" if value is _UNSET else f"TSPOptions({key}={value!r})"
 
     @classmethod
     def _setting(cls, key: str, value: Any) -> str:
@@ -142,6 +142,10 @@ class TSPOptions(ScheduleOptions):
         return type(self)(**{**self.model_dump(), **changes})
 
 
+# the values of the moe_dispatch key, for readers outside pydantic (the planner's own inputs)
+MOE_DISPATCHES = get_args(ScheduleOptions.model_fields["moe_dispatch"].annotation)
+
+
 class TSPConfig(ScheduleOptions):
     """The "tsp" block: the launch keys below, and the schedule keys of ScheduleOptions."""
 
@@ -157,8 +161,8 @@ class TSPConfig(ScheduleOptions):
                                                       "layer's weight broadcast would cross the inter-node network)")
 
     @classmethod
-    def _key(cls, key: str, value: Any = None) -> str:
-        return f"tsp.{key}" if value is None else cls._setting(key, value)
+    def _key(cls, key: str, value: Any = _UNSET) -> str:
+        return f"tsp.{key}" if value is _UNSET else cls._setting(key, value)
 
     @classmethod
     def _setting(cls, key: str, value: Any) -> str:

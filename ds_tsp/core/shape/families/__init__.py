@@ -73,7 +73,6 @@ def shape_fields(config) -> dict:
     """ModelShape keyword arguments of a transformers config (object or config.json dict; a multimodal one is read
     through its text_config)."""
     cfg = HFConfig(language_model(config))
-    model_type = cfg.model_type or "llama"
-    if cfg.model_type is None:
-        cfg = HFConfig({**cfg.raw, "model_type": "llama"}) if isinstance(cfg.raw, dict) else cfg
-    return family_of(model_type).read(cfg)
+    if cfg.model_type is None:  # a bare config.json dict: read as Llama, as transformers' LlamaConfig would
+        cfg = cfg.with_values(model_type="llama")
+    return family_of(cfg.model_type).read(cfg)

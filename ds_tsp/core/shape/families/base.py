@@ -58,12 +58,13 @@ class Family:
 # --- the Llama-shaped decoder every family starts from ------------------------------------------------------------
 
 def decoder_fields(cfg: HFConfig, *, head_dim: int | None = None, eps: float = 1e-6, theta: float = 10000.0,
-                   partial_rotary: bool = False, act: str = "silu", pad_token_id: int | None = None) -> dict:
+                   partial_rotary: bool = False, act: str | None = "silu", pad_token_id: int | None = None) -> dict:
     """The fields of a pre-norm decoder with RoPE attention and a gated MLP (Llama's), with the defaults of the
     family's config class; the common fields TSP does not compute are refused here.
-    partial_rotary: the family reads partial_rotary_factor (else refused); act: the MLP activation it has;
+    partial_rotary: the family reads partial_rotary_factor (else refused); act: the MLP activation it has (None:
+    the family reads its activation field itself);
     pad_token_id: the config class's default (the embedding row that never gets a gradient)."""
-    if cfg.get("hidden_act", act) != act:
+    if act is not None and cfg.get("hidden_act", act) != act:
         raise TSPConfigError(f"hidden_act={cfg.get('hidden_act')!r} on a {cfg.model_type} config: its gated MLP is "
                              f"{act} under TSP; a checkpoint with another activation is another model")
     cfg.refuse("mlp_bias", "TSP's MLP has no biases")

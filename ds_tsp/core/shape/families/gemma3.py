@@ -33,11 +33,11 @@ def read(cfg: HFConfig) -> dict:
                              "gelu_pytorch_tanh (GeGLU) or silu")
     full, sliding = _ropes(cfg)
     fields = decoder_fields(cfg.with_values(rope_parameters=full, rope_scaling=None), head_dim=256, pad_token_id=0,
-                            act=cfg.get("hidden_act", "silu"))
+                            act=None)
     _, local = rope_fields(cfg.with_values(rope_parameters=sliding, rope_scaling=None))
     layers = fields["num_layers"]
-    layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern",
-                                                                                          6)) else "full_attention"
+    pattern = int(cfg.get("sliding_window_pattern", 6))  # every pattern-th layer full, the others sliding
+    layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                              for i in range(layers)]
     windows = layer_type_windows(cfg, layers, cfg.get("sliding_window", 4096), layer_types)
     scalar = cfg.get("query_pre_attn_scalar", 256)

@@ -16,8 +16,6 @@ DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "o
 def read(cfg: HFConfig) -> dict:
     dense_only(cfg)
     rope = dict(cfg.get("rope_parameters") or {}) or dict(DEFAULT_ROPE)
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
     rope.pop("max_position_embeddings", None)  # transformers keeps it there too; the config's own field is read
     beta = float(rope.pop("llama_4_scaling_beta", None) or 0.0)
     period = rope.get("original_max_position_embeddings")

@@ -22,9 +22,8 @@ def read(cfg: HFConfig) -> dict:
                              "long factors by the batch's longest position, which this version of TSP does not "
                              "compute; use a checkpoint with default RoPE (Phi-3 4k, Phi-4)")
     fields = decoder_fields(cfg, eps=1e-5, partial_rotary=True, pad_token_id=32000)
-    params = {**({"partial_rotary_factor": cfg.get("partial_rotary_factor")} if cfg.get("partial_rotary_factor")
-                 else {}), **rope}
-    return {**fields, "partial_rotary_factor": float(params.get("partial_rotary_factor", 1.0) or 1.0),
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    return {**fields, "partial_rotary_factor": float(partial),
             "attention_windows": uniform_window(cfg, fields["num_layers"]), "fused_qkv": True,
             "fused_gate_up": True}
 
