@@ -1,9 +1,9 @@
 """The sharded-piece protocol of a TSP model: its tensors named as the HF checkpoint names them, and how each rank
 reads, initialises and gathers its shards of them.
 
-A model answers it by holding `self.model` (embed_tokens, layers, norm), `self.lm_head`, `self.comm` and
-`self.shape`, and inheriting ShardedStateDict. Checkpoint code (ds_tsp.checkpoint) and the conversions use only
-these methods, never the model classes:
+A model answers it by holding `self.model` (embed_tokens, layers, norm), `self.lm_head` (None: no LM head),
+`self.comm` and `self.shape`, and inheriting ShardedStateDict. Checkpoint code (ds_tsp.checkpoint) and the
+conversions use only these methods, never the model classes:
     sharded_modules()    (HF prefix, piece with hf_slices / pack_slices / unshard, its parameter), checkpoint order
     replicated_params()  HF-named parameters every rank holds whole (norms, routers)
     lora_tensors()       PEFT-named LoRA factors and how each is cut
@@ -34,7 +34,7 @@ class ShardedStateDict:
         out = [("model.embed_tokens.", self.model.embed_tokens, self.model.embed_tokens.vocab_shard)]
         for i, layer in enumerate(self.model.layers):
             out += layer.sharded_modules(f"model.layers.{i}.")
-        if not self.lm_head.tied:
+        if self.lm_head is not None and not self.lm_head.tied:
             out.append(("lm_head.", self.lm_head, self.lm_head.vocab_shard))
         return out
 
@@ -156,7 +156,7 @@ class ShardedStateDict:
                 shards = [local]
             full.update({prefix + k: v for k, v in module.unshard(shards).items()})
         full.update({k: value(p).clone() for k, p in self.replicated_params().items()})
-        if self.lm_head.tied:
+        if self.lm_head is not None and self.lm_head.tied:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
         return full
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ from package_frames import package_frames  # noqa: E402
 from ds_tsp.core.comm.communicator import TSPComm  # noqa: E402
 from ds_tsp.core.config import TSPOptions  # noqa: E402
 from ds_tsp.core.layers.attention import masked as document_attention  # noqa: E402
-from ds_tsp.hf import TSPForCausalLM  # noqa: E402
+from ds_tsp.hf import TSPForCausalLM, TSPForSequenceClassification  # noqa: E402
 
 META = torch.device("meta")
 B, S = 2, 16
@@ -100,13 +101,20 @@ def _meta_batch(kind: str) -> dict:
         batch["attention_mask"] = torch.empty_like(ids)
     if kind == "logits_to_keep":
         batch["logits_to_keep"] = 3
+    if kind == "classifier":  # a sequence classifier pools each row's last non-pad token: labels are per row
+        batch.update(attention_mask=torch.empty_like(ids), labels=torch.empty(B, dtype=torch.long, device=META))
     return batch
 
 
 def _meta_step(config, comm, kind: str) -> list[str]:
-    model = TSPForCausalLM(config, comm, dtype=torch.float32, device=META,
-                           options=TSPOptions(activation_checkpointing=kind in ("checkpointing", "offload"),
-                                              offload_activations=kind == "offload"))
+    options = TSPOptions(activation_checkpointing=kind in ("checkpointing", "offload"),
+                         offload_activations=kind == "offload")
+    if kind == "classifier":
+        config = copy.deepcopy(config)
+        config.num_labels, config.pad_token_id = 3, 0
+        model = TSPForSequenceClassification(config, comm, dtype=torch.float32, device=META, options=options)
+    else:
+        model = TSPForCausalLM(config, comm, dtype=torch.float32, device=META, options=options)
     batch = _meta_batch(kind)
     with DeviceRecorder() as rec:
         out = model(**batch)
@@ -123,7 +131,8 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("llama3_tied", "logits_to_keep"), ("llama", "logits_to_keep"), ("llama", "checkpointing"),
          ("llama", "offload"),  # offload: checkpointed layer inputs in a meta "host" pool (core/activation_offload)
          ("ministral3", "plain"), ("phi3", "plain"),  # position-scaled queries; fused projections, a padding row
-         ("gemma3", "plain")]  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
+         ("gemma3", "plain"),  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
+         ("llama", "classifier")]  # TSPForSequenceClassification: the pooled token found over the group
 
 
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
@@ -158,7 +167,7 @@ def _run_in_fresh_process(runner: str) -> str:
 
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain"),
-         (2, "gemma3", "packed")]
+         (2, "gemma3", "packed"), (4, "qwen3", "classifier")]
 
 
 def run_multi() -> list[str]:

@@ -47,8 +47,27 @@ def _batch(kind: str) -> dict:
     return batch
 
 
+def _classifier_step(comm: TSPComm) -> dict:
+    """A sequence classifier's step: left-padded rows, the pooled token found over the group (one all-gather, no
+    read), the score summed over it."""
+    from ds_tsp.model.sequence_classifier import ShardedSequenceClassifier
+
+    batch = _batch("packed")
+    b = shard_batch(tsp=comm.size, rank=comm.rank, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    model = ShardedSequenceClassifier(SHAPE, comm, num_labels=2, pad_token_id=0, dtype=torch.float64).init_weights_(0)
+    labels = torch.tensor([0, 1, 1])
+    with SyncCounter() as syncs:
+        h, _ = model.final_hidden(b["input_ids"], b["position_ids"], b["attention_mask"])
+        logits = model.pooled_logits(h, b["input_ids"], b["seq_len"])
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+    return {"events": [(e.kind, e.op, e.region, e.where) for e in syncs.events], "loss": float(logits.sum()),
+            "doc_starts": None}
+
+
 def _step(comm: TSPComm, kind: str, slots: int | None) -> dict:
     """One forward + backward under the counter; events as plain tuples (they cross process boundaries)."""
+    if kind == "classifier":
+        return _classifier_step(comm)
     b = shard_batch(tsp=comm.size, rank=comm.rank, **_batch(kind))
     args = (b["input_ids"], b["shift_labels"], b["position_ids"], b.get("attention_mask"))
     model = ShardedCausalLM(SHAPE, comm, dtype=torch.float64).init_weights_(0)
@@ -66,7 +85,8 @@ def _step(comm: TSPComm, kind: str, slots: int | None) -> dict:
             "doc_starts": doc_starts}
 
 
-CASES = [("plain", None), ("packed", None), ("packed", 31)]  # 31 slots: the edges fit, the breaks do not
+# 31 slots: the edges fit, the breaks do not; classifier: TSPForSequenceClassification's step
+CASES = [("plain", None), ("packed", None), ("packed", 31), ("classifier", None)]
 
 
 def _all_cases(world: bool) -> list[dict]:
@@ -103,13 +123,14 @@ def test_one_read_per_step_in_the_input_check(runs, tsp):
 def test_packed_step_runs_document_attention_and_the_fallback_agrees(runs, tsp):
     starts = ((0, 7, 16), (0, LEFT_PAD), (0, 7, 16))
     for results in runs[tsp]:
-        plain, packed, fallback = results
+        plain, packed, fallback = results[:3]
         assert plain["doc_starts"] is None
         assert packed["doc_starts"] == fallback["doc_starts"] == starts
         assert packed["loss"] == pytest.approx(fallback["loss"], rel=1e-13)
         assert abs(packed["loss"] - plain["loss"]) > 1e-6  # the layout changed the computation (near-uniform init)
-    losses = {round(r[1]["loss"], 12) for r in runs[tsp]}
-    assert len(losses) == 1, losses  # loss_for_logging: the same global loss on every rank
+    for case in (1, 3):  # loss_for_logging, the classifier's summed scores: the same on every rank
+        values = {round(r[case]["loss"], 12) for r in runs[tsp]}
+        assert len(values) == 1, (case, values)
 
 
 def test_a_sync_inside_a_layer_is_caught(monkeypatch):
