@@ -3,8 +3,7 @@
 `FAMILIES` covers the architectures ds_tsp loads from the Hub: Llama (rope default / llama3 / linear / yarn,
 explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window), Qwen3
 (per-head q_norm/k_norm), Ministral 3 (yarn, position-scaled queries, sliding window) and Phi-3 (fused qkv_proj /
-gate_up_proj, partial rotary, sliding window) and Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE) and OLMo 3
-(q/k norms over the whole projection, post-norms, per-layer-type RoPE). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
+gate_up_proj, partial rotary, sliding window) and Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
 heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
 
@@ -77,8 +76,8 @@ FAMILIES: dict[str, dict] = {
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
     # OLMo 3: q/k norms over the whole projection, post-norms only, a sliding layer (window 5, shorter than a
-    # rank's chunk at D=2) with default rope and a full layer with yarn (a legacy rope_scaling goes there), GQA 4/2
-    # (one kv head per two ranks at D=4), pad row 1
+    # rank's chunk at D=2) with default rope and a full layer with yarn, GQA 4/2 (one kv head per two ranks at D=4),
+    # pad row 1 (Olmo3Config's default)
     "olmo3": dict(model_type="olmo3", vocab_size=87, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                   sliding_window=5, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
                   eos_token_id=2,

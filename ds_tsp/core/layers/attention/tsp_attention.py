@@ -22,7 +22,11 @@ Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict 
 `doc_starts` (global token indices where documents start, per batch row) and `spec.window` go to
 ds_tsp.core.layers.attention.masked, which splits each zigzag chunk into pieces of plain causal attention (no [S, S]
 mask). Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
-applied to the local projections before RoPE, and undone by their written-out backward.
+applied to the local projections before RoPE, and undone by their written-out backward. OLMo's q/k norms over the
+WHOLE projection (spec.projection_norm; weights [n_heads * d] / [n_kv_heads * d], each block using its slice) need
+every block's sums of squares first and, in backward, every block's grad before any raw grad: two more streams of
+the blocks' [wq, wk] rows, one before the forward loop and one after the backward loop, whose [wq, wk] grads are
+reduced to the owners apart from the rest of the shard (ds_tsp.core.layers.attention.projection_norm).
 Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] rows per head ([nq*2d, h], transformers'
 q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
 output is multiplied by sigmoid(gate) before wo. The gate is recomputed with q in backward (or saved with it when
