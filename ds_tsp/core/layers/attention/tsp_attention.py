@@ -466,8 +466,9 @@ def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor
                   q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner.
 
-    qk_norm: Qwen3's (q_norm, k_norm) weights [d]; their grads are this rank's contribution (sum them over the
-    group, e.g. with comm.replicated_param). doc_starts: per batch row, the global token indices where packed
+    qk_norm: Qwen3's (q_norm, k_norm) weights [d], or with spec.projection_norm OLMo's [n_heads * d] and
+    [n_kv_heads * d]; their grads are this rank's contribution (sum them over the group, e.g. with
+    comm.replicated_param). doc_starts: per batch row, the global token indices where packed
     documents start, or the DocumentLayout the model's input check built from them (None: one document per row).
     q_scale: [B, L, 1, 1] each local query's scale after RoPE (Ministral 3's position-scaled queries), or None.
     """
