@@ -189,7 +189,7 @@ def test_a_bare_gemma3_shape_saves_as_gemma3():
     shape = ModelShape.from_hf_config(config)
     assert (shape.sandwich_norms, shape.mlp_activation, shape.attention_scale, shape.sliding_rope_theta) == (
         True, "gelu_tanh", 12 ** -0.5, 10000.0)
-    assert shape.layer_rope(0) == "sliding" and shape.layer_rope(3) == "full"
+    assert shape.layer_rope(0) == "sliding" and shape.layer_rope(1) == "full"
     again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
     assert type(again).__name__ == "Gemma3TextConfig" and ModelShape.from_hf_config(again) == shape
 
