@@ -79,6 +79,15 @@ FAMILIES: dict[str, dict] = {
                    layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
+    # OLMo 3: q/k norms over the whole projection, post-norms only, a sliding layer (window 5, shorter than a
+    # rank's chunk at D=2) with default rope and a full layer with yarn, GQA 4/2 (one kv head per two ranks at D=4),
+    # pad row 1 (Olmo3Config's default)
+    "olmo3": dict(model_type="olmo3", vocab_size=87, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                  sliding_window=5, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+                  eos_token_id=2,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 16}}),
     # "Qwen3-style": q_norm/k_norm, explicit head_dim 16 != 32/4, tied, GQA
     "qwen3": dict(model_type="qwen3", vocab_size=98, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                   head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
@@ -105,7 +114,7 @@ def _config_class(model_type: str):
             "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
             "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
             "ministral3": transformers.Ministral3Config, "phi3": transformers.Phi3Config,
-            "gemma3_text": transformers.Gemma3TextConfig}[model_type]
+            "gemma3_text": transformers.Gemma3TextConfig, "olmo3": transformers.Olmo3Config}[model_type]
 
 
 def tiny_config(name: str, **overrides):

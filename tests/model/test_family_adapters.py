@@ -276,3 +276,53 @@ def test_the_embedding_scale_is_rounded_as_transformers_holds_it(dtype):
     for hidden in (32, 640, 1152, 1536, 2304, 2560, 3840, 5376):
         value = hidden ** 0.5  # transformers: a scalar buffer made in the model's dtype
         assert _in_dtype(value, dtype) == float(torch.tensor(value, dtype=torch.float64).to(dtype)), hidden
+
+
+def test_olmo3_reads_olmo3config_defaults_and_a_legacy_rope_scaling_on_the_full_layers_only():
+    shape = ModelShape.from_hf_config({"model_type": "olmo3", **SIZES, "num_hidden_layers": 8})
+    assert shape == ModelShape.from_hf_config(transformers.Olmo3Config(**{**SIZES, "num_hidden_layers": 8}))
+    assert (shape.projection_qk_norm, shape.post_norms, shape.qk_norm, shape.rope_theta, shape.rms_norm_eps,
+            shape.pad_token_id, shape.tie_word_embeddings) == (True, True, False, 500000.0, 1e-5, 1, False)
+    assert shape.attention_windows == (4096, 4096, 4096, None) * 2 and shape.sliding_rope_theta == 0.0
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "attention_factor": 1.2}
+    legacy = {"model_type": "olmo3", **SIZES, "num_hidden_layers": 4, "rope_theta": 5e5, "rope_scaling": yarn,
+              "max_position_embeddings": 65536}
+    shape = ModelShape.from_hf_config(legacy)
+    config = transformers.Olmo3Config(**{k: v for k, v in legacy.items() if k != "model_type"})
+    assert config.rope_parameters["sliding_attention"]["rope_type"] == "default"  # transformers' own reading
+    assert shape == ModelShape.from_hf_config(config) == ModelShape.from_hf_config(config.to_dict())
+    assert (shape.rope_scaling.rope_type, shape.sliding_rope_theta, shape.sliding_rope_scaling) == ("yarn", 5e5, None)
+    assert shape.layer_rope(0) == "sliding" and shape.layer_rope(3) == "full"
+
+
+def test_a_bare_olmo3_shape_saves_as_olmo3():
+    config = transformers.Olmo3Config(**{**SIZES, "num_hidden_layers": 3}, sliding_window=5,
+                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 1e6}})
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.sliding_rope_theta, shape.rope_theta, shape.rope_scaling.rope_type) == (1e4, 1e6, "linear")
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(again).__name__ == "Olmo3Config" and ModelShape.from_hf_config(again) == shape
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("attention_bias", True, "attention_bias=True on a olmo3 config"),
+    ("attention_dropout", 0.1, "attention_dropout=0.1"),
+    ("hidden_act", "gelu", "hidden_act='gelu' on a olmo3 config"),
+    ("num_experts", 8, "num_experts=8 on a olmo3 config"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 2.0}, "rope_parameters=.* nest it"),
+    ("layer_types", ["sliding_attention", "chunked_attention"], "chunked_attention"),
+])
+def test_olmo3_refuses_what_it_does_not_compute(field, value, match):
+    config = transformers.Olmo3Config(**SIZES).to_dict()
+    with pytest.raises(TSPConfigError, match=match):
+        ModelShape.from_hf_config({**config, field: value})
+
+
+@pytest.mark.parametrize("field", ["qk_norm", "qkv_bias", "attn_output_gate", "fused_qkv"])
+def test_the_whole_projection_qk_norm_refuses_what_it_is_not_built_with(field):
+    shape = ModelShape.from_hf_config(transformers.Olmo3Config(**SIZES))
+    with pytest.raises(TSPConfigError, match=f"projection_qk_norm with {field}"):
+        ModelShape(**{**shape.to_dict(), "rope_scaling": shape.rope_scaling, field: True})

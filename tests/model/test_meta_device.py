@@ -132,6 +132,7 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("llama", "offload"),  # offload: checkpointed layer inputs in a meta "host" pool (core/activation_offload)
          ("ministral3", "plain"), ("phi3", "plain"),  # position-scaled queries; fused projections, a padding row
          ("gemma3", "plain"),  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
+         ("olmo3", "plain"),  # whole-projection q/k norms (their extra shard streams), post-norms
          ("llama", "classifier")]  # TSPForSequenceClassification: the pooled token found over the group
 
 
@@ -167,7 +168,7 @@ def _run_in_fresh_process(runner: str) -> str:
 
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain"),
-         (2, "gemma3", "packed"), (4, "qwen3", "classifier")]
+         (2, "gemma3", "packed"), (4, "olmo3", "packed"), (4, "qwen3", "classifier")]
 
 
 def run_multi() -> list[str]:

@@ -97,17 +97,20 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("packing")
     return {"llama": save_tiny_checkpoint(root / "llama", tiny_config("llama", **SIX_HEADS)),
             "mistral": save_tiny_checkpoint(root / "mistral", tiny_config("mistral", sliding_window=4, **SIX_HEADS)),
-            "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3")}
+            "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3"),
+            "olmo3": save_tiny_checkpoint(root / "olmo3", "olmo3")}  # its norms span every head block
 
 
 @pytest.fixture(scope="module")
 def tsp_results(checkpoints):
-    """All TSP runs of this file: D=3 (6-head checkpoints) in one start-up, D=2 (qwen3, 4 heads) in another."""
+    """All TSP runs of this file: D=3 (6-head checkpoints) in one start-up, D=2 (qwen3, olmo3: 4 heads) in
+    another."""
     d3 = {("packed", family, backend): (str(checkpoints[family]), _packed_inputs(family)[1], backend)
           for family in ("llama", "mistral") for backend in ("cpu_flash", "math")}
     d3[("padding", "mistral")] = (str(checkpoints["mistral"]), _padding_inputs("mistral")[1], None)
     d3[("combined",)] = (str(checkpoints["llama"]), _combined_inputs()[1], None)
-    d2 = {("padding", "qwen3"): (str(checkpoints["qwen3"]), _padding_inputs("qwen3")[1], None)}
+    d2 = {("padding", family): (str(checkpoints[family]), _padding_inputs(family)[1], None)
+          for family in ("qwen3", "olmo3")}
     results = run_on_local_ranks(_run_cases, 3, d3, timeout_s=300)[0]
     results.update(run_on_local_ranks(_run_cases, 2, d2, timeout_s=300)[0])
     return results
@@ -127,7 +130,7 @@ def test_packed_documents_at_d3_equal_each_document_alone(checkpoints, tsp_resul
     assert _rel(crossing[0], per_document[0]) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "olmo3"])
 def test_left_and_right_padding_equal_the_unpadded_run(checkpoints, tsp_results, family):
     ids, _ = _padding_inputs(family)
     ref = load_hf_reference(checkpoints[family], torch.float64)

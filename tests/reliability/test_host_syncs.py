@@ -28,6 +28,11 @@ SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_laye
                    qkv_bias=True, qk_norm=True, attention_windows=(None, 5), query_scale_beta=0.1,
                    query_scale_period=8, pad_token_id=0, sandwich_norms=True, mlp_activation="gelu_tanh",
                    embedding_scale=5.5, attention_scale=0.3, sliding_rope_theta=500.0)
+# what cannot join the shape above: OLMo 3's q/k norms over the whole projection (two more shard streams) and
+# post-norms
+OLMO3_SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, attention_windows=(5, None), pad_token_id=1, projection_qk_norm=True,
+                         post_norms=True, sliding_rope_theta=500.0)
 B, S = 3, 24
 DOCS = [(7, 9, 8), (24,), (7, 9, 8)]  # rows 0 and 2 share a layout, row 1 does not: a non-contiguous row group
 LEFT_PAD = 3  # row 1
@@ -64,13 +69,13 @@ def _classifier_step(comm: TSPComm) -> dict:
             "doc_starts": None}
 
 
-def _step(comm: TSPComm, kind: str, slots: int | None) -> dict:
+def _step(comm: TSPComm, kind: str, slots: int | None, shape: ModelShape = SHAPE) -> dict:
     """One forward + backward under the counter; events as plain tuples (they cross process boundaries)."""
     if kind == "classifier":
         return _classifier_step(comm)
     b = shard_batch(tsp=comm.size, rank=comm.rank, **_batch(kind))
     args = (b["input_ids"], b["shift_labels"], b["position_ids"], b.get("attention_mask"))
-    model = ShardedCausalLM(SHAPE, comm, dtype=torch.float64).init_weights_(0)
+    model = ShardedCausalLM(shape, comm, dtype=torch.float64).init_weights_(0)
     default = documents.LAYOUT_SLOTS
     documents.LAYOUT_SLOTS = slots or default
     try:
@@ -86,14 +91,15 @@ def _step(comm: TSPComm, kind: str, slots: int | None) -> dict:
 
 
 # 31 slots: the edges fit, the breaks do not; classifier: TSPForSequenceClassification's step
-CASES = [("plain", None), ("packed", None), ("packed", 31), ("classifier", None)]
+CASES = [("plain", None, SHAPE), ("packed", None, SHAPE), ("packed", 31, SHAPE), ("packed", None, OLMO3_SHAPE),
+         ("classifier", None, SHAPE)]
 
 
 def _all_cases(world: bool) -> list[dict]:
     import torch.distributed as dist
 
     comm = TSPComm(dist.group.WORLD) if world else TSPComm.single()
-    return [_step(comm, kind, slots) for kind, slots in CASES]
+    return [_step(comm, kind, slots, shape) for kind, slots, shape in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +111,7 @@ def runs() -> dict[int, list[list[dict]]]:
 @pytest.mark.parametrize("tsp", [1, 2])
 def test_no_sync_outside_the_input_check(runs, tsp):
     for rank, results in enumerate(runs[tsp]):
-        for (kind, slots), result in zip(CASES, results):
+        for (kind, slots, _), result in zip(CASES, results):
             elsewhere = [e for e in result["events"] if e[2] != "input_checks"]
             assert not elsewhere, (tsp, rank, kind, slots, elsewhere)
 
@@ -113,7 +119,7 @@ def test_no_sync_outside_the_input_check(runs, tsp):
 @pytest.mark.parametrize("tsp", [1, 2])
 def test_one_read_per_step_in_the_input_check(runs, tsp):
     for rank, results in enumerate(runs[tsp]):
-        for (kind, slots), result in zip(CASES, results):
+        for (kind, slots, _), result in zip(CASES, results):
             checks = [e for e in result["events"] if e[2] == "input_checks"]
             assert len(checks) == (2 if slots else 1), (tsp, rank, kind, slots, checks)
             assert all(e[:2] == ("read", "tolist") for e in checks), checks
@@ -128,7 +134,7 @@ def test_packed_step_runs_document_attention_and_the_fallback_agrees(runs, tsp):
         assert packed["doc_starts"] == fallback["doc_starts"] == starts
         assert packed["loss"] == pytest.approx(fallback["loss"], rel=1e-13)
         assert abs(packed["loss"] - plain["loss"]) > 1e-6  # the layout changed the computation (near-uniform init)
-    for case in (1, 3):  # loss_for_logging, the classifier's summed scores: the same on every rank
+    for case in (1, 4):  # loss_for_logging, the classifier's summed scores: the same on every rank
         values = {round(r[case]["loss"], 12) for r in runs[tsp]}
         assert len(values) == 1, (case, values)
 

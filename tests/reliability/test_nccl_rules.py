@@ -39,6 +39,11 @@ def _configs(D: int) -> dict[str, dict]:
         "moe_all_to_all_checkpointing": {"kv": few_kv, "options": TSPOptions(moe_dispatch="all_to_all",
                                                                              activation_checkpointing=True),
                                          "overlap": True, "moe": _MOE},
+        # OLMo 3: q/k norms over the whole projection (a [wq, wk] stream before the blocks and after the backward
+        # loop, the grads reduced in two parts), post-norms
+        "olmo3_projection_norms": {"kv": few_kv, "options": TSPOptions(), "overlap": True, "documents": [7, 5, 9],
+                                   "weight_channel": True, "windows": (5, None),
+                                   "shape": {"projection_qk_norm": True, "post_norms": True}},
     }
 
 
@@ -61,7 +66,7 @@ def _step(D: int, group, cfg: dict, record: bool, weights=None) -> dict:
     comm = TSPComm(group, overlap=cfg["overlap"], weight_group=weights if cfg.get("weight_channel") else None)
     shape = ModelShape(vocab_size=61, hidden_size=16 * D, intermediate_size=12 * D, num_layers=2, num_heads=2 * D,
                        num_kv_heads=cfg["kv"], tie_word_embeddings=cfg.get("tie", False),
-                       attention_windows=cfg.get("windows"), **cfg.get("moe", {}))
+                       attention_windows=cfg.get("windows"), **cfg.get("moe", {}), **cfg.get("shape", {}))
     model = label_modules(ShardedCausalLM(shape, comm, options=cfg["options"], dtype=torch.float64).init_weights_(3))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     seq = sum(cfg.get("documents", [21]))

@@ -62,10 +62,11 @@ def test_family_float64_reference(name, checkpoint):
     assert {p.dtype for p in m64.parameters()} == {torch.float64}
     assert m64.config._attn_implementation == "sdpa"
 
-    # every RMSNorm (2 per layer, Gemma 3's 4, + final, + q_norm/k_norm per layer for Qwen3 and Gemma 3) and the
-    # rotary embedding
+    # every RMSNorm (2 per layer, Gemma 3's 4, + final, + q_norm/k_norm per layer for Qwen3, Gemma 3 and OLMo 3) and
+    # the rotary embedding
     layers = cfg.num_hidden_layers
-    per_layer = (4 if cfg.model_type == "gemma3_text" else 2) + (2 if cfg.model_type in ("qwen3", "gemma3_text") else 0)
+    per_layer = ((4 if cfg.model_type == "gemma3_text" else 2)
+                 + (2 if cfg.model_type in ("qwen3", "gemma3_text", "olmo3") else 0))
     norms = per_layer * layers + 1
     expected = sorted(n for n, m in m64.named_modules() if is_norm(m) or is_rotary(m))
     assert len(expected) == norms + 1

@@ -4,7 +4,7 @@ A model loaded from a checkpoint keeps the checkpoint's own config object (all i
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
 else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; sandwich norms, GeGLU,
-scaled embeddings -> Gemma 3; dense: qk_norm -> Qwen3, q/k/v bias ->
+scaled embeddings -> Gemma 3; whole-projection q/k norms, post-norms -> OLMo 3; dense: qk_norm -> Qwen3, q/k/v bias ->
 Qwen2, one sliding window on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
@@ -89,6 +89,8 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
         return _ministral3_config_dict(shape, dtype)
     if shape.fused_qkv or shape.fused_gate_up:
         return _phi3_config_dict(shape, dtype)
+    if shape.projection_qk_norm or shape.post_norms:
+        return _olmo3_config_dict(shape, dtype)
     if shape.sandwich_norms or shape.mlp_activation != "silu" or shape.embedding_scale != 1.0 or \
             shape.attention_scale is not None or shape.sliding_rope_theta:
         return _gemma3_config_dict(shape, dtype)
@@ -197,6 +199,30 @@ def _gemma3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
             "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": int(scalar),
             "sliding_window": next(iter(sliding), None), "final_logit_softcapping": None,
             "attn_logit_softcapping": None,
+            "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
+
+
+def _olmo3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """OLMo 3: whole-projection q/k norms, post-norms, sliding and full layers, a rope per layer type."""
+    if not (shape.projection_qk_norm and shape.post_norms) or shape.zero_centred_norms or \
+            shape.mlp_activation != "silu" or shape.embedding_scale != 1.0 or shape.attention_scale is not None:
+        raise TSPConfigError("projection_qk_norm / post_norms: OLMo 3, the family with them, has both, plain "
+                             "(w * x_hat) norms, a SwiGLU MLP, unscaled embeddings and the head_dim ** -0.5 softmax "
+                             "scale")
+    windows = shape.attention_windows or (None,) * shape.num_layers
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise TSPConfigError(f"attention_windows={windows}: OLMo 3 has one sliding_window for its sliding layers")
+    config = _common_fields(shape, dtype, "olmo3")
+    full = config.pop("rope_parameters")
+    local = dict(full)
+    if shape.sliding_rope_theta:
+        local = {"rope_type": "default", "rope_theta": shape.sliding_rope_theta}
+        if shape.sliding_rope_scaling is not None:
+            local.update({k: v for k, v in vars(shape.sliding_rope_scaling).items()
+                          if v is not None and k not in ("max_position_embeddings", "truncate")})
+    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "sliding_window": next(iter(sliding), None), "attention_bias": False,
             "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
 
 

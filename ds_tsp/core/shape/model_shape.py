@@ -80,6 +80,11 @@ class ModelShape:
     attention_scale: float | None = None
     sliding_rope_theta: float = 0.0
     sliding_rope_scaling: RopeScaling | None = None
+    # OLMo 2 / OLMo 3: q_norm / k_norm over a token's WHOLE q / k projection (weights [num_heads * head_dim] and
+    # [num_kv_heads * head_dim]), not per head; and norms on each sublayer's output only (post_attention_layernorm,
+    # post_feedforward_layernorm; no input norms): h = h + norm(attn(h)); h = h + norm(mlp(h))
+    projection_qk_norm: bool = False
+    post_norms: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -120,6 +125,7 @@ class ModelShape:
                                  "blocks are SwiGLU (silu) only")
         if self.sliding_rope_theta and self.attention_windows is None:
             raise TSPConfigError("sliding_rope_theta without sliding-window layers: it is the RoPE of those layers")
+        self._check_olmo_fields()
         if self.fused_qkv and (self.qkv_bias or self.attn_output_gate):
             raise TSPConfigError("fused_qkv with q/k/v bias or gated attention: Phi-3's fused qkv_proj has neither")
         if self.query_scale_beta:
@@ -128,6 +134,20 @@ class ModelShape:
                 raise TSPConfigError(f"query_scale_beta={self.query_scale_beta}, query_scale_period="
                                      f"{self.query_scale_period!r}: a position-scaled query needs beta > 0 and a "
                                      "period >= 1 (the rope's original_max_position_embeddings)")
+
+    def _check_olmo_fields(self) -> None:
+        if self.projection_qk_norm:
+            others = {"qk_norm": self.qk_norm, "qkv_bias": self.qkv_bias, "attn_output_gate": self.attn_output_gate,
+                      "fused_qkv": self.fused_qkv, "query_scale_beta": self.query_scale_beta,
+                      "num_experts": self.num_experts, "layer_types": self.layer_types}
+            clash = [name for name, value in others.items() if value]
+            if clash:
+                raise TSPConfigError(f"projection_qk_norm with {', '.join(clash)}: the whole-projection q/k norm "
+                                     "(OLMo 2/3) is implemented for dense attention without q/k/v bias, gates, "
+                                     "per-head norms, fused projections or scaled queries")
+        if self.post_norms and (self.sandwich_norms or self.has_linear_attention):
+            raise TSPConfigError("post_norms with sandwich_norms or linear attention: OLMo's post-norm layer has "
+                                 "norms on the sublayer outputs only, and full attention")
 
     def _check_hybrid_fields(self) -> None:
         if isinstance(self.layer_types, list):  # from a JSON manifest

@@ -50,12 +50,17 @@ class TSPDecoderLayer(nn.Module):
     sublayer's output is normed too, under transformers' names:
         h = h + post_attention_layernorm(attn(input_layernorm(h)))
         h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
-    (without them post_attention_layernorm is the MLP's input norm, Llama's name for it)."""
+    (without them post_attention_layernorm is the MLP's input norm, Llama's name for it). With post_norms (OLMo 2/3)
+    only the outputs are normed, and there is no input_layernorm:
+        h = h + post_attention_layernorm(attn(h))
+        h = h + post_feedforward_layernorm(mlp(h))"""
 
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
         centred = shape.zero_centred_norms
-        self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, centred)
+        self.post_norms = shape.post_norms
+        if not self.post_norms:
+            self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, centred)
         self.is_linear_attention = shape.layer_type(layer) == "linear_attention"
         if self.is_linear_attention:
             self.linear_attn = TSPGatedDeltaNet(shape, comm, options, dtype, device, layer=layer,
@@ -68,6 +73,7 @@ class TSPDecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
                                                         centred)
+        if self.sandwich or self.post_norms:
             self.post_feedforward_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
                                                          centred)
         self.is_moe = shape.is_moe_layer(layer)
@@ -85,17 +91,20 @@ class TSPDecoderLayer(nn.Module):
         layer's parameters in its forward hooks."""
         if self.is_linear_attention:
             h = h + self.linear_attn(self.input_layernorm(h), doc_starts)
+        elif self.post_norms:
+            h = h + self.post_attention_layernorm(self.self_attn(h, rope, doc_starts))
         elif self.sandwich:
             h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, doc_starts))
         else:
             h = h + self.self_attn(self.input_layernorm(h), rope, doc_starts)
         router_logits = None
-        mlp_in = self.pre_feedforward_layernorm(h) if self.sandwich else self.post_attention_layernorm(h)
+        mlp_in = (h if self.post_norms else self.pre_feedforward_layernorm(h) if self.sandwich
+                  else self.post_attention_layernorm(h))
         if self.is_moe:
             y, router_logits = self.mlp(mlp_in)
         else:
             y = self.mlp(mlp_in)
-        if self.sandwich:
+        if self.sandwich or self.post_norms:
             y = self.post_feedforward_layernorm(y)
         return (h + y, router_logits) if with_router else h + y
 
@@ -112,10 +121,11 @@ class TSPDecoderLayer(nn.Module):
 
     def replicated_params(self, prefix: str = "") -> dict[str, nn.Parameter]:
         """HF-named params every rank holds whole (their grads are summed over the TSP group)."""
-        out = {f"{prefix}input_layernorm.weight": self.input_layernorm.weight,
-               f"{prefix}post_attention_layernorm.weight": self.post_attention_layernorm.weight}
+        out = {} if self.post_norms else {f"{prefix}input_layernorm.weight": self.input_layernorm.weight}
+        out[f"{prefix}post_attention_layernorm.weight"] = self.post_attention_layernorm.weight
         if self.sandwich:
             out[f"{prefix}pre_feedforward_layernorm.weight"] = self.pre_feedforward_layernorm.weight
+        if self.sandwich or self.post_norms:
             out[f"{prefix}post_feedforward_layernorm.weight"] = self.post_feedforward_layernorm.weight
         if self.is_linear_attention:
             out.update(self.linear_attn.replicated_params(f"{prefix}linear_attn."))
