@@ -284,6 +284,11 @@ def test_shape_from_configs():
     ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
+    # GLM-4.5's grouped, scaled routing and shared experts are not Qwen3-MoE's or Mixtral's: still refused there
+    ("qwen3_moe", {"n_group": 4}, "n_group"),
+    ("qwen3_moe", {"first_k_dense_replace": 1}, "first_k_dense_replace"),
+    ("mixtral", {"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+    ("mixtral", {"n_shared_experts": 1}, "n_shared_experts"),
 ])
 def test_unsupported_moe_fields_refused(name, changes, field):
     with pytest.raises(TSPConfigError, match=field):

@@ -34,7 +34,7 @@ def read(cfg: HFConfig) -> dict:
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
     experts, ffn = _positive(cfg, "n_routed_experts"), _positive(cfg, "moe_intermediate_size")
     dense = tuple(range(min(_positive(cfg, "first_k_dense_replace", 0), fields["num_layers"])))
-    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 1)) or 0
     return {**fields, "qkv_bias": bias, "qk_norm": bool(cfg.get("use_qk_norm", False)),
             "partial_rotary_factor": float(partial), "num_experts": experts,
             "num_experts_per_tok": _positive(cfg, "num_experts_per_tok"), "moe_intermediate_size": ffn,
