@@ -269,6 +269,9 @@ def test_glm4_moe_checkpoint_mtp_layers_are_skipped_as_transformers_skips_them(t
     model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
     assert torch.equal(model.tsp.full_state_dict()["model.layers.2.mlp.gate.e_score_correction_bias"],
                        tensors["model.layers.2.mlp.gate.e_score_correction_bias"].double())
+    ids = torch.randint(0, 71, (1, 12), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids, output_router_logits=True)  # as transformers: the logits, no aux loss
+    assert out.aux_loss is None and [tuple(r.shape) for r in out.router_logits] == [(12, 8), (12, 8)]
     (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(TSPConfigError, match="model.layers.3.eh_proj.weight"):
         TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
