@@ -3,7 +3,8 @@
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, grouped sigmoid
-routing -> GLM-4.5, qk_norm -> Qwen3-MoE else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; sandwich norms, GeGLU,
+routing -> GLM-4.5, qk_norm -> Qwen3-MoE else Mixtral;
+position-scaled queries -> Ministral 3; fused projections -> Phi-3; sandwich norms, GeGLU,
 scaled embeddings -> Gemma 3; dense: qk_norm -> Qwen3, q/k/v bias ->
 Qwen2, one sliding window on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
