@@ -127,8 +127,9 @@ def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     """Deterministic, thread-count independent: each parameter from a CPU generator seeded by (seed, name), float64.
 
     Same rule as ds_tsp.tools.reference_model.init_weights_: N(0, 0.02) for matrices, embeddings and biases, 1 + 0.1 N(0, 1)
-    for norm weights (incl. q_norm/k_norm) so norm gradients are non-trivial, N(0, 0.5) for MoE routers. A tied
-    lm_head is listed once.
+    for norm weights (incl. q_norm/k_norm) so norm gradients are non-trivial, N(0, 0.5) for MoE routers, 0.3 N(0, 1)
+    for GLM-4.5's e_score_correction_bias buffers (zero in transformers' init: it would not change the choice). A
+    tied lm_head is listed once.
     """
     for name, param in model.named_parameters():
         gen = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2 ** 63))
