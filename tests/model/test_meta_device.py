@@ -10,7 +10,8 @@ D=1 runs every family (Llama-3 rope, Qwen2 bias, Qwen3 q/k norms, Mistral slidin
 plus packed documents, padding and logits_to_keep; GLM-4.5's experts (grouped sigmoid routing with its correction
 bias, shared experts) run as the meta device runs MoE: ring dispatch, bfloat16 weights, grouped expert GEMMs.
 D=2..4 run the same step as one rank of torch's fake process group ("fake" backend for cpu and meta: collectives
-complete at once and move nothing), which is all a meta step needs. A static guard then keeps factory calls without device= out of the core.
+complete at once and move nothing), which is all a meta step needs. A static guard then keeps factory calls without
+device= out of the core.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The sparse MoE block of a Qwen3-MoE / Mixtral decoder layer under TSP: rank p owns experts [p*E_r, (p+1)*E_r)
-whole (E_r = E/D), packed in one flat parameter, and the router [E, h] replicated.
+"""The sparse MoE block of a Qwen3-MoE / Mixtral / GLM-4.5 decoder layer under TSP: rank p owns experts
+[p*E_r, (p+1)*E_r) whole (E_r = E/D), packed in one flat parameter, and the router [E, h] replicated.
 
 | parameter            | shape                          | sharding                                                   |
 |----------------------|--------------------------------|------------------------------------------------------------|

@@ -1,4 +1,5 @@
-"""TSP mixture-of-experts MLP (Qwen3-MoE / Mixtral sparse block): E/D whole experts per rank, a replicated router.
+"""TSP mixture-of-experts MLP (Qwen3-MoE / Mixtral / GLM-4.5 sparse block): E/D whole experts per rank, a replicated
+router.
 
 Routing is transformers' own (ds_tsp.core.layers.moe.routing); the routed rows meet the experts by one of two
 schedules, both dropless (variable rows per expert, no token dropped), forward and backward in one
