@@ -6,6 +6,7 @@ A model answers it by holding `self.model` (embed_tokens, layers, norm), `self.l
 conversions use only these methods, never the model classes:
     sharded_modules()    (HF prefix, piece with hf_slices / pack_slices / unshard, its parameter), checkpoint order
     replicated_params()  HF-named parameters every rank holds whole (norms, routers)
+    replicated_buffers() HF-named buffers the checkpoint carries, every rank whole (GLM-4.5's router bias)
     lora_tensors()       PEFT-named LoRA factors and how each is cut
     hf_shapes()          every HF tensor's full shape
     load_slices() / load_full_state_dict() / full_state_dict() / init_weights_() / num_parameters()
@@ -46,6 +47,14 @@ class ShardedStateDict:
         out["model.norm.weight"] = self.model.norm.weight
         return out
 
+    def replicated_buffers(self) -> dict[str, torch.Tensor]:
+        """HF-named buffers every rank holds whole that the checkpoint carries (GLM-4.5's e_score_correction_bias):
+        read and saved with the parameters, no gradient."""
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            out.update(layer.replicated_buffers(f"model.layers.{i}."))
+        return out
+
     def lora_tensors(self) -> list[tuple[str, nn.Parameter, tuple[int, tuple[int, ...]] | None]]:
         """(PEFT key less its base_model.model. prefix, this rank's LoRA factor, (dim, start of every TSP rank) when
         the factor is sharded or None when replicated) of every LoRA factor (ds_tsp.model.peft.lora); [] without
@@ -63,6 +72,7 @@ class ShardedStateDict:
         """Full shape of every HF tensor of this model (tied models list no lm_head.weight, like HF's files)."""
         shapes = {prefix + k: v for prefix, module, _ in self.sharded_modules() for k, v in module.hf_shapes().items()}
         shapes.update({name: tuple(p.shape) for name, p in self.replicated_params().items()})
+        shapes.update({name: tuple(b.shape) for name, b in self.replicated_buffers().items()})
         return shapes
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
@@ -71,7 +81,8 @@ class ShardedStateDict:
         per_rank=True counts this rank's storage."""
         if per_rank:
             return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
-        shapes = self.hf_shapes()
+        buffers = self.replicated_buffers()
+        shapes = {k: v for k, v in self.hf_shapes().items() if k not in buffers}
         if only_trainable:  # a shard trains iff every HF tensor in it does (ds_tsp.model.trainability)
             live = {prefix + n for prefix, module, p in self.sharded_modules() if p.requires_grad
                     for n in module.hf_shapes()}
@@ -136,7 +147,7 @@ class ShardedStateDict:
                 f"the checkpoint has no tensor {missing[0]!r} ({len(missing)} missing): it does not match a "
                 f"{self.shape.num_layers}-layer Llama-family model of this config (tie_word_embeddings="
                 f"{self.shape.tie_word_embeddings}, qkv_bias={self.shape.qkv_bias}, qk_norm={self.shape.qk_norm})")
-        load_slices(self.sharded_modules(), self.replicated_params(), read_into)
+        load_slices(self.sharded_modules(), {**self.replicated_params(), **self.replicated_buffers()}, read_into)
 
     @torch.no_grad()
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -156,6 +167,8 @@ class ShardedStateDict:
                 shards = [local]
             full.update({prefix + k: v for k, v in module.unshard(shards).items()})
         full.update({k: value(p).clone() for k, p in self.replicated_params().items()})
+        if not grads:
+            full.update({k: b.detach().clone() for k, b in self.replicated_buffers().items()})
         if self.lm_head is not None and self.lm_head.tied:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
         return full

@@ -64,7 +64,11 @@ def load_hf_model(core: nn.Module, hf_model: nn.Module, state_dict: dict | None 
             "(save_pretrained) and pass the checkpoint directory, which loads as the language model by slices, or "
             "load the text-only Qwen3_5ForCausalLM")
     params = base_parameters(base)
-    core.load_full_state_dict(state_dict if state_dict is not None else {n: p.detach() for n, p in params.items()})
+    if state_dict is None:  # the parameters, and the buffers the checkpoint carries (GLM-4.5's router bias)
+        wanted = core.replicated_buffers()
+        state_dict = {n: p.detach() for n, p in params.items()}
+        state_dict.update({hf_name(n): b for n, b in base.named_buffers() if hf_name(n) in wanted})
+    core.load_full_state_dict(state_dict)
     carry_requires_grad(core.sharded_modules(), core.replicated_params(), params, core.shape.moe_family)
     if peft:
         attach_lora(core, base, peft[1])

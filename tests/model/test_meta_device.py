@@ -7,9 +7,11 @@ tensor made from host data (torch.tensor / as_tensor of lists or numbers, which 
 reads raise on meta by themselves, so the same run also proves the input checks skip them there.
 
 D=1 runs every family (Llama-3 rope, Qwen2 bias, Qwen3 q/k norms, Mistral sliding window, tied and untied heads)
-plus packed documents, padding and logits_to_keep. D=2..4 run the same step as one rank of torch's fake process
-group ("fake" backend for cpu and meta: collectives complete at once and move nothing), which is all a meta step
-needs. A static guard then keeps factory calls without device= out of the core.
+plus packed documents, padding and logits_to_keep; GLM-4.5's experts (grouped sigmoid routing with its correction
+bias, shared experts) run as the meta device runs MoE: ring dispatch, bfloat16 weights, grouped expert GEMMs.
+D=2..4 run the same step as one rank of torch's fake process group ("fake" backend for cpu and meta: collectives
+complete at once and move nothing), which is all a meta step needs. A static guard then keeps factory calls without
+device= out of the core.
 """
 from __future__ import annotations
 
@@ -106,15 +108,22 @@ def _meta_batch(kind: str) -> dict:
     return batch
 
 
+# MoE on meta: ring dispatch with bfloat16 weights, whose grouped expert GEMMs (hidden and expert width multiples of
+# 16) read no per-expert counts (ds_tsp.core.layers.moe.layer)
+OVERRIDES = {"glm4_moe": dict(hidden_size=64, moe_intermediate_size=32)}
+
+
 def _meta_step(config, comm, kind: str) -> list[str]:
+    moe = getattr(config, "num_experts_per_tok", None) is not None
     options = TSPOptions(activation_checkpointing=kind in ("checkpointing", "offload"),
-                         offload_activations=kind == "offload")
+                         offload_activations=kind == "offload", **({"moe_dispatch": "ring"} if moe else {}))
+    dtype = torch.bfloat16 if moe else torch.float32
     if kind == "classifier":
         config = copy.deepcopy(config)
         config.num_labels, config.pad_token_id = 3, 0
-        model = TSPForSequenceClassification(config, comm, dtype=torch.float32, device=META, options=options)
+        model = TSPForSequenceClassification(config, comm, dtype=dtype, device=META, options=options)
     else:
-        model = TSPForCausalLM(config, comm, dtype=torch.float32, device=META, options=options)
+        model = TSPForCausalLM(config, comm, dtype=dtype, device=META, options=options)
     batch = _meta_batch(kind)
     with DeviceRecorder() as rec:
         out = model(**batch)
@@ -133,12 +142,13 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("ministral3", "plain"), ("phi3", "plain"),  # position-scaled queries; fused projections, a padding row
          ("gemma3", "plain"),  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
          ("olmo3", "plain"),  # whole-projection q/k norms (their extra shard streams), post-norms
+         ("glm4_moe", "packed"),  # grouped sigmoid routing, its bias buffer, shared experts, q/k/v bias, partial rotary
          ("llama", "classifier")]  # TSPForSequenceClassification: the pooled token found over the group
 
 
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
 def test_step_at_d1_creates_nothing_off_device(family, kind):
-    found = _meta_step(tiny_config(family), TSPComm.single(), kind)
+    found = _meta_step(tiny_config(family, **OVERRIDES.get(family, {})), TSPComm.single(), kind)
     assert not found, "\n".join(found)
 
 
@@ -168,7 +178,7 @@ def _run_in_fresh_process(runner: str) -> str:
 
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain"),
-         (2, "gemma3", "packed"), (4, "olmo3", "packed"), (4, "qwen3", "classifier")]
+         (2, "gemma3", "packed"), (4, "olmo3", "packed"), (4, "glm4_moe", "plain"), (4, "qwen3", "classifier")]
 
 
 def run_multi() -> list[str]:
@@ -177,7 +187,8 @@ def run_multi() -> list[str]:
         problems = []
         for tsp, family, kind in MULTI:
             config = (tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
-                                  intermediate_size=96) if family == "llama6" else tiny_config(family))
+                                  intermediate_size=96) if family == "llama6"
+                      else tiny_config(family, **OVERRIDES.get(family, {})))
             comm = TSPComm(groups[tsp])
             assert comm.size == tsp and comm.rank == 1
             problems += [f"D={tsp} {family} {kind}: {f}" for f in _meta_step(config, comm, kind)]

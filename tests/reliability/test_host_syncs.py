@@ -222,8 +222,11 @@ MOE_LAYERS = 2
 
 
 def _moe_syncs(world: bool) -> dict:
-    """{(dispatch, path): (forward events, backward events)} of MOE_LAYERS MoE layers, forced expert-GEMM path
-    (grouped runs on this torch's CPU kernels in float32)."""
+    """{(dispatch, path, routing): (forward events, backward events)} of MOE_LAYERS MoE layers, forced expert-GEMM
+    path (grouped runs on this torch's CPU kernels in float32); routing: softmax top-k, and GLM-4.5's grouped sigmoid
+    routing with its correction bias."""
+    import dataclasses
+
     import torch.distributed as dist
     from moe_reference import MoECase, hf_block, inputs, spec_of
 
@@ -232,11 +235,13 @@ def _moe_syncs(world: bool) -> dict:
 
     comm = TSPComm(dist.group.WORLD) if world else TSPComm.single()
     case = MoECase(skew=(2,), seed=9, hidden=16, ffn=8)
-    spec = spec_of(case, comm.size)
+    softmax = spec_of(case, comm.size)
+    grouped = dataclasses.replace(softmax, routing="sigmoid_grouped", groups=4, topk_groups=2, scaling=2.5)
+    bias = 0.3 * torch.randn(case.num_experts, generator=torch.Generator().manual_seed(4))
     block = hf_block(case)
-    e_r = spec.experts_per_rank
+    e_r = softmax.experts_per_rank
     own = slice(comm.rank * e_r, (comm.rank + 1) * e_r)
-    packed = spec.layout.pack({"gate_up": block.experts.gate_up_proj[own], "down": block.experts.down_proj[own]})
+    packed = softmax.layout.pack({"gate_up": block.experts.gate_up_proj[own], "down": block.experts.down_proj[own]})
     packed = packed.detach().float().requires_grad_(True)
     router = block.gate.weight.detach().float().requires_grad_(True)
     x = shard(inputs(case, comm.size)["x"], comm.size, comm.rank).float().requires_grad_(True)
@@ -244,17 +249,21 @@ def _moe_syncs(world: bool) -> dict:
     try:
         for path in ("loop", "grouped") if _grouped_mm_fn() is not None else ("loop",):
             moe.select_expert_gemm = lambda device, dtype, *_, path=path: path
-            for dispatch in ("ring", "all_to_all"):
+            for dispatch, spec in (("ring", softmax), ("all_to_all", softmax), ("ring", grouped),
+                                   ("all_to_all", grouped)):
                 with SyncCounter() as fwd:
                     h, logits = x, []
+                    choice = bias if spec is grouped else None
                     for _ in range(MOE_LAYERS):
-                        h, lg = moe.tsp_moe_mlp(h, router, packed, spec, comm, dispatch=dispatch)
+                        h, lg = moe.tsp_moe_mlp(h, router, packed, spec, comm, dispatch=dispatch,
+                                                correction_bias=choice)
                         logits.append(lg)
-                    loss = h.square().sum() + moe.moe_aux_loss_share(logits, case.num_experts, case.top_k, comm)
+                    aux = 0 if spec is grouped else moe.moe_aux_loss_share(logits, case.num_experts, case.top_k, comm)
+                    loss = h.square().sum() + aux
                 with SyncCounter() as bwd:
                     loss.backward()
-                out[dispatch, path] = ([(e.kind, e.op, e.region, e.where) for e in fwd.events],
-                                       [(e.kind, e.op, e.region, e.where) for e in bwd.events])
+                out[dispatch, path, spec.routing] = ([(e.kind, e.op, e.region, e.where) for e in fwd.events],
+                                                     [(e.kind, e.op, e.region, e.where) for e in bwd.events])
     finally:
         moe.select_expert_gemm = select
     return out
@@ -270,8 +279,8 @@ def test_moe_layer_reads_the_counts_once_per_forward(moe_runs, tsp):
     """all_to_all: the split sizes (one .tolist() per layer forward); ring, on both expert-GEMM paths: the
     per-expert counts that bound each step's owner rows, the same one read. Backward and the aux loss: nothing."""
     for rank, results in enumerate(moe_runs[tsp]):
-        assert ("ring", "loop") in results
-        for (dispatch, path), (fwd, bwd) in results.items():
+        assert ("ring", "loop", "softmax") in results and ("all_to_all", "loop", "sigmoid_grouped") in results
+        for (dispatch, path, _), (fwd, bwd) in results.items():
             assert len(fwd) == MOE_LAYERS, (tsp, rank, dispatch, path, fwd)
             assert all(e[:3] == ("read", "tolist", "layers") and "core/layers/moe/" in e[3] for e in fwd), fwd
             assert not bwd, (tsp, rank, dispatch, path, bwd)

@@ -44,11 +44,17 @@ def _configs(D: int) -> dict[str, dict]:
         "olmo3_projection_norms": {"kv": few_kv, "options": TSPOptions(), "overlap": True, "documents": [7, 5, 9],
                                    "weight_channel": True, "windows": (5, None),
                                    "shape": {"projection_qk_norm": True, "post_norms": True}},
+        # GLM-4.5: grouped sigmoid routing, the shared expert's weight ring beside the experts' all-to-all
+        "glm_moe_all_to_all_shared": {"kv": D, "options": TSPOptions(moe_dispatch="all_to_all"), "overlap": True,
+                                      "moe": _GLM, "weight_channel": True},
     }
 
 
 _MOE = dict(num_experts=12, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,
             dense_mlp_layers=(0,), router_aux_loss_coef=0.1, output_router_logits=True)
+_GLM = dict(num_experts=12, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True, dense_mlp_layers=(0,),
+            shared_expert_intermediate_size=12, shared_expert_gate=False, moe_routing="sigmoid_grouped", moe_groups=4,
+            moe_topk_groups=2, routed_scaling_factor=2.5, qkv_bias=True, qk_norm=True, partial_rotary_factor=0.5)
 
 
 GROUPS = {2: [2, 3], 3: [0, 1, 2], 4: [0, 1, 2, 3]}

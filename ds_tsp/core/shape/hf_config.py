@@ -2,10 +2,10 @@
 
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
-one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
-else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; sandwich norms, GeGLU,
-scaled embeddings -> Gemma 3; whole-projection q/k norms, post-norms -> OLMo 3; dense: qk_norm -> Qwen3, q/k/v bias ->
-Qwen2, one sliding window on every layer -> Mistral, else Llama;
+one built from a bare ModelShape gets the transformers family that expresses it: with experts, grouped sigmoid
+routing -> GLM-4.5, qk_norm -> Qwen3-MoE else Mixtral; position-scaled queries -> Ministral 3; fused projections ->
+Phi-3; sandwich norms, GeGLU, scaled embeddings -> Gemma 3; whole-projection q/k norms, post-norms -> OLMo 3;
+dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
 model: load_config returns its text_config, and the model saves a text-only Qwen3_5ForCausalLM checkpoint.
@@ -83,6 +83,8 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
     """A config.json dict transformers reads back into the same model (see module doc for the family)."""
     if shape.hybrid_family is not None or shape.attn_output_gate:
         return _hybrid_config_dict(shape, dtype)
+    if shape.num_experts and shape.moe_routing == "sigmoid_grouped":
+        return _glm4_moe_config_dict(shape, dtype)
     if shape.num_experts:
         return _moe_config_dict(shape, dtype)
     if shape.query_scale_beta:
@@ -251,6 +253,25 @@ def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
     return {**config, "moe_intermediate_size": shape.moe_intermediate_size, "norm_topk_prob": shape.norm_topk_prob,
             "decoder_sparse_step": 1, "mlp_only_layers": list(shape.dense_mlp_layers),
             "use_sliding_window": window is not None, "attention_bias": False}
+
+
+def _glm4_moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """GLM-4.5: grouped sigmoid routing, unscaled shared experts after first_k_dense_replace dense layers."""
+    dense = tuple(range(len(shape.dense_mlp_layers)))
+    shared, ffn = shape.shared_expert_intermediate_size, shape.moe_intermediate_size
+    if shape.dense_mlp_layers != dense or shape.attention_windows is not None or shape.shared_expert_gate or \
+            not shared or shared % ffn:
+        raise TSPConfigError(f"dense_mlp_layers={shape.dense_mlp_layers}, attention_windows, shared expert "
+                             f"{shared} (gate: {shape.shared_expert_gate}): GLM-4.5 has its dense layers first, no "
+                             "window, and ungated shared experts a multiple of moe_intermediate_size wide")
+    config = _common_fields(shape, dtype, "glm4_moe")
+    config["rope_parameters"] = {**config["rope_parameters"], "partial_rotary_factor": shape.partial_rotary_factor}
+    return {**config, "attention_bias": shape.qkv_bias, "use_qk_norm": shape.qk_norm,
+            "n_routed_experts": shape.num_experts, "num_experts_per_tok": shape.num_experts_per_tok,
+            "moe_intermediate_size": ffn, "n_shared_experts": shared // ffn, "first_k_dense_replace": len(dense),
+            "n_group": shape.moe_groups, "topk_group": shape.moe_topk_groups,
+            "routed_scaling_factor": shape.routed_scaling_factor, "norm_topk_prob": shape.norm_topk_prob,
+            "num_nextn_predict_layers": 0}
 
 
 def _hybrid_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:

@@ -60,6 +60,19 @@ class ModelShape:
     # Qwen3-Next / Qwen3.5-MoE: every sparse MoE block adds a shared expert (a dense SwiGLU of this width, sharded
     # 1/D like the MLP) scaled by sigmoid(shared_expert_gate(x)); 0: none
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = True  # False (GLM-4.5): the shared expert's output is added unscaled, no gate
+    # How a token picks its experts (ds_tsp.core.layers.moe.routing): "softmax" (Qwen3-MoE, Mixtral: top-k of the
+    # softmax) or "sigmoid_grouped" (GLM-4.5: sigmoid scores, the experts CHOSEN by scores + a per-expert correction
+    # bias buffer within the moe_topk_groups best of moe_groups expert groups, weighted by the uncorrected scores
+    # times routed_scaling_factor)
+    moe_routing: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # GLM-4.5's multi-token-prediction layers, stored after the decoder layers (model.layers.{num_layers + i}.):
+    # transformers' causal LM neither loads nor computes them (its assisted decoding builds them apart), so TSP
+    # neither reads nor saves them
+    mtp_layers: int = 0
     # Ministral 3 (transformers' llama_4_scaling_beta): each query, after RoPE, is scaled by
     # 1 + query_scale_beta * log(1 + floor(position / query_scale_period)) (1 below the first period); 0: off
     query_scale_beta: float = 0.0
@@ -111,6 +124,8 @@ class ModelShape:
         if isinstance(self.dense_mlp_layers, list):  # from a JSON manifest
             object.__setattr__(self, "dense_mlp_layers", tuple(self.dense_mlp_layers))
         check_moe_fields(self)
+        if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers < 0:
+            raise TSPConfigError(f"mtp_layers={self.mtp_layers!r}: a number of checkpoint layers (>= 0)")
         self._check_hybrid_fields()
         if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or
                                               isinstance(self.pad_token_id, bool) or
@@ -207,8 +222,11 @@ class ModelShape:
 
     @property
     def moe_family(self) -> str | None:
-        """The transformers family whose checkpoint names an MoE model uses: Qwen3-MoE has q/k norms, Mixtral not."""
-        return None if self.num_experts == 0 else "qwen3_moe" if self.qk_norm else "mixtral"
+        """The transformers family whose checkpoint names an MoE model uses: GLM-4.5 routes by grouped sigmoid
+        scores, Qwen3-MoE has q/k norms, Mixtral not."""
+        if self.num_experts == 0:
+            return None
+        return "glm4_moe" if self.moe_routing == "sigmoid_grouped" else "qwen3_moe" if self.qk_norm else "mixtral"
 
     def layer_rope(self, layer: int) -> str:
         """Which RoPE decoder layer `layer` rotates with: "sliding" (its own theta, Gemma 3) or "full"."""

@@ -79,7 +79,7 @@ class TSPDecoderLayer(nn.Module):
         self.is_moe = shape.is_moe_layer(layer)
         if self.is_moe:
             shared = (TSPGatedMLP(shared_expert_shape(shape), comm, dtype, device, options.recompute_projections)
-                      if shape.shared_expert_intermediate_size else None)  # Qwen3-Next / Qwen3.5-MoE
+                      if shape.shared_expert_intermediate_size else None)  # Qwen3-Next, Qwen3.5-MoE, GLM-4.5
             self.mlp = TSPSparseMoE(shape, comm, options, dtype, device, shared_expert=shared)
         else:
             self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
@@ -113,8 +113,9 @@ class TSPDecoderLayer(nn.Module):
         mlp = ((prefix, self.mlp, self.mlp.experts_shard) if self.is_moe
                else (f"{prefix}mlp.", self.mlp, self.mlp.packed_shard))
         mlps = [mlp]
-        if self.is_moe and self.mlp.shared_expert is not None:  # Qwen3-Next / Qwen3.5-MoE
-            mlps.append((f"{prefix}mlp.shared_expert.", self.mlp.shared_expert, self.mlp.shared_expert.packed_shard))
+        if self.is_moe and self.mlp.shared_expert is not None:  # Qwen3-Next, Qwen3.5-MoE, GLM-4.5
+            mlps.append((prefix + self.mlp.names.shared_expert(), self.mlp.shared_expert,
+                         self.mlp.shared_expert.packed_shard))
         if self.is_linear_attention:  # the Gated DeltaNet lists its own sharded pieces
             return [*self.linear_attn.sharded_modules(f"{prefix}linear_attn."), *mlps]
         return [(f"{prefix}self_attn.", self.self_attn, self.self_attn.packed_shard), *mlps]
@@ -137,3 +138,8 @@ class TSPDecoderLayer(nn.Module):
             if self.mlp.shared_expert_gate is not None:
                 out[f"{prefix}mlp.shared_expert_gate.weight"] = self.mlp.shared_expert_gate.weight
         return out
+
+    def replicated_buffers(self, prefix: str = "") -> dict:
+        """HF-named buffers every rank holds whole that the checkpoint carries (GLM-4.5's router correction bias):
+        read and saved like the replicated params, never trained."""
+        return self.mlp.replicated_buffers(prefix) if self.is_moe else {}

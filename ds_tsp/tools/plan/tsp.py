@@ -40,6 +40,7 @@ from ds_tsp.tools.plan.moe_terms import (
     moe_summary,
     moe_transients,
     sparse_count,
+    shared_expert_shard,
     sparse_layer_params,
     sparse_layer_terms,
     stage_layer_ids,
@@ -130,9 +131,16 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     ac = inp.activation_checkpointing
     moe = moe_geometry(inp, T)
     if moe is not None:  # per-layer figures describe a sparse layer; dense ones (if any) are counted per stage
-        sparse_params = g.A + sparse_layer_params(moe) + layer_norms + qk_norms
-        sparse_saved = per_layer + moe_saved(inp, moe) - (0 if inp.recompute_projections else 2 * T * dims.F * b)
+        Ms, Fs = shared_expert_shard(inp), inp.model.shared_expert_intermediate_size  # GLM-4.5's shared experts
+        sparse_mlp = sparse_layer_params(moe) + Ms
+        sparse_params = g.A + sparse_mlp + layer_norms + qk_norms
+        sparse_saved = per_layer + moe_saved(inp, moe) - (0 if inp.recompute_projections else
+                                                          2 * T * (dims.F - (Fs if Ms else 0)) * b)
         sparse_transients = {**transients, **moe_transients(inp, moe, ring_buffers(D))}
+        if Ms:  # the shared expert runs after the routed ones: the block's y beside a dense MLP's temporaries
+            shared = tsp_transients(inp, replace(g, M=Ms, dims=replace(dims, F=Fs)))
+            y = T * dims.h * b
+            sparse_transients.update({k: max(sparse_transients[k], y + shared[k]) for k in ("mlp_fwd", "mlp_bwd")})
         fwd, bwd = sparse_layer_terms(inp, dense_fwd, dense_bwd, moe)
 
     def stage_fn(stage: Stage) -> StageMemory:
@@ -148,7 +156,7 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             top_sparse = inp.model.is_moe_layer(stage_layer_ids(inp, stage)[-1])
             if top_sparse:
                 top_saved, top_transients = sparse_saved, sparse_transients
-            mlp_grads = ((sparse_layer_params(moe) if top_sparse else g.M) + dims.h) * b
+            mlp_grads = ((sparse_mlp if top_sparse else g.M) + dims.h) * b
             dense_terms = [replace(t, name=f"dense layers x{dense}: {t.name}", calls=t.calls * dense,
                                    bytes=t.bytes * dense) for t in (*dense_fwd, *dense_bwd)] if dense else []
         other = 2 * T * dims.d * b  # cos, sin (shared by every layer)
