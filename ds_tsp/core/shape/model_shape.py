@@ -80,6 +80,19 @@ class ModelShape:
     attention_scale: float | None = None
     sliding_rope_theta: float = 0.0
     sliding_rope_scaling: RopeScaling | None = None
+    # GPT-OSS: a learned logit per query head in every attention softmax's denominator (attention sinks, sharded
+    # with the head blocks) and a bias on o_proj too (added once per token after the output projection); its MoE
+    # experts: biases on the router and on every expert's gate_up / down, the clamped SwiGLU (gate <= limit,
+    # |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate)) with gate / up interleaved in gate_up, and routing
+    # "topk_softmax" (softmax over the top-k logits, in their dtype) instead of "softmax_topk" (Qwen3-MoE / Mixtral:
+    # a float32 softmax over every expert, then the top-k)
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    moe_biases: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    moe_routing: str = "softmax_topk"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -118,6 +131,7 @@ class ModelShape:
         if self.mlp_activation != "silu" and (self.num_experts or self.has_linear_attention):
             raise TSPConfigError(f"mlp_activation={self.mlp_activation!r} with experts or linear attention: those "
                                  "blocks are SwiGLU (silu) only")
+        self._check_gpt_oss_fields()
         if self.sliding_rope_theta and self.attention_windows is None:
             raise TSPConfigError("sliding_rope_theta without sliding-window layers: it is the RoPE of those layers")
         if self.fused_qkv and (self.qkv_bias or self.attn_output_gate):
@@ -128,6 +142,27 @@ class ModelShape:
                 raise TSPConfigError(f"query_scale_beta={self.query_scale_beta}, query_scale_period="
                                      f"{self.query_scale_period!r}: a position-scaled query needs beta > 0 and a "
                                      "period >= 1 (the rope's original_max_position_embeddings)")
+
+    def _check_gpt_oss_fields(self) -> None:
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise TSPConfigError(f"expert_activation={self.expert_activation!r}: TSP's experts compute "
+                                 f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if self.moe_routing not in MOE_ROUTINGS:
+            raise TSPConfigError(f"moe_routing={self.moe_routing!r}: TSP routes by {', '.join(MOE_ROUTINGS)}")
+        gpt_oss = (self.moe_biases, self.expert_activation == "clamped_swiglu", self.moe_routing == "topk_softmax")
+        if any(gpt_oss) and not (all(gpt_oss) and self.num_experts):
+            raise TSPConfigError(f"moe_biases={self.moe_biases}, expert_activation={self.expert_activation!r}, "
+                                 f"moe_routing={self.moe_routing!r}: these are GPT-OSS's experts (one checkpoint "
+                                 "layout, gate/up interleaved) and come together, in a shape with experts")
+        if any(gpt_oss) and (self.has_linear_attention or self.shared_expert_intermediate_size or self.qk_norm):
+            raise TSPConfigError("GPT-OSS experts (moe_biases, clamped_swiglu) with linear attention, a shared "
+                                 "expert or q/k norms: no transformers family has that combination")
+        if self.expert_activation == "clamped_swiglu" and not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            raise TSPConfigError(f"swiglu_alpha={self.swiglu_alpha}, swiglu_limit={self.swiglu_limit}: the clamped "
+                                 "SwiGLU needs both > 0")
+        if (self.attention_sinks or self.attention_out_bias) and self.has_linear_attention:
+            raise TSPConfigError("attention_sinks / attention_out_bias with linear attention: hybrid models have "
+                                 "neither")
 
     def _check_hybrid_fields(self) -> None:
         if isinstance(self.layer_types, list):  # from a JSON manifest
@@ -187,8 +222,13 @@ class ModelShape:
 
     @property
     def moe_family(self) -> str | None:
-        """The transformers family whose checkpoint names an MoE model uses: Qwen3-MoE has q/k norms, Mixtral not."""
-        return None if self.num_experts == 0 else "qwen3_moe" if self.qk_norm else "mixtral"
+        """The transformers family whose checkpoint names an MoE model uses: GPT-OSS's experts (clamped SwiGLU with
+        biases), else Qwen3-MoE with q/k norms, Mixtral without."""
+        if self.num_experts == 0:
+            return None
+        if self.expert_activation == "clamped_swiglu":  # GPT-OSS: fused 3D experts with biases
+            return "gpt_oss"
+        return "qwen3_moe" if self.qk_norm else "mixtral"
 
     def layer_rope(self, layer: int) -> str:
         """Which RoPE decoder layer `layer` rotates with: "sliding" (its own theta, Gemma 3) or "full"."""
@@ -254,6 +294,8 @@ class ModelShape:
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax")
 
 
 def _multiples(n: int, limit: int) -> list[int]:

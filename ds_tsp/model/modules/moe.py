@@ -4,6 +4,8 @@ whole (E_r = E/D), packed in one flat parameter, and the router [E, h] replicate
 | parameter            | shape                          | sharding                                                   |
 |----------------------|--------------------------------|------------------------------------------------------------|
 | mlp.gate.weight      | [E, h]                         | replicated, grads summed over the TSP group               |
+| (GPT-OSS) mlp.router.weight, .bias [E] | [E, h], [E]  | replicated, grads summed over the TSP group               |
+| (GPT-OSS) experts_shard | + gate_up_bias [E_r, 2F], down_bias [E_r, h] | its fused [E, ...] tensors' rows of rank p |
 | mlp.experts_shard    | [E_r * (2F*h + h*F)]           | experts of rank p: gate_up [E_r, 2F, h], down [E_r, h, F] |
 | mlp.shared_expert    | packed_shard [3 * h * Fs/D]    | Qwen3-Next / Qwen3.5-MoE: a TSPGatedMLP of width Fs, 1/D   |
 | mlp.shared_expert_gate.weight | [1, h]                | replicated, grads summed over the TSP group               |
@@ -23,11 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_tsp.checkpoint.hf.moe_names import MoENames
+from ds_tsp.checkpoint.hf.moe_names import GPT_OSS_EXPERTS, MoENames
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.primitives import replicated_param
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.grads.clip import mark_sharded
+from ds_tsp.core.layers.moe.experts import ExpertGLU
 from ds_tsp.core.layers.moe.layer import MoESpec, choose_moe_dispatch, moe_compute_dtype, tsp_moe_mlp
 from ds_tsp.core.shape.model_shape import ModelShape
 
@@ -35,11 +38,13 @@ HFSlice = tuple[int, int, int]
 
 
 class Router(nn.Module):
-    """The replicated router (transformers' `gate`): logits = x @ weight.T, weight [E, h]."""
+    """The replicated router (transformers' `gate`, GPT-OSS's `router`): logits = x @ weight.T (+ bias), weight [E, h],
+    bias [E] (GPT-OSS)."""
 
-    def __init__(self, num_experts: int, hidden: int, dtype, device):
+    def __init__(self, num_experts: int, hidden: int, dtype, device, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype, device=device)) if bias else None
 
 
 class TSPSparseMoE(nn.Module):
@@ -51,8 +56,11 @@ class TSPSparseMoE(nn.Module):
         self.spec = MoESpec(hidden=shape.hidden_size, moe_ffn=shape.moe_intermediate_size,
                             num_experts=shape.num_experts, experts_per_rank=shape.num_experts // comm.size,
                             top_k=shape.num_experts_per_tok, norm_topk_prob=shape.norm_topk_prob,
-                            recompute_projections=options.recompute_projections)
-        self.gate = Router(shape.num_experts, shape.hidden_size, dtype, device)
+                            recompute_projections=options.recompute_projections,
+                            glu=ExpertGLU(shape.expert_activation, shape.swiglu_alpha, shape.swiglu_limit),
+                            biases=shape.moe_biases, routing=shape.moe_routing)
+        self.fused = shape.moe_family == "gpt_oss"  # one [E, ...] tensor per kind in the checkpoint (moe_names)
+        self.gate = Router(shape.num_experts, shape.hidden_size, dtype, device, bias=shape.moe_biases)
         self.experts_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # LoRA does not target experts (no per-expert linear modules in transformers 5)
@@ -74,8 +82,9 @@ class TSPSparseMoE(nn.Module):
         sent = moe_compute_dtype(x.device.type, x.dtype)
         dispatch = choose_moe_dispatch(self.dispatch, x.shape[0] * x.shape[1], s.hidden, s.moe_ffn, s.num_experts,
                                        s.top_k, self.comm.size, torch.finfo(sent).bits // 8)
+        bias = None if self.gate.bias is None else replicated_param(self.gate.bias, self.comm)
         y, logits = tsp_moe_mlp(x, replicated_param(self.gate.weight, self.comm), self.experts_shard, s, self.comm,
-                                dispatch=dispatch)
+                                dispatch=dispatch, router_bias=bias)
         if self.shared_expert is not None:
             scale = torch.sigmoid(F.linear(x, replicated_param(self.shared_expert_gate.weight, self.comm)))
             y = y + scale * self.shared_expert(x)
@@ -89,7 +98,38 @@ class TSPSparseMoE(nn.Module):
     def router_name(self) -> str:
         return self.names.router()
 
+    def router_params(self) -> dict[str, nn.Parameter]:
+        """The router's HF-named (relative to the layer) replicated params."""
+        out = {self.names.router(): self.gate.weight}
+        if self.gate.bias is not None:
+            out[self.names.router_bias()] = self.gate.bias
+        return out
+
+    # GPT-OSS: rank p's part of every fused tensor is its experts' rows [p*E_r, (p+1)*E_r) of dim 0, and each is a
+    # view of the packed experts (gate_up / down transposed per expert, the biases as they are)
+    def _fused_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, f, e = self.spec.hidden, self.spec.moe_ffn, self.spec.num_experts
+        kinds = {"gate_up_proj": (e, h, 2 * f), "down_proj": (e, f, h), "gate_up_proj_bias": (e, 2 * f),
+                 "down_proj_bias": (e, h)}
+        return {self.names.fused(k): kinds[k] for k in GPT_OSS_EXPERTS}
+
+    def _fused_views(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        views = self.spec.layout.unpack(packed)
+        return {self.names.fused("gate_up_proj"): views["gate_up"].transpose(1, 2),
+                self.names.fused("down_proj"): views["down"].transpose(1, 2),
+                self.names.fused("gate_up_proj_bias"): views["gate_up_bias"],
+                self.names.fused("down_proj_bias"): views["down_bias"]}
+
+    def _fused_pack(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.spec.layout.pack({
+            "gate_up": pieces[self.names.fused("gate_up_proj")].transpose(1, 2),
+            "down": pieces[self.names.fused("down_proj")].transpose(1, 2),
+            "gate_up_bias": pieces[self.names.fused("gate_up_proj_bias")],
+            "down_bias": pieces[self.names.fused("down_proj_bias")]})
+
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.fused:
+            return self._fused_shapes()
         h, f = self.spec.hidden, self.spec.moe_ffn
         shapes = {}
         for i in range(self.spec.num_experts):
@@ -100,10 +140,15 @@ class TSPSparseMoE(nn.Module):
     def hf_slices(self, rank: int | None = None) -> dict[str, HFSlice]:
         """The whole tensors of this rank's experts (and nothing of the others')."""
         p = self.comm.rank if rank is None else rank
+        if self.fused:
+            e = self.spec.experts_per_rank
+            return {name: (0, p * e, e) for name in self._fused_shapes()}
         h, f = self.spec.hidden, self.spec.moe_ffn
         return {self.names.expert(i, w): (0, 0, f if w < 2 else h) for i in self._experts(p) for w in range(3)}
 
     def hf_targets(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.fused:
+            return self._fused_views(packed)
         views, f = self.spec.layout.unpack(packed), self.spec.moe_ffn
         out = {}
         for j, i in enumerate(self._experts(self.comm.rank)):
@@ -113,6 +158,8 @@ class TSPSparseMoE(nn.Module):
         return out
 
     def pack_slices(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.fused:
+            return self._fused_pack(pieces)
         experts = self._experts(self.comm.rank)
         gate_up = torch.stack([torch.cat((pieces[self.names.expert(i, 0)], pieces[self.names.expert(i, 1)]))
                                for i in experts])
@@ -123,7 +170,10 @@ class TSPSparseMoE(nn.Module):
         return self.pack_slices({name: full[name] for name in self.hf_slices()})
 
     def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every rank's packed experts -> one tensor per expert, in transformers' saved layout."""
+        """Every rank's packed experts -> one tensor per expert (GPT-OSS: per kind), in transformers' saved layout."""
+        if self.fused:
+            per_rank = [self._fused_views(shard) for shard in shards]
+            return {name: torch.cat([views[name] for views in per_rank]) for name in self._fused_shapes()}
         f, out = self.spec.moe_ffn, {}
         for rank, shard in enumerate(shards):
             views = self.spec.layout.unpack(shard)

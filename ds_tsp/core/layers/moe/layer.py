@@ -32,7 +32,7 @@ from ds_tsp.core.layers.amp import apply_autocast, dtype_inside
 from ds_tsp.core.layers.moe.all_to_all import MoEAllToAll
 from ds_tsp.core.layers.moe.aux_loss import moe_aux_loss_share
 from ds_tsp.core.layers.moe.cost import choose_moe_dispatch, moe_bytes_per_layer
-from ds_tsp.core.layers.moe.experts import select_expert_gemm
+from ds_tsp.core.layers.moe.experts import ExpertGLU, select_expert_gemm
 from ds_tsp.core.layers.moe.ring import MoERing
 from ds_tsp.core.layers.moe.routing import route
 from ds_tsp.core.layers.weight_packing import PackedLayout
@@ -52,12 +52,19 @@ class MoESpec:
     top_k: int
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum 1 (Mixtral: always True)
     recompute_projections: bool = True  # memory-optimal backward (recompute expert activations), like MLPSpec
+    glu: ExpertGLU = ExpertGLU()  # the experts' gated unit (GPT-OSS: clamped SwiGLU, gate / up rows interleaved)
+    biases: bool = False  # GPT-OSS: every expert has gate_up and down biases (and the router a bias)
+    routing: str = "softmax_topk"  # or "topk_softmax" (GPT-OSS): ds_tsp.core.layers.moe.routing.route
 
     @cached_property
     def layout(self) -> PackedLayout:
-        """transformers' fused in-memory layout, sliced along the expert dim: gate = rows [0, F) of gate_up."""
+        """transformers' fused in-memory layout, sliced along the expert dim: gate = rows [0, F) of gate_up (GPT-OSS:
+        gate / up rows interleaved, its checkpoint's [E, h, 2F] transposed per expert), biases after the weights."""
         e, f, h = self.experts_per_rank, self.moe_ffn, self.hidden
-        return PackedLayout((("gate_up", (e, 2 * f, h)), ("down", (e, h, f))))
+        pieces = [("gate_up", (e, 2 * f, h)), ("down", (e, h, f))]
+        if self.biases:
+            pieces += [("gate_up_bias", (e, 2 * f)), ("down_bias", (e, h))]
+        return PackedLayout(tuple(pieces))
 
 
 def _check(x, router_weight, experts_shard, spec: MoESpec, comm: TSPComm, dispatch: str, path: str) -> None:
@@ -89,16 +96,21 @@ def moe_compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def tsp_moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, experts_shard: torch.Tensor, spec: MoESpec,
-                comm: TSPComm, *, dispatch: str) -> tuple[torch.Tensor, torch.Tensor]:
+                comm: TSPComm, *, dispatch: str,
+                router_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, L, h] local tokens; router_weight [E, h] (replicated; the caller wraps it in replicated_param so its
     grad is summed over the TSP group); experts_shard: flat packed param of this rank's E_r experts; dispatch
     "ring" or "all_to_all" (already resolved from "auto"). Returns (y [B, L, h], router_logits [B*L, E] in
-    x.dtype, differentiable w.r.t. x and router_weight -- what HF returns as router_logits)."""
+    x.dtype, differentiable w.r.t. x and router_weight -- what HF returns as router_logits). router_bias [E]:
+    GPT-OSS's (replicated like the weight), given iff spec.biases."""
+    if (router_bias is not None) != spec.biases:
+        raise TSPConfigError(f"router_bias {'given' if router_bias is not None else 'missing'} with spec.biases="
+                             f"{spec.biases}: a biased MoE (GPT-OSS) has a router bias, the others none")
     # the expert GEMMs see the dtype the Function casts the experts to (the autocast dtype under autocast)
     path = select_expert_gemm(x.device, moe_compute_dtype(x.device.type, experts_shard.dtype), spec.hidden,
                               spec.moe_ffn)
     _check(x, router_weight, experts_shard, spec, comm, dispatch, path)
     x2d = x.reshape(-1, spec.hidden)
-    logits, top_w, top_i = route(x2d, router_weight, spec.top_k, spec.norm_topk_prob)
+    logits, top_w, top_i = route(x2d, router_weight, spec.top_k, spec.norm_topk_prob, router_bias, spec.routing)
     y2d = apply_autocast(DISPATCHES[dispatch], x.device.type, x2d, top_w, top_i, experts_shard, spec, comm, path)
     return y2d.view(x.shape), logits

@@ -6,6 +6,7 @@
     ministral3                            Mistral's layer with yarn RoPE and position-scaled queries
     phi3                                  Llama's layer with fused qkv_proj / gate_up_proj (Phi-3, Phi-4)
     gemma3                                Gemma 3's text model: GeGLU, sandwich norms, per-layer-type RoPE
+    gpt_oss                               GPT-OSS: attention sinks, o_proj bias, biased clamped-SwiGLU experts
 
 Adding a family is one module here (its reader, with transformers' defaults and every field TSP does not compute
 refused by name) plus its entry in FAMILIES; a family that brings a new mechanism adds the ModelShape field that
@@ -17,6 +18,7 @@ from __future__ import annotations
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.families import (
     gemma3,
+    gpt_oss,
     llama,
     ministral3,
     mistral,
@@ -32,7 +34,7 @@ from ds_tsp.core.shape.families.base import Family, HFConfig
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
                                 mixtral.FAMILY, qwen3_5.DENSE, qwen3_5.MOE, qwen3_next.FAMILY, ministral3.FAMILY,
-                                phi3.FAMILY, gemma3.FAMILY)
+                                phi3.FAMILY, gemma3.FAMILY, gpt_oss.FAMILY)
 # text model_type -> (its family, the ForCausalLM class a checkpoint of it names)
 ARCHITECTURES = {t: arch for f in FAMILIES for t, arch in f.architectures.items()}
 # multimodal model_type -> the text model_type of its language model (read through its text_config)
