@@ -104,9 +104,13 @@ def _meta_batch(kind: str) -> dict:
 
 
 def _meta_step(config, comm, kind: str) -> list[str]:
-    model = TSPForCausalLM(config, comm, dtype=torch.float32, device=META,
+    # MoE (GPT-OSS) in bfloat16 on the ring: its grouped GEMMs are the expert path a meta step can trace (no row
+    # counts to read on meta: ds_tsp.core.layers.moe.ring)
+    moe = getattr(config, "num_local_experts", 0)
+    model = TSPForCausalLM(config, comm, dtype=torch.bfloat16 if moe else torch.float32, device=META,
                            options=TSPOptions(activation_checkpointing=kind in ("checkpointing", "offload"),
-                                              offload_activations=kind == "offload"))
+                                              offload_activations=kind == "offload",
+                                              moe_dispatch="ring" if moe else "auto"))
     batch = _meta_batch(kind)
     with DeviceRecorder() as rec:
         out = model(**batch)
@@ -123,12 +127,19 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("llama3_tied", "logits_to_keep"), ("llama", "logits_to_keep"), ("llama", "checkpointing"),
          ("llama", "offload"),  # offload: checkpointed layer inputs in a meta "host" pool (core/activation_offload)
          ("ministral3", "plain"), ("phi3", "plain"),  # position-scaled queries; fused projections, a padding row
-         ("gemma3", "plain")]  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
+         ("gemma3", "plain"),  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
+         ("gpt_oss", "packed")]  # attention sinks, o_proj bias, biased clamped-SwiGLU experts (bf16, grouped GEMMs)
+
+
+def _config(family: str):
+    if family == "gpt_oss":  # expert width 16: bf16 rows of 32 bytes, which the grouped GEMMs take
+        return tiny_config(family, intermediate_size=16)
+    return tiny_config(family)
 
 
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
 def test_step_at_d1_creates_nothing_off_device(family, kind):
-    found = _meta_step(tiny_config(family), TSPComm.single(), kind)
+    found = _meta_step(_config(family), TSPComm.single(), kind)
     assert not found, "\n".join(found)
 
 
@@ -158,7 +169,7 @@ def _run_in_fresh_process(runner: str) -> str:
 
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain"),
-         (2, "gemma3", "packed")]
+         (2, "gemma3", "packed"), (4, "gpt_oss", "padding")]
 
 
 def run_multi() -> list[str]:
@@ -167,7 +178,7 @@ def run_multi() -> list[str]:
         problems = []
         for tsp, family, kind in MULTI:
             config = (tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
-                                  intermediate_size=96) if family == "llama6" else tiny_config(family))
+                                  intermediate_size=96) if family == "llama6" else _config(family))
             comm = TSPComm(groups[tsp])
             assert comm.size == tsp and comm.rank == 1
             problems += [f"D={tsp} {family} {kind}: {f}" for f in _meta_step(config, comm, kind)]

@@ -23,11 +23,13 @@ from ds_tsp.core.tokens.zigzag import shard, shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
 
 # every mechanism a step can take at once: q/k/v bias, q/k norms, a window, position-scaled queries (Ministral 3),
-# an embedding padding row, Gemma 3's sandwich norms, GeGLU, scaled embeddings, softmax scale and sliding-layer RoPE
+# an embedding padding row, Gemma 3's sandwich norms, GeGLU, scaled embeddings, softmax scale and sliding-layer RoPE,
+# GPT-OSS's attention sinks and o_proj bias (its experts: tests/cp/test_cp_moe.py counts a GPT-OSS step's reads)
 SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    qkv_bias=True, qk_norm=True, attention_windows=(None, 5), query_scale_beta=0.1,
                    query_scale_period=8, pad_token_id=0, sandwich_norms=True, mlp_activation="gelu_tanh",
-                   embedding_scale=5.5, attention_scale=0.3, sliding_rope_theta=500.0)
+                   embedding_scale=5.5, attention_scale=0.3, sliding_rope_theta=500.0, attention_sinks=True,
+                   attention_out_bias=True)
 B, S = 3, 24
 DOCS = [(7, 9, 8), (24,), (7, 9, 8)]  # rows 0 and 2 share a layout, row 1 does not: a non-contiguous row group
 LEFT_PAD = 3  # row 1
