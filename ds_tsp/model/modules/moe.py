@@ -81,7 +81,7 @@ class TSPSparseMoE(nn.Module):
         # bytes in the dtype the dispatch really sends (the autocast dtype under autocast)
         sent = moe_compute_dtype(x.device.type, x.dtype)
         dispatch = choose_moe_dispatch(self.dispatch, x.shape[0] * x.shape[1], s.hidden, s.moe_ffn, s.num_experts,
-                                       s.top_k, self.comm.size, torch.finfo(sent).bits // 8)
+                                       s.top_k, self.comm.size, torch.finfo(sent).bits // 8, s.biases)
         bias = None if self.gate.bias is None else replicated_param(self.gate.bias, self.comm)
         y, logits = tsp_moe_mlp(x, replicated_param(self.gate.weight, self.comm), self.experts_shard, s, self.comm,
                                 dispatch=dispatch, router_bias=bias)

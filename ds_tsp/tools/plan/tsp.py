@@ -120,6 +120,7 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     dense_fwd, dense_bwd = fwd, bwd
     qk_norms = 2 * dims.d if inp.model.qk_norm else 0  # Qwen3's q/k norm weights, replicated
     layer_norms = (4 if inp.model.sandwich_norms else 2) * dims.h
+    layer_norms += dims.replicated_attn  # GPT-OSS's o_proj bias: replicated like the norms
     layer_params = g.A + g.M + layer_norms + qk_norms
     transients = tsp_transients(inp, g)
     per_layer = tsp_layer_saved(inp, g)

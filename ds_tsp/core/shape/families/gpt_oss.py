@@ -29,7 +29,8 @@ def read(cfg: HFConfig) -> dict:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or _DEFAULT_ROPE
     # the shared reader refuses attention_bias (an o_proj bias): GPT-OSS's is read here; its MLP has no
     # hidden_act (the experts' clamped SwiGLU is fixed), so none is checked
-    fields = decoder_fields(cfg.with_values(attention_bias=False, rope_parameters=rope, rope_scaling=None),
+    fields = decoder_fields(cfg.with_values(attention_bias=False, rope_parameters=rope, rope_scaling=None,
+                                            max_position_embeddings=cfg.get("max_position_embeddings", 131072)),
                             head_dim=64, eps=1e-5, theta=150000.0, act=None)
     layers = fields["num_layers"]
     layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
