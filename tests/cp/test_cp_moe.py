@@ -35,12 +35,12 @@ from local_ranks import run_on_local_ranks  # noqa: E402
 D, C = 2, 2
 TOL = 1e-10
 DISPATCHES = ("ring", "all_to_all")
-# tests/helpers/hf_tiny.py's MoE families; Mixtral without its sliding window (windows under cp: tests/cp/test_cp_window.py);
-# GPT-OSS with its own (window 5 < a cp chunk of 8: its sliding layer takes cp_window, its full layer the cp ring, the
-# attention sinks applied after either's merge)
+# tests/helpers/hf_tiny.py's MoE families; Mixtral without its sliding window (windows under cp:
+# tests/cp/test_cp_window.py); GPT-OSS with its own (window 5 < a cp chunk of 8: its sliding layer takes cp_window,
+# its full layer the cp ring, the attention sinks applied after either's merge)
 FAMILIES = {"qwen3_moe": {}, "mixtral": {"sliding_window": None}, "gpt_oss": {}}
-PACKED_DOCUMENTS = [[7, 12, 11], [16, 14]]
-RECORDED = {"qwen3_moe": 1, "gpt_oss": 2}  # families whose step is recorded: their sparse layers  # cp chunks of the padded 32: [0, 8) [8, 16) [16, 24) [24, 32)
+PACKED_DOCUMENTS = [[7, 12, 11], [16, 14]]  # cp chunks of the padded 32: [0, 8) [8, 16) [16, 24) [24, 32)
+RECORDED = {"qwen3_moe": 1, "gpt_oss": 2}  # families whose step is recorded: their sparse layers
 
 
 def padded_batch(vocab: int) -> dict:
@@ -219,7 +219,8 @@ def test_cp_moe_matches_transformers_fp64(runs, family, name):
             want, real = aux["router_logits"], aux["real_tokens"]  # padded queries' hidden states are arbitrary
             for r in results:
                 mine = r[(family, dispatch, name)]["router_logits"]
-                assert len(mine) == len(want) == {"qwen3_moe": 1, "mixtral": 2, "gpt_oss": 2}[family], (dispatch, mine, want)
+                sparse = {"qwen3_moe": 1, "mixtral": 2, "gpt_oss": 2}[family]
+                assert len(mine) == len(want) == sparse, (dispatch, mine, want)
                 for layer, (m, w) in enumerate(zip(mine, want)):  # one per sparse layer
                     assert m.shape == w.shape and _rel(m[real], w[real]) < 1e-12, (dispatch, layer)
 

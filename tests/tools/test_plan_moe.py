@@ -45,7 +45,8 @@ def _measure(names: list[str]) -> dict:
     for name in names:
         schedule, ac, shape = CASES[name]
         comm = TSPComm(dist.group.WORLD)
-        model = ShardedCausalLM(SHAPES[shape], comm, options=TSPOptions(moe_dispatch=schedule, activation_checkpointing=ac))
+        model = ShardedCausalLM(SHAPES[shape], comm,
+                                options=TSPOptions(moe_dispatch=schedule, activation_checkpointing=ac))
         model.init_weights_(0, std=0.2)
         ids = torch.randint(0, SHAPE.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         b = shard_batch(ids, tsp=comm.size, rank=comm.rank)

@@ -2,7 +2,8 @@
 
 Counted exactly as TSPComm's CommCounter counts them (tests/moe/test_moe_core.py asserts it):
 - ring: the dense MLP's weight ring over the packed experts (E_r x 3 x F x h, + E_r x (2F + h) biases for GPT-OSS):
-  D-1 weight hops forward, D-1 weight hops and D grad hops backward (ds_tsp.core.comm.primitives.ring_forward / ring_backward); trainable experts.
+  D-1 weight hops forward, D-1 weight hops and D grad hops backward (ds_tsp.core.comm.primitives.ring_forward /
+  ring_backward); trainable experts.
 - all_to_all (ds_tsp.core.layers.moe.all_to_all): R = tokens x top_k x (D-1) / D rows leave the rank per
   direction when routing spreads rows evenly over the owners (the expected value; the counter counts the real
   rows). Forward: the [D] per-expert counts (E_r int64 to each other rank), x rows out (h), expert outputs
