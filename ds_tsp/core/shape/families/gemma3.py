@@ -3,8 +3,9 @@ every 6th layer full), each with its own RoPE (rope_parameters per layer type: t
 scaling, the sliding layers' theta 1e4), softmax scale query_pre_attn_scalar ** -0.5, per-head q/k norms, four
 zero-centred (1 + w) norms per layer (a norm on each sublayer's input and output), embeddings scaled by
 sqrt(hidden_size), a GeGLU MLP (gelu_pytorch_tanh), tied embeddings and padding row 0 by default.
-Refused by name in this version: logit soft-capping (final or attention), bidirectional attention, and the
-multimodal Gemma3ForConditionalGeneration (its vision tower)."""
+The multimodal Gemma3ForConditionalGeneration reads as its language model (text_config; the vision tower's tensors
+are never read). Refused by name in this version: logit soft-capping (final or attention) and bidirectional
+attention."""
 from __future__ import annotations
 
 from ds_tsp.core.errors import TSPConfigError
@@ -64,4 +65,4 @@ def _ropes(cfg: HFConfig) -> tuple[dict, dict]:
     return full, sliding
 
 
-FAMILY = Family({"gemma3_text": "Gemma3ForCausalLM"}, read)
+FAMILY = Family({"gemma3_text": "Gemma3ForCausalLM"}, read, wrappers={"gemma3": "gemma3_text"})
