@@ -105,7 +105,7 @@ class ShardedStateDict:
             kv_owner = rank // getattr(module.spec, "kv_replicas", 1)
             for piece, shape in layout.pieces:
                 owner = kv_owner if piece in ("wk", "wv") else rank
-                is_bias = piece.startswith("b") or piece.endswith("_bias")  # GPT-OSS experts' gate_up_bias, down_bias
+                is_bias = piece.startswith("b") or piece in ("gate_up_bias", "down_bias")  # GPT-OSS's experts
                 views[piece].copy_(torch.zeros(shape) if is_bias else normal(f"{name}{piece}{owner}", shape))
         # norms 1 (zero-centred norms 0: the same identity scale); MoE routers N(0, std), same on every rank; biases
         # (GPT-OSS's o_proj and router biases) 0
