@@ -213,7 +213,8 @@ def _wants_aux(model) -> bool:
     import sys
 
     config = model.config
-    has_aux = hasattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model: its transformers one
+    has_aux = hasattr(sys.modules[type(base).__module__], "load_balancing_loss_func")
     return has_aux and bool(getattr(config, "output_router_logits", False)) and bool(
         getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
 
@@ -227,7 +228,8 @@ def load_balancing_loss(model, gate_logits: Sequence[torch.Tensor], attention_ma
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     top_k = config.num_experts_per_tok
     if gate_logits[0].dtype != torch.float64:
-        own = sys.modules[type(model).__module__].load_balancing_loss_func
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        own = sys.modules[type(base).__module__].load_balancing_loss_func
         return own(tuple(gate_logits), experts, top_k, attention_mask)
     counts = torch.zeros(experts, dtype=torch.float64)
     prob_sum = torch.zeros(experts, dtype=torch.float64)
