@@ -32,6 +32,8 @@ class ShardedStateDict:
     def sharded_modules(self) -> list[tuple[str, nn.Module, nn.Parameter]]:
         """(HF name prefix, module with hf_slices/pack_slices/unshard, its parameter), in checkpoint order."""
         out = [("model.embed_tokens.", self.model.embed_tokens, self.model.embed_tokens.vocab_shard)]
+        if getattr(self.model, "per_layer_inputs", None) is not None:  # Gemma 4's per-layer input table
+            out += self.model.per_layer_inputs.sharded_modules("model.")
         for i, layer in enumerate(self.model.layers):
             out += layer.sharded_modules(f"model.layers.{i}.")
         if not self.lm_head.tied:
@@ -39,8 +41,11 @@ class ShardedStateDict:
         return out
 
     def replicated_params(self) -> dict[str, nn.Parameter]:
-        """HF-named params every rank holds whole: the norms (and Qwen3's q/k norms)."""
+        """HF-named params every rank holds whole: the norms (and Qwen3's q/k norms); also Gemma 4's layer_scalar
+        buffers, which are read and written with them but never train (not Parameters: no grad, no optimizer)."""
         out = {}
+        if getattr(self.model, "per_layer_inputs", None) is not None:
+            out.update(self.model.per_layer_inputs.replicated_params("model."))
         for i, layer in enumerate(self.model.layers):
             out.update(layer.replicated_params(f"model.layers.{i}."))
         out["model.norm.weight"] = self.model.norm.weight
@@ -71,7 +76,8 @@ class ShardedStateDict:
         per_rank=True counts this rank's storage."""
         if per_rank:
             return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
-        shapes = self.hf_shapes()
+        buffers = {n for n, p in self.replicated_params().items() if not isinstance(p, nn.Parameter)}
+        shapes = {k: v for k, v in self.hf_shapes().items() if k not in buffers}  # transformers counts no buffer
         if only_trainable:  # a shard trains iff every HF tensor in it does (ds_tsp.model.trainability)
             live = {prefix + n for prefix, module, p in self.sharded_modules() if p.requires_grad
                     for n in module.hf_shapes()}
@@ -110,6 +116,9 @@ class ShardedStateDict:
         # norms 1 (zero-centred norms 0: the same identity scale); MoE routers N(0, std), same on every rank
         norm_init = 0.0 if self.shape.zero_centred_norms else 1.0
         for name, param in self.replicated_params().items():
+            if not isinstance(param, nn.Parameter):  # Gemma 4's layer_scalar: transformers initialises it to 1
+                param.fill_(1.0)
+                continue
             param.fill_(norm_init) if param.dim() == 1 else param.copy_(normal(name, param.shape))
         return self
 
@@ -155,7 +164,8 @@ class ShardedStateDict:
             else:
                 shards = [local]
             full.update({prefix + k: v for k, v in module.unshard(shards).items()})
-        full.update({k: value(p).clone() for k, p in self.replicated_params().items()})
+        full.update({k: value(p).clone() for k, p in self.replicated_params().items()
+                     if not grads or isinstance(p, nn.Parameter)})  # buffers have no grad
         if self.lm_head.tied:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
         return full

@@ -3,7 +3,9 @@
 `FAMILIES` covers the architectures ds_tsp loads from the Hub: Llama (rope default / llama3 / linear / yarn,
 explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window), Qwen3
 (per-head q_norm/k_norm), Ministral 3 (yarn, position-scaled queries, sliding window) and Phi-3 (fused qkv_proj /
-gate_up_proj, partial rotary, sliding window) and Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE). Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
+gate_up_proj, partial rotary, sliding window), Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE) and Gemma 4
+(per-layer head_dim, proportional RoPE, v norms, layer scalars, per-layer inputs, soft-capped logits). Everything
+has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
 heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
 
@@ -69,12 +71,21 @@ FAMILIES: dict[str, dict] = {
                  sliding_window=9, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # Gemma 3: sliding layers (window 7) with their own rope theta, a full layer with linear-scaled rope, softmax
-    # scale from query_pre_attn_scalar, four (1 + w) norms per layer, GeGLU, scaled and tied embeddings, pad row 0
+    # scale from query_pre_attn_scalar, four (1 + w) norms per layer, GeGLU, scaled and tied embeddings, pad row 0,
+    # soft-capped logits (cap 0.1: the tiny logits reach the tanh's bend)
     "gemma3": dict(model_type="gemma3_text", vocab_size=93, hidden_size=32, intermediate_size=64,
                    num_key_value_heads=2, head_dim=16, sliding_window=7, query_pre_attn_scalar=12,
-                   layer_types=["sliding_attention", "full_attention"],
+                   layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=0.1,
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
+    # Gemma 4: a sliding layer (window 3, shorter than a rank's chunk at D=4) with head_dim 8 and default rope, a
+    # full layer with head_dim 16 and proportional rope, v norms, per-layer inputs (8 per layer, a per-layer vocab
+    # larger than the vocab), soft-capped logits (cap 0.1: the tiny logits reach the tanh's bend); the layer
+    # scalars are set off 1 by init_tiny_weights_
+    "gemma4": dict(model_type="gemma4_text", vocab_size=93, hidden_size=32, intermediate_size=64,
+                   num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=3,
+                   layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                   vocab_size_per_layer_input=95, final_logit_softcapping=0.1),
     # "Qwen3-style": q_norm/k_norm, explicit head_dim 16 != 32/4, tied, GQA
     "qwen3": dict(model_type="qwen3", vocab_size=98, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                   head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
@@ -101,7 +112,7 @@ def _config_class(model_type: str):
             "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
             "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
             "ministral3": transformers.Ministral3Config, "phi3": transformers.Phi3Config,
-            "gemma3_text": transformers.Gemma3TextConfig}[model_type]
+            "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig}[model_type]
 
 
 def tiny_config(name: str, **overrides):
@@ -125,6 +136,9 @@ def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
         scale = 0.5 if name.endswith(".gate.weight") else 0.02  # MoE routers: logits spread enough to route unevenly
         param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):  # Gemma 4's checkpoint scalars (real ones: 0.005 to 0.92), not 1
+            buffer.fill_(0.5 + 0.01 * (zlib.crc32(name.encode()) % 40))
     return model
 
 

@@ -195,7 +195,6 @@ def test_a_bare_gemma3_shape_saves_as_gemma3():
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0 on a gemma3_text config"),
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention=True"),
     ("hidden_activation", "relu", "hidden_activation='relu'"),
@@ -204,6 +203,97 @@ def test_gemma3_refuses_what_it_does_not_compute(field, value, match):
     config = transformers.Gemma3TextConfig(**SIZES).to_dict()
     with pytest.raises(TSPConfigError, match=match):
         ModelShape.from_hf_config({**config, field: value})
+
+
+def test_gemma3_reads_its_final_logit_softcapping():
+    config = transformers.Gemma3TextConfig(**SIZES, final_logit_softcapping=30.0)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.final_logit_softcapping == 30.0 == ModelShape.from_hf_config(config.to_dict()).final_logit_softcapping
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert again.final_logit_softcapping == 30.0 and ModelShape.from_hf_config(again) == shape
+    with pytest.raises(TSPConfigError, match="final_logit_softcapping=30.0: only the Gemma families"):
+        config_dict_from_shape(ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                                          num_heads=4, num_kv_heads=2, final_logit_softcapping=30.0), torch.float32)
+
+
+GEMMA4 = dict(**SIZES, global_head_dim=16, sliding_window=5, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=64, layer_types=["sliding_attention", "full_attention"])
+
+
+def test_gemma4_reads_the_full_layers_head_dim_rope_and_per_layer_inputs():
+    config = transformers.Gemma4TextConfig(**GEMMA4, final_logit_softcapping=15.0)
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.dim_per_head, shape.full_head_dim, shape.layer_head_dim(0), shape.layer_head_dim(1)) == (8, 16, 8, 16)
+    assert (shape.value_norm, shape.layer_scalars, shape.attention_scale, shape.zero_centred_norms) == (
+        True, True, 1.0, False)
+    assert (shape.per_layer_input_size, shape.per_layer_input_vocab_size, shape.final_logit_softcapping) == (
+        8, 64, 15.0)
+    assert (shape.rope_theta, shape.rope_scaling.rope_type, shape.sliding_rope_theta) == (1e6, "proportional", 1e4)
+    # config.json as transformers 5 writes it (per_layer_config), and as an older one (global_head_dim) alike
+    written = config.to_dict()
+    assert "per_layer_config" in written and ModelShape.from_hf_config(written) == shape
+    older = {k: v for k, v in written.items() if k != "per_layer_config"}
+    assert ModelShape.from_hf_config({**older, "global_head_dim": 16}) == shape
+    assert ModelShape.from_hf_config(older).full_head_dim == 512  # Gemma4TextConfig's default
+    # no per-layer inputs: hidden_size_per_layer_input 0 (or null)
+    for off in (0, None):
+        plain = ModelShape.from_hf_config({**written, "hidden_size_per_layer_input": off})
+        assert (plain.per_layer_input_size, plain.per_layer_input_vocab_size) == (0, 0)
+
+
+def test_gemma4_proportional_rope_is_transformers_own():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ds_tsp.core.tokens.rope import inv_freq
+
+    config = transformers.Gemma4TextConfig(**{**GEMMA4, "global_head_dim": 32})
+    shape = ModelShape.from_hf_config(config)
+    want, _ = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu", layer_type="full_attention")
+    got = inv_freq(shape.full_rotary_dim, shape.rope_theta, shape.rope_scaling)
+    assert torch.equal(got, want) and int((want == 0).sum()) == 12  # 4 of the 16 frequencies rotate
+
+
+def test_a_bare_gemma4_shape_saves_as_gemma4():
+    config = transformers.Gemma4TextConfig(**GEMMA4, final_logit_softcapping=15.0)
+    shape = ModelShape.from_hf_config(config)
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(again).__name__ == "Gemma4TextConfig" and ModelShape.from_hf_config(again) == shape
+    assert again.per_layer_config[1].head_dim == 16 and again.per_layer_config[0].head_dim == 8
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("attention_k_eq_v", True, "attention_k_eq_v=True on a gemma4_text config"),
+    ("num_kv_shared_layers", 1, "num_kv_shared_layers=1"),
+    ("enable_moe_block", True, "enable_moe_block=True"),
+    ("use_bidirectional_attention", "all", "use_bidirectional_attention='all'"),
+    ("hidden_activation", "silu", "hidden_activation='silu'"),
+    ("per_layer_config", {"1": {"head_dim": 16, "intermediate_size": 32}}, r"overrides \['intermediate_size'\]"),
+    ("per_layer_config", {"0": {"head_dim": 16}, "1": {"head_dim": 16}}, "one head_dim for the sliding layers"),
+    ("vocab_size_per_layer_input", 60, "vocab_size_per_layer_input=60 < vocab_size=64"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4}, "one block per layer type"),
+])
+def test_gemma4_refuses_what_it_does_not_compute(field, value, match):
+    config = transformers.Gemma4TextConfig(**GEMMA4).to_dict()
+    with pytest.raises(TSPConfigError, match=match):
+        ModelShape.from_hf_config({**config, field: value})
+
+
+def test_gemma4_multimodal_checkpoint_is_refused_by_name():
+    config = transformers.Gemma4Config(text_config=GEMMA4)
+    for form in (config, config.to_dict()):
+        with pytest.raises(TSPConfigError, match="model_type='gemma4' .Gemma4ForConditionalGeneration.*gemma4_text"):
+            ModelShape.from_hf_config(form)
+
+
+def test_gemma4_per_layer_inputs_split_over_ranks_and_the_planner_refuses_them():
+    from ds_tsp.tools.plan import PlanInput, PlanInputError
+
+    shape = ModelShape.from_hf_config(transformers.Gemma4TextConfig(**{**GEMMA4, "hidden_size_per_layer_input": 6}))
+    shape.check_tsp_degree(2)
+    with pytest.raises(TSPConfigError, match="per_layer_input_size=6 is not divisible by tsp=4"):
+        shape.check_tsp_degree(4)
+    with pytest.raises(PlanInputError, match="per_layer_input_size / full_head_dim"):
+        PlanInput(model=shape, seq=32, degree=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])

@@ -5,7 +5,8 @@
   without a sliding window: loss and every gradient equal the per-document reference (float64, 1e-10).
 - The same packed batch with attention allowed to cross documents (what sdpa does with a plain mask) differs
   from it by far more than the tolerance, so the equality above would fail if TSP attention crossed a boundary.
-- Left and right padding via attention_mask equal the unpadded run; padding and packing combine.
+- Left and right padding via attention_mask equal the unpadded run; padding and packing combine (Gemma 4 too: its
+  per-layer inputs, windows shorter than a chunk and soft-capped logits at D=2).
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def _packed_inputs(family: str) -> tuple[dict, dict]:
     return data, {k: data[k] for k in ("input_ids", "labels", "position_ids")}
 
 
-def _combined_inputs() -> tuple[dict, dict]:
-    vocab = tiny_config("llama").vocab_size
+def _combined_inputs(family: str = "llama") -> tuple[dict, dict]:
+    vocab = tiny_config(family).vocab_size
     data = packed_batch(vocab, [[9, 14, 7], [20, 10]], seed=4)
     return data, _padded(data, [(0, 6), (6, 0)], vocab)
 
@@ -97,17 +98,21 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("packing")
     return {"llama": save_tiny_checkpoint(root / "llama", tiny_config("llama", **SIX_HEADS)),
             "mistral": save_tiny_checkpoint(root / "mistral", tiny_config("mistral", sliding_window=4, **SIX_HEADS)),
-            "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3")}
+            "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3"),
+            "gemma4": save_tiny_checkpoint(root / "gemma4", "gemma4")}
 
 
 @pytest.fixture(scope="module")
 def tsp_results(checkpoints):
-    """All TSP runs of this file: D=3 (6-head checkpoints) in one start-up, D=2 (qwen3, 4 heads) in another."""
+    """All TSP runs of this file: D=3 (6-head checkpoints) in one start-up, D=2 (qwen3, gemma4: 4 heads) in
+    another."""
     d3 = {("packed", family, backend): (str(checkpoints[family]), _packed_inputs(family)[1], backend)
           for family in ("llama", "mistral") for backend in ("cpu_flash", "math")}
     d3[("padding", "mistral")] = (str(checkpoints["mistral"]), _padding_inputs("mistral")[1], None)
     d3[("combined",)] = (str(checkpoints["llama"]), _combined_inputs()[1], None)
-    d2 = {("padding", "qwen3"): (str(checkpoints["qwen3"]), _padding_inputs("qwen3")[1], None)}
+    d2 = {("padding", "qwen3"): (str(checkpoints["qwen3"]), _padding_inputs("qwen3")[1], None),
+          ("padding", "gemma4"): (str(checkpoints["gemma4"]), _padding_inputs("gemma4")[1], None),
+          ("combined", "gemma4"): (str(checkpoints["gemma4"]), _combined_inputs("gemma4")[1], None)}
     results = run_on_local_ranks(_run_cases, 3, d3, timeout_s=300)[0]
     results.update(run_on_local_ranks(_run_cases, 2, d2, timeout_s=300)[0])
     return results
@@ -127,7 +132,7 @@ def test_packed_documents_at_d3_equal_each_document_alone(checkpoints, tsp_resul
     assert _rel(crossing[0], per_document[0]) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma4"])
 def test_left_and_right_padding_equal_the_unpadded_run(checkpoints, tsp_results, family):
     ids, _ = _padding_inputs(family)
     ref = load_hf_reference(checkpoints[family], torch.float64)
@@ -135,8 +140,10 @@ def test_left_and_right_padding_equal_the_unpadded_run(checkpoints, tsp_results,
     _assert_matches(tsp_results[("padding", family)], alone, (family, "padding"))
 
 
-def test_padding_and_packing_combine(checkpoints, tsp_results):
-    data, _ = _combined_inputs()
-    ref = load_hf_reference(checkpoints["llama"], torch.float64)
+@pytest.mark.parametrize("family", ["llama", "gemma4"])  # gemma4 at D=2: per-layer inputs of padded tokens
+def test_padding_and_packing_combine(checkpoints, tsp_results, family):
+    data, _ = _combined_inputs(family)
+    ref = load_hf_reference(checkpoints[family], torch.float64)
     per_document = hf_loss_and_grads(ref, data["input_ids"], shift(data["labels"]), documents=data["documents"])
-    _assert_matches(tsp_results[("combined",)], per_document, "padding + packing")
+    _assert_matches(tsp_results[("combined",) if family == "llama" else ("combined", family)], per_document,
+                    (family, "padding + packing"))

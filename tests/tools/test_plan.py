@@ -57,6 +57,12 @@ CASES = {
     "gemma3": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, zero_centred_norms=True,
                       sandwich_norms=True, mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5,
                       attention_scale=0.3, sliding_rope_theta=1e4), 30, 2, "fp32", {}, (2,)),
+    # Gemma 4 without per-layer inputs (the planner refuses those): v norms, layer scalars (buffers, no params),
+    # softmax scale 1, soft-capped logits
+    "gemma4": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, sandwich_norms=True,
+                      mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5, attention_scale=1.0,
+                      sliding_rope_theta=1e4, value_norm=True, layer_scalars=True, final_logit_softcapping=0.5),
+               30, 2, "fp32", {}, (2,)),
     # Ministral 3: position-scaled queries (one more per-step table), a window, checkpointing (the tables are the
     # checkpoint's own inputs)
     "ministral3_checkpointing": (_shape(num_kv_heads=2, attention_windows=(7, 7), query_scale_beta=0.1,

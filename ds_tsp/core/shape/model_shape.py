@@ -80,6 +80,18 @@ class ModelShape:
     attention_scale: float | None = None
     sliding_rope_theta: float = 0.0
     sliding_rope_scaling: RopeScaling | None = None
+    # Gemma 4: the full-attention layers' own head_dim (transformers' global_head_dim; None: head_dim, the sliding
+    # layers'), every v head RMS-normalised without a weight (v_norm), each layer's output scaled by its
+    # checkpoint's layer_scalar (a buffer), per-layer inputs (PLE: a [per_layer_input_vocab_size, num_layers *
+    # per_layer_input_size] table sharded like the vocabulary, a projection of the embeddings, and per layer a
+    # gate and projection of that layer's slice into the residual; 0: none), and the logits soft-capped as
+    # cap * tanh(logits / cap) (Gemma 3 too; None: off)
+    full_head_dim: int | None = None
+    value_norm: bool = False
+    layer_scalars: bool = False
+    per_layer_input_size: int = 0
+    per_layer_input_vocab_size: int = 0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -120,6 +132,7 @@ class ModelShape:
                                  "blocks are SwiGLU (silu) only")
         if self.sliding_rope_theta and self.attention_windows is None:
             raise TSPConfigError("sliding_rope_theta without sliding-window layers: it is the RoPE of those layers")
+        self._check_gemma4_fields()
         if self.fused_qkv and (self.qkv_bias or self.attn_output_gate):
             raise TSPConfigError("fused_qkv with q/k/v bias or gated attention: Phi-3's fused qkv_proj has neither")
         if self.query_scale_beta:
@@ -164,6 +177,27 @@ class ModelShape:
             raise TSPConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives a rotary dim "
                                  f"{self.rotary_dim} of head_dim={self.dim_per_head}: it must be even and >= 2")
 
+    def _check_gemma4_fields(self) -> None:
+        if self.full_head_dim is not None and (not isinstance(self.full_head_dim, int) or self.full_head_dim < 2 or
+                                               self.full_head_dim % 2):
+            raise TSPConfigError(f"full_head_dim={self.full_head_dim!r}: an even head size (or None)")
+        if self.full_head_dim is not None and (self.has_linear_attention or self.attn_output_gate):
+            raise TSPConfigError("full_head_dim with linear attention or gated attention: only Gemma 4's sliding and "
+                                 "full softmax-attention layers have head sizes of their own")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise TSPConfigError(f"final_logit_softcapping={self.final_logit_softcapping}: a positive cap (or None)")
+        for name in ("per_layer_input_size", "per_layer_input_vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise TSPConfigError(f"{name}={value!r}: a size >= 0")
+        if bool(self.per_layer_input_size) != bool(self.per_layer_input_vocab_size):
+            raise TSPConfigError(f"per_layer_input_size={self.per_layer_input_size} with per_layer_input_vocab_size="
+                                 f"{self.per_layer_input_vocab_size}: per-layer inputs need both (or neither)")
+        if self.per_layer_input_size and (self.num_experts or self.has_linear_attention or
+                                          self.mlp_activation != "gelu_tanh"):
+            raise TSPConfigError("per_layer_input_size with experts, linear attention or a silu MLP: per-layer "
+                                 "inputs are Gemma 4's (gelu_pytorch_tanh gate, dense layers)")
+
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
@@ -172,6 +206,15 @@ class ModelShape:
     def rotary_dim(self) -> int:
         """Dims of every head RoPE rotates (the first ones; transformers: int(head_dim * partial_rotary_factor))."""
         return int(self.dim_per_head * self.partial_rotary_factor)
+
+    @property
+    def full_rotary_dim(self) -> int:
+        """Dims RoPE rotates in the full-attention layers (their own head_dim where the shape gives one)."""
+        return int((self.full_head_dim or self.dim_per_head) * self.partial_rotary_factor)
+
+    def layer_head_dim(self, layer: int) -> int:
+        """head_dim of decoder layer `layer`: full_head_dim on the full-attention layers of a shape that has one."""
+        return self.full_head_dim if self.full_head_dim and self.layer_window(layer) is None else self.dim_per_head
 
     def layer_type(self, layer: int) -> str:
         """The token mixer of decoder layer `layer`: "full_attention" or "linear_attention" (Gated DeltaNet)."""
@@ -192,7 +235,8 @@ class ModelShape:
 
     def layer_rope(self, layer: int) -> str:
         """Which RoPE decoder layer `layer` rotates with: "sliding" (its own theta, Gemma 3) or "full"."""
-        return "sliding" if self.sliding_rope_theta and self.layer_window(layer) is not None else "full"
+        own = self.sliding_rope_theta or self.full_head_dim  # their theta, or their head_dim, differs
+        return "sliding" if own and self.layer_window(layer) is not None else "full"
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of decoder layer `layer` (HF: key s visible to query t iff t - window < s <= t)."""
@@ -213,6 +257,11 @@ class ModelShape:
                 "ranks; pick tsp among "
                 f"{sorted(set(_divisors(self.num_kv_heads)) | set(_multiples(self.num_kv_heads, self.num_heads)))}")
         check_moe_degree(self, tsp)
+        if self.per_layer_input_size % tsp:
+            raise TSPConfigError(
+                f"per_layer_input_size={self.per_layer_input_size} is not divisible by tsp={tsp}: every rank owns "
+                "per_layer_input_size/tsp columns of each layer's per-layer input gate; pick tsp among "
+                f"{_divisors(self.per_layer_input_size)}")
         if self.has_linear_attention:
             for name in ("linear_num_key_heads", "linear_num_value_heads"):
                 heads = getattr(self, name)

@@ -29,7 +29,7 @@ class RopeTables(NamedTuple):
 
 def rope_tables(position_ids: torch.Tensor, shape: ModelShape, dtype: torch.dtype) -> RopeTables:
     """The RoPE tables of this rank's tokens (GLOBAL position_ids [B, L]), for every layer of the step."""
-    cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, shape.rope_theta, dtype, shape.rope_scaling)
+    cos, sin = rope_cos_sin(position_ids, shape.full_rotary_dim, shape.rope_theta, dtype, shape.rope_scaling)
     scale = (query_scale(position_ids, shape.query_scale_beta, shape.query_scale_period, dtype)
              if shape.query_scale_beta else None)
     return RopeTables(cos, sin, scale)
@@ -37,7 +37,7 @@ def rope_tables(position_ids: torch.Tensor, shape: ModelShape, dtype: torch.dtyp
 
 class StepRope(NamedTuple):
     """Every layer's RoPE tables of one step: the full-attention layers', and the sliding-window layers' own where
-    the shape gives them another theta (Gemma 3's local base)."""
+    the shape gives them another theta (Gemma 3's local base) or another head_dim (Gemma 4)."""
 
     full: RopeTables
     sliding: RopeTables | None = None
@@ -49,9 +49,11 @@ class StepRope(NamedTuple):
 def step_rope(position_ids: torch.Tensor, shape: ModelShape, dtype: torch.dtype) -> StepRope:
     """The step's tables for every layer (ModelShape.layer_rope picks a layer's)."""
     full = rope_tables(position_ids, shape, dtype)
-    if not shape.sliding_rope_theta:
+    if not any(shape.layer_rope(i) == "sliding" for i in range(shape.num_layers)):
         return StepRope(full)
-    cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, shape.sliding_rope_theta, dtype, shape.sliding_rope_scaling)
+    theta, scaling = ((shape.sliding_rope_theta, shape.sliding_rope_scaling) if shape.sliding_rope_theta
+                      else (shape.rope_theta, shape.rope_scaling))
+    cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, theta, dtype, scaling)
     return StepRope(full, RopeTables(cos, sin, full.q_scale))
 
 

@@ -32,9 +32,10 @@ class TSPAttention(ShardedPiece):
         super().__init__()
         self.comm, self.num_heads, self.num_kv_heads = comm, shape.num_heads, shape.num_kv_heads
         self.fused = shape.fused_qkv  # Phi-3: q, k, v rows in one qkv_proj tensor
+        head_dim = shape.layer_head_dim(layer)  # Gemma 4: the full layers' own
         self.spec = AttentionSpec(hidden=shape.hidden_size, heads_per_block=shape.num_heads // comm.size,
                                   kv_heads_per_block=max(shape.num_kv_heads // comm.size, 1),
-                                  head_dim=shape.dim_per_head, qkv_bias=shape.qkv_bias,
+                                  head_dim=head_dim, qkv_bias=shape.qkv_bias,
                                   kv_replicas=shape.kv_replicas(comm.size),
                                   kernel_backend=None if options.kernel == "auto" else options.kernel,
                                   keep_gathered_kv=options.keep_gathered_kv,
@@ -42,13 +43,14 @@ class TSPAttention(ShardedPiece):
                                   window=shape.layer_window(layer),
                                   qk_norm_eps=shape.rms_norm_eps if shape.qk_norm else None,
                                   norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate,
-                                  softmax_scale=shape.attention_scale)
+                                  softmax_scale=shape.attention_scale,
+                                  value_norm_eps=shape.rms_norm_eps if shape.value_norm else None)
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's attention
         if shape.qk_norm:
-            self.q_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
-            self.k_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
+            self.q_norm = HeadNorm(head_dim, dtype, device, shape.zero_centred_norms)
+            self.k_norm = HeadNorm(head_dim, dtype, device, shape.zero_centred_norms)
 
     def forward(self, x, rope: RopeTables, doc_starts=None):
         qk = None

@@ -24,6 +24,7 @@ block_sparse_moe., so its entry in sharded_modules has the layer prefix.)
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ds_tsp.core.comm.communicator import TSPComm
@@ -39,6 +40,7 @@ from ds_tsp.model.modules.attention import (
 from ds_tsp.model.modules.gated_deltanet import TSPGatedDeltaNet
 from ds_tsp.model.modules.mlp import TSPGatedMLP
 from ds_tsp.model.modules.moe import TSPSparseMoE, shared_expert_shape
+from ds_tsp.model.modules.per_layer_input import TSPPerLayerGate
 from ds_tsp.model.modules.piece import ShardedPiece
 from ds_tsp.model.modules.vocab import TSPLMHeadLoss, TSPVocabEmbedding, TSPVocabShard  # noqa: E402,F401
 from ds_tsp.model.state_dict import load_slices, read_from_full  # noqa: E402,F401
@@ -50,7 +52,10 @@ class TSPDecoderLayer(nn.Module):
     sublayer's output is normed too, under transformers' names:
         h = h + post_attention_layernorm(attn(input_layernorm(h)))
         h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
-    (without them post_attention_layernorm is the MLP's input norm, Llama's name for it)."""
+    (without them post_attention_layernorm is the MLP's input norm, Llama's name for it). Gemma 4 then adds the
+    layer's per-layer input (per_layer_input_size) and scales the whole output by the checkpoint's layer_scalar:
+        h = h + post_per_layer_input_norm(per_layer_projection(gelu(per_layer_input_gate(h)) * per_layer_input))
+        h = h * layer_scalar"""
 
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
@@ -77,8 +82,15 @@ class TSPDecoderLayer(nn.Module):
             self.mlp = TSPSparseMoE(shape, comm, options, dtype, device, shared_expert=shared)
         else:
             self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
+        self.per_layer_gate = None
+        if shape.per_layer_input_size:
+            self.per_layer_gate = TSPPerLayerGate(shape, comm, dtype, device)
+            self.post_per_layer_input_norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
+                                                        centred)
+        # a checkpoint value that never trains (transformers: a persistent buffer), the same on every rank
+        self.layer_scalar = (nn.Buffer(torch.ones(1, dtype=dtype, device=device)) if shape.layer_scalars else None)
 
-    def forward(self, h, rope: RopeTables, doc_starts=None, *, with_router: bool = False):
+    def forward(self, h, rope: RopeTables, doc_starts=None, *, with_router: bool = False, per_layer_input=None):
         """The layer's output; with_router: (output, router logits [B*L, E] or None for a dense MLP). rope: the
         step's RoPE tables (ds_tsp.core.tokens.positions.rope_tables). Callers go
         through the module (`layer(..., with_router=True)`), never a bound method: FSDP2 and ZeRO-3 gather the
@@ -97,7 +109,12 @@ class TSPDecoderLayer(nn.Module):
             y = self.mlp(mlp_in)
         if self.sandwich:
             y = self.post_feedforward_layernorm(y)
-        return (h + y, router_logits) if with_router else h + y
+        h = h + y
+        if self.per_layer_gate is not None:
+            h = h + self.post_per_layer_input_norm(self.per_layer_gate(h, per_layer_input))
+        if self.layer_scalar is not None:
+            h = h * self.layer_scalar
+        return (h, router_logits) if with_router else h
 
     def sharded_modules(self, prefix: str = "") -> list[tuple[str, "ShardedPiece", nn.Parameter]]:
         """(HF name prefix, sharded piece, its parameter) of this layer, in checkpoint order."""
@@ -106,14 +123,21 @@ class TSPDecoderLayer(nn.Module):
         mlps = [mlp]
         if self.is_moe and self.mlp.shared_expert is not None:  # Qwen3-Next / Qwen3.5-MoE
             mlps.append((f"{prefix}mlp.shared_expert.", self.mlp.shared_expert, self.mlp.shared_expert.packed_shard))
+        if self.per_layer_gate is not None:  # Gemma 4: per_layer_input_gate and per_layer_projection
+            mlps.append((prefix, self.per_layer_gate, self.per_layer_gate.packed_shard))
         if self.is_linear_attention:  # the Gated DeltaNet lists its own sharded pieces
             return [*self.linear_attn.sharded_modules(f"{prefix}linear_attn."), *mlps]
         return [(f"{prefix}self_attn.", self.self_attn, self.self_attn.packed_shard), *mlps]
 
     def replicated_params(self, prefix: str = "") -> dict[str, nn.Parameter]:
-        """HF-named params every rank holds whole (their grads are summed over the TSP group)."""
+        """HF-named params every rank holds whole (their grads are summed over the TSP group), and Gemma 4's
+        layer_scalar buffer (read and written with them, never trained)."""
         out = {f"{prefix}input_layernorm.weight": self.input_layernorm.weight,
                f"{prefix}post_attention_layernorm.weight": self.post_attention_layernorm.weight}
+        if self.per_layer_gate is not None:
+            out[f"{prefix}post_per_layer_input_norm.weight"] = self.post_per_layer_input_norm.weight
+        if self.layer_scalar is not None:
+            out[f"{prefix}layer_scalar"] = self.layer_scalar
         if self.sandwich:
             out[f"{prefix}pre_feedforward_layernorm.weight"] = self.pre_feedforward_layernorm.weight
             out[f"{prefix}post_feedforward_layernorm.weight"] = self.post_feedforward_layernorm.weight

@@ -22,7 +22,8 @@ Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict 
 `doc_starts` (global token indices where documents start, per batch row) and `spec.window` go to
 ds_tsp.core.layers.attention.masked, which splits each zigzag chunk into pieces of plain causal attention (no [S, S]
 mask). Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
-applied to the local projections before RoPE, and undone by their written-out backward.
+applied to the local projections before RoPE, and undone by their written-out backward; Gemma 4's weightless v
+norm (spec.value_norm_eps) likewise on v, its backward from the raw v recomputed with the group's dK/dV.
 Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] rows per head ([nq*2d, h], transformers'
 q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
 output is multiplied by sigmoid(gate) before wo. The gate is recomputed with q in backward (or saved with it when
@@ -119,6 +120,7 @@ class AttentionSpec:
     norm_zero_centred: bool = False  # Qwen3.5: the q/k norms scale by (1 + w) (ds_tsp.core.layers.norm)
     output_gate: bool = False  # Qwen3.5 / Qwen3-Next: wq emits [q, gate] per head; out * sigmoid(gate) before wo
     softmax_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    value_norm_eps: float | None = None  # Gemma 4: every v head RMS-normalised (no weight) with this eps; None: off
 
     @property
     def scale(self) -> float:
@@ -183,11 +185,18 @@ def _gate_backward(d_gated, out, gate):
     return d_gated * sig, d_gated * out * sig * (1 - sig)
 
 
-def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
-    """This rank's K (normed, roped) and V of one kv head block, chunk-major for the gather: [2, c, B, 2, nkv, d]."""
+def _raw_v(x, w, spec: AttentionSpec):
     B, L, _ = x.shape
+    return F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+
+
+def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
+    """This rank's K (normed, roped) and V (normed without a weight under value_norm_eps) of one kv head block,
+    chunk-major for the gather: [2, c, B, 2, nkv, d]."""
     k = apply_rope(_norm(_raw_k(x, w, spec), k_norm, spec), cos, sin)
-    v = F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+    v = _raw_v(x, w, spec)
+    if spec.value_norm_eps is not None:
+        v = rms_norm(v, None, spec.value_norm_eps)
     return local_kv(k, v)
 
 
@@ -306,7 +315,10 @@ class _TSPAttention(torch.autograd.Function):
             dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm, lambda: _raw_k(x, w_kv, spec),
                                  spec)
             dk = dk.reshape(-1, w_kv["wk"].shape[0])
-            dv = local_from_chunks(dkv_local, 1).reshape(-1, w_kv["wv"].shape[0])
+            dv = local_from_chunks(dkv_local, 1)
+            if spec.value_norm_eps is not None:  # through the weightless v norm, from the recomputed raw v
+                dv = rms_norm_backward(dv, _raw_v(x, w_kv, spec), None, spec.value_norm_eps)[0]
+            dv = dv.reshape(-1, w_kv["wv"].shape[0])
             dx.view(-1, h).addmm_(dk, w_kv["wk"]).addmm_(dv, w_kv["wv"])
             add_norm_grad("k", dkn)
             if need_w:

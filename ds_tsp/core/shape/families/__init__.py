@@ -6,6 +6,7 @@
     ministral3                            Mistral's layer with yarn RoPE and position-scaled queries
     phi3                                  Llama's layer with fused qkv_proj / gate_up_proj (Phi-3, Phi-4)
     gemma3                                Gemma 3's text model: GeGLU, sandwich norms, per-layer-type RoPE
+    gemma4                                Gemma 4's text model: Gemma 3's layer, v norms, layer scalars, PLE
 
 Adding a family is one module here (its reader, with transformers' defaults and every field TSP does not compute
 refused by name) plus its entry in FAMILIES; a family that brings a new mechanism adds the ModelShape field that
@@ -17,6 +18,7 @@ from __future__ import annotations
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.families import (
     gemma3,
+    gemma4,
     llama,
     ministral3,
     mistral,
@@ -32,7 +34,9 @@ from ds_tsp.core.shape.families.base import Family, HFConfig
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
                                 mixtral.FAMILY, qwen3_5.DENSE, qwen3_5.MOE, qwen3_next.FAMILY, ministral3.FAMILY,
-                                phi3.FAMILY, gemma3.FAMILY)
+                                phi3.FAMILY, gemma3.FAMILY, gemma4.FAMILY)
+# multimodal model_types refused by name (why, and what to load instead), before "not supported"
+REFUSED = {"gemma4": gemma4.refuse_multimodal}
 # text model_type -> (its family, the ForCausalLM class a checkpoint of it names)
 ARCHITECTURES = {t: arch for f in FAMILIES for t, arch in f.architectures.items()}
 # multimodal model_type -> the text model_type of its language model (read through its text_config)
@@ -73,6 +77,8 @@ def shape_fields(config) -> dict:
     """ModelShape keyword arguments of a transformers config (object or config.json dict; a multimodal one is read
     through its text_config)."""
     cfg = HFConfig(language_model(config))
+    if cfg.model_type in REFUSED:
+        REFUSED[cfg.model_type](cfg)
     if cfg.model_type is None:  # a bare config.json dict: read as Llama, as transformers' LlamaConfig would
         cfg = cfg.with_values(model_type="llama")
     return family_of(cfg.model_type).read(cfg)
