@@ -78,12 +78,14 @@ FAMILIES: dict[str, dict] = {
                    layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=0.1,
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
-    # Gemma 4: a sliding layer (window 3, shorter than a rank's chunk at D=4) with head_dim 8 and default rope, a
-    # full layer with head_dim 16 and proportional rope, v norms, per-layer inputs (8 per layer, a per-layer vocab
-    # larger than the vocab), soft-capped logits (cap 0.1: the tiny logits reach the tanh's bend); the layer
-    # scalars are set off 1 by init_tiny_weights_
+    # Gemma 4: a sliding layer (window 3, shorter than a rank's chunk at D=4) with head_dim 8, 2 kv heads and
+    # default rope, a full layer with head_dim 16, proportional rope and keys as values (k_eq_v: no v_proj) of one
+    # kv head (replicated at D=2, 4), v norms, per-layer inputs (8 per layer, a per-layer vocab larger than the
+    # vocab), soft-capped logits (cap 0.1: the tiny logits reach the tanh's bend); the layer scalars are set off 1
+    # by init_tiny_weights_
     "gemma4": dict(model_type="gemma4_text", vocab_size=93, hidden_size=32, intermediate_size=64,
                    num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=3,
+                   attention_k_eq_v=True, num_global_key_value_heads=1,
                    layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
                    vocab_size_per_layer_input=95, final_logit_softcapping=0.1),
     # "Qwen3-style": q_norm/k_norm, explicit head_dim 16 != 32/4, tied, GQA

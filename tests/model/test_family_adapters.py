@@ -241,6 +241,24 @@ def test_gemma4_reads_the_full_layers_head_dim_rope_and_per_layer_inputs():
         assert (plain.per_layer_input_size, plain.per_layer_input_vocab_size) == (0, 0)
 
 
+def test_gemma4_keys_as_values_on_the_full_layers():
+    config = transformers.Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1)
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.full_values_from_keys, shape.full_num_kv_heads) == (True, 1)
+    assert [shape.layer_kv_heads(i) for i in (0, 1)] == [2, 1]
+    assert [shape.layer_values_from_keys(i) for i in (0, 1)] == [False, True]
+    older = {k: v for k, v in config.to_dict().items() if k != "per_layer_config"}
+    assert ModelShape.from_hf_config({**older, "global_head_dim": 16, "num_global_key_value_heads": 1}) == shape
+    # transformers applies num_global_key_value_heads only with attention_k_eq_v
+    plain = ModelShape.from_hf_config({**older, "global_head_dim": 16, "num_global_key_value_heads": 1,
+                                       "attention_k_eq_v": False})
+    assert (plain.full_values_from_keys, plain.full_num_kv_heads) == (False, None)
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert again.attention_k_eq_v and ModelShape.from_hf_config(again) == shape
+    for tsp in (1, 2, 4):
+        shape.check_tsp_degree(tsp)
+
+
 def test_gemma4_proportional_rope_is_transformers_own():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -262,13 +280,13 @@ def test_a_bare_gemma4_shape_saves_as_gemma4():
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("attention_k_eq_v", True, "attention_k_eq_v=True on a gemma4_text config"),
     ("num_kv_shared_layers", 1, "num_kv_shared_layers=1"),
     ("enable_moe_block", True, "enable_moe_block=True"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention='all'"),
     ("hidden_activation", "silu", "hidden_activation='silu'"),
     ("per_layer_config", {"1": {"head_dim": 16, "intermediate_size": 32}}, r"overrides \['intermediate_size'\]"),
-    ("per_layer_config", {"0": {"head_dim": 16}, "1": {"head_dim": 16}}, "one head_dim for the sliding layers"),
+    ("per_layer_config", {"0": {"num_key_value_heads": 1}}, "one pair for all the full layers"),
+    ("per_layer_config", {"0": {"head_dim": 16}, "1": {"head_dim": 16}}, "the sliding layers' from head_dim"),
     ("vocab_size_per_layer_input", 60, "vocab_size_per_layer_input=60 < vocab_size=64"),
     ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4}, "one block per layer type"),
 ])
@@ -292,7 +310,7 @@ def test_gemma4_per_layer_inputs_split_over_ranks_and_the_planner_refuses_them()
     shape.check_tsp_degree(2)
     with pytest.raises(TSPConfigError, match="per_layer_input_size=6 is not divisible by tsp=4"):
         shape.check_tsp_degree(4)
-    with pytest.raises(PlanInputError, match="per_layer_input_size / full_head_dim"):
+    with pytest.raises(PlanInputError, match="per_layer_input_size / full_head_dim / full_num_kv_heads"):
         PlanInput(model=shape, seq=32, degree=2)
 
 

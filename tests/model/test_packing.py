@@ -5,8 +5,8 @@
   without a sliding window: loss and every gradient equal the per-document reference (float64, 1e-10).
 - The same packed batch with attention allowed to cross documents (what sdpa does with a plain mask) differs
   from it by far more than the tolerance, so the equality above would fail if TSP attention crossed a boundary.
-- Left and right padding via attention_mask equal the unpadded run; padding and packing combine (Gemma 4 too: its
-  per-layer inputs, windows shorter than a chunk and soft-capped logits at D=2).
+- Left and right padding via attention_mask equal the unpadded run; padding and packing combine (Gemma 4 too, at D=2:
+  with per-layer inputs and keys as values, and without either).
 """
 from __future__ import annotations
 
@@ -99,7 +99,10 @@ def checkpoints(tmp_path_factory):
     return {"llama": save_tiny_checkpoint(root / "llama", tiny_config("llama", **SIX_HEADS)),
             "mistral": save_tiny_checkpoint(root / "mistral", tiny_config("mistral", sliding_window=4, **SIX_HEADS)),
             "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3"),
-            "gemma4": save_tiny_checkpoint(root / "gemma4", "gemma4")}
+            "gemma4": save_tiny_checkpoint(root / "gemma4", "gemma4"),
+            # no per-layer inputs, the full layer with its own v_proj
+            "gemma4_plain": save_tiny_checkpoint(root / "gemma4_plain", tiny_config(
+                "gemma4", hidden_size_per_layer_input=0, attention_k_eq_v=False))}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,7 @@ def tsp_results(checkpoints):
     d3[("padding", "mistral")] = (str(checkpoints["mistral"]), _padding_inputs("mistral")[1], None)
     d3[("combined",)] = (str(checkpoints["llama"]), _combined_inputs()[1], None)
     d2 = {("padding", "qwen3"): (str(checkpoints["qwen3"]), _padding_inputs("qwen3")[1], None),
-          ("padding", "gemma4"): (str(checkpoints["gemma4"]), _padding_inputs("gemma4")[1], None),
+          ("padding", "gemma4_plain"): (str(checkpoints["gemma4_plain"]), _padding_inputs("gemma4")[1], None),
           ("combined", "gemma4"): (str(checkpoints["gemma4"]), _combined_inputs("gemma4")[1], None)}
     results = run_on_local_ranks(_run_cases, 3, d3, timeout_s=300)[0]
     results.update(run_on_local_ranks(_run_cases, 2, d2, timeout_s=300)[0])
@@ -132,9 +135,9 @@ def test_packed_documents_at_d3_equal_each_document_alone(checkpoints, tsp_resul
     assert _rel(crossing[0], per_document[0]) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma4_plain"])
 def test_left_and_right_padding_equal_the_unpadded_run(checkpoints, tsp_results, family):
-    ids, _ = _padding_inputs(family)
+    ids, _ = _padding_inputs(family.removesuffix("_plain"))
     ref = load_hf_reference(checkpoints[family], torch.float64)
     alone = hf_loss_and_grads(ref, ids, shift(ids.clone()))
     _assert_matches(tsp_results[("padding", family)], alone, (family, "padding"))

@@ -24,11 +24,13 @@ from ds_tsp.model.causal_lm import ShardedCausalLM
 
 # every mechanism a step can take at once: q/k/v bias, q/k norms, a window, position-scaled queries (Ministral 3),
 # an embedding padding row, Gemma 3's sandwich norms, GeGLU, scaled embeddings, softmax scale and sliding-layer RoPE,
-# Gemma 4's full layers' head_dim, v norms, layer scalars, per-layer inputs and soft-capped logits
+# Gemma 4's full layers' head_dim and kv heads with keys as values, v norms, layer scalars, per-layer inputs and
+# soft-capped logits
 SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    qkv_bias=True, qk_norm=True, attention_windows=(None, 5), query_scale_beta=0.1,
                    query_scale_period=8, pad_token_id=0, sandwich_norms=True, mlp_activation="gelu_tanh",
                    embedding_scale=5.5, attention_scale=0.3, sliding_rope_theta=500.0, full_head_dim=12,
+                   full_num_kv_heads=1, full_values_from_keys=True,
                    value_norm=True, layer_scalars=True, per_layer_input_size=4, per_layer_input_vocab_size=63,
                    final_logit_softcapping=0.5)
 B, S = 3, 24

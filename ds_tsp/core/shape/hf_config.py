@@ -92,7 +92,8 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
         return _ministral3_config_dict(shape, dtype)
     if shape.fused_qkv or shape.fused_gate_up:
         return _phi3_config_dict(shape, dtype)
-    if shape.value_norm or shape.layer_scalars or shape.per_layer_input_size or shape.full_head_dim:
+    if shape.value_norm or shape.layer_scalars or shape.per_layer_input_size or shape.full_head_dim or \
+            shape.full_num_kv_heads or shape.full_values_from_keys:
         return _gemma4_config_dict(shape, dtype)
     if shape.sandwich_norms or shape.mlp_activation != "silu" or shape.embedding_scale != 1.0 or \
             shape.attention_scale is not None or shape.sliding_rope_theta:
@@ -227,15 +228,17 @@ def _gemma4_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
                       if v is not None and k not in ("max_position_embeddings", "truncate")})
     config.pop("hidden_act")
     layer_types = ["sliding_attention" if w is not None else "full_attention" for w in windows]
-    full_head_dim = shape.full_head_dim or shape.dim_per_head
+    full_layer = {"head_dim": shape.full_head_dim or shape.dim_per_head}
+    if shape.full_num_kv_heads:
+        full_layer["num_key_value_heads"] = shape.full_num_kv_heads
     return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
             "hidden_activation": "gelu_pytorch_tanh", "sliding_window": next(iter(sliding), 512),
             "layer_types": layer_types, "final_logit_softcapping": shape.final_logit_softcapping,
-            "per_layer_config": {str(i): {"head_dim": full_head_dim} for i, t in enumerate(layer_types)
+            "per_layer_config": {str(i): dict(full_layer) for i, t in enumerate(layer_types)
                                  if t == "full_attention"},
             "hidden_size_per_layer_input": shape.per_layer_input_size,
             "vocab_size_per_layer_input": shape.per_layer_input_vocab_size or shape.vocab_size,
-            "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
+            "attention_k_eq_v": shape.full_values_from_keys, "num_kv_shared_layers": 0, "enable_moe_block": False,
             "use_double_wide_mlp": False}
 
 

@@ -87,6 +87,10 @@ class ModelShape:
     # gate and projection of that layer's slice into the residual; 0: none), and the logits soft-capped as
     # cap * tanh(logits / cap) (Gemma 3 too; None: off)
     full_head_dim: int | None = None
+    # Gemma 4's attention_k_eq_v: the full-attention layers' kv heads (num_global_key_value_heads; None:
+    # num_kv_heads), and their values are the keys' raw projection (no v_proj: v = v_norm(k_proj(x)))
+    full_num_kv_heads: int | None = None
+    full_values_from_keys: bool = False
     value_norm: bool = False
     layer_scalars: bool = False
     per_layer_input_size: int = 0
@@ -184,6 +188,14 @@ class ModelShape:
         if self.full_head_dim is not None and (self.has_linear_attention or self.attn_output_gate):
             raise TSPConfigError("full_head_dim with linear attention or gated attention: only Gemma 4's sliding and "
                                  "full softmax-attention layers have head sizes of their own")
+        if self.full_num_kv_heads is not None and (not isinstance(self.full_num_kv_heads, int) or
+                                                   self.full_num_kv_heads < 1 or
+                                                   self.num_heads % self.full_num_kv_heads):
+            raise TSPConfigError(f"full_num_kv_heads={self.full_num_kv_heads!r}: a positive divisor of num_heads="
+                                 f"{self.num_heads} (or None)")
+        if self.full_values_from_keys and (self.fused_qkv or self.has_linear_attention):
+            raise TSPConfigError("full_values_from_keys with fused projections or linear attention: Gemma 4's "
+                                 "key-equals-value layers have neither")
         if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
             raise TSPConfigError(f"final_logit_softcapping={self.final_logit_softcapping}: a positive cap (or None)")
         for name in ("per_layer_input_size", "per_layer_input_vocab_size"):
@@ -215,6 +227,16 @@ class ModelShape:
     def layer_head_dim(self, layer: int) -> int:
         """head_dim of decoder layer `layer`: full_head_dim on the full-attention layers of a shape that has one."""
         return self.full_head_dim if self.full_head_dim and self.layer_window(layer) is None else self.dim_per_head
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """kv heads of decoder layer `layer`: full_num_kv_heads on the full-attention layers of a shape that has
+        them."""
+        return self.full_num_kv_heads if self.full_num_kv_heads and self.layer_window(layer) is None else \
+            self.num_kv_heads
+
+    def layer_values_from_keys(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s values are its keys' raw projection (Gemma 4's full layers, k_eq_v)."""
+        return self.full_values_from_keys and self.layer_window(layer) is None
 
     def layer_type(self, layer: int) -> str:
         """The token mixer of decoder layer `layer`: "full_attention" or "linear_attention" (Gated DeltaNet)."""
@@ -250,6 +272,14 @@ class ModelShape:
             raise TSPConfigError(
                 f"num_heads={self.num_heads} is not divisible by tsp={tsp}: every rank owns num_heads/tsp query "
                 f"heads; pick tsp among {_divisors(self.num_heads)}")
+        for layer in range(self.num_layers) if self.full_num_kv_heads else ():
+            kv = self.layer_kv_heads(layer)
+            if kv % tsp and tsp % kv:
+                raise TSPConfigError(
+                    f"full_num_kv_heads={kv} and tsp={tsp} do not divide each other: every rank owns "
+                    "full_num_kv_heads/tsp kv heads of a full-attention layer, or one replicated on "
+                    f"tsp/full_num_kv_heads ranks; pick tsp among "
+                    f"{sorted(set(_divisors(kv)) | set(_multiples(kv, self.num_heads)))}")
         if self.num_kv_heads % tsp and tsp % self.num_kv_heads:
             raise TSPConfigError(
                 f"num_kv_heads={self.num_kv_heads} and tsp={tsp} do not divide each other: every rank owns "

@@ -30,13 +30,14 @@ class TSPAttention(ShardedPiece):
 
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
-        self.comm, self.num_heads, self.num_kv_heads = comm, shape.num_heads, shape.num_kv_heads
+        # Gemma 4: the full layers' own head_dim and kv heads
+        self.comm, self.num_heads, self.num_kv_heads = comm, shape.num_heads, shape.layer_kv_heads(layer)
         self.fused = shape.fused_qkv  # Phi-3: q, k, v rows in one qkv_proj tensor
-        head_dim = shape.layer_head_dim(layer)  # Gemma 4: the full layers' own
+        head_dim = shape.layer_head_dim(layer)
         self.spec = AttentionSpec(hidden=shape.hidden_size, heads_per_block=shape.num_heads // comm.size,
-                                  kv_heads_per_block=max(shape.num_kv_heads // comm.size, 1),
+                                  kv_heads_per_block=max(self.num_kv_heads // comm.size, 1),
                                   head_dim=head_dim, qkv_bias=shape.qkv_bias,
-                                  kv_replicas=shape.kv_replicas(comm.size),
+                                  kv_replicas=max(comm.size // self.num_kv_heads, 1),
                                   kernel_backend=None if options.kernel == "auto" else options.kernel,
                                   keep_gathered_kv=options.keep_gathered_kv,
                                   recompute_projections=options.recompute_projections,
@@ -44,7 +45,8 @@ class TSPAttention(ShardedPiece):
                                   qk_norm_eps=shape.rms_norm_eps if shape.qk_norm else None,
                                   norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate,
                                   softmax_scale=shape.attention_scale,
-                                  value_norm_eps=shape.rms_norm_eps if shape.value_norm else None)
+                                  value_norm_eps=shape.rms_norm_eps if shape.value_norm else None,
+                                  values_from_keys=shape.layer_values_from_keys(layer))
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's attention
@@ -69,7 +71,7 @@ class TSPAttention(ShardedPiece):
                   "o_proj.weight": (h, q)}
         if s.qkv_bias:
             shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
-        return shapes
+        return _without_values(shapes, s)
 
     def hf_keys(self) -> dict[str, str | tuple[str, ...]]:
         return {"qkv_proj.weight": ("wq", "wk", "wv"), "o_proj.weight": "wo"} if self.fused else super().hf_keys()
@@ -88,7 +90,7 @@ class TSPAttention(ShardedPiece):
         if self.spec.qkv_bias:
             slices.update({"q_proj.bias": (0, p * qr, qr), "k_proj.bias": (0, pk * kv, kv),
                            "v_proj.bias": (0, pk * kv, kv)})
-        return slices
+        return _without_values(slices, self.spec)
 
     def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         views = [self.spec.layout.unpack(s) for s in shards]
@@ -99,8 +101,9 @@ class TSPAttention(ShardedPiece):
 
         if self.fused:
             return {"qkv_proj.weight": torch.cat((cat("wq"), cat("wk"), cat("wv"))), "o_proj.weight": cat("wo", 1)}
-        full = {"q_proj.weight": cat("wq"), "k_proj.weight": cat("wk"), "v_proj.weight": cat("wv"),
-                "o_proj.weight": cat("wo", 1)}
+        full = {"q_proj.weight": cat("wq"), "k_proj.weight": cat("wk"), "o_proj.weight": cat("wo", 1)}
+        if not self.spec.values_from_keys:
+            full["v_proj.weight"] = cat("wv")
         if self.spec.qkv_bias:
             full.update({"q_proj.bias": cat("bq"), "k_proj.bias": cat("bk"), "v_proj.bias": cat("bv")})
         return full
@@ -110,3 +113,8 @@ class TSPAttention(ShardedPiece):
         window = f", window={s.window}" if s.window is not None else ""
         return (f"heads/block={s.heads_per_block}, kv_heads/block={s.kv_heads_per_block}, head_dim={s.head_dim}"
                 f"{window}, tsp_rank={self.comm.rank}/{self.comm.size}")
+
+
+def _without_values(per_name: dict, spec: AttentionSpec) -> dict:
+    """Gemma 4's key-equals-value layers have no v_proj in their checkpoint."""
+    return {n: v for n, v in per_name.items() if not (spec.values_from_keys and n.startswith("v_proj."))}

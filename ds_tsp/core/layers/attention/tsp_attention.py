@@ -23,7 +23,8 @@ Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict 
 ds_tsp.core.layers.attention.masked, which splits each zigzag chunk into pieces of plain causal attention (no [S, S]
 mask). Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
 applied to the local projections before RoPE, and undone by their written-out backward; Gemma 4's weightless v
-norm (spec.value_norm_eps) likewise on v, its backward from the raw v recomputed with the group's dK/dV.
+norm (spec.value_norm_eps) likewise on v, its backward from the raw v recomputed with the group's dK/dV; with
+spec.values_from_keys (Gemma 4's attention_k_eq_v) there is no wv: v is the raw k projection, and dV joins dK.
 Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] rows per head ([nq*2d, h], transformers'
 q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
 output is multiplied by sigmoid(gate) before wo. The gate is recomputed with q in backward (or saved with it when
@@ -121,6 +122,7 @@ class AttentionSpec:
     output_gate: bool = False  # Qwen3.5 / Qwen3-Next: wq emits [q, gate] per head; out * sigmoid(gate) before wo
     softmax_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     value_norm_eps: float | None = None  # Gemma 4: every v head RMS-normalised (no weight) with this eps; None: off
+    values_from_keys: bool = False  # Gemma 4 k_eq_v: no wv, v is the raw (pre-norm, unroped) k projection
 
     @property
     def scale(self) -> float:
@@ -133,6 +135,8 @@ class AttentionSpec:
         pieces = [("wq", (q_rows, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q))]
         if self.qkv_bias:
             pieces += [("bq", (q_rows,)), ("bk", (kv,)), ("bv", (kv,))]
+        if self.values_from_keys:
+            pieces = [p for p in pieces if p[0] not in ("wv", "bv")]
         return PackedLayout(tuple(pieces))
 
 
@@ -186,6 +190,8 @@ def _gate_backward(d_gated, out, gate):
 
 
 def _raw_v(x, w, spec: AttentionSpec):
+    if spec.values_from_keys:
+        return _raw_k(x, w, spec)
     B, L, _ = x.shape
     return F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
 
@@ -314,17 +320,25 @@ class _TSPAttention(torch.autograd.Function):
             scatter.wait()
             dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm, lambda: _raw_k(x, w_kv, spec),
                                  spec)
-            dk = dk.reshape(-1, w_kv["wk"].shape[0])
             dv = local_from_chunks(dkv_local, 1)
             if spec.value_norm_eps is not None:  # through the weightless v norm, from the recomputed raw v
                 dv = rms_norm_backward(dv, _raw_v(x, w_kv, spec), None, spec.value_norm_eps)[0]
-            dv = dv.reshape(-1, w_kv["wv"].shape[0])
-            dx.view(-1, h).addmm_(dk, w_kv["wk"]).addmm_(dv, w_kv["wv"])
+            if spec.values_from_keys:  # v is k's raw projection: its grad joins k's
+                dk, dv = dk + dv, None
+            dk = dk.reshape(-1, w_kv["wk"].shape[0])
+            dx.view(-1, h).addmm_(dk, w_kv["wk"])
+            if dv is not None:
+                dv = dv.reshape(-1, w_kv["wv"].shape[0])
+                dx.view(-1, h).addmm_(dv, w_kv["wv"])
             add_norm_grad("k", dkn)
             if need_w:
-                grads["wk"], grads["wv"] = dk.t() @ x2d, dv.t() @ x2d
+                grads["wk"] = dk.t() @ x2d
+                if dv is not None:
+                    grads["wv"] = dv.t() @ x2d
                 if spec.qkv_bias:
-                    grads["bk"], grads["bv"] = dk.sum(0), dv.sum(0)
+                    grads["bk"] = dk.sum(0)
+                    if dv is not None:
+                        grads["bv"] = dv.sum(0)
                 reducer.reduce(j, spec.layout.pack(grads))
 
         kv_source = start_group(0, spec.layout.unpack(shards.take(0)))

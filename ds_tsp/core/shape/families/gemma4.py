@@ -6,13 +6,15 @@ embeddings and padding row 0 by default) with what Gemma 4 changes:
 * the full layers have their own head_dim (per_layer_config, or global_head_dim, default 512) and rotate with
   'proportional' RoPE (the first partial_rotary_factor of the head's frequencies, the rest 0; theta 1e6), the
   sliding layers with default RoPE (theta 1e4);
+* attention_k_eq_v: the full layers' values are their keys' raw projection (no v_proj), with their own kv heads
+  (num_global_key_value_heads, or per_layer_config's);
 * every layer's output is scaled by its layer_scalar (a checkpoint buffer);
 * per-layer inputs (PLE, hidden_size_per_layer_input > 0): a [vocab_size_per_layer_input, layers * P] embedding
   plus a projection of the embeddings give each layer a [P] input, gated into its residual;
 * final_logit_softcapping: logits = cap * tanh(logits / cap).
-Refused by name in this version: attention_k_eq_v, num_kv_shared_layers (and use_double_wide_mlp, which only
-widens their MLPs), enable_moe_block, use_bidirectional_attention, per_layer_config overrides other than the full
-layers' head_dim. The multimodal Gemma4ForConditionalGeneration (model_type gemma4) is refused by name too.
+Refused by name in this version: num_kv_shared_layers (use_double_wide_mlp only widens those layers' MLPs),
+enable_moe_block, use_bidirectional_attention, per_layer_config overrides other than the full layers' head_dim and
+num_key_value_heads. The multimodal Gemma4ForConditionalGeneration (model_type gemma4) is refused by name too.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def read(cfg: HFConfig) -> dict:
     fields["rope_scaling"] = scaling
     _, local = rope_fields(cfg.with_values(rope_parameters=sliding, rope_scaling=None))
     windows = layer_type_windows(cfg, layers, cfg.get("sliding_window", 512), layer_types)
-    head_dim = fields["head_dim"]
-    full_head_dim = _full_head_dim(cfg, layer_types, head_dim)
+    head_dim, kv_heads = fields["head_dim"], fields["num_kv_heads"]
+    full_head_dim, full_kv_heads = _full_layers(cfg, layer_types, head_dim, kv_heads)
     per_layer = cfg.get("hidden_size_per_layer_input", 256) or 0
     per_layer_vocab = cfg.get("vocab_size_per_layer_input", 262_144) if per_layer else 0
     if per_layer and per_layer_vocab < fields["vocab_size"]:
@@ -53,13 +55,13 @@ def read(cfg: HFConfig) -> dict:
             "sliding_rope_theta": float(sliding["rope_theta"]) if windows is not None else 0.0,
             "sliding_rope_scaling": local if windows is not None else None,
             "full_head_dim": full_head_dim if full_head_dim != head_dim else None, "value_norm": True,
+            "full_num_kv_heads": full_kv_heads if full_kv_heads != kv_heads else None,
+            "full_values_from_keys": bool(cfg.get("attention_k_eq_v", False)),
             "layer_scalars": True, "per_layer_input_size": per_layer, "per_layer_input_vocab_size": per_layer_vocab,
             "final_logit_softcapping": cfg.get("final_logit_softcapping")}
 
 
 def _refuse(cfg: HFConfig) -> None:
-    cfg.refuse("attention_k_eq_v", "the full layers' values reusing their keys (and num_global_key_value_heads) is "
-                                   "not implemented under TSP yet")
     cfg.refuse("num_kv_shared_layers", "later layers reusing an earlier layer's keys and values is not implemented "
                                        "under TSP yet (the Gemma 4 E2B / E4B checkpoints)")
     cfg.refuse("enable_moe_block", "Gemma 4's MoE block (a dense MLP beside routed experts) is not implemented "
@@ -71,25 +73,29 @@ def _refuse(cfg: HFConfig) -> None:
                              "MLP and per-layer input gate with gelu_pytorch_tanh")
 
 
-def _full_head_dim(cfg: HFConfig, layer_types: list[str], head_dim: int) -> int:
-    """The full layers' head_dim: per_layer_config (transformers 5 writes it) or global_head_dim (default 512);
-    any other per-layer override is refused by name."""
+def _full_layers(cfg: HFConfig, layer_types: list[str], head_dim: int, kv_heads: int) -> tuple[int, int]:
+    """(head_dim, kv heads) of the full layers: per_layer_config (transformers 5 writes it), or global_head_dim
+    (default 512) and, under attention_k_eq_v, num_global_key_value_heads, as Gemma4TextConfig derives it; any
+    other per-layer override is refused by name."""
     overrides = cfg.get("per_layer_config")
     if overrides is None:
-        return cfg.get("global_head_dim", 512)
+        global_kv = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v", False) else None
+        return cfg.get("global_head_dim", 512), global_kv or kv_heads
     overrides = {int(k): dict(v or {}) for k, v in overrides.items()}  # config.json keys are zero-padded strings
+    read = ("head_dim", "num_key_value_heads")
     per_type: dict[str, set] = {"full_attention": set(), "sliding_attention": set()}
     for i, kind in enumerate(layer_types):
         layer = overrides.get(i, {})
-        extra = sorted(set(layer) - {"head_dim"})
+        extra = sorted(set(layer) - set(read))
         if extra:
             raise TSPConfigError(f"per_layer_config overrides {extra} of layer {i} on a gemma4_text config: TSP reads "
-                                 "only the full layers' head_dim per layer")
-        per_type[kind].add(layer.get("head_dim", head_dim))
-    if per_type["sliding_attention"] - {head_dim} or len(per_type["full_attention"]) > 1:
-        raise TSPConfigError(f"per_layer_config head_dim {per_type} on a gemma4_text config: TSP takes one head_dim "
-                             "for the sliding layers (head_dim) and one for the full layers")
-    return next(iter(per_type["full_attention"]), head_dim)
+                                 "only the full layers' head_dim and num_key_value_heads per layer")
+        per_type[kind].add((layer.get("head_dim", head_dim), layer.get("num_key_value_heads", kv_heads)))
+    if per_type["sliding_attention"] - {(head_dim, kv_heads)} or len(per_type["full_attention"]) > 1:
+        raise TSPConfigError(f"per_layer_config (head_dim, num_key_value_heads) {per_type} on a gemma4_text config: "
+                             "TSP takes the sliding layers' from head_dim and num_key_value_heads, and one pair for "
+                             "all the full layers")
+    return next(iter(per_type["full_attention"]), (head_dim, kv_heads))
 
 
 def _ropes(cfg: HFConfig) -> tuple[dict, dict]:
