@@ -296,11 +296,10 @@ def test_gemma4_refuses_what_it_does_not_compute(field, value, match):
         ModelShape.from_hf_config({**config, field: value})
 
 
-def test_gemma4_multimodal_checkpoint_is_refused_by_name():
+def test_gemma4_multimodal_config_reads_as_its_text_config():
     config = transformers.Gemma4Config(text_config=GEMMA4)
-    for form in (config, config.to_dict()):
-        with pytest.raises(TSPConfigError, match="model_type='gemma4' .Gemma4ForConditionalGeneration.*gemma4_text"):
-            ModelShape.from_hf_config(form)
+    want = ModelShape.from_hf_config(transformers.Gemma4TextConfig(**GEMMA4))
+    assert ModelShape.from_hf_config(config) == ModelShape.from_hf_config(config.to_dict()) == want
 
 
 def test_gemma4_per_layer_inputs_split_over_ranks_and_the_planner_refuses_them():
@@ -321,3 +320,37 @@ def test_the_embedding_scale_is_rounded_as_transformers_holds_it(dtype):
     for hidden in (32, 640, 1152, 1536, 2304, 2560, 3840, 5376):
         value = hidden ** 0.5  # transformers: a scalar buffer made in the model's dtype
         assert _in_dtype(value, dtype) == float(torch.tensor(value, dtype=torch.float64).to(dtype)), hidden
+
+
+def test_gemma4_multimodal_checkpoint_trains_its_language_model(tmp_path):
+    """A Gemma4ForConditionalGeneration checkpoint (language model under model.language_model., a vision tower
+    beside it) loads by slices as its language model: loss and gradients equal transformers' multimodal model's on
+    text, and it saves as Gemma4ForCausalLM."""
+    from hf_tiny import FAMILIES, init_tiny_weights_
+
+    from ds_tsp.hf import TSPForCausalLM
+    from ds_tsp.tools.hf_reference import hf_loss_and_grads, patch_float64_
+
+    text = {k: v for k, v in FAMILIES["gemma4"].items() if k != "model_type"}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+    config = transformers.Gemma4Config(text_config={**text, "num_hidden_layers": 2, "num_attention_heads": 4},
+                                       vision_config=vision, audio_config=None)
+    hf = init_tiny_weights_(transformers.Gemma4ForConditionalGeneration(config).to(torch.float64))
+    hf.save_pretrained(tmp_path / "mm")
+    hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "mm", dtype=torch.float64,
+                                                                     attn_implementation="sdpa")
+    patch_float64_(hf)
+    ids = torch.randint(0, 93, (2, 13), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = hf_loss_and_grads(hf, ids, shift(ids))
+    model = TSPForCausalLM.from_pretrained(tmp_path / "mm", dtype=torch.float64)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = model.tsp.full_state_dict(grads=True)
+    assert abs(float(loss.detach()) - float(ref_loss)) < 1e-12 * float(ref_loss)
+    for name, grad in grads.items():
+        want = ref_grads[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name]
+        assert (grad - want).norm() <= 1e-10 * want.norm().clamp_min(1e-30), name
+    model.save_pretrained(tmp_path / "text")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64)
+    assert type(again).__name__ == "Gemma4ForCausalLM"

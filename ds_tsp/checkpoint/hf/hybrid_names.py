@@ -1,4 +1,5 @@
-"""Checkpoint names of a Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration) seen as its language model.
+"""Checkpoint names of a Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration) seen as its language model
+(and likewise Gemma 4's, Gemma4ForConditionalGeneration: model.language_model., its towers hidden).
 
 transformers saves the multimodal model as `model.language_model.{embed_tokens,layers,norm}.*`, `model.visual.*`,
 `lm_head.weight` (and the Hub checkpoints add `mtp.*`, the multi-token-prediction head transformers does not build).
@@ -12,7 +13,9 @@ from __future__ import annotations
 import torch
 
 LANGUAGE_MODEL_PREFIX = "model.language_model."
-_HIDDEN_PREFIXES = ("model.visual.", "mtp.")  # Qwen3_5ForCausalLM's _keys_to_ignore_on_load_unexpected
+_HIDDEN_PREFIXES = ("model.visual.", "mtp.",  # Qwen3_5ForCausalLM's _keys_to_ignore_on_load_unexpected
+                    # Gemma4ForConditionalGeneration's vision and audio towers and their embedders
+                    "model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 class LanguageModelReader:

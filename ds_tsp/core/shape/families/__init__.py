@@ -35,8 +35,6 @@ from ds_tsp.core.shape.families.base import Family, HFConfig
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
                                 mixtral.FAMILY, qwen3_5.DENSE, qwen3_5.MOE, qwen3_next.FAMILY, ministral3.FAMILY,
                                 phi3.FAMILY, gemma3.FAMILY, gemma4.FAMILY)
-# multimodal model_types refused by name (why, and what to load instead), before "not supported"
-REFUSED = {"gemma4": gemma4.refuse_multimodal}
 # text model_type -> (its family, the ForCausalLM class a checkpoint of it names)
 ARCHITECTURES = {t: arch for f in FAMILIES for t, arch in f.architectures.items()}
 # multimodal model_type -> the text model_type of its language model (read through its text_config)
@@ -77,8 +75,6 @@ def shape_fields(config) -> dict:
     """ModelShape keyword arguments of a transformers config (object or config.json dict; a multimodal one is read
     through its text_config)."""
     cfg = HFConfig(language_model(config))
-    if cfg.model_type in REFUSED:
-        REFUSED[cfg.model_type](cfg)
     if cfg.model_type is None:  # a bare config.json dict: read as Llama, as transformers' LlamaConfig would
         cfg = cfg.with_values(model_type="llama")
     return family_of(cfg.model_type).read(cfg)

@@ -14,7 +14,9 @@ embeddings and padding row 0 by default) with what Gemma 4 changes:
 * final_logit_softcapping: logits = cap * tanh(logits / cap).
 Refused by name in this version: num_kv_shared_layers (use_double_wide_mlp only widens those layers' MLPs),
 enable_moe_block, use_bidirectional_attention, per_layer_config overrides other than the full layers' head_dim and
-num_key_value_heads. The multimodal Gemma4ForConditionalGeneration (model_type gemma4) is refused by name too.
+num_key_value_heads.
+The multimodal Gemma4ForConditionalGeneration (model_type gemma4) is read as its language model (text_config; the
+checkpoint's model.language_model. tensors, its vision and audio towers left unread) and saved as Gemma4ForCausalLM.
 """
 from __future__ import annotations
 
@@ -123,11 +125,4 @@ def _full_rope(cfg: HFConfig, full: dict) -> tuple[float, RopeScaling | None]:
                                                   partial_rotary_factor=full.get("partial_rotary_factor"))
 
 
-def refuse_multimodal(cfg: HFConfig) -> dict:
-    raise TSPConfigError("model_type='gemma4' (Gemma4ForConditionalGeneration): TSP trains the text model "
-                         "Gemma4ForCausalLM (model_type gemma4_text); its multimodal checkpoint (language model under "
-                         "model.language_model., vision and audio towers beside it) is not read yet: export the "
-                         "language model as a gemma4_text checkpoint")
-
-
-FAMILY = Family({"gemma4_text": "Gemma4ForCausalLM"}, read)
+FAMILY = Family({"gemma4_text": "Gemma4ForCausalLM"}, read, wrappers={"gemma4": "gemma4_text"})
