@@ -39,7 +39,17 @@ def _configs(D: int) -> dict[str, dict]:
         "moe_all_to_all_checkpointing": {"kv": few_kv, "options": TSPOptions(moe_dispatch="all_to_all",
                                                                              activation_checkpointing=True),
                                          "overlap": True, "moe": _MOE},
+        # Gemma 4: per-layer inputs (their table, projection and gates on the weight ring), the full layer's own
+        # head_dim and one kv head with keys as values, soft-capped logits, under checkpointing
+        "gemma4_checkpointing": {"kv": D, "options": TSPOptions(activation_checkpointing=True), "overlap": True,
+                                 "windows": (5, None), "gemma4": _GEMMA4, "weight_channel": True},
     }
+
+
+_GEMMA4 = dict(sandwich_norms=True, qk_norm=True, mlp_activation="gelu_tanh", embedding_scale=4.0, attention_scale=1.0,
+               sliding_rope_theta=100.0, full_head_dim=12, full_num_kv_heads=1, full_values_from_keys=True,
+               value_norm=True, layer_scalars=True, per_layer_input_size=12, per_layer_input_vocab_size=64,
+               final_logit_softcapping=0.5)
 
 
 _MOE = dict(num_experts=12, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,
@@ -61,7 +71,7 @@ def _step(D: int, group, cfg: dict, record: bool, weights=None) -> dict:
     comm = TSPComm(group, overlap=cfg["overlap"], weight_group=weights if cfg.get("weight_channel") else None)
     shape = ModelShape(vocab_size=61, hidden_size=16 * D, intermediate_size=12 * D, num_layers=2, num_heads=2 * D,
                        num_kv_heads=cfg["kv"], tie_word_embeddings=cfg.get("tie", False),
-                       attention_windows=cfg.get("windows"), **cfg.get("moe", {}))
+                       attention_windows=cfg.get("windows"), **cfg.get("moe", {}), **cfg.get("gemma4", {}))
     model = label_modules(ShardedCausalLM(shape, comm, options=cfg["options"], dtype=torch.float64).init_weights_(3))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     seq = sum(cfg.get("documents", [21]))
