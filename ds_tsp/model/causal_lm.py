@@ -35,7 +35,7 @@ from ds_tsp.core.layers.norm import TSPRMSNorm
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.input_check import check_inputs, input_check_payload
-from ds_tsp.core.tokens.positions import RopeTables, step_rope
+from ds_tsp.core.tokens.positions import RopeTables, StepRopes
 from ds_tsp.core.tokens.zigzag import cp_zigzag_positions, zigzag_chunks, zigzag_positions
 from ds_tsp.model.loss import count_valid_tokens, global_loss, loss_for_logging, normalise_over_data, tsp_group_loss
 from ds_tsp.model.modules.decoder import TSPDecoderLayer
@@ -76,6 +76,7 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
         super().__init__()
         shape.check_tsp_degree(comm.size)
         self.shape, self.comm, self.options = shape, comm, options
+        self._step_ropes = StepRopes(shape, comm)
         self.model = _Backbone(shape, comm, options, dtype, device)
         self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device,
                                      tied_to=self.model.embed_tokens if shape.tie_word_embeddings else None,
@@ -195,7 +196,7 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
             # float32 at least: bf16 would round token counts above 256
             n_valid = normalise_over_data(n_valid, self.data_group, self.comm)
             n_valid = n_valid.to(torch.promote_types(self.dtype, torch.float32))
-        ropes = step_rope(position_ids, self.shape, self.dtype)
+        ropes = self._step_ropes(position_ids, self.dtype)
         # One all-reduce for every norm weight's grad, posted by the last one's backward (see replicated_grads);
         # opened before the embedding so that its backward ring overlaps the bucket's all-reduce.
         replicated = [*self.replicated_params().values(), *(p for _, p, cut in self.lora_tensors() if cut is None)]

@@ -27,7 +27,9 @@ global changes; other models, and float32/bfloat16 inputs, keep transformers' ex
 Attention must not be "eager" (its softmax uses dtype=float32): the model is loaded with attn_implementation
 "sdpa", which computes in the input dtype. Every forward passes use_cache=False: transformers only applies its
 packed-sequence masking (position_ids restarting at 0 per document) when attention_mask is None and no cache is
-used; with `documents=` the reference does not rely on it and runs each document as its own sequence.
+used; with `documents=` the reference does not rely on it and runs each document as its own sequence, except
+for a rope whose frequencies follow the batch's longest position (longrope): there each document alone would pick
+its own factors, so the packed rows run through that packed path (what transformers computes on the packed batch).
 Configs of these families have no dropout, so train/eval mode does not matter (from_pretrained returns eval).
 """
 from __future__ import annotations
@@ -141,8 +143,8 @@ def patch_float64_(model: torch.nn.Module) -> int:
 
 
 def load_hf_reference(directory, dtype: torch.dtype):
-    """`AutoModelForCausalLM.from_pretrained(directory)` in `dtype` with sdpa attention (and the eager expert loop
-    for MoE); float64 gets the patches."""
+    """`AutoModelForCausalLM.from_pretrained(directory)` (AutoModelForImageTextToText for a multimodal checkpoint it
+    does not list) in `dtype` with sdpa attention (and the eager expert loop for MoE); float64 gets the patches."""
     try:
         import transformers
     except ImportError as exc:  # an optional dependency
@@ -150,8 +152,10 @@ def load_hf_reference(directory, dtype: torch.dtype):
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     # MoE experts: transformers' per-expert loop ("eager"); its default grouped GEMM has no float64 kernel
     moe = {"experts_implementation": "eager"} if getattr(config, "num_experts_per_tok", None) else {}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, attn_implementation="sdpa", local_files_only=True, **moe)
+    # a multimodal checkpoint whose ForConditionalGeneration AutoModelForCausalLM does not list (Mistral 3)
+    auto = (transformers.AutoModelForCausalLM if type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
+            else transformers.AutoModelForImageTextToText)
+    model = auto.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa", local_files_only=True, **moe)
     if dtype == torch.float64:
         patch_float64_(model)
     return model
@@ -199,6 +203,11 @@ def hf_logits(model, input_ids, position_ids=None, attention_mask=None) -> torch
         return _forward_logits(model, input_ids, position_ids, attention_mask)
 
 
+def _rope_switches_with_length(model) -> bool:
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    return rope.get("rope_type") == "longrope"
+
+
 def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor, position_ids=None,
                       attention_mask=None, documents: Sequence[Sequence[int]] | None = None,
                       aux_out: dict | None = None):
@@ -227,7 +236,7 @@ def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor
             raise ValueError("documents= sets the positions itself and does not take attention_mask")
         if len(documents) != batch:
             raise ValueError(f"documents has {len(documents)} rows for a batch of {batch}")
-        pieces = []
+        pieces, packed = [], []
         for b, row in enumerate(documents):
             if sum(row) != seq or min(row, default=0) < 1:
                 raise ValueError(f"documents[{b}] = {list(row)} must be positive lengths summing to {seq}")
@@ -237,6 +246,9 @@ def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor
                 pieces.append((input_ids[b:b + 1, start:start + n], shift_labels[b:b + 1, start:start + n], pos,
                                None))
                 start += n
+            packed.append(torch.cat([torch.arange(n, device=input_ids.device) for n in row]))
+        if _rope_switches_with_length(model):
+            pieces = [(input_ids, shift_labels, torch.stack(packed), None)]
     count = (shift_labels != -100).sum().clamp_min(1)
     model.zero_grad(set_to_none=True)
     total = ce = None

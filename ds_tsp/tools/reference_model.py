@@ -20,6 +20,7 @@ from torch import nn
 
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.positions import longrope_inv_freqs
 from ds_tsp.core.tokens.rope import apply_rope, rope_cos_sin
 
 IGNORE_INDEX = -100
@@ -147,8 +148,11 @@ class ReferenceCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, x.dtype,
-                                self.shape.rope_scaling)
+        scaling = self.shape.rope_scaling
+        longrope = (longrope_inv_freqs(self.shape.dim_per_head, self.shape.rope_theta, scaling).to(x.device)
+                    if scaling is not None and scaling.switches_with_length else None)
+        cos, sin = rope_cos_sin(position_ids, self.shape.dim_per_head, self.shape.rope_theta, x.dtype, scaling,
+                                longrope=longrope)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.model.norm(x)

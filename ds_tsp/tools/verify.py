@@ -116,13 +116,15 @@ def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
 def hf_reference_loss_and_grads(case: VerifyCase, aux_out: dict | None = None):
     """transformers' own model from case.hf_model, same batch, every packed document on its own (an MoE aux loss
     over all of them, into aux_out["aux_loss"]); gradients under the checkpoint names."""
+    from ds_tsp.checkpoint.hf.language_model_names import language_model_tensors
     from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict
     from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
 
     ids, labels, _ = make_batch(case)
     model = load_hf_reference(case.hf_model, DTYPES[case.dtype])
     loss, grads = hf_loss_and_grads(model, ids, shift(labels), documents=document_lengths(case), aux_out=aux_out)
-    return loss, canonical_state_dict(grads, case.shape.moe_family)
+    # a multimodal checkpoint's reference is its ForConditionalGeneration: compare its language model
+    return loss, canonical_state_dict(language_model_tensors(grads), case.shape.moe_family)
 
 
 def _aux_loss(model: ShardedCausalLM, batch: dict, seq_len: int) -> torch.Tensor | None:

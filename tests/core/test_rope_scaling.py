@@ -6,6 +6,7 @@ import torch
 
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.model_shape import ModelShape, RopeScaling
+from ds_tsp.core.tokens.positions import longrope_inv_freqs
 from ds_tsp.core.tokens.rope import rope_cos_sin
 
 transformers = pytest.importorskip("transformers")
@@ -73,3 +74,41 @@ def test_unsupported_rope_is_one_clear_error(rope, field):
 def test_missing_llama3_keys():
     with pytest.raises(TSPConfigError, match="low_freq_factor"):
         RopeScaling(rope_type="llama3", factor=8.0)
+
+
+@pytest.mark.parametrize("last_position", [15, 16, 40])  # longest 16 <= original 16: short factors; 17, 41: long
+def test_longrope_switches_factors_as_transformers_does(last_position):
+    """Phi-3's longrope: the frequencies follow the whole batch's longest position (transformers' max(position_ids)
+    + 1 against original_max_position_embeddings), and its attention factor scales cos and sin."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.25, 1.5, 2.0], "long_factor": [1.5, 3.0, 5.0, 8.0]}
+    config = transformers.Phi3Config(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     original_max_position_embeddings=16, rope_parameters=rope, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.rope_scaling.rope_type == "longrope" and shape == ModelShape.from_hf_config(config.to_dict())
+    rotary = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(config)
+    positions = torch.tensor([[0, 3, 9, last_position], [1, 2, 5, 7]])
+    hf_cos, hf_sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    tables = longrope_inv_freqs(shape.rotary_dim, shape.rope_theta, shape.rope_scaling)
+    assert torch.equal(tables[0], rotary.original_inv_freq)  # transformers' init: the short factors
+
+    def cos_of(rows, longest=None):
+        return rope_cos_sin(rows, shape.rotary_dim, shape.rope_theta, torch.float32, shape.rope_scaling, longest,
+                            tables)
+
+    cos, sin = cos_of(positions)
+    assert torch.equal(cos, hf_cos) and torch.equal(sin, hf_sin)
+    # a shard of the batch gets the batch's longest position from outside: the row alone would pick other factors
+    alone, _ = cos_of(positions[1:])
+    given, _ = cos_of(positions[1:], longest=torch.tensor(last_position + 1))
+    assert torch.equal(given, hf_cos[1:])
+    assert torch.equal(alone, given) == (last_position < 16)
+
+
+def test_longrope_needs_one_factor_per_rotary_frequency():
+    scaling = RopeScaling(rope_type="longrope", short_factor=(1.0, 2.0), long_factor=(1.0, 2.0),
+                          original_max_position_embeddings=16, max_position_embeddings=64)
+    with pytest.raises(TSPConfigError, match="short_factor has 2 entries: longrope needs one per rotary frequency"):
+        longrope_inv_freqs(8, 10000.0, scaling)

@@ -3,9 +3,9 @@
 `FAMILIES` covers the architectures ds_tsp loads from the Hub: Llama (rope default / llama3 / linear / yarn,
 explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window), Qwen3
 (per-head q_norm/k_norm), Ministral 3 (yarn, position-scaled queries, sliding window) and Phi-3 (fused qkv_proj /
-gate_up_proj, partial rotary, sliding window), Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE) and Gemma 4
-(per-layer head_dim, proportional RoPE, v norms, layer scalars, per-layer inputs, soft-capped logits). Everything
-has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
+gate_up_proj, partial rotary, longrope, sliding window), Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE) and
+Gemma 4 (per-layer head_dim, proportional RoPE, v norms, layer scalars, per-layer inputs, soft-capped logits).
+Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
 heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
 
@@ -66,10 +66,13 @@ FAMILIES: dict[str, dict] = {
                                         "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
                                         "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
     # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, partial rotary (half of every head, as Phi-4-mini's 0.75),
-    # GQA, a sliding window
+    # GQA, a sliding window, longrope as the 128k checkpoints (original context 16: the test batches run on the long
+    # factors, packed documents shorter than 16 on the short ones)
     "phi3": dict(model_type="phi3", vocab_size=79, hidden_size=64, intermediate_size=96, num_key_value_heads=2,
                  sliding_window=9, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+                 max_position_embeddings=64, original_max_position_embeddings=16,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                  "short_factor": [1.0, 1.25, 1.5, 2.0], "long_factor": [1.5, 3.0, 5.0, 8.0]}),
     # Gemma 3: sliding layers (window 7) with their own rope theta, a full layer with linear-scaled rope, softmax
     # scale from query_pre_attn_scalar, four (1 + w) norms per layer, GeGLU, scaled and tied embeddings, pad row 0,
     # soft-capped logits (cap 0.1: the tiny logits reach the tanh's bend)
@@ -159,6 +162,32 @@ def save_tiny_checkpoint(directory, name_or_config, *, dtype: torch.dtype = torc
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+# multimodal model_type -> (its text family in FAMILIES, a tiny vision tower): the ForConditionalGeneration checkpoints
+# whose language model TSP trains
+MULTIMODAL: dict[str, tuple[str, dict]] = {
+    "gemma3": ("gemma3", dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=28, patch_size=14)),
+    "mistral3": ("mistral", dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=28, patch_size=14, head_dim=8)),
+}
+
+
+def save_tiny_multimodal_checkpoint(directory, model_type: str, *, seed: int = 0) -> Path:
+    """A tiny transformers ForConditionalGeneration of MULTIMODAL[model_type] (its language model FAMILIES' tiny
+    config), initialised deterministically and saved in float32 as transformers saves it."""
+    import transformers
+
+    family, vision = MULTIMODAL[model_type]
+    text = {**_COMMON, **FAMILIES[family]}
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration never soft-caps (TSP refuses the cap there)
+        text.pop("final_logit_softcapping", None)
+    extra = {"mm_tokens_per_image": 4} if model_type == "gemma3" else {"spatial_merge_size": 1}
+    config = transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **extra)
+    model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
+    init_tiny_weights_(model.to(torch.float64), seed).to(torch.float32).save_pretrained(directory)
+    return Path(directory)
 
 
 def shift(labels: torch.Tensor) -> torch.Tensor:

@@ -128,13 +128,76 @@ def test_a_bare_phi3_shape_saves_as_phi3():
     assert type(config).__name__ == "Phi3Config" and ModelShape.from_hf_config(config) == shape
 
 
-def test_phi3_refuses_longrope_and_dropout_by_name():
+def test_phi3_refuses_dropout_by_name():
     base = transformers.Phi3Config(**SIZES, pad_token_id=0).to_dict()
-    with pytest.raises(TSPConfigError, match="rope_type='longrope' on a phi3 config"):
-        ModelShape.from_hf_config({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
-                                                                "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}})
     with pytest.raises(TSPConfigError, match="resid_pdrop=0.1 on a phi3 config"):
         ModelShape.from_hf_config({**base, "resid_pdrop": 0.1})
+
+
+def test_phi3_longrope_follows_the_whole_batchs_longest_position(tmp_path):
+    """longrope's factors switch on the batch's longest position (original context 16 here). Packed documents of
+    4 and 20 tokens at D=2: rank 1 holds positions 2..13 only and would pick the short factors alone; the step's
+    longest position, gathered over the group, gives every rank the long ones, as transformers on the packed batch.
+    Loss and every gradient against transformers (float64), and a positive control: the short factors differ."""
+    from local_ranks import run_on_local_ranks
+
+    from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
+
+    directory = save_tiny_checkpoint(tmp_path / "phi3", "phi3")
+    ids = torch.randint(0, 79, (1, 24), generator=torch.Generator().manual_seed(0))
+    reference = load_hf_reference(directory, torch.float64)
+    ref_loss, ref_grads = hf_loss_and_grads(reference, ids, shift(ids), documents=[[4, 20]])
+    loss, grads = run_on_local_ranks(_packed_loss_and_grads, 2, str(directory), ids, [4, 20])[0]
+    assert abs(float(loss) - float(ref_loss)) < 1e-12 * float(ref_loss)
+    assert max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items()) < 1e-10
+    alone = run_on_local_ranks(_packed_loss_and_grads, 2, str(directory), ids, [4, 20], True)[0][0]
+    assert abs(float(alone) - float(ref_loss)) > 1e-6 * float(ref_loss)  # measured 8.0e-5: rank 1's short factors
+
+
+@pytest.mark.parametrize("wrapper", ["gemma3", "mistral3"])
+def test_a_multimodal_checkpoint_trains_as_its_language_model(tmp_path, wrapper):
+    """Gemma3ForConditionalGeneration / Mistral3ForConditionalGeneration checkpoints (the Hub's
+    language_model.model.* names, a vision tower and a projector beside them) load by slices as their language
+    model at D=2: loss and every gradient equal transformers' multimodal model's on text (float64, packed
+    documents), no vision tensor is read, and the save is the text model, which transformers reloads with the
+    multimodal model's logits."""
+    from hf_tiny import save_tiny_multimodal_checkpoint
+    from local_ranks import run_on_local_ranks
+
+    from ds_tsp.checkpoint.hf.language_model_names import language_model_tensors
+    from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_
+
+    directory = save_tiny_multimodal_checkpoint(tmp_path / wrapper, wrapper)
+    reference = load_hf_reference(directory, torch.float64)
+    assert type(reference).__name__.endswith("ForConditionalGeneration")
+    ids = torch.randint(0, reference.config.text_config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = hf_loss_and_grads(reference, ids, shift(ids), documents=[[9, 15]])
+    ref_grads = language_model_tensors(ref_grads)
+    loss, grads = run_on_local_ranks(_packed_loss_and_grads, 2, str(directory), ids, [9, 15], False,
+                                     str(tmp_path / "saved"))[0]
+    assert set(grads) == set(ref_grads) and not any("vision" in n or "projector" in n for n in grads)
+    assert abs(float(loss) - float(ref_loss)) < 1e-12 * float(ref_loss)
+    assert max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items()) < 1e-10
+    text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="sdpa")
+    assert type(text).__name__ == {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM"}[wrapper]
+    patch_float64_(text)
+    assert float((hf_logits(text, ids) - hf_logits(reference, ids)).norm() / hf_logits(reference, ids).norm()) < 1e-13
+
+
+def _packed_loss_and_grads(directory: str, ids: torch.Tensor, documents: list[int], local_longest: bool = False,
+                           save_to: str | None = None):
+    from ds_tsp.core.tokens import positions
+    from ds_tsp.core.tokens.documents import documents_of_lengths
+    from ds_tsp.hf import TSPForCausalLM
+
+    if local_longest:  # the positive control: each rank's own longest position, as a rank alone would take it
+        positions.longest_position = lambda position_ids, comm: position_ids.max() + 1
+    model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    out = model(input_ids=ids, labels=ids, position_ids=documents_of_lengths(documents)[None])
+    out.loss.backward()
+    if save_to is not None:
+        model.save_pretrained(save_to)
+    return out.loss.detach(), model.tsp.full_state_dict(grads=True)
 
 
 @pytest.mark.parametrize("degree", [1, 2])
@@ -214,6 +277,17 @@ def test_gemma3_reads_its_final_logit_softcapping():
     with pytest.raises(TSPConfigError, match="final_logit_softcapping=30.0: only the Gemma families"):
         config_dict_from_shape(ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                                           num_heads=4, num_kv_heads=2, final_logit_softcapping=30.0), torch.float32)
+
+
+def test_gemma3_multimodal_refuses_the_cap_its_model_never_applies():
+    config = transformers.Gemma3Config(text_config={**SIZES, "final_logit_softcapping": 30.0})
+    for form in (config, config.to_dict()):
+        with pytest.raises(TSPConfigError, match="Gemma3ForConditionalGeneration.*never applies it"):
+            ModelShape.from_hf_config(form)
+    from ds_tsp.core.shape.hf_config import config_from_dict
+
+    with pytest.raises(TSPConfigError, match="final_logit_softcapping=30.0 in a gemma3"):
+        config_from_dict(config.to_dict())
 
 
 GEMMA4 = dict(**SIZES, global_head_dim=16, sliding_window=5, hidden_size_per_layer_input=8,

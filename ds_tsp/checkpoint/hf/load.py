@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ds_tsp.checkpoint.hf.hybrid_names import LANGUAGE_MODEL_PREFIX, LanguageModelReader
+from ds_tsp.checkpoint.hf.language_model_names import LanguageModelReader
 from ds_tsp.checkpoint.hf.moe_names import AliasedReader
 from ds_tsp.checkpoint.safetensors.reader import CheckpointReader
 from ds_tsp.core.errors import TSPConfigError
@@ -53,8 +53,8 @@ def check_checkpoint_matches(model: nn.Module, reader: CheckpointReader, where: 
 def load_sharded(model: nn.Module, directory: str | Path) -> None:
     """Fill `model`'s shards (and replicated norms) from the checkpoint in `directory`; every rank calls it."""
     reader = AliasedReader(CheckpointReader(directory), model.shape.moe_family)
-    if model.shape.hybrid_family is not None or any(n.startswith(LANGUAGE_MODEL_PREFIX) for n in reader.names()):
-        reader = LanguageModelReader(reader)  # a multimodal checkpoint (Qwen3.5, Gemma 4): its language model's names
+    # a multimodal checkpoint reads as its language model; Qwen3.5's mtp head is never part of the model
+    reader = LanguageModelReader(reader, hidden=("mtp.",) if model.shape.hybrid_family is not None else ())
     check_checkpoint_matches(model, reader, str(directory))
     seen: set[str] = set()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.shape.families import ARCHITECTURES, WRAPPERS, family_of
+from ds_tsp.core.shape.families import ARCHITECTURES, WRAPPERS, check_wrapped, family_of
 from ds_tsp.core.shape.model_shape import ModelShape
 
 CONFIG_NAME = "config.json"
@@ -54,6 +54,7 @@ def language_model_config(config):
     """The text_config of a multimodal config (carrying its dtype and tie_word_embeddings), else `config`."""
     if getattr(config, "model_type", None) not in WRAPPERS:
         return config
+    check_wrapped(config.model_type, config.text_config)
     text = copy.deepcopy(config.text_config)
     for key in ("dtype", "tie_word_embeddings"):
         if getattr(config, key, None) is not None:

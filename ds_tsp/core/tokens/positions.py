@@ -13,7 +13,8 @@ from typing import NamedTuple
 import torch
 
 from ds_tsp.core.comm.communicator import TSPComm
-from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.shape.model_shape import ModelShape, RopeScaling
 from ds_tsp.core.tokens.documents import DocumentLayout, document_layout, document_starts
 from ds_tsp.core.tokens.rope import query_scale, rope_cos_sin
 from ds_tsp.core.tokens.zigzag import unshard
@@ -27,14 +28,6 @@ class RopeTables(NamedTuple):
     q_scale: torch.Tensor | None = None  # [B, L, 1, 1] each query's scale after RoPE (Ministral 3); None: 1
 
 
-def rope_tables(position_ids: torch.Tensor, shape: ModelShape, dtype: torch.dtype) -> RopeTables:
-    """The RoPE tables of this rank's tokens (GLOBAL position_ids [B, L]), for every layer of the step."""
-    cos, sin = rope_cos_sin(position_ids, shape.full_rotary_dim, shape.rope_theta, dtype, shape.rope_scaling)
-    scale = (query_scale(position_ids, shape.query_scale_beta, shape.query_scale_period, dtype)
-             if shape.query_scale_beta else None)
-    return RopeTables(cos, sin, scale)
-
-
 class StepRope(NamedTuple):
     """Every layer's RoPE tables of one step: the full-attention layers', and the sliding-window layers' own where
     the shape gives them another theta (Gemma 3's local base) or another head_dim (Gemma 4)."""
@@ -46,15 +39,69 @@ class StepRope(NamedTuple):
         return self.sliding if shape.layer_rope(layer) == "sliding" else self.full
 
 
-def step_rope(position_ids: torch.Tensor, shape: ModelShape, dtype: torch.dtype) -> StepRope:
-    """The step's tables for every layer (ModelShape.layer_rope picks a layer's)."""
-    full = rope_tables(position_ids, shape, dtype)
-    if not any(shape.layer_rope(i) == "sliding" for i in range(shape.num_layers)):
-        return StepRope(full)
-    theta, scaling = ((shape.sliding_rope_theta, shape.sliding_rope_scaling) if shape.sliding_rope_theta
-                      else (shape.rope_theta, shape.rope_scaling))
-    cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, theta, dtype, scaling)
-    return StepRope(full, RopeTables(cos, sin, full.q_scale))
+def longrope_inv_freqs(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """float32 [2, head_dim // 2] on the host: longrope's inverse frequencies with its short factors and with its
+    long ones, computed as transformers computes them at init (float32, on the host)."""
+    if len(scaling.short_factor) != head_dim // 2:
+        raise TSPConfigError(f"rope_parameters.short_factor has {len(scaling.short_factor)} entries: longrope needs "
+                             f"one per rotary frequency, rotary dim {head_dim} // 2 = {head_dim // 2}")
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    factors = torch.tensor((scaling.short_factor, scaling.long_factor), dtype=torch.float32, device="cpu")
+    return 1.0 / (factors * powers)
+
+
+class StepRopes:
+    """Builds each step's StepRope for one model (ModelShape.layer_rope picks a layer's tables). What a rope type
+    needs beyond the positions is made here once: longrope's short and long frequencies, on the host, copied to
+    the step's device without blocking (pinned on CUDA) and kept per device."""
+
+    def __init__(self, shape: ModelShape, comm: TSPComm):
+        self.shape, self.comm = shape, comm
+        scaling = shape.rope_scaling
+        self.switches = scaling is not None and scaling.switches_with_length
+        if shape.sliding_rope_scaling is not None and shape.sliding_rope_scaling.switches_with_length:
+            raise TSPConfigError("a longrope scaling of the sliding-window layers' RoPE is not supported; give them "
+                                 "a rope type that does not switch with the batch's length")
+        self._host = longrope_inv_freqs(shape.rotary_dim, shape.rope_theta, scaling) if self.switches else None
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def _longrope(self, device: torch.device) -> torch.Tensor | None:
+        if self._host is None:
+            return None
+        if device not in self._on_device:
+            host = self._host.pin_memory() if device.type == "cuda" else self._host
+            self._on_device[device] = host.to(device, non_blocking=True)
+        return self._on_device[device]
+
+    def __call__(self, position_ids: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        """The step's tables for every layer. Collective over the TSP group (and cp) only for a rope that switches
+        with the batch's longest position (longrope)."""
+        shape = self.shape
+        longest = longest_position(position_ids, self.comm) if self.switches else None
+        cos, sin = rope_cos_sin(position_ids, shape.full_rotary_dim, shape.rope_theta, dtype, shape.rope_scaling,
+                                longest, self._longrope(position_ids.device))
+        scale = (query_scale(position_ids, shape.query_scale_beta, shape.query_scale_period, dtype)
+                 if shape.query_scale_beta else None)
+        full = RopeTables(cos, sin, scale)
+        if not any(shape.layer_rope(i) == "sliding" for i in range(shape.num_layers)):
+            return StepRope(full)
+        # their own theta (Gemma 3, 4), or only their own head_dim
+        theta, scaling = ((shape.sliding_rope_theta, shape.sliding_rope_scaling) if shape.sliding_rope_theta
+                          else (shape.rope_theta, shape.rope_scaling))
+        cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, theta, dtype, scaling)
+        return StepRope(full, RopeTables(cos, sin, full.q_scale))
+
+
+def longest_position(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+    """0-d: the longest position + 1 of the whole batch (every rank's shard, every cp group's), on the device: one
+    all-gather of one int64 per axis, no host read (transformers' longrope takes max(position_ids) + 1)."""
+    longest = position_ids.max().reshape(1) + 1
+    for axis in (comm, comm.cp_axis() if comm.cp is not None else None):
+        if axis is not None and axis.size > 1:
+            gathered = torch.empty((axis.size, 1), dtype=longest.dtype, device=longest.device)
+            axis.all_gather(gathered, longest, what="longest position (longrope)").wait()
+            longest = gathered.max().reshape(1)
+    return longest[0]
 
 
 def global_positions(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
@@ -72,6 +119,7 @@ class StepPositions:
 
     def __init__(self, shape: ModelShape, comm: TSPComm):
         self.shape, self.comm = shape, comm
+        self.ropes = StepRopes(shape, comm)
         self._key: tuple | None = None
         self._value: tuple[StepRope, DocumentLayout | None] | None = None
 
@@ -79,7 +127,7 @@ class StepPositions:
         # Identity and version, not values: comparing values would read the tensor on the host.
         key = (position_ids, position_ids._version, dtype)
         if self._key is None or self._key[0] is not position_ids or self._key[1:] != key[1:]:
-            rope = step_rope(position_ids, self.shape, dtype)
+            rope = self.ropes(position_ids, dtype)
             doc_starts = document_starts(global_positions(position_ids, self.comm))
             doc_starts = None if doc_starts is None else document_layout(doc_starts, position_ids.shape[0])
             self._key, self._value = key, (rope, doc_starts)

@@ -1,7 +1,7 @@
 """Rotary position embedding on GLOBAL positions, in the rotate-half convention of HF Llama.
 
 Frequencies follow transformers exactly, rope type by rope type ("default", "linear", "llama3", "yarn",
-"proportional"): the
+"longrope", "proportional"): the
 inverse frequencies are computed in float32 with the same operations transformers uses, so a checkpoint's
 frequencies are bit-identical to what its own model computes. Angles (position * inv_freq) are then formed in
 float64 for float64 models (the exactness reference) and in float32 otherwise, like HF; yarn's attention factor
@@ -13,13 +13,23 @@ import math
 
 import torch
 
+from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.model_shape import RopeScaling
 
 
 def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
-             device: torch.device | str | None = None) -> torch.Tensor:
-    """float32 [head_dim // 2] on `device`: the inverse frequencies transformers computes for this rope type."""
+             device: torch.device | str | None = None, longest: torch.Tensor | None = None,
+             longrope: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [head_dim // 2] on `device`: the inverse frequencies transformers computes for this rope type.
+    longrope: its [short, long] inverse frequencies [2, head_dim // 2] on `device`
+    (ds_tsp.core.tokens.positions.longrope_inv_freqs), picked by longest, the batch's longest position + 1 (0-d)."""
     scaling = scaling or RopeScaling()
+    if scaling.rope_type == "longrope":
+        if longrope is None or longest is None:
+            raise TSPConfigError("longrope frequencies need their [short, long] tables and the batch's longest "
+                                 "position: pass longrope= and longest=")
+        # picked on the device, so the step never reads the positions on the host
+        return torch.where(longest > scaling.original_max_position_embeddings, longrope[1], longrope[0])
     base = _default_inv_freq(head_dim, theta, device)
     if scaling.rope_type == "default":
         return base
@@ -33,7 +43,9 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
 
 
 def attention_scaling(scaling: RopeScaling | None) -> float:
-    """The factor HF multiplies cos and sin by (1 except for yarn)."""
+    """The factor HF multiplies cos and sin by (1 except for yarn and longrope)."""
+    if scaling is not None and scaling.rope_type == "longrope":
+        return _longrope_attention_factor(scaling)
     if scaling is None or scaling.rope_type != "yarn":
         return 1.0
     if scaling.attention_factor is not None:
@@ -45,11 +57,19 @@ def attention_scaling(scaling: RopeScaling | None) -> float:
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-                 scaling: RopeScaling | None = None):
-    """cos, sin: [B, L, head_dim] for position_ids [B, L]."""
+                 scaling: RopeScaling | None = None, longest: torch.Tensor | None = None,
+                 longrope: torch.Tensor | None = None):
+    """cos, sin: [B, L, head_dim] for position_ids [B, L].
+
+    longrope only: `longrope`, its [short, long] inverse frequencies on the positions' device, and `longest`, the
+    whole batch's longest position + 1 (0-d; None: position_ids are the whole batch, so it is theirs). A TSP rank
+    holds a shard and passes the group's (ds_tsp.core.tokens.positions.longest_position)."""
     angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if scaling is not None and scaling.switches_with_length and longest is None:
+        longest = position_ids.max() + 1
     # built on the positions' device: a host-made table would be one host-to-device copy per step
-    freq = inv_freq(head_dim, theta, scaling, device=position_ids.device).to(angle_dtype)
+    freq = inv_freq(head_dim, theta, scaling, device=position_ids.device, longest=longest,
+                    longrope=longrope).to(angle_dtype)
     freqs = position_ids[..., None].to(angle_dtype) * freq
     angles = torch.cat((freqs, freqs), dim=-1)
     mscale = attention_scaling(scaling)
@@ -114,6 +134,13 @@ def _proportional_inv_freq(base: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     angles = int((1.0 if s.partial_rotary_factor is None else s.partial_rotary_factor) * head_dim // 2)
     freq = torch.cat((base[:angles], torch.zeros(head_dim // 2 - angles, dtype=base.dtype, device=base.device)))
     return freq / (1.0 if s.factor is None else s.factor)
+
+
+def _longrope_attention_factor(s: RopeScaling) -> float:
+    if s.attention_factor is not None:
+        return s.attention_factor
+    factor = s.factor if s.factor is not None else s.max_position_embeddings / s.original_max_position_embeddings
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(s.original_max_position_embeddings))
 
 
 def _yarn_factor(s: RopeScaling) -> float:

@@ -92,7 +92,7 @@ class TSPDecoderLayer(nn.Module):
 
     def forward(self, h, rope: RopeTables, doc_starts=None, *, with_router: bool = False, per_layer_input=None):
         """The layer's output; with_router: (output, router logits [B*L, E] or None for a dense MLP). rope: the
-        step's RoPE tables (ds_tsp.core.tokens.positions.rope_tables). Callers go
+        step's RoPE tables (ds_tsp.core.tokens.positions.StepRopes). Callers go
         through the module (`layer(..., with_router=True)`), never a bound method: FSDP2 and ZeRO-3 gather the
         layer's parameters in its forward hooks."""
         if self.is_linear_attention:

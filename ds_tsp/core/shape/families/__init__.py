@@ -42,7 +42,8 @@ WRAPPERS = {outer: inner for f in FAMILIES for outer, inner in f.wrappers.items(
 MODEL_TYPES = (*ARCHITECTURES, *WRAPPERS)
 _BY_TYPE = {t: f for f in FAMILIES for t in f.architectures}
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "MODEL_TYPES", "WRAPPERS", "HFConfig", "family_of", "language_model",
+__all__ = ["ARCHITECTURES", "FAMILIES", "MODEL_TYPES", "WRAPPERS", "HFConfig", "check_wrapped", "family_of",
+           "language_model",
            "shape_fields"]
 
 
@@ -59,7 +60,16 @@ def language_model(config):
                              "model of this checkpoint and reads its shape from text_config")
     if isinstance(inner, dict) and "model_type" not in inner:
         inner = {**inner, "model_type": inner_type}
+    check_wrapped(cfg.model_type, inner)
     return inner
+
+
+def check_wrapped(outer_type: str, text_config) -> None:
+    """Refuse a multimodal checkpoint's text_config where its model computes otherwise than the text model TSP
+    trains and saves (the family's check_wrapped)."""
+    check = family_of(WRAPPERS[outer_type]).check_wrapped
+    if check is not None:
+        check(HFConfig(text_config))
 
 
 def family_of(model_type: str | None) -> Family:

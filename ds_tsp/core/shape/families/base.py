@@ -53,6 +53,9 @@ class Family:
     architectures: dict[str, str]
     read: ReadShape
     wrappers: dict[str, str] = field(default_factory=dict)  # multimodal model_type -> its text model_type
+    # the text_config of a wrapper, checked for what the multimodal model computes otherwise than the ForCausalLM
+    # TSP trains and saves (None: nothing differs)
+    check_wrapped: Callable[[HFConfig], None] | None = None
 
 
 # --- the Llama-shaped decoder every family starts from ------------------------------------------------------------
@@ -110,8 +113,8 @@ def rope_fields(cfg: HFConfig, default_theta: float = 10000.0, partial_allowed: 
     if rope_type == "default":
         return theta, None
     allowed = {f for f in RopeScaling.__dataclass_fields__ if f not in ("rope_type", "max_position_embeddings")}
-    kwargs = {k: v for k, v in params.items() if k in allowed}
-    if rope_type in ("llama3", "yarn") and kwargs.get("original_max_position_embeddings") is None:
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k in allowed}
+    if rope_type in ("llama3", "yarn", "longrope") and kwargs.get("original_max_position_embeddings") is None:
         kwargs["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings")
                                                       or cfg.get("max_position_embeddings"))
     return theta, RopeScaling(rope_type=rope_type, max_position_embeddings=cfg.get("max_position_embeddings"),

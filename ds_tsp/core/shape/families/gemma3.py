@@ -4,8 +4,8 @@ scaling, the sliding layers' theta 1e4), softmax scale query_pre_attn_scalar ** 
 zero-centred (1 + w) norms per layer (a norm on each sublayer's input and output), embeddings scaled by
 sqrt(hidden_size), a GeGLU MLP (gelu_pytorch_tanh), tied embeddings and padding row 0 by default, and the final
 logits soft-capped (final_logit_softcapping).
-Refused by name in this version: attention-logit soft-capping, bidirectional attention, and the
-multimodal Gemma3ForConditionalGeneration (its vision tower)."""
+The multimodal Gemma3ForConditionalGeneration reads as its language model (text_config; the vision tower's tensors
+are never read). Refused by name in this version: attention-logit soft-capping and bidirectional attention."""
 from __future__ import annotations
 
 from ds_tsp.core.errors import TSPConfigError
@@ -66,4 +66,13 @@ def _ropes(cfg: HFConfig) -> tuple[dict, dict]:
     return full, sliding
 
 
-FAMILY = Family({"gemma3_text": "Gemma3ForCausalLM"}, read)
+def check_wrapped(cfg: HFConfig) -> None:
+    if cfg.get("final_logit_softcapping") is not None:
+        raise TSPConfigError(f"final_logit_softcapping={cfg.get('final_logit_softcapping')} in a gemma3 "
+                             "(Gemma3ForConditionalGeneration) text_config: transformers' multimodal model never "
+                             "applies it, while Gemma3ForCausalLM, the model TSP trains and saves, does; set it to "
+                             "null (what the multimodal model computes)")
+
+
+FAMILY = Family({"gemma3_text": "Gemma3ForCausalLM"}, read, wrappers={"gemma3": "gemma3_text"},
+                check_wrapped=check_wrapped)

@@ -11,4 +11,5 @@ def read(cfg: HFConfig) -> dict:
     return {**fields, "attention_windows": uniform_window(cfg, fields["num_layers"], default=4096)}
 
 
-FAMILY = Family({"mistral": "MistralForCausalLM"}, read)
+# Mistral3ForConditionalGeneration (Mistral Small 3.x; Ministral 3's text_config says ministral3): its language model
+FAMILY = Family({"mistral": "MistralForCausalLM"}, read, wrappers={"mistral3": "mistral"})

@@ -12,7 +12,8 @@ transformers' rules, mirrored here (models/{qwen3_5,qwen3_5_moe,qwen3_next}/conf
 * mrope (rope_parameters.mrope_section / mrope_interleaved): text positions give the three rows (t, h, w) the same
   position, so the interleaved frequencies are the plain RoPE frequencies (tests/hybrid/test_hybrid_models.py
   proves it against transformers' own rotary embedding); TSP takes 2-D text positions only.
-* The multimodal checkpoints' language model is named under model.language_model. (ds_tsp.checkpoint.hf.hybrid_names).
+* The multimodal checkpoints' language model is named under model.language_model.
+  (ds_tsp.checkpoint.hf.language_model_names).
 * Qwen3-Next and Qwen3.5-MoE: sparse MoE blocks (Qwen3-MoE routing: softmax, top-k, renormalised when
   norm_topk_prob, always for Qwen3.5-MoE; Qwen3-Next's mlp_only_layers / decoder_sparse_step pick the sparse layers,
   Qwen3.5-MoE's are all sparse) plus a shared expert every sparse block adds: a dense SwiGLU of
