@@ -4,10 +4,12 @@ and GRPOTrainer.
     from ds_tsp.hf import TSPForCausalLM, TSPTrainer, TSPSFTTrainer   # TSPSFTTrainer: (TSPTrainer, trl.SFTTrainer)
     from ds_tsp.hf import TSPGRPOTrainer                              # (TSPTrainer, trl.GRPOTrainer): RL under TSP
     model = TSPForCausalLM.from_pretrained("local/llama-3.2-1b", tsp_group=group)
+    scorer = TSPForSequenceClassification.from_pretrained("local/reward-model", tsp_group=group)
 """
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
+from ds_tsp.model.hf_sequence_classification import TSPForSequenceClassification
 
-__all__ = ["TSPForCausalLM", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer"]
+__all__ = ["TSPForCausalLM", "TSPForSequenceClassification", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer"]
 
 
 def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerate: only when asked for

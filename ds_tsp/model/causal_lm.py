@@ -72,7 +72,8 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
 
     def __init__(self, shape: ModelShape, comm: TSPComm, *, options: TSPOptions = TSPOptions(),
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 data_group: dist.ProcessGroup | None = None):
+                 data_group: dist.ProcessGroup | None = None, lm_head: bool = True):
+        """lm_head=False: the backbone alone (a sequence classifier's, which puts its own head on final_hidden)."""
         super().__init__()
         shape.check_tsp_degree(comm.size)
         self.shape, self.comm, self.options = shape, comm, options
@@ -80,7 +81,7 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
         self.model = _Backbone(shape, comm, options, dtype, device)
         self.lm_head = TSPLMHeadLoss(shape, comm, dtype, device,
                                      tied_to=self.model.embed_tokens if shape.tie_word_embeddings else None,
-                                     chunk_tokens=options.lm_head_chunk_tokens)
+                                     chunk_tokens=options.lm_head_chunk_tokens) if lm_head else None
         self.set_data_parallel_group(data_group)
         self.lora_adapter_config: str | None = None  # adapter_config.json of an attached PEFT LoRA adapter
         self.activation_offload = ActivationOffload()  # host pool of the checkpointed layer inputs (when offloaded)

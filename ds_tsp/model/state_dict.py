@@ -1,11 +1,13 @@
 """The sharded-piece protocol of a TSP model: its tensors named as the HF checkpoint names them, and how each rank
 reads, initialises and gathers its shards of them.
 
-A model answers it by holding `self.model` (embed_tokens, layers, norm), `self.lm_head`, `self.comm` and
-`self.shape`, and inheriting ShardedStateDict. Checkpoint code (ds_tsp.checkpoint) and the conversions use only
-these methods, never the model classes:
+A model answers it by holding `self.model` (embed_tokens, layers, norm), `self.lm_head` (None: no LM head),
+`self.comm` and `self.shape`, and inheriting ShardedStateDict. Checkpoint code (ds_tsp.checkpoint) and the
+conversions use only these methods, never the model classes:
     sharded_modules()    (HF prefix, piece with hf_slices / pack_slices / unshard, its parameter), checkpoint order
     replicated_params()  HF-named parameters every rank holds whole (norms, routers)
+    replicated_buffers() HF-named buffers the checkpoint carries, every rank whole (GLM-4.5's router bias, Gemma 4's
+                         layer scalars)
     lora_tensors()       PEFT-named LoRA factors and how each is cut
     hf_shapes()          every HF tensor's full shape
     load_slices() / load_full_state_dict() / full_state_dict() / init_weights_() / num_parameters()
@@ -36,19 +38,26 @@ class ShardedStateDict:
             out += self.model.per_layer_inputs.sharded_modules("model.")
         for i, layer in enumerate(self.model.layers):
             out += layer.sharded_modules(f"model.layers.{i}.")
-        if not self.lm_head.tied:
+        if self.lm_head is not None and not self.lm_head.tied:
             out.append(("lm_head.", self.lm_head, self.lm_head.vocab_shard))
         return out
 
     def replicated_params(self) -> dict[str, nn.Parameter]:
-        """HF-named params every rank holds whole: the norms (and Qwen3's q/k norms); also Gemma 4's layer_scalar
-        buffers, which are read and written with them but never train (not Parameters: no grad, no optimizer)."""
+        """HF-named params every rank holds whole: the norms (and Qwen3's q/k norms)."""
         out = {}
         if getattr(self.model, "per_layer_inputs", None) is not None:
             out.update(self.model.per_layer_inputs.replicated_params("model."))
         for i, layer in enumerate(self.model.layers):
             out.update(layer.replicated_params(f"model.layers.{i}."))
         out["model.norm.weight"] = self.model.norm.weight
+        return out
+
+    def replicated_buffers(self) -> dict[str, torch.Tensor]:
+        """HF-named buffers every rank holds whole that the checkpoint carries (GLM-4.5's e_score_correction_bias,
+        Gemma 4's layer_scalar): read and saved with the parameters, no gradient."""
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            out.update(layer.replicated_buffers(f"model.layers.{i}."))
         return out
 
     def lora_tensors(self) -> list[tuple[str, nn.Parameter, tuple[int, tuple[int, ...]] | None]]:
@@ -68,6 +77,7 @@ class ShardedStateDict:
         """Full shape of every HF tensor of this model (tied models list no lm_head.weight, like HF's files)."""
         shapes = {prefix + k: v for prefix, module, _ in self.sharded_modules() for k, v in module.hf_shapes().items()}
         shapes.update({name: tuple(p.shape) for name, p in self.replicated_params().items()})
+        shapes.update({name: tuple(b.shape) for name, b in self.replicated_buffers().items()})
         return shapes
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
@@ -76,8 +86,8 @@ class ShardedStateDict:
         per_rank=True counts this rank's storage."""
         if per_rank:
             return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
-        buffers = {n for n, p in self.replicated_params().items() if not isinstance(p, nn.Parameter)}
-        shapes = {k: v for k, v in self.hf_shapes().items() if k not in buffers}  # transformers counts no buffer
+        buffers = self.replicated_buffers()
+        shapes = {k: v for k, v in self.hf_shapes().items() if k not in buffers}
         if only_trainable:  # a shard trains iff every HF tensor in it does (ds_tsp.model.trainability)
             live = {prefix + n for prefix, module, p in self.sharded_modules() if p.requires_grad
                     for n in module.hf_shapes()}
@@ -116,9 +126,6 @@ class ShardedStateDict:
         # norms 1 (zero-centred norms 0: the same identity scale); MoE routers N(0, std), same on every rank
         norm_init = 0.0 if self.shape.zero_centred_norms else 1.0
         for name, param in self.replicated_params().items():
-            if not isinstance(param, nn.Parameter):  # Gemma 4's layer_scalar: transformers initialises it to 1
-                param.fill_(1.0)
-                continue
             param.fill_(norm_init) if param.dim() == 1 else param.copy_(normal(name, param.shape))
         return self
 
@@ -145,7 +152,7 @@ class ShardedStateDict:
                 f"the checkpoint has no tensor {missing[0]!r} ({len(missing)} missing): it does not match a "
                 f"{self.shape.num_layers}-layer Llama-family model of this config (tie_word_embeddings="
                 f"{self.shape.tie_word_embeddings}, qkv_bias={self.shape.qkv_bias}, qk_norm={self.shape.qk_norm})")
-        load_slices(self.sharded_modules(), self.replicated_params(), read_into)
+        load_slices(self.sharded_modules(), {**self.replicated_params(), **self.replicated_buffers()}, read_into)
 
     @torch.no_grad()
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -164,9 +171,10 @@ class ShardedStateDict:
             else:
                 shards = [local]
             full.update({prefix + k: v for k, v in module.unshard(shards).items()})
-        full.update({k: value(p).clone() for k, p in self.replicated_params().items()
-                     if not grads or isinstance(p, nn.Parameter)})  # buffers have no grad
-        if self.lm_head.tied:
+        full.update({k: value(p).clone() for k, p in self.replicated_params().items()})
+        if not grads:
+            full.update({k: b.detach().clone() for k, b in self.replicated_buffers().items()})
+        if self.lm_head is not None and self.lm_head.tied:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
         return full
 

@@ -64,13 +64,12 @@ def load_hf_model(core: nn.Module, hf_model: nn.Module, state_dict: dict | None 
             "(save_pretrained) and pass the checkpoint directory, which loads as the language model by slices, or "
             "load the text-only ForCausalLM model")
     params = base_parameters(base)
-    replicated = core.replicated_params()
-    if state_dict is None:  # the parameters, and the buffers a checkpoint holds that TSP reads (Gemma 4's scalars)
+    if state_dict is None:  # the parameters, and the buffers the checkpoint carries (GLM-4.5's router bias)
+        wanted = core.replicated_buffers()
         state_dict = {n: p.detach() for n, p in params.items()}
-        state_dict.update({hf_name(n): b for n, b in base.named_buffers() if hf_name(n) in replicated})
+        state_dict.update({hf_name(n): b for n, b in base.named_buffers() if hf_name(n) in wanted})
     core.load_full_state_dict(state_dict)
-    carry_requires_grad(core.sharded_modules(), {n: p for n, p in replicated.items() if isinstance(p, nn.Parameter)},
-                        params, core.shape.moe_family)
+    carry_requires_grad(core.sharded_modules(), core.replicated_params(), params, core.shape.moe_family)
     if peft:
         attach_lora(core, base, peft[1])
         core.lora_adapter_config = adapter_config_json(peft[2], getattr(base, "name_or_path", None))

@@ -23,6 +23,10 @@ global changes; other models, and float32/bfloat16 inputs, keep transformers' ex
   output_router_logits the aux loss is transformers' formula over the router logits transformers returns, for a
   float64 model accumulated in float64 (`load_balancing_loss`), else transformers' own function. The routers' float32
   softmax is left as it is: ds_tsp routes with the same float32 probabilities (ds_tsp.core.layers.moe.routing).
+* GLM-4.5's router (`*TopkRouter` with e_score_correction_bias) keeps its weight and bias in float32 and computes
+  its logits, scores and weights in float32, whose weight gradient sums tokens in float32: the patch holds both
+  in float64 and routes float64 inputs in float64, transformers' same ops (ds_tsp routes a float64 model alike).
+  transformers adds no load-balancing loss for it, so neither does the reference.
 
 Attention must not be "eager" (its softmax uses dtype=float32): the model is loaded with attn_implementation
 "sdpa", which computes in the input dtype. Every forward passes use_cache=False: transformers only applies its
@@ -98,6 +102,28 @@ def _mrope_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
     return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
+def _grouped_router_forward(self, hidden_states: torch.Tensor):
+    # transformers' Glm4MoeTopkRouter.forward in float64 for float64 inputs (float32 otherwise, as the original)
+    wide = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(wide), self.weight.to(wide))
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + self.e_score_correction_bias.to(wide)
+    group_scores = (scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group)
+                    .topk(2, dim=-1)[0].sum(dim=-1))
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = (group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+                  .reshape(-1, self.num_experts))
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
 def patch_float64_(model: torch.nn.Module) -> int:
     """Patch every RMSNorm and rotary embedding of `model` (per instance) to compute float64 inputs in float64.
 
@@ -122,6 +148,11 @@ def patch_float64_(model: torch.nn.Module) -> int:
             float64_gated_deltanet_(module)
         elif cls.endswith("RMSNormGated"):
             continue  # patched with its Gated DeltaNet just above
+        elif cls.endswith("TopkRouter") and hasattr(module, "e_score_correction_bias"):  # GLM-4.5
+            with torch.no_grad():
+                module.weight.data = module.weight.data.to(torch.float64)
+                module.e_score_correction_bias = module.e_score_correction_bias.to(torch.float64)
+            module.forward = types.MethodType(_grouped_router_forward, module)
         elif cls.endswith("RotaryEmbedding") and hasattr(module, "mrope_section"):
             module.forward = types.MethodType(mrope, module)
         elif cls.endswith("RMSNorm") and hasattr(module, "with_scale"):
@@ -167,9 +198,13 @@ def _forward_logits(model, input_ids, position_ids=None, attention_mask=None) ->
 
 
 def _wants_aux(model) -> bool:
+    """Whether transformers' forward adds the load-balancing loss (its family has one: not GLM-4.5)."""
+    import sys
+
     config = model.config
-    return bool(getattr(config, "output_router_logits", False)) and bool(getattr(config, "num_experts", 0) or
-                                                                        getattr(config, "num_local_experts", 0))
+    has_aux = hasattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+    return has_aux and bool(getattr(config, "output_router_logits", False)) and bool(
+        getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
 
 
 def load_balancing_loss(model, gate_logits: Sequence[torch.Tensor], attention_mask=None) -> torch.Tensor:

@@ -132,6 +132,9 @@ class ReferenceCausalLM(nn.Module):
         if shape.attn_output_gate or shape.layer_types is not None or shape.zero_centred_norms:
             raise TSPConfigError("a hybrid (Qwen3.5 / Qwen3-Next) shape: the ds_tsp reference model is Llama-family; "
                                  "check a hybrid model against transformers' own (ds-tsp verify --hf-model DIR)")
+        if shape.projection_qk_norm or shape.post_norms:
+            raise TSPConfigError("projection_qk_norm / post_norms (OLMo 3): the ds_tsp reference model is "
+                                 "Llama-family; check it against transformers' own (ds-tsp verify --hf-model DIR)")
         if shape.query_scale_beta:
             raise TSPConfigError("query_scale_beta (Ministral 3's position-scaled queries): the ds_tsp reference model "
                                  "does not scale queries; check it against transformers' own "

@@ -11,7 +11,8 @@ original_max_position_embeddings (16) so they really change the angles at test s
 
 `MOE_FAMILIES` (tests/moe/test_hf_moe.py): Qwen3-MoE (one dense layer via mlp_only_layers, one sparse; 8 experts, top-2,
 expert width 12, which 4 does not divide) and Mixtral (4 experts, top-2, sliding window), both with
-output_router_logits and an aux coefficient large enough to move the gradients visibly.
+output_router_logits and an aux coefficient large enough to move the gradients visibly; GLM-4.5 (grouped sigmoid
+routing with a correction bias, a shared expert, a dense first layer, no aux loss).
 """
 from __future__ import annotations
 
@@ -81,6 +82,15 @@ FAMILIES: dict[str, dict] = {
                    layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=0.1,
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
+    # OLMo 3: q/k norms over the whole projection, post-norms only, a sliding layer (window 5, shorter than a
+    # rank's chunk at D=2) with default rope and a full layer with yarn, GQA 4/2 (one kv head per two ranks at D=4),
+    # pad row 1 (Olmo3Config's default)
+    "olmo3": dict(model_type="olmo3", vocab_size=87, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                  sliding_window=5, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+                  eos_token_id=2,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 16}}),
     # Gemma 4: a sliding layer (window 3, shorter than a rank's chunk at D=4) with head_dim 8, 2 kv heads and
     # default rope, a full layer with head_dim 16, proportional rope and keys as values (k_eq_v: no v_proj) of one
     # kv head (replicated at D=2, 4), v norms, per-layer inputs (8 per layer, a per-layer vocab larger than the
@@ -108,6 +118,15 @@ MOE_FAMILIES: dict[str, dict] = {
                     num_experts_per_tok=2, num_key_value_heads=2, sliding_window=5, tie_word_embeddings=False,
                     output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # GLM-4.5: a dense first layer then two sparse ones; 8 experts in 4 groups (2 kept), top-2, a shared expert,
+    # a correction bias large enough that the choice differs from the scores' (set in init_tiny_weights_), scaled
+    # weights; q/k/v biases, q/k norms, partial rotary
+    "glm4_moe": dict(model_type="glm4_moe", vocab_size=71, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                     moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                     n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     use_qk_norm=True, attention_bias=True, num_key_value_heads=2, head_dim=16,
+                     tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 
 
@@ -117,7 +136,8 @@ def _config_class(model_type: str):
             "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
             "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
             "ministral3": transformers.Ministral3Config, "phi3": transformers.Phi3Config,
-            "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig}[model_type]
+            "gemma3_text": transformers.Gemma3TextConfig, "olmo3": transformers.Olmo3Config,
+            "glm4_moe": transformers.Glm4MoeConfig, "gemma4_text": transformers.Gemma4TextConfig}[model_type]
 
 
 def tiny_config(name: str, **overrides):
@@ -133,15 +153,19 @@ def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     """Deterministic, thread-count independent: each parameter from a CPU generator seeded by (seed, name), float64.
 
     Same rule as ds_tsp.tools.reference_model.init_weights_: N(0, 0.02) for matrices, embeddings and biases, 1 + 0.1 N(0, 1)
-    for norm weights (incl. q_norm/k_norm) so norm gradients are non-trivial, N(0, 0.5) for MoE routers. A tied
-    lm_head is listed once.
+    for norm weights (incl. q_norm/k_norm) so norm gradients are non-trivial, N(0, 0.5) for MoE routers, 0.3 N(0, 1)
+    for GLM-4.5's e_score_correction_bias buffers (zero in transformers' init: it would not change the choice). A
+    tied lm_head is listed once.
     """
     for name, param in model.named_parameters():
         gen = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2 ** 63))
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
         scale = 0.5 if name.endswith(".gate.weight") else 0.02  # MoE routers: logits spread enough to route unevenly
         param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
-    for name, buffer in model.named_buffers():
+    for name, buffer in model.named_buffers():  # GLM-4.5's choice bias: large enough to change which experts win
+        if name.endswith("e_score_correction_bias"):
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen, dtype=torch.float64))
         if name.endswith("layer_scalar"):  # Gemma 4's checkpoint scalars (real ones: 0.005 to 0.92), not 1
             buffer.fill_(0.5 + 0.01 * (zlib.crc32(name.encode()) % 40))
     return model

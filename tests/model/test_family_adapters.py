@@ -396,6 +396,137 @@ def test_the_embedding_scale_is_rounded_as_transformers_holds_it(dtype):
         assert _in_dtype(value, dtype) == float(torch.tensor(value, dtype=torch.float64).to(dtype)), hidden
 
 
+def test_olmo3_reads_olmo3config_defaults_and_a_legacy_rope_scaling_on_the_full_layers_only():
+    shape = ModelShape.from_hf_config({"model_type": "olmo3", **SIZES, "num_hidden_layers": 8})
+    assert shape == ModelShape.from_hf_config(transformers.Olmo3Config(**{**SIZES, "num_hidden_layers": 8}))
+    assert (shape.projection_qk_norm, shape.post_norms, shape.qk_norm, shape.rope_theta, shape.rms_norm_eps,
+            shape.pad_token_id, shape.tie_word_embeddings) == (True, True, False, 500000.0, 1e-5, 1, False)
+    assert shape.attention_windows == (4096, 4096, 4096, None) * 2 and shape.sliding_rope_theta == 0.0
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "attention_factor": 1.2}
+    legacy = {"model_type": "olmo3", **SIZES, "num_hidden_layers": 4, "rope_theta": 5e5, "rope_scaling": yarn,
+              "max_position_embeddings": 65536}
+    shape = ModelShape.from_hf_config(legacy)
+    config = transformers.Olmo3Config(**{k: v for k, v in legacy.items() if k != "model_type"})
+    assert config.rope_parameters["sliding_attention"]["rope_type"] == "default"  # transformers' own reading
+    assert shape == ModelShape.from_hf_config(config) == ModelShape.from_hf_config(config.to_dict())
+    assert (shape.rope_scaling.rope_type, shape.sliding_rope_theta, shape.sliding_rope_scaling) == ("yarn", 5e5, None)
+    assert shape.layer_rope(0) == "sliding" and shape.layer_rope(3) == "full"
+
+
+def test_a_bare_olmo3_shape_saves_as_olmo3():
+    config = transformers.Olmo3Config(**{**SIZES, "num_hidden_layers": 3}, sliding_window=5,
+                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 1e6}})
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.sliding_rope_theta, shape.rope_theta, shape.rope_scaling.rope_type) == (1e4, 1e6, "linear")
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(again).__name__ == "Olmo3Config" and ModelShape.from_hf_config(again) == shape
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("attention_bias", True, "attention_bias=True on a olmo3 config"),
+    ("attention_dropout", 0.1, "attention_dropout=0.1"),
+    ("hidden_act", "gelu", "hidden_act='gelu' on a olmo3 config"),
+    ("num_experts", 8, "num_experts=8 on a olmo3 config"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 2.0}, "rope_parameters=.* nest it"),
+    ("layer_types", ["sliding_attention", "chunked_attention"], "chunked_attention"),
+])
+def test_olmo3_refuses_what_it_does_not_compute(field, value, match):
+    config = transformers.Olmo3Config(**SIZES).to_dict()
+    with pytest.raises(TSPConfigError, match=match):
+        ModelShape.from_hf_config({**config, field: value})
+
+
+GLM = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2)
+
+
+def test_glm4_moe_reads_its_config_class_defaults_and_saves_as_glm4_moe():
+    shape = ModelShape.from_hf_config({"model_type": "glm4_moe", **SIZES})  # a config.json naming only sizes
+    assert shape == ModelShape.from_hf_config(transformers.Glm4MoeConfig(**SIZES))
+    assert (shape.partial_rotary_factor, shape.num_experts, shape.num_experts_per_tok, shape.dense_mlp_layers,
+            shape.shared_expert_intermediate_size, shape.shared_expert_gate, shape.moe_routing, shape.norm_topk_prob,
+            shape.rms_norm_eps, shape.qkv_bias, shape.qk_norm, shape.output_router_logits, shape.mtp_layers) == (
+        0.5, 128, 8, (0,), 1408, False, "sigmoid_grouped", True, 1e-5, False, False, False, 1)
+    config = transformers.Glm4MoeConfig(**SIZES, **GLM, attention_bias=True, use_qk_norm=True, n_shared_experts=2,
+                                        routed_scaling_factor=2.5, first_k_dense_replace=2, num_nextn_predict_layers=0,
+                                        output_router_logits=True)  # transformers adds no aux loss: none here either
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.qkv_bias, shape.qk_norm, shape.moe_groups, shape.moe_topk_groups, shape.routed_scaling_factor,
+            shape.shared_expert_intermediate_size, shape.dense_mlp_layers, shape.moe_family) == (
+        True, True, 4, 2, 2.5, 32, (0, 1), "glm4_moe")
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(again).__name__ == "Glm4MoeConfig" and ModelShape.from_hf_config(again) == shape
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("n_group", 3, "moe_groups=3 for num_experts=8"),
+    ("n_group", 8, "groups of at least 2"),
+    ("topk_group", 5, "moe_topk_groups=5 of moe_groups=4"),
+    ("n_shared_experts", 0, "n_shared_experts=0 on a glm4_moe config"),
+    ("sliding_window", 7, "sliding_window=7 on a glm4_moe config"),
+    ("hidden_act", "gelu", "hidden_act='gelu' on a glm4_moe config"),
+    ("attention_dropout", 0.1, "attention_dropout=0.1"),
+])
+def test_glm4_moe_refuses_what_it_does_not_compute(field, value, match):
+    config = transformers.Glm4MoeConfig(**SIZES, **GLM).to_dict()
+    with pytest.raises(TSPConfigError, match=match):
+        ModelShape.from_hf_config({**config, field: value})
+
+
+@pytest.mark.parametrize("field", ["qk_norm", "qkv_bias", "attn_output_gate", "fused_qkv"])
+def test_the_whole_projection_qk_norm_refuses_what_it_is_not_built_with(field):
+    shape = ModelShape.from_hf_config(transformers.Olmo3Config(**SIZES))
+    with pytest.raises(TSPConfigError, match=f"projection_qk_norm with {field}"):
+        ModelShape(**{**shape.to_dict(), "rope_scaling": shape.rope_scaling, field: True})
+
+
+def test_glm4_moe_checkpoint_mtp_layers_are_skipped_as_transformers_skips_them(tmp_path):
+    """GLM-4.5 checkpoints store num_nextn_predict_layers multi-token-prediction layers after the decoder's;
+    transformers' causal LM does not load them and neither does TSP, while an unknown tensor elsewhere is refused."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from ds_tsp.hf import TSPForCausalLM
+
+    directory = save_tiny_checkpoint(tmp_path / "glm", "glm4_moe")
+    tensors = load_file(directory / "model.safetensors")
+    save_file({**tensors, "model.layers.3.eh_proj.weight": torch.zeros(32, 64)}, directory / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    assert torch.equal(model.tsp.full_state_dict()["model.layers.2.mlp.gate.e_score_correction_bias"],
+                       tensors["model.layers.2.mlp.gate.e_score_correction_bias"].double())
+    ids = torch.randint(0, 71, (1, 12), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids, output_router_logits=True)  # as transformers: the logits, no aux loss
+    assert out.aux_loss is None and [tuple(r.shape) for r in out.router_logits] == [(12, 8), (12, 8)]
+    (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(TSPConfigError, match="model.layers.3.eh_proj.weight"):
+        TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+
+
+def test_tsp_trainer_on_glm4_moe_equals_the_plain_trainer(tmp_path):
+    """examples/hf_trainer.py on the tiny GLM-4.5 (grouped sigmoid routing with its correction bias buffer, shared
+    experts, a dense first layer, q/k/v biases, q/k norms, partial rotary): TSPTrainer at TSP=2 against the plain
+    Trainer, per logged step (fp32, 1e-5), and the TSP save reloads in plain transformers as the same model."""
+    pytest.importorskip("deepspeed")
+    from test_hf_trainer import ROOT, _assert_steps_match, _run, _steps
+
+    directory = save_tiny_checkpoint(tmp_path / "glm4_moe", "glm4_moe")
+    common = ["--model_name_or_path", str(directory), "--max_steps", "3", "--global_batch", "2", "--lr", "3e-3"]
+    reference = _run(tmp_path / "ref", *common)
+    tsp = _run(tmp_path / "tsp", "--ds_config", str(ROOT / "ds_configs" / "tsp.json"), *common, processes=2)
+    _assert_steps_match(_steps(tsp), _steps(reference))
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tsp").state_dict()
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").state_dict()
+    assert set(saved) == set(want) and "model.layers.1.mlp.gate.e_score_correction_bias" in saved
+    for name, value in want.items():
+        assert (saved[name] - value).norm() <= 1e-4 * value.norm(), name
+
+
 def test_gemma4_multimodal_checkpoint_trains_its_language_model(tmp_path):
     """A Gemma4ForConditionalGeneration checkpoint (language model under model.language_model., a vision tower
     beside it) loads by slices as its language model: loss and gradients equal transformers' multimodal model's on

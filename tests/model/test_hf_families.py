@@ -109,3 +109,43 @@ def test_save_pretrained_round_trip_in_plain_transformers(runs, name):
                 "num_key_value_heads", "sliding_window", "use_sliding_window", "layer_types", "attention_bias"):
         assert config.get(key) == source.get(key), (name, key, config.get(key), source.get(key))
     assert config["dtype"] == "float64"
+
+
+# OLMo 3's whole-projection q/k norms add passes to the attention schedule (ds_tsp.core.layers.attention.
+# projection_norm): the schedule options and packed documents at D=1, 2 and 4 (kv heads replicated on 2 ranks)
+# against transformers' own model, in one spawn of 4 ranks (D=1 on rank 0 alone, D=2 on both halves, D=4 on the
+# world; the plain schedule at D=2 and 4 is test_matches_transformers_fp64_at_d2_and_d4's).
+OLMO3_OPTIONS = [
+    (1, {}),
+    (2, {"recompute_projections": False}),
+    (4, {"keep_gathered_kv": True, "activation_checkpointing": True}),
+]
+
+
+def _olmo3_option_runs(directory: str) -> list | None:
+    import torch.distributed as dist
+
+    from ds_tsp.core.config import TSPOptions
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.tools.verify import VerifyCase, run_case
+
+    rank = dist.get_rank()
+    alone = dist.new_group([0])  # every rank creates every group
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups = {1: alone, 2: halves[rank // 2], 4: dist.group.WORLD}
+    shape = ModelShape.from_hf_config(json.loads(open(f"{directory}/config.json").read()))
+    reports = []
+    for degree, options in OLMO3_OPTIONS:
+        if degree == 1 and rank:
+            continue
+        case = VerifyCase(shape=shape, seq=30, batch=2, dtype="float64", seed=3, documents=3, hf_model=directory)
+        reports.append(run_case(case, groups[degree], TSPOptions(**options)))
+    return reports if rank == 0 else None
+
+
+def test_olmo3_schedule_options_and_packed_documents_at_d1_d2_d4(tmp_path):
+    directory = str(save_tiny_checkpoint(tmp_path / "olmo3", "olmo3"))
+    reports = run_on_local_ranks(_olmo3_option_runs, 4, directory, timeout_s=300)[0]
+    for (degree, options), report in zip(OLMO3_OPTIONS, reports):
+        assert report["tsp"] == degree and report["documents"] == 3, report
+        assert report["loss_rel_err"] < 1e-10 and report["grad_rel_err"] < 1e-10, (degree, options, report)

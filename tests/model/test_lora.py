@@ -28,7 +28,9 @@ B, S = 2, 29
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CASES = {"llama": ("llama", dict(r=4, lora_alpha=8, target_modules=ALL)),
          "qwen2_qv": ("qwen2", dict(r=3, lora_alpha=5, target_modules=["q_proj", "v_proj"], use_rslora=True)),
-         "qwen3_ov": ("qwen3", dict(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj", "k_proj"]))}
+         "qwen3_ov": ("qwen3", dict(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj", "k_proj"])),
+         # OLMo 3: LoRA on the q/k rows its whole-projection norms stream apart from the rest of the shard
+         "olmo3_qk": ("olmo3", dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "up_proj"]))}
 
 
 def peft_model(case: str):

@@ -7,14 +7,17 @@ tensor made from host data (torch.tensor / as_tensor of lists or numbers, which 
 reads raise on meta by themselves, so the same run also proves the input checks skip them there.
 
 D=1 runs every family (Llama-3 rope, Qwen2 bias, Qwen3 q/k norms, Mistral sliding window, tied and untied heads)
-plus packed documents, padding and logits_to_keep. D=2..4 run the same step as one rank of torch's fake process
-group ("fake" backend for cpu and meta: collectives complete at once and move nothing), which is all a meta step
-needs. A static guard then keeps factory calls without device= out of the core.
+plus packed documents, padding and logits_to_keep; GLM-4.5's experts (grouped sigmoid routing with its correction
+bias, shared experts) run as the meta device runs MoE: ring dispatch, bfloat16 weights, grouped expert GEMMs.
+D=2..4 run the same step as one rank of torch's fake process group ("fake" backend for cpu and meta: collectives
+complete at once and move nothing), which is all a meta step needs. A static guard then keeps factory calls without
+device= out of the core.
 """
 from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +36,7 @@ from package_frames import package_frames  # noqa: E402
 from ds_tsp.core.comm.communicator import TSPComm  # noqa: E402
 from ds_tsp.core.config import TSPOptions  # noqa: E402
 from ds_tsp.core.layers.attention import masked as document_attention  # noqa: E402
-from ds_tsp.hf import TSPForCausalLM  # noqa: E402
+from ds_tsp.hf import TSPForCausalLM, TSPForSequenceClassification  # noqa: E402
 
 META = torch.device("meta")
 B, S = 2, 16
@@ -100,13 +103,27 @@ def _meta_batch(kind: str) -> dict:
         batch["attention_mask"] = torch.empty_like(ids)
     if kind == "logits_to_keep":
         batch["logits_to_keep"] = 3
+    if kind == "classifier":  # a sequence classifier pools each row's last non-pad token: labels are per row
+        batch.update(attention_mask=torch.empty_like(ids), labels=torch.empty(B, dtype=torch.long, device=META))
     return batch
 
 
+# MoE on meta: ring dispatch with bfloat16 weights, whose grouped expert GEMMs (hidden and expert width multiples of
+# 16) read no per-expert counts (ds_tsp.core.layers.moe.layer)
+OVERRIDES = {"glm4_moe": dict(hidden_size=64, moe_intermediate_size=32)}
+
+
 def _meta_step(config, comm, kind: str) -> list[str]:
-    model = TSPForCausalLM(config, comm, dtype=torch.float32, device=META,
-                           options=TSPOptions(activation_checkpointing=kind in ("checkpointing", "offload"),
-                                              offload_activations=kind == "offload"))
+    moe = getattr(config, "num_experts_per_tok", None) is not None
+    options = TSPOptions(activation_checkpointing=kind in ("checkpointing", "offload"),
+                         offload_activations=kind == "offload", **({"moe_dispatch": "ring"} if moe else {}))
+    dtype = torch.bfloat16 if moe else torch.float32
+    if kind == "classifier":
+        config = copy.deepcopy(config)
+        config.num_labels, config.pad_token_id = 3, 0
+        model = TSPForSequenceClassification(config, comm, dtype=dtype, device=META, options=options)
+    else:
+        model = TSPForCausalLM(config, comm, dtype=dtype, device=META, options=options)
     batch = _meta_batch(kind)
     with DeviceRecorder() as rec:
         out = model(**batch)
@@ -124,12 +141,15 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("llama", "offload"),  # offload: checkpointed layer inputs in a meta "host" pool (core/activation_offload)
          ("ministral3", "plain"), ("phi3", "plain"),  # position-scaled queries; fused projections, a padding row
          ("gemma3", "plain"),  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
+         ("olmo3", "plain"),  # whole-projection q/k norms (their extra shard streams), post-norms
+         ("glm4_moe", "packed"),  # grouped sigmoid routing, its bias buffer, shared experts, q/k/v bias, partial rotary
+         ("llama", "classifier"),  # TSPForSequenceClassification: the pooled token found over the group
          ("gemma4", "plain")]  # per-layer head_dim, v norms, layer scalars, per-layer inputs, soft-capped logits
 
 
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
 def test_step_at_d1_creates_nothing_off_device(family, kind):
-    found = _meta_step(tiny_config(family), TSPComm.single(), kind)
+    found = _meta_step(tiny_config(family, **OVERRIDES.get(family, {})), TSPComm.single(), kind)
     assert not found, "\n".join(found)
 
 
@@ -159,7 +179,8 @@ def _run_in_fresh_process(runner: str) -> str:
 
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain"),
-         (2, "gemma3", "packed"), (2, "gemma4", "packed")]
+         (2, "gemma3", "packed"), (4, "olmo3", "packed"), (4, "glm4_moe", "plain"), (4, "qwen3", "classifier"),
+         (2, "gemma4", "packed")]
 
 
 def run_multi() -> list[str]:
@@ -168,7 +189,8 @@ def run_multi() -> list[str]:
         problems = []
         for tsp, family, kind in MULTI:
             config = (tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
-                                  intermediate_size=96) if family == "llama6" else tiny_config(family))
+                                  intermediate_size=96) if family == "llama6"
+                      else tiny_config(family, **OVERRIDES.get(family, {})))
             comm = TSPComm(groups[tsp])
             assert comm.size == tsp and comm.rank == 1
             problems += [f"D={tsp} {family} {kind}: {f}" for f in _meta_step(config, comm, kind)]

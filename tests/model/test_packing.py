@@ -99,6 +99,7 @@ def checkpoints(tmp_path_factory):
     return {"llama": save_tiny_checkpoint(root / "llama", tiny_config("llama", **SIX_HEADS)),
             "mistral": save_tiny_checkpoint(root / "mistral", tiny_config("mistral", sliding_window=4, **SIX_HEADS)),
             "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3"),
+            "olmo3": save_tiny_checkpoint(root / "olmo3", "olmo3"),  # its norms span every head block
             "gemma4": save_tiny_checkpoint(root / "gemma4", "gemma4"),
             # no per-layer inputs, the full layer with its own v_proj
             "gemma4_plain": save_tiny_checkpoint(root / "gemma4_plain", tiny_config(
@@ -107,15 +108,15 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tsp_results(checkpoints):
-    """All TSP runs of this file: D=3 (6-head checkpoints) in one start-up, D=2 (qwen3, gemma4: 4 heads) in
+    """All TSP runs of this file: D=3 (6-head checkpoints) in one start-up, D=2 (qwen3, olmo3, gemma4: 4 heads) in
     another."""
     d3 = {("packed", family, backend): (str(checkpoints[family]), _packed_inputs(family)[1], backend)
           for family in ("llama", "mistral") for backend in ("cpu_flash", "math")}
     d3[("padding", "mistral")] = (str(checkpoints["mistral"]), _padding_inputs("mistral")[1], None)
     d3[("combined",)] = (str(checkpoints["llama"]), _combined_inputs()[1], None)
-    d2 = {("padding", "qwen3"): (str(checkpoints["qwen3"]), _padding_inputs("qwen3")[1], None),
-          ("padding", "gemma4_plain"): (str(checkpoints["gemma4_plain"]), _padding_inputs("gemma4")[1], None),
-          ("combined", "gemma4"): (str(checkpoints["gemma4"]), _combined_inputs("gemma4")[1], None)}
+    d2 = {("padding", family): (str(checkpoints[family]), _padding_inputs(family.removesuffix("_plain"))[1], None)
+          for family in ("qwen3", "olmo3", "gemma4_plain")}
+    d2[("combined", "gemma4")] = (str(checkpoints["gemma4"]), _combined_inputs("gemma4")[1], None)
     results = run_on_local_ranks(_run_cases, 3, d3, timeout_s=300)[0]
     results.update(run_on_local_ranks(_run_cases, 2, d2, timeout_s=300)[0])
     return results
@@ -135,7 +136,7 @@ def test_packed_documents_at_d3_equal_each_document_alone(checkpoints, tsp_resul
     assert _rel(crossing[0], per_document[0]) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma4_plain"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "olmo3", "gemma4_plain"])
 def test_left_and_right_padding_equal_the_unpadded_run(checkpoints, tsp_results, family):
     ids, _ = _padding_inputs(family.removesuffix("_plain"))
     ref = load_hf_reference(checkpoints[family], torch.float64)

@@ -11,6 +11,10 @@ float32 and ds_tsp routes with the same float32 probabilities; its aux loss accu
 takes the same formula in float64 (ds_tsp.tools.hf_reference.load_balancing_loss). The saved checkpoint has
 transformers' layout and loads in plain transformers with identical tensors and logits; a fused-layout checkpoint
 (experts.gate_up_proj / down_proj) loads too.
+GLM-4.5 (3 layers, a dense first one; 8 experts in 4 groups, 2 kept, top-2, a shared expert, a correction bias that
+changes the choice of about half the tokens, routed_scaling_factor 2.5; no aux loss, as in transformers) takes the
+same runs, and packed documents at D=1, 2 and 4 too; its routers compute in float64 on both sides (transformers'
+float32 router patched by ds_tsp.tools.hf_reference), so it also agrees to 1e-10.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import MOE_FAMILIES, save_tiny_checkpoint, shift  # noqa: E402
+from hf_tiny import MOE_FAMILIES, packed_batch, save_tiny_checkpoint, shift  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 
 from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict  # noqa: E402
@@ -33,6 +37,15 @@ B, S = 2, 29
 TOL = 1e-10
 # (degree, moe_dispatch, activation checkpointing) per family
 RUNS = ((4, "ring", False), (4, "all_to_all", False), (2, "auto", True))
+# GLM-4.5 on packed documents: (degree, moe_dispatch)
+PACKED = "glm4_moe"
+PACKED_RUNS = ((1, "auto"), (2, "ring"), (4, "all_to_all"))
+DOCUMENTS = ((7, 12, 10), (29,))
+
+
+def _experts(name: str) -> int:
+    config = MOE_FAMILIES[name]
+    return config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
 
 
 def make_batch(vocab_size: int):
@@ -73,6 +86,7 @@ def _tsp_runs(checkpoints: dict[str, str], save_root: str) -> dict:
 
     rank = dist.get_rank()
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    singles = [dist.new_group([r]) for r in range(4)]
     results = {}
     for name, directory in checkpoints.items():
         vocab = json.loads(open(f"{directory}/config.json").read())["vocab_size"]
@@ -88,10 +102,21 @@ def _tsp_runs(checkpoints: dict[str, str], save_root: str) -> dict:
             out = model(input_ids=ids, labels=labels, attention_mask=mask)
             out.loss.backward()
             grads = model.tsp.full_state_dict(grads=True)
-            results[(name, degree, dispatch)] = (out.loss.detach(), out.aux_loss.detach(), grads if rank == 0 else None,
+            aux = None if out.aux_loss is None else out.aux_loss.detach()
+            results[(name, degree, dispatch)] = (out.loss.detach(), aux, grads if rank == 0 else None,
                                                  sorted(set(n for n in reads if ".experts." in n)))
             if degree == 4 and dispatch == "ring":
                 model.save_pretrained(f"{save_root}/{name}", max_shard_size="16KB")
+        if name == PACKED:
+            batch = packed_batch(vocab, DOCUMENTS, seed=5)
+            for degree, dispatch in PACKED_RUNS:
+                group = {1: singles[rank], 2: halves[rank // 2], 4: dist.group.WORLD}[degree]
+                model = TSPForCausalLM.from_pretrained(directory, group, dtype=torch.float64,
+                                                       options=TSPOptions(moe_dispatch=dispatch))
+                out = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
+                out.loss.backward()
+                grads = model.tsp.full_state_dict(grads=True)
+                results[("packed", degree, dispatch)] = (out.loss.detach(), grads if rank == 0 else None)
     fused = f"{save_root}/fused"
     model = TSPForCausalLM.from_pretrained(fused, dist.group.WORLD, dtype=torch.float64)
     results["fused"] = model.tsp.full_state_dict()
@@ -127,23 +152,58 @@ def test_matches_transformers_fp64_with_aux_loss(runs, name):
     ref_loss, ref_grads = hf_loss_and_grads(reference, ids, reference_targets(labels, mask), attention_mask=mask,
                                             aux_out=aux)
     ref_grads = canonical_state_dict(ref_grads, ModelShape.from_hf_config(reference.config).moe_family)
-    assert float(aux["aux_loss"]) > 1.0  # E * sum f_e P_e >= 1: the aux term is there
+    with_aux = name != "glm4_moe"  # transformers' GLM-4.5 adds no load-balancing loss
+    assert ("aux_loss" in aux) == with_aux
+    assert not with_aux or float(aux["aux_loss"]) > 1.0  # E * sum f_e P_e >= 1: the aux term is there
     for degree, dispatch, _ in RUNS:
         loss, aux_loss, grads, _ = results[0][(name, degree, dispatch)]
         assert set(grads) == set(ref_grads), (name, degree, dispatch)
         errors = {n: _rel(grads[n], g) for n, g in ref_grads.items()}
         worst = max(errors, key=errors.get)
         assert _rel(loss, ref_loss) < TOL, (name, degree, dispatch, float(loss), float(ref_loss))
-        assert _rel(aux_loss, aux["aux_loss"]) < TOL, (name, degree, dispatch)
+        assert (aux_loss is None) if not with_aux else _rel(aux_loss, aux["aux_loss"]) < TOL, (name, degree, dispatch)
         assert errors[worst] < TOL, (name, degree, dispatch, worst, errors[worst])
         for r in range(1, 4):  # every rank reports the same loss and aux loss
             assert torch.equal(results[r][(name, degree, dispatch)][0], loss)
 
 
+def test_glm4_moe_packed_documents_at_d1_d2_d4(runs):
+    """Packed documents (positions restarting per document): every degree equals transformers running each
+    document on its own, loss and every gradient (the router's through the gathered sigmoid scores) to 1e-10."""
+    checkpoints, results, _ = runs
+    reference = load_hf_reference(checkpoints[PACKED], torch.float64)
+    batch = packed_batch(reference.config.vocab_size, DOCUMENTS, seed=5)
+    ref_loss, ref_grads = hf_loss_and_grads(reference, batch["input_ids"], shift(batch["labels"]),
+                                            documents=batch["documents"])
+    ref_grads = canonical_state_dict(ref_grads, "glm4_moe")
+    assert float(ref_grads["model.layers.1.mlp.gate.weight"].norm()) > 1e-5  # the router really trains
+    for degree, dispatch in PACKED_RUNS:
+        loss, grads = results[0][("packed", degree, dispatch)]
+        assert set(grads) == set(ref_grads), degree
+        errors = {n: _rel(grads[n], g) for n, g in ref_grads.items()}
+        worst = max(errors, key=errors.get)
+        assert _rel(loss, ref_loss) < TOL, (degree, float(loss), float(ref_loss))
+        assert errors[worst] < TOL, (degree, dispatch, worst, errors[worst])
+
+
+def test_glm4_moe_correction_bias_changes_the_choice():
+    """The tiny GLM-4.5's correction bias is no bystander: without it, other experts win for many tokens."""
+    from ds_tsp.core.layers.moe.routing import route_sigmoid_grouped
+
+    from hf_tiny import build_tiny_model
+
+    gate = build_tiny_model("glm4_moe", dtype=torch.float64).model.layers[1].mlp.gate
+    x = torch.randn(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    chosen = [route_sigmoid_grouped(x, gate.weight, bias, 2, 4, 2, True, 2.5)[2].sort(-1)[0]
+              for bias in (gate.e_score_correction_bias, torch.zeros(8, dtype=torch.float64))]
+    assert (chosen[0] != chosen[1]).any(-1).float().mean() > 0.2
+    assert torch.equal(chosen[0], gate(x)[2].sort(-1)[0])  # transformers' own router chooses the same
+
+
 @pytest.mark.parametrize("name", sorted(MOE_FAMILIES))
 def test_each_rank_reads_only_its_experts(runs, name):
     _, results, _ = runs
-    experts = MOE_FAMILIES[name].get("num_experts") or MOE_FAMILIES[name]["num_local_experts"]
+    experts = _experts(name)
     for rank in range(4):
         for degree, dispatch, _ in RUNS:
             read = results[rank][(name, degree, dispatch)][3]
@@ -224,6 +284,11 @@ def test_shape_from_configs():
     ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
+    # GLM-4.5's grouped, scaled routing and shared experts are not Qwen3-MoE's or Mixtral's: still refused there
+    ("qwen3_moe", {"n_group": 4}, "n_group"),
+    ("qwen3_moe", {"first_k_dense_replace": 1}, "first_k_dense_replace"),
+    ("mixtral", {"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+    ("mixtral", {"n_shared_experts": 1}, "n_shared_experts"),
 ])
 def test_unsupported_moe_fields_refused(name, changes, field):
     with pytest.raises(TSPConfigError, match=field):

@@ -212,7 +212,8 @@ def test_standard_index_and_file_names(saved, name, degree):
 @pytest.mark.parametrize("name, degree", CASES)
 def test_each_rank_writes_exactly_its_experts(saved, name, degree):
     _, results, _ = saved
-    experts = MOE_FAMILIES[name].get("num_experts") or MOE_FAMILIES[name]["num_local_experts"]
+    family = MOE_FAMILIES[name]
+    experts = family.get("num_experts") or family.get("num_local_experts") or family["n_routed_experts"]
     everything = set()
     for rank in range(4):
         run = results[rank][name, degree]

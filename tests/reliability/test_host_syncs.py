@@ -33,6 +33,11 @@ SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_laye
                    full_num_kv_heads=1, full_values_from_keys=True,
                    value_norm=True, layer_scalars=True, per_layer_input_size=4, per_layer_input_vocab_size=63,
                    final_logit_softcapping=0.5)
+# what cannot join the shape above: OLMo 3's q/k norms over the whole projection (two more shard streams) and
+# post-norms
+OLMO3_SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, attention_windows=(5, None), pad_token_id=1, projection_qk_norm=True,
+                         post_norms=True, sliding_rope_theta=500.0)
 B, S = 3, 24
 DOCS = [(7, 9, 8), (24,), (7, 9, 8)]  # rows 0 and 2 share a layout, row 1 does not: a non-contiguous row group
 LEFT_PAD = 3  # row 1
@@ -52,11 +57,30 @@ def _batch(kind: str) -> dict:
     return batch
 
 
-def _step(comm: TSPComm, kind: str, slots: int | None) -> dict:
+def _classifier_step(comm: TSPComm) -> dict:
+    """A sequence classifier's step: left-padded rows, the pooled token found over the group (one all-gather, no
+    read), the score summed over it."""
+    from ds_tsp.model.sequence_classifier import ShardedSequenceClassifier
+
+    batch = _batch("packed")
+    b = shard_batch(tsp=comm.size, rank=comm.rank, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    model = ShardedSequenceClassifier(SHAPE, comm, num_labels=2, pad_token_id=0, dtype=torch.float64).init_weights_(0)
+    labels = torch.tensor([0, 1, 1])
+    with SyncCounter() as syncs:
+        h, _ = model.final_hidden(b["input_ids"], b["position_ids"], b["attention_mask"])
+        logits = model.pooled_logits(h, b["input_ids"], b["seq_len"])
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+    return {"events": [(e.kind, e.op, e.region, e.where) for e in syncs.events], "loss": float(logits.sum()),
+            "doc_starts": None}
+
+
+def _step(comm: TSPComm, kind: str, slots: int | None, shape: ModelShape = SHAPE) -> dict:
     """One forward + backward under the counter; events as plain tuples (they cross process boundaries)."""
+    if kind == "classifier":
+        return _classifier_step(comm)
     b = shard_batch(tsp=comm.size, rank=comm.rank, **_batch(kind))
     args = (b["input_ids"], b["shift_labels"], b["position_ids"], b.get("attention_mask"))
-    model = ShardedCausalLM(SHAPE, comm, dtype=torch.float64).init_weights_(0)
+    model = ShardedCausalLM(shape, comm, dtype=torch.float64).init_weights_(0)
     default = documents.LAYOUT_SLOTS
     documents.LAYOUT_SLOTS = slots or default
     try:
@@ -71,14 +95,16 @@ def _step(comm: TSPComm, kind: str, slots: int | None) -> dict:
             "doc_starts": doc_starts}
 
 
-CASES = [("plain", None), ("packed", None), ("packed", 31)]  # 31 slots: the edges fit, the breaks do not
+# 31 slots: the edges fit, the breaks do not; classifier: TSPForSequenceClassification's step
+CASES = [("plain", None, SHAPE), ("packed", None, SHAPE), ("packed", 31, SHAPE), ("packed", None, OLMO3_SHAPE),
+         ("classifier", None, SHAPE)]
 
 
 def _all_cases(world: bool) -> list[dict]:
     import torch.distributed as dist
 
     comm = TSPComm(dist.group.WORLD) if world else TSPComm.single()
-    return [_step(comm, kind, slots) for kind, slots in CASES]
+    return [_step(comm, kind, slots, shape) for kind, slots, shape in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +116,7 @@ def runs() -> dict[int, list[list[dict]]]:
 @pytest.mark.parametrize("tsp", [1, 2])
 def test_no_sync_outside_the_input_check(runs, tsp):
     for rank, results in enumerate(runs[tsp]):
-        for (kind, slots), result in zip(CASES, results):
+        for (kind, slots, _), result in zip(CASES, results):
             elsewhere = [e for e in result["events"] if e[2] != "input_checks"]
             assert not elsewhere, (tsp, rank, kind, slots, elsewhere)
 
@@ -98,7 +124,7 @@ def test_no_sync_outside_the_input_check(runs, tsp):
 @pytest.mark.parametrize("tsp", [1, 2])
 def test_one_read_per_step_in_the_input_check(runs, tsp):
     for rank, results in enumerate(runs[tsp]):
-        for (kind, slots), result in zip(CASES, results):
+        for (kind, slots, _), result in zip(CASES, results):
             checks = [e for e in result["events"] if e[2] == "input_checks"]
             assert len(checks) == (2 if slots else 1), (tsp, rank, kind, slots, checks)
             assert all(e[:2] == ("read", "tolist") for e in checks), checks
@@ -108,13 +134,14 @@ def test_one_read_per_step_in_the_input_check(runs, tsp):
 def test_packed_step_runs_document_attention_and_the_fallback_agrees(runs, tsp):
     starts = ((0, 7, 16), (0, LEFT_PAD), (0, 7, 16))
     for results in runs[tsp]:
-        plain, packed, fallback = results
+        plain, packed, fallback = results[:3]
         assert plain["doc_starts"] is None
         assert packed["doc_starts"] == fallback["doc_starts"] == starts
         assert packed["loss"] == pytest.approx(fallback["loss"], rel=1e-13)
         assert abs(packed["loss"] - plain["loss"]) > 1e-6  # the layout changed the computation (near-uniform init)
-    losses = {round(r[1]["loss"], 12) for r in runs[tsp]}
-    assert len(losses) == 1, losses  # loss_for_logging: the same global loss on every rank
+    for case in (1, 4):  # loss_for_logging, the classifier's summed scores: the same on every rank
+        values = {round(r[case]["loss"], 12) for r in runs[tsp]}
+        assert len(values) == 1, (case, values)
 
 
 def test_a_sync_inside_a_layer_is_caught(monkeypatch):
@@ -200,8 +227,11 @@ MOE_LAYERS = 2
 
 
 def _moe_syncs(world: bool) -> dict:
-    """{(dispatch, path): (forward events, backward events)} of MOE_LAYERS MoE layers, forced expert-GEMM path
-    (grouped runs on this torch's CPU kernels in float32)."""
+    """{(dispatch, path, routing): (forward events, backward events)} of MOE_LAYERS MoE layers, forced expert-GEMM
+    path (grouped runs on this torch's CPU kernels in float32); routing: softmax top-k, and GLM-4.5's grouped sigmoid
+    routing with its correction bias."""
+    import dataclasses
+
     import torch.distributed as dist
     from moe_reference import MoECase, hf_block, inputs, spec_of
 
@@ -210,11 +240,13 @@ def _moe_syncs(world: bool) -> dict:
 
     comm = TSPComm(dist.group.WORLD) if world else TSPComm.single()
     case = MoECase(skew=(2,), seed=9, hidden=16, ffn=8)
-    spec = spec_of(case, comm.size)
+    softmax = spec_of(case, comm.size)
+    grouped = dataclasses.replace(softmax, routing="sigmoid_grouped", groups=4, topk_groups=2, scaling=2.5)
+    bias = 0.3 * torch.randn(case.num_experts, generator=torch.Generator().manual_seed(4))
     block = hf_block(case)
-    e_r = spec.experts_per_rank
+    e_r = softmax.experts_per_rank
     own = slice(comm.rank * e_r, (comm.rank + 1) * e_r)
-    packed = spec.layout.pack({"gate_up": block.experts.gate_up_proj[own], "down": block.experts.down_proj[own]})
+    packed = softmax.layout.pack({"gate_up": block.experts.gate_up_proj[own], "down": block.experts.down_proj[own]})
     packed = packed.detach().float().requires_grad_(True)
     router = block.gate.weight.detach().float().requires_grad_(True)
     x = shard(inputs(case, comm.size)["x"], comm.size, comm.rank).float().requires_grad_(True)
@@ -222,17 +254,21 @@ def _moe_syncs(world: bool) -> dict:
     try:
         for path in ("loop", "grouped") if _grouped_mm_fn() is not None else ("loop",):
             moe.select_expert_gemm = lambda device, dtype, *_, path=path: path
-            for dispatch in ("ring", "all_to_all"):
+            for dispatch, spec in (("ring", softmax), ("all_to_all", softmax), ("ring", grouped),
+                                   ("all_to_all", grouped)):
                 with SyncCounter() as fwd:
                     h, logits = x, []
+                    choice = bias if spec is grouped else None
                     for _ in range(MOE_LAYERS):
-                        h, lg = moe.tsp_moe_mlp(h, router, packed, spec, comm, dispatch=dispatch)
+                        h, lg = moe.tsp_moe_mlp(h, router, packed, spec, comm, dispatch=dispatch,
+                                                correction_bias=choice)
                         logits.append(lg)
-                    loss = h.square().sum() + moe.moe_aux_loss_share(logits, case.num_experts, case.top_k, comm)
+                    aux = 0 if spec is grouped else moe.moe_aux_loss_share(logits, case.num_experts, case.top_k, comm)
+                    loss = h.square().sum() + aux
                 with SyncCounter() as bwd:
                     loss.backward()
-                out[dispatch, path] = ([(e.kind, e.op, e.region, e.where) for e in fwd.events],
-                                       [(e.kind, e.op, e.region, e.where) for e in bwd.events])
+                out[dispatch, path, spec.routing] = ([(e.kind, e.op, e.region, e.where) for e in fwd.events],
+                                                     [(e.kind, e.op, e.region, e.where) for e in bwd.events])
     finally:
         moe.select_expert_gemm = select
     return out
@@ -248,8 +284,8 @@ def test_moe_layer_reads_the_counts_once_per_forward(moe_runs, tsp):
     """all_to_all: the split sizes (one .tolist() per layer forward); ring, on both expert-GEMM paths: the
     per-expert counts that bound each step's owner rows, the same one read. Backward and the aux loss: nothing."""
     for rank, results in enumerate(moe_runs[tsp]):
-        assert ("ring", "loop") in results
-        for (dispatch, path), (fwd, bwd) in results.items():
+        assert ("ring", "loop", "softmax") in results and ("all_to_all", "loop", "sigmoid_grouped") in results
+        for (dispatch, path, _), (fwd, bwd) in results.items():
             assert len(fwd) == MOE_LAYERS, (tsp, rank, dispatch, path, fwd)
             assert all(e[:3] == ("read", "tolist", "layers") and "core/layers/moe/" in e[3] for e in fwd), fwd
             assert not bwd, (tsp, rank, dispatch, path, bwd)

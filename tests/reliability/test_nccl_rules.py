@@ -39,10 +39,18 @@ def _configs(D: int) -> dict[str, dict]:
         "moe_all_to_all_checkpointing": {"kv": few_kv, "options": TSPOptions(moe_dispatch="all_to_all",
                                                                              activation_checkpointing=True),
                                          "overlap": True, "moe": _MOE},
+        # OLMo 3: q/k norms over the whole projection (a [wq, wk] stream before the blocks and after the backward
+        # loop, the grads reduced in two parts), post-norms
+        "olmo3_projection_norms": {"kv": few_kv, "options": TSPOptions(), "overlap": True, "documents": [7, 5, 9],
+                                   "weight_channel": True, "windows": (5, None),
+                                   "shape": {"projection_qk_norm": True, "post_norms": True}},
+        # GLM-4.5: grouped sigmoid routing, the shared expert's weight ring beside the experts' all-to-all
+        "glm_moe_all_to_all_shared": {"kv": D, "options": TSPOptions(moe_dispatch="all_to_all"), "overlap": True,
+                                      "moe": _GLM, "weight_channel": True},
         # Gemma 4: per-layer inputs (their table, projection and gates on the weight ring), the full layer's own
         # head_dim and one kv head with keys as values, soft-capped logits, under checkpointing
         "gemma4_checkpointing": {"kv": D, "options": TSPOptions(activation_checkpointing=True), "overlap": True,
-                                 "windows": (5, None), "gemma4": _GEMMA4, "weight_channel": True},
+                                 "windows": (5, None), "shape": _GEMMA4, "weight_channel": True},
     }
 
 
@@ -54,6 +62,9 @@ _GEMMA4 = dict(sandwich_norms=True, qk_norm=True, mlp_activation="gelu_tanh", em
 
 _MOE = dict(num_experts=12, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,
             dense_mlp_layers=(0,), router_aux_loss_coef=0.1, output_router_logits=True)
+_GLM = dict(num_experts=12, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True, dense_mlp_layers=(0,),
+            shared_expert_intermediate_size=12, shared_expert_gate=False, moe_routing="sigmoid_grouped", moe_groups=4,
+            moe_topk_groups=2, routed_scaling_factor=2.5, qkv_bias=True, qk_norm=True, partial_rotary_factor=0.5)
 
 
 GROUPS = {2: [2, 3], 3: [0, 1, 2], 4: [0, 1, 2, 3]}
@@ -71,7 +82,7 @@ def _step(D: int, group, cfg: dict, record: bool, weights=None) -> dict:
     comm = TSPComm(group, overlap=cfg["overlap"], weight_group=weights if cfg.get("weight_channel") else None)
     shape = ModelShape(vocab_size=61, hidden_size=16 * D, intermediate_size=12 * D, num_layers=2, num_heads=2 * D,
                        num_kv_heads=cfg["kv"], tie_word_embeddings=cfg.get("tie", False),
-                       attention_windows=cfg.get("windows"), **cfg.get("moe", {}), **cfg.get("gemma4", {}))
+                       attention_windows=cfg.get("windows"), **cfg.get("moe", {}), **cfg.get("shape", {}))
     model = label_modules(ShardedCausalLM(shape, comm, options=cfg["options"], dtype=torch.float64).init_weights_(3))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     seq = sum(cfg.get("documents", [21]))

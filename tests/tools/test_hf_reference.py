@@ -62,11 +62,12 @@ def test_family_float64_reference(name, checkpoint):
     assert {p.dtype for p in m64.parameters()} == {torch.float64}
     assert m64.config._attn_implementation == "sdpa"
 
-    # every RMSNorm (2 per layer, Gemma 3's 4, + final, + q_norm/k_norm per layer for Qwen3 and Gemma 3; Gemma 4:
-    # Gemma 3's 6, v_norm and post_per_layer_input_norm per layer, per_layer_projection_norm) and the rotary embedding
+    # every RMSNorm (2 per layer, Gemma 3's 4, + final, + q_norm/k_norm per layer for Qwen3, Gemma 3 and OLMo 3;
+    # Gemma 4: Gemma 3's 6, v_norm and post_per_layer_input_norm per layer, per_layer_projection_norm) and the
+    # rotary embedding
     layers = cfg.num_hidden_layers
     gemma = cfg.model_type in ("gemma3_text", "gemma4_text")
-    per_layer = (4 if gemma else 2) + (2 if cfg.model_type == "qwen3" or gemma else 0)
+    per_layer = (4 if gemma else 2) + (2 if cfg.model_type in ("qwen3", "olmo3") or gemma else 0)
     per_layer += 2 if cfg.model_type == "gemma4_text" else 0
     norms = per_layer * layers + 1 + (1 if cfg.model_type == "gemma4_text" else 0)
     expected = sorted(n for n, m in m64.named_modules() if is_norm(m) or is_rotary(m))

@@ -57,6 +57,10 @@ CASES = {
     "gemma3": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, zero_centred_norms=True,
                       sandwich_norms=True, mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5,
                       attention_scale=0.3, sliding_rope_theta=1e4), 30, 2, "fp32", {}, (2,)),
+    # OLMo 3: q/k norms over the whole projection (their weights in the bucket, the [wq, wk] rows streamed twice
+    # more and reduced apart), post-norms, a sliding layer with its own rope; kv heads replicated at D=4
+    "olmo3": (_shape(num_kv_heads=2, attention_windows=(7, None), projection_qk_norm=True, post_norms=True,
+                     sliding_rope_theta=1e4), 30, 2, "fp32", {}, (2, 4)),
     # Gemma 4 without per-layer inputs (the planner refuses those): v norms, layer scalars (buffers, no params),
     # softmax scale 1, soft-capped logits
     "gemma4": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, sandwich_norms=True,

@@ -2,7 +2,8 @@
 the comm formula equals CommCounter per kind for both schedules (EXACT: top_k = num_experts sends every token to every
 expert, so the all_to_all rows equal the plan's even-routing count), saved activations against saved-tensor hooks
 (within 10%, as tests/tools/test_plan.py: the ring's row order lives on its ctx, not in saved_tensors), the CLI flags and
---hf-config on config.json files written by transformers."""
+--hf-config on config.json files written by transformers. GLM-4.5's sparse layers (grouped sigmoid routing, the
+ungated shared expert's ring and shard, q/k/v bias, partial rotary, a dense first layer) are planned the same way."""
 from __future__ import annotations
 
 import json
@@ -26,8 +27,19 @@ SCHEDULES = ("ring", "all_to_all")
 SHAPE = ModelShape(vocab_size=99, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=4,
                    qk_norm=True, num_experts=4, num_experts_per_tok=4, moe_intermediate_size=24,
                    norm_topk_prob=True, dense_mlp_layers=(1,))
+# GLM-4.5-like: every expert chosen (top_k = E, both groups kept) for exact all_to_all rows, a shared expert
+GLM = ModelShape(vocab_size=99, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=4,
+                 qk_norm=True, qkv_bias=True, partial_rotary_factor=0.5, num_experts=4, num_experts_per_tok=4,
+                 moe_intermediate_size=24, norm_topk_prob=True, dense_mlp_layers=(0,),
+                 shared_expert_intermediate_size=24, shared_expert_gate=False, moe_routing="sigmoid_grouped",
+                 moe_groups=2, moe_topk_groups=2, routed_scaling_factor=2.5)
 SEQ, BATCH = 30, 2
 CASES = {f"{s}{'_ac' if ac else ''}": (s, ac) for s in SCHEDULES for ac in (False, True)}
+CASES.update({f"glm_{s}": (s, False) for s in SCHEDULES})
+
+
+def _shape(name: str) -> ModelShape:
+    return GLM if name.startswith("glm") else SHAPE
 
 
 def _measure(names: list[str]) -> dict:
@@ -36,7 +48,8 @@ def _measure(names: list[str]) -> dict:
     for name in names:
         schedule, ac = CASES[name]
         comm = TSPComm(dist.group.WORLD)
-        model = ShardedCausalLM(SHAPE, comm, options=TSPOptions(moe_dispatch=schedule, activation_checkpointing=ac))
+        model = ShardedCausalLM(_shape(name), comm, options=TSPOptions(moe_dispatch=schedule,
+                                                                        activation_checkpointing=ac))
         model.init_weights_(0, std=0.2)
         ids = torch.randint(0, SHAPE.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         b = shard_batch(ids, tsp=comm.size, rank=comm.rank)
@@ -60,13 +73,14 @@ def _measure(names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    return {world: run_on_local_ranks(_measure, world, list(CASES) if world == 2 else ["ring", "all_to_all"],
-                                      timeout_s=240) for world in (1, 2, 4)}
+    return {world: run_on_local_ranks(_measure, world, list(CASES) if world == 2 else
+                                      ["ring", "all_to_all", "glm_ring", "glm_all_to_all"], timeout_s=240)
+            for world in (1, 2, 4)}
 
 
 def _input(name: str, world: int) -> PlanInput:
     schedule, ac = CASES[name]
-    return PlanInput(model=SHAPE, seq=SEQ, batch=BATCH, degree=world, dtype="fp32", moe_dispatch=schedule,
+    return PlanInput(model=_shape(name), seq=SEQ, batch=BATCH, degree=world, dtype="fp32", moe_dispatch=schedule,
                      activation_checkpointing=ac)
 
 
@@ -84,7 +98,7 @@ def test_params_and_grads_equal_the_model_per_rank(measured, world):
         assert one - plan_tsp(_input("ring", world)).params_bytes >= experts * (world - 1) // world
 
 
-@pytest.mark.parametrize("world,name", [(2, n) for n in CASES] + [(4, s) for s in SCHEDULES])
+@pytest.mark.parametrize("world,name", [(2, n) for n in CASES] + [(4, s) for s in (*SCHEDULES, "glm_ring")])
 def test_comm_formula_equals_counters_for_both_schedules(measured, world, name):
     inp = _input(name, world)
     predicted = tsp_counter_bytes(inp)
@@ -102,7 +116,8 @@ def test_comm_formula_equals_counters_for_both_schedules(measured, world, name):
     assert sum(t.bytes for t in moe_terms) - recomputed == cost[CASES[name][0]]
 
 
-@pytest.mark.parametrize("world,name", [(2, "ring"), (2, "all_to_all"), (4, "ring"), (4, "all_to_all")])
+@pytest.mark.parametrize("world,name", [(2, "ring"), (2, "all_to_all"), (4, "ring"), (4, "all_to_all"),
+                                        (2, "glm_ring"), (4, "glm_all_to_all")])
 def test_activation_bytes_match_saved_tensors(measured, world, name):
     plan = plan_tsp(_input(name, world))
     saved = max(per_rank[name]["saved"] for per_rank in measured[world])

@@ -42,8 +42,10 @@ def check_checkpoint_matches(model: nn.Module, reader: CheckpointReader, where: 
                 "(from hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size, "
                 "vocab_size): the checkpoint does not match its config")
     tied_copy = {"lm_head.weight"} if model.shape.tie_word_embeddings else set()
-    unknown = sorted(n for n in reader.names()
-                     if n not in expected and n not in tied_copy and not n.endswith(_RECOMPUTED_SUFFIXES))
+    # GLM-4.5's multi-token-prediction layers follow the decoder's: transformers' causal LM skips them too
+    mtp = tuple(f"model.layers.{model.shape.num_layers + i}." for i in range(model.shape.mtp_layers))
+    unknown = sorted(n for n in reader.names() if n not in expected and n not in tied_copy
+                     and not n.endswith(_RECOMPUTED_SUFFIXES) and not (mtp and n.startswith(mtp)))
     if unknown:
         raise TSPConfigError(f"{where}: tensor {unknown[0]!r} ({len(unknown)} such) is not part of the model its "
                              "config.json describes (an o_proj / mlp bias, extra heads?): TSP would ignore it, so it "

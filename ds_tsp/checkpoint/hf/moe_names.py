@@ -4,6 +4,8 @@ ds_tsp's MoE modules speak ONE layout, the one `save_pretrained` of transformers
 
     Qwen3-MoE  model.layers.{l}.mlp.gate.weight [E, h]              mlp.experts.{i}.{gate,up,down}_proj.weight
     Mixtral    model.layers.{l}.block_sparse_moe.gate.weight [E, h]  block_sparse_moe.experts.{i}.{w1,w3,w2}.weight
+    GLM-4.5    Qwen3-MoE's names, plus mlp.gate.e_score_correction_bias [E] (a buffer) and the shared experts'
+               mlp.shared_experts.{gate,up,down}_proj.weight (Qwen3-Next / Qwen3.5-MoE: mlp.shared_expert.)
 
 transformers also loads (and ds_tsp therefore accepts) the per-expert tensors under the other block prefix / names
 (Mixtral's under `mlp.` too) and its fused in-memory layout (`mlp.experts.gate_up_proj` [E, 2F, h], gate = rows
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-_PROJ_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
-_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe."}
+_PROJ_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
+               "glm4_moe": ("gate_proj", "up_proj", "down_proj")}
+_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "glm4_moe": "mlp."}
 _WHICH = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FUSED = re.compile(r"^(.*\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -31,7 +34,7 @@ _ROUTER = re.compile(r"^(.*\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.gate\.weigh
 class MoENames:
     """Canonical names (relative to `model.layers.{l}.`) of one family's MoE block."""
 
-    family: str  # "qwen3_moe" | "mixtral"
+    family: str  # "qwen3_moe" | "mixtral" | "glm4_moe"
 
     @property
     def block(self) -> str:
@@ -39,6 +42,14 @@ class MoENames:
 
     def router(self) -> str:
         return f"{self.block}gate.weight"
+
+    def correction_bias(self) -> str:
+        """GLM-4.5's per-expert choice bias (a buffer of the router)."""
+        return f"{self.block}gate.e_score_correction_bias"
+
+    def shared_expert(self) -> str:
+        """Prefix of the shared expert's gate/up/down_proj."""
+        return f"{self.block}shared_experts." if self.family == "glm4_moe" else f"{self.block}shared_expert."
 
     def expert(self, i: int, which: int) -> str:
         """which: 0 gate, 1 up, 2 down."""

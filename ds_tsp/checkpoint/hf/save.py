@@ -97,6 +97,7 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
             keep.run(lambda: target.add(name, tensor.detach().to(dtype or tensor.dtype).cpu()))
 
     replicated = model.replicated_params()
+    buffers = model.replicated_buffers() if callable(getattr(model, "replicated_buffers", None)) else {}
     with progress_on_rank0(f"saving {directory.name}", len(sharded) + len(replicated)) as advance:
         for (prefix, module, param), owned in zip(sharded, by_owner):
             with whole_on_this_rank(param) as whole:
@@ -115,6 +116,9 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
             with whole_on_this_rank(param) as whole:
                 add(writer, name, whole)
             advance()
+        for name, buffer in buffers.items():  # in their own dtype, as transformers keeps GLM's bias in float32
+            if writer is not None:
+                keep.run(lambda name=name, buffer=buffer: writer.add(name, buffer.detach().cpu()))
     if writes_experts:
         _collect_owned_parts(comm, keep, writer, stream)
     if writer is not None:

@@ -2,9 +2,10 @@
 
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
-one built from a bare ModelShape gets the transformers family that expresses it: with experts, qk_norm -> Qwen3-MoE
-else Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; v norms, layer scalars,
-per-layer inputs, the full layers' own head_dim -> Gemma 4; sandwich norms, GeGLU, scaled embeddings -> Gemma 3;
+one built from a bare ModelShape gets the transformers family that expresses it: with experts, grouped sigmoid
+routing -> GLM-4.5, qk_norm -> Qwen3-MoE else Mixtral; position-scaled queries -> Ministral 3; fused projections ->
+Phi-3; v norms, layer scalars, per-layer inputs, the full layers' own head_dim -> Gemma 4; sandwich norms, GeGLU,
+scaled embeddings -> Gemma 3; whole-projection q/k norms, post-norms -> OLMo 3;
 dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
@@ -87,6 +88,8 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
                              "(sandwich norms) soft-cap their logits in transformers")
     if shape.hybrid_family is not None or shape.attn_output_gate:
         return _hybrid_config_dict(shape, dtype)
+    if shape.num_experts and shape.moe_routing == "sigmoid_grouped":
+        return _glm4_moe_config_dict(shape, dtype)
     if shape.num_experts:
         return _moe_config_dict(shape, dtype)
     if shape.query_scale_beta:
@@ -96,6 +99,8 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
     if shape.value_norm or shape.layer_scalars or shape.per_layer_input_size or shape.full_head_dim or \
             shape.full_num_kv_heads or shape.full_values_from_keys:
         return _gemma4_config_dict(shape, dtype)
+    if shape.projection_qk_norm or shape.post_norms:
+        return _olmo3_config_dict(shape, dtype)
     if shape.sandwich_norms or shape.mlp_activation != "silu" or shape.embedding_scale != 1.0 or \
             shape.attention_scale is not None or shape.sliding_rope_theta:
         return _gemma3_config_dict(shape, dtype)
@@ -243,6 +248,30 @@ def _gemma4_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
             "use_double_wide_mlp": False}
 
 
+def _olmo3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """OLMo 3: whole-projection q/k norms, post-norms, sliding and full layers, a rope per layer type."""
+    if not (shape.projection_qk_norm and shape.post_norms) or shape.zero_centred_norms or \
+            shape.mlp_activation != "silu" or shape.embedding_scale != 1.0 or shape.attention_scale is not None:
+        raise TSPConfigError("projection_qk_norm / post_norms: OLMo 3, the family with them, has both, plain "
+                             "(w * x_hat) norms, a SwiGLU MLP, unscaled embeddings and the head_dim ** -0.5 softmax "
+                             "scale")
+    windows = shape.attention_windows or (None,) * shape.num_layers
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise TSPConfigError(f"attention_windows={windows}: OLMo 3 has one sliding_window for its sliding layers")
+    config = _common_fields(shape, dtype, "olmo3")
+    full = config.pop("rope_parameters")
+    local = dict(full)
+    if shape.sliding_rope_theta:
+        local = {"rope_type": "default", "rope_theta": shape.sliding_rope_theta}
+        if shape.sliding_rope_scaling is not None:
+            local.update({k: v for k, v in vars(shape.sliding_rope_scaling).items()
+                          if v is not None and k not in ("max_position_embeddings", "truncate")})
+    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "sliding_window": next(iter(sliding), None), "attention_bias": False,
+            "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
+
+
 def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
     """Qwen3-MoE (q/k norms) or Mixtral: the MoE shape's family (ModelShape.moe_family)."""
     model_type = shape.moe_family
@@ -268,6 +297,25 @@ def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
     return {**config, "moe_intermediate_size": shape.moe_intermediate_size, "norm_topk_prob": shape.norm_topk_prob,
             "decoder_sparse_step": 1, "mlp_only_layers": list(shape.dense_mlp_layers),
             "use_sliding_window": window is not None, "attention_bias": False}
+
+
+def _glm4_moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """GLM-4.5: grouped sigmoid routing, unscaled shared experts after first_k_dense_replace dense layers."""
+    dense = tuple(range(len(shape.dense_mlp_layers)))
+    shared, ffn = shape.shared_expert_intermediate_size, shape.moe_intermediate_size
+    if shape.dense_mlp_layers != dense or shape.attention_windows is not None or shape.shared_expert_gate or \
+            not shared or shared % ffn:
+        raise TSPConfigError(f"dense_mlp_layers={shape.dense_mlp_layers}, attention_windows, shared expert "
+                             f"{shared} (gate: {shape.shared_expert_gate}): GLM-4.5 has its dense layers first, no "
+                             "window, and ungated shared experts a multiple of moe_intermediate_size wide")
+    config = _common_fields(shape, dtype, "glm4_moe")
+    config["rope_parameters"] = {**config["rope_parameters"], "partial_rotary_factor": shape.partial_rotary_factor}
+    return {**config, "attention_bias": shape.qkv_bias, "use_qk_norm": shape.qk_norm,
+            "n_routed_experts": shape.num_experts, "num_experts_per_tok": shape.num_experts_per_tok,
+            "moe_intermediate_size": ffn, "n_shared_experts": shared // ffn, "first_k_dense_replace": len(dense),
+            "n_group": shape.moe_groups, "topk_group": shape.moe_topk_groups,
+            "routed_scaling_factor": shape.routed_scaling_factor, "norm_topk_prob": shape.norm_topk_prob,
+            "num_nextn_predict_layers": 0}
 
 
 def _hybrid_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:

@@ -60,6 +60,19 @@ class ModelShape:
     # Qwen3-Next / Qwen3.5-MoE: every sparse MoE block adds a shared expert (a dense SwiGLU of this width, sharded
     # 1/D like the MLP) scaled by sigmoid(shared_expert_gate(x)); 0: none
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = True  # False (GLM-4.5): the shared expert's output is added unscaled, no gate
+    # How a token picks its experts (ds_tsp.core.layers.moe.routing): "softmax" (Qwen3-MoE, Mixtral: top-k of the
+    # softmax) or "sigmoid_grouped" (GLM-4.5: sigmoid scores, the experts CHOSEN by scores + a per-expert correction
+    # bias buffer within the moe_topk_groups best of moe_groups expert groups, weighted by the uncorrected scores
+    # times routed_scaling_factor)
+    moe_routing: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # GLM-4.5's multi-token-prediction layers, stored after the decoder layers (model.layers.{num_layers + i}.):
+    # transformers' causal LM neither loads nor computes them (its assisted decoding builds them apart), so TSP
+    # neither reads nor saves them
+    mtp_layers: int = 0
     # Ministral 3 (transformers' llama_4_scaling_beta): each query, after RoPE, is scaled by
     # 1 + query_scale_beta * log(1 + floor(position / query_scale_period)) (1 below the first period); 0: off
     query_scale_beta: float = 0.0
@@ -80,6 +93,11 @@ class ModelShape:
     attention_scale: float | None = None
     sliding_rope_theta: float = 0.0
     sliding_rope_scaling: RopeScaling | None = None
+    # OLMo 2 / OLMo 3: q_norm / k_norm over a token's WHOLE q / k projection (weights [num_heads * head_dim] and
+    # [num_kv_heads * head_dim]), not per head; and norms on each sublayer's output only (post_attention_layernorm,
+    # post_feedforward_layernorm; no input norms): h = h + norm(attn(h)); h = h + norm(mlp(h))
+    projection_qk_norm: bool = False
+    post_norms: bool = False
     # Gemma 4: the full-attention layers' own head_dim (transformers' global_head_dim; None: head_dim, the sliding
     # layers'), every v head RMS-normalised without a weight (v_norm), each layer's output scaled by its
     # checkpoint's layer_scalar (a buffer), per-layer inputs (PLE: a [per_layer_input_vocab_size, num_layers *
@@ -122,6 +140,8 @@ class ModelShape:
         if isinstance(self.dense_mlp_layers, list):  # from a JSON manifest
             object.__setattr__(self, "dense_mlp_layers", tuple(self.dense_mlp_layers))
         check_moe_fields(self)
+        if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers < 0:
+            raise TSPConfigError(f"mtp_layers={self.mtp_layers!r}: a number of checkpoint layers (>= 0)")
         self._check_hybrid_fields()
         if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or
                                               isinstance(self.pad_token_id, bool) or
@@ -136,6 +156,7 @@ class ModelShape:
                                  "blocks are SwiGLU (silu) only")
         if self.sliding_rope_theta and self.attention_windows is None:
             raise TSPConfigError("sliding_rope_theta without sliding-window layers: it is the RoPE of those layers")
+        self._check_olmo_fields()
         self._check_gemma4_fields()
         if self.fused_qkv and (self.qkv_bias or self.attn_output_gate):
             raise TSPConfigError("fused_qkv with q/k/v bias or gated attention: Phi-3's fused qkv_proj has neither")
@@ -145,6 +166,20 @@ class ModelShape:
                 raise TSPConfigError(f"query_scale_beta={self.query_scale_beta}, query_scale_period="
                                      f"{self.query_scale_period!r}: a position-scaled query needs beta > 0 and a "
                                      "period >= 1 (the rope's original_max_position_embeddings)")
+
+    def _check_olmo_fields(self) -> None:
+        if self.projection_qk_norm:
+            others = {"qk_norm": self.qk_norm, "qkv_bias": self.qkv_bias, "attn_output_gate": self.attn_output_gate,
+                      "fused_qkv": self.fused_qkv, "query_scale_beta": self.query_scale_beta,
+                      "num_experts": self.num_experts, "layer_types": self.layer_types}
+            clash = [name for name, value in others.items() if value]
+            if clash:
+                raise TSPConfigError(f"projection_qk_norm with {', '.join(clash)}: the whole-projection q/k norm "
+                                     "(OLMo 2/3) is implemented for dense attention without q/k/v bias, gates, "
+                                     "per-head norms, fused projections or scaled queries")
+        if self.post_norms and (self.sandwich_norms or self.has_linear_attention):
+            raise TSPConfigError("post_norms with sandwich_norms or linear attention: OLMo's post-norm layer has "
+                                 "norms on the sublayer outputs only, and full attention")
 
     def _check_hybrid_fields(self) -> None:
         if isinstance(self.layer_types, list):  # from a JSON manifest
@@ -193,9 +228,9 @@ class ModelShape:
                                                    self.num_heads % self.full_num_kv_heads):
             raise TSPConfigError(f"full_num_kv_heads={self.full_num_kv_heads!r}: a positive divisor of num_heads="
                                  f"{self.num_heads} (or None)")
-        if self.full_values_from_keys and (self.fused_qkv or self.has_linear_attention):
-            raise TSPConfigError("full_values_from_keys with fused projections or linear attention: Gemma 4's "
-                                 "key-equals-value layers have neither")
+        if self.full_values_from_keys and (self.fused_qkv or self.has_linear_attention or self.projection_qk_norm):
+            raise TSPConfigError("full_values_from_keys with fused projections, linear attention or whole-projection "
+                                 "q/k norms: Gemma 4's key-equals-value layers have none of them")
         if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
             raise TSPConfigError(f"final_logit_softcapping={self.final_logit_softcapping}: a positive cap (or None)")
         for name in ("per_layer_input_size", "per_layer_input_vocab_size"):
@@ -252,8 +287,11 @@ class ModelShape:
 
     @property
     def moe_family(self) -> str | None:
-        """The transformers family whose checkpoint names an MoE model uses: Qwen3-MoE has q/k norms, Mixtral not."""
-        return None if self.num_experts == 0 else "qwen3_moe" if self.qk_norm else "mixtral"
+        """The transformers family whose checkpoint names an MoE model uses: GLM-4.5 routes by grouped sigmoid
+        scores, Qwen3-MoE has q/k norms, Mixtral not."""
+        if self.num_experts == 0:
+            return None
+        return "glm4_moe" if self.moe_routing == "sigmoid_grouped" else "qwen3_moe" if self.qk_norm else "mixtral"
 
     def layer_rope(self, layer: int) -> str:
         """Which RoPE decoder layer `layer` rotates with: "sliding" (its own theta, Gemma 3) or "full"."""

@@ -20,6 +20,36 @@ def check_moe_fields(shape) -> None:
     bad = [i for i in shape.dense_mlp_layers if not 0 <= i < shape.num_layers]
     if bad:
         raise TSPConfigError(f"dense_mlp_layers contains {bad[0]}: layer indices are 0..{shape.num_layers - 1}")
+    check_routing(shape)
+
+
+MOE_ROUTINGS = ("softmax", "sigmoid_grouped")
+
+
+def check_routing(shape) -> None:
+    """The routing kind and its fields: softmax top-k has no groups and no scaling; sigmoid_grouped (GLM-4.5) splits
+    the experts into moe_groups groups of at least 2 (a group scores the sum of its best two)."""
+    if shape.moe_routing not in MOE_ROUTINGS:
+        raise TSPConfigError(f"moe_routing={shape.moe_routing!r}: TSP routes by {', '.join(MOE_ROUTINGS)}")
+    groups, keep, scale = shape.moe_groups, shape.moe_topk_groups, shape.routed_scaling_factor
+    if shape.moe_routing == "softmax":
+        if (groups, keep, scale) != (1, 1, 1.0):
+            raise TSPConfigError(f"moe_groups={groups}, moe_topk_groups={keep}, routed_scaling_factor={scale} with "
+                                 "softmax routing: grouped and scaled routing is moe_routing='sigmoid_grouped'")
+        return
+    for name in ("moe_groups", "moe_topk_groups"):
+        value = getattr(shape, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TSPConfigError(f"{name}={value!r}: must be a positive integer")
+    if shape.num_experts % groups or shape.num_experts // groups < 2:
+        raise TSPConfigError(f"moe_groups={groups} for num_experts={shape.num_experts}: the experts split into equal "
+                             "groups of at least 2 (a group is scored by the sum of its two best experts)")
+    if keep > groups or shape.num_experts_per_tok > keep * (shape.num_experts // groups):
+        raise TSPConfigError(f"moe_topk_groups={keep} of moe_groups={groups}: at most every group, holding at least "
+                             f"num_experts_per_tok={shape.num_experts_per_tok} experts together")
+    if shape.output_router_logits:
+        raise TSPConfigError("output_router_logits=True with moe_routing='sigmoid_grouped': transformers' GLM-4.5 "
+                             "adds no load-balancing loss (its correction bias balances the experts); set it False")
 
 
 def check_moe_degree(shape, tsp: int) -> None:

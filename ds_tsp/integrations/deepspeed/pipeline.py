@@ -70,7 +70,9 @@ class DecoderPipe(TSPDecoderLayer):
         return self.sharded_modules(prefix), self.replicated_params(prefix)
 
     def load_full(self, full: dict[str, torch.Tensor]) -> None:
-        load_slices(*self.tsp_pieces(), read_from_full(full))
+        pieces, replicated = self.tsp_pieces()  # and the buffers the checkpoint carries (GLM-4.5's router bias)
+        load_slices(pieces, {**replicated, **self.replicated_buffers(f"model.layers.{self.index}.")},
+                    read_from_full(full))
 
 
 class NormHeadLossPipe(nn.Module):

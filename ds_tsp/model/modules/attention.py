@@ -1,5 +1,5 @@
 """TSP attention as a sharded piece: head block p of q/k/v/o packed in one parameter (ds_tsp.core.layers.attention
-runs it), Qwen3's replicated q/k norms beside it."""
+runs it), the replicated q/k norms beside it (Qwen3's per head, OLMo's over the whole projection)."""
 from __future__ import annotations
 
 import torch
@@ -16,12 +16,13 @@ from ds_tsp.model.modules.slices import HFRanges, HFSlice
 
 
 class HeadNorm(nn.Module):
-    """Qwen3's q_norm / k_norm: one RMSNorm weight [head_dim] shared by every head, replicated on every rank."""
+    """A q_norm / k_norm weight, replicated on every rank: Qwen3's [head_dim] shared by every head, or OLMo's
+    [heads * head_dim] over the whole projection (each head block uses its slice)."""
 
-    def __init__(self, head_dim: int, dtype, device, zero_centred: bool = False):
+    def __init__(self, size: int, dtype, device, zero_centred: bool = False):
         super().__init__()
         # zero-centred (Qwen3.5): the norm scales by 1 + weight, so the identity is 0
-        self.weight = nn.Parameter((torch.zeros if zero_centred else torch.ones)(head_dim, dtype=dtype, device=device))
+        self.weight = nn.Parameter((torch.zeros if zero_centred else torch.ones)(size, dtype=dtype, device=device))
 
 
 class TSPAttention(ShardedPiece):
@@ -42,9 +43,10 @@ class TSPAttention(ShardedPiece):
                                   keep_gathered_kv=options.keep_gathered_kv,
                                   recompute_projections=options.recompute_projections,
                                   window=shape.layer_window(layer),
-                                  qk_norm_eps=shape.rms_norm_eps if shape.qk_norm else None,
+                                  qk_norm_eps=(shape.rms_norm_eps if shape.qk_norm or shape.projection_qk_norm
+                                               else None),
                                   norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate,
-                                  softmax_scale=shape.attention_scale,
+                                  softmax_scale=shape.attention_scale, projection_norm=shape.projection_qk_norm,
                                   value_norm_eps=shape.rms_norm_eps if shape.value_norm else None,
                                   values_from_keys=shape.layer_values_from_keys(layer))
         self.packed_shard = mark_sharded(nn.Parameter(
@@ -53,6 +55,9 @@ class TSPAttention(ShardedPiece):
         if shape.qk_norm:
             self.q_norm = HeadNorm(head_dim, dtype, device, shape.zero_centred_norms)
             self.k_norm = HeadNorm(head_dim, dtype, device, shape.zero_centred_norms)
+        elif shape.projection_qk_norm:  # OLMo: over the whole q / k projection
+            self.q_norm = HeadNorm(shape.num_heads * shape.dim_per_head, dtype, device)
+            self.k_norm = HeadNorm(shape.num_kv_heads * shape.dim_per_head, dtype, device)
 
     def forward(self, x, rope: RopeTables, doc_starts=None):
         qk = None

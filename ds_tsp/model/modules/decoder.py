@@ -52,15 +52,21 @@ class TSPDecoderLayer(nn.Module):
     sublayer's output is normed too, under transformers' names:
         h = h + post_attention_layernorm(attn(input_layernorm(h)))
         h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
-    (without them post_attention_layernorm is the MLP's input norm, Llama's name for it). Gemma 4 then adds the
-    layer's per-layer input (per_layer_input_size) and scales the whole output by the checkpoint's layer_scalar:
+    (without them post_attention_layernorm is the MLP's input norm, Llama's name for it). With post_norms (OLMo 2/3)
+    only the outputs are normed, and there is no input_layernorm:
+        h = h + post_attention_layernorm(attn(h))
+        h = h + post_feedforward_layernorm(mlp(h))
+    Gemma 4 then adds the layer's per-layer input (per_layer_input_size) and scales the whole output by the
+    checkpoint's layer_scalar:
         h = h + post_per_layer_input_norm(per_layer_projection(gelu(per_layer_input_gate(h)) * per_layer_input))
         h = h * layer_scalar"""
 
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
         centred = shape.zero_centred_norms
-        self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, centred)
+        self.post_norms = shape.post_norms
+        if not self.post_norms:
+            self.input_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, centred)
         self.is_linear_attention = shape.layer_type(layer) == "linear_attention"
         if self.is_linear_attention:
             self.linear_attn = TSPGatedDeltaNet(shape, comm, options, dtype, device, layer=layer,
@@ -73,12 +79,13 @@ class TSPDecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
                                                         centred)
+        if self.sandwich or self.post_norms:
             self.post_feedforward_layernorm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device,
                                                          centred)
         self.is_moe = shape.is_moe_layer(layer)
         if self.is_moe:
             shared = (TSPGatedMLP(shared_expert_shape(shape), comm, dtype, device, options.recompute_projections)
-                      if shape.shared_expert_intermediate_size else None)  # Qwen3-Next / Qwen3.5-MoE
+                      if shape.shared_expert_intermediate_size else None)  # Qwen3-Next, Qwen3.5-MoE, GLM-4.5
             self.mlp = TSPSparseMoE(shape, comm, options, dtype, device, shared_expert=shared)
         else:
             self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
@@ -97,17 +104,20 @@ class TSPDecoderLayer(nn.Module):
         layer's parameters in its forward hooks."""
         if self.is_linear_attention:
             h = h + self.linear_attn(self.input_layernorm(h), doc_starts)
+        elif self.post_norms:
+            h = h + self.post_attention_layernorm(self.self_attn(h, rope, doc_starts))
         elif self.sandwich:
             h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, doc_starts))
         else:
             h = h + self.self_attn(self.input_layernorm(h), rope, doc_starts)
         router_logits = None
-        mlp_in = self.pre_feedforward_layernorm(h) if self.sandwich else self.post_attention_layernorm(h)
+        mlp_in = (h if self.post_norms else self.pre_feedforward_layernorm(h) if self.sandwich
+                  else self.post_attention_layernorm(h))
         if self.is_moe:
             y, router_logits = self.mlp(mlp_in)
         else:
             y = self.mlp(mlp_in)
-        if self.sandwich:
+        if self.sandwich or self.post_norms:
             y = self.post_feedforward_layernorm(y)
         h = h + y
         if self.per_layer_gate is not None:
@@ -121,8 +131,9 @@ class TSPDecoderLayer(nn.Module):
         mlp = ((prefix, self.mlp, self.mlp.experts_shard) if self.is_moe
                else (f"{prefix}mlp.", self.mlp, self.mlp.packed_shard))
         mlps = [mlp]
-        if self.is_moe and self.mlp.shared_expert is not None:  # Qwen3-Next / Qwen3.5-MoE
-            mlps.append((f"{prefix}mlp.shared_expert.", self.mlp.shared_expert, self.mlp.shared_expert.packed_shard))
+        if self.is_moe and self.mlp.shared_expert is not None:  # Qwen3-Next, Qwen3.5-MoE, GLM-4.5
+            mlps.append((prefix + self.mlp.names.shared_expert(), self.mlp.shared_expert,
+                         self.mlp.shared_expert.packed_shard))
         if self.per_layer_gate is not None:  # Gemma 4: per_layer_input_gate and per_layer_projection
             mlps.append((prefix, self.per_layer_gate, self.per_layer_gate.packed_shard))
         if self.is_linear_attention:  # the Gated DeltaNet lists its own sharded pieces
@@ -130,16 +141,14 @@ class TSPDecoderLayer(nn.Module):
         return [(f"{prefix}self_attn.", self.self_attn, self.self_attn.packed_shard), *mlps]
 
     def replicated_params(self, prefix: str = "") -> dict[str, nn.Parameter]:
-        """HF-named params every rank holds whole (their grads are summed over the TSP group), and Gemma 4's
-        layer_scalar buffer (read and written with them, never trained)."""
-        out = {f"{prefix}input_layernorm.weight": self.input_layernorm.weight,
-               f"{prefix}post_attention_layernorm.weight": self.post_attention_layernorm.weight}
+        """HF-named params every rank holds whole (their grads are summed over the TSP group)."""
+        out = {} if self.post_norms else {f"{prefix}input_layernorm.weight": self.input_layernorm.weight}
+        out[f"{prefix}post_attention_layernorm.weight"] = self.post_attention_layernorm.weight
         if self.per_layer_gate is not None:
             out[f"{prefix}post_per_layer_input_norm.weight"] = self.post_per_layer_input_norm.weight
-        if self.layer_scalar is not None:
-            out[f"{prefix}layer_scalar"] = self.layer_scalar
         if self.sandwich:
             out[f"{prefix}pre_feedforward_layernorm.weight"] = self.pre_feedforward_layernorm.weight
+        if self.sandwich or self.post_norms:
             out[f"{prefix}post_feedforward_layernorm.weight"] = self.post_feedforward_layernorm.weight
         if self.is_linear_attention:
             out.update(self.linear_attn.replicated_params(f"{prefix}linear_attn."))
@@ -150,4 +159,12 @@ class TSPDecoderLayer(nn.Module):
             out[prefix + self.mlp.router_name()] = self.mlp.gate.weight
             if self.mlp.shared_expert_gate is not None:
                 out[f"{prefix}mlp.shared_expert_gate.weight"] = self.mlp.shared_expert_gate.weight
+        return out
+
+    def replicated_buffers(self, prefix: str = "") -> dict:
+        """HF-named buffers every rank holds whole that the checkpoint carries (GLM-4.5's router correction bias,
+        Gemma 4's layer_scalar): read and saved like the replicated params, never trained."""
+        out = self.mlp.replicated_buffers(prefix) if self.is_moe else {}
+        if self.layer_scalar is not None:  # Gemma 4
+            out[f"{prefix}layer_scalar"] = self.layer_scalar
         return out

@@ -1,5 +1,5 @@
-"""The sparse MoE block of a Qwen3-MoE / Mixtral decoder layer under TSP: rank p owns experts [p*E_r, (p+1)*E_r)
-whole (E_r = E/D), packed in one flat parameter, and the router [E, h] replicated.
+"""The sparse MoE block of a Qwen3-MoE / Mixtral / GLM-4.5 decoder layer under TSP: rank p owns experts
+[p*E_r, (p+1)*E_r) whole (E_r = E/D), packed in one flat parameter, and the router [E, h] replicated.
 
 | parameter            | shape                          | sharding                                                   |
 |----------------------|--------------------------------|------------------------------------------------------------|
@@ -7,13 +7,16 @@ whole (E_r = E/D), packed in one flat parameter, and the router [E, h] replicate
 | mlp.experts_shard    | [E_r * (2F*h + h*F)]           | experts of rank p: gate_up [E_r, 2F, h], down [E_r, h, F] |
 | mlp.shared_expert    | packed_shard [3 * h * Fs/D]    | Qwen3-Next / Qwen3.5-MoE: a TSPGatedMLP of width Fs, 1/D   |
 | mlp.shared_expert_gate.weight | [1, h]                | replicated, grads summed over the TSP group               |
+| mlp.gate.e_score_correction_bias | [E]                | GLM-4.5: a replicated buffer (float32; float64 models: 64) |
 
 Checkpoint names are the ones transformers writes (ds_tsp.checkpoint.hf.moe_names: one tensor per expert, Mixtral's
 under block_sparse_moe.); this rank's slices are the whole tensors of ITS experts only, so loading and saving move
 1/D of the layer. The forward returns (y, router_logits); ds_tsp.core.layers.moe.layer does the routing and dispatch.
 With a shared expert (ModelShape.shared_expert_intermediate_size > 0), y += sigmoid(x @ shared_expert_gate.T) *
 shared_expert(x), as transformers' Qwen3NextSparseMoeBlock / Qwen3_5MoeSparseMoeBlock; the shared expert is its own
-sharded piece (TSPDecoderLayer.sharded_modules lists it under `mlp.shared_expert.`).
+sharded piece (TSPDecoderLayer.sharded_modules lists it under `mlp.shared_expert.`). GLM-4.5's shared experts
+(`mlp.shared_experts.`) have no gate: y += shared_expert(x), and its router routes by grouped sigmoid scores with the
+correction bias buffer (ds_tsp.core.layers.moe.routing).
 """
 from __future__ import annotations
 
@@ -35,11 +38,16 @@ HFSlice = tuple[int, int, int]
 
 
 class Router(nn.Module):
-    """The replicated router (transformers' `gate`): logits = x @ weight.T, weight [E, h]."""
+    """The replicated router (transformers' `gate`): logits = x @ weight.T, weight [E, h]. With correction_bias
+    (GLM-4.5) it holds the choice bias buffer e_score_correction_bias [E], in float32 as transformers keeps it
+    (float64 in a float64 model)."""
 
-    def __init__(self, num_experts: int, hidden: int, dtype, device):
+    def __init__(self, num_experts: int, hidden: int, dtype, device, correction_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype, device=device))
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=wide, device=device)
+                             if correction_bias else None)
 
 
 class TSPSparseMoE(nn.Module):
@@ -51,20 +59,24 @@ class TSPSparseMoE(nn.Module):
         self.spec = MoESpec(hidden=shape.hidden_size, moe_ffn=shape.moe_intermediate_size,
                             num_experts=shape.num_experts, experts_per_rank=shape.num_experts // comm.size,
                             top_k=shape.num_experts_per_tok, norm_topk_prob=shape.norm_topk_prob,
-                            recompute_projections=options.recompute_projections)
-        self.gate = Router(shape.num_experts, shape.hidden_size, dtype, device)
+                            recompute_projections=options.recompute_projections, routing=shape.moe_routing,
+                            groups=shape.moe_groups, topk_groups=shape.moe_topk_groups,
+                            scaling=shape.routed_scaling_factor)
+        self.gate = Router(shape.num_experts, shape.hidden_size, dtype, device,
+                           correction_bias=shape.moe_routing == "sigmoid_grouped")
         self.experts_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # LoRA does not target experts (no per-expert linear modules in transformers 5)
-        # Qwen3-Next / Qwen3.5-MoE: the caller builds the shared expert (a TSPGatedMLP of
-        # shared_expert_intermediate_size, see shared_expert_shape), this block owns its [1, h] gate
+        # Qwen3-Next / Qwen3.5-MoE / GLM-4.5: the caller builds the shared expert (a TSPGatedMLP of
+        # shared_expert_intermediate_size, see shared_expert_shape), this block owns its [1, h] gate (none: GLM)
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
         if shape.shared_expert_intermediate_size:
             if shared_expert is None:
                 raise TSPConfigError("shared_expert_intermediate_size > 0 needs the shared expert module: build "
                                      "TSPSparseMoE through TSPDecoderLayer (ds_tsp.model.modules.decoder)")
-            self.shared_expert_gate = Router(1, shape.hidden_size, dtype, device)  # [1, h], replicated
+            if shape.shared_expert_gate:
+                self.shared_expert_gate = Router(1, shape.hidden_size, dtype, device)  # [1, h], replicated
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, h] -> (y [B, L, h], router_logits [B*L, E]); dispatch "auto" resolved for this batch shape
@@ -75,10 +87,12 @@ class TSPSparseMoE(nn.Module):
         dispatch = choose_moe_dispatch(self.dispatch, x.shape[0] * x.shape[1], s.hidden, s.moe_ffn, s.num_experts,
                                        s.top_k, self.comm.size, torch.finfo(sent).bits // 8)
         y, logits = tsp_moe_mlp(x, replicated_param(self.gate.weight, self.comm), self.experts_shard, s, self.comm,
-                                dispatch=dispatch)
-        if self.shared_expert is not None:
+                                dispatch=dispatch, correction_bias=self.gate.e_score_correction_bias)
+        if self.shared_expert_gate is not None:
             scale = torch.sigmoid(F.linear(x, replicated_param(self.shared_expert_gate.weight, self.comm)))
             y = y + scale * self.shared_expert(x)
+        elif self.shared_expert is not None:  # GLM-4.5: added unscaled
+            y = y + self.shared_expert(x)
         return y, logits
 
     # --- checkpoint protocol (ds_tsp.model.modules.decoder) -------------------------------------------------
@@ -88,6 +102,11 @@ class TSPSparseMoE(nn.Module):
 
     def router_name(self) -> str:
         return self.names.router()
+
+    def replicated_buffers(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """HF-named buffers every rank holds whole, read from and saved to the checkpoint (GLM-4.5's bias)."""
+        bias = self.gate.e_score_correction_bias
+        return {} if bias is None else {prefix + self.names.correction_bias(): bias}
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         h, f = self.spec.hidden, self.spec.moe_ffn

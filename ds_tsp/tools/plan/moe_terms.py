@@ -1,4 +1,9 @@
-"""TSP mixture-of-experts terms (Qwen3-MoE / Mixtral sparse layers): params, saved tensors, transients and bytes.
+"""TSP mixture-of-experts terms (Qwen3-MoE / Mixtral / GLM-4.5 sparse layers): params, saved tensors, transients and
+bytes. GLM-4.5's ungated shared experts (a dense gated MLP of width Fs, 1/D per rank) add their weight ring, their
+shard and, while they run after the routed experts, the block's output y plus a dense MLP's temporaries; their
+input is the block's (saved once), and their output is added unscaled (nothing more saved). Its sigmoid router
+saves its scores [T, E] (fp32) where the softmax router saves its probabilities. (Qwen3-Next / Qwen3.5-MoE's gated
+shared expert: ds_tsp.tools.plan.hybrid.)
 
 A sparse layer replaces the dense MLP's F/D columns by E/D whole experts (E_r x 3 x F_moe x h, one packed shard)
 plus the replicated router [E, h] (its grad joins the replicated-grads bucket). Which layers are sparse:
@@ -158,14 +163,31 @@ def moe_mlp_terms(m: MoEGeometry) -> tuple[list[CommTerm], list[CommTerm]]:
                   unit * (m.h + 1))])
 
 
+def shared_expert_shard(inp: PlanInput) -> int:
+    """Elements of this rank's shared-expert shard in a non-hybrid sparse layer (GLM-4.5: 3 x h x Fs/D); 0 without.
+    A gated one only comes with the hybrid families, planned by ds_tsp.tools.plan.hybrid."""
+    m = inp.model
+    if not (m.num_experts and m.shared_expert_intermediate_size):
+        return 0
+    if m.shared_expert_gate:
+        raise PlanInputError("model", "a gated shared expert without layer_types: planned for the hybrid families "
+                                      "(Qwen3-Next, Qwen3.5-MoE) only")
+    return 3 * m.hidden_size * (m.shared_expert_intermediate_size // inp.degree)
+
+
 def sparse_layer_terms(inp: PlanInput, dense_fwd: list[CommTerm], dense_bwd: list[CommTerm],
                        m: MoEGeometry) -> tuple[list[CommTerm], list[CommTerm]]:
     """A sparse layer's terms: the dense layer's (tsp_comm.tsp_layer_terms) without its MLP ring, plus the MoE
-    schedule's (and their recompute under activation checkpointing)."""
+    schedule's and the shared expert's weight ring (and their recompute under activation checkpointing)."""
     def attention_only(terms):
         return [t for t in terms if not (t.kind == "ring" and "MLP" in t.name)]
 
     fwd, bwd = moe_mlp_terms(m)
+    shared = shared_expert_shard(inp) * m.b
+    if shared and m.D > 1:
+        fwd = fwd + [term("shared expert weight ring (D-1 hops)", "ring", shared, m.D - 1, (m.D - 1) * shared)]
+        bwd = bwd + [term("shared expert ring (D-1 weight + D grad hops)", "ring", shared, 2 * m.D - 1,
+                          (2 * m.D - 1) * shared)]
     return (attention_only(dense_fwd) + fwd,
             attention_only(dense_bwd) + bwd + (recompute(fwd) if inp.activation_checkpointing else []))
 

@@ -50,9 +50,21 @@ class Dims:
         """Every parameter: layers, embedding, final norm and (untied) LM head."""
         return self.layers * self.layer + self.V * self.h + self.h + (0 if self.tied else self.V * self.h)
 
+    def qk_rows(self, nq: int, nkv: int) -> int:
+        """wq and wk of nq query and nkv kv heads: the rows OLMo's whole-projection q/k norms stream once more."""
+        return (nq + nkv) * self.d * self.h
+
     def kv_heads_per_rank(self, n: int) -> int:
         """kv heads held per rank when heads are split n ways (one replicated head when nkv < n)."""
         return max(self.nkv // n, 1)
+
+
+def qk_norm_elems(model: ModelShape) -> int:
+    """Replicated q/k norm weights of one attention layer: Qwen3's [d] each, OLMo's over the whole projection."""
+    d = model.dim_per_head
+    if model.projection_qk_norm:
+        return (model.num_heads + model.num_kv_heads) * d
+    return 2 * d if model.qk_norm else 0
 
 
 @dataclass(frozen=True)

@@ -40,13 +40,14 @@ from ds_tsp.tools.plan.moe_terms import (
     moe_summary,
     moe_transients,
     sparse_count,
+    shared_expert_shard,
     sparse_layer_params,
     sparse_layer_terms,
     stage_layer_ids,
 )
 from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
-from ds_tsp.tools.plan.shape_terms import Stage
+from ds_tsp.tools.plan.shape_terms import Stage, qk_norm_elems
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
 
 
@@ -62,6 +63,8 @@ def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
     groups = g.D // g.kv_replicas  # blocks sharing a kv head (n_kv < D) save its K/V once
     if inp.keep_gathered_kv:
         saved += groups * 2 * inp.batch * g.S_pad * g.nkv_b * dims.d * b
+    if inp.model.projection_qk_norm:
+        saved += 2 * T * compute_bytes(b)  # OLMo: the q and k norms' rstd over the whole projection
     if not inp.recompute_projections:
         saved += T * dims.nq * dims.d * b + 2 * T * dims.F * b  # q of every block; MLP gate and up
         if not inp.keep_gathered_kv:
@@ -96,7 +99,9 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
     logits = Tc * g.Vd * cb + (Tc * g.Vd * b if b < cb else 0)
     return {
         "attention_fwd": 2 * shard_in + in_flight * (kvb + kv_local) + 3 * qb + x,
-        "attention_bwd": (2 * shard_in + g.A * b + reducer + kv_bufs_bwd * kvb + 2 * kv_local + 4 * qb + 2 * x),
+        "attention_bwd": (2 * shard_in + g.A * b + reducer + kv_bufs_bwd * kvb + 2 * kv_local + 4 * qb + 2 * x
+                          # OLMo's whole-projection q/k norms: every block's dn kept through the loop
+                          + (T * (dims.nq + dims.nkv) * dims.d * b if inp.model.projection_qk_norm else 0)),
         "mlp_fwd": min(D - 1, 2) * g.M * b + 4 * T * f * b + x,
         "mlp_bwd": (ring_buffers(D) + 1) * g.M * b + 9 * T * f * b + 2 * x,
         "lm_head_fwd": logits + (g.Vd * dims.h * b if D > 1 else 0),
@@ -118,7 +123,7 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     T = B * g.L
     fwd, bwd = tsp_layer_terms(inp)
     dense_fwd, dense_bwd = fwd, bwd
-    qk_norms = 2 * dims.d if inp.model.qk_norm else 0  # Qwen3's q/k norm weights, replicated
+    qk_norms = qk_norm_elems(inp.model)  # Qwen3's / OLMo's q/k norm weights, replicated
     layer_norms = (4 if inp.model.sandwich_norms else 2) * dims.h
     layer_params = g.A + g.M + layer_norms + qk_norms
     transients = tsp_transients(inp, g)
@@ -126,9 +131,16 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     ac = inp.activation_checkpointing
     moe = moe_geometry(inp, T)
     if moe is not None:  # per-layer figures describe a sparse layer; dense ones (if any) are counted per stage
-        sparse_params = g.A + sparse_layer_params(moe) + layer_norms + qk_norms
-        sparse_saved = per_layer + moe_saved(inp, moe) - (0 if inp.recompute_projections else 2 * T * dims.F * b)
+        Ms, Fs = shared_expert_shard(inp), inp.model.shared_expert_intermediate_size  # GLM-4.5's shared experts
+        sparse_mlp = sparse_layer_params(moe) + Ms
+        sparse_params = g.A + sparse_mlp + layer_norms + qk_norms
+        sparse_saved = per_layer + moe_saved(inp, moe) - (0 if inp.recompute_projections else
+                                                          2 * T * (dims.F - (Fs if Ms else 0)) * b)
         sparse_transients = {**transients, **moe_transients(inp, moe, ring_buffers(D))}
+        if Ms:  # the shared expert runs after the routed ones: the block's y beside a dense MLP's temporaries
+            shared = tsp_transients(inp, replace(g, M=Ms, dims=replace(dims, F=Fs)))
+            y = T * dims.h * b
+            sparse_transients.update({k: max(sparse_transients[k], y + shared[k]) for k in ("mlp_fwd", "mlp_bwd")})
         fwd, bwd = sparse_layer_terms(inp, dense_fwd, dense_bwd, moe)
 
     def stage_fn(stage: Stage) -> StageMemory:
@@ -144,7 +156,7 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             top_sparse = inp.model.is_moe_layer(stage_layer_ids(inp, stage)[-1])
             if top_sparse:
                 top_saved, top_transients = sparse_saved, sparse_transients
-            mlp_grads = ((sparse_layer_params(moe) if top_sparse else g.M) + dims.h) * b
+            mlp_grads = ((sparse_mlp if top_sparse else g.M) + dims.h) * b
             dense_terms = [replace(t, name=f"dense layers x{dense}: {t.name}", calls=t.calls * dense,
                                    bytes=t.bytes * dense) for t in (*dense_fwd, *dense_bwd)] if dense else []
         other = 2 * T * dims.d * b  # cos, sin (shared by every layer)

@@ -13,7 +13,7 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, gather_bytes, recompute, term
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.result import CommTerm
-from ds_tsp.tools.plan.shape_terms import Dims, Stage, ceil_div, round_up
+from ds_tsp.tools.plan.shape_terms import Dims, Stage, ceil_div, qk_norm_elems, round_up
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,23 @@ def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
         term("MLP weight ring (D-1 hops)", "ring", mlp, D - 1, (D - 1) * mlp),
     ]
     regather = 0 if inp.keep_gathered_kv else groups
+    # OLMo's whole-projection q/k norms (ds_tsp.core.layers.attention.projection_norm): the [wq, wk] rows streamed
+    # once more in forward and in backward, and reduced to their owners apart from the rest of the shard
+    qk = g.dims.qk_rows(g.nq_b, g.nkv_b) * b if inp.model.projection_qk_norm else 0
+    if qk:
+        fwd.insert(0, term("q/k rows broadcast (whole-projection norm statistics)", "broadcast", qk, D - 1,
+                           (D - 1) * qk))
     bwd = [
         term("attention shard re-broadcast", "broadcast", shard, D - 1, (D - 1) * shard),
-        term("attention grad reduce to owner", "reduce", shard, D - 1, (D - 1) * shard),
+        term("attention grad reduce to owner", "reduce", shard - qk, D - 1, (D - 1) * (shard - qk)),
         term("K/V re-gather (per kv group)", "all_gather", kv_out, regather, regather * gather_bytes(kv_out, D)),
         term("dK/dV reduce-scatter (per kv group)", "reduce_scatter", kv_out, groups,
              groups * gather_bytes(kv_out, D)),
         term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp),
     ]
+    if qk:
+        bwd += [term("q/k rows re-broadcast (whole-projection norm grads)", "broadcast", qk, D - 1, (D - 1) * qk),
+                term("q/k rows grad reduce to owner", "reduce", qk, D - 1, (D - 1) * qk)]
     if inp.pp > 1:
         norms = 4 if inp.model.sandwich_norms else 2
         bwd.append(term(f"norm weight grad all-reduce ({norms} norms)", "replicated_grad", dims.h * b, norms,
@@ -141,7 +150,7 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
             terms.append(term("final norm grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D)))
     else:  # ds_tsp.core.grads.replicated: every replicated weight's grad in ONE all-reduce per backward
         norms = 4 if inp.model.sandwich_norms else 2  # per layer (Gemma 3 norms each sublayer's output too)
-        flat = (norms * stage.layers + 1) * h + (2 * stage.layers * g.dims.d if inp.model.qk_norm else 0)
+        flat = (norms * stage.layers + 1) * h + stage.layers * qk_norm_elems(inp.model)
         flat += router_grad_elems(inp, stage)  # MoE routers are replicated too
         terms.append(term("replicated grads all-reduce (norms, bucketed)", "replicated_grad", flat * b, 1,
                           all_reduce_bytes(flat * b, D)))

@@ -22,9 +22,14 @@ Packed documents and sliding windows (Mistral, Qwen2/3 sliding layers) restrict 
 `doc_starts` (global token indices where documents start, per batch row) and `spec.window` go to
 ds_tsp.core.layers.attention.masked, which splits each zigzag chunk into pieces of plain causal attention (no [S, S]
 mask). Qwen3's per-head q_norm / k_norm (replicated weights [d], grads summed over the TSP group by the caller) are
-applied to the local projections before RoPE, and undone by their written-out backward; Gemma 4's weightless v
-norm (spec.value_norm_eps) likewise on v, its backward from the raw v recomputed with the group's dK/dV; with
-spec.values_from_keys (Gemma 4's attention_k_eq_v) there is no wv: v is the raw k projection, and dV joins dK.
+applied to the local projections before RoPE, and undone by their written-out backward. OLMo's q/k norms over the
+WHOLE projection (spec.projection_norm; weights [n_heads * d] / [n_kv_heads * d], each block using its slice) need
+every block's sums of squares first and, in backward, every block's grad before any raw grad: two more streams of
+the blocks' [wq, wk] rows, one before the forward loop and one after the backward loop, whose [wq, wk] grads are
+reduced to the owners apart from the rest of the shard (ds_tsp.core.layers.attention.projection_norm). Gemma 4's
+weightless v norm (spec.value_norm_eps) is applied to v likewise, its backward from the raw v recomputed with the
+group's dK/dV; with spec.values_from_keys (Gemma 4's attention_k_eq_v) there is no wv: v is the raw k projection,
+and dV joins dK.
 Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] rows per head ([nq*2d, h], transformers'
 q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
 output is multiplied by sigmoid(gate) before wo. The gate is recomputed with q in backward (or saved with it when
@@ -84,6 +89,14 @@ from ds_tsp.core.comm.primitives import ShardGradReducer, ShardStream
 from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 from ds_tsp.core.layers.attention.cp_ring import cp_attention_backward, cp_attention_forward
 from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.layers.attention.projection_norm import (
+    BlockNorm,
+    ProjectionNormGrads,
+    ProjectionNorms,
+    projection_norms,
+    qk_rows_backward,
+    suffix_grad,
+)
 from ds_tsp.core.layers.norm import rms_norm, rms_norm_backward
 from ds_tsp.core.layers.shard_rebuild import save_with_shard, saved_with_shard
 from ds_tsp.core.layers.weight_packing import PackedLayout
@@ -123,6 +136,9 @@ class AttentionSpec:
     softmax_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     value_norm_eps: float | None = None  # Gemma 4: every v head RMS-normalised (no weight) with this eps; None: off
     values_from_keys: bool = False  # Gemma 4 k_eq_v: no wv, v is the raw (pre-norm, unroped) k projection
+    # OLMo 2/3: q_norm / k_norm (eps qk_norm_eps) over a token's whole q / k projection, not per head
+    # (ds_tsp.core.layers.attention.projection_norm)
+    projection_norm: bool = False
 
     @property
     def scale(self) -> float:
@@ -165,7 +181,17 @@ def _raw_k(x, w, spec: AttentionSpec):
 
 
 def _norm(t, weight, spec: AttentionSpec):
+    """t normed per head (a weight [d]), by its block's share of a whole-projection norm (a BlockNorm), or t."""
+    if isinstance(weight, BlockNorm):
+        return weight(t)
     return t if weight is None else rms_norm(t, weight, spec.qk_norm_eps, spec.norm_zero_centred)
+
+
+def _block_norms(norms: ProjectionNorms | None, q_norm, k_norm):
+    """(q norm of head block j, k norm of kv group g): the per-head weights, or the blocks' BlockNorms."""
+    if norms is None:
+        return (lambda j: q_norm), (lambda g: k_norm)
+    return (lambda j: norms.block("q", j)), (lambda g: norms.block("k", g))
 
 
 def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None, q_scale=None):
@@ -237,8 +263,11 @@ class _TSPAttention(torch.autograd.Function):
         doc_starts = single_documents(B) if doc_starts is None else document_layout(doc_starts, B)
         y = torch.zeros_like(x)
         saved_blocks, saved_groups = [], []
+        # whole-projection norms: every block's q/k sums of squares first (a stream of the [wq, wk] rows)
+        norms = projection_norms(x, packed_shard, q_norm, k_norm, spec, comm) if spec.projection_norm else None
+        q_norm_of, k_norm_of = _block_norms(norms, q_norm, k_norm)
         shards = ShardStream(comm, packed_shard)
-        kv_local = _project_kv(x, spec.layout.unpack(shards.take(0)), spec, cos, sin, k_norm)
+        kv_local = _project_kv(x, spec.layout.unpack(shards.take(0)), spec, cos, sin, k_norm_of(0))
         gather = GlobalKVGather(comm, kv_local)
         kv_all = None
         for j in range(D):
@@ -246,9 +275,10 @@ class _TSPAttention(torch.autograd.Function):
             w = spec.layout.unpack(shards.take(j))
             first, last = _kv_group(j, spec)
             if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
-                next_local = _project_kv(x, spec.layout.unpack(shards.take(j + 1)), spec, cos, sin, k_norm)
+                next_local = _project_kv(x, spec.layout.unpack(shards.take(j + 1)), spec, cos, sin,
+                                         k_norm_of(j // spec.kv_replicas + 1))
                 next_gather = GlobalKVGather(comm, next_local)
-            q, gate = _project_q(x, w, spec, cos, sin, q_norm, q_scale)
+            q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
             if first:
                 kv_all = gather.wait()
                 group = {"kv_all": kv_all, "kv_local": kv_local}
@@ -276,10 +306,11 @@ class _TSPAttention(torch.autograd.Function):
         ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
         ctx.has_qk_norm, ctx.has_q_scale = q_norm is not None, q_scale is not None
         ctx.n_block_saved = len(saved_blocks)
-        norms = (q_norm, k_norm) if ctx.has_qk_norm else ()
+        weights = (q_norm, k_norm) if ctx.has_qk_norm else ()
+        rstds = (norms.rstd_q, norms.rstd_k) if norms is not None else ()
         scale = (q_scale,) if ctx.has_q_scale else ()
         # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
-        save_with_shard(ctx, packed_shard, x, cos, sin, *scale, *norms, *saved_blocks, *saved_groups)
+        save_with_shard(ctx, packed_shard, x, cos, sin, *scale, *weights, *rstds, *saved_blocks, *saved_groups)
         return y
 
     @staticmethod
@@ -288,6 +319,13 @@ class _TSPAttention(torch.autograd.Function):
         packed_shard, (x, cos, sin, *saved) = saved_with_shard(ctx)
         q_scale = saved.pop(0) if ctx.has_q_scale else None
         q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
+        norms = None
+        if spec.projection_norm:
+            norms = ProjectionNorms(q_norm, k_norm, saved.pop(0), saved.pop(0),
+                                    (spec.heads_per_block, spec.kv_heads_per_block), spec.head_dim)
+        # whole-projection norms: raw q/k grads wait for every block's dn (projection_norm's last pass)
+        deferred = ProjectionNormGrads(norms) if norms is not None else None
+        q_norm_of, k_norm_of = _block_norms(norms, q_norm, k_norm)
         saved_blocks, saved_groups = saved[:ctx.n_block_saved], saved[ctx.n_block_saved:]
         norm_grads = {"q": None, "k": None}  # this rank's q_norm / k_norm weight grads, summed over blocks
         dy = dy.contiguous()
@@ -311,35 +349,45 @@ class _TSPAttention(torch.autograd.Function):
             if spec.keep_gathered_kv:
                 return group["kv_all"]
             kv_local = group.get("kv_local")
-            return GlobalKVGather(comm, kv_local if kv_local is not None else _project_kv(x, w, spec, cos, sin, k_norm))
+            return GlobalKVGather(comm, kv_local if kv_local is not None
+                                  else _project_kv(x, w, spec, cos, sin, k_norm_of(g)))
 
         def finish_group(pending):
             """A kv group's reduce-scattered dK/dV -> dx, its kv weight grads (into its last block's grad, which
             _kv_grads_to_group_leaders moves to the leader) and that block's reduce to its owner."""
             dkv_local, scatter, w_kv, grads, j = pending
             scatter.wait()
-            dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm, lambda: _raw_k(x, w_kv, spec),
-                                 spec)
             dv = local_from_chunks(dkv_local, 1)
             if spec.value_norm_eps is not None:  # through the weightless v norm, from the recomputed raw v
                 dv = rms_norm_backward(dv, _raw_v(x, w_kv, spec), None, spec.value_norm_eps)[0]
-            if spec.values_from_keys:  # v is k's raw projection: its grad joins k's
-                dk, dv = dk + dv, None
-            dk = dk.reshape(-1, w_kv["wk"].shape[0])
-            dx.view(-1, h).addmm_(dk, w_kv["wk"])
+            if deferred is not None:  # dk waits for every kv group's (projection_norm)
+                dk_normed = apply_rope_backward(local_from_chunks(dkv_local, 0), cos, sin)
+                deferred.add("k", j // spec.kv_replicas, dk_normed, _raw_k(x, w_kv, spec))
+            else:
+                dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm,
+                                     lambda: _raw_k(x, w_kv, spec), spec)
+                if spec.values_from_keys:  # v is k's raw projection: its grad joins k's
+                    dk, dv = dk + dv, None
+                dk = dk.reshape(-1, w_kv["wk"].shape[0])
+                dx.view(-1, h).addmm_(dk, w_kv["wk"])
+                add_norm_grad("k", dkn)
+                if need_w:
+                    grads["wk"] = dk.t() @ x2d
+                    if spec.qkv_bias:
+                        grads["bk"] = dk.sum(0)
             if dv is not None:
                 dv = dv.reshape(-1, w_kv["wv"].shape[0])
                 dx.view(-1, h).addmm_(dv, w_kv["wv"])
-            add_norm_grad("k", dkn)
-            if need_w:
-                grads["wk"] = dk.t() @ x2d
-                if dv is not None:
+                if need_w:
                     grads["wv"] = dv.t() @ x2d
-                if spec.qkv_bias:
-                    grads["bk"] = dk.sum(0)
-                    if dv is not None:
+                    if spec.qkv_bias:
                         grads["bv"] = dv.sum(0)
-                reducer.reduce(j, spec.layout.pack(grads))
+            if need_w:
+                reducer.reduce(j, block_grad(grads))
+
+        def block_grad(grads):
+            """Block j's packed grad for its owner (whole-projection norms: all but the [wq, wk] prefix)."""
+            return suffix_grad(spec.layout, grads) if deferred is not None else spec.layout.pack(grads)
 
         kv_source = start_group(0, spec.layout.unpack(shards.take(0)))
         kv_all = dkv = w_kv = pending = None
@@ -354,7 +402,7 @@ class _TSPAttention(torch.autograd.Function):
             block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
             out, lses = block["out"], (block["lse0"], block["lse1"])
             q, gate = ((block["q"], block.get("gate")) if "q" in block
-                       else _project_q(x, w, spec, cos, sin, q_norm, q_scale))
+                       else _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale))
             dout, dgate = _gate_backward((dy2d @ w["wo"]).view_as(out), out, gate)
             gated = _gate_forward(out, gate)
             grads = {"wo": dy2d.t() @ gated.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
@@ -380,17 +428,21 @@ class _TSPAttention(torch.autograd.Function):
                 finish_group(pending)
                 pending = None
             dq = torch.cat(dq_chunks, dim=1)
-            dq, dqn = _unproject(dq if q_scale is None else dq * q_scale, cos, sin, q_norm, lambda: _raw_q(x, w, spec),
-                                 spec)
-            if dgate is not None:  # back to q_proj's [q, gate] rows per head
-                dq = torch.cat((dq, dgate), dim=-1)
-            dq = dq.reshape(-1, w["wq"].shape[0])
-            dx.view(-1, h).addmm_(dq, w["wq"])
-            add_norm_grad("q", dqn)
-            if need_w:
-                grads["wq"] = dq.t() @ x2d
-                if spec.qkv_bias:
-                    grads["bq"] = dq.sum(0)
+            if q_scale is not None:
+                dq = dq * q_scale
+            if deferred is not None:  # dq waits for every block's (projection_norm)
+                deferred.add("q", j, apply_rope_backward(dq, cos, sin), _raw_q(x, w, spec))
+            else:
+                dq, dqn = _unproject(dq, cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
+                if dgate is not None:  # back to q_proj's [q, gate] rows per head
+                    dq = torch.cat((dq, dgate), dim=-1)
+                dq = dq.reshape(-1, w["wq"].shape[0])
+                dx.view(-1, h).addmm_(dq, w["wq"])
+                add_norm_grad("q", dqn)
+                if need_w:
+                    grads["wq"] = dq.t() @ x2d
+                    if spec.qkv_bias:
+                        grads["bq"] = dq.sum(0)
             if last:
                 kv_all = None
                 dkv_local, scatter = dkv.scatter(comm)
@@ -401,9 +453,13 @@ class _TSPAttention(torch.autograd.Function):
                 for name in ("wk", "wv", "bk", "bv"):
                     if name in w:
                         grads[name] = torch.zeros_like(w[name])
-                reducer.reduce(j, spec.layout.pack(grads))
+                reducer.reduce(j, block_grad(grads))
         finish_group(pending)
         grad_shard = reducer.finish() if need_w else None
+        if deferred is not None:
+            qk_grad = qk_rows_backward(x, packed_shard, deferred, dx, spec, comm, need_w)
+            grad_shard = torch.cat((qk_grad, grad_shard)) if need_w else None
+            norm_grads["q"], norm_grads["k"] = deferred.weight_grads()
         if need_w and spec.kv_replicas > 1:
             _kv_grads_to_group_leaders(grad_shard, spec, comm)
         return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, None, None, None
@@ -433,13 +489,17 @@ def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor
                   q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner.
 
-    qk_norm: Qwen3's (q_norm, k_norm) weights [d]; their grads are this rank's contribution (sum them over the
-    group, e.g. with comm.replicated_param). doc_starts: per batch row, the global token indices where packed
+    qk_norm: Qwen3's (q_norm, k_norm) weights [d], or with spec.projection_norm OLMo's [n_heads * d] and
+    [n_kv_heads * d]; their grads are this rank's contribution (sum them over the group, e.g. with
+    comm.replicated_param). doc_starts: per batch row, the global token indices where packed
     documents start, or the DocumentLayout the model's input check built from them (None: one document per row).
     q_scale: [B, L, 1, 1] each local query's scale after RoPE (Ministral 3's position-scaled queries), or None.
     """
     q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
     if (q_norm is None) != (spec.qk_norm_eps is None):
         raise ValueError("spec.qk_norm_eps and the qk_norm weights must be given together")
+    if spec.projection_norm and (q_norm is None or spec.output_gate or spec.qkv_bias):
+        raise ValueError("projection_norm needs the q/k norm weights (and qk_norm_eps), without output_gate or "
+                         "q/k/v bias: its grads are split at the [wq, wk] prefix of the packed shard")
     return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, spec,
                           comm, doc_starts)

@@ -1,4 +1,5 @@
-"""TSP mixture-of-experts MLP (Qwen3-MoE / Mixtral sparse block): E/D whole experts per rank, a replicated router.
+"""TSP mixture-of-experts MLP (Qwen3-MoE / Mixtral / GLM-4.5 sparse block): E/D whole experts per rank, a replicated
+router.
 
 Routing is transformers' own (ds_tsp.core.layers.moe.routing); the routed rows meet the experts by one of two
 schedules, both dropless (variable rows per expert, no token dropped), forward and backward in one
@@ -34,7 +35,7 @@ from ds_tsp.core.layers.moe.aux_loss import moe_aux_loss_share
 from ds_tsp.core.layers.moe.cost import choose_moe_dispatch, moe_bytes_per_layer
 from ds_tsp.core.layers.moe.experts import select_expert_gemm
 from ds_tsp.core.layers.moe.ring import MoERing
-from ds_tsp.core.layers.moe.routing import route
+from ds_tsp.core.layers.moe.routing import route, route_sigmoid_grouped
 from ds_tsp.core.layers.weight_packing import PackedLayout
 
 __all__ = ["MoESpec", "tsp_moe_mlp", "moe_compute_dtype", "moe_aux_loss_share", "moe_bytes_per_layer",
@@ -52,6 +53,12 @@ class MoESpec:
     top_k: int
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum 1 (Mixtral: always True)
     recompute_projections: bool = True  # memory-optimal backward (recompute expert activations), like MLPSpec
+    # routing kind (ModelShape.moe_routing): "softmax" top-k, or GLM-4.5's "sigmoid_grouped" with its groups, kept
+    # groups and weight scale (a correction bias passed to tsp_moe_mlp)
+    routing: str = "softmax"
+    groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
 
     @cached_property
     def layout(self) -> PackedLayout:
@@ -60,7 +67,12 @@ class MoESpec:
         return PackedLayout((("gate_up", (e, 2 * f, h)), ("down", (e, h, f))))
 
 
-def _check(x, router_weight, experts_shard, spec: MoESpec, comm: TSPComm, dispatch: str, path: str) -> None:
+def _check(x, router_weight, experts_shard, spec: MoESpec, comm: TSPComm, dispatch: str, path: str,
+           correction_bias) -> None:
+    if (spec.routing == "sigmoid_grouped") != (correction_bias is not None):
+        given = "a tensor" if correction_bias is not None else None
+        raise TSPConfigError(f"routing={spec.routing!r} with correction_bias={given}: grouped sigmoid routing (and "
+                             "only it) takes the [num_experts] bias")
     if dispatch not in DISPATCHES:
         raise TSPConfigError(f"moe_dispatch={dispatch!r}: tsp_moe_mlp takes 'ring' or 'all_to_all' (resolve 'auto' "
                              "with choose_moe_dispatch first)")
@@ -89,16 +101,22 @@ def moe_compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def tsp_moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, experts_shard: torch.Tensor, spec: MoESpec,
-                comm: TSPComm, *, dispatch: str) -> tuple[torch.Tensor, torch.Tensor]:
+                comm: TSPComm, *, dispatch: str, correction_bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, L, h] local tokens; router_weight [E, h] (replicated; the caller wraps it in replicated_param so its
     grad is summed over the TSP group); experts_shard: flat packed param of this rank's E_r experts; dispatch
-    "ring" or "all_to_all" (already resolved from "auto"). Returns (y [B, L, h], router_logits [B*L, E] in
-    x.dtype, differentiable w.r.t. x and router_weight -- what HF returns as router_logits)."""
+    "ring" or "all_to_all" (already resolved from "auto"); correction_bias [E]: the choice bias of spec.routing
+    "sigmoid_grouped" (replicated, no gradient). Returns (y [B, L, h], router_logits [B*L, E] (x.dtype; float32 or
+    float64 for sigmoid_grouped), differentiable w.r.t. x and router_weight -- what HF returns as router_logits)."""
     # the expert GEMMs see the dtype the Function casts the experts to (the autocast dtype under autocast)
     path = select_expert_gemm(x.device, moe_compute_dtype(x.device.type, experts_shard.dtype), spec.hidden,
                               spec.moe_ffn)
-    _check(x, router_weight, experts_shard, spec, comm, dispatch, path)
+    _check(x, router_weight, experts_shard, spec, comm, dispatch, path, correction_bias)
     x2d = x.reshape(-1, spec.hidden)
-    logits, top_w, top_i = route(x2d, router_weight, spec.top_k, spec.norm_topk_prob)
+    if spec.routing == "sigmoid_grouped":
+        logits, top_w, top_i = route_sigmoid_grouped(x2d, router_weight, correction_bias, spec.top_k, spec.groups,
+                                                     spec.topk_groups, spec.norm_topk_prob, spec.scaling)
+    else:
+        logits, top_w, top_i = route(x2d, router_weight, spec.top_k, spec.norm_topk_prob)
     y2d = apply_autocast(DISPATCHES[dispatch], x.device.type, x2d, top_w, top_i, experts_shard, spec, comm, path)
     return y2d.view(x.shape), logits

@@ -7,6 +7,8 @@
     phi3                                  Llama's layer with fused qkv_proj / gate_up_proj (Phi-3, Phi-4)
     gemma3                                Gemma 3's text model: GeGLU, sandwich norms, per-layer-type RoPE
     gemma4                                Gemma 4's text model: Gemma 3's layer, v norms, layer scalars, PLE
+    olmo3                                 OLMo 3: whole-projection q/k norms, post-norms, per-layer-type RoPE
+    glm4_moe                              GLM-4.5 / 4.6: grouped sigmoid routing, shared experts, partial rotary
 
 Adding a family is one module here (its reader, with transformers' defaults and every field TSP does not compute
 refused by name) plus its entry in FAMILIES; a family that brings a new mechanism adds the ModelShape field that
@@ -19,10 +21,12 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.families import (
     gemma3,
     gemma4,
+    glm4_moe,
     llama,
     ministral3,
     mistral,
     mixtral,
+    olmo3,
     phi3,
     qwen2,
     qwen3,
@@ -34,7 +38,7 @@ from ds_tsp.core.shape.families.base import Family, HFConfig
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
                                 mixtral.FAMILY, qwen3_5.DENSE, qwen3_5.MOE, qwen3_next.FAMILY, ministral3.FAMILY,
-                                phi3.FAMILY, gemma3.FAMILY, gemma4.FAMILY)
+                                phi3.FAMILY, gemma3.FAMILY, olmo3.FAMILY, glm4_moe.FAMILY, gemma4.FAMILY)
 # text model_type -> (its family, the ForCausalLM class a checkpoint of it names)
 ARCHITECTURES = {t: arch for f in FAMILIES for t, arch in f.architectures.items()}
 # multimodal model_type -> the text model_type of its language model (read through its text_config)
