@@ -241,7 +241,7 @@ class TSPForCausalLM(nn.Module):
         h, n_valid = self.tsp.final_hidden(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                                            batch["shift_labels"], router_logits)
         # GLM-4.5's grouped sigmoid routing has no load-balancing loss in transformers: its router logits only
-        has_aux = self.tsp.shape.moe_routing == "softmax"
+        has_aux = self.tsp.shape.moe_routing != "sigmoid_grouped"
         aux_share = (self.tsp.aux_loss_share(router_logits, tuple(batch["input_ids"].shape), batch["attention_mask"],
                                              seq_len) if router_logits and has_aux else None)
         if fused is not None:

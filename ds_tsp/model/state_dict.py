@@ -121,12 +121,16 @@ class ShardedStateDict:
             kv_owner = rank // getattr(module.spec, "kv_replicas", 1)
             for piece, shape in layout.pieces:
                 owner = kv_owner if piece in ("wk", "wv") else rank
-                views[piece].copy_(torch.zeros(shape) if piece.startswith("b")
-                                   else normal(f"{name}{piece}{owner}", shape))
-        # norms 1 (zero-centred norms 0: the same identity scale); MoE routers N(0, std), same on every rank
+                is_bias = piece.startswith("b") or piece in ("gate_up_bias", "down_bias")  # GPT-OSS's experts
+                views[piece].copy_(torch.zeros(shape) if is_bias else normal(f"{name}{piece}{owner}", shape))
+        # norms 1 (zero-centred norms 0: the same identity scale); MoE routers N(0, std), same on every rank; biases
+        # (GPT-OSS's o_proj and router biases) 0
         norm_init = 0.0 if self.shape.zero_centred_norms else 1.0
         for name, param in self.replicated_params().items():
-            param.fill_(norm_init) if param.dim() == 1 else param.copy_(normal(name, param.shape))
+            if name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.fill_(norm_init) if param.dim() == 1 else param.copy_(normal(name, param.shape))
         return self
 
     @torch.no_grad()

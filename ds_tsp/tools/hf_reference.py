@@ -29,7 +29,9 @@ global changes; other models, and float32/bfloat16 inputs, keep transformers' ex
   transformers adds no load-balancing loss for it, so neither does the reference.
 
 Attention must not be "eager" (its softmax uses dtype=float32): the model is loaded with attn_implementation
-"sdpa", which computes in the input dtype. Every forward passes use_cache=False: transformers only applies its
+"sdpa", which computes in the input dtype. GPT-OSS has no sdpa path (its attention sinks) and its eager attention
+softmaxes in the input dtype: it loads eager (EAGER_IN_DTYPE), and its rotary embedding (cos / sin of half the head
+dim) gets the float64 angles too. Every forward passes use_cache=False: transformers only applies its
 packed-sequence masking (position_ids restarting at 0 per document) when attention_mask is None and no cache is
 used; with `documents=` the reference does not rely on it and runs each document as its own sequence, except
 for a rope whose frequencies follow the batch's longest position (longrope): there each document alone would pick
@@ -72,6 +74,14 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
     cos = emb.cos() * self.attention_scaling
     sin = emb.sin() * self.attention_scaling
     return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def _half_rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+    # transformers' GptOssRotaryEmbedding.forward (cos / sin of head_dim / 2: its rotation takes the two halves) with
+    # float64 angles for float64 inputs
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    freqs = position_ids[..., None].to(wide) * self.inv_freq.to(device=x.device, dtype=wide)
+    return (freqs.cos() * self.attention_scaling).to(dtype=x.dtype), (freqs.sin() * self.attention_scaling).to(x.dtype)
 
 
 def _layered_rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str):
@@ -132,10 +142,12 @@ def patch_float64_(model: torch.nn.Module) -> int:
     """
     from transformers.modeling_rope_utils import dynamic_rope_update
 
-    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if attn == "eager":
+    config = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    if attn == "eager" and getattr(config, "model_type", None) not in EAGER_IN_DTYPE:
         raise ValueError("eager attention softmaxes in float32: load the model with attn_implementation='sdpa'")
     rotary = dynamic_rope_update(_rotary_forward)
+    half_rotary = dynamic_rope_update(_half_rotary_forward)
     mrope = dynamic_rope_update(_mrope_forward)
     patched = 0
     for name, module in model.named_modules():
@@ -161,6 +173,8 @@ def patch_float64_(model: torch.nn.Module) -> int:
             if not (hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.Tensor)):
                 raise NotImplementedError(f"{name}: {cls} is not a Llama-style RMSNorm (weight, variance_epsilon)")
             module.forward = types.MethodType(_rmsnorm_forward, module)
+        elif cls == "GptOssRotaryEmbedding":
+            module.forward = types.MethodType(half_rotary, module)
         elif cls.endswith("RotaryEmbedding") and hasattr(module, "layer_types") and not hasattr(module, "inv_freq"):
             module.forward = types.MethodType(_layered_rotary_forward, module)  # Gemma 3: a rope per layer type
         elif cls.endswith("RotaryEmbedding"):
@@ -173,9 +187,19 @@ def patch_float64_(model: torch.nn.Module) -> int:
     return patched
 
 
+# families whose eager attention softmaxes in the input dtype and that have no sdpa path (GPT-OSS: its sinks)
+EAGER_IN_DTYPE = ("gpt_oss",)
+
+
+def reference_attention(model_type: str) -> str:
+    """The attn_implementation the reference loads a family with: sdpa, or eager where that is exact (above)."""
+    return "eager" if model_type in EAGER_IN_DTYPE else "sdpa"
+
+
 def load_hf_reference(directory, dtype: torch.dtype):
     """`AutoModelForCausalLM.from_pretrained(directory)` (AutoModelForImageTextToText for a multimodal checkpoint it
-    does not list) in `dtype` with sdpa attention (and the eager expert loop for MoE); float64 gets the patches."""
+    does not list) in `dtype` with sdpa attention (GPT-OSS: eager, reference_attention) and the eager expert loop
+    for MoE; float64 gets the patches."""
     try:
         import transformers
     except ImportError as exc:  # an optional dependency
@@ -186,7 +210,8 @@ def load_hf_reference(directory, dtype: torch.dtype):
     # a multimodal checkpoint whose ForConditionalGeneration AutoModelForCausalLM does not list (Mistral 3)
     auto = (transformers.AutoModelForCausalLM if type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
             else transformers.AutoModelForImageTextToText)
-    model = auto.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa", local_files_only=True, **moe)
+    model = auto.from_pretrained(directory, dtype=dtype, attn_implementation=reference_attention(config.model_type),
+                                 local_files_only=True, **moe)
     if dtype == torch.float64:
         patch_float64_(model)
     return model

@@ -139,6 +139,9 @@ class ReferenceCausalLM(nn.Module):
             raise TSPConfigError("query_scale_beta (Ministral 3's position-scaled queries): the ds_tsp reference model "
                                  "does not scale queries; check it against transformers' own "
                                  "(ds-tsp verify --hf-model)")
+        if shape.attention_sinks or shape.attention_out_bias:
+            raise TSPConfigError("attention_sinks / attention_out_bias (GPT-OSS): the ds_tsp reference model has "
+                                 "neither; check it against transformers' own (ds-tsp verify --hf-model DIR)")
         self.shape = shape
         self.model = Backbone(shape, dtype, device)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, dtype=dtype, device=device)

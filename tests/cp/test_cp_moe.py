@@ -12,7 +12,8 @@ with both moe_dispatch schedules. Gradients are averaged over the data group (da
 does. Loss, aux loss and EVERY gradient agree with transformers to 1e-10 norm-wise relative (measured ~1e-15);
 transformers' aux loss accumulates in float32, so the reference takes its formula in float64
 (ds_tsp.tools.hf_reference.load_balancing_loss), as tests/moe/test_hf_moe.py does. The router logits returned with
-output_router_logits=True (gathered over TSP and cp) equal transformers' to 1e-12.
+output_router_logits=True (gathered over TSP and cp) equal transformers' to 1e-12. GPT-OSS runs too, with its
+sliding window (attention sinks on both cp attention paths).
 
 The same rank spawn records one training step of the ShardedCausalLM (forward, backward) and replays it under
 NCCL's queueing rules (tests/helpers/nccl_rules.py): the aux loss's counts all-reduced over the TSP group, then the cp group,
@@ -34,9 +35,12 @@ from local_ranks import run_on_local_ranks  # noqa: E402
 D, C = 2, 2
 TOL = 1e-10
 DISPATCHES = ("ring", "all_to_all")
-# tests/helpers/hf_tiny.py's MoE families; Mixtral without its sliding window (windows under cp: tests/cp/test_cp_window.py)
-FAMILIES = {"qwen3_moe": {}, "mixtral": {"sliding_window": None}}
+# tests/helpers/hf_tiny.py's MoE families; Mixtral without its sliding window (windows under cp:
+# tests/cp/test_cp_window.py); GPT-OSS with its own (window 5 < a cp chunk of 8: its sliding layer takes cp_window,
+# its full layer the cp ring, the attention sinks applied after either's merge)
+FAMILIES = {"qwen3_moe": {}, "mixtral": {"sliding_window": None}, "gpt_oss": {}}
 PACKED_DOCUMENTS = [[7, 12, 11], [16, 14]]  # cp chunks of the padded 32: [0, 8) [8, 16) [16, 24) [24, 32)
+RECORDED = {"qwen3_moe": 1, "gpt_oss": 2}  # families whose step is recorded: their sparse layers
 
 
 def padded_batch(vocab: int) -> dict:
@@ -80,10 +84,12 @@ def _runs(directories: dict[str, str]) -> dict:
                     "loss": float(result.loss.detach()), "aux_loss": float(result.aux_loss.detach()),
                     "grads": grads if dist.get_rank() == 0 else None,
                     "router_logits": [t.clone() for t in result.router_logits] if result.router_logits else None}
+    out["recorded"] = {}
+    for family in RECORDED:  # GPT-OSS: sinks on both cp attention paths, biased experts
+        vocab = json.loads(open(f"{directories[family]}/config.json").read())["vocab_size"]
+        out["recorded"].update({(family, dispatch): _recorded_step(directories[family], runtimes[family, dispatch],
+                                                                   vocab) for dispatch in DISPATCHES})
     directory = directories["qwen3_moe"]
-    vocab = json.loads(open(f"{directory}/config.json").read())["vocab_size"]
-    out["recorded"] = {dispatch: _recorded_step(directory, runtimes["qwen3_moe", dispatch], vocab)
-                       for dispatch in DISPATCHES}
     out["verify"] = run_cp_case(verify_case(directory), D, C)  # what ds-tsp verify --hf-model DIR --cp 2 runs
     out["measured"] = {dispatch: _measure_for_plan(dispatch) for dispatch in DISPATCHES}
     return out
@@ -203,7 +209,8 @@ def test_cp_moe_matches_transformers_fp64(runs, family, name):
         assert _rel(got["loss"], ref_loss) < TOL, (dispatch, name, got["loss"], float(ref_loss))
         assert _rel(got["aux_loss"], aux["aux_loss"]) < TOL, (dispatch, name, got["aux_loss"], float(aux["aux_loss"]))
         assert errors[worst] < TOL, (dispatch, name, worst, errors[worst])
-        router = [n for n in ref_grads if n.endswith(".gate.weight")]  # Qwen3-MoE mlp.gate, Mixtral's router
+        # Qwen3-MoE mlp.gate, Mixtral's router, GPT-OSS's mlp.router
+        router = [n for n in ref_grads if n.endswith((".gate.weight", ".router.weight"))]
         assert router and all(float(ref_grads[n].norm()) > 0 for n in router)  # the routers' grads are compared
         for r in results:  # every rank reports the same loss and aux loss
             mine = r[(family, dispatch, name)]
@@ -212,7 +219,8 @@ def test_cp_moe_matches_transformers_fp64(runs, family, name):
             want, real = aux["router_logits"], aux["real_tokens"]  # padded queries' hidden states are arbitrary
             for r in results:
                 mine = r[(family, dispatch, name)]["router_logits"]
-                assert len(mine) == len(want) == {"qwen3_moe": 1, "mixtral": 2}[family], (dispatch, mine, want)
+                sparse = {"qwen3_moe": 1, "mixtral": 2, "gpt_oss": 2}[family]
+                assert len(mine) == len(want) == sparse, (dispatch, mine, want)
                 for layer, (m, w) in enumerate(zip(mine, want)):  # one per sparse layer
                     assert m.shape == w.shape and _rel(m[real], w[real]) < 1e-12, (dispatch, layer)
 
@@ -241,12 +249,13 @@ def test_cp_moe_aux_statistics_cover_the_whole_sequence(runs):
     assert _rel(results[0][("qwen3_moe", "ring", "padded")]["aux_loss"], full) < TOL
 
 
+@pytest.mark.parametrize("family", RECORDED)
 @pytest.mark.parametrize("dispatch", DISPATCHES)
-def test_cp_moe_step_obeys_nccl_rules(runs, dispatch):
+def test_cp_moe_step_obeys_nccl_rules(runs, dispatch, family):
     from nccl_rules import check
 
     _, results = runs
-    ops = [r["recorded"][dispatch]["ops"] for r in results]
+    ops = [r["recorded"][family, dispatch]["ops"] for r in results]
     report = check(ops)
     assert report.ok and report.completed == report.total == sum(len(o) for o in ops), report
     assert {o["group"] for rank_ops in ops for o in rank_ops} == {(0, 1), (2, 3), (0, 2), (1, 3)}
@@ -256,16 +265,17 @@ def test_cp_moe_step_obeys_nccl_rules(runs, dispatch):
         assert any(o["kind"] == "p2p" and "cp hop" in o["what"] for o in rank_ops)
 
 
+@pytest.mark.parametrize("family", RECORDED)
 @pytest.mark.parametrize("dispatch", DISPATCHES)
-def test_cp_moe_step_host_reads(runs, dispatch):
+def test_cp_moe_step_host_reads(runs, dispatch, family):
     _, results = runs
     for r in results:
-        syncs = r["recorded"][dispatch]["syncs"]
+        syncs = r["recorded"][family, dispatch]["syncs"]
         forward, backward = syncs["forward"], syncs["backward"]
         assert [e[:2] for e in forward if e[2] == "input_checks"] == [("read", "tolist")], forward
-        layers = [e for e in forward if e[2] != "input_checks"]  # one sparse layer: its row counts, once
-        assert len(layers) == 1 and layers[0][:3] == ("read", "tolist", "layers"), forward
-        assert "core/layers/moe/" in layers[0][3], forward
+        layers = [e for e in forward if e[2] != "input_checks"]  # per sparse layer: its row counts, once
+        assert len(layers) == RECORDED[family], forward
+        assert all(e[:3] == ("read", "tolist", "layers") and "core/layers/moe/" in e[3] for e in layers), forward
         assert backward == [], backward
 
 

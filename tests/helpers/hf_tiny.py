@@ -10,9 +10,10 @@ heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). 
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
 
 `MOE_FAMILIES` (tests/moe/test_hf_moe.py): Qwen3-MoE (one dense layer via mlp_only_layers, one sparse; 8 experts, top-2,
-expert width 12, which 4 does not divide) and Mixtral (4 experts, top-2, sliding window), both with
-output_router_logits and an aux coefficient large enough to move the gradients visibly; GLM-4.5 (grouped sigmoid
-routing with a correction bias, a shared expert, a dense first layer, no aux loss).
+expert width 12, which 4 does not divide), Mixtral (4 experts, top-2, sliding window) and GPT-OSS (sinks, o_proj
+bias, biased clamped-SwiGLU experts, sliding + full layers, yarn), all with output_router_logits and an aux
+coefficient large enough to move the gradients visibly; GLM-4.5 (grouped sigmoid routing with a correction bias, a
+shared expert, a dense first layer, no aux loss).
 """
 from __future__ import annotations
 
@@ -127,7 +128,21 @@ MOE_FAMILIES: dict[str, dict] = {
                      use_qk_norm=True, attention_bias=True, num_key_value_heads=2, head_dim=16,
                      tie_word_embeddings=False,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # GPT-OSS: a sliding layer (window 5, shorter than a rank's chunk at D=2 and 4) then a full one, yarn rope
+    # (truncate False, original 16), attention sinks and q/k/v/o biases, 4 biased experts top-2 with a swiglu_limit
+    # small enough that the clamps bind, and the aux loss
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=87, hidden_size=32, intermediate_size=12, num_local_experts=4,
+                    num_experts_per_tok=2, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                    output_router_logits=True, router_aux_loss_coef=0.05, swiglu_limit=0.12, max_position_embeddings=64,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
 }
+
+
+def _attention(model_type: str) -> str:
+    """sdpa, except for GPT-OSS, which transformers runs eager only (its attention sinks)."""
+    return "eager" if model_type == "gpt_oss" else "sdpa"
 
 
 def _config_class(model_type: str):
@@ -137,15 +152,16 @@ def _config_class(model_type: str):
             "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
             "ministral3": transformers.Ministral3Config, "phi3": transformers.Phi3Config,
             "gemma3_text": transformers.Gemma3TextConfig, "olmo3": transformers.Olmo3Config,
-            "glm4_moe": transformers.Glm4MoeConfig, "gemma4_text": transformers.Gemma4TextConfig}[model_type]
+            "glm4_moe": transformers.Glm4MoeConfig, "gpt_oss": transformers.GptOssConfig,
+            "gemma4_text": transformers.Gemma4TextConfig}[model_type]
 
 
 def tiny_config(name: str, **overrides):
     """The transformers config of family `name` (FAMILIES or MOE_FAMILIES; overrides win), attn_implementation
-    "sdpa"."""
+    "sdpa" (GPT-OSS: "eager")."""
     kwargs = {**_COMMON, **FAMILIES.get(name, MOE_FAMILIES.get(name, {})), **overrides}
-    cls = _config_class(kwargs.pop("model_type"))
-    return cls(**kwargs, attn_implementation="sdpa")
+    model_type = kwargs.pop("model_type")
+    return _config_class(model_type)(**kwargs, attn_implementation=_attention(model_type))
 
 
 @torch.no_grad()
@@ -160,7 +176,8 @@ def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
     for name, param in model.named_parameters():
         gen = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2 ** 63))
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
-        scale = 0.5 if name.endswith(".gate.weight") else 0.02  # MoE routers: logits spread enough to route unevenly
+        # MoE routers: logits spread enough to route unevenly; GPT-OSS's attention sinks: far enough from 0 to matter
+        scale = 0.5 if name.endswith((".gate.weight", ".router.weight", ".sinks")) else 0.02
         param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
     for name, buffer in model.named_buffers():  # GLM-4.5's choice bias: large enough to change which experts win
         if name.endswith("e_score_correction_bias"):
@@ -174,7 +191,8 @@ def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
 def build_tiny_model(name_or_config, *, dtype: torch.dtype = torch.float32, seed: int = 0):
     import transformers
     config = tiny_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config,
+                                                          attn_implementation=_attention(config.model_type))
     return init_tiny_weights_(model.to(torch.float64), seed).to(dtype)
 
 

@@ -439,6 +439,49 @@ def test_olmo3_refuses_what_it_does_not_compute(field, value, match):
         ModelShape.from_hf_config({**config, field: value})
 
 
+def test_gpt_oss_reads_its_defaults_and_saves_as_gpt_oss():
+    shape = ModelShape.from_hf_config({"model_type": "gpt_oss", **SIZES, "num_hidden_layers": 4,
+                                       "num_local_experts": 4, "num_experts_per_tok": 2})
+    assert (shape.attention_sinks, shape.qkv_bias, shape.attention_out_bias, shape.moe_biases) == (True,) * 4
+    assert (shape.expert_activation, shape.moe_routing, shape.swiglu_alpha, shape.swiglu_limit) == (
+        "clamped_swiglu", "topk_softmax", 1.702, 7.0)
+    assert shape.attention_windows == (128, None, 128, None) and shape.moe_family == "gpt_oss"
+    assert (shape.rope_theta, shape.rms_norm_eps, shape.moe_intermediate_size) == (150000.0, 1e-5, 64)
+    s = shape.rope_scaling  # GptOssConfig's yarn block for a config.json that gives none
+    assert (s.rope_type, s.factor, s.original_max_position_embeddings, s.truncate) == ("yarn", 32.0, 4096, False)
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(again).__name__ == "GptOssConfig" and ModelShape.from_hf_config(again) == shape
+
+
+def test_gpt_oss_yarn_without_truncation_is_transformers_rope():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ds_tsp.core.tokens.rope import attention_scaling, inv_freq
+
+    config = transformers.GptOssConfig(head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                                       hidden_size=32)  # the released yarn block
+    want, want_scale = ROPE_INIT_FUNCTIONS["yarn"](config)
+    shape = ModelShape.from_hf_config(config)
+    assert torch.equal(inv_freq(64, shape.rope_theta, shape.rope_scaling), want)
+    assert attention_scaling(shape.rope_scaling) == want_scale
+    truncated = ModelShape.from_hf_config(transformers.GptOssConfig(
+        head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+        rope_parameters={**config.rope_parameters, "truncate": True}))
+    assert not torch.equal(inv_freq(64, truncated.rope_theta, truncated.rope_scaling), want)  # truncate is read
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("quantization_config", {"quant_method": "mxfp4"}, "quantization_config on a gpt_oss config: .* dequantize"),
+    ("attention_dropout", 0.1, "attention_dropout=0.1"),
+    ("num_local_experts", 0, "num_local_experts=0: GPT-OSS has experts on every layer"),
+    ("layer_types", ["sliding_attention", "chunked_attention"], r"layer_types contains \['chunked_attention'\]"),
+])
+def test_gpt_oss_refuses_what_it_does_not_compute(field, value, match):
+    config = {"model_type": "gpt_oss", **SIZES, "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(TSPConfigError, match=match):
+        ModelShape.from_hf_config({**config, field: value})
+
+
 GLM = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2)
 
 
@@ -525,6 +568,16 @@ def test_tsp_trainer_on_glm4_moe_equals_the_plain_trainer(tmp_path):
     assert set(saved) == set(want) and "model.layers.1.mlp.gate.e_score_correction_bias" in saved
     for name, value in want.items():
         assert (saved[name] - value).norm() <= 1e-4 * value.norm(), name
+
+
+def test_attention_sinks_without_gpt_oss_experts_have_no_checkpoint_family():
+    shape = ModelShape(**{k: v for k, v in SIZES.items() if k in ("vocab_size", "hidden_size", "intermediate_size")},
+                       num_layers=2, num_heads=4, num_kv_heads=2, attention_sinks=True)
+    with pytest.raises(TSPConfigError, match="attention_sinks / attention_out_bias: GPT-OSS"):
+        config_dict_from_shape(shape, torch.float32)
+    with pytest.raises(TSPConfigError, match="moe_biases=True.* come together, in a shape with experts"):
+        ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   moe_biases=True)
 
 
 def test_gemma4_multimodal_checkpoint_trains_its_language_model(tmp_path):

@@ -110,7 +110,8 @@ def _meta_batch(kind: str) -> dict:
 
 # MoE on meta: ring dispatch with bfloat16 weights, whose grouped expert GEMMs (hidden and expert width multiples of
 # 16) read no per-expert counts (ds_tsp.core.layers.moe.layer)
-OVERRIDES = {"glm4_moe": dict(hidden_size=64, moe_intermediate_size=32)}
+# (GPT-OSS's expert width is intermediate_size: 16, bf16 rows of 32 bytes)
+OVERRIDES = {"glm4_moe": dict(hidden_size=64, moe_intermediate_size=32), "gpt_oss": dict(intermediate_size=16)}
 
 
 def _meta_step(config, comm, kind: str) -> list[str]:
@@ -143,6 +144,7 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("gemma3", "plain"),  # sandwich norms, GeGLU, scaled embeddings, per-layer-type RoPE
          ("olmo3", "plain"),  # whole-projection q/k norms (their extra shard streams), post-norms
          ("glm4_moe", "packed"),  # grouped sigmoid routing, its bias buffer, shared experts, q/k/v bias, partial rotary
+         ("gpt_oss", "packed"),  # attention sinks, o_proj bias, biased clamped-SwiGLU experts (bf16, grouped GEMMs)
          ("llama", "classifier"),  # TSPForSequenceClassification: the pooled token found over the group
          ("gemma4", "plain")]  # per-layer head_dim, v norms, layer scalars, per-layer inputs, soft-capped logits
 
@@ -179,8 +181,8 @@ def _run_in_fresh_process(runner: str) -> str:
 
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain"),
-         (2, "gemma3", "packed"), (4, "olmo3", "packed"), (4, "glm4_moe", "plain"), (4, "qwen3", "classifier"),
-         (2, "gemma4", "packed")]
+         (2, "gemma3", "packed"), (4, "olmo3", "packed"), (4, "glm4_moe", "plain"), (4, "gpt_oss", "padding"),
+         (4, "qwen3", "classifier"), (2, "gemma4", "packed")]
 
 
 def run_multi() -> list[str]:

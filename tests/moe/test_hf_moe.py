@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Mixtral as TSPForCausalLM families, against transformers' OWN model in float64.
+"""Qwen3-MoE, Mixtral and GPT-OSS as TSPForCausalLM families, against transformers' OWN model in float64.
 
 Tiny checkpoints (tests/helpers/hf_tiny.py MOE_FAMILIES): Qwen3-MoE with a dense layer (mlp_only_layers=[0]) and a sparse
 one (8 experts, top-2, norm_topk_prob False, expert width 12 which D=4 does not divide), Mixtral with a sliding
@@ -10,7 +10,9 @@ gradient agree with transformers to 1e-10 (norm-wise relative; measured ~1e-15):
 float32 and ds_tsp routes with the same float32 probabilities; its aux loss accumulates in float32, so the reference
 takes the same formula in float64 (ds_tsp.tools.hf_reference.load_balancing_loss). The saved checkpoint has
 transformers' layout and loads in plain transformers with identical tensors and logits; a fused-layout checkpoint
-(experts.gate_up_proj / down_proj) loads too.
+(experts.gate_up_proj / down_proj) loads too. GPT-OSS (attention sinks, o_proj bias, biased clamped-SwiGLU experts
+held fused: each rank reads its experts' rows of every fused tensor) also runs packed documents at D=1, 2 and 4
+against transformers running every document alone.
 GLM-4.5 (3 layers, a dense first one; 8 experts in 4 groups, 2 kept, top-2, a shared expert, a correction bias that
 changes the choice of about half the tokens, routed_scaling_factor 2.5; no aux loss, as in transformers) takes the
 same runs, and packed documents at D=1, 2 and 4 too; its routers compute in float64 on both sides (transformers'
@@ -31,7 +33,13 @@ from local_ranks import run_on_local_ranks  # noqa: E402
 from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict  # noqa: E402
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from ds_tsp.core.shape.model_shape import ModelShape  # noqa: E402
-from ds_tsp.tools.hf_reference import hf_logits, hf_loss_and_grads, load_hf_reference, patch_float64_  # noqa: E402
+from ds_tsp.tools.hf_reference import (  # noqa: E402
+    hf_logits,
+    hf_loss_and_grads,
+    load_hf_reference,
+    patch_float64_,
+    reference_attention,
+)
 
 B, S = 2, 29
 TOL = 1e-10
@@ -41,6 +49,9 @@ RUNS = ((4, "ring", False), (4, "all_to_all", False), (2, "auto", True))
 PACKED = "glm4_moe"
 PACKED_RUNS = ((1, "auto"), (2, "ring"), (4, "all_to_all"))
 DOCUMENTS = ((7, 12, 10), (29,))
+# GPT-OSS also runs packed documents (its sliding layer's window 5 is shorter than a rank's chunk from D=2) at D=1,
+# 2 and 4; the boundaries fall inside zigzag chunks
+PACKED_FAMILIES, DOCS = ("gpt_oss",), [[7, 12, 10], [5, 24]]
 
 
 def _experts(name: str) -> int:
@@ -65,14 +76,14 @@ def reference_targets(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _record_reads():
-    """Wrap CheckpointReader.read to record every tensor name read on this rank."""
+    """Wrap CheckpointReader.read to record every tensor name read on this rank, with its (dim, start, length)."""
     from ds_tsp.checkpoint.safetensors.reader import CheckpointReader
 
     names, original = [], CheckpointReader.read
 
-    def read(self, name, *args, **kwargs):
-        names.append(name)
-        return original(self, name, *args, **kwargs)
+    def read(self, name, dim=None, start=0, length=None, **kwargs):
+        names.append((name, dim, start, length))
+        return original(self, name, dim, start, length, **kwargs)
 
     CheckpointReader.read = read
     return names, lambda: setattr(CheckpointReader, "read", original)
@@ -104,7 +115,7 @@ def _tsp_runs(checkpoints: dict[str, str], save_root: str) -> dict:
             grads = model.tsp.full_state_dict(grads=True)
             aux = None if out.aux_loss is None else out.aux_loss.detach()
             results[(name, degree, dispatch)] = (out.loss.detach(), aux, grads if rank == 0 else None,
-                                                 sorted(set(n for n in reads if ".experts." in n)))
+                                                 sorted(set(r for r in reads if ".experts." in r[0])))
             if degree == 4 and dispatch == "ring":
                 model.save_pretrained(f"{save_root}/{name}", max_shard_size="16KB")
         if name == PACKED:
@@ -117,6 +128,14 @@ def _tsp_runs(checkpoints: dict[str, str], save_root: str) -> dict:
                 out.loss.backward()
                 grads = model.tsp.full_state_dict(grads=True)
                 results[("packed", degree, dispatch)] = (out.loss.detach(), grads if rank == 0 else None)
+        if name in PACKED_FAMILIES:
+            data = packed_batch(vocab, DOCS, seed=5)
+            for degree, group in ((1, singles[rank]), (2, halves[rank // 2]), (4, dist.group.WORLD)):
+                model = TSPForCausalLM.from_pretrained(directory, group, dtype=torch.float64)
+                out = model(input_ids=data["input_ids"], labels=data["labels"], position_ids=data["position_ids"])
+                out.loss.backward()
+                grads = model.tsp.full_state_dict(grads=True)
+                results[(name, degree, "packed")] = (out.loss.detach(), out.aux_loss.detach(), grads)
     fused = f"{save_root}/fused"
     model = TSPForCausalLM.from_pretrained(fused, dist.group.WORLD, dtype=torch.float64)
     results["fused"] = model.tsp.full_state_dict()
@@ -188,9 +207,9 @@ def test_glm4_moe_packed_documents_at_d1_d2_d4(runs):
 
 def test_glm4_moe_correction_bias_changes_the_choice():
     """The tiny GLM-4.5's correction bias is no bystander: without it, other experts win for many tokens."""
-    from ds_tsp.core.layers.moe.routing import route_sigmoid_grouped
-
     from hf_tiny import build_tiny_model
+
+    from ds_tsp.core.layers.moe.routing import route_sigmoid_grouped
 
     gate = build_tiny_model("glm4_moe", dtype=torch.float64).model.layers[1].mlp.gate
     x = torch.randn(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -208,8 +227,12 @@ def test_each_rank_reads_only_its_experts(runs, name):
         for degree, dispatch, _ in RUNS:
             read = results[rank][(name, degree, dispatch)][3]
             p = rank if degree == 4 else rank % 2
-            mine = {str(i) for i in range(p * experts // degree, (p + 1) * experts // degree)}
-            assert read and {n.split(".experts.")[1].split(".")[0] for n in read} == mine, (rank, degree, read)
+            first, count = p * experts // degree, experts // degree
+            if name == "gpt_oss":  # fused [E, ...] tensors: this rank's experts' rows of each, nothing else
+                assert read and {(dim, start, length) for _, dim, start, length in read} == {(0, first, count)}
+                continue
+            mine = {str(i) for i in range(first, first + count)}
+            assert read and {n.split(".experts.")[1].split(".")[0] for n, *_ in read} == mine, (rank, degree, read)
 
 
 @pytest.mark.parametrize("name", sorted(MOE_FAMILIES))
@@ -221,8 +244,8 @@ def test_save_pretrained_round_trip_in_plain_transformers(runs, name):
     original_index = _names(checkpoints[name])
     assert set(index) == original_index  # transformers' own saved layout, name for name
     original = load_hf_reference(checkpoints[name], torch.float64)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved, attn_implementation="sdpa",
-                                                                experts_implementation="eager")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        saved, attn_implementation=reference_attention(original.config.model_type), experts_implementation="eager")
     assert type(reloaded) is type(original) and reloaded.dtype == torch.float64
     want, got = original.state_dict(), reloaded.state_dict()
     assert set(got) == set(want)
@@ -231,6 +254,23 @@ def test_save_pretrained_round_trip_in_plain_transformers(runs, name):
     patch_float64_(reloaded)
     ids, _, _ = make_batch(original.config.vocab_size)
     assert _rel(hf_logits(reloaded, ids), hf_logits(original, ids)) < 1e-13
+
+
+@pytest.mark.parametrize("name", PACKED_FAMILIES)
+def test_packed_documents_at_d1_d2_d4_equal_each_document_alone(runs, name):
+    checkpoints, results, _ = runs
+    reference = load_hf_reference(checkpoints[name], torch.float64)
+    data = packed_batch(reference.config.vocab_size, DOCS, seed=5)
+    aux = {}
+    ref_loss, ref_grads = hf_loss_and_grads(reference, data["input_ids"], shift(data["labels"]),
+                                            documents=data["documents"], aux_out=aux)
+    for degree in (1, 2, 4):
+        loss, aux_loss, grads = results[0][(name, degree, "packed")]
+        errors = {n: _rel(grads[n], g) for n, g in ref_grads.items()}
+        worst = max(errors, key=errors.get)
+        assert set(grads) == set(ref_grads) and _rel(loss, ref_loss) < TOL, (name, degree, float(loss))
+        assert _rel(aux_loss, aux["aux_loss"]) < TOL, (name, degree)
+        assert errors[worst] < TOL, (name, degree, worst, errors[worst])
 
 
 def test_fused_layout_checkpoint_loads(runs):

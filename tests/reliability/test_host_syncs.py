@@ -24,13 +24,14 @@ from ds_tsp.model.causal_lm import ShardedCausalLM
 
 # every mechanism a step can take at once: q/k/v bias, q/k norms, a window, position-scaled queries (Ministral 3),
 # an embedding padding row, Gemma 3's sandwich norms, GeGLU, scaled embeddings, softmax scale and sliding-layer RoPE,
+# GPT-OSS's attention sinks and o_proj bias (its experts: tests/cp/test_cp_moe.py counts a GPT-OSS step's reads),
 # Gemma 4's full layers' head_dim and kv heads with keys as values, v norms, layer scalars, per-layer inputs and
 # soft-capped logits
 SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    qkv_bias=True, qk_norm=True, attention_windows=(None, 5), query_scale_beta=0.1,
                    query_scale_period=8, pad_token_id=0, sandwich_norms=True, mlp_activation="gelu_tanh",
-                   embedding_scale=5.5, attention_scale=0.3, sliding_rope_theta=500.0, full_head_dim=12,
-                   full_num_kv_heads=1, full_values_from_keys=True,
+                   embedding_scale=5.5, attention_scale=0.3, sliding_rope_theta=500.0, attention_sinks=True,
+                   attention_out_bias=True, full_head_dim=12, full_num_kv_heads=1, full_values_from_keys=True,
                    value_norm=True, layer_scalars=True, per_layer_input_size=4, per_layer_input_vocab_size=63,
                    final_logit_softcapping=0.5)
 # what cannot join the shape above: OLMo 3's q/k norms over the whole projection (two more shard streams) and
@@ -284,7 +285,7 @@ def test_moe_layer_reads_the_counts_once_per_forward(moe_runs, tsp):
     """all_to_all: the split sizes (one .tolist() per layer forward); ring, on both expert-GEMM paths: the
     per-expert counts that bound each step's owner rows, the same one read. Backward and the aux loss: nothing."""
     for rank, results in enumerate(moe_runs[tsp]):
-        assert ("ring", "loop", "softmax") in results and ("all_to_all", "loop", "sigmoid_grouped") in results
+        assert ("ring", "loop", "softmax_topk") in results and ("all_to_all", "loop", "sigmoid_grouped") in results
         for (dispatch, path, _), (fwd, bwd) in results.items():
             assert len(fwd) == MOE_LAYERS, (tsp, rank, dispatch, path, fwd)
             assert all(e[:3] == ("read", "tolist", "layers") and "core/layers/moe/" in e[3] for e in fwd), fwd

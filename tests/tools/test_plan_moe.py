@@ -33,23 +33,28 @@ GLM = ModelShape(vocab_size=99, hidden_size=32, intermediate_size=48, num_layers
                  moe_intermediate_size=24, norm_topk_prob=True, dense_mlp_layers=(0,),
                  shared_expert_intermediate_size=24, shared_expert_gate=False, moe_routing="sigmoid_grouped",
                  moe_groups=2, moe_topk_groups=2, routed_scaling_factor=2.5)
+# GPT-OSS-like: attention sinks in the packed attention shards, the o_proj bias and the routers' biases replicated
+# (in the bucket), expert biases riding the ring, top-k-then-softmax routing saving less, a sliding layer
+GPT_OSS = ModelShape(vocab_size=99, hidden_size=32, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
+                     qkv_bias=True, attention_out_bias=True, attention_sinks=True, attention_windows=(5, None),
+                     num_experts=4, num_experts_per_tok=4, moe_intermediate_size=24, norm_topk_prob=True,
+                     moe_biases=True, expert_activation="clamped_swiglu", moe_routing="topk_softmax")
+SHAPES = {"qwen3_moe": SHAPE, "gpt_oss": GPT_OSS, "glm": GLM}
 SEQ, BATCH = 30, 2
-CASES = {f"{s}{'_ac' if ac else ''}": (s, ac) for s in SCHEDULES for ac in (False, True)}
-CASES.update({f"glm_{s}": (s, False) for s in SCHEDULES})
-
-
-def _shape(name: str) -> ModelShape:
-    return GLM if name.startswith("glm") else SHAPE
+CASES = {f"{s}{'_ac' if ac else ''}": (s, ac, "qwen3_moe") for s in SCHEDULES for ac in (False, True)}
+CASES.update({f"gpt_oss_{s}": (s, False, "gpt_oss") for s in SCHEDULES})
+CASES.update({f"glm_{s}": (s, False, "glm") for s in SCHEDULES})
+UNCHECKPOINTED = [n for n, (_, ac, _) in CASES.items() if not ac]  # the cases D=1 and D=4 run
 
 
 def _measure(names: list[str]) -> dict:
     """On every rank, per case: counter bytes per kind, saved-for-backward bytes, params and grads bytes."""
     out = {}
     for name in names:
-        schedule, ac = CASES[name]
+        schedule, ac, shape = CASES[name]
         comm = TSPComm(dist.group.WORLD)
-        model = ShardedCausalLM(_shape(name), comm, options=TSPOptions(moe_dispatch=schedule,
-                                                                        activation_checkpointing=ac))
+        model = ShardedCausalLM(SHAPES[shape], comm,
+                                options=TSPOptions(moe_dispatch=schedule, activation_checkpointing=ac))
         model.init_weights_(0, std=0.2)
         ids = torch.randint(0, SHAPE.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
         b = shard_batch(ids, tsp=comm.size, rank=comm.rank)
@@ -73,14 +78,13 @@ def _measure(names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    return {world: run_on_local_ranks(_measure, world, list(CASES) if world == 2 else
-                                      ["ring", "all_to_all", "glm_ring", "glm_all_to_all"], timeout_s=240)
-            for world in (1, 2, 4)}
+    return {world: run_on_local_ranks(_measure, world, list(CASES) if world == 2 else UNCHECKPOINTED,
+                                      timeout_s=240) for world in (1, 2, 4)}
 
 
 def _input(name: str, world: int) -> PlanInput:
-    schedule, ac = CASES[name]
-    return PlanInput(model=_shape(name), seq=SEQ, batch=BATCH, degree=world, dtype="fp32", moe_dispatch=schedule,
+    schedule, ac, shape = CASES[name]
+    return PlanInput(model=SHAPES[shape], seq=SEQ, batch=BATCH, degree=world, dtype="fp32", moe_dispatch=schedule,
                      activation_checkpointing=ac)
 
 
@@ -98,7 +102,7 @@ def test_params_and_grads_equal_the_model_per_rank(measured, world):
         assert one - plan_tsp(_input("ring", world)).params_bytes >= experts * (world - 1) // world
 
 
-@pytest.mark.parametrize("world,name", [(2, n) for n in CASES] + [(4, s) for s in (*SCHEDULES, "glm_ring")])
+@pytest.mark.parametrize("world,name", [(2, n) for n in CASES] + [(4, n) for n in UNCHECKPOINTED])
 def test_comm_formula_equals_counters_for_both_schedules(measured, world, name):
     inp = _input(name, world)
     predicted = tsp_counter_bytes(inp)
@@ -108,7 +112,7 @@ def test_comm_formula_equals_counters_for_both_schedules(measured, world, name):
     assert plan.comm_bytes_per_step == sum(predicted.values())
     # bytes per sparse layer: moe_bytes_per_layer's, the planned schedule's inside the layer terms
     L = -(-SEQ // (2 * world)) * 2
-    cost = moe_bytes_per_layer(BATCH * L, 32, 24, 4, 4, world, 4)
+    cost = moe_bytes_per_layer(BATCH * L, 32, 24, 4, 4, world, 4, biases=CASES[name][2] == "gpt_oss")
     assert plan.moe["bytes_per_layer"] == cost and plan.moe["schedule"] == CASES[name][0]
     moe_terms = [t for t in (*plan.layer_fwd_terms, *plan.layer_bwd_terms)
                  if t.name.startswith(("MoE", "recompute: MoE"))]
@@ -116,8 +120,7 @@ def test_comm_formula_equals_counters_for_both_schedules(measured, world, name):
     assert sum(t.bytes for t in moe_terms) - recomputed == cost[CASES[name][0]]
 
 
-@pytest.mark.parametrize("world,name", [(2, "ring"), (2, "all_to_all"), (4, "ring"), (4, "all_to_all"),
-                                        (2, "glm_ring"), (4, "glm_all_to_all")])
+@pytest.mark.parametrize("world,name", [(w, n) for w in (2, 4) for n in UNCHECKPOINTED])
 def test_activation_bytes_match_saved_tensors(measured, world, name):
     plan = plan_tsp(_input(name, world))
     saved = max(per_rank[name]["saved"] for per_rank in measured[world])

@@ -12,6 +12,12 @@ transformers also loads (and ds_tsp therefore accepts) the per-expert tensors un
 [0, F), up = rows [F, 2F); `mlp.experts.down_proj` [E, h, F]; router `mlp.gate.weight`), which is also what an
 in-memory model's state_dict holds. `Aliases` maps each canonical name to where it lives in a given set of names,
 so loading reads only this rank's experts from any of these layouts.
+
+GPT-OSS checkpoints hold every layer's experts fused, and that is its canonical layout (no aliases):
+
+    GPT-OSS    model.layers.{l}.mlp.router.{weight [E, h], bias [E]}
+               mlp.experts.gate_up_proj [E, h, 2F] (gate / up interleaved: columns 0::2 / 1::2),
+               mlp.experts.gate_up_proj_bias [E, 2F], mlp.experts.down_proj [E, F, h], mlp.experts.down_proj_bias [E, h]
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ import torch
 
 _PROJ_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
                "glm4_moe": ("gate_proj", "up_proj", "down_proj")}
-_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "glm4_moe": "mlp."}
+_BLOCK = {"qwen3_moe": "mlp.", "mixtral": "block_sparse_moe.", "glm4_moe": "mlp.", "gpt_oss": "mlp."}
+GPT_OSS_EXPERTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 _WHICH = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FUSED = re.compile(r"^(.*\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -34,14 +41,22 @@ _ROUTER = re.compile(r"^(.*\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.gate\.weigh
 class MoENames:
     """Canonical names (relative to `model.layers.{l}.`) of one family's MoE block."""
 
-    family: str  # "qwen3_moe" | "mixtral" | "glm4_moe"
+    family: str  # "qwen3_moe" | "mixtral" | "glm4_moe" | "gpt_oss"
 
     @property
     def block(self) -> str:
         return _BLOCK[self.family]
 
     def router(self) -> str:
-        return f"{self.block}gate.weight"
+        return f"{self.block}router.weight" if self.family == "gpt_oss" else f"{self.block}gate.weight"
+
+    def router_bias(self) -> str:
+        """GPT-OSS's router bias (the other families' routers have none)."""
+        return f"{self.block}router.bias"
+
+    def fused(self, which: str) -> str:
+        """GPT-OSS: one tensor of every expert, which in GPT_OSS_EXPERTS."""
+        return f"{self.block}experts.{which}"
 
     def correction_bias(self) -> str:
         """GLM-4.5's per-expert choice bias (a buffer of the router)."""
@@ -69,7 +84,7 @@ class Source:
 
 def aliases(family: str | None, shapes: dict[str, tuple[int, ...]]) -> dict[str, Source]:
     """Canonical name -> Source for every MoE tensor of `shapes` (name -> shape) not already canonical."""
-    if family is None:
+    if family in (None, "gpt_oss"):  # GPT-OSS's fused experts are its canonical names
         return {}
     names, out = MoENames(family), {}
     for name, shape in shapes.items():

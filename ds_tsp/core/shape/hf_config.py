@@ -3,10 +3,11 @@
 A model loaded from a checkpoint keeps the checkpoint's own config object (all its fields survive a round trip)
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, grouped sigmoid
-routing -> GLM-4.5, qk_norm -> Qwen3-MoE else Mixtral; position-scaled queries -> Ministral 3; fused projections ->
-Phi-3; v norms, layer scalars, per-layer inputs, the full layers' own head_dim -> Gemma 4; sandwich norms, GeGLU,
-scaled embeddings -> Gemma 3; whole-projection q/k norms, post-norms -> OLMo 3;
-dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window on every layer -> Mistral, else Llama;
+routing -> GLM-4.5, attention sinks with biased clamped-SwiGLU experts -> GPT-OSS, qk_norm -> Qwen3-MoE else
+Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; v norms, layer scalars, per-layer
+inputs, the full layers' own head_dim -> Gemma 4; sandwich norms, GeGLU, scaled embeddings -> Gemma 3;
+whole-projection q/k norms, post-norms -> OLMo 3; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window
+on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
 model: load_config returns its text_config, and the model saves a text-only Qwen3_5ForCausalLM checkpoint.
@@ -90,6 +91,11 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
         return _hybrid_config_dict(shape, dtype)
     if shape.num_experts and shape.moe_routing == "sigmoid_grouped":
         return _glm4_moe_config_dict(shape, dtype)
+    if shape.moe_family == "gpt_oss":
+        return _gpt_oss_config_dict(shape, dtype)
+    if shape.attention_sinks or shape.attention_out_bias:
+        raise TSPConfigError("attention_sinks / attention_out_bias: GPT-OSS, the family with them, also has its "
+                             "experts (moe_biases, expert_activation='clamped_swiglu', moe_routing='topk_softmax')")
     if shape.num_experts:
         return _moe_config_dict(shape, dtype)
     if shape.query_scale_beta:
@@ -316,6 +322,28 @@ def _glm4_moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
             "n_group": shape.moe_groups, "topk_group": shape.moe_topk_groups,
             "routed_scaling_factor": shape.routed_scaling_factor, "norm_topk_prob": shape.norm_topk_prob,
             "num_nextn_predict_layers": 0}
+
+
+def _gpt_oss_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """GPT-OSS: attention sinks, q/k/v and o_proj biases (one attention_bias), sliding / full layer_types, experts
+    on every layer (biased, clamped SwiGLU, top-k-then-softmax routing)."""
+    if not shape.attention_sinks or shape.qkv_bias != shape.attention_out_bias or shape.dense_mlp_layers or \
+            shape.intermediate_size != shape.moe_intermediate_size:
+        raise TSPConfigError(f"attention_sinks={shape.attention_sinks}, qkv_bias={shape.qkv_bias}, attention_out_bias="
+                             f"{shape.attention_out_bias}, dense_mlp_layers={shape.dense_mlp_layers}, "
+                             f"moe_intermediate_size={shape.moe_intermediate_size}: GPT-OSS has attention sinks, one "
+                             "attention_bias for q/k/v and o_proj, experts of intermediate_size on every layer")
+    windows = shape.attention_windows or (None,) * shape.num_layers
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise TSPConfigError(f"attention_windows={windows}: GPT-OSS has one sliding_window for its sliding layers")
+    config = _common_fields(shape, dtype, "gpt_oss")
+    config.pop("hidden_act")
+    return {**config, "attention_bias": shape.qkv_bias, "num_local_experts": shape.num_experts,
+            "num_experts_per_tok": shape.num_experts_per_tok, "router_aux_loss_coef": shape.router_aux_loss_coef,
+            "output_router_logits": shape.output_router_logits, "swiglu_alpha": shape.swiglu_alpha,
+            "swiglu_limit": shape.swiglu_limit, "sliding_window": next(iter(sliding), None),
+            "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
 
 
 def _hybrid_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:

@@ -61,11 +61,12 @@ class ModelShape:
     # 1/D like the MLP) scaled by sigmoid(shared_expert_gate(x)); 0: none
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = True  # False (GLM-4.5): the shared expert's output is added unscaled, no gate
-    # How a token picks its experts (ds_tsp.core.layers.moe.routing): "softmax" (Qwen3-MoE, Mixtral: top-k of the
-    # softmax) or "sigmoid_grouped" (GLM-4.5: sigmoid scores, the experts CHOSEN by scores + a per-expert correction
-    # bias buffer within the moe_topk_groups best of moe_groups expert groups, weighted by the uncorrected scores
-    # times routed_scaling_factor)
-    moe_routing: str = "softmax"
+    # How a token picks its experts (ds_tsp.core.layers.moe.routing): "softmax_topk" (Qwen3-MoE, Mixtral: a float32
+    # softmax over every expert, then the top-k), "topk_softmax" (GPT-OSS: the softmax over the top-k logits, in
+    # their dtype) or "sigmoid_grouped" (GLM-4.5: sigmoid scores, the experts CHOSEN by scores + a per-expert
+    # correction bias buffer within the moe_topk_groups best of moe_groups expert groups, weighted by the
+    # uncorrected scores times routed_scaling_factor)
+    moe_routing: str = "softmax_topk"
     moe_groups: int = 1
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
@@ -98,6 +99,17 @@ class ModelShape:
     # post_feedforward_layernorm; no input norms): h = h + norm(attn(h)); h = h + norm(mlp(h))
     projection_qk_norm: bool = False
     post_norms: bool = False
+    # GPT-OSS: a learned logit per query head in every attention softmax's denominator (attention sinks, sharded
+    # with the head blocks) and a bias on o_proj too (added once per token after the output projection); its MoE
+    # experts: biases on the router and on every expert's gate_up / down, the clamped SwiGLU (gate <= limit,
+    # |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate)) with gate / up interleaved in gate_up, and routing
+    # moe_routing "topk_softmax" (softmax over the top-k logits, in their dtype)
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    moe_biases: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # Gemma 4: the full-attention layers' own head_dim (transformers' global_head_dim; None: head_dim, the sliding
     # layers'), every v head RMS-normalised without a weight (v_norm), each layer's output scaled by its
     # checkpoint's layer_scalar (a buffer), per-layer inputs (PLE: a [per_layer_input_vocab_size, num_layers *
@@ -154,6 +166,7 @@ class ModelShape:
         if self.mlp_activation != "silu" and (self.num_experts or self.has_linear_attention):
             raise TSPConfigError(f"mlp_activation={self.mlp_activation!r} with experts or linear attention: those "
                                  "blocks are SwiGLU (silu) only")
+        self._check_gpt_oss_fields()
         if self.sliding_rope_theta and self.attention_windows is None:
             raise TSPConfigError("sliding_rope_theta without sliding-window layers: it is the RoPE of those layers")
         self._check_olmo_fields()
@@ -180,6 +193,25 @@ class ModelShape:
         if self.post_norms and (self.sandwich_norms or self.has_linear_attention):
             raise TSPConfigError("post_norms with sandwich_norms or linear attention: OLMo's post-norm layer has "
                                  "norms on the sublayer outputs only, and full attention")
+
+    def _check_gpt_oss_fields(self) -> None:
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise TSPConfigError(f"expert_activation={self.expert_activation!r}: TSP's experts compute "
+                                 f"{', '.join(EXPERT_ACTIVATIONS)}")
+        gpt_oss = (self.moe_biases, self.expert_activation == "clamped_swiglu", self.moe_routing == "topk_softmax")
+        if any(gpt_oss) and not (all(gpt_oss) and self.num_experts):
+            raise TSPConfigError(f"moe_biases={self.moe_biases}, expert_activation={self.expert_activation!r}, "
+                                 f"moe_routing={self.moe_routing!r}: these are GPT-OSS's experts (one checkpoint "
+                                 "layout, gate/up interleaved) and come together, in a shape with experts")
+        if any(gpt_oss) and (self.has_linear_attention or self.shared_expert_intermediate_size or self.qk_norm):
+            raise TSPConfigError("GPT-OSS experts (moe_biases, clamped_swiglu) with linear attention, a shared "
+                                 "expert or q/k norms: no transformers family has that combination")
+        if self.expert_activation == "clamped_swiglu" and not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            raise TSPConfigError(f"swiglu_alpha={self.swiglu_alpha}, swiglu_limit={self.swiglu_limit}: the clamped "
+                                 "SwiGLU needs both > 0")
+        if (self.attention_sinks or self.attention_out_bias) and self.has_linear_attention:
+            raise TSPConfigError("attention_sinks / attention_out_bias with linear attention: hybrid models have "
+                                 "neither")
 
     def _check_hybrid_fields(self) -> None:
         if isinstance(self.layer_types, list):  # from a JSON manifest
@@ -288,10 +320,14 @@ class ModelShape:
     @property
     def moe_family(self) -> str | None:
         """The transformers family whose checkpoint names an MoE model uses: GLM-4.5 routes by grouped sigmoid
-        scores, Qwen3-MoE has q/k norms, Mixtral not."""
+        scores, GPT-OSS's experts are clamped SwiGLUs with biases, Qwen3-MoE has q/k norms, Mixtral not."""
         if self.num_experts == 0:
             return None
-        return "glm4_moe" if self.moe_routing == "sigmoid_grouped" else "qwen3_moe" if self.qk_norm else "mixtral"
+        if self.moe_routing == "sigmoid_grouped":
+            return "glm4_moe"
+        if self.expert_activation == "clamped_swiglu":  # GPT-OSS: fused 3D experts with biases
+            return "gpt_oss"
+        return "qwen3_moe" if self.qk_norm else "mixtral"
 
     def layer_rope(self, layer: int) -> str:
         """Which RoPE decoder layer `layer` rotates with: "sliding" (its own theta, Gemma 3) or "full"."""
@@ -371,6 +407,7 @@ class ModelShape:
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 def _multiples(n: int, limit: int) -> list[int]:

@@ -23,16 +23,16 @@ def check_moe_fields(shape) -> None:
     check_routing(shape)
 
 
-MOE_ROUTINGS = ("softmax", "sigmoid_grouped")
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
 
 
 def check_routing(shape) -> None:
-    """The routing kind and its fields: softmax top-k has no groups and no scaling; sigmoid_grouped (GLM-4.5) splits
-    the experts into moe_groups groups of at least 2 (a group scores the sum of its best two)."""
+    """The routing kind and its fields: the softmax routings have no groups and no scaling; sigmoid_grouped
+    (GLM-4.5) splits the experts into moe_groups groups of at least 2 (a group scores the sum of its best two)."""
     if shape.moe_routing not in MOE_ROUTINGS:
         raise TSPConfigError(f"moe_routing={shape.moe_routing!r}: TSP routes by {', '.join(MOE_ROUTINGS)}")
     groups, keep, scale = shape.moe_groups, shape.moe_topk_groups, shape.routed_scaling_factor
-    if shape.moe_routing == "softmax":
+    if shape.moe_routing != "sigmoid_grouped":
         if (groups, keep, scale) != (1, 1, 1.0):
             raise TSPConfigError(f"moe_groups={groups}, moe_topk_groups={keep}, routed_scaling_factor={scale} with "
                                  "softmax routing: grouped and scaled routing is moe_routing='sigmoid_grouped'")

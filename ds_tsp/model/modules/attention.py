@@ -1,5 +1,7 @@
 """TSP attention as a sharded piece: head block p of q/k/v/o packed in one parameter (ds_tsp.core.layers.attention
-runs it), the replicated q/k norms beside it (Qwen3's per head, OLMo's over the whole projection)."""
+runs it; GPT-OSS's per-head sinks ride in it too), the replicated q/k norms beside it (Qwen3's per head, OLMo's
+over the whole projection) and GPT-OSS's o_proj bias (a replicated [h] vector, added once per token after the
+locally accumulated output projection)."""
 from __future__ import annotations
 
 import torch
@@ -27,7 +29,7 @@ class HeadNorm(nn.Module):
 
 class TSPAttention(ShardedPiece):
     PIECES = {"wq": "q_proj.weight", "wk": "k_proj.weight", "wv": "v_proj.weight", "wo": "o_proj.weight",
-              "bq": "q_proj.bias", "bk": "k_proj.bias", "bv": "v_proj.bias"}
+              "bq": "q_proj.bias", "bk": "k_proj.bias", "bv": "v_proj.bias", "sinks": "sinks"}
 
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
@@ -48,7 +50,7 @@ class TSPAttention(ShardedPiece):
                                   norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate,
                                   softmax_scale=shape.attention_scale, projection_norm=shape.projection_qk_norm,
                                   value_norm_eps=shape.rms_norm_eps if shape.value_norm else None,
-                                  values_from_keys=shape.layer_values_from_keys(layer))
+                                  values_from_keys=shape.layer_values_from_keys(layer), sinks=shape.attention_sinks)
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's attention
@@ -58,13 +60,16 @@ class TSPAttention(ShardedPiece):
         elif shape.projection_qk_norm:  # OLMo: over the whole q / k projection
             self.q_norm = HeadNorm(shape.num_heads * shape.dim_per_head, dtype, device)
             self.k_norm = HeadNorm(shape.num_kv_heads * shape.dim_per_head, dtype, device)
+        self.o_proj_bias = (nn.Parameter(torch.zeros(shape.hidden_size, dtype=dtype, device=device))
+                            if shape.attention_out_bias else None)
 
     def forward(self, x, rope: RopeTables, doc_starts=None):
         qk = None
         if self.spec.qk_norm_eps is not None:
             qk = (replicated_param(self.q_norm.weight, self.comm), replicated_param(self.k_norm.weight, self.comm))
-        return tsp_attention(x, self.weight_shard(), rope.cos, rope.sin, self.spec, self.comm, qk_norm=qk,
-                             doc_starts=doc_starts, q_scale=rope.q_scale)
+        y = tsp_attention(x, self.weight_shard(), rope.cos, rope.sin, self.spec, self.comm, qk_norm=qk,
+                          doc_starts=doc_starts, q_scale=rope.q_scale)
+        return y if self.o_proj_bias is None else y + replicated_param(self.o_proj_bias, self.comm)
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         s, h = self.spec, self.spec.hidden
@@ -76,6 +81,8 @@ class TSPAttention(ShardedPiece):
                   "o_proj.weight": (h, q)}
         if s.qkv_bias:
             shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+        if s.sinks:
+            shapes["sinks"] = (self.num_heads,)
         return _without_values(shapes, s)
 
     def hf_keys(self) -> dict[str, str | tuple[str, ...]]:
@@ -95,6 +102,9 @@ class TSPAttention(ShardedPiece):
         if self.spec.qkv_bias:
             slices.update({"q_proj.bias": (0, p * qr, qr), "k_proj.bias": (0, pk * kv, kv),
                            "v_proj.bias": (0, pk * kv, kv)})
+        if self.spec.sinks:
+            nq = self.spec.heads_per_block
+            slices["sinks"] = (0, p * nq, nq)
         return _without_values(slices, self.spec)
 
     def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -111,6 +121,8 @@ class TSPAttention(ShardedPiece):
             full["v_proj.weight"] = cat("wv")
         if self.spec.qkv_bias:
             full.update({"q_proj.bias": cat("bq"), "k_proj.bias": cat("bk"), "v_proj.bias": cat("bv")})
+        if self.spec.sinks:
+            full["sinks"] = cat("sinks")
         return full
 
     def extra_repr(self) -> str:

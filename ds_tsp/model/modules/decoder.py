@@ -155,8 +155,10 @@ class TSPDecoderLayer(nn.Module):
         elif self.self_attn.spec.qk_norm_eps is not None:
             out[f"{prefix}self_attn.q_norm.weight"] = self.self_attn.q_norm.weight
             out[f"{prefix}self_attn.k_norm.weight"] = self.self_attn.k_norm.weight
+        if not self.is_linear_attention and self.self_attn.o_proj_bias is not None:  # GPT-OSS
+            out[f"{prefix}self_attn.o_proj.bias"] = self.self_attn.o_proj_bias
         if self.is_moe:
-            out[prefix + self.mlp.router_name()] = self.mlp.gate.weight
+            out.update({prefix + name: p for name, p in self.mlp.router_params().items()})
             if self.mlp.shared_expert_gate is not None:
                 out[f"{prefix}mlp.shared_expert_gate.weight"] = self.mlp.shared_expert_gate.weight
         return out

@@ -72,15 +72,17 @@ class MoEGeometry:
     bytes_per_layer: dict  # schedule -> bytes one rank sends per sparse layer, fwd + bwd (moe_bytes_per_layer)
     grouped: bool = False  # the expert GEMMs run grouped (select_expert_gemm: bf16 on a GPU / meta), else the loop
     checkpointing: bool = False  # activation checkpointing: each sparse layer's forward (and its host read) reruns
+    biases: bool = False  # GPT-OSS: every expert's gate_up / down biases (in the shard), the router's bias
+    topk_softmax: bool = False  # GPT-OSS's routing: the softmax over the top-k logits only
 
     @property
     def shard(self) -> int:
         """This rank's packed experts, elements."""
-        return self.E_r * 3 * self.F * self.h
+        return self.E_r * (3 * self.F * self.h + ((2 * self.F + self.h) if self.biases else 0))
 
     @property
     def router(self) -> int:
-        return self.E * self.h
+        return self.E * self.h + (self.E if self.biases else 0)
 
     @property
     def rows(self) -> int:
@@ -114,7 +116,8 @@ def moe_geometry(inp: PlanInput, tokens_per_rank: int, schedule: str | None = No
     if not m.num_experts:
         return None
     D, b = inp.degree, inp.dtype_bytes
-    args = (tokens_per_rank, m.hidden_size, m.moe_intermediate_size, m.num_experts, m.num_experts_per_tok, D, b)
+    args = (tokens_per_rank, m.hidden_size, m.moe_intermediate_size, m.num_experts, m.num_experts_per_tok, D, b,
+            m.moe_biases)
     requested = schedule or inp.moe_dispatch
     try:
         cost = moe_bytes_per_layer(*args)
@@ -124,7 +127,8 @@ def moe_geometry(inp: PlanInput, tokens_per_rank: int, schedule: str | None = No
         raise PlanInputError("degree" if "num_experts" in str(exc) else "moe_dispatch", f"tsp: {exc}") from None
     return MoEGeometry(m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.num_experts // D,
                        m.hidden_size, D, tokens_per_rank, b, chosen, auto, cost, grouped=inp.dtype == "bf16",
-                       checkpointing=inp.activation_checkpointing)
+                       checkpointing=inp.activation_checkpointing, biases=m.moe_biases,
+                       topk_softmax=m.moe_routing == "topk_softmax")
 
 
 def stage_layer_ids(inp: PlanInput, stage: Stage) -> range:
@@ -195,7 +199,8 @@ def sparse_layer_terms(inp: PlanInput, dense_fwd: list[CommTerm], dense_bwd: lis
 def router_grad_elems(inp: PlanInput, stage: Stage) -> int:
     """Router weights on `stage`, whose grads join the one replicated-grads all-reduce (pp = 1)."""
     m = inp.model
-    return sparse_count(inp, stage) * m.num_experts * m.hidden_size if m.num_experts else 0
+    per_layer = m.num_experts * m.hidden_size + (m.num_experts if m.moe_biases else 0)  # GPT-OSS: + the bias
+    return sparse_count(inp, stage) * per_layer if m.num_experts else 0
 
 
 def moe_step_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
@@ -210,6 +215,10 @@ def moe_step_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
         router = m.num_experts * m.hidden_size * inp.dtype_bytes
         out.append(term("MoE router grad all-reduce (per sparse layer)", "replicated_grad", router, n,
                         n * all_reduce_bytes(router, D)))
+        if m.moe_biases:  # GPT-OSS: the router's bias, its own replicated param
+            bias = m.num_experts * inp.dtype_bytes
+            out.append(term("MoE router bias grad all-reduce (per sparse layer)", "replicated_grad", bias, n,
+                            n * all_reduce_bytes(bias, D)))
     if m.output_router_logits and stage.embed and stage.head:
         payload = (m.num_experts + 1) * compute_bytes(inp.dtype_bytes)
         out.append(term("MoE aux loss counts all-reduce", "all_reduce", payload, 1, all_reduce_bytes(payload, D)))
@@ -220,8 +229,11 @@ def moe_step_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
 def moe_saved(inp: PlanInput, m: MoEGeometry) -> int:
     """Saved for backward by one sparse MLP beyond its input x (module docstring)."""
     T, R, b, model = m.T, m.rows, m.b, inp.model
-    saved = T * m.E * 4 + R * INDEX_BYTES + R * b + R * INDEX_BYTES + m.E * INDEX_BYTES
-    if model.norm_topk_prob:
+    if m.topk_softmax:  # GPT-OSS: top-k of the logits (indices), softmax of those k (its output: the weights)
+        saved = R * INDEX_BYTES + R * b + R * INDEX_BYTES + m.E * INDEX_BYTES
+    else:
+        saved = T * m.E * 4 + R * INDEX_BYTES + R * b + R * INDEX_BYTES + m.E * INDEX_BYTES
+    if model.norm_topk_prob and not m.topk_softmax:
         saved += R * 4 + T * 4  # the division's numerator and denominator
     if m.schedule == "all_to_all":
         saved += R * INDEX_BYTES  # arrival permutation (even routing: R rows arrive)

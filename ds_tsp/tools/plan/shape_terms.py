@@ -29,21 +29,30 @@ class Dims:
     bias: bool
     tied: bool
     q_scaled: bool = False  # queries scaled per position after RoPE (Ministral 3): one more table per step
+    sinks: bool = False  # GPT-OSS: one sink logit per query head, in the packed attention shard
+    out_bias: bool = False  # GPT-OSS: o_proj's bias [h], replicated
 
     @classmethod
     def of(cls, m: ModelShape) -> "Dims":
         return cls(m.hidden_size, m.intermediate_size, m.vocab_size, m.num_layers, m.num_heads, m.num_kv_heads,
-                   m.dim_per_head, m.qkv_bias, m.tie_word_embeddings, m.query_scale_beta > 0)
+                   m.dim_per_head, m.qkv_bias, m.tie_word_embeddings, m.query_scale_beta > 0, m.attention_sinks,
+                   m.attention_out_bias)
 
     def attn(self, nq: int, nkv: int) -> int:
-        """Attention weights for nq query heads and nkv kv heads (the packed TSP layout: q, k, v, o + biases)."""
+        """Attention weights for nq query heads and nkv kv heads (the packed TSP layout: q, k, v, o + biases and
+        sinks)."""
         q, kv = nq * self.d, nkv * self.d
-        return 2 * q * self.h + 2 * kv * self.h + ((q + 2 * kv) if self.bias else 0)
+        return 2 * q * self.h + 2 * kv * self.h + ((q + 2 * kv) if self.bias else 0) + (nq if self.sinks else 0)
+
+    @property
+    def replicated_attn(self) -> int:
+        """Attention params every rank holds whole (GPT-OSS's o_proj bias)."""
+        return self.h if self.out_bias else 0
 
     @property
     def layer(self) -> int:
         """One decoder layer: attention, the gated MLP (3hF) and its two norms."""
-        return self.attn(self.nq, self.nkv) + 3 * self.h * self.F + 2 * self.h
+        return self.attn(self.nq, self.nkv) + self.replicated_attn + 3 * self.h * self.F + 2 * self.h
 
     @property
     def model(self) -> int:

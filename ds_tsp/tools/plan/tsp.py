@@ -39,8 +39,8 @@ from ds_tsp.tools.plan.moe_terms import (
     moe_saved,
     moe_summary,
     moe_transients,
-    sparse_count,
     shared_expert_shard,
+    sparse_count,
     sparse_layer_params,
     sparse_layer_terms,
     stage_layer_ids,
@@ -125,6 +125,7 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     dense_fwd, dense_bwd = fwd, bwd
     qk_norms = qk_norm_elems(inp.model)  # Qwen3's / OLMo's q/k norm weights, replicated
     layer_norms = (4 if inp.model.sandwich_norms else 2) * dims.h
+    layer_norms += dims.replicated_attn  # GPT-OSS's o_proj bias: replicated like the norms
     layer_params = g.A + g.M + layer_norms + qk_norms
     transients = tsp_transients(inp, g)
     per_layer = tsp_layer_saved(inp, g)

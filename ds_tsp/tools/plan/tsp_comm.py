@@ -92,6 +92,9 @@ def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
         norms = 4 if inp.model.sandwich_norms else 2
         bwd.append(term(f"norm weight grad all-reduce ({norms} norms)", "replicated_grad", dims.h * b, norms,
                         norms * all_reduce_bytes(dims.h * b, D)))
+        if dims.out_bias:  # GPT-OSS's o_proj bias, replicated like a norm
+            bwd.append(term("o_proj bias grad all-reduce", "replicated_grad", dims.h * b, 1,
+                            all_reduce_bytes(dims.h * b, D)))
     if g.kv_replicas > 1:
         kv_grad = (2 * g.nkv_b * dims.d * dims.h + (2 * g.nkv_b * dims.d if dims.bias else 0)) * b
         bwd.append(term("kv weight grad all-gather (replica sum)", "all_gather", D * kv_grad, 1,
@@ -151,6 +154,7 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
     else:  # ds_tsp.core.grads.replicated: every replicated weight's grad in ONE all-reduce per backward
         norms = 4 if inp.model.sandwich_norms else 2  # per layer (Gemma 3 norms each sublayer's output too)
         flat = (norms * stage.layers + 1) * h + stage.layers * qk_norm_elems(inp.model)
+        flat += stage.layers * g.dims.replicated_attn  # GPT-OSS's o_proj biases
         flat += router_grad_elems(inp, stage)  # MoE routers are replicated too
         terms.append(term("replicated grads all-reduce (norms, bucketed)", "replicated_grad", flat * b, 1,
                           all_reduce_bytes(flat * b, D)))

@@ -34,6 +34,10 @@ Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] row
 q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
 output is multiplied by sigmoid(gate) before wo. The gate is recomputed with q in backward (or saved with it when
 recompute_projections is False). Partial rotary: cos/sin [.., r] with r < d rotate the first r dims of every head.
+Attention sinks (GPT-OSS, spec.sinks): the block's query heads' sink logits [nq] are a piece of its packed shard
+(they travel, and their grads return to the owner, with the block's weights); ds_tsp.core.layers.attention.sinks
+applies them to the block's merged (out, lse) after whichever path computed it (plain, masked, varlen, cp ring or
+cp window), and "out" saved for backward is the sinked output.
 
 Saved per block: the attention output and its log-sum-exp (local, O(S/D)); plus x once. Backward re-broadcasts
 each block's shard, recomputes the cheap local projections q, k, v from x (three small GEMMs instead of keeping
@@ -97,6 +101,7 @@ from ds_tsp.core.layers.attention.projection_norm import (
     qk_rows_backward,
     suffix_grad,
 )
+from ds_tsp.core.layers.attention.sinks import sinks_backward, sinks_forward
 from ds_tsp.core.layers.norm import rms_norm, rms_norm_backward
 from ds_tsp.core.layers.shard_rebuild import save_with_shard, saved_with_shard
 from ds_tsp.core.layers.weight_packing import PackedLayout
@@ -139,6 +144,7 @@ class AttentionSpec:
     # OLMo 2/3: q_norm / k_norm (eps qk_norm_eps) over a token's whole q / k projection, not per head
     # (ds_tsp.core.layers.attention.projection_norm)
     projection_norm: bool = False
+    sinks: bool = False  # GPT-OSS: a learned logit per query head in the softmax's denominator (attention.sinks)
 
     @property
     def scale(self) -> float:
@@ -153,6 +159,8 @@ class AttentionSpec:
             pieces += [("bq", (q_rows,)), ("bk", (kv,)), ("bv", (kv,))]
         if self.values_from_keys:
             pieces = [p for p in pieces if p[0] not in ("wv", "bv")]
+        if self.sinks:  # the block's query heads' sinks travel with their weights
+            pieces.append(("sinks", (self.heads_per_block,)))
         return PackedLayout(tuple(pieces))
 
 
@@ -296,6 +304,8 @@ class _TSPAttention(torch.autograd.Function):
                     outs.append(o)
                     lses.append(lse)
                 out = torch.cat(outs, dim=1)
+            if spec.sinks:  # on the merged (out, lse) of every path (attention.sinks)
+                out = sinks_forward(out, torch.cat(lses, dim=2), w["sinks"])
             y.add_(F.linear(_gate_forward(out, gate).reshape(B, L, -1), w["wo"]))
             block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q, "gate": gate}
             saved_blocks += [block[name] for name in spec.saved_per_block()]
@@ -404,8 +414,12 @@ class _TSPAttention(torch.autograd.Function):
             q, gate = ((block["q"], block.get("gate")) if "q" in block
                        else _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale))
             dout, dgate = _gate_backward((dy2d @ w["wo"]).view_as(out), out, gate)
+            if spec.sinks:  # out is the sinked output: the kernels take dout * g with it (attention.sinks)
+                dout, dsinks = sinks_backward(dout, out, torch.cat(lses, dim=2), w["sinks"])
             gated = _gate_forward(out, gate)
             grads = {"wo": dy2d.t() @ gated.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
+            if need_w and spec.sinks:
+                grads["sinks"] = dsinks
             del gated
             if first:
                 kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()

@@ -61,8 +61,7 @@ class MoEAllToAll(torch.autograd.Function):
         rows = recv[perm]
         del recv
         w = spec.layout.unpack(experts_shard)
-        out_sorted, gu = experts_forward(rows, w["gate_up"], w["down"], groups,
-                                         keep_projections=not spec.recompute_projections)
+        out_sorted, gu = experts_forward(rows, w, groups, spec.glu, keep_projections=not spec.recompute_projections)
         out_arrived = torch.empty_like(out_sorted).index_copy_(0, perm, out_sorted)
         del out_sorted
         back = x2d.new_empty((tok.numel(), h))
@@ -101,8 +100,8 @@ class MoEAllToAll(torch.autograd.Function):
         del got  # nothing views it any more: the received rows are freed before the expert GEMMs
         need_w = ctx.needs_input_grad[3]
         w = spec.layout.unpack(experts_shard)
-        drows, dw, d_gate_up, d_down = experts_backward(rows, dy_rows, w_rows, w["gate_up"], w["down"],
-                                                        ctx.groups, projections=gu, need_weight_grad=need_w)
+        drows, dw, grads = experts_backward(rows, dy_rows, w_rows, w, ctx.groups, spec.glu, projections=gu,
+                                            need_weight_grad=need_w)
         del rows, dy_rows
         ret = torch.cat([drows, dw[:, None]], dim=1)
         ret_arrived = torch.empty_like(ret).index_copy_(0, perm, ret)
@@ -112,5 +111,5 @@ class MoEAllToAll(torch.autograd.Function):
         del ret_arrived
         dx = torch.zeros_like(x2d).index_add_(0, tok, back[:, :h])
         dw_flat = torch.zeros_like(w_sorted).index_copy_(0, order, back[:, h])
-        grad_shard = spec.layout.pack({"gate_up": d_gate_up, "down": d_down}) if need_w else None
+        grad_shard = spec.layout.pack(grads) if need_w else None
         return dx, dw_flat.view_as(top_w), None, grad_shard, None, None, None

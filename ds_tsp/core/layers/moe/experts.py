@@ -10,11 +10,14 @@ select_expert_gemm picks one like ds_tsp.core.layers.attention.kernels.select_ba
 bf16 where torch ships the kernel, and on the meta device (bf16) where no count can be read; the loop everywhere else.
 
 Weights: gate_up [E_r, 2F, h] (gate = rows [0, F), up = rows [F, 2F)) and down [E_r, h, F], transformers' fused
-in-memory layout. The expert output returned is UNWEIGHTED (callers multiply by the routing weight), so the
-routing-weight gradient is dot(dy_row, out_row) = dot(dy_row @ W_down, act_row) (no third GEMM in backward).
+in-memory layout; GPT-OSS's (ExpertGLU "clamped_swiglu") interleave gate / up rows (0::2 / 1::2) and add biases
+gate_up_bias [E_r, 2F] and down_bias [E_r, h]. The expert output returned is UNWEIGHTED (callers multiply by the
+routing weight), so the routing-weight gradient is dot(dy_row, out_row) = dot(dy_row @ W_down, act_row)
+(+ dot(dy_row, b_down) with biases; no third GEMM in backward).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -64,68 +67,130 @@ def _bounds(counts: list) -> list[tuple[int, int, int]]:
     return out
 
 
-def experts_forward(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, groups: Groups,
+@dataclass(frozen=True)
+class ExpertGLU:
+    """The experts' gated unit on the gate_up projection gu [M, 2F]:
+    "silu": SwiGLU, gate = columns [0, F), up = [F, 2F) (Qwen3-MoE, Mixtral);
+    "clamped_swiglu": GPT-OSS's, gate / up interleaved (columns 0::2 / 1::2, its checkpoint's order) and
+        gate = min(gate, limit), up = clamp(up, -limit, limit), act = (up + 1) * gate * sigmoid(alpha * gate)
+        (torch.clamp's gradient: 1 where the bound is not exceeded, bounds included)."""
+
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def split(self, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.activation == "clamped_swiglu":
+            return gu[:, 0::2], gu[:, 1::2]
+        f = gu.shape[1] // 2
+        return gu[:, :f], gu[:, f:]
+
+    def forward(self, gu: torch.Tensor) -> torch.Tensor:
+        gate, up = self.split(gu)
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def backward(self, dact: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(act, d gu in gu's column order) from d act."""
+        gate, up = self.split(gu)
+        if self.activation == "silu":
+            silu_gate = F.silu(gate)
+            # aten's fused silu_backward, as in the dense MLP
+            return silu_gate * up, torch.cat([torch.ops.aten.silu_backward(dact * up, gate), dact * silu_gate], 1)
+        gc, uc = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        sig = torch.sigmoid(gc * self.alpha)
+        glu = gc * sig
+        dgate = dact * (uc + 1) * (sig + gc * self.alpha * sig * (1 - sig)) * (gate <= self.limit)
+        dup = dact * glu * ((up >= -self.limit) & (up <= self.limit))
+        return (uc + 1) * glu, torch.stack((dgate, dup), dim=-1).reshape(gu.shape)
+
+
+def _row_experts(groups: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's expert (local index) from the grouped path's device offsets (cumulative row ends); no host read.
+    Clamped for the meta device's static windows, whose rows past the offsets compute nothing."""
+    index = torch.searchsorted(groups, torch.arange(rows, device=groups.device, dtype=groups.dtype), right=True)
+    return index.clamp(max=groups.numel() - 1)
+
+
+def experts_forward(rows: torch.Tensor, w: dict, groups: Groups, glu: ExpertGLU = ExpertGLU(),
                     keep_projections: bool = False):
-    """rows [M, h] sorted by expert -> (unweighted outputs [M, h], the gate/up pre-activations [M, 2F] if
-    keep_projections else None). groups: list = loop over host counts, tensor = one grouped GEMM per projection."""
+    """rows [M, h] sorted by expert; w: the unpacked experts (gate_up [E_r, 2F, h], down [E_r, h, F], and with
+    biases gate_up_bias [E_r, 2F], down_bias [E_r, h]) -> (unweighted outputs [M, h], the gate/up pre-activations
+    [M, 2F] if keep_projections else None). groups: list = loop over host counts, tensor = one grouped GEMM per
+    projection."""
+    gate_up, down = w["gate_up"], w["down"]
+    b_gu, b_down = w.get("gate_up_bias"), w.get("down_bias")
     f = down.shape[-1]
     if isinstance(groups, torch.Tensor):
         gu = _gmm(rows, gate_up.transpose(-2, -1), groups)
-        act = F.silu(gu[:, :f]) * gu[:, f:]
-        out = _gmm(act, down.transpose(-2, -1), groups)
+        if b_gu is not None:
+            experts = _row_experts(groups, rows.shape[0])
+            gu = gu + b_gu[experts]
+        out = _gmm(glu.forward(gu), down.transpose(-2, -1), groups)
+        if b_down is not None:
+            out = out + b_down[experts]
         return out, (gu if keep_projections else None)
     out = torch.zeros_like(rows)
     gu_all = rows.new_zeros((rows.shape[0], 2 * f)) if keep_projections else None
     for j, a, b in _bounds(groups):
-        gu = F.linear(rows[a:b], gate_up[j])
-        out[a:b] = F.linear(F.silu(gu[:, :f]) * gu[:, f:], down[j])
+        gu = F.linear(rows[a:b], gate_up[j], None if b_gu is None else b_gu[j])
+        out[a:b] = F.linear(glu.forward(gu), down[j], None if b_down is None else b_down[j])
         if keep_projections:
             gu_all[a:b] = gu
     return out, gu_all
 
 
-def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, groups: Groups, *, projections: torch.Tensor | None = None,
+def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.Tensor, w: dict, groups: Groups,
+                     glu: ExpertGLU = ExpertGLU(), *, projections: torch.Tensor | None = None,
                      need_weight_grad: bool = True):
     """Backward of out_row * weight_row, recomputing the activations (unless `projections` kept them).
 
-    rows [M, h], dy_rows [M, h] (the layer's output grad at each row's token), weights [M] (routing weights).
-    Returns (d rows [M, h], d weights [M], d gate_up, d down) -- the last two None if not need_weight_grad.
+    rows [M, h], dy_rows [M, h] (the layer's output grad at each row's token), weights [M] (routing weights), w as
+    experts_forward's. Returns (d rows [M, h], d weights [M], {name of w: its grad} or None if not need_weight_grad).
     """
-    f = down.shape[-1]
-    grouped = isinstance(groups, torch.Tensor)
-    if grouped:
-        gu = projections if projections is not None else _gmm(rows, gate_up.transpose(-2, -1), groups)
+    gate_up, down = w["gate_up"], w["down"]
+    b_gu, b_down = w.get("gate_up_bias"), w.get("down_bias")
+    biased = b_gu is not None
+    if isinstance(groups, torch.Tensor):
+        experts = _row_experts(groups, rows.shape[0]) if biased else None
+        if projections is not None:
+            gu = projections
+        else:
+            gu = _gmm(rows, gate_up.transpose(-2, -1), groups)
+            gu = gu if not biased else gu + b_gu[experts]
         g = _gmm(dy_rows, down, groups)  # dy_row @ W_down: [M, F]
-        gate, up = gu[:, :f], gu[:, f:]
-        silu_gate = F.silu(gate)
-        act = silu_gate * up
-        dw = (g * act).sum(-1)
         dact = g * weights[:, None]
-        dgu = torch.cat([torch.ops.aten.silu_backward(dact * up, gate), dact * silu_gate], dim=1)
+        act, dgu = glu.backward(dact, gu)
+        dw = (g * act).sum(-1)
+        if biased:  # out = act @ W_down^T + b_down: the routing weight multiplies the bias too
+            dw = dw + (dy_rows * b_down[experts]).sum(-1)
         drows = _gmm(dgu, gate_up, groups)
         if not need_weight_grad:
-            return drows, dw, None, None
-        d_gate_up = _gmm(dgu.t(), rows, groups)  # [E_r, 2F, h]
-        d_down = _gmm((dy_rows * weights[:, None]).t(), act, groups)  # [E_r, h, F]
-        return drows, dw, d_gate_up, d_down
+            return drows, dw, None
+        dy_w = dy_rows * weights[:, None]
+        # [E_r, 2F, h], [E_r, h, F]
+        grads = {"gate_up": _gmm(dgu.t(), rows, groups), "down": _gmm(dy_w.t(), act, groups)}
+        if biased:
+            grads["gate_up_bias"] = torch.zeros_like(b_gu).index_add_(0, experts, dgu)
+            grads["down_bias"] = torch.zeros_like(b_down).index_add_(0, experts, dy_w)
+        return drows, dw, grads
     drows = torch.zeros_like(rows)
     dw = rows.new_zeros(rows.shape[0])
-    d_gate_up = torch.zeros_like(gate_up) if need_weight_grad else None
-    d_down = torch.zeros_like(down) if need_weight_grad else None
+    grads = {name: torch.zeros_like(t) for name, t in w.items()} if need_weight_grad else None
     for j, a, b in _bounds(groups):
         x_j, dy_j, w_j = rows[a:b], dy_rows[a:b], weights[a:b, None]
-        gu = projections[a:b] if projections is not None else F.linear(x_j, gate_up[j])
-        gate, up = gu[:, :f], gu[:, f:]
-        silu_gate = F.silu(gate)
-        act = silu_gate * up
+        gu = (projections[a:b] if projections is not None
+              else F.linear(x_j, gate_up[j], b_gu[j] if biased else None))
         g = dy_j @ down[j]
-        dw[a:b] = (g * act).sum(-1)
-        dact = g * w_j
-        # aten's fused silu_backward, as in the dense MLP
-        dgu = torch.cat([torch.ops.aten.silu_backward(dact * up, gate), dact * silu_gate], dim=1)
+        act, dgu = glu.backward(g * w_j, gu)
+        dw[a:b] = (g * act).sum(-1) if not biased else (g * act).sum(-1) + dy_j @ b_down[j]
         drows[a:b] = dgu @ gate_up[j]
         if need_weight_grad:
-            d_gate_up[j] = dgu.t() @ x_j
-            d_down[j] = (dy_j * w_j).t() @ act
-    return drows, dw, d_gate_up, d_down
+            grads["gate_up"][j] = dgu.t() @ x_j
+            grads["down"][j] = (dy_j * w_j).t() @ act
+            if biased:
+                grads["gate_up_bias"][j] = dgu.sum(0)
+                grads["down_bias"][j] = (dy_j * w_j).sum(0)
+    return drows, dw, grads

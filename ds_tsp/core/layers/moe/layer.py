@@ -33,7 +33,7 @@ from ds_tsp.core.layers.amp import apply_autocast, dtype_inside
 from ds_tsp.core.layers.moe.all_to_all import MoEAllToAll
 from ds_tsp.core.layers.moe.aux_loss import moe_aux_loss_share
 from ds_tsp.core.layers.moe.cost import choose_moe_dispatch, moe_bytes_per_layer
-from ds_tsp.core.layers.moe.experts import select_expert_gemm
+from ds_tsp.core.layers.moe.experts import ExpertGLU, select_expert_gemm
 from ds_tsp.core.layers.moe.ring import MoERing
 from ds_tsp.core.layers.moe.routing import route, route_sigmoid_grouped
 from ds_tsp.core.layers.weight_packing import PackedLayout
@@ -53,18 +53,25 @@ class MoESpec:
     top_k: int
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum 1 (Mixtral: always True)
     recompute_projections: bool = True  # memory-optimal backward (recompute expert activations), like MLPSpec
-    # routing kind (ModelShape.moe_routing): "softmax" top-k, or GLM-4.5's "sigmoid_grouped" with its groups, kept
-    # groups and weight scale (a correction bias passed to tsp_moe_mlp)
-    routing: str = "softmax"
+    glu: ExpertGLU = ExpertGLU()  # the experts' gated unit (GPT-OSS: clamped SwiGLU, gate / up rows interleaved)
+    biases: bool = False  # GPT-OSS: every expert has gate_up and down biases (and the router a bias)
+    # routing kind (ModelShape.moe_routing, ds_tsp.core.layers.moe.routing): "softmax_topk" (Qwen3-MoE, Mixtral),
+    # "topk_softmax" (GPT-OSS), or GLM-4.5's "sigmoid_grouped" with its groups, kept groups and weight scale (a
+    # correction bias passed to tsp_moe_mlp)
+    routing: str = "softmax_topk"
     groups: int = 1
     topk_groups: int = 1
     scaling: float = 1.0
 
     @cached_property
     def layout(self) -> PackedLayout:
-        """transformers' fused in-memory layout, sliced along the expert dim: gate = rows [0, F) of gate_up."""
+        """transformers' fused in-memory layout, sliced along the expert dim: gate = rows [0, F) of gate_up (GPT-OSS:
+        gate / up rows interleaved, its checkpoint's [E, h, 2F] transposed per expert), biases after the weights."""
         e, f, h = self.experts_per_rank, self.moe_ffn, self.hidden
-        return PackedLayout((("gate_up", (e, 2 * f, h)), ("down", (e, h, f))))
+        pieces = [("gate_up", (e, 2 * f, h)), ("down", (e, h, f))]
+        if self.biases:
+            pieces += [("gate_up_bias", (e, 2 * f)), ("down_bias", (e, h))]
+        return PackedLayout(tuple(pieces))
 
 
 def _check(x, router_weight, experts_shard, spec: MoESpec, comm: TSPComm, dispatch: str, path: str,
@@ -101,13 +108,17 @@ def moe_compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def tsp_moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, experts_shard: torch.Tensor, spec: MoESpec,
-                comm: TSPComm, *, dispatch: str, correction_bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                comm: TSPComm, *, dispatch: str, correction_bias: torch.Tensor | None = None,
+                router_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, L, h] local tokens; router_weight [E, h] (replicated; the caller wraps it in replicated_param so its
     grad is summed over the TSP group); experts_shard: flat packed param of this rank's E_r experts; dispatch
     "ring" or "all_to_all" (already resolved from "auto"); correction_bias [E]: the choice bias of spec.routing
-    "sigmoid_grouped" (replicated, no gradient). Returns (y [B, L, h], router_logits [B*L, E] (x.dtype; float32 or
-    float64 for sigmoid_grouped), differentiable w.r.t. x and router_weight -- what HF returns as router_logits)."""
+    "sigmoid_grouped" (replicated, no gradient); router_bias [E]: GPT-OSS's (replicated like the weight), given iff
+    spec.biases. Returns (y [B, L, h], router_logits [B*L, E] (x.dtype; float32 or float64 for sigmoid_grouped),
+    differentiable w.r.t. x and router_weight -- what HF returns as router_logits)."""
+    if (router_bias is not None) != spec.biases:
+        raise TSPConfigError(f"router_bias {'given' if router_bias is not None else 'missing'} with spec.biases="
+                             f"{spec.biases}: a biased MoE (GPT-OSS) has a router bias, the others none")
     # the expert GEMMs see the dtype the Function casts the experts to (the autocast dtype under autocast)
     path = select_expert_gemm(x.device, moe_compute_dtype(x.device.type, experts_shard.dtype), spec.hidden,
                               spec.moe_ffn)
@@ -117,6 +128,6 @@ def tsp_moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, experts_shard: tor
         logits, top_w, top_i = route_sigmoid_grouped(x2d, router_weight, correction_bias, spec.top_k, spec.groups,
                                                      spec.topk_groups, spec.norm_topk_prob, spec.scaling)
     else:
-        logits, top_w, top_i = route(x2d, router_weight, spec.top_k, spec.norm_topk_prob)
+        logits, top_w, top_i = route(x2d, router_weight, spec.top_k, spec.norm_topk_prob, router_bias, spec.routing)
     y2d = apply_autocast(DISPATCHES[dispatch], x.device.type, x2d, top_w, top_i, experts_shard, spec, comm, path)
     return y2d.view(x.shape), logits

@@ -92,8 +92,7 @@ class MoERing(torch.autograd.Function):
             if not rows.numel():  # none of this rank's rows meet owner's experts (a host-known bound): no work
                 return
             tok = plan.tokens(rows)
-            out, gu = experts_forward(x2d[tok], w["gate_up"], w["down"], groups,
-                                      keep_projections=not spec.recompute_projections)
+            out, gu = experts_forward(x2d[tok], w, groups, spec.glu, keep_projections=not spec.recompute_projections)
             y.index_add_(0, tok, out * w_flat[rows][:, None])
             if gu is not None:
                 kept.append(gu)
@@ -120,12 +119,12 @@ class MoERing(torch.autograd.Function):
             if not rows.numel():  # as in forward: nothing routed to owner's experts, a zero grad contribution
                 return torch.zeros_like(shard) if need_w else None
             tok = plan.tokens(rows)
-            drows, dw, d_gate_up, d_down = experts_backward(
-                x2d[tok], dy[tok], w_flat[rows], w["gate_up"], w["down"], groups,
+            drows, dw, grads = experts_backward(
+                x2d[tok], dy[tok], w_flat[rows], w, groups, spec.glu,
                 projections=None if spec.recompute_projections else next(kept), need_weight_grad=need_w)
             dx.index_add_(0, tok, drows)
             dw_flat.index_add_(0, rows, dw)
-            return spec.layout.pack({"gate_up": d_gate_up, "down": d_down}) if need_w else None
+            return spec.layout.pack(grads) if need_w else None
 
         if need_w:
             grad_shard = ring_backward(ctx.comm, experts_shard, step)

@@ -24,9 +24,15 @@ import torch
 import torch.nn.functional as F
 
 
-def route(x2d: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool):
-    """x2d [N, h] -> (router_logits [N, E] in x.dtype, routing weights [N, k] in x.dtype, expert ids [N, k])."""
-    logits = F.linear(x2d, router_weight)
+def route(x2d: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          router_bias: torch.Tensor | None = None, routing: str = "softmax_topk"):
+    """x2d [N, h] -> (router_logits [N, E] in x.dtype, routing weights [N, k] in x.dtype, expert ids [N, k]).
+    routing "topk_softmax" (GPT-OSS's GptOssTopKRouter): logits with the router's bias, their top-k, and the
+    softmax over those k values in the logits' own dtype (norm_topk_prob is implied)."""
+    logits = F.linear(x2d, router_weight, router_bias)
+    if routing == "topk_softmax":
+        top_v, top_i = torch.topk(logits, top_k, dim=-1)
+        return logits, torch.softmax(top_v, dim=-1, dtype=top_v.dtype), top_i
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top_p, top_i = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:

@@ -9,6 +9,7 @@
     gemma4                                Gemma 4's text model: Gemma 3's layer, v norms, layer scalars, PLE
     olmo3                                 OLMo 3: whole-projection q/k norms, post-norms, per-layer-type RoPE
     glm4_moe                              GLM-4.5 / 4.6: grouped sigmoid routing, shared experts, partial rotary
+    gpt_oss                               GPT-OSS: attention sinks, o_proj bias, biased clamped-SwiGLU experts
 
 Adding a family is one module here (its reader, with transformers' defaults and every field TSP does not compute
 refused by name) plus its entry in FAMILIES; a family that brings a new mechanism adds the ModelShape field that
@@ -22,6 +23,7 @@ from ds_tsp.core.shape.families import (
     gemma3,
     gemma4,
     glm4_moe,
+    gpt_oss,
     llama,
     ministral3,
     mistral,
@@ -38,7 +40,8 @@ from ds_tsp.core.shape.families.base import Family, HFConfig
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
                                 mixtral.FAMILY, qwen3_5.DENSE, qwen3_5.MOE, qwen3_next.FAMILY, ministral3.FAMILY,
-                                phi3.FAMILY, gemma3.FAMILY, olmo3.FAMILY, glm4_moe.FAMILY, gemma4.FAMILY)
+                                phi3.FAMILY, gemma3.FAMILY, olmo3.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY,
+                                gemma4.FAMILY)
 # text model_type -> (its family, the ForCausalLM class a checkpoint of it names)
 ARCHITECTURES = {t: arch for f in FAMILIES for t, arch in f.architectures.items()}
 # multimodal model_type -> the text model_type of its language model (read through its text_config)
