@@ -76,6 +76,10 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
         """lm_head=False: the backbone alone (a sequence classifier's, which puts its own head on final_hidden)."""
         super().__init__()
         shape.check_tsp_degree(comm.size)
+        if shape.kv_shared_layers and options.activation_checkpointing:
+            raise TSPConfigError(f"kv_shared_layers={shape.kv_shared_layers} with activation_checkpointing: the K/V "
+                                 "a layer exports to the KV-sharing layers would leave its checkpointed region; turn "
+                                 "activation checkpointing off for Gemma 4 E2B / E4B")
         self.shape, self.comm, self.options = shape, comm, options
         self._step_ropes = StepRopes(shape, comm)
         self.model = _Backbone(shape, comm, options, dtype, device)
@@ -204,6 +208,7 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
         with ReplicatedGradBucket(self.comm, replicated):
             h = self.model.embed_tokens(input_ids)
             per_layer = None if self.model.per_layer_inputs is None else self.model.per_layer_inputs(input_ids, h)
+            shared_kv = {} if self.shape.kv_shared_layers else None  # Gemma 4: K/V the KV-sharing layers read
             last = len(self.model.layers) - 1
             for i, layer in enumerate(self.model.layers):
                 rope = ropes.for_layer(self.shape, i)
@@ -216,7 +221,8 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
                         h, logits = checkpoint(_checkpointed_layer, layer, h, *rope, doc_starts, mine,
                                                use_reentrant=False)
                 else:
-                    h, logits = layer(h, rope, doc_starts, with_router=True, per_layer_input=mine)
+                    h, logits = layer(h, rope, doc_starts, with_router=True, per_layer_input=mine,
+                                      shared_kv=shared_kv)
                 if logits is not None and router_logits is not None:
                     router_logits.append(logits)
             return self.model.norm(h), n_valid

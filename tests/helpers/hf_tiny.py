@@ -109,6 +109,13 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# Gemma 4 E2B / E4B's KV sharing: the last (full) layer attends over layer 1's K/V (keys as values, one kv head), its
+# MLP twice as wide (use_double_wide_mlp)
+FAMILIES["gemma4_kv_shared"] = {**FAMILIES["gemma4"], "num_hidden_layers": 3, "num_kv_shared_layers": 1,
+                                "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                                "use_double_wide_mlp": True}
+
+
 MOE_FAMILIES: dict[str, dict] = {
     "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=91, hidden_size=32, intermediate_size=48,
                       moe_intermediate_size=12, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,

@@ -354,7 +354,7 @@ def test_a_bare_gemma4_shape_saves_as_gemma4():
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("num_kv_shared_layers", 1, "num_kv_shared_layers=1"),
+    ("num_kv_shared_layers", 1, "kv_shared_layers=1: layer 1 has no earlier layer of its type"),
     ("enable_moe_block", True, "enable_moe_block=True"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention='all'"),
     ("hidden_activation", "silu", "hidden_activation='silu'"),
@@ -612,3 +612,48 @@ def test_gemma4_multimodal_checkpoint_trains_its_language_model(tmp_path):
     model.save_pretrained(tmp_path / "text")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64)
     assert type(again).__name__ == "Gemma4ForCausalLM"
+
+
+def test_gemma4_kv_sharing_reads_its_source_layers_and_refuses_what_it_cannot_run(tmp_path):
+    config = transformers.Gemma4TextConfig(**{**GEMMA4, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                                              "use_double_wide_mlp": True, "layer_types": [
+                                                  "sliding_attention", "full_attention"] * 2})
+    shape = ModelShape.from_hf_config(config)
+    assert [shape.kv_source(i) for i in range(4)] == [None, None, 0, 1]
+    assert [shape.exports_kv(i) for i in range(4)] == [True, True, False, False]
+    assert [shape.layer_intermediate_size(i) for i in range(4)] == [64, 64, 128, 128]
+    assert ModelShape.from_hf_config(config.to_dict()) == shape
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert (again.num_kv_shared_layers, again.use_double_wide_mlp) == (2, True)
+    assert ModelShape.from_hf_config(again) == shape
+    with pytest.raises(TSPConfigError, match="layer 2 has no earlier layer of its type"):
+        ModelShape.from_hf_config({**{k: v for k, v in config.to_dict().items() if k != "per_layer_config"},
+                                   "global_head_dim": 16, "layer_types": ["full_attention", "full_attention",
+                                                                          "sliding_attention", "full_attention"]})
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.config import TSPOptions
+    from ds_tsp.model.causal_lm import ShardedCausalLM
+
+    with pytest.raises(TSPConfigError, match="kv_shared_layers=2 with activation_checkpointing"):
+        ShardedCausalLM(shape, TSPComm.single(), options=TSPOptions(activation_checkpointing=True), device="meta")
+
+
+def test_gemma4_kv_sharing_checkpoint_may_keep_the_projections_transformers_ignores(tmp_path):
+    """Checkpoints may keep k_proj / v_proj / k_norm of the KV-sharing layers (transformers ignores them on load):
+    TSP loads them alike, and still refuses any other unknown tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from ds_tsp.hf import TSPForCausalLM
+
+    directory = save_tiny_checkpoint(tmp_path / "g4", "gemma4_kv_shared")
+    tensors = load_file(directory / "model.safetensors")
+    extra = {"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 32),
+             "model.layers.2.self_attn.k_norm.weight": torch.ones(16)}
+    save_file({**tensors, **extra}, directory / "model.safetensors", metadata={"format": "pt"})
+    model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    assert "model.layers.2.self_attn.k_proj.weight" not in model.tsp.hf_shapes()
+    save_file({**tensors, "model.layers.1.self_attn.v_proj.weight": torch.zeros(16, 32)},
+              directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TSPConfigError, match="model.layers.1.self_attn.v_proj.weight"):
+        TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+

@@ -146,7 +146,7 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("glm4_moe", "packed"),  # grouped sigmoid routing, its bias buffer, shared experts, q/k/v bias, partial rotary
          ("gpt_oss", "packed"),  # attention sinks, o_proj bias, biased clamped-SwiGLU experts (bf16, grouped GEMMs)
          ("llama", "classifier"),  # TSPForSequenceClassification: the pooled token found over the group
-         ("gemma4", "plain")]  # per-layer head_dim, v norms, layer scalars, per-layer inputs, soft-capped logits
+         ("gemma4", "plain"), ("gemma4_kv_shared", "padding")]  # Gemma 4 E2B / E4B's KV sharing  # per-layer head_dim, v norms, layer scalars, per-layer inputs, soft-capped logits
 
 
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])

@@ -70,6 +70,7 @@ def test_family_float64_reference(name, checkpoint):
     per_layer = (4 if gemma else 2) + (2 if cfg.model_type in ("qwen3", "olmo3") or gemma else 0)
     per_layer += 2 if cfg.model_type == "gemma4_text" else 0
     norms = per_layer * layers + 1 + (1 if cfg.model_type == "gemma4_text" else 0)
+    norms -= 2 * getattr(cfg, "num_kv_shared_layers", 0)  # Gemma 4's KV-sharing layers: no k_norm, v_norm
     expected = sorted(n for n, m in m64.named_modules() if is_norm(m) or is_rotary(m))
     assert len(expected) == norms + 1
     assert sorted(instance_patched(m64)) == expected

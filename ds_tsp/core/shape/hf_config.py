@@ -103,7 +103,7 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
     if shape.fused_qkv or shape.fused_gate_up:
         return _phi3_config_dict(shape, dtype)
     if shape.value_norm or shape.layer_scalars or shape.per_layer_input_size or shape.full_head_dim or \
-            shape.full_num_kv_heads or shape.full_values_from_keys:
+            shape.full_num_kv_heads or shape.full_values_from_keys or shape.kv_shared_layers:
         return _gemma4_config_dict(shape, dtype)
     if shape.projection_qk_norm or shape.post_norms:
         return _olmo3_config_dict(shape, dtype)
@@ -250,8 +250,8 @@ def _gemma4_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
                                  if t == "full_attention"},
             "hidden_size_per_layer_input": shape.per_layer_input_size,
             "vocab_size_per_layer_input": shape.per_layer_input_vocab_size or shape.vocab_size,
-            "attention_k_eq_v": shape.full_values_from_keys, "num_kv_shared_layers": 0, "enable_moe_block": False,
-            "use_double_wide_mlp": False}
+            "attention_k_eq_v": shape.full_values_from_keys, "num_kv_shared_layers": shape.kv_shared_layers,
+            "enable_moe_block": False, "use_double_wide_mlp": shape.double_wide_shared_mlp}
 
 
 def _olmo3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:

@@ -126,6 +126,11 @@ class ModelShape:
     per_layer_input_size: int = 0
     per_layer_input_vocab_size: int = 0
     final_logit_softcapping: float | None = None
+    # Gemma 4's num_kv_shared_layers: the last kv_shared_layers layers attend over the K/V of the last earlier layer
+    # of their type (no k/v projections of their own); double_wide_shared_mlp (use_double_wide_mlp): their MLPs are
+    # 2 * intermediate_size wide
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -249,6 +254,20 @@ class ModelShape:
                                  f"{self.rotary_dim} of head_dim={self.dim_per_head}: it must be even and >= 2")
 
     def _check_gemma4_fields(self) -> None:
+        if not isinstance(self.kv_shared_layers, int) or not 0 <= self.kv_shared_layers < self.num_layers:
+            raise TSPConfigError(f"kv_shared_layers={self.kv_shared_layers!r}: between 0 and num_layers - 1 (some "
+                                 "earlier layer must compute the K/V the shared ones read)")
+        if self.kv_shared_layers:
+            if self.qkv_bias or self.fused_qkv or self.has_linear_attention or self.projection_qk_norm or \
+                    not self.sandwich_norms:
+                raise TSPConfigError("kv_shared_layers with q/k/v bias, fused projections, linear attention, "
+                                     "whole-projection q/k norms or without sandwich norms: Gemma 4's K/V-sharing "
+                                     "layers are Gemma's")
+            missing = [i for i in range(self.num_layers - self.kv_shared_layers, self.num_layers)
+                       if self.kv_source(i) is None]
+            if missing:
+                raise TSPConfigError(f"kv_shared_layers={self.kv_shared_layers}: layer {missing[0]} has no earlier "
+                                     "layer of its type (sliding or full) to read K/V from")
         if self.full_head_dim is not None and (not isinstance(self.full_head_dim, int) or self.full_head_dim < 2 or
                                                self.full_head_dim % 2):
             raise TSPConfigError(f"full_head_dim={self.full_head_dim!r}: an even head size (or None)")
@@ -294,6 +313,25 @@ class ModelShape:
     def layer_head_dim(self, layer: int) -> int:
         """head_dim of decoder layer `layer`: full_head_dim on the full-attention layers of a shape that has one."""
         return self.full_head_dim if self.full_head_dim and self.layer_window(layer) is None else self.dim_per_head
+
+    def kv_source(self, layer: int) -> int | None:
+        """The earlier layer whose K/V decoder layer `layer` attends over (Gemma 4's KV sharing: the last layer of its
+        type before the shared ones), or None when it projects its own."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if not self.kv_shared_layers or layer < first_shared:
+            return None
+        sliding = self.layer_window(layer) is not None
+        return next((j for j in range(first_shared - 1, -1, -1) if (self.layer_window(j) is not None) == sliding),
+                    None)
+
+    def exports_kv(self, layer: int) -> bool:
+        """Whether a later layer reads decoder layer `layer`'s K/V (kv_source)."""
+        return any(self.kv_source(i) == layer for i in range(self.num_layers - self.kv_shared_layers, self.num_layers))
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """MLP width of decoder layer `layer`: doubled on Gemma 4's KV-sharing layers under double_wide_shared_mlp."""
+        wide = self.double_wide_shared_mlp and self.kv_source(layer) is not None
+        return 2 * self.intermediate_size if wide else self.intermediate_size
 
     def layer_kv_heads(self, layer: int) -> int:
         """kv heads of decoder layer `layer`: full_num_kv_heads on the full-attention layers of a shape that has

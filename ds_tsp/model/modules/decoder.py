@@ -24,10 +24,13 @@ block_sparse_moe., so its entry in sharded_modules has the layer prefix.)
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.layers.norm import TSPRMSNorm
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.positions import RopeTables
@@ -88,7 +91,10 @@ class TSPDecoderLayer(nn.Module):
                       if shape.shared_expert_intermediate_size else None)  # Qwen3-Next, Qwen3.5-MoE, GLM-4.5
             self.mlp = TSPSparseMoE(shape, comm, options, dtype, device, shared_expert=shared)
         else:
-            self.mlp = TSPGatedMLP(shape, comm, dtype, device, options.recompute_projections)
+            wide = shape.layer_intermediate_size(layer)  # Gemma 4's double-wide MLPs on the KV-sharing layers
+            self.mlp = TSPGatedMLP(shape if wide == shape.intermediate_size else replace(shape, intermediate_size=wide),
+                                   comm, dtype, device, options.recompute_projections)
+        self.index, self.kv_source = layer, shape.kv_source(layer)
         self.per_layer_gate = None
         if shape.per_layer_input_size:
             self.per_layer_gate = TSPPerLayerGate(shape, comm, dtype, device)
@@ -97,17 +103,20 @@ class TSPDecoderLayer(nn.Module):
         # a checkpoint value that never trains (transformers: a persistent buffer), the same on every rank
         self.layer_scalar = (nn.Buffer(torch.ones(1, dtype=dtype, device=device)) if shape.layer_scalars else None)
 
-    def forward(self, h, rope: RopeTables, doc_starts=None, *, with_router: bool = False, per_layer_input=None):
+    def forward(self, h, rope: RopeTables, doc_starts=None, *, with_router: bool = False, per_layer_input=None,
+                shared_kv: dict | None = None):
         """The layer's output; with_router: (output, router logits [B*L, E] or None for a dense MLP). rope: the
         step's RoPE tables (ds_tsp.core.tokens.positions.StepRopes). Callers go
         through the module (`layer(..., with_router=True)`), never a bound method: FSDP2 and ZeRO-3 gather the
-        layer's parameters in its forward hooks."""
+        layer's parameters in its forward hooks. shared_kv (Gemma 4's KV sharing): layer index -> the K/V that layer
+        exported; a layer that exports adds its own, a KV-sharing layer reads its source's."""
         if self.is_linear_attention:
             h = h + self.linear_attn(self.input_layernorm(h), doc_starts)
         elif self.post_norms:
             h = h + self.post_attention_layernorm(self.self_attn(h, rope, doc_starts))
         elif self.sandwich:
-            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, doc_starts))
+            h = h + self.post_attention_layernorm(self._attention(self.input_layernorm(h), rope, doc_starts,
+                                                                  shared_kv))
         else:
             h = h + self.self_attn(self.input_layernorm(h), rope, doc_starts)
         router_logits = None
@@ -125,6 +134,17 @@ class TSPDecoderLayer(nn.Module):
         if self.layer_scalar is not None:
             h = h * self.layer_scalar
         return (h, router_logits) if with_router else h
+
+    def _attention(self, x, rope, doc_starts, shared_kv):
+        role = self.self_attn.spec.kv_role
+        if role == "own":
+            return self.self_attn(x, rope, doc_starts)
+        if shared_kv is None:
+            raise TSPConfigError("a Gemma 4 KV-sharing model's layers run in order with one shared_kv dict")
+        if role == "import":
+            return self.self_attn(x, rope, doc_starts, kv_in=shared_kv[self.kv_source])
+        y, shared_kv[self.index] = self.self_attn(x, rope, doc_starts)
+        return y
 
     def sharded_modules(self, prefix: str = "") -> list[tuple[str, "ShardedPiece", nn.Parameter]]:
         """(HF name prefix, sharded piece, its parameter) of this layer, in checkpoint order."""
@@ -154,7 +174,8 @@ class TSPDecoderLayer(nn.Module):
             out.update(self.linear_attn.replicated_params(f"{prefix}linear_attn."))
         elif self.self_attn.spec.qk_norm_eps is not None:
             out[f"{prefix}self_attn.q_norm.weight"] = self.self_attn.q_norm.weight
-            out[f"{prefix}self_attn.k_norm.weight"] = self.self_attn.k_norm.weight
+            if self.self_attn.spec.kv_role != "import":  # a KV-sharing layer has no k_norm
+                out[f"{prefix}self_attn.k_norm.weight"] = self.self_attn.k_norm.weight
         if not self.is_linear_attention and self.self_attn.o_proj_bias is not None:  # GPT-OSS
             out[f"{prefix}self_attn.o_proj.bias"] = self.self_attn.o_proj_bias
         if self.is_moe:

@@ -141,6 +141,9 @@ class AttentionSpec:
     softmax_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     value_norm_eps: float | None = None  # Gemma 4: every v head RMS-normalised (no weight) with this eps; None: off
     values_from_keys: bool = False  # Gemma 4 k_eq_v: no wv, v is the raw (pre-norm, unroped) k projection
+    # Gemma 4 KV sharing: "export" also returns every kv group's local K/V (a later layer attends over them, its
+    # dK/dV coming back as their grad); "import" has no wk / wv and attends over such K/V given as an input
+    kv_role: str = "own"
     # OLMo 2/3: q_norm / k_norm (eps qk_norm_eps) over a token's whole q / k projection, not per head
     # (ds_tsp.core.layers.attention.projection_norm)
     projection_norm: bool = False
@@ -159,6 +162,8 @@ class AttentionSpec:
             pieces += [("bq", (q_rows,)), ("bk", (kv,)), ("bv", (kv,))]
         if self.values_from_keys:
             pieces = [p for p in pieces if p[0] not in ("wv", "bv")]
+        if self.kv_role == "import":
+            pieces = [p for p in pieces if p[0] not in ("wk", "wv", "bk", "bv")]
         if self.sinks:  # the block's query heads' sinks travel with their weights
             pieces.append(("sinks", (self.heads_per_block,)))
         return PackedLayout(tuple(pieces))
@@ -263,7 +268,7 @@ class _TSPAttention(torch.autograd.Function):
     AUTOCAST = AUTOCAST_LOW_PRECISION  # projections and attention kernels: autocast's lower-precision list
 
     @staticmethod
-    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, spec: AttentionSpec, comm: TSPComm,
+    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, kv_in, spec: AttentionSpec, comm: TSPComm,
                 doc_starts):
         B, L, h = x.shape
         D, p = comm.size, comm.rank
@@ -275,20 +280,27 @@ class _TSPAttention(torch.autograd.Function):
         norms = projection_norms(x, packed_shard, q_norm, k_norm, spec, comm) if spec.projection_norm else None
         q_norm_of, k_norm_of = _block_norms(norms, q_norm, k_norm)
         shards = ShardStream(comm, packed_shard)
-        kv_local = _project_kv(x, spec.layout.unpack(shards.take(0)), spec, cos, sin, k_norm_of(0))
+
+        def group_kv(g, take):
+            """This rank's K/V of kv group g: given (KV sharing) or projected with its block's shard."""
+            return kv_in[g] if spec.kv_role == "import" else _project_kv(x, spec.layout.unpack(take()), spec, cos,
+                                                                         sin, k_norm_of(g))
+
+        kv_local = group_kv(0, lambda: shards.take(0))
         gather = GlobalKVGather(comm, kv_local)
-        kv_all = None
+        kv_all, exported = None, []
         for j in range(D):
             shards.next_block(j)
             w = spec.layout.unpack(shards.take(j))
             first, last = _kv_group(j, spec)
             if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
-                next_local = _project_kv(x, spec.layout.unpack(shards.take(j + 1)), spec, cos, sin,
-                                         k_norm_of(j // spec.kv_replicas + 1))
+                next_local = group_kv(j // spec.kv_replicas + 1, lambda: shards.take(j + 1))
                 next_gather = GlobalKVGather(comm, next_local)
             q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
             if first:
                 kv_all = gather.wait()
+                if spec.kv_role == "export":
+                    exported.append(kv_local)
                 group = {"kv_all": kv_all, "kv_local": kv_local}
                 saved_groups += [group[name] for name in spec.saved_per_kv_group()]
             if comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
@@ -319,15 +331,19 @@ class _TSPAttention(torch.autograd.Function):
         weights = (q_norm, k_norm) if ctx.has_qk_norm else ()
         rstds = (norms.rstd_q, norms.rstd_k) if norms is not None else ()
         scale = (q_scale,) if ctx.has_q_scale else ()
+        given = (kv_in,) if spec.kv_role == "import" else ()
         # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
-        save_with_shard(ctx, packed_shard, x, cos, sin, *scale, *weights, *rstds, *saved_blocks, *saved_groups)
-        return y
+        save_with_shard(ctx, packed_shard, x, cos, sin, *scale, *given, *weights, *rstds, *saved_blocks,
+                        *saved_groups)
+        return (y, torch.stack(exported)) if spec.kv_role == "export" else y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dkv_out=None):
         spec, comm, doc_starts = ctx.spec, ctx.comm, ctx.doc_starts
         packed_shard, (x, cos, sin, *saved) = saved_with_shard(ctx)
         q_scale = saved.pop(0) if ctx.has_q_scale else None
+        kv_in = saved.pop(0) if spec.kv_role == "import" else None
+        dkv_in = torch.zeros_like(kv_in) if kv_in is not None else None
         q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
         norms = None
         if spec.projection_norm:
@@ -358,7 +374,7 @@ class _TSPAttention(torch.autograd.Function):
             group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
             if spec.keep_gathered_kv:
                 return group["kv_all"]
-            kv_local = group.get("kv_local")
+            kv_local = kv_in[g] if kv_in is not None else group.get("kv_local")
             return GlobalKVGather(comm, kv_local if kv_local is not None
                                   else _project_kv(x, w, spec, cos, sin, k_norm_of(g)))
 
@@ -367,6 +383,13 @@ class _TSPAttention(torch.autograd.Function):
             _kv_grads_to_group_leaders moves to the leader) and that block's reduce to its owner."""
             dkv_local, scatter, w_kv, grads, j = pending
             scatter.wait()
+            if kv_in is not None:  # KV sharing: dK/dV go back to the layer that made them
+                dkv_in[j // spec.kv_replicas] = dkv_local
+                if need_w:
+                    reducer.reduce(j, block_grad(grads))
+                return
+            if dkv_out is not None:  # the later layers' dK/dV of the K/V this layer exported
+                dkv_local = dkv_local + dkv_out[j // spec.kv_replicas]
             dv = local_from_chunks(dkv_local, 1)
             if spec.value_norm_eps is not None:  # through the weightless v norm, from the recomputed raw v
                 dv = rms_norm_backward(dv, _raw_v(x, w_kv, spec), None, spec.value_norm_eps)[0]
@@ -476,7 +499,7 @@ class _TSPAttention(torch.autograd.Function):
             norm_grads["q"], norm_grads["k"] = deferred.weight_grads()
         if need_w and spec.kv_replicas > 1:
             _kv_grads_to_group_leaders(grad_shard, spec, comm)
-        return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, None, None, None
+        return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, dkv_in, None, None, None
 
 
 def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
@@ -484,6 +507,8 @@ def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, co
     replicas zeros (their copies are never read)."""
     views = spec.layout.unpack(grad_shard)
     names = [n for n in ("wk", "wv", "bk", "bv") if n in views]
+    if not names:  # KV sharing: this layer has no kv weights
+        return
     local = torch.cat([views[n].reshape(-1) for n in names])
     everyone = torch.empty(comm.size, local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather(everyone, local).wait()
@@ -500,8 +525,10 @@ def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, co
 def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   spec: AttentionSpec, comm: TSPComm, *, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
                   doc_starts: tuple[tuple[int, ...], ...] | None = None,
-                  q_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  q_scale: torch.Tensor | None = None, kv_in: torch.Tensor | None = None):
     """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner.
+    spec.kv_role "export": returns (output, this rank's K/V of every kv group [groups, 2, c, B, 2, nkv, d]);
+    "import": attends over kv_in, such an export of an earlier layer (Gemma 4's KV sharing), k_norm None.
 
     qk_norm: Qwen3's (q_norm, k_norm) weights [d], or with spec.projection_norm OLMo's [n_heads * d] and
     [n_kv_heads * d]; their grads are this rank's contribution (sum them over the group, e.g. with
@@ -515,5 +542,7 @@ def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor
     if spec.projection_norm and (q_norm is None or spec.output_gate or spec.qkv_bias):
         raise ValueError("projection_norm needs the q/k norm weights (and qk_norm_eps), without output_gate or "
                          "q/k/v bias: its grads are split at the [wq, wk] prefix of the packed shard")
-    return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, spec,
-                          comm, doc_starts)
+    if (kv_in is not None) != (spec.kv_role == "import"):
+        raise ValueError("kv_in is given exactly when spec.kv_role is 'import'")
+    return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, kv_in,
+                          spec, comm, doc_starts)

@@ -8,13 +8,14 @@ embeddings and padding row 0 by default) with what Gemma 4 changes:
   sliding layers with default RoPE (theta 1e4);
 * attention_k_eq_v: the full layers' values are their keys' raw projection (no v_proj), with their own kv heads
   (num_global_key_value_heads, or per_layer_config's);
+* num_kv_shared_layers (E2B / E4B): the last layers attend over the K/V of the last earlier layer of their type
+  (no k_proj / v_proj / k_norm), their MLPs twice as wide under use_double_wide_mlp;
 * every layer's output is scaled by its layer_scalar (a checkpoint buffer);
 * per-layer inputs (PLE, hidden_size_per_layer_input > 0): a [vocab_size_per_layer_input, layers * P] embedding
   plus a projection of the embeddings give each layer a [P] input, gated into its residual;
 * final_logit_softcapping: logits = cap * tanh(logits / cap).
-Refused by name in this version: num_kv_shared_layers (use_double_wide_mlp only widens those layers' MLPs),
-enable_moe_block, use_bidirectional_attention, per_layer_config overrides other than the full layers' head_dim and
-num_key_value_heads.
+Refused by name in this version: enable_moe_block, use_bidirectional_attention, per_layer_config overrides other
+than the full layers' head_dim and num_key_value_heads.
 The multimodal Gemma4ForConditionalGeneration (model_type gemma4) is read as its language model (text_config; the
 checkpoint's model.language_model. tensors, its vision and audio towers left unread) and saved as Gemma4ForCausalLM.
 """
@@ -59,13 +60,13 @@ def read(cfg: HFConfig) -> dict:
             "full_head_dim": full_head_dim if full_head_dim != head_dim else None, "value_norm": True,
             "full_num_kv_heads": full_kv_heads if full_kv_heads != kv_heads else None,
             "full_values_from_keys": bool(cfg.get("attention_k_eq_v", False)),
+            "kv_shared_layers": int(cfg.get("num_kv_shared_layers", 0) or 0),
+            "double_wide_shared_mlp": bool(cfg.get("use_double_wide_mlp", False)),
             "layer_scalars": True, "per_layer_input_size": per_layer, "per_layer_input_vocab_size": per_layer_vocab,
             "final_logit_softcapping": cfg.get("final_logit_softcapping")}
 
 
 def _refuse(cfg: HFConfig) -> None:
-    cfg.refuse("num_kv_shared_layers", "later layers reusing an earlier layer's keys and values is not implemented "
-                                       "under TSP yet (the Gemma 4 E2B / E4B checkpoints)")
     cfg.refuse("enable_moe_block", "Gemma 4's MoE block (a dense MLP beside routed experts) is not implemented "
                                    "under TSP yet")
     cfg.refuse("use_bidirectional_attention", "TSP attention is causal")
