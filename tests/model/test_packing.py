@@ -101,6 +101,7 @@ def checkpoints(tmp_path_factory):
             "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3"),
             "olmo3": save_tiny_checkpoint(root / "olmo3", "olmo3"),  # its norms span every head block
             "gemma4": save_tiny_checkpoint(root / "gemma4", "gemma4"),
+            "gemma4_kv_shared": save_tiny_checkpoint(root / "gemma4_kv_shared", "gemma4_kv_shared"),
             # no per-layer inputs, the full layer with its own v_proj
             "gemma4_plain": save_tiny_checkpoint(root / "gemma4_plain", tiny_config(
                 "gemma4", hidden_size_per_layer_input=0, attention_k_eq_v=False))}
@@ -116,7 +117,8 @@ def tsp_results(checkpoints):
     d3[("combined",)] = (str(checkpoints["llama"]), _combined_inputs()[1], None)
     d2 = {("padding", family): (str(checkpoints[family]), _padding_inputs(family.removesuffix("_plain"))[1], None)
           for family in ("qwen3", "olmo3", "gemma4_plain")}
-    d2[("combined", "gemma4")] = (str(checkpoints["gemma4"]), _combined_inputs("gemma4")[1], None)
+    for family in ("gemma4", "gemma4_kv_shared"):
+        d2[("combined", family)] = (str(checkpoints[family]), _combined_inputs(family)[1], None)
     results = run_on_local_ranks(_run_cases, 3, d3, timeout_s=300)[0]
     results.update(run_on_local_ranks(_run_cases, 2, d2, timeout_s=300)[0])
     return results
@@ -144,7 +146,8 @@ def test_left_and_right_padding_equal_the_unpadded_run(checkpoints, tsp_results,
     _assert_matches(tsp_results[("padding", family)], alone, (family, "padding"))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma4"])  # gemma4 at D=2: per-layer inputs of padded tokens
+# Gemma 4 at D=2: per-layer inputs of padded tokens; the KV-sharing layers read their source's padded, packed K/V
+@pytest.mark.parametrize("family", ["llama", "gemma4", "gemma4_kv_shared"])
 def test_padding_and_packing_combine(checkpoints, tsp_results, family):
     data, _ = _combined_inputs(family)
     ref = load_hf_reference(checkpoints[family], torch.float64)
