@@ -39,6 +39,13 @@ SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_laye
 OLMO3_SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, attention_windows=(5, None), pad_token_id=1, projection_qk_norm=True,
                          post_norms=True, sliding_rope_theta=500.0)
+# Gemma 4's KV sharing (the last layer reads layer 1's K/V; no q/k/v bias there) with a double-wide MLP
+GEMMA4_KV_SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                             num_kv_heads=2, attention_windows=(5, None, None), qk_norm=True, sandwich_norms=True,
+                             mlp_activation="gelu_tanh", attention_scale=1.0, sliding_rope_theta=500.0,
+                             full_head_dim=12, full_num_kv_heads=1, full_values_from_keys=True, value_norm=True,
+                             layer_scalars=True, per_layer_input_size=4, per_layer_input_vocab_size=61,
+                             kv_shared_layers=1, double_wide_shared_mlp=True)
 B, S = 3, 24
 DOCS = [(7, 9, 8), (24,), (7, 9, 8)]  # rows 0 and 2 share a layout, row 1 does not: a non-contiguous row group
 LEFT_PAD = 3  # row 1
@@ -98,7 +105,7 @@ def _step(comm: TSPComm, kind: str, slots: int | None, shape: ModelShape = SHAPE
 
 # 31 slots: the edges fit, the breaks do not; classifier: TSPForSequenceClassification's step
 CASES = [("plain", None, SHAPE), ("packed", None, SHAPE), ("packed", 31, SHAPE), ("packed", None, OLMO3_SHAPE),
-         ("classifier", None, SHAPE)]
+         ("classifier", None, SHAPE), ("packed", None, GEMMA4_KV_SHAPE)]
 
 
 def _all_cases(world: bool) -> list[dict]:
