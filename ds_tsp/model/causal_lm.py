@@ -39,16 +39,17 @@ from ds_tsp.core.tokens.positions import RopeTables, StepRopes
 from ds_tsp.core.tokens.zigzag import cp_zigzag_positions, zigzag_chunks, zigzag_positions
 from ds_tsp.model.loss import count_valid_tokens, global_loss, loss_for_logging, normalise_over_data, tsp_group_loss
 from ds_tsp.model.modules.decoder import TSPDecoderLayer
+from ds_tsp.model.modules.per_layer_input import PerLayerInputs
 from ds_tsp.model.modules.vocab import TSPLMHeadLoss, TSPVocabEmbedding
 from ds_tsp.model.state_dict import ShardedStateDict
 
 __all__ = ["ShardedCausalLM", "count_valid_tokens", "normalise_over_data"]
 
 
-def _checkpointed_layer(layer: nn.Module, h, cos, sin, q_scale, doc_starts):
+def _checkpointed_layer(layer: nn.Module, h, cos, sin, q_scale, doc_starts, per_layer_input=None):
     """A decoder layer under activation checkpointing: the step's RoPE tables go to checkpoint as its own tensor
     arguments (kept once for the recompute, and seen as such by saved-tensor hooks), not inside a tuple."""
-    return layer(h, RopeTables(cos, sin, q_scale), doc_starts, with_router=True)
+    return layer(h, RopeTables(cos, sin, q_scale), doc_starts, with_router=True, per_layer_input=per_layer_input)
 
 
 class _Backbone(nn.Module):
@@ -59,6 +60,8 @@ class _Backbone(nn.Module):
         self.layers = nn.ModuleList(TSPDecoderLayer(shape, comm, options, dtype, device, layer=i)
                                     for i in range(shape.num_layers))
         self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, shape.zero_centred_norms)
+        # Gemma 4: every layer's per-layer input, from the token ids and the embeddings
+        self.per_layer_inputs = PerLayerInputs(shape, comm, dtype, device) if shape.per_layer_input_size else None
 
 
 class ShardedCausalLM(ShardedStateDict, nn.Module):
@@ -73,6 +76,10 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
         """lm_head=False: the backbone alone (a sequence classifier's, which puts its own head on final_hidden)."""
         super().__init__()
         shape.check_tsp_degree(comm.size)
+        if shape.kv_shared_layers and options.activation_checkpointing:
+            raise TSPConfigError(f"kv_shared_layers={shape.kv_shared_layers} with activation_checkpointing: the K/V "
+                                 "a layer exports to the KV-sharing layers would leave its checkpointed region; turn "
+                                 "activation checkpointing off for Gemma 4 E2B / E4B")
         self.shape, self.comm, self.options = shape, comm, options
         self._step_ropes = StepRopes(shape, comm)
         self.model = _Backbone(shape, comm, options, dtype, device)
@@ -200,17 +207,22 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
         replicated = [*self.replicated_params().values(), *(p for _, p, cut in self.lora_tensors() if cut is None)]
         with ReplicatedGradBucket(self.comm, replicated):
             h = self.model.embed_tokens(input_ids)
+            per_layer = None if self.model.per_layer_inputs is None else self.model.per_layer_inputs(input_ids, h)
+            shared_kv = {} if self.shape.kv_shared_layers else None  # Gemma 4: K/V the KV-sharing layers read
             last = len(self.model.layers) - 1
             for i, layer in enumerate(self.model.layers):
                 rope = ropes.for_layer(self.shape, i)
+                mine = None if per_layer is None else per_layer[:, :, i]  # [B, L, P]
                 if self.options.activation_checkpointing and torch.is_grad_enabled():
                     # the router logits leave the checkpointed region as an output, so they carry its recompute;
                     # offload_activations: the saved input h waits in host memory (core/activation_offload.py)
                     with (self.activation_offload.saved_input(h, layer=i, last=i == last)
                           if self.options.offload_activations else contextlib.nullcontext()):
-                        h, logits = checkpoint(_checkpointed_layer, layer, h, *rope, doc_starts, use_reentrant=False)
+                        h, logits = checkpoint(_checkpointed_layer, layer, h, *rope, doc_starts, mine,
+                                               use_reentrant=False)
                 else:
-                    h, logits = layer(h, rope, doc_starts, with_router=True)
+                    h, logits = layer(h, rope, doc_starts, with_router=True, per_layer_input=mine,
+                                      shared_kv=shared_kv)
                 if logits is not None and router_logits is not None:
                     router_logits.append(logits)
             return self.model.norm(h), n_valid

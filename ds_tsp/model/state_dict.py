@@ -6,7 +6,8 @@ A model answers it by holding `self.model` (embed_tokens, layers, norm), `self.l
 conversions use only these methods, never the model classes:
     sharded_modules()    (HF prefix, piece with hf_slices / pack_slices / unshard, its parameter), checkpoint order
     replicated_params()  HF-named parameters every rank holds whole (norms, routers)
-    replicated_buffers() HF-named buffers the checkpoint carries, every rank whole (GLM-4.5's router bias)
+    replicated_buffers() HF-named buffers the checkpoint carries, every rank whole (GLM-4.5's router bias, Gemma 4's
+                         layer scalars)
     lora_tensors()       PEFT-named LoRA factors and how each is cut
     hf_shapes()          every HF tensor's full shape
     load_slices() / load_full_state_dict() / full_state_dict() / init_weights_() / num_parameters()
@@ -33,6 +34,8 @@ class ShardedStateDict:
     def sharded_modules(self) -> list[tuple[str, nn.Module, nn.Parameter]]:
         """(HF name prefix, module with hf_slices/pack_slices/unshard, its parameter), in checkpoint order."""
         out = [("model.embed_tokens.", self.model.embed_tokens, self.model.embed_tokens.vocab_shard)]
+        if getattr(self.model, "per_layer_inputs", None) is not None:  # Gemma 4's per-layer input table
+            out += self.model.per_layer_inputs.sharded_modules("model.")
         for i, layer in enumerate(self.model.layers):
             out += layer.sharded_modules(f"model.layers.{i}.")
         if self.lm_head is not None and not self.lm_head.tied:
@@ -42,14 +45,16 @@ class ShardedStateDict:
     def replicated_params(self) -> dict[str, nn.Parameter]:
         """HF-named params every rank holds whole: the norms (and Qwen3's q/k norms)."""
         out = {}
+        if getattr(self.model, "per_layer_inputs", None) is not None:
+            out.update(self.model.per_layer_inputs.replicated_params("model."))
         for i, layer in enumerate(self.model.layers):
             out.update(layer.replicated_params(f"model.layers.{i}."))
         out["model.norm.weight"] = self.model.norm.weight
         return out
 
     def replicated_buffers(self) -> dict[str, torch.Tensor]:
-        """HF-named buffers every rank holds whole that the checkpoint carries (GLM-4.5's e_score_correction_bias):
-        read and saved with the parameters, no gradient."""
+        """HF-named buffers every rank holds whole that the checkpoint carries (GLM-4.5's e_score_correction_bias,
+        Gemma 4's layer_scalar): read and saved with the parameters, no gradient."""
         out = {}
         for i, layer in enumerate(self.model.layers):
             out.update(layer.replicated_buffers(f"model.layers.{i}."))

@@ -58,11 +58,11 @@ def load_hf_model(core: nn.Module, hf_model: nn.Module, state_dict: dict | None 
 
     peft = peft_adapter(hf_model)  # (base model, adapter name, LoraConfig) of a PEFT LoRA model; None otherwise
     base = peft[0] if peft else hf_model
-    if getattr(getattr(base, "config", None), "model_type", None) in ("qwen3_5", "qwen3_5_moe"):
+    if getattr(getattr(base, "config", None), "model_type", None) in ("qwen3_5", "qwen3_5_moe", "gemma4"):
         raise TSPConfigError(
-            f"{type(base).__name__} (a Qwen3.5 multimodal model) in memory: TSP trains its language model; save it "
+            f"{type(base).__name__} (a multimodal model) in memory: TSP trains its language model; save it "
             "(save_pretrained) and pass the checkpoint directory, which loads as the language model by slices, or "
-            "load the text-only Qwen3_5ForCausalLM")
+            "load the text-only ForCausalLM model")
     params = base_parameters(base)
     if state_dict is None:  # the parameters, and the buffers the checkpoint carries (GLM-4.5's router bias)
         wanted = core.replicated_buffers()

@@ -12,6 +12,7 @@ global changes; other models, and float32/bfloat16 inputs, keep transformers' ex
   (computed in float32 by the rope-type init: default, linear, llama3, yarn, ...) and its `attention_scaling`, so
   the reference rope is transformers' rope; only the product is exact. Dynamic rope types keep their frequency
   update (the patched forward is wrapped in transformers' `dynamic_rope_update`).
+* Gemma 4's RMSNorm (w-scaled, or without a weight: v_norm) does `.float()` too: patched the same way.
 * Qwen3.5 / Qwen3-Next: their zero-centred RMSNorm (`x_hat * (1 + w)`, attribute `eps`) does `.float()` too:
   patched the same way (float64 kept, other dtypes unchanged). Their rotary embedding is mrope: the patch keeps
   transformers' three-row recomposition (`recomposition_frequencies`) and only forms the angles in float64. Their
@@ -52,6 +53,17 @@ def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     x = hidden_states.to(torch.float64 if input_dtype == torch.float64 else torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return self.weight * x.to(input_dtype)
+
+
+def _scaled_rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # transformers' Gemma4RMSNorm.forward (x_hat, times the weight when with_scale, in the compute dtype, cast
+    # after), with float64 kept in float64
+    wide = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+    x = hidden_states.to(wide)
+    x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon, -0.5)
+    if self.with_scale:
+        x = x * self.weight.to(wide)
+    return x.type_as(hidden_states)
 
 
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
@@ -155,6 +167,8 @@ def patch_float64_(model: torch.nn.Module) -> int:
             module.forward = types.MethodType(_grouped_router_forward, module)
         elif cls.endswith("RotaryEmbedding") and hasattr(module, "mrope_section"):
             module.forward = types.MethodType(mrope, module)
+        elif cls.endswith("RMSNorm") and hasattr(module, "with_scale"):
+            module.forward = types.MethodType(_scaled_rmsnorm_forward, module)  # Gemma 4 (v_norm has no weight)
         elif cls.endswith("RMSNorm"):
             if not (hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.Tensor)):
                 raise NotImplementedError(f"{name}: {cls} is not a Llama-style RMSNorm (weight, variance_epsilon)")

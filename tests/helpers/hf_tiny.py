@@ -3,7 +3,8 @@
 `FAMILIES` covers the architectures ds_tsp loads from the Hub: Llama (rope default / llama3 / linear / yarn,
 explicit head_dim, tied and untied), Mistral (sliding window), Qwen2 (q/k/v bias, per-layer sliding window), Qwen3
 (per-head q_norm/k_norm), Ministral 3 (yarn, position-scaled queries, sliding window) and Phi-3 (fused qkv_proj /
-gate_up_proj, partial rotary, longrope, sliding window) and Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE).
+gate_up_proj, partial rotary, longrope, sliding window), Gemma 3 (sandwich norms, GeGLU, per-layer-type RoPE) and
+Gemma 4 (per-layer head_dim, proportional RoPE, v norms, layer scalars, per-layer inputs, soft-capped logits).
 Everything has 2 layers and 4 heads, so tensor degrees D=2 and D=4 divide the
 heads, and vocab sizes are deliberately not all multiples of 4 (vocab padding). Rope scalings use a small
 original_max_position_embeddings (16) so they really change the angles at test sequence lengths.
@@ -75,10 +76,11 @@ FAMILIES: dict[str, dict] = {
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                   "short_factor": [1.0, 1.25, 1.5, 2.0], "long_factor": [1.5, 3.0, 5.0, 8.0]}),
     # Gemma 3: sliding layers (window 7) with their own rope theta, a full layer with linear-scaled rope, softmax
-    # scale from query_pre_attn_scalar, four (1 + w) norms per layer, GeGLU, scaled and tied embeddings, pad row 0
+    # scale from query_pre_attn_scalar, four (1 + w) norms per layer, GeGLU, scaled and tied embeddings, pad row 0,
+    # soft-capped logits (cap 0.1: the tiny logits reach the tanh's bend)
     "gemma3": dict(model_type="gemma3_text", vocab_size=93, hidden_size=32, intermediate_size=64,
                    num_key_value_heads=2, head_dim=16, sliding_window=7, query_pre_attn_scalar=12,
-                   layer_types=["sliding_attention", "full_attention"],
+                   layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=0.1,
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
     # OLMo 3: q/k norms over the whole projection, post-norms only, a sliding layer (window 5, shorter than a
@@ -90,11 +92,28 @@ FAMILIES: dict[str, dict] = {
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                       "original_max_position_embeddings": 16}}),
+    # Gemma 4: a sliding layer (window 3, shorter than a rank's chunk at D=4) with head_dim 8, 2 kv heads and
+    # default rope, a full layer with head_dim 16, proportional rope and keys as values (k_eq_v: no v_proj) of one
+    # kv head (replicated at D=2, 4), v norms, per-layer inputs (8 per layer, a per-layer vocab larger than the
+    # vocab), soft-capped logits (cap 0.1: the tiny logits reach the tanh's bend); the layer scalars are set off 1
+    # by init_tiny_weights_
+    "gemma4": dict(model_type="gemma4_text", vocab_size=93, hidden_size=32, intermediate_size=64,
+                   num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=3,
+                   attention_k_eq_v=True, num_global_key_value_heads=1,
+                   layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                   vocab_size_per_layer_input=95, final_logit_softcapping=0.1),
     # "Qwen3-style": q_norm/k_norm, explicit head_dim 16 != 32/4, tied, GQA
     "qwen3": dict(model_type="qwen3", vocab_size=98, hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                   head_dim=16, tie_word_embeddings=True, use_sliding_window=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
+
+
+# Gemma 4 E2B / E4B's KV sharing: the last (full) layer attends over layer 1's K/V (keys as values, one kv head), its
+# MLP twice as wide (use_double_wide_mlp)
+FAMILIES["gemma4_kv_shared"] = {**FAMILIES["gemma4"], "num_hidden_layers": 3, "num_kv_shared_layers": 1,
+                                "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                                "use_double_wide_mlp": True}
 
 
 MOE_FAMILIES: dict[str, dict] = {
@@ -140,7 +159,8 @@ def _config_class(model_type: str):
             "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
             "ministral3": transformers.Ministral3Config, "phi3": transformers.Phi3Config,
             "gemma3_text": transformers.Gemma3TextConfig, "olmo3": transformers.Olmo3Config,
-            "glm4_moe": transformers.Glm4MoeConfig, "gpt_oss": transformers.GptOssConfig}[model_type]
+            "glm4_moe": transformers.Glm4MoeConfig, "gpt_oss": transformers.GptOssConfig,
+            "gemma4_text": transformers.Gemma4TextConfig}[model_type]
 
 
 def tiny_config(name: str, **overrides):
@@ -170,6 +190,8 @@ def init_tiny_weights_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module
         if name.endswith("e_score_correction_bias"):
             gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen, dtype=torch.float64))
+        if name.endswith("layer_scalar"):  # Gemma 4's checkpoint scalars (real ones: 0.005 to 0.92), not 1
+            buffer.fill_(0.5 + 0.01 * (zlib.crc32(name.encode()) % 40))
     return model
 
 
@@ -208,6 +230,8 @@ def save_tiny_multimodal_checkpoint(directory, model_type: str, *, seed: int = 0
 
     family, vision = MULTIMODAL[model_type]
     text = {**_COMMON, **FAMILIES[family]}
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration never soft-caps (TSP refuses the cap there)
+        text.pop("final_logit_softcapping", None)
     extra = {"mm_tokens_per_image": 4} if model_type == "gemma3" else {"spatial_merge_size": 1}
     config = transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **extra)
     model = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")

@@ -258,7 +258,6 @@ def test_a_bare_gemma3_shape_saves_as_gemma3():
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0 on a gemma3_text config"),
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention=True"),
     ("hidden_activation", "relu", "hidden_activation='relu'"),
@@ -267,6 +266,125 @@ def test_gemma3_refuses_what_it_does_not_compute(field, value, match):
     config = transformers.Gemma3TextConfig(**SIZES).to_dict()
     with pytest.raises(TSPConfigError, match=match):
         ModelShape.from_hf_config({**config, field: value})
+
+
+def test_gemma3_reads_its_final_logit_softcapping():
+    config = transformers.Gemma3TextConfig(**SIZES, final_logit_softcapping=30.0)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.final_logit_softcapping == 30.0 == ModelShape.from_hf_config(config.to_dict()).final_logit_softcapping
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert again.final_logit_softcapping == 30.0 and ModelShape.from_hf_config(again) == shape
+    with pytest.raises(TSPConfigError, match="final_logit_softcapping=30.0: only the Gemma families"):
+        config_dict_from_shape(ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                                          num_heads=4, num_kv_heads=2, final_logit_softcapping=30.0), torch.float32)
+
+
+def test_gemma3_multimodal_refuses_the_cap_its_model_never_applies():
+    config = transformers.Gemma3Config(text_config={**SIZES, "final_logit_softcapping": 30.0})
+    for form in (config, config.to_dict()):
+        with pytest.raises(TSPConfigError, match="Gemma3ForConditionalGeneration.*never applies it"):
+            ModelShape.from_hf_config(form)
+    from ds_tsp.core.shape.hf_config import config_from_dict
+
+    with pytest.raises(TSPConfigError, match="final_logit_softcapping=30.0 in a gemma3"):
+        config_from_dict(config.to_dict())
+
+
+GEMMA4 = dict(**SIZES, global_head_dim=16, sliding_window=5, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=64, layer_types=["sliding_attention", "full_attention"])
+
+
+def test_gemma4_reads_the_full_layers_head_dim_rope_and_per_layer_inputs():
+    config = transformers.Gemma4TextConfig(**GEMMA4, final_logit_softcapping=15.0)
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.dim_per_head, shape.full_head_dim, shape.layer_head_dim(0), shape.layer_head_dim(1)) == (8, 16, 8, 16)
+    assert (shape.value_norm, shape.layer_scalars, shape.attention_scale, shape.zero_centred_norms) == (
+        True, True, 1.0, False)
+    assert (shape.per_layer_input_size, shape.per_layer_input_vocab_size, shape.final_logit_softcapping) == (
+        8, 64, 15.0)
+    assert (shape.rope_theta, shape.rope_scaling.rope_type, shape.sliding_rope_theta) == (1e6, "proportional", 1e4)
+    # config.json as transformers 5 writes it (per_layer_config), and as an older one (global_head_dim) alike
+    written = config.to_dict()
+    assert "per_layer_config" in written and ModelShape.from_hf_config(written) == shape
+    older = {k: v for k, v in written.items() if k != "per_layer_config"}
+    assert ModelShape.from_hf_config({**older, "global_head_dim": 16}) == shape
+    assert ModelShape.from_hf_config(older).full_head_dim == 512  # Gemma4TextConfig's default
+    # no per-layer inputs: hidden_size_per_layer_input 0 (or null)
+    for off in (0, None):
+        plain = ModelShape.from_hf_config({**written, "hidden_size_per_layer_input": off})
+        assert (plain.per_layer_input_size, plain.per_layer_input_vocab_size) == (0, 0)
+
+
+def test_gemma4_keys_as_values_on_the_full_layers():
+    config = transformers.Gemma4TextConfig(**GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1)
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.full_values_from_keys, shape.full_num_kv_heads) == (True, 1)
+    assert [shape.layer_kv_heads(i) for i in (0, 1)] == [2, 1]
+    assert [shape.layer_values_from_keys(i) for i in (0, 1)] == [False, True]
+    older = {k: v for k, v in config.to_dict().items() if k != "per_layer_config"}
+    assert ModelShape.from_hf_config({**older, "global_head_dim": 16, "num_global_key_value_heads": 1}) == shape
+    # transformers applies num_global_key_value_heads only with attention_k_eq_v
+    plain = ModelShape.from_hf_config({**older, "global_head_dim": 16, "num_global_key_value_heads": 1,
+                                       "attention_k_eq_v": False})
+    assert (plain.full_values_from_keys, plain.full_num_kv_heads) == (False, None)
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert again.attention_k_eq_v and ModelShape.from_hf_config(again) == shape
+    for tsp in (1, 2, 4):
+        shape.check_tsp_degree(tsp)
+
+
+def test_gemma4_proportional_rope_is_transformers_own():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ds_tsp.core.tokens.rope import inv_freq
+
+    config = transformers.Gemma4TextConfig(**{**GEMMA4, "global_head_dim": 32})
+    shape = ModelShape.from_hf_config(config)
+    want, _ = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu", layer_type="full_attention")
+    got = inv_freq(shape.full_rotary_dim, shape.rope_theta, shape.rope_scaling)
+    assert torch.equal(got, want) and int((want == 0).sum()) == 12  # 4 of the 16 frequencies rotate
+
+
+def test_a_bare_gemma4_shape_saves_as_gemma4():
+    config = transformers.Gemma4TextConfig(**GEMMA4, final_logit_softcapping=15.0)
+    shape = ModelShape.from_hf_config(config)
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert type(again).__name__ == "Gemma4TextConfig" and ModelShape.from_hf_config(again) == shape
+    assert again.per_layer_config[1].head_dim == 16 and again.per_layer_config[0].head_dim == 8
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("num_kv_shared_layers", 1, "kv_shared_layers=1: layer 1 has no earlier layer of its type"),
+    ("enable_moe_block", True, "enable_moe_block=True"),
+    ("use_bidirectional_attention", "all", "use_bidirectional_attention='all'"),
+    ("hidden_activation", "silu", "hidden_activation='silu'"),
+    ("per_layer_config", {"1": {"head_dim": 16, "intermediate_size": 32}}, r"overrides \['intermediate_size'\]"),
+    ("per_layer_config", {"0": {"num_key_value_heads": 1}}, "one pair for all the full layers"),
+    ("per_layer_config", {"0": {"head_dim": 16}, "1": {"head_dim": 16}}, "the sliding layers' from head_dim"),
+    ("vocab_size_per_layer_input", 60, "vocab_size_per_layer_input=60 < vocab_size=64"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4}, "one block per layer type"),
+])
+def test_gemma4_refuses_what_it_does_not_compute(field, value, match):
+    config = transformers.Gemma4TextConfig(**GEMMA4).to_dict()
+    with pytest.raises(TSPConfigError, match=match):
+        ModelShape.from_hf_config({**config, field: value})
+
+
+def test_gemma4_multimodal_config_reads_as_its_text_config():
+    config = transformers.Gemma4Config(text_config=GEMMA4)
+    want = ModelShape.from_hf_config(transformers.Gemma4TextConfig(**GEMMA4))
+    assert ModelShape.from_hf_config(config) == ModelShape.from_hf_config(config.to_dict()) == want
+
+
+def test_gemma4_per_layer_inputs_split_over_ranks_and_the_planner_refuses_them():
+    from ds_tsp.tools.plan import PlanInput, PlanInputError
+
+    shape = ModelShape.from_hf_config(transformers.Gemma4TextConfig(**{**GEMMA4, "hidden_size_per_layer_input": 6}))
+    shape.check_tsp_degree(2)
+    with pytest.raises(TSPConfigError, match="per_layer_input_size=6 is not divisible by tsp=4"):
+        shape.check_tsp_degree(4)
+    with pytest.raises(PlanInputError, match="per_layer_input_size / full_head_dim / full_num_kv_heads"):
+        PlanInput(model=shape, seq=32, degree=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
@@ -460,3 +578,82 @@ def test_attention_sinks_without_gpt_oss_experts_have_no_checkpoint_family():
     with pytest.raises(TSPConfigError, match="moe_biases=True.* come together, in a shape with experts"):
         ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    moe_biases=True)
+
+
+def test_gemma4_multimodal_checkpoint_trains_its_language_model(tmp_path):
+    """A Gemma4ForConditionalGeneration checkpoint (language model under model.language_model., a vision tower
+    beside it) loads by slices as its language model: loss and gradients equal transformers' multimodal model's on
+    text, and it saves as Gemma4ForCausalLM."""
+    from hf_tiny import FAMILIES, init_tiny_weights_
+
+    from ds_tsp.hf import TSPForCausalLM
+    from ds_tsp.tools.hf_reference import hf_loss_and_grads, patch_float64_
+
+    text = {k: v for k, v in FAMILIES["gemma4"].items() if k != "model_type"}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+    config = transformers.Gemma4Config(text_config={**text, "num_hidden_layers": 2, "num_attention_heads": 4},
+                                       vision_config=vision, audio_config=None)
+    hf = init_tiny_weights_(transformers.Gemma4ForConditionalGeneration(config).to(torch.float64))
+    hf.save_pretrained(tmp_path / "mm")
+    hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "mm", dtype=torch.float64,
+                                                                     attn_implementation="sdpa")
+    patch_float64_(hf)
+    ids = torch.randint(0, 93, (2, 13), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = hf_loss_and_grads(hf, ids, shift(ids))
+    model = TSPForCausalLM.from_pretrained(tmp_path / "mm", dtype=torch.float64)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = model.tsp.full_state_dict(grads=True)
+    assert abs(float(loss.detach()) - float(ref_loss)) < 1e-12 * float(ref_loss)
+    for name, grad in grads.items():
+        want = ref_grads[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name]
+        assert (grad - want).norm() <= 1e-10 * want.norm().clamp_min(1e-30), name
+    model.save_pretrained(tmp_path / "text")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float64)
+    assert type(again).__name__ == "Gemma4ForCausalLM"
+
+
+def test_gemma4_kv_sharing_reads_its_source_layers_and_refuses_what_it_cannot_run(tmp_path):
+    config = transformers.Gemma4TextConfig(**{**GEMMA4, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                                              "use_double_wide_mlp": True, "layer_types": [
+                                                  "sliding_attention", "full_attention"] * 2})
+    shape = ModelShape.from_hf_config(config)
+    assert [shape.kv_source(i) for i in range(4)] == [None, None, 0, 1]
+    assert [shape.exports_kv(i) for i in range(4)] == [True, True, False, False]
+    assert [shape.layer_intermediate_size(i) for i in range(4)] == [64, 64, 128, 128]
+    assert ModelShape.from_hf_config(config.to_dict()) == shape
+    again = transformers.AutoConfig.for_model(**config_dict_from_shape(shape, torch.float32))
+    assert (again.num_kv_shared_layers, again.use_double_wide_mlp) == (2, True)
+    assert ModelShape.from_hf_config(again) == shape
+    with pytest.raises(TSPConfigError, match="layer 2 has no earlier layer of its type"):
+        ModelShape.from_hf_config({**{k: v for k, v in config.to_dict().items() if k != "per_layer_config"},
+                                   "global_head_dim": 16, "layer_types": ["full_attention", "full_attention",
+                                                                          "sliding_attention", "full_attention"]})
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.config import TSPOptions
+    from ds_tsp.model.causal_lm import ShardedCausalLM
+
+    with pytest.raises(TSPConfigError, match="kv_shared_layers=2 with activation_checkpointing"):
+        ShardedCausalLM(shape, TSPComm.single(), options=TSPOptions(activation_checkpointing=True), device="meta")
+
+
+def test_gemma4_kv_sharing_checkpoint_may_keep_the_projections_transformers_ignores(tmp_path):
+    """Checkpoints may keep k_proj / v_proj / k_norm of the KV-sharing layers (transformers ignores them on load):
+    TSP loads them alike, and still refuses any other unknown tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from ds_tsp.hf import TSPForCausalLM
+
+    directory = save_tiny_checkpoint(tmp_path / "g4", "gemma4_kv_shared")
+    tensors = load_file(directory / "model.safetensors")
+    extra = {"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 32),
+             "model.layers.2.self_attn.k_norm.weight": torch.ones(16)}
+    save_file({**tensors, **extra}, directory / "model.safetensors", metadata={"format": "pt"})
+    model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    assert "model.layers.2.self_attn.k_proj.weight" not in model.tsp.hf_shapes()
+    save_file({**tensors, "model.layers.1.self_attn.v_proj.weight": torch.zeros(16, 32)},
+              directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TSPConfigError, match="model.layers.1.self_attn.v_proj.weight"):
+        TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
+

@@ -145,7 +145,8 @@ CASES = [("llama3_tied", "plain"), ("llama", "plain"), ("qwen2", "plain"), ("qwe
          ("olmo3", "plain"),  # whole-projection q/k norms (their extra shard streams), post-norms
          ("glm4_moe", "packed"),  # grouped sigmoid routing, its bias buffer, shared experts, q/k/v bias, partial rotary
          ("gpt_oss", "packed"),  # attention sinks, o_proj bias, biased clamped-SwiGLU experts (bf16, grouped GEMMs)
-         ("llama", "classifier")]  # TSPForSequenceClassification: the pooled token found over the group
+         ("llama", "classifier"),  # TSPForSequenceClassification: the pooled token found over the group
+         ("gemma4", "plain"), ("gemma4_kv_shared", "padding")]  # Gemma 4 E2B / E4B's KV sharing  # per-layer head_dim, v norms, layer scalars, per-layer inputs, soft-capped logits
 
 
 @pytest.mark.parametrize("family, kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
@@ -181,7 +182,7 @@ def _run_in_fresh_process(runner: str) -> str:
 MULTI = [(2, "qwen3", "packed"), (2, "mistral", "padding"), (3, "llama6", "logits_to_keep"),
          (4, "llama3_tied", "plain"), (4, "qwen2", "logits_to_keep"), (2, "ministral3", "packed"), (4, "phi3", "plain"),
          (2, "gemma3", "packed"), (4, "olmo3", "packed"), (4, "glm4_moe", "plain"), (4, "gpt_oss", "padding"),
-         (4, "qwen3", "classifier")]
+         (4, "qwen3", "classifier"), (2, "gemma4", "packed")]
 
 
 def run_multi() -> list[str]:

@@ -5,7 +5,8 @@
   without a sliding window: loss and every gradient equal the per-document reference (float64, 1e-10).
 - The same packed batch with attention allowed to cross documents (what sdpa does with a plain mask) differs
   from it by far more than the tolerance, so the equality above would fail if TSP attention crossed a boundary.
-- Left and right padding via attention_mask equal the unpadded run; padding and packing combine.
+- Left and right padding via attention_mask equal the unpadded run; padding and packing combine (Gemma 4 too, at D=2:
+  with per-layer inputs and keys as values, and without either).
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def _packed_inputs(family: str) -> tuple[dict, dict]:
     return data, {k: data[k] for k in ("input_ids", "labels", "position_ids")}
 
 
-def _combined_inputs() -> tuple[dict, dict]:
-    vocab = tiny_config("llama").vocab_size
+def _combined_inputs(family: str = "llama") -> tuple[dict, dict]:
+    vocab = tiny_config(family).vocab_size
     data = packed_batch(vocab, [[9, 14, 7], [20, 10]], seed=4)
     return data, _padded(data, [(0, 6), (6, 0)], vocab)
 
@@ -98,19 +99,26 @@ def checkpoints(tmp_path_factory):
     return {"llama": save_tiny_checkpoint(root / "llama", tiny_config("llama", **SIX_HEADS)),
             "mistral": save_tiny_checkpoint(root / "mistral", tiny_config("mistral", sliding_window=4, **SIX_HEADS)),
             "qwen3": save_tiny_checkpoint(root / "qwen3", "qwen3"),
-            "olmo3": save_tiny_checkpoint(root / "olmo3", "olmo3")}  # its norms span every head block
+            "olmo3": save_tiny_checkpoint(root / "olmo3", "olmo3"),  # its norms span every head block
+            "gemma4": save_tiny_checkpoint(root / "gemma4", "gemma4"),
+            "gemma4_kv_shared": save_tiny_checkpoint(root / "gemma4_kv_shared", "gemma4_kv_shared"),
+            # no per-layer inputs, the full layer with its own v_proj
+            "gemma4_plain": save_tiny_checkpoint(root / "gemma4_plain", tiny_config(
+                "gemma4", hidden_size_per_layer_input=0, attention_k_eq_v=False))}
 
 
 @pytest.fixture(scope="module")
 def tsp_results(checkpoints):
-    """All TSP runs of this file: D=3 (6-head checkpoints) in one start-up, D=2 (qwen3, olmo3: 4 heads) in
+    """All TSP runs of this file: D=3 (6-head checkpoints) in one start-up, D=2 (qwen3, olmo3, gemma4: 4 heads) in
     another."""
     d3 = {("packed", family, backend): (str(checkpoints[family]), _packed_inputs(family)[1], backend)
           for family in ("llama", "mistral") for backend in ("cpu_flash", "math")}
     d3[("padding", "mistral")] = (str(checkpoints["mistral"]), _padding_inputs("mistral")[1], None)
     d3[("combined",)] = (str(checkpoints["llama"]), _combined_inputs()[1], None)
-    d2 = {("padding", family): (str(checkpoints[family]), _padding_inputs(family)[1], None)
-          for family in ("qwen3", "olmo3")}
+    d2 = {("padding", family): (str(checkpoints[family]), _padding_inputs(family.removesuffix("_plain"))[1], None)
+          for family in ("qwen3", "olmo3", "gemma4_plain")}
+    for family in ("gemma4", "gemma4_kv_shared"):
+        d2[("combined", family)] = (str(checkpoints[family]), _combined_inputs(family)[1], None)
     results = run_on_local_ranks(_run_cases, 3, d3, timeout_s=300)[0]
     results.update(run_on_local_ranks(_run_cases, 2, d2, timeout_s=300)[0])
     return results
@@ -130,16 +138,19 @@ def test_packed_documents_at_d3_equal_each_document_alone(checkpoints, tsp_resul
     assert _rel(crossing[0], per_document[0]) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "olmo3"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "olmo3", "gemma4_plain"])
 def test_left_and_right_padding_equal_the_unpadded_run(checkpoints, tsp_results, family):
-    ids, _ = _padding_inputs(family)
+    ids, _ = _padding_inputs(family.removesuffix("_plain"))
     ref = load_hf_reference(checkpoints[family], torch.float64)
     alone = hf_loss_and_grads(ref, ids, shift(ids.clone()))
     _assert_matches(tsp_results[("padding", family)], alone, (family, "padding"))
 
 
-def test_padding_and_packing_combine(checkpoints, tsp_results):
-    data, _ = _combined_inputs()
-    ref = load_hf_reference(checkpoints["llama"], torch.float64)
+# Gemma 4 at D=2: per-layer inputs of padded tokens; the KV-sharing layers read their source's padded, packed K/V
+@pytest.mark.parametrize("family", ["llama", "gemma4", "gemma4_kv_shared"])
+def test_padding_and_packing_combine(checkpoints, tsp_results, family):
+    data, _ = _combined_inputs(family)
+    ref = load_hf_reference(checkpoints[family], torch.float64)
     per_document = hf_loss_and_grads(ref, data["input_ids"], shift(data["labels"]), documents=data["documents"])
-    _assert_matches(tsp_results[("combined",)], per_document, "padding + packing")
+    _assert_matches(tsp_results[("combined",) if family == "llama" else ("combined", family)], per_document,
+                    (family, "padding + packing"))

@@ -24,17 +24,28 @@ from ds_tsp.model.causal_lm import ShardedCausalLM
 
 # every mechanism a step can take at once: q/k/v bias, q/k norms, a window, position-scaled queries (Ministral 3),
 # an embedding padding row, Gemma 3's sandwich norms, GeGLU, scaled embeddings, softmax scale and sliding-layer RoPE,
-# GPT-OSS's attention sinks and o_proj bias (its experts: tests/cp/test_cp_moe.py counts a GPT-OSS step's reads)
+# GPT-OSS's attention sinks and o_proj bias (its experts: tests/cp/test_cp_moe.py counts a GPT-OSS step's reads),
+# Gemma 4's full layers' head_dim and kv heads with keys as values, v norms, layer scalars, per-layer inputs and
+# soft-capped logits
 SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    qkv_bias=True, qk_norm=True, attention_windows=(None, 5), query_scale_beta=0.1,
                    query_scale_period=8, pad_token_id=0, sandwich_norms=True, mlp_activation="gelu_tanh",
                    embedding_scale=5.5, attention_scale=0.3, sliding_rope_theta=500.0, attention_sinks=True,
-                   attention_out_bias=True)
+                   attention_out_bias=True, full_head_dim=12, full_num_kv_heads=1, full_values_from_keys=True,
+                   value_norm=True, layer_scalars=True, per_layer_input_size=4, per_layer_input_vocab_size=63,
+                   final_logit_softcapping=0.5)
 # what cannot join the shape above: OLMo 3's q/k norms over the whole projection (two more shard streams) and
 # post-norms
 OLMO3_SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, attention_windows=(5, None), pad_token_id=1, projection_qk_norm=True,
                          post_norms=True, sliding_rope_theta=500.0)
+# Gemma 4's KV sharing (the last layer reads layer 1's K/V; no q/k/v bias there) with a double-wide MLP
+GEMMA4_KV_SHAPE = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                             num_kv_heads=2, attention_windows=(5, None, None), qk_norm=True, sandwich_norms=True,
+                             mlp_activation="gelu_tanh", attention_scale=1.0, sliding_rope_theta=500.0,
+                             full_head_dim=12, full_num_kv_heads=1, full_values_from_keys=True, value_norm=True,
+                             layer_scalars=True, per_layer_input_size=4, per_layer_input_vocab_size=61,
+                             kv_shared_layers=1, double_wide_shared_mlp=True)
 B, S = 3, 24
 DOCS = [(7, 9, 8), (24,), (7, 9, 8)]  # rows 0 and 2 share a layout, row 1 does not: a non-contiguous row group
 LEFT_PAD = 3  # row 1
@@ -94,7 +105,7 @@ def _step(comm: TSPComm, kind: str, slots: int | None, shape: ModelShape = SHAPE
 
 # 31 slots: the edges fit, the breaks do not; classifier: TSPForSequenceClassification's step
 CASES = [("plain", None, SHAPE), ("packed", None, SHAPE), ("packed", 31, SHAPE), ("packed", None, OLMO3_SHAPE),
-         ("classifier", None, SHAPE)]
+         ("classifier", None, SHAPE), ("packed", None, GEMMA4_KV_SHAPE)]
 
 
 def _all_cases(world: bool) -> list[dict]:

@@ -47,7 +47,17 @@ def _configs(D: int) -> dict[str, dict]:
         # GLM-4.5: grouped sigmoid routing, the shared expert's weight ring beside the experts' all-to-all
         "glm_moe_all_to_all_shared": {"kv": D, "options": TSPOptions(moe_dispatch="all_to_all"), "overlap": True,
                                       "moe": _GLM, "weight_channel": True},
+        # Gemma 4: per-layer inputs (their table, projection and gates on the weight ring), the full layer's own
+        # head_dim and one kv head with keys as values, soft-capped logits, under checkpointing
+        "gemma4_checkpointing": {"kv": D, "options": TSPOptions(activation_checkpointing=True), "overlap": True,
+                                 "windows": (5, None), "shape": _GEMMA4, "weight_channel": True},
     }
+
+
+_GEMMA4 = dict(sandwich_norms=True, qk_norm=True, mlp_activation="gelu_tanh", embedding_scale=4.0, attention_scale=1.0,
+               sliding_rope_theta=100.0, full_head_dim=12, full_num_kv_heads=1, full_values_from_keys=True,
+               value_norm=True, layer_scalars=True, per_layer_input_size=12, per_layer_input_vocab_size=64,
+               final_logit_softcapping=0.5)
 
 
 _MOE = dict(num_experts=12, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,

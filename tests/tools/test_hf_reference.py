@@ -62,12 +62,15 @@ def test_family_float64_reference(name, checkpoint):
     assert {p.dtype for p in m64.parameters()} == {torch.float64}
     assert m64.config._attn_implementation == "sdpa"
 
-    # every RMSNorm (2 per layer, Gemma 3's 4, + final, + q_norm/k_norm per layer for Qwen3, Gemma 3 and OLMo 3) and
-    # the rotary embedding
+    # every RMSNorm (2 per layer, Gemma 3's 4, + final, + q_norm/k_norm per layer for Qwen3, Gemma 3 and OLMo 3;
+    # Gemma 4: Gemma 3's 6, v_norm and post_per_layer_input_norm per layer, per_layer_projection_norm) and the
+    # rotary embedding
     layers = cfg.num_hidden_layers
-    per_layer = ((4 if cfg.model_type == "gemma3_text" else 2)
-                 + (2 if cfg.model_type in ("qwen3", "gemma3_text", "olmo3") else 0))
-    norms = per_layer * layers + 1
+    gemma = cfg.model_type in ("gemma3_text", "gemma4_text")
+    per_layer = (4 if gemma else 2) + (2 if cfg.model_type in ("qwen3", "olmo3") or gemma else 0)
+    per_layer += 2 if cfg.model_type == "gemma4_text" else 0
+    norms = per_layer * layers + 1 + (1 if cfg.model_type == "gemma4_text" else 0)
+    norms -= 2 * getattr(cfg, "num_kv_shared_layers", 0)  # Gemma 4's KV-sharing layers: no k_norm, v_norm
     expected = sorted(n for n, m in m64.named_modules() if is_norm(m) or is_rotary(m))
     assert len(expected) == norms + 1
     assert sorted(instance_patched(m64)) == expected
@@ -82,7 +85,8 @@ def test_family_float64_reference(name, checkpoint):
     loss64, grads64 = hf_loss_and_grads(m64, input_ids, shift_labels, position_ids=position_ids)
     loss32, grads32 = hf_loss_and_grads(m32, input_ids, shift_labels, position_ids=position_ids)
     assert loss64.dtype == torch.float64 and loss32.dtype == torch.float32
-    assert set(grads64) == set(m64.state_dict()) == set(grads32)
+    buffers = {n for n, _ in m64.named_buffers()}  # Gemma 4's layer_scalar: in the state dict, never trained
+    assert set(grads64) == set(m64.state_dict()) - buffers == set(grads32)
     if cfg.tie_word_embeddings:
         assert "lm_head.weight" in grads64
         assert torch.equal(grads64["lm_head.weight"], grads64["model.embed_tokens.weight"])

@@ -61,6 +61,12 @@ CASES = {
     # more and reduced apart), post-norms, a sliding layer with its own rope; kv heads replicated at D=4
     "olmo3": (_shape(num_kv_heads=2, attention_windows=(7, None), projection_qk_norm=True, post_norms=True,
                      sliding_rope_theta=1e4), 30, 2, "fp32", {}, (2, 4)),
+    # Gemma 4 without per-layer inputs (the planner refuses those): v norms, layer scalars (buffers, no params),
+    # softmax scale 1, soft-capped logits
+    "gemma4": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, sandwich_norms=True,
+                      mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5, attention_scale=1.0,
+                      sliding_rope_theta=1e4, value_norm=True, layer_scalars=True, final_logit_softcapping=0.5),
+               30, 2, "fp32", {}, (2,)),
     # Ministral 3: position-scaled queries (one more per-step table), a window, checkpointing (the tables are the
     # checkpoint's own inputs)
     "ministral3_checkpointing": (_shape(num_kv_heads=2, attention_windows=(7, 7), query_scale_beta=0.1,

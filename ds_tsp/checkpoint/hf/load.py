@@ -44,8 +44,13 @@ def check_checkpoint_matches(model: nn.Module, reader: CheckpointReader, where: 
     tied_copy = {"lm_head.weight"} if model.shape.tie_word_embeddings else set()
     # GLM-4.5's multi-token-prediction layers follow the decoder's: transformers' causal LM skips them too
     mtp = tuple(f"model.layers.{model.shape.num_layers + i}." for i in range(model.shape.mtp_layers))
+    # Gemma 4's KV-sharing layers: checkpoints may keep k/v projections and norms transformers never loads either
+    layers, n_shared = model.shape.num_layers, model.shape.kv_shared_layers
+    shared = tuple(f"model.layers.{i}.self_attn.{p}." for i in range(layers - n_shared, layers)
+                   for p in ("k_proj", "v_proj", "k_norm", "v_norm"))
     unknown = sorted(n for n in reader.names() if n not in expected and n not in tied_copy
-                     and not n.endswith(_RECOMPUTED_SUFFIXES) and not (mtp and n.startswith(mtp)))
+                     and not n.endswith(_RECOMPUTED_SUFFIXES) and not (mtp and n.startswith(mtp))
+                     and not (shared and n.startswith(shared)))
     if unknown:
         raise TSPConfigError(f"{where}: tensor {unknown[0]!r} ({len(unknown)} such) is not part of the model its "
                              "config.json describes (an o_proj / mlp bias, extra heads?): TSP would ignore it, so it "

@@ -33,8 +33,10 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _normed_times_weight(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+def _normed_times_weight(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
                          zero_centred: bool = False) -> torch.Tensor:
+    if weight is None:  # Gemma 4's v_norm: no scale, normalised in the compute dtype, rounded at the end
+        return (x.to(rstd.dtype) * rstd).to(x.dtype)
     if zero_centred:  # HF Qwen3_5RMSNorm: (x_hat * (1 + w)) in the compute dtype, then rounded to the input dtype
         return (x.to(rstd.dtype) * rstd * (1.0 + weight.to(rstd.dtype))).to(x.dtype)
     # HF LlamaRMSNorm: the normalised rows are rounded to the input dtype BEFORE the weight multiplies them
@@ -46,7 +48,9 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: tor
     """With n = x * r, r = rstd: dx = r * (dn - n * mean(dn * n)), dn = dy * weight; dweight = sum dy * n
     (zero-centred: the scale is 1 + weight, all in the compute dtype)."""
     n = x.to(rstd.dtype) * rstd
-    if zero_centred:
+    if weight is None:
+        dweight, dn = None, dy.to(rstd.dtype)
+    elif zero_centred:
         dyc = dy.to(rstd.dtype)
         dweight = (dyc * n).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
         dn = dyc * (1.0 + weight.to(rstd.dtype))
@@ -57,16 +61,16 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: tor
     return dx.to(x.dtype), dweight
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
-    """HF Llama's RMSNorm (zero_centred: Qwen3.5's), computed in float32 or in the input dtype if that is wider
-    (plain ops, no Function)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """HF Llama's RMSNorm (zero_centred: Qwen3.5's; weight None: no scale, Gemma 4's v_norm), computed in float32
+    or in the input dtype if that is wider (plain ops, no Function)."""
     return _normed_times_weight(x, _rstd(x, eps), weight, zero_centred)
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                      eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx, dweight) of rms_norm(x, weight, eps, zero_centred) for upstream grad dy; dweight sums over every
-    leading dim."""
+    leading dim (None without a weight)."""
     return _backward(dy, x, _rstd(x, eps), weight, zero_centred)
 
 

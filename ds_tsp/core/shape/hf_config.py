@@ -4,9 +4,10 @@ A model loaded from a checkpoint keeps the checkpoint's own config object (all i
 and its generation_config.json (generation_config_json);
 one built from a bare ModelShape gets the transformers family that expresses it: with experts, grouped sigmoid
 routing -> GLM-4.5, attention sinks with biased clamped-SwiGLU experts -> GPT-OSS, qk_norm -> Qwen3-MoE else
-Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; sandwich norms, GeGLU, scaled
-embeddings -> Gemma 3; whole-projection q/k norms, post-norms -> OLMo 3; dense: qk_norm -> Qwen3, q/k/v bias ->
-Qwen2, one sliding window on every layer -> Mistral, else Llama;
+Mixtral; position-scaled queries -> Ministral 3; fused projections -> Phi-3; v norms, layer scalars, per-layer
+inputs, the full layers' own head_dim -> Gemma 4; sandwich norms, GeGLU, scaled embeddings -> Gemma 3;
+whole-projection q/k norms, post-norms -> OLMo 3; dense: qk_norm -> Qwen3, q/k/v bias -> Qwen2, one sliding window
+on every layer -> Mistral, else Llama;
 a hybrid shape (gated attention, layer_types) -> its hybrid_family (Qwen3.5 text, Qwen3-Next).
 A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration, model_type "qwen3_5") is read as its language
 model: load_config returns its text_config, and the model saves a text-only Qwen3_5ForCausalLM checkpoint.
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.shape.families import ARCHITECTURES, WRAPPERS, family_of
+from ds_tsp.core.shape.families import ARCHITECTURES, WRAPPERS, check_wrapped, family_of
 from ds_tsp.core.shape.model_shape import ModelShape
 
 CONFIG_NAME = "config.json"
@@ -55,6 +56,7 @@ def language_model_config(config):
     """The text_config of a multimodal config (carrying its dtype and tie_word_embeddings), else `config`."""
     if getattr(config, "model_type", None) not in WRAPPERS:
         return config
+    check_wrapped(config.model_type, config.text_config)
     text = copy.deepcopy(config.text_config)
     for key in ("dtype", "tie_word_embeddings"):
         if getattr(config, key, None) is not None:
@@ -82,6 +84,9 @@ def generation_config_json(source) -> str | None:
 
 def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
     """A config.json dict transformers reads back into the same model (see module doc for the family)."""
+    if shape.final_logit_softcapping is not None and not shape.sandwich_norms:
+        raise TSPConfigError(f"final_logit_softcapping={shape.final_logit_softcapping}: only the Gemma families "
+                             "(sandwich norms) soft-cap their logits in transformers")
     if shape.hybrid_family is not None or shape.attn_output_gate:
         return _hybrid_config_dict(shape, dtype)
     if shape.num_experts and shape.moe_routing == "sigmoid_grouped":
@@ -97,6 +102,9 @@ def config_dict_from_shape(shape: ModelShape, dtype: torch.dtype) -> dict:
         return _ministral3_config_dict(shape, dtype)
     if shape.fused_qkv or shape.fused_gate_up:
         return _phi3_config_dict(shape, dtype)
+    if shape.value_norm or shape.layer_scalars or shape.per_layer_input_size or shape.full_head_dim or \
+            shape.full_num_kv_heads or shape.full_values_from_keys or shape.kv_shared_layers:
+        return _gemma4_config_dict(shape, dtype)
     if shape.projection_qk_norm or shape.post_norms:
         return _olmo3_config_dict(shape, dtype)
     if shape.sandwich_norms or shape.mlp_activation != "silu" or shape.embedding_scale != 1.0 or \
@@ -205,9 +213,45 @@ def _gemma3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
     config.pop("hidden_act")
     return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
             "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": int(scalar),
-            "sliding_window": next(iter(sliding), None), "final_logit_softcapping": None,
+            "sliding_window": next(iter(sliding), None), "final_logit_softcapping": shape.final_logit_softcapping,
             "attn_logit_softcapping": None,
             "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
+
+
+def _gemma4_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
+    """Gemma 4 text: Gemma 3's layer with w-scaled norms, softmax scale 1, v norms, layer scalars, the full layers'
+    head_dim and proportional RoPE, per-layer inputs."""
+    if not (shape.sandwich_norms and shape.qk_norm and shape.value_norm and shape.layer_scalars and
+            shape.mlp_activation == "gelu_tanh" and shape.attention_scale == 1.0 and not shape.zero_centred_norms
+            and abs(shape.embedding_scale - shape.hidden_size ** 0.5) < 1e-12) or shape.qkv_bias:
+        raise TSPConfigError("value_norm / layer_scalars / per_layer_input_size / full_head_dim: Gemma 4, the family "
+                             "with them, has all of sandwich w-scaled norms, q/k/v norms, layer scalars, GeGLU, "
+                             "softmax scale 1 and sqrt(hidden)-scaled embeddings, and no q/k/v bias")
+    windows = shape.attention_windows or (None,) * shape.num_layers
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise TSPConfigError(f"attention_windows={windows}: Gemma 4 has one sliding_window for its sliding layers")
+    config = _common_fields(shape, dtype, "gemma4_text")
+    full = config.pop("rope_parameters")
+    config.pop("rope_theta")
+    local = {"rope_type": "default", "rope_theta": shape.sliding_rope_theta or shape.rope_theta}
+    if shape.sliding_rope_scaling is not None:
+        local.update({k: v for k, v in vars(shape.sliding_rope_scaling).items()
+                      if v is not None and k not in ("max_position_embeddings", "truncate")})
+    config.pop("hidden_act")
+    layer_types = ["sliding_attention" if w is not None else "full_attention" for w in windows]
+    full_layer = {"head_dim": shape.full_head_dim or shape.dim_per_head}
+    if shape.full_num_kv_heads:
+        full_layer["num_key_value_heads"] = shape.full_num_kv_heads
+    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "hidden_activation": "gelu_pytorch_tanh", "sliding_window": next(iter(sliding), 512),
+            "layer_types": layer_types, "final_logit_softcapping": shape.final_logit_softcapping,
+            "per_layer_config": {str(i): dict(full_layer) for i, t in enumerate(layer_types)
+                                 if t == "full_attention"},
+            "hidden_size_per_layer_input": shape.per_layer_input_size,
+            "vocab_size_per_layer_input": shape.per_layer_input_vocab_size or shape.vocab_size,
+            "attention_k_eq_v": shape.full_values_from_keys, "num_kv_shared_layers": shape.kv_shared_layers,
+            "enable_moe_block": False, "use_double_wide_mlp": shape.double_wide_shared_mlp}
 
 
 def _olmo3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:

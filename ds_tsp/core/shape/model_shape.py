@@ -110,6 +110,27 @@ class ModelShape:
     expert_activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # Gemma 4: the full-attention layers' own head_dim (transformers' global_head_dim; None: head_dim, the sliding
+    # layers'), every v head RMS-normalised without a weight (v_norm), each layer's output scaled by its
+    # checkpoint's layer_scalar (a buffer), per-layer inputs (PLE: a [per_layer_input_vocab_size, num_layers *
+    # per_layer_input_size] table sharded like the vocabulary, a projection of the embeddings, and per layer a
+    # gate and projection of that layer's slice into the residual; 0: none), and the logits soft-capped as
+    # cap * tanh(logits / cap) (Gemma 3 too; None: off)
+    full_head_dim: int | None = None
+    # Gemma 4's attention_k_eq_v: the full-attention layers' kv heads (num_global_key_value_heads; None:
+    # num_kv_heads), and their values are the keys' raw projection (no v_proj: v = v_norm(k_proj(x)))
+    full_num_kv_heads: int | None = None
+    full_values_from_keys: bool = False
+    value_norm: bool = False
+    layer_scalars: bool = False
+    per_layer_input_size: int = 0
+    per_layer_input_vocab_size: int = 0
+    final_logit_softcapping: float | None = None
+    # Gemma 4's num_kv_shared_layers: the last kv_shared_layers layers attend over the K/V of the last earlier layer
+    # of their type (no k/v projections of their own); double_wide_shared_mlp (use_double_wide_mlp): their MLPs are
+    # 2 * intermediate_size wide
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -154,6 +175,7 @@ class ModelShape:
         if self.sliding_rope_theta and self.attention_windows is None:
             raise TSPConfigError("sliding_rope_theta without sliding-window layers: it is the RoPE of those layers")
         self._check_olmo_fields()
+        self._check_gemma4_fields()
         if self.fused_qkv and (self.qkv_bias or self.attn_output_gate):
             raise TSPConfigError("fused_qkv with q/k/v bias or gated attention: Phi-3's fused qkv_proj has neither")
         if self.query_scale_beta:
@@ -231,6 +253,49 @@ class ModelShape:
             raise TSPConfigError(f"partial_rotary_factor={self.partial_rotary_factor} gives a rotary dim "
                                  f"{self.rotary_dim} of head_dim={self.dim_per_head}: it must be even and >= 2")
 
+    def _check_gemma4_fields(self) -> None:
+        if not isinstance(self.kv_shared_layers, int) or not 0 <= self.kv_shared_layers < self.num_layers:
+            raise TSPConfigError(f"kv_shared_layers={self.kv_shared_layers!r}: between 0 and num_layers - 1 (some "
+                                 "earlier layer must compute the K/V the shared ones read)")
+        if self.kv_shared_layers:
+            if self.qkv_bias or self.fused_qkv or self.has_linear_attention or self.projection_qk_norm or \
+                    not self.sandwich_norms:
+                raise TSPConfigError("kv_shared_layers with q/k/v bias, fused projections, linear attention, "
+                                     "whole-projection q/k norms or without sandwich norms: Gemma 4's K/V-sharing "
+                                     "layers are Gemma's")
+            missing = [i for i in range(self.num_layers - self.kv_shared_layers, self.num_layers)
+                       if self.kv_source(i) is None]
+            if missing:
+                raise TSPConfigError(f"kv_shared_layers={self.kv_shared_layers}: layer {missing[0]} has no earlier "
+                                     "layer of its type (sliding or full) to read K/V from")
+        if self.full_head_dim is not None and (not isinstance(self.full_head_dim, int) or self.full_head_dim < 2 or
+                                               self.full_head_dim % 2):
+            raise TSPConfigError(f"full_head_dim={self.full_head_dim!r}: an even head size (or None)")
+        if self.full_head_dim is not None and (self.has_linear_attention or self.attn_output_gate):
+            raise TSPConfigError("full_head_dim with linear attention or gated attention: only Gemma 4's sliding and "
+                                 "full softmax-attention layers have head sizes of their own")
+        if self.full_num_kv_heads is not None and (not isinstance(self.full_num_kv_heads, int) or
+                                                   self.full_num_kv_heads < 1 or
+                                                   self.num_heads % self.full_num_kv_heads):
+            raise TSPConfigError(f"full_num_kv_heads={self.full_num_kv_heads!r}: a positive divisor of num_heads="
+                                 f"{self.num_heads} (or None)")
+        if self.full_values_from_keys and (self.fused_qkv or self.has_linear_attention or self.projection_qk_norm):
+            raise TSPConfigError("full_values_from_keys with fused projections, linear attention or whole-projection "
+                                 "q/k norms: Gemma 4's key-equals-value layers have none of them")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise TSPConfigError(f"final_logit_softcapping={self.final_logit_softcapping}: a positive cap (or None)")
+        for name in ("per_layer_input_size", "per_layer_input_vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise TSPConfigError(f"{name}={value!r}: a size >= 0")
+        if bool(self.per_layer_input_size) != bool(self.per_layer_input_vocab_size):
+            raise TSPConfigError(f"per_layer_input_size={self.per_layer_input_size} with per_layer_input_vocab_size="
+                                 f"{self.per_layer_input_vocab_size}: per-layer inputs need both (or neither)")
+        if self.per_layer_input_size and (self.num_experts or self.has_linear_attention or
+                                          self.mlp_activation != "gelu_tanh"):
+            raise TSPConfigError("per_layer_input_size with experts, linear attention or a silu MLP: per-layer "
+                                 "inputs are Gemma 4's (gelu_pytorch_tanh gate, dense layers)")
+
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
@@ -239,6 +304,44 @@ class ModelShape:
     def rotary_dim(self) -> int:
         """Dims of every head RoPE rotates (the first ones; transformers: int(head_dim * partial_rotary_factor))."""
         return int(self.dim_per_head * self.partial_rotary_factor)
+
+    @property
+    def full_rotary_dim(self) -> int:
+        """Dims RoPE rotates in the full-attention layers (their own head_dim where the shape gives one)."""
+        return int((self.full_head_dim or self.dim_per_head) * self.partial_rotary_factor)
+
+    def layer_head_dim(self, layer: int) -> int:
+        """head_dim of decoder layer `layer`: full_head_dim on the full-attention layers of a shape that has one."""
+        return self.full_head_dim if self.full_head_dim and self.layer_window(layer) is None else self.dim_per_head
+
+    def kv_source(self, layer: int) -> int | None:
+        """The earlier layer whose K/V decoder layer `layer` attends over (Gemma 4's KV sharing: the last layer of its
+        type before the shared ones), or None when it projects its own."""
+        first_shared = self.num_layers - self.kv_shared_layers
+        if not self.kv_shared_layers or layer < first_shared:
+            return None
+        sliding = self.layer_window(layer) is not None
+        return next((j for j in range(first_shared - 1, -1, -1) if (self.layer_window(j) is not None) == sliding),
+                    None)
+
+    def exports_kv(self, layer: int) -> bool:
+        """Whether a later layer reads decoder layer `layer`'s K/V (kv_source)."""
+        return any(self.kv_source(i) == layer for i in range(self.num_layers - self.kv_shared_layers, self.num_layers))
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """MLP width of decoder layer `layer`: doubled on Gemma 4's KV-sharing layers under double_wide_shared_mlp."""
+        wide = self.double_wide_shared_mlp and self.kv_source(layer) is not None
+        return 2 * self.intermediate_size if wide else self.intermediate_size
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """kv heads of decoder layer `layer`: full_num_kv_heads on the full-attention layers of a shape that has
+        them."""
+        return self.full_num_kv_heads if self.full_num_kv_heads and self.layer_window(layer) is None else \
+            self.num_kv_heads
+
+    def layer_values_from_keys(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s values are its keys' raw projection (Gemma 4's full layers, k_eq_v)."""
+        return self.full_values_from_keys and self.layer_window(layer) is None
 
     def layer_type(self, layer: int) -> str:
         """The token mixer of decoder layer `layer`: "full_attention" or "linear_attention" (Gated DeltaNet)."""
@@ -266,7 +369,8 @@ class ModelShape:
 
     def layer_rope(self, layer: int) -> str:
         """Which RoPE decoder layer `layer` rotates with: "sliding" (its own theta, Gemma 3) or "full"."""
-        return "sliding" if self.sliding_rope_theta and self.layer_window(layer) is not None else "full"
+        own = self.sliding_rope_theta or self.full_head_dim  # their theta, or their head_dim, differs
+        return "sliding" if own and self.layer_window(layer) is not None else "full"
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of decoder layer `layer` (HF: key s visible to query t iff t - window < s <= t)."""
@@ -280,6 +384,14 @@ class ModelShape:
             raise TSPConfigError(
                 f"num_heads={self.num_heads} is not divisible by tsp={tsp}: every rank owns num_heads/tsp query "
                 f"heads; pick tsp among {_divisors(self.num_heads)}")
+        for layer in range(self.num_layers) if self.full_num_kv_heads else ():
+            kv = self.layer_kv_heads(layer)
+            if kv % tsp and tsp % kv:
+                raise TSPConfigError(
+                    f"full_num_kv_heads={kv} and tsp={tsp} do not divide each other: every rank owns "
+                    "full_num_kv_heads/tsp kv heads of a full-attention layer, or one replicated on "
+                    f"tsp/full_num_kv_heads ranks; pick tsp among "
+                    f"{sorted(set(_divisors(kv)) | set(_multiples(kv, self.num_heads)))}")
         if self.num_kv_heads % tsp and tsp % self.num_kv_heads:
             raise TSPConfigError(
                 f"num_kv_heads={self.num_kv_heads} and tsp={tsp} do not divide each other: every rank owns "
@@ -287,6 +399,11 @@ class ModelShape:
                 "ranks; pick tsp among "
                 f"{sorted(set(_divisors(self.num_kv_heads)) | set(_multiples(self.num_kv_heads, self.num_heads)))}")
         check_moe_degree(self, tsp)
+        if self.per_layer_input_size % tsp:
+            raise TSPConfigError(
+                f"per_layer_input_size={self.per_layer_input_size} is not divisible by tsp={tsp}: every rank owns "
+                "per_layer_input_size/tsp columns of each layer's per-layer input gate; pick tsp among "
+                f"{_divisors(self.per_layer_input_size)}")
         if self.has_linear_attention:
             for name in ("linear_num_key_heads", "linear_num_value_heads"):
                 heads = getattr(self, name)

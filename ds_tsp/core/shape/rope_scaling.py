@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ds_tsp.core.errors import TSPConfigError
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class RopeScaling:
     # passes original_max_position_embeddings, the short ones otherwise
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    # proportional (Gemma 4's full layers): the first int(partial_rotary_factor * head_dim // 2) frequencies of the
+    # whole head's rotation, the others 0 (those dims pass through), all divided by factor (default 1)
+    partial_rotary_factor: float | None = None
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:

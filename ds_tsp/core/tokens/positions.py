@@ -30,7 +30,7 @@ class RopeTables(NamedTuple):
 
 class StepRope(NamedTuple):
     """Every layer's RoPE tables of one step: the full-attention layers', and the sliding-window layers' own where
-    the shape gives them another theta (Gemma 3's local base)."""
+    the shape gives them another theta (Gemma 3's local base) or another head_dim (Gemma 4)."""
 
     full: RopeTables
     sliding: RopeTables | None = None
@@ -78,15 +78,17 @@ class StepRopes:
         with the batch's longest position (longrope)."""
         shape = self.shape
         longest = longest_position(position_ids, self.comm) if self.switches else None
-        cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, shape.rope_theta, dtype, shape.rope_scaling, longest,
-                                self._longrope(position_ids.device))
+        cos, sin = rope_cos_sin(position_ids, shape.full_rotary_dim, shape.rope_theta, dtype, shape.rope_scaling,
+                                longest, self._longrope(position_ids.device))
         scale = (query_scale(position_ids, shape.query_scale_beta, shape.query_scale_period, dtype)
                  if shape.query_scale_beta else None)
         full = RopeTables(cos, sin, scale)
-        if not shape.sliding_rope_theta:
+        if not any(shape.layer_rope(i) == "sliding" for i in range(shape.num_layers)):
             return StepRope(full)
-        cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, shape.sliding_rope_theta, dtype,
-                                shape.sliding_rope_scaling)
+        # their own theta (Gemma 3, 4), or only their own head_dim
+        theta, scaling = ((shape.sliding_rope_theta, shape.sliding_rope_scaling) if shape.sliding_rope_theta
+                          else (shape.rope_theta, shape.rope_scaling))
+        cos, sin = rope_cos_sin(position_ids, shape.rotary_dim, theta, dtype, scaling)
         return StepRope(full, RopeTables(cos, sin, full.q_scale))
 
 

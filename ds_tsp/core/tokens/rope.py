@@ -1,7 +1,7 @@
 """Rotary position embedding on GLOBAL positions, in the rotate-half convention of HF Llama.
 
 Frequencies follow transformers exactly, rope type by rope type ("default", "linear", "llama3", "yarn",
-"longrope"): the
+"longrope", "proportional"): the
 inverse frequencies are computed in float32 with the same operations transformers uses, so a checkpoint's
 frequencies are bit-identical to what its own model computes. Angles (position * inv_freq) are then formed in
 float64 for float64 models (the exactness reference) and in float32 otherwise, like HF; yarn's attention factor
@@ -37,6 +37,8 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
         return base / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_inv_freq(base, scaling)
+    if scaling.rope_type == "proportional":
+        return _proportional_inv_freq(base, scaling)
     return _yarn_inv_freq(head_dim, theta, scaling, device)
 
 
@@ -123,6 +125,15 @@ def _llama3_inv_freq(base: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     blended = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+def _proportional_inv_freq(base: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Gemma 4: the default frequencies of the whole head (exponents over head_dim) for the first
+    int(partial_rotary_factor * head_dim // 2) pairs, 0 for the others (cos 1, sin 0: they pass through)."""
+    head_dim = 2 * base.shape[0]
+    angles = int((1.0 if s.partial_rotary_factor is None else s.partial_rotary_factor) * head_dim // 2)
+    freq = torch.cat((base[:angles], torch.zeros(head_dim // 2 - angles, dtype=base.dtype, device=base.device)))
+    return freq / (1.0 if s.factor is None else s.factor)
 
 
 def _longrope_attention_factor(s: RopeScaling) -> float:

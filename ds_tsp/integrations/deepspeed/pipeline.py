@@ -183,6 +183,10 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
         raise TSPConfigError("tie_word_embeddings=True with tsp.pipeline_stages > 1 is not supported: the tied "
                              "embedding and LM head live on different stages; untie them or use one stage")
     check_pipeline_moe(shape)
+    if shape.per_layer_input_size or shape.layer_scalars or shape.kv_shared_layers:
+        raise TSPConfigError("Gemma 4 (per_layer_input_size / layer_scalars / kv_shared_layers) with "
+                             "tsp.pipeline_stages > 1 is not supported: every layer reads the token ids' per-layer "
+                             "inputs, later ones earlier layers' K/V; use one stage")
     if shape.num_layers < groups.pipe_size:
         raise TSPConfigError(f"tsp.pipeline_stages={groups.pipe_size} exceeds num_layers={shape.num_layers}")
     specs = [LayerSpec(EmbeddingPipe, shape, comm, dtype, device)]

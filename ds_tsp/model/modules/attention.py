@@ -9,6 +9,7 @@ from torch import nn
 
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.primitives import replicated_param
+from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.grads.clip import mark_sharded
 from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, tsp_attention
 from ds_tsp.core.shape.model_shape import ModelShape
@@ -33,12 +34,14 @@ class TSPAttention(ShardedPiece):
 
     def __init__(self, shape: ModelShape, comm: TSPComm, options, dtype, device, layer: int = 0):
         super().__init__()
-        self.comm, self.num_heads, self.num_kv_heads = comm, shape.num_heads, shape.num_kv_heads
+        # Gemma 4: the full layers' own head_dim and kv heads
+        self.comm, self.num_heads, self.num_kv_heads = comm, shape.num_heads, shape.layer_kv_heads(layer)
         self.fused = shape.fused_qkv  # Phi-3: q, k, v rows in one qkv_proj tensor
+        head_dim = shape.layer_head_dim(layer)
         self.spec = AttentionSpec(hidden=shape.hidden_size, heads_per_block=shape.num_heads // comm.size,
-                                  kv_heads_per_block=max(shape.num_kv_heads // comm.size, 1),
-                                  head_dim=shape.dim_per_head, qkv_bias=shape.qkv_bias,
-                                  kv_replicas=shape.kv_replicas(comm.size),
+                                  kv_heads_per_block=max(self.num_kv_heads // comm.size, 1),
+                                  head_dim=head_dim, qkv_bias=shape.qkv_bias,
+                                  kv_replicas=max(comm.size // self.num_kv_heads, 1),
                                   kernel_backend=None if options.kernel == "auto" else options.kernel,
                                   keep_gathered_kv=options.keep_gathered_kv,
                                   recompute_projections=options.recompute_projections,
@@ -47,26 +50,38 @@ class TSPAttention(ShardedPiece):
                                                else None),
                                   norm_zero_centred=shape.zero_centred_norms, output_gate=shape.attn_output_gate,
                                   softmax_scale=shape.attention_scale, projection_norm=shape.projection_qk_norm,
-                                  sinks=shape.attention_sinks)
+                                  value_norm_eps=shape.rms_norm_eps if shape.value_norm else None,
+                                  values_from_keys=shape.layer_values_from_keys(layer), sinks=shape.attention_sinks,
+                                  kv_role=("import" if shape.kv_source(layer) is not None else
+                                           "export" if shape.exports_kv(layer) else "own"))
+        if self.spec.kv_role != "own" and comm.cp is not None:
+            raise TSPConfigError(f"kv_shared_layers={shape.kv_shared_layers} with tsp.cp_size={comm.cp.size}: Gemma "
+                                 "4's shared K/V are not carried around the cp ring; use cp_size 1")
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's attention
         if shape.qk_norm:
-            self.q_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
-            self.k_norm = HeadNorm(shape.dim_per_head, dtype, device, shape.zero_centred_norms)
+            self.q_norm = HeadNorm(head_dim, dtype, device, shape.zero_centred_norms)
+            if self.spec.kv_role != "import":  # a KV-sharing layer normalises no keys of its own
+                self.k_norm = HeadNorm(head_dim, dtype, device, shape.zero_centred_norms)
         elif shape.projection_qk_norm:  # OLMo: over the whole q / k projection
             self.q_norm = HeadNorm(shape.num_heads * shape.dim_per_head, dtype, device)
             self.k_norm = HeadNorm(shape.num_kv_heads * shape.dim_per_head, dtype, device)
         self.o_proj_bias = (nn.Parameter(torch.zeros(shape.hidden_size, dtype=dtype, device=device))
                             if shape.attention_out_bias else None)
 
-    def forward(self, x, rope: RopeTables, doc_starts=None):
+    def forward(self, x, rope: RopeTables, doc_starts=None, kv_in=None):
+        """The attention output; kv_role "export": (output, its K/V for the KV-sharing layers), "import": kv_in
+        is such an export."""
         qk = None
         if self.spec.qk_norm_eps is not None:
-            qk = (replicated_param(self.q_norm.weight, self.comm), replicated_param(self.k_norm.weight, self.comm))
+            k_norm = None if self.spec.kv_role == "import" else replicated_param(self.k_norm.weight, self.comm)
+            qk = (replicated_param(self.q_norm.weight, self.comm), k_norm)
         y = tsp_attention(x, self.weight_shard(), rope.cos, rope.sin, self.spec, self.comm, qk_norm=qk,
-                          doc_starts=doc_starts, q_scale=rope.q_scale)
-        return y if self.o_proj_bias is None else y + replicated_param(self.o_proj_bias, self.comm)
+                          doc_starts=doc_starts, q_scale=rope.q_scale, kv_in=kv_in)
+        y, kv = y if self.spec.kv_role == "export" else (y, None)
+        y = y if self.o_proj_bias is None else y + replicated_param(self.o_proj_bias, self.comm)
+        return y if kv is None else (y, kv)
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         s, h = self.spec, self.spec.hidden
@@ -80,7 +95,7 @@ class TSPAttention(ShardedPiece):
             shapes.update({"q_proj.bias": (q_rows,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
         if s.sinks:
             shapes["sinks"] = (self.num_heads,)
-        return shapes
+        return _without_values(shapes, s)
 
     def hf_keys(self) -> dict[str, str | tuple[str, ...]]:
         return {"qkv_proj.weight": ("wq", "wk", "wv"), "o_proj.weight": "wo"} if self.fused else super().hf_keys()
@@ -102,7 +117,7 @@ class TSPAttention(ShardedPiece):
         if self.spec.sinks:
             nq = self.spec.heads_per_block
             slices["sinks"] = (0, p * nq, nq)
-        return slices
+        return _without_values(slices, self.spec)
 
     def unshard(self, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         views = [self.spec.layout.unpack(s) for s in shards]
@@ -113,8 +128,11 @@ class TSPAttention(ShardedPiece):
 
         if self.fused:
             return {"qkv_proj.weight": torch.cat((cat("wq"), cat("wk"), cat("wv"))), "o_proj.weight": cat("wo", 1)}
-        full = {"q_proj.weight": cat("wq"), "k_proj.weight": cat("wk"), "v_proj.weight": cat("wv"),
-                "o_proj.weight": cat("wo", 1)}
+        full = {"q_proj.weight": cat("wq"), "o_proj.weight": cat("wo", 1)}
+        if self.spec.kv_role != "import":
+            full["k_proj.weight"] = cat("wk")
+        if self.spec.kv_role != "import" and not self.spec.values_from_keys:
+            full["v_proj.weight"] = cat("wv")
         if self.spec.qkv_bias:
             full.update({"q_proj.bias": cat("bq"), "k_proj.bias": cat("bk"), "v_proj.bias": cat("bv")})
         if self.spec.sinks:
@@ -126,3 +144,9 @@ class TSPAttention(ShardedPiece):
         window = f", window={s.window}" if s.window is not None else ""
         return (f"heads/block={s.heads_per_block}, kv_heads/block={s.kv_heads_per_block}, head_dim={s.head_dim}"
                 f"{window}, tsp_rank={self.comm.rank}/{self.comm.size}")
+
+
+def _without_values(per_name: dict, spec: AttentionSpec) -> dict:
+    """Gemma 4's key-equals-value layers have no v_proj in their checkpoint, its KV-sharing layers neither k_proj."""
+    gone = ("k_proj.", "v_proj.") if spec.kv_role == "import" else ("v_proj.",) if spec.values_from_keys else ()
+    return {n: v for n, v in per_name.items() if not n.startswith(gone)} if gone else per_name

@@ -87,6 +87,7 @@ class TSPLMHeadLoss(TSPVocabShard):
                  chunk_tokens: int = 4096):
         super().__init__(shape.vocab_size, shape.hidden_size, comm, dtype, device)
         self.chunk_tokens = chunk_tokens  # tokens per logits tile: bounds the loss's largest transient
+        self.softcap = shape.final_logit_softcapping  # Gemma: logits are cap * tanh(logits / cap)
         self.tied = tied_to is not None
         if self.tied:
             del self.vocab_shard
@@ -102,9 +103,11 @@ class TSPLMHeadLoss(TSPVocabShard):
         so ZeRO-3 gathers the weight for all three)."""
         if token_stats:
             return tsp_token_stats(h, self.weight, shift_labels, self.vocab_size, self.comm,
-                                   chunk_tokens=self.chunk_tokens)
+                                   chunk_tokens=self.chunk_tokens, softcap=self.softcap)
         if select is not None:
             local_index, slots, k = select
-            return tsp_selected_logits(h, self.weight, local_index, slots, k, self.vocab_size, self.comm)
+            logits = tsp_selected_logits(h, self.weight, local_index, slots, k, self.vocab_size, self.comm)
+            # every rank holds the same [B, k, V]: the cap is elementwise, autograd differentiates it
+            return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
         return tsp_lm_head_loss(h, self.weight, shift_labels, n_valid_total, self.vocab_size, self.comm,
-                                chunk_tokens=self.chunk_tokens)
+                                chunk_tokens=self.chunk_tokens, softcap=self.softcap)

@@ -26,7 +26,10 @@ applied to the local projections before RoPE, and undone by their written-out ba
 WHOLE projection (spec.projection_norm; weights [n_heads * d] / [n_kv_heads * d], each block using its slice) need
 every block's sums of squares first and, in backward, every block's grad before any raw grad: two more streams of
 the blocks' [wq, wk] rows, one before the forward loop and one after the backward loop, whose [wq, wk] grads are
-reduced to the owners apart from the rest of the shard (ds_tsp.core.layers.attention.projection_norm).
+reduced to the owners apart from the rest of the shard (ds_tsp.core.layers.attention.projection_norm). Gemma 4's
+weightless v norm (spec.value_norm_eps) is applied to v likewise, its backward from the raw v recomputed with the
+group's dK/dV; with spec.values_from_keys (Gemma 4's attention_k_eq_v) there is no wv: v is the raw k projection,
+and dV joins dK.
 Gated attention (Qwen3.5 / Qwen3-Next, spec.output_gate): wq holds [q, gate] rows per head ([nq*2d, h], transformers'
 q_proj rows of this block, so the gate's columns travel with q in the owner's broadcast); the block's attention
 output is multiplied by sigmoid(gate) before wo. The gate is recomputed with q in backward (or saved with it when
@@ -136,6 +139,11 @@ class AttentionSpec:
     norm_zero_centred: bool = False  # Qwen3.5: the q/k norms scale by (1 + w) (ds_tsp.core.layers.norm)
     output_gate: bool = False  # Qwen3.5 / Qwen3-Next: wq emits [q, gate] per head; out * sigmoid(gate) before wo
     softmax_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    value_norm_eps: float | None = None  # Gemma 4: every v head RMS-normalised (no weight) with this eps; None: off
+    values_from_keys: bool = False  # Gemma 4 k_eq_v: no wv, v is the raw (pre-norm, unroped) k projection
+    # Gemma 4 KV sharing: "export" also returns every kv group's local K/V (a later layer attends over them, its
+    # dK/dV coming back as their grad); "import" has no wk / wv and attends over such K/V given as an input
+    kv_role: str = "own"
     # OLMo 2/3: q_norm / k_norm (eps qk_norm_eps) over a token's whole q / k projection, not per head
     # (ds_tsp.core.layers.attention.projection_norm)
     projection_norm: bool = False
@@ -152,6 +160,10 @@ class AttentionSpec:
         pieces = [("wq", (q_rows, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q))]
         if self.qkv_bias:
             pieces += [("bq", (q_rows,)), ("bk", (kv,)), ("bv", (kv,))]
+        if self.values_from_keys:
+            pieces = [p for p in pieces if p[0] not in ("wv", "bv")]
+        if self.kv_role == "import":
+            pieces = [p for p in pieces if p[0] not in ("wk", "wv", "bk", "bv")]
         if self.sinks:  # the block's query heads' sinks travel with their weights
             pieces.append(("sinks", (self.heads_per_block,)))
         return PackedLayout(tuple(pieces))
@@ -216,11 +228,20 @@ def _gate_backward(d_gated, out, gate):
     return d_gated * sig, d_gated * out * sig * (1 - sig)
 
 
-def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
-    """This rank's K (normed, roped) and V of one kv head block, chunk-major for the gather: [2, c, B, 2, nkv, d]."""
+def _raw_v(x, w, spec: AttentionSpec):
+    if spec.values_from_keys:
+        return _raw_k(x, w, spec)
     B, L, _ = x.shape
+    return F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+
+
+def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
+    """This rank's K (normed, roped) and V (normed without a weight under value_norm_eps) of one kv head block,
+    chunk-major for the gather: [2, c, B, 2, nkv, d]."""
     k = apply_rope(_norm(_raw_k(x, w, spec), k_norm, spec), cos, sin)
-    v = F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
+    v = _raw_v(x, w, spec)
+    if spec.value_norm_eps is not None:
+        v = rms_norm(v, None, spec.value_norm_eps)
     return local_kv(k, v)
 
 
@@ -247,7 +268,7 @@ class _TSPAttention(torch.autograd.Function):
     AUTOCAST = AUTOCAST_LOW_PRECISION  # projections and attention kernels: autocast's lower-precision list
 
     @staticmethod
-    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, spec: AttentionSpec, comm: TSPComm,
+    def forward(ctx, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, kv_in, spec: AttentionSpec, comm: TSPComm,
                 doc_starts):
         B, L, h = x.shape
         D, p = comm.size, comm.rank
@@ -259,20 +280,27 @@ class _TSPAttention(torch.autograd.Function):
         norms = projection_norms(x, packed_shard, q_norm, k_norm, spec, comm) if spec.projection_norm else None
         q_norm_of, k_norm_of = _block_norms(norms, q_norm, k_norm)
         shards = ShardStream(comm, packed_shard)
-        kv_local = _project_kv(x, spec.layout.unpack(shards.take(0)), spec, cos, sin, k_norm_of(0))
+
+        def group_kv(g, take):
+            """This rank's K/V of kv group g: given (KV sharing) or projected with its block's shard."""
+            return kv_in[g] if spec.kv_role == "import" else _project_kv(x, spec.layout.unpack(take()), spec, cos,
+                                                                         sin, k_norm_of(g))
+
+        kv_local = group_kv(0, lambda: shards.take(0))
         gather = GlobalKVGather(comm, kv_local)
-        kv_all = None
+        kv_all, exported = None, []
         for j in range(D):
             shards.next_block(j)
             w = spec.layout.unpack(shards.take(j))
             first, last = _kv_group(j, spec)
             if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
-                next_local = _project_kv(x, spec.layout.unpack(shards.take(j + 1)), spec, cos, sin,
-                                         k_norm_of(j // spec.kv_replicas + 1))
+                next_local = group_kv(j // spec.kv_replicas + 1, lambda: shards.take(j + 1))
                 next_gather = GlobalKVGather(comm, next_local)
             q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
             if first:
                 kv_all = gather.wait()
+                if spec.kv_role == "export":
+                    exported.append(kv_local)
                 group = {"kv_all": kv_all, "kv_local": kv_local}
                 saved_groups += [group[name] for name in spec.saved_per_kv_group()]
             if comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
@@ -303,15 +331,19 @@ class _TSPAttention(torch.autograd.Function):
         weights = (q_norm, k_norm) if ctx.has_qk_norm else ()
         rstds = (norms.rstd_q, norms.rstd_k) if norms is not None else ()
         scale = (q_scale,) if ctx.has_q_scale else ()
+        given = (kv_in,) if spec.kv_role == "import" else ()
         # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
-        save_with_shard(ctx, packed_shard, x, cos, sin, *scale, *weights, *rstds, *saved_blocks, *saved_groups)
-        return y
+        save_with_shard(ctx, packed_shard, x, cos, sin, *scale, *given, *weights, *rstds, *saved_blocks,
+                        *saved_groups)
+        return (y, torch.stack(exported)) if spec.kv_role == "export" else y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dkv_out=None):
         spec, comm, doc_starts = ctx.spec, ctx.comm, ctx.doc_starts
         packed_shard, (x, cos, sin, *saved) = saved_with_shard(ctx)
         q_scale = saved.pop(0) if ctx.has_q_scale else None
+        kv_in = saved.pop(0) if spec.kv_role == "import" else None
+        dkv_in = torch.zeros_like(kv_in) if kv_in is not None else None
         q_norm, k_norm = (saved.pop(0), saved.pop(0)) if ctx.has_qk_norm else (None, None)
         norms = None
         if spec.projection_norm:
@@ -342,7 +374,7 @@ class _TSPAttention(torch.autograd.Function):
             group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
             if spec.keep_gathered_kv:
                 return group["kv_all"]
-            kv_local = group.get("kv_local")
+            kv_local = kv_in[g] if kv_in is not None else group.get("kv_local")
             return GlobalKVGather(comm, kv_local if kv_local is not None
                                   else _project_kv(x, w, spec, cos, sin, k_norm_of(g)))
 
@@ -351,12 +383,24 @@ class _TSPAttention(torch.autograd.Function):
             _kv_grads_to_group_leaders moves to the leader) and that block's reduce to its owner."""
             dkv_local, scatter, w_kv, grads, j = pending
             scatter.wait()
+            if kv_in is not None:  # KV sharing: dK/dV go back to the layer that made them
+                dkv_in[j // spec.kv_replicas] = dkv_local
+                if need_w:
+                    reducer.reduce(j, block_grad(grads))
+                return
+            if dkv_out is not None:  # the later layers' dK/dV of the K/V this layer exported
+                dkv_local = dkv_local + dkv_out[j // spec.kv_replicas]
+            dv = local_from_chunks(dkv_local, 1)
+            if spec.value_norm_eps is not None:  # through the weightless v norm, from the recomputed raw v
+                dv = rms_norm_backward(dv, _raw_v(x, w_kv, spec), None, spec.value_norm_eps)[0]
             if deferred is not None:  # dk waits for every kv group's (projection_norm)
                 dk_normed = apply_rope_backward(local_from_chunks(dkv_local, 0), cos, sin)
                 deferred.add("k", j // spec.kv_replicas, dk_normed, _raw_k(x, w_kv, spec))
             else:
                 dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm,
                                      lambda: _raw_k(x, w_kv, spec), spec)
+                if spec.values_from_keys:  # v is k's raw projection: its grad joins k's
+                    dk, dv = dk + dv, None
                 dk = dk.reshape(-1, w_kv["wk"].shape[0])
                 dx.view(-1, h).addmm_(dk, w_kv["wk"])
                 add_norm_grad("k", dkn)
@@ -364,12 +408,14 @@ class _TSPAttention(torch.autograd.Function):
                     grads["wk"] = dk.t() @ x2d
                     if spec.qkv_bias:
                         grads["bk"] = dk.sum(0)
-            dv = local_from_chunks(dkv_local, 1).reshape(-1, w_kv["wv"].shape[0])
-            dx.view(-1, h).addmm_(dv, w_kv["wv"])
+            if dv is not None:
+                dv = dv.reshape(-1, w_kv["wv"].shape[0])
+                dx.view(-1, h).addmm_(dv, w_kv["wv"])
+                if need_w:
+                    grads["wv"] = dv.t() @ x2d
+                    if spec.qkv_bias:
+                        grads["bv"] = dv.sum(0)
             if need_w:
-                grads["wv"] = dv.t() @ x2d
-                if spec.qkv_bias:
-                    grads["bv"] = dv.sum(0)
                 reducer.reduce(j, block_grad(grads))
 
         def block_grad(grads):
@@ -453,7 +499,7 @@ class _TSPAttention(torch.autograd.Function):
             norm_grads["q"], norm_grads["k"] = deferred.weight_grads()
         if need_w and spec.kv_replicas > 1:
             _kv_grads_to_group_leaders(grad_shard, spec, comm)
-        return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, None, None, None
+        return dx, grad_shard, norm_grads["q"], norm_grads["k"], None, None, None, dkv_in, None, None, None
 
 
 def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, comm: TSPComm) -> None:
@@ -461,6 +507,8 @@ def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, co
     replicas zeros (their copies are never read)."""
     views = spec.layout.unpack(grad_shard)
     names = [n for n in ("wk", "wv", "bk", "bv") if n in views]
+    if not names:  # KV sharing: this layer has no kv weights
+        return
     local = torch.cat([views[n].reshape(-1) for n in names])
     everyone = torch.empty(comm.size, local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather(everyone, local).wait()
@@ -477,8 +525,10 @@ def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, co
 def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   spec: AttentionSpec, comm: TSPComm, *, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
                   doc_starts: tuple[tuple[int, ...], ...] | None = None,
-                  q_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  q_scale: torch.Tensor | None = None, kv_in: torch.Tensor | None = None):
     """Causal self-attention of the local tokens against all tokens, every head block streamed from its owner.
+    spec.kv_role "export": returns (output, this rank's K/V of every kv group [groups, 2, c, B, 2, nkv, d]);
+    "import": attends over kv_in, such an export of an earlier layer (Gemma 4's KV sharing), k_norm None.
 
     qk_norm: Qwen3's (q_norm, k_norm) weights [d], or with spec.projection_norm OLMo's [n_heads * d] and
     [n_kv_heads * d]; their grads are this rank's contribution (sum them over the group, e.g. with
@@ -492,5 +542,7 @@ def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor
     if spec.projection_norm and (q_norm is None or spec.output_gate or spec.qkv_bias):
         raise ValueError("projection_norm needs the q/k norm weights (and qk_norm_eps), without output_gate or "
                          "q/k/v bias: its grads are split at the [wq, wk] prefix of the packed shard")
-    return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, spec,
-                          comm, doc_starts)
+    if (kv_in is not None) != (spec.kv_role == "import"):
+        raise ValueError("kv_in is given exactly when spec.kv_role is 'import'")
+    return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, kv_in,
+                          spec, comm, doc_starts)

@@ -25,13 +25,24 @@ from ds_tsp.core.comm.primitives import ring_backward, ring_forward
 from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 
 
-def _shard_logits(x2d, shard, owner, vocab_size, compute_dtype):
+def _shard_logits(x2d, shard, owner, vocab_size, compute_dtype, softcap: float | None = None):
     rows = shard.shape[0]
     logits = (x2d @ shard.t()).to(compute_dtype)
+    if softcap is not None:  # Gemma's final_logit_softcapping: cap * tanh(logits / cap), before the padding mask
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
     pad = min((owner + 1) * rows - vocab_size, rows)  # a shard can be ALL padding when V is tiny next to D
     if pad > 0:  # rows past the real vocabulary (padding to a multiple of D) never win
         logits[:, rows - pad:] = float("-inf")
     return logits
+
+
+def _softcap_backward_(dlogits, logits, softcap: float | None):
+    """In place: d raw logits from d capped ones, d(cap tanh(z / cap))/dz = 1 - (capped / cap)^2 (0 on the padding
+    rows, whose capped logits are -inf and whose grads are 0)."""
+    if softcap is None:
+        return dlogits
+    factor = logits.div(softcap).square_().neg_().add_(1.0)
+    return dlogits.mul_(factor.masked_fill_(torch.isneginf(logits), 0.0))
 
 
 def _token_tiles(n_tokens: int, chunk_tokens: int):
@@ -45,7 +56,8 @@ class _TSPLMHeadLoss(torch.autograd.Function):
     AUTOCAST = AUTOCAST_LOW_PRECISION  # the logits GEMMs; the CE itself is upcast per tile in any case
 
     @staticmethod
-    def forward(ctx, x, vocab_shard, shift_labels, vocab_size: int, comm: TSPComm, chunk_tokens: int):
+    def forward(ctx, x, vocab_shard, shift_labels, vocab_size: int, comm: TSPComm, chunk_tokens: int,
+                softcap: float | None = None):
         h = x.shape[-1]
         x2d, labels = x.reshape(-1, h), shift_labels.reshape(-1)
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -57,7 +69,7 @@ class _TSPLMHeadLoss(torch.autograd.Function):
 
         def step(owner, shard):
             for t in tiles:
-                logits = _shard_logits(x2d[t], shard, owner, vocab_size, compute_dtype)
+                logits = _shard_logits(x2d[t], shard, owner, vocab_size, compute_dtype, softcap)
                 old_max = running_max[t]
                 new_max = torch.maximum(old_max, logits.max(dim=1).values)
                 # -inf until a shard with real rows came by (all-padding shards first): exp(-inf - -inf) is NaN
@@ -75,7 +87,7 @@ class _TSPLMHeadLoss(torch.autograd.Function):
         lse = running_max + torch.log(running_sum)
         valid = labels != -100
         total = ((lse - target) * valid).sum()
-        ctx.vocab_size, ctx.comm, ctx.tiles = vocab_size, comm, tiles
+        ctx.vocab_size, ctx.comm, ctx.tiles, ctx.softcap = vocab_size, comm, tiles, softcap
         ctx.save_for_backward(x, vocab_shard, shift_labels, lse)
         return total  # float32 (or wider): a bf16 share would round the sum of shares and the logged loss
 
@@ -85,16 +97,19 @@ class _TSPLMHeadLoss(torch.autograd.Function):
         labels = shift_labels.reshape(-1)
         coef = (labels != -100).to(lse.dtype) * dtotal.to(lse.dtype)
         dx, grad_shard = softmax_ce_backward_ring(ctx.comm, x, vocab_shard, labels, lse, coef, ctx.tiles,
-                                                  ctx.vocab_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, grad_shard, None, None, None, None
+                                                  ctx.vocab_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                                  ctx.softcap)
+        return dx, grad_shard, None, None, None, None, None
 
 
 def softmax_ce_backward_ring(comm: TSPComm, x: torch.Tensor, vocab_shard: torch.Tensor, labels: torch.Tensor,
                              lse: torch.Tensor, coef: torch.Tensor, tiles, vocab_size: int, need_x: bool,
-                             need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                             need_w: bool, softcap: float | None = None) -> tuple[torch.Tensor | None,
+                                                                                 torch.Tensor | None]:
     """(dx, d vocab_shard) of sum_t coef[t] * (lse[t] - logit[t, label[t]]) with the vocab shards passed around
-    the ring, logits rebuilt one tile at a time (the loss and TRL's per-token log-probs share it). A frozen head
-    (need_w False) sends its shards around for dx only: no grad buffer travels with them."""
+    the ring, logits rebuilt one tile at a time (the loss and TRL's per-token log-probs share it); softcap: the
+    logits are cap * tanh(raw / cap). A frozen head (need_w False) sends its shards around for dx only: no grad
+    buffer travels with them."""
     h = x.shape[-1]
     x2d = x.reshape(-1, h)
     rows = vocab_shard.shape[0]
@@ -103,17 +118,18 @@ def softmax_ce_backward_ring(comm: TSPComm, x: torch.Tensor, vocab_shard: torch.
     def step(owner, shard):
         grad = torch.zeros_like(shard) if need_w else None
         for t in tiles:
-            logits = _shard_logits(x2d[t], shard, owner, vocab_size, lse.dtype)
+            logits = _shard_logits(x2d[t], shard, owner, vocab_size, lse.dtype, softcap)
+            capped = logits.clone() if softcap is not None else None  # the tanh derivative reads them
             dlogits = logits.sub_(lse[t, None]).exp_()  # softmax, in place in the tile's logits
             local = labels[t] - owner * rows
             hit = (local >= 0) & (local < rows)
             dlogits.scatter_add_(1, local.clamp(0, rows - 1)[:, None], -hit.to(dlogits.dtype)[:, None])
-            dlogits = dlogits.mul_(coef[t, None]).to(x.dtype)
+            dlogits = _softcap_backward_(dlogits.mul_(coef[t, None]), capped, softcap).to(x.dtype)
             if need_x:
                 dx2d[t].addmm_(dlogits, shard)
             if need_w:
                 grad.addmm_(dlogits.t(), x2d[t])
-            del logits, dlogits  # before the next tile is built
+            del logits, dlogits, capped  # before the next tile is built
         return grad
 
     if need_w:
@@ -126,12 +142,14 @@ def softmax_ce_backward_ring(comm: TSPComm, x: torch.Tensor, vocab_shard: torch.
 
 def tsp_lm_head_loss(x: torch.Tensor, vocab_shard: torch.Tensor, shift_labels: torch.Tensor,
                      n_valid_total: torch.Tensor, vocab_size: int, comm: TSPComm,
-                     chunk_tokens: int = 4096) -> torch.Tensor:
+                     chunk_tokens: int = 4096, softcap: float | None = None) -> torch.Tensor:
     """This rank's share of the mean next-token loss (labels already shifted; -100 ignored).
 
-    chunk_tokens bounds the largest transient: logits are built [<= chunk_tokens, V/D] at a time.
+    chunk_tokens bounds the largest transient: logits are built [<= chunk_tokens, V/D] at a time; softcap (Gemma's
+    final_logit_softcapping): the loss of cap * tanh(logits / cap).
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: must be an integer >= 1")
-    total = apply_autocast(_TSPLMHeadLoss, x.device.type, x, vocab_shard, shift_labels, vocab_size, comm, chunk_tokens)
+    total = apply_autocast(_TSPLMHeadLoss, x.device.type, x, vocab_shard, shift_labels, vocab_size, comm, chunk_tokens,
+                           softcap)
     return total / n_valid_total

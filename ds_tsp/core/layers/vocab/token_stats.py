@@ -34,7 +34,8 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
     AUTOCAST = AUTOCAST_LOW_PRECISION  # the logits GEMMs; stats come from float32 tiles in any case
 
     @staticmethod
-    def forward(ctx, x, vocab_shard, shift_labels, vocab_size: int, comm: TSPComm, chunk_tokens: int):
+    def forward(ctx, x, vocab_shard, shift_labels, vocab_size: int, comm: TSPComm, chunk_tokens: int,
+                softcap: float | None = None):
         h = x.shape[-1]
         x2d, labels = x.reshape(-1, h), shift_labels.reshape(-1)
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -48,7 +49,7 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
 
         def step(owner, shard):
             for t in tiles:
-                logits = _shard_logits(x2d[t], shard, owner, vocab_size, compute_dtype)
+                logits = _shard_logits(x2d[t], shard, owner, vocab_size, compute_dtype, softcap)
                 old_max = running_max[t]
                 new_max = torch.maximum(old_max, logits.max(dim=1).values)
                 shift = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
@@ -72,7 +73,7 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
                              torch.where(valid, lse - running_xsum / running_sum, zero),
                              (valid & (target >= running_max)).to(compute_dtype),
                              valid.to(compute_dtype)))
-        ctx.vocab_size, ctx.comm, ctx.tiles = vocab_size, comm, tiles
+        ctx.vocab_size, ctx.comm, ctx.tiles, ctx.softcap = vocab_size, comm, tiles, softcap
         ctx.save_for_backward(x, vocab_shard, shift_labels, lse)
         return stats.view(4, *shift_labels.shape)
 
@@ -83,18 +84,20 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
         # loss = f(log_prob), log_prob = target - lse: d logit_j = -g * (p_j - 1[j = target])
         coef = -(dstats[LOG_PROB].reshape(-1).to(lse.dtype)) * (labels != -100).to(lse.dtype)
         dx, grad_shard = softmax_ce_backward_ring(ctx.comm, x, vocab_shard, labels, lse, coef, ctx.tiles,
-                                                  ctx.vocab_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, grad_shard, None, None, None, None
+                                                  ctx.vocab_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                                  ctx.softcap)
+        return dx, grad_shard, None, None, None, None, None
 
 
 def tsp_token_stats(x: torch.Tensor, vocab_shard: torch.Tensor, shift_labels: torch.Tensor, vocab_size: int,
-                    comm: TSPComm, chunk_tokens: int = 4096) -> torch.Tensor:
+                    comm: TSPComm, chunk_tokens: int = 4096, softcap: float | None = None) -> torch.Tensor:
     """float32 [4, *shift_labels.shape]: (log_prob, entropy, is_top1, label_mask) of this rank's tokens (labels
-    already shifted; -100 rows all zero). Only log_prob (row LOG_PROB) has a gradient."""
+    already shifted; -100 rows all zero), of the soft-capped logits under softcap. Only log_prob (row LOG_PROB)
+    has a gradient."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: must be an integer >= 1")
     return apply_autocast(_TSPLMHeadTokenStats, x.device.type, x, vocab_shard, shift_labels, vocab_size, comm,
-                          chunk_tokens)
+                          chunk_tokens, softcap)
 
 
 class _GatherTokens(torch.autograd.Function):

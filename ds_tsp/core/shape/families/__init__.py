@@ -6,6 +6,7 @@
     ministral3                            Mistral's layer with yarn RoPE and position-scaled queries
     phi3                                  Llama's layer with fused qkv_proj / gate_up_proj (Phi-3, Phi-4)
     gemma3                                Gemma 3's text model: GeGLU, sandwich norms, per-layer-type RoPE
+    gemma4                                Gemma 4's text model: Gemma 3's layer, v norms, layer scalars, PLE
     olmo3                                 OLMo 3: whole-projection q/k norms, post-norms, per-layer-type RoPE
     glm4_moe                              GLM-4.5 / 4.6: grouped sigmoid routing, shared experts, partial rotary
     gpt_oss                               GPT-OSS: attention sinks, o_proj bias, biased clamped-SwiGLU experts
@@ -20,6 +21,7 @@ from __future__ import annotations
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.families import (
     gemma3,
+    gemma4,
     glm4_moe,
     gpt_oss,
     llama,
@@ -38,7 +40,8 @@ from ds_tsp.core.shape.families.base import Family, HFConfig
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY,
                                 mixtral.FAMILY, qwen3_5.DENSE, qwen3_5.MOE, qwen3_next.FAMILY, ministral3.FAMILY,
-                                phi3.FAMILY, gemma3.FAMILY, olmo3.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY)
+                                phi3.FAMILY, gemma3.FAMILY, olmo3.FAMILY, glm4_moe.FAMILY, gpt_oss.FAMILY,
+                                gemma4.FAMILY)
 # text model_type -> (its family, the ForCausalLM class a checkpoint of it names)
 ARCHITECTURES = {t: arch for f in FAMILIES for t, arch in f.architectures.items()}
 # multimodal model_type -> the text model_type of its language model (read through its text_config)
@@ -46,7 +49,8 @@ WRAPPERS = {outer: inner for f in FAMILIES for outer, inner in f.wrappers.items(
 MODEL_TYPES = (*ARCHITECTURES, *WRAPPERS)
 _BY_TYPE = {t: f for f in FAMILIES for t in f.architectures}
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "MODEL_TYPES", "WRAPPERS", "HFConfig", "family_of", "language_model",
+__all__ = ["ARCHITECTURES", "FAMILIES", "MODEL_TYPES", "WRAPPERS", "HFConfig", "check_wrapped", "family_of",
+           "language_model",
            "shape_fields"]
 
 
@@ -63,7 +67,16 @@ def language_model(config):
                              "model of this checkpoint and reads its shape from text_config")
     if isinstance(inner, dict) and "model_type" not in inner:
         inner = {**inner, "model_type": inner_type}
+    check_wrapped(cfg.model_type, inner)
     return inner
+
+
+def check_wrapped(outer_type: str, text_config) -> None:
+    """Refuse a multimodal checkpoint's text_config where its model computes otherwise than the text model TSP
+    trains and saves (the family's check_wrapped)."""
+    check = family_of(WRAPPERS[outer_type]).check_wrapped
+    if check is not None:
+        check(HFConfig(text_config))
 
 
 def family_of(model_type: str | None) -> Family:

@@ -53,6 +53,9 @@ class Family:
     architectures: dict[str, str]
     read: ReadShape
     wrappers: dict[str, str] = field(default_factory=dict)  # multimodal model_type -> its text model_type
+    # the text_config of a wrapper, checked for what the multimodal model computes otherwise than the ForCausalLM
+    # TSP trains and saves (None: nothing differs)
+    check_wrapped: Callable[[HFConfig], None] | None = None
 
 
 # --- the Llama-shaped decoder every family starts from ------------------------------------------------------------

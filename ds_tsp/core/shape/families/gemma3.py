@@ -2,10 +2,10 @@
 every 6th layer full), each with its own RoPE (rope_parameters per layer type: the full layers' theta 1e6 and
 scaling, the sliding layers' theta 1e4), softmax scale query_pre_attn_scalar ** -0.5, per-head q/k norms, four
 zero-centred (1 + w) norms per layer (a norm on each sublayer's input and output), embeddings scaled by
-sqrt(hidden_size), a GeGLU MLP (gelu_pytorch_tanh), tied embeddings and padding row 0 by default.
+sqrt(hidden_size), a GeGLU MLP (gelu_pytorch_tanh), tied embeddings and padding row 0 by default, and the final
+logits soft-capped (final_logit_softcapping).
 The multimodal Gemma3ForConditionalGeneration reads as its language model (text_config; the vision tower's tensors
-are never read). Refused by name in this version: logit soft-capping (final or attention) and bidirectional
-attention."""
+are never read). Refused by name in this version: attention-logit soft-capping and bidirectional attention."""
 from __future__ import annotations
 
 from ds_tsp.core.errors import TSPConfigError
@@ -23,10 +23,10 @@ _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 def read(cfg: HFConfig) -> dict:
     dense_only(cfg)
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise TSPConfigError(f"{key}={cfg.get(key)} on a gemma3_text config: logit soft-capping is not "
-                                 "implemented by TSP's streaming LM head and attention kernels; set it to null")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise TSPConfigError(f"attn_logit_softcapping={cfg.get('attn_logit_softcapping')} on a gemma3_text config: "
+                             "attention-logit soft-capping is not implemented by TSP's fused attention kernels; set "
+                             "it to null")
     cfg.refuse("use_bidirectional_attention", "TSP attention is causal (Gemma 3 embedding models are not)")
     activation = cfg.get("hidden_activation", "gelu_pytorch_tanh")
     if activation not in _ACTIVATIONS:
@@ -47,7 +47,8 @@ def read(cfg: HFConfig) -> dict:
             "embedding_scale": fields["hidden_size"] ** 0.5, "attention_scale": scalar ** -0.5,
             "attention_windows": windows,
             "sliding_rope_theta": float(sliding["rope_theta"]) if windows is not None else 0.0,
-            "sliding_rope_scaling": local if windows is not None else None}
+            "sliding_rope_scaling": local if windows is not None else None,
+            "final_logit_softcapping": cfg.get("final_logit_softcapping")}
 
 
 def _ropes(cfg: HFConfig) -> tuple[dict, dict]:
@@ -65,4 +66,13 @@ def _ropes(cfg: HFConfig) -> tuple[dict, dict]:
     return full, sliding
 
 
-FAMILY = Family({"gemma3_text": "Gemma3ForCausalLM"}, read, wrappers={"gemma3": "gemma3_text"})
+def check_wrapped(cfg: HFConfig) -> None:
+    if cfg.get("final_logit_softcapping") is not None:
+        raise TSPConfigError(f"final_logit_softcapping={cfg.get('final_logit_softcapping')} in a gemma3 "
+                             "(Gemma3ForConditionalGeneration) text_config: transformers' multimodal model never "
+                             "applies it, while Gemma3ForCausalLM, the model TSP trains and saves, does; set it to "
+                             "null (what the multimodal model computes)")
+
+
+FAMILY = Family({"gemma3_text": "Gemma3ForCausalLM"}, read, wrappers={"gemma3": "gemma3_text"},
+                check_wrapped=check_wrapped)
