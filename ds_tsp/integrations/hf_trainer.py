@@ -249,6 +249,12 @@ class TSPTrainer(_transformers.Trainer):
         count_train_tokens(self, inputs, before)
         return result
 
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's count (6 x tokens x parameters); store_flos sums it over every process, so under the
+        reward trainer, whose TSP ranks each see the full batch, each rank counts its 1/D of it."""
+        flops = super().floating_point_ops(inputs)
+        return flops // self.tsp_config.size if self._tsp_with_reward else flops
+
     # --- evaluation and prediction -------------------------------------------------------------------------------
     def get_eval_dataloader(self, eval_dataset=None):
         if self._tsp_with_grpo or self._tsp_with_reward:  # GRPO's prompt rows, the reward model's full batches

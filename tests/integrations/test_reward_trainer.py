@@ -7,6 +7,8 @@ with 0, so the run also checks that the TSP model pools where RewardTrainer's pa
 the model is built) says. One run covers a text dataset with an explicit prompt and margins,
 center_rewards_coefficient, gradient accumulation 2, and evaluate() on a pre-tokenized dataset (chosen_ids /
 rejected_ids). The composition users write is checked by its class; options TSP cannot honour are refused by name.
+Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes) equals a plain 2-process RewardTrainer (the data axis is
+TRL's process axis: its gathered rewards and token counts).
 
 Run as a script, this file is the worker: `python tests/integrations/test_reward_trainer.py OUT.json MODEL TOKENIZER
 [DS_CONFIG]` (one launch runs every case; the reference and TSP=2 launches run at the same time).
@@ -76,6 +78,7 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
     from trl import RewardConfig, RewardTrainer
 
     out_dir = str(Path(out).with_suffix(""))
+    replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
     args = RewardConfig(output_dir=out_dir, max_steps=STEPS, optim="sgd", learning_rate=0.5,
                         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
                         report_to=[], save_strategy="no", train_sampling_strategy="sequential", disable_tqdm=True,
@@ -89,8 +92,8 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
         trainer_class = RewardTrainer
     else:
         from ds_tsp.hf import TSPRewardTrainer as trainer_class
-    trainer = trainer_class(model=model, args=args, processing_class=tokenizer,
-                            train_dataset=Dataset.from_list(rows("text", STEPS * BATCH * ACCUMULATION, seed=1)),
+    train = rows("text", STEPS * BATCH * ACCUMULATION * replicas, seed=1)
+    trainer = trainer_class(model=model, args=args, processing_class=tokenizer, train_dataset=Dataset.from_list(train),
                             eval_dataset=Dataset.from_list(rows("ids", 4, seed=2)))
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
@@ -101,9 +104,10 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
-def _launch(out: Path, model: Path, tokenizer: Path, ds_config: Path | None = None) -> subprocess.Popen:
-    launch = [sys.executable] if ds_config is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                         "--nproc_per_node", "2"]
+def _launch(out: Path, model: Path, tokenizer: Path, ds_config: Path | None = None,
+            nproc: int = 1) -> subprocess.Popen:
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc_per_node", str(nproc)]
     argv = [str(out), str(model), str(tokenizer)] + ([str(ds_config)] if ds_config else [])
     return subprocess.Popen([*launch, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ENV, cwd=ROOT)
@@ -125,12 +129,11 @@ def _reward_scale(line: dict, prefix: str = "") -> float:
     return max(abs(line[f"{prefix}min_reward"]), abs(line[f"{prefix}max_reward"]))
 
 
-@pytest.fixture(scope="module")
-def reward_runs(tmp_path_factory):
+def _runs(tmp: Path, data_replicas: int) -> dict:
+    """The plain RewardTrainer on `data_replicas` processes and TSP=2 on 2 x data_replicas, launched together."""
     pytest.importorskip("trl")
     pytest.importorskip("deepspeed")
     pytest.importorskip("datasets")
-    tmp = tmp_path_factory.mktemp("reward")
     save_reward_model(tmp / "model")
     save_tokenizer(tmp / "tokenizer")
     (tmp / "ds.json").write_text(json.dumps({
@@ -138,13 +141,22 @@ def reward_runs(tmp_path_factory):
         "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
         "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
     # both at once: the plain reference (one process) and TSP=2 share the two cores while each starts up
-    reference = _launch(tmp / "ref.json", tmp / "model", tmp / "tokenizer")
-    tsp = _launch(tmp / "tsp.json", tmp / "model", tmp / "tokenizer", tmp / "ds.json")
+    reference = _launch(tmp / "ref.json", tmp / "model", tmp / "tokenizer", nproc=data_replicas)
+    tsp = _launch(tmp / "tsp.json", tmp / "model", tmp / "tokenizer", tmp / "ds.json", nproc=2 * data_replicas)
     return {"runs": (_finish(reference, tmp / "ref.json"), _finish(tsp, tmp / "tsp.json")),
             "final": (tmp / "ref", tmp / "tsp")}
 
 
-def test_tsp_reward_trainer_equals_plain_reward_trainer(reward_runs):
+def test_tsp_reward_trainer_equals_plain_reward_trainer(tmp_path):
+    _assert_same_run(_runs(tmp_path, 1))
+
+
+@pytest.mark.slow
+def test_tsp2_x_data2_zero2_equals_plain_two_process_reward_trainer(tmp_path):
+    _assert_same_run(_runs(tmp_path, 2))
+
+
+def _assert_same_run(reward_runs: dict) -> None:
     from safetensors.torch import load_file
 
     reference, tsp = reward_runs["runs"]
@@ -156,6 +168,9 @@ def test_tsp_reward_trainer_equals_plain_reward_trainer(reward_runs):
         for key in METRICS:
             assert _close(g[key], w[key], scale=_reward_scale(w) if key in REWARDS else 0.0), (key, g, w)
         assert g["num_tokens"] == w["num_tokens"] > 0, (g, w)
+    totals = [[line for line in runs if "train_runtime" in line] for runs in (tsp, reference)]
+    assert totals[0][0]["total_flos"] == totals[1][0]["total_flos"] > 0, totals
+    assert _close(totals[0][0]["train_loss"], totals[1][0]["train_loss"]), totals
     evals = [[line for line in runs if "eval_loss" in line] for runs in (tsp, reference)]
     assert len(evals[0]) == len(evals[1]) == 1
     got_eval, want_eval = evals[0][0], evals[1][0]
