@@ -264,6 +264,10 @@ class TSPTrainer(_transformers.Trainer):
         return _with_full_batch(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset):
+        if self._tsp_with_reward:  # the reward model takes full batches
+            from ds_tsp.integrations.trl.grpo import unsharded
+
+            return unsharded(super().get_test_dataloader(test_dataset))
         return _with_full_batch(super().get_test_dataloader(test_dataset))
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -1,7 +1,8 @@
 """TRL's RewardTrainer on TSP: ds_tsp.hf.TSPRewardTrainer (`class R(TSPTrainer, RewardTrainer)`) at TSP=2 (ZeRO-2,
 SGD, fp32) equals a plain RewardTrainer in one process with the same seed and preference data, per logged step
 (1e-5 relative; the reward statistics relative to the step's largest |reward|): loss, grad_norm, TRL's min / mean /
-max reward, accuracy, margin, and num_tokens (exact); evaluate() likewise; the saved weights after 3 steps agree.
+max reward, accuracy, margin, and num_tokens (exact); evaluate() likewise, predict()'s rewards, and the saved
+weights after 3 steps.
 The tiny Llama ...ForSequenceClassification (num_labels=1) is built with pad_token_id 2 while the tokenizer pads
 with 0, so the run also checks that the TSP model pools where RewardTrainer's pad token (set on the config after
 the model is built) says. One run covers a text dataset with an explicit prompt and margins,
@@ -98,9 +99,10 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
     trainer.evaluate()
+    rewards = trainer.predict(trainer.eval_dataset).predictions  # [chosen; rejected] of each batch, gathered
     trainer.save_model(f"{out_dir}/final")
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(out).write_text(json.dumps(trainer.state.log_history))
+        Path(out).write_text(json.dumps({"log": trainer.state.log_history, "predictions": rewards.tolist()}))
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
@@ -159,7 +161,10 @@ def test_tsp2_x_data2_zero2_equals_plain_two_process_reward_trainer(tmp_path):
 def _assert_same_run(reward_runs: dict) -> None:
     from safetensors.torch import load_file
 
-    reference, tsp = reward_runs["runs"]
+    (reference, tsp), predictions = ([run["log"] for run in reward_runs["runs"]],
+                                     [torch.tensor(run["predictions"]) for run in reward_runs["runs"]])
+    assert predictions[0].shape == predictions[1].shape == (8, 1), predictions
+    assert (predictions[1] - predictions[0]).abs().max() <= 1e-5 * predictions[0].abs().max(), predictions
     want = [line for line in reference if "loss" in line and "train_runtime" not in line]
     got = [line for line in tsp if "loss" in line and "train_runtime" not in line]
     assert len(want) == STEPS and [g["step"] for g in got] == [w["step"] for w in want], (got, want)
