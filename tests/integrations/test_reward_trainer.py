@@ -6,10 +6,11 @@ weights after 3 steps.
 The tiny Llama ...ForSequenceClassification (num_labels=1) is built with pad_token_id 2 while the tokenizer pads
 with 0, so the run also checks that the TSP model pools where RewardTrainer's pad token (set on the config after
 the model is built) says. One run covers a text dataset with an explicit prompt and margins,
-center_rewards_coefficient, gradient accumulation 2, and evaluate() on a pre-tokenized dataset (chosen_ids /
-rejected_ids). The composition users write is checked by its class; options TSP cannot honour are refused by name.
-Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes) equals a plain 2-process RewardTrainer (the data axis is
-TRL's process axis: its gathered rewards and token counts).
+center_rewards_coefficient, gradient accumulation 2, gradient checkpointing, and evaluate() on a pre-tokenized
+dataset (chosen_ids / rejected_ids). The composition users write is checked by its class; options TSP cannot honour
+are refused by name.
+Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes, no checkpointing) equals a plain 2-process RewardTrainer
+(the data axis is TRL's process axis: its gathered rewards and token counts).
 
 Run as a script, this file is the worker: `python tests/integrations/test_reward_trainer.py OUT.json MODEL TOKENIZER
 [DS_CONFIG]` (one launch runs every case; the reference and TSP=2 launches run at the same time).
@@ -86,7 +87,7 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
                         use_cpu=not torch.cuda.is_available(), bf16=False, max_grad_norm=1.0,
                         dataloader_drop_last=True, per_device_train_batch_size=BATCH, per_device_eval_batch_size=2,
                         gradient_accumulation_steps=ACCUMULATION, center_rewards_coefficient=0.01,
-                        deepspeed=ds_config)
+                        gradient_checkpointing=replicas == 1, deepspeed=ds_config)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     if ds_config is None:
