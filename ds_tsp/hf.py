@@ -1,15 +1,17 @@
-"""Hugging Face models in and out: HF-shaped TSP model, sharded loading, streaming save, Trainer, TRL's SFTTrainer
-and GRPOTrainer.
+"""Hugging Face models in and out: HF-shaped TSP model, sharded loading, streaming save, Trainer, TRL's SFTTrainer,
+GRPOTrainer and RewardTrainer.
 
     from ds_tsp.hf import TSPForCausalLM, TSPTrainer, TSPSFTTrainer   # TSPSFTTrainer: (TSPTrainer, trl.SFTTrainer)
     from ds_tsp.hf import TSPGRPOTrainer                              # (TSPTrainer, trl.GRPOTrainer): RL under TSP
+    from ds_tsp.hf import TSPRewardTrainer                            # (TSPTrainer, trl.RewardTrainer): reward models
     model = TSPForCausalLM.from_pretrained("local/llama-3.2-1b", tsp_group=group)
     scorer = TSPForSequenceClassification.from_pretrained("local/reward-model", tsp_group=group)
 """
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 from ds_tsp.model.hf_sequence_classification import TSPForSequenceClassification
 
-__all__ = ["TSPForCausalLM", "TSPForSequenceClassification", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer"]
+__all__ = ["TSPForCausalLM", "TSPForSequenceClassification", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer",
+           "TSPRewardTrainer"]
 
 
 def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerate: only when asked for
@@ -25,4 +27,8 @@ def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerat
         from ds_tsp.integrations.trl.grpo_trainer import grpo_trainer_class
 
         return grpo_trainer_class()
+    if name == "TSPRewardTrainer":  # ImportError with the install hint when trl is missing
+        from ds_tsp.integrations.trl.reward_trainer import reward_trainer_class
+
+        return reward_trainer_class()
     raise AttributeError(f"module 'ds_tsp.hf' has no attribute {name!r}")

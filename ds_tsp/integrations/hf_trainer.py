@@ -22,6 +22,8 @@ What it changes, and why (the Trainer's own logic does the rest):
   builds neither;
 - `class X(TSPTrainer, SFTTrainer)`: TRL's SFTTrainer on TSP (ds_tsp.integrations.trl.sft; ds_tsp.hf.TSPSFTTrainer);
   `class G(TSPTrainer, GRPOTrainer)`: TRL's GRPO on TSP (ds_tsp.integrations.trl.grpo; ds_tsp.hf.TSPGRPOTrainer);
+  `class R(TSPTrainer, RewardTrainer)`: a reward model (ds_tsp.hf.TSPForSequenceClassification, full batches on
+  every TSP rank) trained by TRL's RewardTrainer (ds_tsp.integrations.trl.reward; ds_tsp.hf.TSPRewardTrainer);
   other TRL trainers are refused by name when the class is defined;
 - save_model writes the HF layout, streamed, from every rank's shards (a collective).
 On CPU the launcher's process group (which TrainingArguments sets up as a 1-process accelerate state) is
@@ -107,15 +109,16 @@ class TSPTrainer(_transformers.Trainer):
 
     _tsp_with_sft = False  # composed with TRL's SFTTrainer (ds_tsp.integrations.trl.sft)
     _tsp_with_grpo = False  # composed with TRL's GRPOTrainer (ds_tsp.integrations.trl.grpo)
+    _tsp_with_reward = False  # composed with TRL's RewardTrainer (ds_tsp.integrations.trl.reward)
 
     def __init_subclass__(cls, **kwargs):
-        """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)`: TRL's SFT / GRPO on TSP; any other TRL
-        trainer is refused here, by name."""
+        """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)` / `(TSPTrainer, RewardTrainer)`: TRL's
+        SFT / GRPO / reward modelling on TSP; any other TRL trainer is refused here, by name."""
         super().__init_subclass__(**kwargs)
         from ds_tsp.integrations.trl.sft import check_composition
 
         kind = check_composition(cls, TSPTrainer)
-        cls._tsp_with_sft, cls._tsp_with_grpo = kind == "sft", kind == "grpo"
+        cls._tsp_with_sft, cls._tsp_with_grpo, cls._tsp_with_reward = kind == "sft", kind == "grpo", kind == "reward"
 
     def __init__(self, model=None, args=None, *more, **kwargs):
         if self._tsp_with_grpo:  # GRPOTrainer(model, reward_funcs, args, ...): everything by name from here on
@@ -134,6 +137,10 @@ class TSPTrainer(_transformers.Trainer):
             tsp_trl.check_sft_arguments(super().__init__, model, args, more, kwargs)
         if self._tsp_with_grpo:
             trl_grpo.check_grpo_arguments(model, args, kwargs)
+        if self._tsp_with_reward:
+            from ds_tsp.integrations.trl import reward as trl_reward
+
+            trl_reward.check_reward_arguments(super().__init__, model, args, more, kwargs)
         _ = args.device  # sets the process group up (TrainingArguments does it lazily)
         _register_cpu_world()
         tsp = _tsp_block(args)
@@ -144,15 +151,19 @@ class TSPTrainer(_transformers.Trainer):
                                      'DeepSpeed config has a "tsp" block, e.g. ds_configs/tsp.json')
             tsp = parse_tsp_config({"size": 1})
         _check_parallelism_config(args, tsp.size)
-        if self._tsp_with_sft or self._tsp_with_grpo:  # their token counts and metrics are not cut over cp yet
-            check_cp_integration(tsp.cp_size, "TSPSFTTrainer" if self._tsp_with_sft else "TSPGRPOTrainer")
+        if self._tsp_with_sft or self._tsp_with_grpo or self._tsp_with_reward:  # counts, metrics: not cut over cp
+            check_cp_integration(tsp.cp_size, "TSPSFTTrainer" if self._tsp_with_sft else
+                                 "TSPGRPOTrainer" if self._tsp_with_grpo else "TSPRewardTrainer")
         ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
         runtime = build_runtime(tsp, ds_config=ds_config)  # DeepSpeed's cpu_checkpointing: offload_activations
         self.tsp_config = tsp = runtime.config
         self.tsp_groups = runtime.groups
         ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_with_grpo else None
-        model = to_tsp_model(model, runtime.comm, options=runtime.options, data_group=runtime.data_group,
-                             hf_face=True)
+        if self._tsp_with_reward:
+            model = trl_reward.to_reward_model(model, runtime)
+        else:
+            model = to_tsp_model(model, runtime.comm, options=runtime.options, data_group=runtime.data_group,
+                                 hf_face=True)
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if self._tsp_with_sft:
@@ -167,6 +178,8 @@ class TSPTrainer(_transformers.Trainer):
             trl_grpo.after_init(self)
         else:
             super().__init__(model, args, *more, **kwargs)
+        if self._tsp_with_reward:  # RewardTrainer's label_names stay [] (its batches carry no token labels)
+            return
         if set(self.label_names) != {"shift_labels"} and self.label_names in (["labels"], ["labels", "shift_labels"]):
             self.label_names = ["shift_labels"]  # TSP batches carry pre-shifted labels, sharded
 
@@ -236,15 +249,25 @@ class TSPTrainer(_transformers.Trainer):
         count_train_tokens(self, inputs, before)
         return result
 
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's count (6 x tokens x parameters); store_flos sums it over every process, so under the
+        reward trainer, whose TSP ranks each see the full batch, each rank counts its 1/D of it."""
+        flops = super().floating_point_ops(inputs)
+        return flops // self.tsp_config.size if self._tsp_with_reward else flops
+
     # --- evaluation and prediction -------------------------------------------------------------------------------
     def get_eval_dataloader(self, eval_dataset=None):
-        if self._tsp_with_grpo:  # prompt rows: sampled over the data axis, never cut
+        if self._tsp_with_grpo or self._tsp_with_reward:  # GRPO's prompt rows, the reward model's full batches
             from ds_tsp.integrations.trl.grpo import unsharded
 
             return unsharded(super().get_eval_dataloader(eval_dataset))
         return _with_full_batch(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset):
+        if self._tsp_with_reward:  # the reward model takes full batches
+            from ds_tsp.integrations.trl.grpo import unsharded
+
+            return unsharded(super().get_test_dataloader(test_dataset))
         return _with_full_batch(super().get_test_dataloader(test_dataset))
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -252,7 +275,7 @@ class TSPTrainer(_transformers.Trainer):
         position, built from the vocab shards once per eval batch (as the plain Trainer materialises them; with
         preprocess_logits_for_metrics its output on those full logits), and the batch's own labels, full length,
         in the original order (unshifted). prediction_loss_only builds and gathers neither."""
-        if self._tsp_with_grpo:  # GRPO evaluates its loss on generated completions
+        if self._tsp_with_grpo or self._tsp_with_reward:  # GRPO: generated completions; reward: [B, 1] rewards
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         full = inputs.pop(_FULL_BATCH, None) if isinstance(inputs, dict) else None
         if prediction_loss_only:
@@ -291,13 +314,13 @@ class TSPTrainer(_transformers.Trainer):
         return total / groups.cp_size
 
     # --- TRL's GRPOTrainer steps under TSP (ds_tsp.integrations.trl.grpo; inert in other compositions) ---------
-    def get_train_dataloader(self):
+    def get_train_dataloader(self):  # (the reward trainer's loader too)
         loader = super().get_train_dataloader()
-        if not self._tsp_with_grpo:
+        if not (self._tsp_with_grpo or self._tsp_with_reward):
             return loader
         from ds_tsp.integrations.trl.grpo import unsharded
 
-        return unsharded(loader)  # prompt rows: sampled over the data axis, never cut
+        return unsharded(loader)  # GRPO's prompt rows, the reward model's full batches: data-axis sampled, never cut
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):

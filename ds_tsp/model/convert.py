@@ -81,7 +81,7 @@ def _shard_of_hf_name(tsp: ShardedCausalLM) -> dict[str, nn.Parameter]:
     owner = dict(tsp.replicated_params())
     for prefix, module, param in tsp.sharded_modules():
         owner.update({prefix + name: param for name in module.hf_shapes()})
-    if tsp.lm_head.tied:
+    if tsp.lm_head is not None and tsp.lm_head.tied:  # a sequence classifier has no LM head
         owner["lm_head.weight"] = tsp.model.embed_tokens.vocab_shard
     owner.update({name: param for name, param, _ in tsp.lora_tensors()})
     return owner

@@ -46,16 +46,21 @@ class TSPForSequenceClassification(TSPForCausalLM):
                                              options=options, dtype=dtype, device=device, data_group=data_group)
 
     def forward(self, input_ids: torch.Tensor | None = None, *args, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs):
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                margin: torch.Tensor | None = None, **kwargs):
         """transformers' sequence-classification call on the full batch; labels as transformers takes them
-        (float scores for regression, class ids, or multi-hot floats)."""
+        (float scores for regression, class ids, or multi-hot floats). margin: TRL's RewardTrainer passes its batch
+        whole, preference margins included (its loss reads them; transformers' model ignores them): unused here.
+        Rows are pooled at config.pad_token_id as it is at the call (RewardTrainer sets it from the tokenizer
+        after the model is built)."""
+        del margin
         if args:
             raise TSPConfigError("TSPForSequenceClassification.forward takes input_ids positionally and everything "
                                  "else by keyword (attention_mask=, position_ids=, labels=)")
         for key, value in kwargs.items():
             if key not in _HARMLESS_KWARGS or not any(value is v or value == v for v in _HARMLESS_KWARGS[key]):
                 raise TSPConfigError(f"{key}={value!r} is not supported by TSPForSequenceClassification.forward; "
-                                     "accepted: input_ids, attention_mask, position_ids, labels")
+                                     "accepted: input_ids, attention_mask, position_ids, labels, margin")
         if input_ids is None or input_ids.dim() != 2:
             raise TSPConfigError("input_ids [batch, seq] is required (inputs_embeds is not supported: the embedding "
                                  "is sharded)")
@@ -63,7 +68,8 @@ class TSPForSequenceClassification(TSPForCausalLM):
         local = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, position_ids=position_ids,
                             attention_mask=attention_mask, check_values=False, cp=comm.cp_size, cp_rank=comm.cp_rank)
         h, _ = self.tsp.final_hidden(local["input_ids"], local["position_ids"], local.get("attention_mask"))
-        logits = self.tsp.pooled_logits(h, local["input_ids"], local["seq_len"])
+        logits = self.tsp.pooled_logits(h, local["input_ids"], local["seq_len"],
+                                        pad_token_id=self.config.pad_token_id)
         loss = None
         if labels is not None:
             from transformers.loss.loss_utils import ForSequenceClassificationLoss

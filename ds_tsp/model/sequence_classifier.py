@@ -42,9 +42,12 @@ class ShardedSequenceClassifier(ShardedCausalLM):
     def replicated_params(self) -> dict[str, nn.Parameter]:
         return {**super().replicated_params(), "score.weight": self.score}
 
-    def pooled_logits(self, h: torch.Tensor, input_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def pooled_logits(self, h: torch.Tensor, input_ids: torch.Tensor, seq_len: int,
+                      pad_token_id: int | None | str = "built") -> torch.Tensor:
         """[B, num_labels] on every rank: the score of each row's last non-padding token (collective).
-        h: final_hidden's output [B, L, hidden]; input_ids: this rank's shard [B, L]; seq_len: the unpadded length."""
+        h: final_hidden's output [B, L, hidden]; input_ids: this rank's shard [B, L]; seq_len: the unpadded length;
+        pad_token_id: the id pooling skips (default: the one this classifier was built with)."""
+        pad_token_id = self.pad_token_id if pad_token_id == "built" else pad_token_id
         if self.comm.cp is not None:
             raise TSPConfigError(f"sequence classification with tsp.cp_size={self.comm.cp.size}: the pooled token "
                                  "may sit in another cp group; use cp_size 1")
@@ -52,14 +55,14 @@ class ShardedSequenceClassifier(ShardedCausalLM):
         comm = self.comm
         index = zigzag_positions(L * comm.size, comm.size, comm.rank, device=input_ids.device)  # global, local order
         real = index < seq_len  # shard_batch's zigzag padding is never pooled
-        if self.pad_token_id is None:
+        if pad_token_id is None:
             if B != 1:
                 raise TSPConfigError("pad_token_id is None with a batch of more than one row: set the config's "
                                      "pad_token_id (transformers refuses this too)")
             candidate = torch.where(real, index, torch.zeros_like(index))[None]
             last = torch.full((B,), seq_len - 1, dtype=index.dtype, device=index.device)
         else:
-            candidate = torch.where(real & (input_ids != self.pad_token_id), index, torch.zeros_like(index))
+            candidate = torch.where(real & (input_ids != pad_token_id), index, torch.zeros_like(index))
             last = candidate.max(dim=1).values  # [B]: this rank's rightmost candidate (0 when it has none)
             if comm.size > 1:
                 everyone = torch.empty((comm.size, B), dtype=last.dtype, device=last.device)

@@ -24,7 +24,7 @@ PUBLIC = {
         "load_ds_config", "shard_with_fsdp2", "clip_grad_norm_", "save_consolidated", "load_consolidated",
         "run_main", "reserve_stdout", "emit", "json_stream",
     },
-    "ds_tsp.hf": {"TSPForCausalLM", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer"},
+    "ds_tsp.hf": {"TSPForCausalLM", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer", "TSPRewardTrainer"},
     "ds_tsp.accelerate": {"TSPAccelerator"},
     "ds_tsp.testing": {"ReferenceCausalLM", "full_state_dict", "init_weights_", "RepeatingPatterns", "save_tiny_llama",
                        "TOLERANCE"},

@@ -240,7 +240,7 @@ class TSPAccelerator(_accelerate.Accelerator):
                                           config["gradient_accumulation_steps"] * data_size * cp_size)
             if groups is not None:
                 kwargs["mpu"] = TSPModelParallelUnit(groups)
-            if model is not None and model.tsp.lm_head.tied and \
+            if model is not None and model.tsp.lm_head is not None and model.tsp.lm_head.tied and \
                     (config.get("zero_optimization") or {}).get("stage", 0) == 3:
                 deepspeed.zero.register_external_parameter(model.tsp.lm_head, model.tsp.model.embed_tokens.vocab_shard)
             return original(*args, **kwargs)

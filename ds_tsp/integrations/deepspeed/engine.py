@@ -168,5 +168,6 @@ def _single_process_env() -> None:
 
 def _register_tied_head_for_zero3(model: ShardedCausalLM, ds_config: dict, deepspeed) -> None:
     # ZeRO-3 gathers a param only inside its own module's forward; the tied head reads the embedding's shard.
-    if model.lm_head.tied and (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+    zero3 = (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
+    if model.lm_head is not None and model.lm_head.tied and zero3:  # a sequence classifier has no LM head
         deepspeed.zero.register_external_parameter(model.lm_head, model.model.embed_tokens.vocab_shard)

@@ -1,6 +1,6 @@
 """The TRL trainers composed with TSPTrainer (`class TSP<X>(TSPTrainer, <X>)`), each built once, on first use:
 TRL is optional, so nothing here imports it at module load. It sits above hf_trainer (TSPTrainer) and what
-TSPTrainer does for each TRL trainer (trl, trl_grpo), so those read one way: hf_trainer -> trl / trl_grpo."""
+TSPTrainer does for each TRL trainer (sft, grpo, reward), so those read one way: hf_trainer -> sft / grpo / reward."""
 from __future__ import annotations
 
 import functools
@@ -8,12 +8,13 @@ import functools
 INSTALL_HINT = "pip install 'ds_tsp[trl]'"
 # TRL trainer -> (the public name under ds_tsp.hf, the module that says what TSPTrainer does for it)
 COMPOSED = {"SFTTrainer": ("TSPSFTTrainer", "ds_tsp.integrations.trl.sft"),
-            "GRPOTrainer": ("TSPGRPOTrainer", "ds_tsp.integrations.trl.grpo")}
+            "GRPOTrainer": ("TSPGRPOTrainer", "ds_tsp.integrations.trl.grpo"),
+            "RewardTrainer": ("TSPRewardTrainer", "ds_tsp.integrations.trl.reward")}
 
 
 @functools.cache
 def composed_trainer_class(trl_trainer: str) -> type:
-    """The one `TSP<trl_trainer>` class of this process (ds_tsp.hf.TSPSFTTrainer, ds_tsp.hf.TSPGRPOTrainer)."""
+    """The one `TSP<trl_trainer>` class of this process (ds_tsp.hf.TSPSFTTrainer, TSPGRPOTrainer, TSPRewardTrainer)."""
     name, adapter = COMPOSED[trl_trainer]
     try:
         import trl
