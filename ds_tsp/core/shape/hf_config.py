@@ -187,6 +187,24 @@ def _phi3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
     return {**config, "sliding_window": None if windows is None else windows[0]}
 
 
+def _layer_types(shape: ModelShape, family: str) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) of a family with one window for all its sliding layers."""
+    windows = shape.attention_windows or (None,) * shape.num_layers
+    sliding = {w for w in windows if w is not None}
+    if len(sliding) > 1:
+        raise TSPConfigError(f"attention_windows={windows}: {family} has one sliding_window for its sliding layers")
+    return ["sliding_attention" if w is not None else "full_attention" for w in windows], next(iter(sliding), None)
+
+
+def _sliding_rope(shape: ModelShape) -> dict:
+    """The sliding layers' rope_parameters block (their own theta and scaling)."""
+    local = {"rope_type": "default", "rope_theta": shape.sliding_rope_theta or shape.rope_theta}
+    if shape.sliding_rope_scaling is not None:
+        local.update({k: v for k, v in vars(shape.sliding_rope_scaling).items()
+                      if v is not None and k not in ("max_position_embeddings", "truncate")})
+    return local
+
+
 def _gemma3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
     """Gemma 3 text: sandwich (1 + w) norms, GeGLU, sqrt(hidden)-scaled embeddings, query_pre_attn_scalar, per-layer-
     type RoPE."""
@@ -196,26 +214,18 @@ def _gemma3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
                              "sliding_rope_theta: Gemma 3, the family with them, has all of sandwich (1 + w) norms, "
                              "q/k norms, GeGLU and "
                              "sqrt(hidden)-scaled embeddings, and no q/k/v bias")
-    windows = shape.attention_windows or (None,) * shape.num_layers
-    sliding = {w for w in windows if w is not None}
-    if len(sliding) > 1:
-        raise TSPConfigError(f"attention_windows={windows}: Gemma 3 has one sliding_window for its sliding layers")
+    layer_types, window = _layer_types(shape, "Gemma 3")
     config = _common_fields(shape, dtype, "gemma3_text")
     full = config.pop("rope_parameters")
-    local = {"rope_type": "default", "rope_theta": shape.sliding_rope_theta or shape.rope_theta}
-    if shape.sliding_rope_scaling is not None:
-        local.update({k: v for k, v in vars(shape.sliding_rope_scaling).items()
-                      if v is not None and k not in ("max_position_embeddings", "truncate")})
     scalar = round((shape.attention_scale or shape.dim_per_head ** -0.5) ** -2, 6)
     if scalar != int(scalar):
         raise TSPConfigError(f"attention_scale={shape.attention_scale}: Gemma 3's softmax scale is "
                              "query_pre_attn_scalar ** -0.5 for an integer query_pre_attn_scalar")
     config.pop("hidden_act")
-    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
+    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": _sliding_rope(shape)},
             "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": int(scalar),
-            "sliding_window": next(iter(sliding), None), "final_logit_softcapping": shape.final_logit_softcapping,
-            "attn_logit_softcapping": None,
-            "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
+            "sliding_window": window, "final_logit_softcapping": shape.final_logit_softcapping,
+            "attn_logit_softcapping": None, "layer_types": layer_types}
 
 
 def _gemma4_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
@@ -227,24 +237,16 @@ def _gemma4_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
         raise TSPConfigError("value_norm / layer_scalars / per_layer_input_size / full_head_dim: Gemma 4, the family "
                              "with them, has all of sandwich w-scaled norms, q/k/v norms, layer scalars, GeGLU, "
                              "softmax scale 1 and sqrt(hidden)-scaled embeddings, and no q/k/v bias")
-    windows = shape.attention_windows or (None,) * shape.num_layers
-    sliding = {w for w in windows if w is not None}
-    if len(sliding) > 1:
-        raise TSPConfigError(f"attention_windows={windows}: Gemma 4 has one sliding_window for its sliding layers")
+    layer_types, window = _layer_types(shape, "Gemma 4")
     config = _common_fields(shape, dtype, "gemma4_text")
     full = config.pop("rope_parameters")
     config.pop("rope_theta")
-    local = {"rope_type": "default", "rope_theta": shape.sliding_rope_theta or shape.rope_theta}
-    if shape.sliding_rope_scaling is not None:
-        local.update({k: v for k, v in vars(shape.sliding_rope_scaling).items()
-                      if v is not None and k not in ("max_position_embeddings", "truncate")})
     config.pop("hidden_act")
-    layer_types = ["sliding_attention" if w is not None else "full_attention" for w in windows]
     full_layer = {"head_dim": shape.full_head_dim or shape.dim_per_head}
     if shape.full_num_kv_heads:
         full_layer["num_key_value_heads"] = shape.full_num_kv_heads
-    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
-            "hidden_activation": "gelu_pytorch_tanh", "sliding_window": next(iter(sliding), 512),
+    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": _sliding_rope(shape)},
+            "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 512 if window is None else window,
             "layer_types": layer_types, "final_logit_softcapping": shape.final_logit_softcapping,
             "per_layer_config": {str(i): dict(full_layer) for i, t in enumerate(layer_types)
                                  if t == "full_attention"},
@@ -261,21 +263,12 @@ def _olmo3_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
         raise TSPConfigError("projection_qk_norm / post_norms: OLMo 3, the family with them, has both, plain "
                              "(w * x_hat) norms, a SwiGLU MLP, unscaled embeddings and the head_dim ** -0.5 softmax "
                              "scale")
-    windows = shape.attention_windows or (None,) * shape.num_layers
-    sliding = {w for w in windows if w is not None}
-    if len(sliding) > 1:
-        raise TSPConfigError(f"attention_windows={windows}: OLMo 3 has one sliding_window for its sliding layers")
+    layer_types, window = _layer_types(shape, "OLMo 3")
     config = _common_fields(shape, dtype, "olmo3")
     full = config.pop("rope_parameters")
-    local = dict(full)
-    if shape.sliding_rope_theta:
-        local = {"rope_type": "default", "rope_theta": shape.sliding_rope_theta}
-        if shape.sliding_rope_scaling is not None:
-            local.update({k: v for k, v in vars(shape.sliding_rope_scaling).items()
-                          if v is not None and k not in ("max_position_embeddings", "truncate")})
+    local = _sliding_rope(shape) if shape.sliding_rope_theta else dict(full)
     return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local},
-            "sliding_window": next(iter(sliding), None), "attention_bias": False,
-            "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
+            "sliding_window": window, "attention_bias": False, "layer_types": layer_types}
 
 
 def _moe_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
@@ -333,17 +326,13 @@ def _gpt_oss_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
                              f"{shape.attention_out_bias}, dense_mlp_layers={shape.dense_mlp_layers}, "
                              f"moe_intermediate_size={shape.moe_intermediate_size}: GPT-OSS has attention sinks, one "
                              "attention_bias for q/k/v and o_proj, experts of intermediate_size on every layer")
-    windows = shape.attention_windows or (None,) * shape.num_layers
-    sliding = {w for w in windows if w is not None}
-    if len(sliding) > 1:
-        raise TSPConfigError(f"attention_windows={windows}: GPT-OSS has one sliding_window for its sliding layers")
+    layer_types, window = _layer_types(shape, "GPT-OSS")
     config = _common_fields(shape, dtype, "gpt_oss")
     config.pop("hidden_act")
     return {**config, "attention_bias": shape.qkv_bias, "num_local_experts": shape.num_experts,
             "num_experts_per_tok": shape.num_experts_per_tok, "router_aux_loss_coef": shape.router_aux_loss_coef,
             "output_router_logits": shape.output_router_logits, "swiglu_alpha": shape.swiglu_alpha,
-            "swiglu_limit": shape.swiglu_limit, "sliding_window": next(iter(sliding), None),
-            "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows]}
+            "swiglu_limit": shape.swiglu_limit, "sliding_window": window, "layer_types": layer_types}
 
 
 def _hybrid_config_dict(shape: ModelShape, dtype: torch.dtype) -> dict:
