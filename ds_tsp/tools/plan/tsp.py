@@ -47,7 +47,12 @@ from ds_tsp.tools.plan.moe_terms import (
 )
 from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
-from ds_tsp.tools.plan.shape_terms import Stage, qk_norm_elems
+from ds_tsp.tools.plan.shape_terms import (
+    Dims,
+    Stage,
+    mixed_attention_shapes,
+    qk_norm_elems,
+)
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
 
 
@@ -109,6 +114,10 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
     }
 
 
+def _shape_name(inp: PlanInput, layer: int) -> str:
+    return "sliding-window" if inp.model.layer_window(layer) is not None else "full-attention"
+
+
 def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     """TSP's LayoutPlan (module docstring); comm terms in ds_tsp.tools.plan.tsp_comm; an MoE model's sparse
     layers in ds_tsp.tools.plan.moe_terms; a hybrid model's in ds_tsp.tools.plan.hybrid."""
@@ -117,13 +126,14 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
 
         return plan_tsp_hybrid(inp, layer_saved=tsp_layer_saved, attention_mlp_transients=tsp_transients,
                                ring_buffers=ring_buffers)
-    g = TSPGeometry.of(inp)
+    first = 0 if mixed_attention_shapes(inp.model) else None  # the layer the per-layer figures describe
+    g = TSPGeometry.of(inp, first)
     dims, D, b, B = g.dims, g.D, inp.dtype_bytes, inp.batch
     cb = compute_bytes(b)
     T = B * g.L
-    fwd, bwd = tsp_layer_terms(inp)
+    fwd, bwd = tsp_layer_terms(inp, first)
     dense_fwd, dense_bwd = fwd, bwd
-    qk_norms = qk_norm_elems(inp.model)  # Qwen3's / OLMo's q/k norm weights, replicated
+    qk_norms = qk_norm_elems(inp.model, 0)  # Qwen3's / OLMo's q/k norm weights, replicated
     layer_norms = (4 if inp.model.sandwich_norms else 2) * dims.h
     layer_norms += dims.replicated_attn  # GPT-OSS's o_proj bias: replicated like the norms
     layer_params = g.A + g.M + layer_norms + qk_norms
@@ -144,9 +154,25 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             sparse_transients.update({k: max(sparse_transients[k], y + shared[k]) for k in ("mlp_fwd", "mlp_bwd")})
         fwd, bwd = sparse_layer_terms(inp, dense_fwd, dense_bwd, moe)
 
+    # Gemma 4's full layers (their own head_dim / kv heads / no v_proj): layer 0's figures describe the layers of
+    # its shape, the others' terms are per-step terms
+    described = [i for i in range(inp.model.num_layers) if Dims.of(inp.model, i) == Dims.of(inp.model, 0)]
+    others = [i for i in range(inp.model.num_layers) if i not in described]
+    mixed = mixed_attention_shapes(inp.model)
+    other_terms: list = []
+    if others:
+        o_fwd, o_bwd = tsp_layer_terms(inp, others[0])
+        other_terms = [replace(t, name=f"{_shape_name(inp, others[0])} layers x{len(others)}: {t.name}",
+                               calls=t.calls * len(others), bytes=t.bytes * len(others)) for t in (*o_fwd, *o_bwd)]
+
     def stage_fn(stage: Stage) -> StageMemory:
         top_saved, top_transients = per_layer, transients  # of the stage's top layer (its backward runs first)
-        if moe is None:
+        if mixed:  # pp = 1 (PlanInput): every layer, each with its own attention geometry
+            geoms = [TSPGeometry.of(inp, i) for i in range(stage.layers)]
+            params = sum(gi.A + gi.M + layer_norms + qk_norm_elems(inp.model, i) for i, gi in enumerate(geoms))
+            kept_saved, mlp_grads = sum(tsp_layer_saved(inp, gi) for gi in geoms), (g.M + dims.h) * b
+            top_saved, top_transients = tsp_layer_saved(inp, geoms[-1]), tsp_transients(inp, geoms[-1])
+        elif moe is None:
             params = stage.layers * layer_params
             kept_saved, mlp_grads = stage.layers * per_layer, (g.M + dims.h) * b
         else:
@@ -160,7 +186,11 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             mlp_grads = ((sparse_mlp if top_sparse else g.M) + dims.h) * b
             dense_terms = [replace(t, name=f"dense layers x{dense}: {t.name}", calls=t.calls * dense,
                                    bytes=t.bytes * dense) for t in (*dense_fwd, *dense_bwd)] if dense else []
-        other = 2 * T * dims.d * b  # cos, sin (shared by every layer)
+        # cos, sin (shared by every layer; Gemma 4's full layers: of their own head_dim) and the sliding layers' own
+        # pair where their theta or head_dim differs (ds_tsp.core.tokens.positions)
+        m = inp.model
+        own_sliding = any(m.layer_rope(i) == "sliding" for i in range(m.num_layers))
+        other = 2 * T * ((m.full_head_dim or m.dim_per_head) + (m.dim_per_head if own_sliding else 0)) * b
         head_act = head_params = 0
         if stage.embed:
             params += g.Vd * dims.h
@@ -195,7 +225,8 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
         return StageMemory(params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=acts,
                            phases=phases,
                            step_terms=(tsp_extra_terms(inp, stage) + dp_sync(inp, params, inp.dp)
-                                       + pipeline_hops(inp, stage, T) + (dense_terms if moe is not None else [])))
+                                       + pipeline_hops(inp, stage, T) + (dense_terms if moe is not None else [])
+                                       + other_terms))
 
     notes = [f"zigzag: seq padded to {g.S_pad} (multiple of 2D)"]
     if g.kv_replicas > 1:
@@ -208,8 +239,12 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
                      f"(logits transient chunk x V/D, not {T} x V/D)")
     if inp.offload_activations:
         notes.append(offload_note(inp, g))
+    if others:
+        notes.append(f"layer terms: the {len(described)} {_shape_name(inp, 0)} layers; the others' in the step "
+                     "terms (their own head_dim / kv heads)")
     if moe is None:
-        return with_offload(layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes)), inp, g)
+        return with_offload(layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes),
+                                        layers_of=(lambda stage: len(described)) if others else None), inp, g)
     only = Stage("only", True, True, inp.model.num_layers, 1)
     notes.append(moe_note(moe, sparse_count(inp, only), inp.model.num_layers))
     peaks = None
