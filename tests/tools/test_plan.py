@@ -62,8 +62,8 @@ CASES = {
     # more and reduced apart), post-norms, a sliding layer with its own rope; kv heads replicated at D=4
     "olmo3": (_shape(num_kv_heads=2, attention_windows=(7, None), projection_qk_norm=True, post_norms=True,
                      sliding_rope_theta=1e4), 30, 2, "fp32", {}, (2, 4)),
-    # Gemma 4 without per-layer inputs (the planner refuses those): v norms, layer scalars (buffers, no params),
-    # softmax scale 1, soft-capped logits
+    # Gemma 4 with one attention shape (the full layers' own and per-layer inputs: the cases below): v norms,
+    # layer scalars (buffers, no params), softmax scale 1, soft-capped logits
     "gemma4": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, sandwich_norms=True,
                       mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5, attention_scale=1.0,
                       sliding_rope_theta=1e4, value_norm=True, layer_scalars=True, final_logit_softcapping=0.5),
@@ -74,6 +74,13 @@ CASES = {
                                   mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5, attention_scale=1.0,
                                   sliding_rope_theta=1e4, value_norm=True, layer_scalars=True, full_head_dim=16,
                                   full_num_kv_heads=1, full_values_from_keys=True), 30, 2, "fp32", {}, (2, 4)),
+    # Gemma 4's per-layer inputs: the [vocab 101, layers * 4] table (rows sharded like the vocabulary) and the
+    # projection passed around rings, each layer's gate / projection ring, their norms in the bucket
+    "gemma4_per_layer_inputs": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True,
+                                       sandwich_norms=True, mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5,
+                                       attention_scale=1.0, sliding_rope_theta=1e4, value_norm=True,
+                                       layer_scalars=True, full_head_dim=16, per_layer_input_size=4,
+                                       per_layer_input_vocab_size=101), 30, 2, "fp32", {}, (2, 4)),
     # Ministral 3: position-scaled queries (one more per-step table), a window, checkpointing (the tables are the
     # checkpoint's own inputs)
     "ministral3_checkpointing": (_shape(num_kv_heads=2, attention_windows=(7, 7), query_scale_beta=0.1,
@@ -441,9 +448,9 @@ def test_recommend_text_and_errors(capsys):
     assert "--gpu-mem-gib" in capsys.readouterr().err
 
 
-def test_cli_gemma4_full_layers_plan_tsp_only_and_per_layer_inputs_refused(capsys, tmp_path):
-    """Gemma 4's full layers (own head_dim, one kv head, values from keys) are planned for tsp (the default prints
-    it alone; a peer is refused naming --layout); per-layer inputs stay refused by name."""
+def test_cli_gemma4_plans_tsp_only_and_kv_sharing_is_refused(capsys, tmp_path):
+    """Gemma 4's full layers (own head_dim, one kv head, values from keys) and per-layer inputs are planned for tsp
+    (the default prints it alone; a peer is refused naming --layout); KV sharing stays refused by name."""
     cfg = {"model_type": "gemma4_text", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
            "global_head_dim": 64, "sliding_window": 64, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
@@ -456,6 +463,17 @@ def test_cli_gemma4_full_layers_plan_tsp_only_and_per_layer_inputs_refused(capsy
     assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--layout", "tsp,tp"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--layout" in err[0] and "full_head_dim" in err[0], err
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size_per_layer_input": 16}))
-    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--layout", "tsp"]) == 2
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size_per_layer_input": 16,
+                                                      "global_head_dim": 32, "attention_k_eq_v": False,
+                                                      "num_global_key_value_heads": None}))
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--seq", "1024", "--json"]) == 0
+    (obj,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert obj["layout"] == "tsp" and any(t["name"].startswith("per-layer input table ring")
+                                          for t in obj["step_terms"])
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--layout", "ulysses"]) == 2
     assert "per_layer_input_size" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({
+        **cfg, "num_hidden_layers": 3, "num_kv_shared_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "full_attention"]}))
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--layout", "tsp"]) == 2
+    assert "kv_shared_layers" in capsys.readouterr().err

@@ -87,16 +87,16 @@ class PlanInput:
             raise PlanInputError("offload_activations", f"offload_activations with pp={self.pp}: pipeline stages are "
                                                         "not offloaded (tsp.pipeline_stages must be 1)")
         m = self.model
-        if m.per_layer_input_size or m.kv_shared_layers:
-            raise PlanInputError("model", "per_layer_input_size / kv_shared_layers (Gemma 4's per-layer inputs, KV "
-                                          "sharing): the planner's formulas do not count them yet; measure with "
-                                          "ds-tsp bench instead")
-        full_shape = m.full_head_dim or m.full_num_kv_heads or m.full_values_from_keys
-        if full_shape and (self.pp > 1 or m.num_experts or m.layer_types is not None):
-            raise PlanInputError("model", "full_head_dim / full_num_kv_heads / full_values_from_keys (Gemma 4's full "
-                                          "layers' own attention shape) with pp > 1, experts or hybrid layers: the "
-                                          "planner counts them for one TSP stage of dense layers only; measure with "
-                                          "ds-tsp bench instead")
+        if m.kv_shared_layers:
+            raise PlanInputError("model", "kv_shared_layers (Gemma 4's KV sharing): the planner's formulas do not "
+                                          "count it yet; measure with ds-tsp bench instead")
+        gemma4 = m.full_head_dim or m.full_num_kv_heads or m.full_values_from_keys or m.per_layer_input_size
+        if gemma4 and (self.pp > 1 or m.num_experts or m.layer_types is not None):
+            raise PlanInputError("model", "full_head_dim / full_num_kv_heads / full_values_from_keys / "
+                                          "per_layer_input_size (Gemma 4's full layers' own attention shape, its "
+                                          "per-layer inputs) with pp > 1, experts or hybrid layers: the planner "
+                                          "counts them for one TSP stage of dense layers only; measure with ds-tsp "
+                                          "bench instead")
         if self.pp > self.model.num_layers:
             raise PlanInputError("pp", f"pp={self.pp} exceeds num_layers={self.model.num_layers}: every pipeline "
                                        f"stage needs at least one layer; pick pp <= {self.model.num_layers}")

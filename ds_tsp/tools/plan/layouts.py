@@ -6,7 +6,7 @@ from collections.abc import Callable
 from ds_tsp.tools.plan.fsdp_cp import plan_fsdp_cp
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.result import LayoutPlan
-from ds_tsp.tools.plan.shape_terms import mixed_attention_shapes
+from ds_tsp.tools.plan.shape_terms import gemma4_peer_refusal
 from ds_tsp.tools.plan.tp import plan_autotp, plan_tp
 from ds_tsp.tools.plan.tp_sp import plan_tp_sp
 from ds_tsp.tools.plan.tsp import plan_tsp
@@ -31,10 +31,10 @@ def plan_layouts(inp: PlanInput, layouts: tuple[str, ...] | list[str] = DEFAULT_
     if inp.model.layer_types is not None and peers:
         raise PlanInputError("layout", f"layout {peers}: hybrid models (Gated DeltaNet layers) are planned for tsp "
                                        "only; the peers' plans count Llama attention layers. Use --layout tsp")
-    if mixed_attention_shapes(inp.model) and peers:
-        raise PlanInputError("layout", f"layout {peers}: full_head_dim / full_num_kv_heads / full_values_from_keys "
-                                       "(Gemma 4's full layers' own attention shape) are planned for tsp only; the "
-                                       "peers' plans count one attention shape. Use --layout tsp")
+    if gemma4_peer_refusal(inp.model) and peers:
+        raise PlanInputError("layout", f"layout {peers}: {gemma4_peer_refusal(inp.model)} planned for tsp only; the "
+                                       "peers' plans count one attention shape and no per-layer inputs. Use --layout "
+                                       "tsp")
     if inp.offload_activations and peers:
         raise PlanInputError("offload_activations", f"layout {peers}: offload of checkpointed activations is "
                                                     "planned for tsp only; use --layout tsp")

@@ -81,6 +81,15 @@ def mixed_attention_shapes(model: ModelShape) -> bool:
     return bool(model.full_head_dim or model.full_num_kv_heads or model.full_values_from_keys)
 
 
+def gemma4_peer_refusal(model: ModelShape) -> str | None:
+    """What a peer layout's formulas would count wrong in a Gemma 4 shape (planned for tsp only), or None."""
+    if mixed_attention_shapes(model):
+        return "full_head_dim / full_num_kv_heads / full_values_from_keys (Gemma 4's full layers' own attention shape)"
+    if model.per_layer_input_size:
+        return "per_layer_input_size (Gemma 4's per-layer inputs)"
+    return None
+
+
 def qk_norm_elems(model: ModelShape, layer: int = 0) -> int:
     """Replicated q/k norm weights of attention layer `layer`: Qwen3's [d] each (Gemma 4's full layers: their own
     d), OLMo's over the whole projection."""
@@ -112,10 +121,9 @@ def stages(inp: PlanInput) -> list[Stage]:
 def peer_dims(inp: PlanInput, layout: str) -> Dims:
     """The dims a peer layout's formulas count: one attention shape for every layer, so Gemma 4's full layers
     (their own head_dim / kv heads / no v_proj) are refused by name."""
-    if mixed_attention_shapes(inp.model):
-        raise PlanInputError("layout", f"{layout}: full_head_dim / full_num_kv_heads / full_values_from_keys (Gemma "
-                                       "4's full layers' own attention shape) are planned for tsp only; use "
-                                       "--layout tsp")
+    refused = gemma4_peer_refusal(inp.model)
+    if refused:
+        raise PlanInputError("layout", f"{layout}: {refused} planned for tsp only; use --layout tsp")
     return Dims.of(inp.model)
 
 

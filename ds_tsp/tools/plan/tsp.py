@@ -53,7 +53,13 @@ from ds_tsp.tools.plan.shape_terms import (
     mixed_attention_shapes,
     qk_norm_elems,
 )
-from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
+from ds_tsp.tools.plan.tsp_comm import (
+    TSPGeometry,
+    per_layer_gate_shard,
+    per_layer_input_params,
+    tsp_extra_terms,
+    tsp_layer_terms,
+)
 
 
 def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
@@ -68,6 +74,8 @@ def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
     groups = g.D // g.kv_replicas  # blocks sharing a kv head (n_kv < D) save its K/V once
     if inp.keep_gathered_kv:
         saved += groups * 2 * inp.batch * g.S_pad * g.nkv_b * dims.d * b
+    if inp.model.per_layer_input_size:  # Gemma 4: the gate's input x, the post_per_layer_input_norm's
+        saved += T * dims.h * b + tsp_norm_saved(T, dims, b)
     if inp.model.projection_qk_norm:
         saved += 2 * T * compute_bytes(b)  # OLMo: the q and k norms' rstd over the whole projection
     if not inp.recompute_projections:
@@ -136,7 +144,9 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     qk_norms = qk_norm_elems(inp.model, 0)  # Qwen3's / OLMo's q/k norm weights, replicated
     layer_norms = (4 if inp.model.sandwich_norms else 2) * dims.h
     layer_norms += dims.replicated_attn  # GPT-OSS's o_proj bias: replicated like the norms
-    layer_params = g.A + g.M + layer_norms + qk_norms
+    gate = per_layer_gate_shard(inp, D)  # Gemma 4's per-layer input gate / projection (0 without)
+    layer_norms += dims.h if gate else 0  # its post_per_layer_input_norm
+    layer_params = g.A + g.M + layer_norms + qk_norms + gate
     transients = tsp_transients(inp, g)
     per_layer = tsp_layer_saved(inp, g)
     ac = inp.activation_checkpointing
@@ -169,7 +179,7 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
         top_saved, top_transients = per_layer, transients  # of the stage's top layer (its backward runs first)
         if mixed:  # pp = 1 (PlanInput): every layer, each with its own attention geometry
             geoms = [TSPGeometry.of(inp, i) for i in range(stage.layers)]
-            params = sum(gi.A + gi.M + layer_norms + qk_norm_elems(inp.model, i) for i, gi in enumerate(geoms))
+            params = sum(gi.A + gi.M + layer_norms + qk_norm_elems(inp.model, i) + gate for i, gi in enumerate(geoms))
             kept_saved, mlp_grads = sum(tsp_layer_saved(inp, gi) for gi in geoms), (g.M + dims.h) * b
             top_saved, top_transients = tsp_layer_saved(inp, geoms[-1]), tsp_transients(inp, geoms[-1])
         elif moe is None:
@@ -195,6 +205,12 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
         if stage.embed:
             params += g.Vd * dims.h
             other += T * 8  # input ids
+            if m.per_layer_input_size:  # Gemma 4: the table's and projection's shards, per_layer_projection_norm
+                params += sum(per_layer_input_params(inp, D)) + m.per_layer_input_size
+                # every layer's input [T, layers * P] (the layers' slices share it), the projection norm's input
+                # and rstd
+                N = m.num_layers * m.per_layer_input_size
+                other += 2 * T * N * b + T * m.num_layers * cb
         if stage.head:
             head_params = dims.h + (0 if (dims.tied and stage.embed) else g.Vd * dims.h)
             params += head_params

@@ -54,6 +54,19 @@ class TSPGeometry:
                    3 * dims.h * (dims.F // D), ceil_div(dims.V, D))
 
 
+def per_layer_gate_shard(inp: PlanInput, D: int) -> int:
+    """Elements of one layer's packed per_layer_input_gate rows + per_layer_projection columns (P/D each)."""
+    return 2 * (inp.model.per_layer_input_size // D) * inp.model.hidden_size
+
+
+def per_layer_input_params(inp: PlanInput, D: int) -> tuple[int, int]:
+    """Gemma 4's model-wide per-layer input params per rank: (the [Vp, N] table's ceil(Vp/D) rows, the
+    per_layer_model_projection's N/D rows of [N, h]); N = num_layers * P."""
+    m = inp.model
+    N = m.num_layers * m.per_layer_input_size
+    return ceil_div(m.per_layer_input_vocab_size, D) * N, (N // D) * m.hidden_size
+
+
 def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[CommTerm], list[CommTerm]]:
     """One decoder layer's CommCounter terms (of decoder layer `layer` where layers differ in attention shape).
 
@@ -94,6 +107,11 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
              groups * gather_bytes(kv_out, D)),
         term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp),
     ]
+    gate = per_layer_gate_shard(inp, D) * b  # Gemma 4: the per-layer input gate / projection ring, like the MLP's
+    if gate:
+        fwd.append(term("per-layer input gate ring (D-1 hops)", "ring", gate, D - 1, (D - 1) * gate))
+        bwd.append(term("per-layer input gate ring (D-1 weight + D grad hops)", "ring", gate, 2 * D - 1,
+                        (2 * D - 1) * gate))
     if qk:
         bwd += [term("q/k rows re-broadcast (whole-projection norm grads)", "broadcast", qk, D - 1, (D - 1) * qk),
                 term("q/k rows grad reduce to owner", "reduce", qk, D - 1, (D - 1) * qk)]
@@ -154,6 +172,12 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
                   term("embedding ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
                   term("embedding ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
                        (2 * D - 1) * table)]
+        if inp.model.per_layer_input_size:  # Gemma 4: the per-layer input table and projection rings
+            for name, shard in zip(("per-layer input table", "per-layer model projection"),
+                                   per_layer_input_params(inp, D)):
+                terms += [term(f"{name} ring fwd (D-1 hops)", "ring", shard * b, D - 1, (D - 1) * shard * b),
+                          term(f"{name} ring bwd (D-1 weight + D grad hops)", "ring", shard * b, 2 * D - 1,
+                               (2 * D - 1) * shard * b)]
     if stage.head:
         terms += [term("LM head ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
                   term("LM head ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
@@ -166,6 +190,8 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
         # q/k norms per layer: Gemma 4's full layers norm their own head_dim
         flat = (norms * stage.layers + 1) * h + sum(qk_norm_elems(inp.model, i) for i in range(stage.layers))
         flat += stage.layers * g.dims.replicated_attn  # GPT-OSS's o_proj biases
+        if inp.model.per_layer_input_size:  # Gemma 4: post_per_layer_input_norm [h] each, per_layer_projection_norm
+            flat += stage.layers * h + inp.model.per_layer_input_size
         flat += router_grad_elems(inp, stage)  # MoE routers are replicated too
         terms.append(term("replicated grads all-reduce (norms, bucketed)", "replicated_grad", flat * b, 1,
                           all_reduce_bytes(flat * b, D)))
