@@ -81,6 +81,13 @@ CASES = {
                                        attention_scale=1.0, sliding_rope_theta=1e4, value_norm=True,
                                        layer_scalars=True, full_head_dim=16, per_layer_input_size=4,
                                        per_layer_input_vocab_size=101), 30, 2, "fp32", {}, (2, 4)),
+    # Gemma 4's KV sharing (E2B / E4B): the last full layer attends over layer 1's K/V (keys as values, one kv
+    # head): no k/v rows nor k norm of its own, the K/V gathered again; its MLP twice as wide
+    "gemma4_kv_shared": (_shape(num_layers=3, num_kv_heads=2, attention_windows=(7, None, None), qk_norm=True,
+                                sandwich_norms=True, mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5,
+                                attention_scale=1.0, sliding_rope_theta=1e4, value_norm=True, layer_scalars=True,
+                                full_head_dim=16, full_num_kv_heads=1, full_values_from_keys=True,
+                                kv_shared_layers=1, double_wide_shared_mlp=True), 30, 2, "fp32", {}, (2, 4)),
     # Ministral 3: position-scaled queries (one more per-step table), a window, checkpointing (the tables are the
     # checkpoint's own inputs)
     "ministral3_checkpointing": (_shape(num_kv_heads=2, attention_windows=(7, 7), query_scale_beta=0.1,
@@ -448,9 +455,10 @@ def test_recommend_text_and_errors(capsys):
     assert "--gpu-mem-gib" in capsys.readouterr().err
 
 
-def test_cli_gemma4_plans_tsp_only_and_kv_sharing_is_refused(capsys, tmp_path):
-    """Gemma 4's full layers (own head_dim, one kv head, values from keys) and per-layer inputs are planned for tsp
-    (the default prints it alone; a peer is refused naming --layout); KV sharing stays refused by name."""
+def test_cli_gemma4_plans_tsp_only(capsys, tmp_path):
+    """Gemma 4's full layers (own head_dim, one kv head, values from keys), per-layer inputs and KV sharing are
+    planned for tsp (the default prints it alone; a peer is refused naming --layout); pipeline stages are refused
+    by name."""
     cfg = {"model_type": "gemma4_text", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
            "global_head_dim": 64, "sliding_window": 64, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
@@ -475,5 +483,8 @@ def test_cli_gemma4_plans_tsp_only_and_kv_sharing_is_refused(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         **cfg, "num_hidden_layers": 3, "num_kv_shared_layers": 1,
         "layer_types": ["sliding_attention", "full_attention", "full_attention"]}))
-    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--layout", "tsp"]) == 2
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--seq", "1024", "--json"]) == 0
+    (obj,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert any(t["name"].startswith("KV-sharing full-attention layers x1") for t in obj["step_terms"])
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--pp", "3", "--layout", "tsp"]) == 2
     assert "kv_shared_layers" in capsys.readouterr().err

@@ -80,7 +80,7 @@ def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
         saved += 2 * T * compute_bytes(b)  # OLMo: the q and k norms' rstd over the whole projection
     if not inp.recompute_projections:
         saved += T * dims.nq * dims.d * b + 2 * T * dims.F * b  # q of every block; MLP gate and up
-        if not inp.keep_gathered_kv:
+        if not inp.keep_gathered_kv and not dims.kv_import:  # (a KV-sharing layer projects none)
             saved += groups * 2 * T * g.nkv_b * dims.d * b  # local k/v of every kv group
     return saved
 
@@ -123,7 +123,8 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
 
 
 def _shape_name(inp: PlanInput, layer: int) -> str:
-    return "sliding-window" if inp.model.layer_window(layer) is not None else "full-attention"
+    kind = "sliding-window" if inp.model.layer_window(layer) is not None else "full-attention"
+    return f"KV-sharing {kind}" if inp.model.kv_source(layer) is not None else kind
 
 
 def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
@@ -170,10 +171,13 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     others = [i for i in range(inp.model.num_layers) if i not in described]
     mixed = mixed_attention_shapes(inp.model)
     other_terms: list = []
-    if others:
-        o_fwd, o_bwd = tsp_layer_terms(inp, others[0])
-        other_terms = [replace(t, name=f"{_shape_name(inp, others[0])} layers x{len(others)}: {t.name}",
-                               calls=t.calls * len(others), bytes=t.bytes * len(others)) for t in (*o_fwd, *o_bwd)]
+    kinds: dict = {}  # the other layers by shape: Dims -> their layer ids
+    for i in others:
+        kinds.setdefault(Dims.of(inp.model, i), []).append(i)
+    for ids in kinds.values():
+        o_fwd, o_bwd = tsp_layer_terms(inp, ids[0])
+        other_terms += [replace(t, name=f"{_shape_name(inp, ids[0])} layers x{len(ids)}: {t.name}",
+                                calls=t.calls * len(ids), bytes=t.bytes * len(ids)) for t in (*o_fwd, *o_bwd)]
 
     def stage_fn(stage: Stage) -> StageMemory:
         top_saved, top_transients = per_layer, transients  # of the stage's top layer (its backward runs first)
@@ -181,6 +185,9 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             geoms = [TSPGeometry.of(inp, i) for i in range(stage.layers)]
             params = sum(gi.A + gi.M + layer_norms + qk_norm_elems(inp.model, i) + gate for i, gi in enumerate(geoms))
             kept_saved, mlp_grads = sum(tsp_layer_saved(inp, gi) for gi in geoms), (g.M + dims.h) * b
+            # KV sharing: an exporting layer's local K/V of every kv group, kept by the layers attending over them
+            kept_saved += sum((D // gi.kv_replicas) * 2 * T * gi.nkv_b * gi.dims.d * b
+                              for i, gi in enumerate(geoms) if inp.model.exports_kv(i))
             top_saved, top_transients = tsp_layer_saved(inp, geoms[-1]), tsp_transients(inp, geoms[-1])
         elif moe is None:
             params = stage.layers * layer_params

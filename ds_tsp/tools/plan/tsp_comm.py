@@ -122,7 +122,7 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
         if dims.out_bias:  # GPT-OSS's o_proj bias, replicated like a norm
             bwd.append(term("o_proj bias grad all-reduce", "replicated_grad", dims.h * b, 1,
                             all_reduce_bytes(dims.h * b, D)))
-    if g.kv_replicas > 1:
+    if g.kv_replicas > 1 and not dims.kv_import:  # a KV-sharing layer has no kv weights
         kv_mats = 1 if dims.values_from_keys else 2  # k_eq_v: wk only
         kv_grad = kv_mats * (g.nkv_b * dims.d * dims.h + (g.nkv_b * dims.d if dims.bias else 0)) * b
         bwd.append(term("kv weight grad all-gather (replica sum)", "all_gather", D * kv_grad, 1,

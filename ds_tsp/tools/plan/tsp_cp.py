@@ -51,9 +51,10 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
     if cp > 1 and inp.pp > 1:
         raise PlanInputError("cp", f"cp={cp} with pp={inp.pp}: tsp.cp_size runs without pipeline stages")
     if cp > 1 and mixed_attention_shapes(inp.model):
-        raise PlanInputError("cp", f"cp={cp} with full_head_dim / full_num_kv_heads / full_values_from_keys (Gemma "
-                                   "4's full layers' own attention shape): the cp ring's K/V terms count one "
-                                   "attention shape; plan tsp (cp 1) or measure with ds-tsp bench")
+        raise PlanInputError("cp", f"cp={cp} with full_head_dim / full_num_kv_heads / full_values_from_keys / "
+                                   "kv_shared_layers (Gemma 4's full layers' own attention shape, KV sharing): the "
+                                   "cp ring's K/V terms count one attention shape; plan tsp (cp 1) or measure with "
+                                   "ds-tsp bench")
     S = round_up(inp.seq, 2 * inp.degree * cp)
     return replace(inp, seq=S // cp, dp=inp.dp * cp)
 
