@@ -4,6 +4,11 @@ Params per rank: per layer the packed attention shard (nq/D q heads, max(nkv/D, 
 + 2 replicated norms; ceil(V/D) rows of the embedding and of the LM head; the final norm. Grads appear during
 backward (torch AdamW, zero_grad(set_to_none=True)); the LM head's is the first to exist.
 
+Gemma 4: layers whose attention differs (the full layers' own head_dim / kv heads / no v rows, the KV-sharing
+layers' missing k/v rows and double-wide MLP) are counted each with its own geometry (TSPGeometry.of(inp, layer));
+the layer terms describe layer 0's kind, the other kinds' come as step terms. Per-layer inputs add a gate ring per
+layer and the table / projection rings per step (tsp_comm.per_layer_input_params).
+
 Saved activations (tsp_layer_saved; exact against saved-tensor hooks in tests/tools/test_plan.py and against
 `ds-tsp bench --layer-memory`, which lists them tensor by tensor) plus cos/sin, the final norm, the LM head input and
 its LSE, ids and labels.
@@ -264,7 +269,7 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
         notes.append(offload_note(inp, g))
     if others:
         notes.append(f"layer terms: the {len(described)} {_shape_name(inp, 0)} layers; the others' in the step "
-                     "terms (their own head_dim / kv heads)")
+                     "terms (their own attention shape / KV sharing / MLP width)")
     if moe is None:
         return with_offload(layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes),
                                         layers_of=(lambda stage: len(described)) if others else None), inp, g)
