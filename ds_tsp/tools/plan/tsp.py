@@ -79,6 +79,8 @@ def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
     groups = g.D // g.kv_replicas  # blocks sharing a kv head (n_kv < D) save its K/V once
     if inp.keep_gathered_kv:
         saved += groups * 2 * inp.batch * g.S_pad * g.nkv_b * dims.d * b
+    if inp.model.layer_scalars:  # Gemma 4: its layer_scalar buffer [1], which scaling the output saves
+        saved += b
     if inp.model.per_layer_input_size:  # Gemma 4: the gate's input x, the post_per_layer_input_norm's
         saved += T * dims.h * b + tsp_norm_saved(T, dims, b)
     if inp.model.projection_qk_norm:
