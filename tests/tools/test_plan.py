@@ -31,6 +31,7 @@ from ds_tsp.tools.plan import (
     shape_from_hf_config,
     tsp_counter_bytes,
 )
+from ds_tsp.tools.plan.shape_terms import Dims
 
 
 def _shape(**kw) -> ModelShape:
@@ -61,12 +62,32 @@ CASES = {
     # more and reduced apart), post-norms, a sliding layer with its own rope; kv heads replicated at D=4
     "olmo3": (_shape(num_kv_heads=2, attention_windows=(7, None), projection_qk_norm=True, post_norms=True,
                      sliding_rope_theta=1e4), 30, 2, "fp32", {}, (2, 4)),
-    # Gemma 4 without per-layer inputs (the planner refuses those): v norms, layer scalars (buffers, no params),
-    # softmax scale 1, soft-capped logits
+    # Gemma 4 with one attention shape (the full layers' own and per-layer inputs: the cases below): v norms,
+    # layer scalars (buffers, no params), softmax scale 1, soft-capped logits
     "gemma4": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, sandwich_norms=True,
                       mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5, attention_scale=1.0,
                       sliding_rope_theta=1e4, value_norm=True, layer_scalars=True, final_logit_softcapping=0.5),
                30, 2, "fp32", {}, (2,)),
+    # Gemma 4's full layers: their own head_dim and kv heads (one, replicated at D=2 and 4), values from the keys
+    # (no v rows); the layers' shards, K/V gathers and q/k norms differ per layer type
+    "gemma4_full_layers": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True, sandwich_norms=True,
+                                  mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5, attention_scale=1.0,
+                                  sliding_rope_theta=1e4, value_norm=True, layer_scalars=True, full_head_dim=16,
+                                  full_num_kv_heads=1, full_values_from_keys=True), 30, 2, "fp32", {}, (2, 4)),
+    # Gemma 4's per-layer inputs: the [vocab 101, layers * 4] table (rows sharded like the vocabulary) and the
+    # projection passed around rings, each layer's gate / projection ring, their norms in the bucket
+    "gemma4_per_layer_inputs": (_shape(num_kv_heads=2, attention_windows=(7, None), qk_norm=True,
+                                       sandwich_norms=True, mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5,
+                                       attention_scale=1.0, sliding_rope_theta=1e4, value_norm=True,
+                                       layer_scalars=True, full_head_dim=16, per_layer_input_size=4,
+                                       per_layer_input_vocab_size=101), 30, 2, "fp32", {}, (2, 4)),
+    # Gemma 4's KV sharing (E2B / E4B): the last full layer attends over layer 1's K/V (keys as values, one kv
+    # head): no k/v rows nor k norm of its own, the K/V gathered again; its MLP twice as wide
+    "gemma4_kv_shared": (_shape(num_layers=3, num_kv_heads=2, attention_windows=(7, None, None), qk_norm=True,
+                                sandwich_norms=True, mlp_activation="gelu_tanh", embedding_scale=32 ** 0.5,
+                                attention_scale=1.0, sliding_rope_theta=1e4, value_norm=True, layer_scalars=True,
+                                full_head_dim=16, full_num_kv_heads=1, full_values_from_keys=True,
+                                kv_shared_layers=1, double_wide_shared_mlp=True), 30, 2, "fp32", {}, (2, 4)),
     # Ministral 3: position-scaled queries (one more per-step table), a window, checkpointing (the tables are the
     # checkpoint's own inputs)
     "ministral3_checkpointing": (_shape(num_kv_heads=2, attention_windows=(7, 7), query_scale_beta=0.1,
@@ -120,7 +141,8 @@ def test_tsp_comm_formula_equals_counters_exactly(measured, world, name):
     for per_rank in measured[world]:
         assert per_rank[name]["params"] == plan.params_bytes and per_rank[name]["grads"] == plan.grads_bytes
     assert plan.comm_bytes_per_step == sum(predicted.values())  # dp = pp = 1: no grad sync, no pipeline hops
-    layers = inp.model.num_layers
+    # the layer terms describe the layers of layer 0's attention shape (Gemma 4: the others' are step terms)
+    layers = sum(Dims.of(inp.model, i) == Dims.of(inp.model, 0) for i in range(inp.model.num_layers))
     step_extra = sum(t.bytes for t in plan.step_terms)
     assert layers * (plan.comm_bytes_per_layer_fwd + plan.comm_bytes_per_layer_bwd) + step_extra == \
         plan.comm_bytes_per_step
@@ -431,3 +453,38 @@ def test_recommend_text_and_errors(capsys):
     assert "no layout fits" in capsys.readouterr().out
     assert _run_cli(["plan", "--recommend", "--model", "8b", "--devices", "8"]) == 2
     assert "--gpu-mem-gib" in capsys.readouterr().err
+
+
+def test_cli_gemma4_plans_tsp_only(capsys, tmp_path):
+    """Gemma 4's full layers (own head_dim, one kv head, values from keys), per-layer inputs and KV sharing are
+    planned for tsp (the default prints it alone; a peer is refused naming --layout); pipeline stages are refused
+    by name."""
+    cfg = {"model_type": "gemma4_text", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+           "global_head_dim": 64, "sliding_window": 64, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+           "layer_types": ["sliding_attention", "full_attention"], "hidden_size_per_layer_input": 0,
+           "vocab_size_per_layer_input": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--seq", "1024", "--json"]) == 0
+    (obj,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert obj["layout"] == "tsp" and any("full-attention layers x1" in t["name"] for t in obj["step_terms"])
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--layout", "tsp,tp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--layout" in err[0] and "full_head_dim" in err[0], err
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size_per_layer_input": 16,
+                                                      "global_head_dim": 32, "attention_k_eq_v": False,
+                                                      "num_global_key_value_heads": None}))
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--seq", "1024", "--json"]) == 0
+    (obj,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert obj["layout"] == "tsp" and any(t["name"].startswith("per-layer input table ring")
+                                          for t in obj["step_terms"])
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--layout", "ulysses"]) == 2
+    assert "per_layer_input_size" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({
+        **cfg, "num_hidden_layers": 3, "num_kv_shared_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "full_attention"]}))
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--seq", "1024", "--json"]) == 0
+    (obj,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert any(t["name"].startswith("KV-sharing full-attention layers x1") for t in obj["step_terms"])
+    assert _run_cli(["plan", "--hf-config", str(tmp_path), "--tsp", "2", "--pp", "3", "--layout", "tsp"]) == 2
+    assert "kv_shared_layers" in capsys.readouterr().err

@@ -249,11 +249,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_layouts(args: argparse.Namespace) -> int:
     from ds_tsp.tools.plan import plan_layouts
+    from ds_tsp.tools.plan.shape_terms import gemma4_peer_refusal
 
     def build():
         layouts = _layouts(args.layout)
         inp, model_name = _plan_input(args)
-        hybrid = inp.model.layer_types is not None
+        hybrid = inp.model.layer_types is not None or gemma4_peer_refusal(inp.model) is not None  # (Gemma 4)
         if (inp.model.num_experts or inp.offload_activations or hybrid) and not args.layout:
             layouts = ("tsp",)  # MoE, offload and hybrids are planned for TSP only (plan_layouts refuses the peers)
         plans = plan_layouts(inp, layouts)

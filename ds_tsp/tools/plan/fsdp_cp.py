@@ -21,12 +21,12 @@ from ds_tsp.tools.plan.comm_terms import pipeline_hops, recompute, sharded_weigh
 from ds_tsp.tools.plan.inputs import PlanInput
 from ds_tsp.tools.plan.peer_stage import PeerState, peer_stage
 from ds_tsp.tools.plan.result import LayoutPlan
-from ds_tsp.tools.plan.shape_terms import Dims, round_up
+from ds_tsp.tools.plan.shape_terms import peer_dims, round_up
 from ds_tsp.tools.plan.ulysses import head_extras_sharded, zero3_params
 
 
 def plan_fsdp_cp(inp: PlanInput) -> LayoutPlan:
-    dims = Dims.of(inp.model)
+    dims = peer_dims(inp, "fsdp_cp")
     D, b, B = inp.degree, inp.dtype_bytes, inp.batch
     S = round_up(inp.seq, 2 * D)
     local = B * S // D

@@ -87,12 +87,19 @@ class PlanInput:
             raise PlanInputError("offload_activations", f"offload_activations with pp={self.pp}: pipeline stages are "
                                                         "not offloaded (tsp.pipeline_stages must be 1)")
         m = self.model
-        if m.per_layer_input_size or m.full_head_dim or m.full_num_kv_heads or m.full_values_from_keys or \
-                m.kv_shared_layers:
-            raise PlanInputError("model", "per_layer_input_size / full_head_dim / full_num_kv_heads / "
-                                          "full_values_from_keys / kv_shared_layers (Gemma 4's per-layer inputs, its "
-                                          "full layers' own attention shape, KV sharing): the planner's formulas do "
-                                          "not count them yet; measure with ds-tsp bench instead")
+        if m.kv_shared_layers and self.activation_checkpointing:  # as ds_tsp.model.causal_lm refuses it
+            raise PlanInputError("activation_checkpointing", f"kv_shared_layers={m.kv_shared_layers} with "
+                                 "activation_checkpointing: the K/V a layer exports to the KV-sharing layers would "
+                                 "leave its checkpointed region; turn activation checkpointing off for Gemma 4 E2B / "
+                                 "E4B")
+        gemma4 = (m.full_head_dim or m.full_num_kv_heads or m.full_values_from_keys or m.per_layer_input_size or
+                  m.kv_shared_layers)
+        if gemma4 and (self.pp > 1 or m.num_experts or m.layer_types is not None):
+            raise PlanInputError("model", "full_head_dim / full_num_kv_heads / full_values_from_keys / "
+                                          "per_layer_input_size / kv_shared_layers (Gemma 4's full layers' own "
+                                          "attention shape, its per-layer inputs, KV sharing) with pp > 1, experts "
+                                          "or hybrid layers: the planner counts them for one TSP stage of dense "
+                                          "layers only; measure with ds-tsp bench instead")
         if self.pp > self.model.num_layers:
             raise PlanInputError("pp", f"pp={self.pp} exceeds num_layers={self.model.num_layers}: every pipeline "
                                        f"stage needs at least one layer; pick pp <= {self.model.num_layers}")

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from ds_tsp.tools.plan.fsdp_cp import plan_fsdp_cp
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.result import LayoutPlan
+from ds_tsp.tools.plan.shape_terms import gemma4_peer_refusal
 from ds_tsp.tools.plan.tp import plan_autotp, plan_tp
 from ds_tsp.tools.plan.tp_sp import plan_tp_sp
 from ds_tsp.tools.plan.tsp import plan_tsp
@@ -30,6 +31,10 @@ def plan_layouts(inp: PlanInput, layouts: tuple[str, ...] | list[str] = DEFAULT_
     if inp.model.layer_types is not None and peers:
         raise PlanInputError("layout", f"layout {peers}: hybrid models (Gated DeltaNet layers) are planned for tsp "
                                        "only; the peers' plans count Llama attention layers. Use --layout tsp")
+    if gemma4_peer_refusal(inp.model) and peers:
+        raise PlanInputError("layout", f"layout {peers}: {gemma4_peer_refusal(inp.model)} planned for tsp only; the "
+                                       "peers' plans count one attention shape and no per-layer inputs. Use --layout "
+                                       "tsp")
     if inp.offload_activations and peers:
         raise PlanInputError("offload_activations", f"layout {peers}: offload of checkpointed activations is "
                                                     "planned for tsp only; use --layout tsp")

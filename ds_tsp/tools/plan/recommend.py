@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from ds_tsp.tools.cli_types import GIB
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.layouts import LAYOUTS
+from ds_tsp.tools.plan.shape_terms import gemma4_peer_refusal
 
 RECOMMEND_LAYOUTS = ("tsp", "ulysses", "tp_sp", "fsdp_cp")
 
@@ -106,7 +107,8 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int, layouts=RECOM
     if not gpu_mem_gib > 0:
         raise PlanInputError("gpu_mem_gib", f"gpu_mem_gib={gpu_mem_gib!r}: must be > 0")
     limit = int(gpu_mem_gib * GIB)
-    if inp.model.num_experts or inp.model.layer_types is not None:  # only TSP's MoE / hybrid layers are modelled
+    # only TSP's MoE / hybrid layers and Gemma 4's full layers are modelled
+    if inp.model.num_experts or inp.model.layer_types is not None or gemma4_peer_refusal(inp.model):
         layouts = tuple(name for name in layouts if name == "tsp")
     host_limit = None if host_mem_gib is None else int(host_mem_gib * GIB)
     cands = [replace(c, fits=c.peak_bytes_per_rank <= limit and (host_limit is None

@@ -4,6 +4,11 @@ Params per rank: per layer the packed attention shard (nq/D q heads, max(nkv/D, 
 + 2 replicated norms; ceil(V/D) rows of the embedding and of the LM head; the final norm. Grads appear during
 backward (torch AdamW, zero_grad(set_to_none=True)); the LM head's is the first to exist.
 
+Gemma 4: layers whose attention differs (the full layers' own head_dim / kv heads / no v rows, the KV-sharing
+layers' missing k/v rows and double-wide MLP) are counted each with its own geometry (TSPGeometry.of(inp, layer));
+the layer terms describe layer 0's kind, the other kinds' come as step terms. Per-layer inputs add a gate ring per
+layer and the table / projection rings per step (tsp_comm.per_layer_input_params).
+
 Saved activations (tsp_layer_saved; exact against saved-tensor hooks in tests/tools/test_plan.py and against
 `ds-tsp bench --layer-memory`, which lists them tensor by tensor) plus cos/sin, the final norm, the LM head input and
 its LSE, ids and labels.
@@ -47,8 +52,19 @@ from ds_tsp.tools.plan.moe_terms import (
 )
 from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
-from ds_tsp.tools.plan.shape_terms import Stage, qk_norm_elems
-from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
+from ds_tsp.tools.plan.shape_terms import (
+    Dims,
+    Stage,
+    mixed_attention_shapes,
+    qk_norm_elems,
+)
+from ds_tsp.tools.plan.tsp_comm import (
+    TSPGeometry,
+    per_layer_gate_shard,
+    per_layer_input_params,
+    tsp_extra_terms,
+    tsp_layer_terms,
+)
 
 
 def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
@@ -63,11 +79,15 @@ def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
     groups = g.D // g.kv_replicas  # blocks sharing a kv head (n_kv < D) save its K/V once
     if inp.keep_gathered_kv:
         saved += groups * 2 * inp.batch * g.S_pad * g.nkv_b * dims.d * b
+    if inp.model.layer_scalars:  # Gemma 4: its layer_scalar buffer [1], which scaling the output saves
+        saved += b
+    if inp.model.per_layer_input_size:  # Gemma 4: the gate's input x, the post_per_layer_input_norm's
+        saved += T * dims.h * b + tsp_norm_saved(T, dims, b)
     if inp.model.projection_qk_norm:
         saved += 2 * T * compute_bytes(b)  # OLMo: the q and k norms' rstd over the whole projection
     if not inp.recompute_projections:
         saved += T * dims.nq * dims.d * b + 2 * T * dims.F * b  # q of every block; MLP gate and up
-        if not inp.keep_gathered_kv:
+        if not inp.keep_gathered_kv and not dims.kv_import:  # (a KV-sharing layer projects none)
             saved += groups * 2 * T * g.nkv_b * dims.d * b  # local k/v of every kv group
     return saved
 
@@ -109,6 +129,11 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
     }
 
 
+def _shape_name(inp: PlanInput, layer: int) -> str:
+    kind = "sliding-window" if inp.model.layer_window(layer) is not None else "full-attention"
+    return f"KV-sharing {kind}" if inp.model.kv_source(layer) is not None else kind
+
+
 def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
     """TSP's LayoutPlan (module docstring); comm terms in ds_tsp.tools.plan.tsp_comm; an MoE model's sparse
     layers in ds_tsp.tools.plan.moe_terms; a hybrid model's in ds_tsp.tools.plan.hybrid."""
@@ -117,16 +142,19 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
 
         return plan_tsp_hybrid(inp, layer_saved=tsp_layer_saved, attention_mlp_transients=tsp_transients,
                                ring_buffers=ring_buffers)
-    g = TSPGeometry.of(inp)
+    first = 0 if mixed_attention_shapes(inp.model) else None  # the layer the per-layer figures describe
+    g = TSPGeometry.of(inp, first)
     dims, D, b, B = g.dims, g.D, inp.dtype_bytes, inp.batch
     cb = compute_bytes(b)
     T = B * g.L
-    fwd, bwd = tsp_layer_terms(inp)
+    fwd, bwd = tsp_layer_terms(inp, first)
     dense_fwd, dense_bwd = fwd, bwd
-    qk_norms = qk_norm_elems(inp.model)  # Qwen3's / OLMo's q/k norm weights, replicated
+    qk_norms = qk_norm_elems(inp.model, 0)  # Qwen3's / OLMo's q/k norm weights, replicated
     layer_norms = (4 if inp.model.sandwich_norms else 2) * dims.h
     layer_norms += dims.replicated_attn  # GPT-OSS's o_proj bias: replicated like the norms
-    layer_params = g.A + g.M + layer_norms + qk_norms
+    gate = per_layer_gate_shard(inp, D)  # Gemma 4's per-layer input gate / projection (0 without)
+    layer_norms += dims.h if gate else 0  # its post_per_layer_input_norm
+    layer_params = g.A + g.M + layer_norms + qk_norms + gate
     transients = tsp_transients(inp, g)
     per_layer = tsp_layer_saved(inp, g)
     ac = inp.activation_checkpointing
@@ -144,9 +172,31 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             sparse_transients.update({k: max(sparse_transients[k], y + shared[k]) for k in ("mlp_fwd", "mlp_bwd")})
         fwd, bwd = sparse_layer_terms(inp, dense_fwd, dense_bwd, moe)
 
+    # Gemma 4's full layers (their own head_dim / kv heads / no v_proj): layer 0's figures describe the layers of
+    # its shape, the others' terms are per-step terms
+    described = [i for i in range(inp.model.num_layers) if Dims.of(inp.model, i) == Dims.of(inp.model, 0)]
+    others = [i for i in range(inp.model.num_layers) if i not in described]
+    mixed = mixed_attention_shapes(inp.model)
+    other_terms: list = []
+    kinds: dict = {}  # the other layers by shape: Dims -> their layer ids
+    for i in others:
+        kinds.setdefault(Dims.of(inp.model, i), []).append(i)
+    for ids in kinds.values():
+        o_fwd, o_bwd = tsp_layer_terms(inp, ids[0])
+        other_terms += [replace(t, name=f"{_shape_name(inp, ids[0])} layers x{len(ids)}: {t.name}",
+                                calls=t.calls * len(ids), bytes=t.bytes * len(ids)) for t in (*o_fwd, *o_bwd)]
+
     def stage_fn(stage: Stage) -> StageMemory:
         top_saved, top_transients = per_layer, transients  # of the stage's top layer (its backward runs first)
-        if moe is None:
+        if mixed:  # pp = 1 (PlanInput): every layer, each with its own attention geometry
+            geoms = [TSPGeometry.of(inp, i) for i in range(stage.layers)]
+            params = sum(gi.A + gi.M + layer_norms + qk_norm_elems(inp.model, i) + gate for i, gi in enumerate(geoms))
+            kept_saved, mlp_grads = sum(tsp_layer_saved(inp, gi) for gi in geoms), (g.M + dims.h) * b
+            # KV sharing: an exporting layer's local K/V of every kv group, kept by the layers attending over them
+            kept_saved += sum((D // gi.kv_replicas) * 2 * T * gi.nkv_b * gi.dims.d * b
+                              for i, gi in enumerate(geoms) if inp.model.exports_kv(i))
+            top_saved, top_transients = tsp_layer_saved(inp, geoms[-1]), tsp_transients(inp, geoms[-1])
+        elif moe is None:
             params = stage.layers * layer_params
             kept_saved, mlp_grads = stage.layers * per_layer, (g.M + dims.h) * b
         else:
@@ -160,11 +210,21 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             mlp_grads = ((sparse_mlp if top_sparse else g.M) + dims.h) * b
             dense_terms = [replace(t, name=f"dense layers x{dense}: {t.name}", calls=t.calls * dense,
                                    bytes=t.bytes * dense) for t in (*dense_fwd, *dense_bwd)] if dense else []
-        other = 2 * T * dims.d * b  # cos, sin (shared by every layer)
+        # cos, sin (shared by every layer; Gemma 4's full layers: of their own head_dim) and the sliding layers' own
+        # pair where their theta or head_dim differs (ds_tsp.core.tokens.positions)
+        m = inp.model
+        own_sliding = any(m.layer_rope(i) == "sliding" for i in range(m.num_layers))
+        other = 2 * T * ((m.full_head_dim or m.dim_per_head) + (m.dim_per_head if own_sliding else 0)) * b
         head_act = head_params = 0
         if stage.embed:
             params += g.Vd * dims.h
             other += T * 8  # input ids
+            if m.per_layer_input_size:  # Gemma 4: the table's and projection's shards, per_layer_projection_norm
+                params += sum(per_layer_input_params(inp, D)) + m.per_layer_input_size
+                # every layer's input [T, layers * P] (the layers' slices share it), the projection norm's input
+                # and rstd
+                N = m.num_layers * m.per_layer_input_size
+                other += 2 * T * N * b + T * m.num_layers * cb
         if stage.head:
             head_params = dims.h + (0 if (dims.tied and stage.embed) else g.Vd * dims.h)
             params += head_params
@@ -195,7 +255,8 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
         return StageMemory(params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=acts,
                            phases=phases,
                            step_terms=(tsp_extra_terms(inp, stage) + dp_sync(inp, params, inp.dp)
-                                       + pipeline_hops(inp, stage, T) + (dense_terms if moe is not None else [])))
+                                       + pipeline_hops(inp, stage, T) + (dense_terms if moe is not None else [])
+                                       + other_terms))
 
     notes = [f"zigzag: seq padded to {g.S_pad} (multiple of 2D)"]
     if g.kv_replicas > 1:
@@ -208,8 +269,12 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
                      f"(logits transient chunk x V/D, not {T} x V/D)")
     if inp.offload_activations:
         notes.append(offload_note(inp, g))
+    if others:
+        notes.append(f"layer terms: the {len(described)} {_shape_name(inp, 0)} layers; the others' in the step "
+                     "terms (their own attention shape / KV sharing / MLP width)")
     if moe is None:
-        return with_offload(layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes)), inp, g)
+        return with_offload(layout_plan("tsp", inp, stage_fn, fwd, bwd, per_layer, tuple(notes),
+                                        layers_of=(lambda stage: len(described)) if others else None), inp, g)
     only = Stage("only", True, True, inp.model.num_layers, 1)
     notes.append(moe_note(moe, sparse_count(inp, only), inp.model.num_layers))
     peaks = None

@@ -13,7 +13,14 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, gather_bytes, recompute, term
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.result import CommTerm
-from ds_tsp.tools.plan.shape_terms import Dims, Stage, ceil_div, qk_norm_elems, round_up
+from ds_tsp.tools.plan.shape_terms import (
+    Dims,
+    Stage,
+    ceil_div,
+    mixed_attention_shapes,
+    qk_norm_elems,
+    round_up,
+)
 
 
 @dataclass(frozen=True)
@@ -32,8 +39,10 @@ class TSPGeometry:
     Vd: int  # vocab rows per rank
 
     @classmethod
-    def of(cls, inp: PlanInput) -> "TSPGeometry":
-        dims = Dims.of(inp.model)
+    def of(cls, inp: PlanInput, layer: int | None = None) -> "TSPGeometry":
+        """The geometry of the model's layers, or of decoder layer `layer` (Gemma 4's full layers: their own
+        attention shape)."""
+        dims = Dims.of(inp.model, layer)
         D = inp.degree
         try:
             inp.model.check_tsp_degree(D)
@@ -45,8 +54,21 @@ class TSPGeometry:
                    3 * dims.h * (dims.F // D), ceil_div(dims.V, D))
 
 
-def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
-    """One decoder layer's CommCounter terms.
+def per_layer_gate_shard(inp: PlanInput, D: int) -> int:
+    """Elements of one layer's packed per_layer_input_gate rows + per_layer_projection columns (P/D each)."""
+    return 2 * (inp.model.per_layer_input_size // D) * inp.model.hidden_size
+
+
+def per_layer_input_params(inp: PlanInput, D: int) -> tuple[int, int]:
+    """Gemma 4's model-wide per-layer input params per rank: (the [Vp, N] table's ceil(Vp/D) rows, the
+    per_layer_model_projection's N/D rows of [N, h]); N = num_layers * P."""
+    m = inp.model
+    N = m.num_layers * m.per_layer_input_size
+    return ceil_div(m.per_layer_input_vocab_size, D) * N, (N // D) * m.hidden_size
+
+
+def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[CommTerm], list[CommTerm]]:
+    """One decoder layer's CommCounter terms (of decoder layer `layer` where layers differ in attention shape).
 
     forward:  (D-1) attention shard broadcasts, one K/V all-gather per kv group (D groups of one block, or
               n_kv groups of D/n_kv blocks sharing a kv head when n_kv < D), D-1 MLP ring hops.
@@ -58,7 +80,7 @@ def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
               all-reduce per backward (tsp_extra_terms).
     So the K/V terms are rho*2KV whatever n_kv is: each kv head is gathered once.
     """
-    g = TSPGeometry.of(inp)
+    g = TSPGeometry.of(inp, layer)
     D, b, B, L, dims = g.D, inp.dtype_bytes, inp.batch, g.L, g.dims
     if D == 1:
         return [], []
@@ -85,6 +107,11 @@ def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
              groups * gather_bytes(kv_out, D)),
         term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp),
     ]
+    gate = per_layer_gate_shard(inp, D) * b  # Gemma 4: the per-layer input gate / projection ring, like the MLP's
+    if gate:
+        fwd.append(term("per-layer input gate ring (D-1 hops)", "ring", gate, D - 1, (D - 1) * gate))
+        bwd.append(term("per-layer input gate ring (D-1 weight + D grad hops)", "ring", gate, 2 * D - 1,
+                        (2 * D - 1) * gate))
     if qk:
         bwd += [term("q/k rows re-broadcast (whole-projection norm grads)", "broadcast", qk, D - 1, (D - 1) * qk),
                 term("q/k rows grad reduce to owner", "reduce", qk, D - 1, (D - 1) * qk)]
@@ -95,8 +122,9 @@ def tsp_layer_terms(inp: PlanInput) -> tuple[list[CommTerm], list[CommTerm]]:
         if dims.out_bias:  # GPT-OSS's o_proj bias, replicated like a norm
             bwd.append(term("o_proj bias grad all-reduce", "replicated_grad", dims.h * b, 1,
                             all_reduce_bytes(dims.h * b, D)))
-    if g.kv_replicas > 1:
-        kv_grad = (2 * g.nkv_b * dims.d * dims.h + (2 * g.nkv_b * dims.d if dims.bias else 0)) * b
+    if g.kv_replicas > 1 and not dims.kv_import:  # a KV-sharing layer has no kv weights
+        kv_mats = 1 if dims.values_from_keys else 2  # k_eq_v: wk only
+        kv_grad = kv_mats * (g.nkv_b * dims.d * dims.h + (g.nkv_b * dims.d if dims.bias else 0)) * b
         bwd.append(term("kv weight grad all-gather (replica sum)", "all_gather", D * kv_grad, 1,
                         gather_bytes(D * kv_grad, D)))
     if inp.activation_checkpointing:
@@ -144,6 +172,12 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
                   term("embedding ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
                   term("embedding ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
                        (2 * D - 1) * table)]
+        if inp.model.per_layer_input_size:  # Gemma 4: the per-layer input table and projection rings
+            for name, shard in zip(("per-layer input table", "per-layer model projection"),
+                                   per_layer_input_params(inp, D)):
+                terms += [term(f"{name} ring fwd (D-1 hops)", "ring", shard * b, D - 1, (D - 1) * shard * b),
+                          term(f"{name} ring bwd (D-1 weight + D grad hops)", "ring", shard * b, 2 * D - 1,
+                               (2 * D - 1) * shard * b)]
     if stage.head:
         terms += [term("LM head ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
                   term("LM head ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
@@ -153,8 +187,11 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
             terms.append(term("final norm grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D)))
     else:  # ds_tsp.core.grads.replicated: every replicated weight's grad in ONE all-reduce per backward
         norms = 4 if inp.model.sandwich_norms else 2  # per layer (Gemma 3 norms each sublayer's output too)
-        flat = (norms * stage.layers + 1) * h + stage.layers * qk_norm_elems(inp.model)
+        # q/k norms per layer: Gemma 4's full layers norm their own head_dim
+        flat = (norms * stage.layers + 1) * h + sum(qk_norm_elems(inp.model, i) for i in range(stage.layers))
         flat += stage.layers * g.dims.replicated_attn  # GPT-OSS's o_proj biases
+        if inp.model.per_layer_input_size:  # Gemma 4: post_per_layer_input_norm [h] each, per_layer_projection_norm
+            flat += stage.layers * h + inp.model.per_layer_input_size
         flat += router_grad_elems(inp, stage)  # MoE routers are replicated too
         terms.append(term("replicated grads all-reduce (norms, bucketed)", "replicated_grad", flat * b, 1,
                           all_reduce_bytes(flat * b, D)))
@@ -170,8 +207,14 @@ def tsp_counter_bytes(inp: PlanInput) -> dict[str, int]:
     out: dict[str, int] = {}
     stage = Stage("only", True, True, inp.model.num_layers, 1)
     layer_terms = [*fwd, *bwd] * inp.model.num_layers
+    if mixed_attention_shapes(inp.model):  # Gemma 4: each layer's own attention shard and K/V
+        layer_terms = [t for i in range(inp.model.num_layers) for terms in tsp_layer_terms(inp, i) for t in terms]
     if inp.model.num_experts:  # sparse layers: the MoE schedule's terms instead of the MLP ring
-        from ds_tsp.tools.plan.moe_terms import moe_geometry, sparse_count, sparse_layer_terms
+        from ds_tsp.tools.plan.moe_terms import (
+            moe_geometry,
+            sparse_count,
+            sparse_layer_terms,
+        )
 
         g = TSPGeometry.of(inp)
         sparse = sparse_count(inp, stage)

@@ -35,7 +35,7 @@ from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
 from ds_tsp.tools.plan.offload import with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
-from ds_tsp.tools.plan.shape_terms import round_up
+from ds_tsp.tools.plan.shape_terms import mixed_attention_shapes, round_up
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, input_check_cp_bytes, input_check_cp_payload
 from ds_tsp.tools.plan.tsp_cp_window import window_ring
@@ -50,6 +50,11 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
         raise PlanInputError("cp", f"cp={cp!r}: must be an integer >= 1")
     if cp > 1 and inp.pp > 1:
         raise PlanInputError("cp", f"cp={cp} with pp={inp.pp}: tsp.cp_size runs without pipeline stages")
+    if cp > 1 and mixed_attention_shapes(inp.model):
+        raise PlanInputError("cp", f"cp={cp} with full_head_dim / full_num_kv_heads / full_values_from_keys / "
+                                   "kv_shared_layers (Gemma 4's full layers' own attention shape, KV sharing): the "
+                                   "cp ring's K/V terms count one attention shape; plan tsp (cp 1) or measure with "
+                                   "ds-tsp bench")
     S = round_up(inp.seq, 2 * inp.degree * cp)
     return replace(inp, seq=S // cp, dp=inp.dp * cp)
 
