@@ -380,15 +380,18 @@ def test_gemma4_multimodal_config_reads_as_its_text_config():
     assert ModelShape.from_hf_config(config) == ModelShape.from_hf_config(config.to_dict()) == want
 
 
-def test_gemma4_per_layer_inputs_split_over_ranks_and_the_planner_refuses_them():
+def test_gemma4_per_layer_inputs_split_over_ranks_and_only_tsp_plans_them():
     from ds_tsp.tools.plan import PlanInput, PlanInputError
+    from ds_tsp.tools.plan.layouts import plan_layouts
 
     shape = ModelShape.from_hf_config(transformers.Gemma4TextConfig(**{**GEMMA4, "hidden_size_per_layer_input": 6}))
     shape.check_tsp_degree(2)
     with pytest.raises(TSPConfigError, match="per_layer_input_size=6 is not divisible by tsp=4"):
         shape.check_tsp_degree(4)
-    with pytest.raises(PlanInputError, match="per_layer_input_size / full_head_dim / full_num_kv_heads"):
-        PlanInput(model=shape, seq=32, degree=2)
+    inp = PlanInput(model=shape, seq=32, degree=2)
+    assert [p.layout for p in plan_layouts(inp, ["tsp"])] == ["tsp"]  # counted exactly: tests/tools/test_plan.py
+    with pytest.raises(PlanInputError, match=r"layout \['ulysses'\]: .*planned for tsp only"):
+        plan_layouts(inp, ["tsp", "ulysses"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
