@@ -41,6 +41,7 @@ from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
 from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader
 from ds_tsp.integrations.accelerate.launch_config import TSPAccelerateSetup, resolve_setup
 from ds_tsp.integrations.accelerate.state_layout import check_layout, layout_record, write_layout
+from ds_tsp.integrations.deepspeed.clip_norm import keep_clip_norm
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
 from ds_tsp.model.convert import parameter_names, rebind_optimizer, to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
@@ -243,7 +244,9 @@ class TSPAccelerator(_accelerate.Accelerator):
             if model is not None and model.tsp.lm_head is not None and model.tsp.lm_head.tied and \
                     (config.get("zero_optimization") or {}).get("stage", 0) == 3:
                 deepspeed.zero.register_external_parameter(model.tsp.lm_head, model.tsp.model.embed_tokens.vocab_shard)
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            keep_clip_norm(out[0])  # the grad_norm the Trainer logs, also without ZeRO
+            return out
 
         deepspeed.initialize = initialize
         try:

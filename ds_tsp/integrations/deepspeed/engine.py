@@ -25,6 +25,7 @@ from ds_tsp.core.reliability.watchdog import label_modules
 from ds_tsp.core.shape.hf_config import generation_config_json
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.loader import TSPDataLoader
+from ds_tsp.integrations.deepspeed.clip_norm import keep_clip_norm
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.convert import to_tsp_model
@@ -142,6 +143,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         loader = TSPDataLoader(training_data, groups, micro_batch_size=engine.train_micro_batch_size_per_gpu(),
                                seed=seed, device=engine.device)
     engine.tsp_groups, engine.tsp_config, engine.tsp_model = groups, tsp, tsp_model
+    keep_clip_norm(engine)
     engine.tsp_guard = guard
     return engine, opt, loader, sched
 
