@@ -313,6 +313,12 @@ def _bench_records():
     return json.loads(_FIXTURE.read_text())["records"]
 
 
+def test_bench_fixture_says_how_it_was_made():
+    made_by = json.loads(_FIXTURE.read_text())["made_by"]
+    assert made_by["commit"] and any(c.startswith("ds-tsp bench") for c in made_by["commands"]), made_by
+    assert any("plan_vs_bench.py" in c for c in made_by["commands"]), made_by
+
+
 @pytest.mark.parametrize("record", _bench_records(),
                          ids=[f"{r['bench_layout']}-D{r['degree']}-S{r['seq']}" for r in _bench_records()])
 def test_peak_within_10_percent_of_recorded_bench(record):
