@@ -82,7 +82,7 @@ def cases(draw):
 # derandomized, spread over shapes (tests/property_cases.draw_cases), plus the case that once found a bug: rank 1's
 # chunks both start documents, so its output needs no state, yet it must still post the transitions' grad
 # reduce-scatter that rank 0 waits for
-DRAWN = draw_cases(cases(), 12) + [dict(D=2, fmt="qwen3_5", nk=2, nv=2, kernel=2, S=4, docs=((0, 1, 2),), seed=0)]
+DRAWN = draw_cases(cases(), 16) + [dict(D=2, fmt="qwen3_5", nk=2, nv=2, kernel=2, S=4, docs=((0, 1, 2),), seed=0)]
 
 
 def _case_id(case: dict) -> str:
