@@ -155,11 +155,14 @@ class DocumentLayout:
     per chunk length and kept here, not re-derived by every layer, head block and phase.
     """
 
-    __slots__ = ("rows", "_cuts")
+    __slots__ = ("rows", "_cuts", "_hash")
 
     def __init__(self, rows: tuple[tuple[int, ...], ...]):  # trusted: rows already validated
         object.__setattr__(self, "rows", rows)
         object.__setattr__(self, "_cuts", {})
+        # hashed once: the per-step caches keyed by a layout (cp ring runs, local layouts) look it up per layer and
+        # head block, and hashing the rows anew walks every document start
+        object.__setattr__(self, "_hash", hash(rows))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"DocumentLayout is frozen (cannot set {name})")
@@ -181,7 +184,7 @@ class DocumentLayout:
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self.rows)
+        return self._hash
 
     def __reduce__(self):  # pickles as its rows (the caches are rebuilt on use)
         return DocumentLayout, (self.rows,)
