@@ -7,15 +7,17 @@ Prompts, chosen and rejected completions have different lengths (3 to 19 tokens 
 falls inside it, chosen and rejected cut at different places); the tiny Llama's vocabulary (43) leaves a padded
 vocab shard at D=2, which logits/* must not count.
 One launch runs several trainers (one process start for all):
-- "sigmoid": loss_type sigmoid, gradient accumulation 2, gradient checkpointing, evaluate(), saved weights;
+- "sigmoid": loss_type sigmoid, gradient accumulation 2, gradient checkpointing, sync_ref_model (the reference
+  mixed with the policy every step), WPO weighting (use_weighting: log sum p^2 from the vocab shards), evaluate(),
+  the saved weights;
 - "combined": every pairwise loss type TRL ships but aot (hinge, ipo, exo_pair, nca_pair, robust, bco_pair,
   sppo_hard, apo_zero, apo_down, discopop, sft, sigmoid_norm, sigmoid) as one weighted combination, with ld_alpha
   (TRL's sft term cannot take WPO weights: it multiplies an expanded tensor in place);
 - "aot": aot + aot_unpaired (they sort the batch), precompute_ref_log_probs, padding_free=True (which TRL 1.16
-  turns off itself: both runs pad);
-- "sync": sync_ref_model (the reference mixed with the policy every step), f_divergence_type js_divergence, WPO
-  weighting (use_weighting: log sum p^2 from the vocab shards).
-Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes) equals a plain 2-process DPOTrainer.
+  turns off itself: both runs pad).
+examples/dpo.py runs at TSP=2 (step 1's loss is log 2: the reference is the policy's copy; then it trains).
+Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes) equals a plain 2-process DPOTrainer (sigmoid and combined
+cases); examples/dpo.py at TSP=2 logs the plain one-process run's steps.
 
 Run as a script, this file is the worker: `python tests/integrations/test_dpo_trainer.py OUT.json MODEL TOKENIZER
 [DS_CONFIG]` (one launch runs every case; the reference and TSP=2 launches run at the same time).
@@ -40,13 +42,12 @@ BATCH, STEPS, BETA = 2, 3, 0.5
 PAIRWISE = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
             "apo_down", "discopop", "sft", "sigmoid_norm"]
 CASES = {
-    "sigmoid": {"loss_type": ["sigmoid"], "gradient_accumulation_steps": 2, "gradient_checkpointing": True},
+    "sigmoid": {"loss_type": ["sigmoid"], "gradient_accumulation_steps": 2, "gradient_checkpointing": True,
+                "sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5, "use_weighting": True},
     "combined": {"loss_type": PAIRWISE, "loss_weights": [1.0 + 0.1 * i for i in range(len(PAIRWISE))],
                  "label_smoothing": 0.1, "ld_alpha": 0.7},
     "aot": {"loss_type": ["aot", "aot_unpaired"], "loss_weights": [1.0, 0.5], "precompute_ref_log_probs": True,
             "padding_free": True},
-    "sync": {"loss_type": ["sigmoid"], "sync_ref_model": True, "ref_model_sync_steps": 1,
-             "ref_model_mixup_alpha": 0.5, "f_divergence_type": "js_divergence", "use_weighting": True},
 }
 METRICS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "entropy", "mean_token_accuracy",
            "rewards/accuracies")
@@ -229,6 +230,55 @@ def _assert_same_runs(dpo_runs: dict) -> None:
         assert (got_w[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
     moved = (want_w["lm_head.weight"] - initial["lm_head.weight"]).norm() / initial["lm_head.weight"].norm()
     assert moved > 1e-4, moved  # the comparison is of trained weights
+
+
+def _run_example(tmp: Path, steps: int, plain: bool) -> list[list[dict]]:
+    """examples/dpo.py at TSP=2 (ds_configs/tsp.json: AdamW, lr 3e-3) and, with plain, as a one-process DPOTrainer
+    (--lr 3e-3) launched beside it: each run's JSON lines."""
+    pytest.importorskip("trl")
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("datasets")
+    example, common = str(ROOT / "examples" / "dpo.py"), ["--max_steps", str(steps), "--beta", "0.1"]
+    commands = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", example,
+                 "--ds_config", str(ROOT / "ds_configs" / "tsp.json"), "--output_dir", str(tmp / "tsp"), *common]]
+    if plain:
+        commands.append([sys.executable, example, "--lr", "3e-3", "--output_dir", str(tmp / "plain"), *common])
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+             for cmd in commands]
+    lines = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-4000:]
+        lines.append([json.loads(line) for line in out.splitlines()])
+    assert all([line["step"] for line in run] == list(range(1, steps + 1)) for run in lines), lines
+    return lines
+
+
+def test_dpo_example_trains_under_tsp(tmp_path):
+    """examples/dpo.py at TSP=2: step 1 scores the policy against itself (the reference is its copy), so the sigmoid
+    loss is exactly -log sigmoid(0) = log 2 and the margin 0; then it trains (the chosen completions win), and the
+    saved model is one transformers loads. Its equality with a plain run: the slow test below."""
+    import math
+
+    import transformers
+
+    (got,) = _run_example(tmp_path, steps=2, plain=False)
+    assert _close(got[0]["loss"], math.log(2), tol=1e-6) and got[0]["margin"] == 0.0, got
+    assert got[1]["margin"] > 0 and got[1]["accuracy"] > 0 and got[1]["loss"] < got[0]["loss"], got
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tsp").num_parameters() > 0
+
+
+@pytest.mark.slow
+def test_dpo_example_under_tsp_logs_the_plain_runs_steps(tmp_path):
+    """examples/dpo.py at TSP=2 and as a plain DPOTrainer: the same JSON line per step (AdamW: 1e-4 relative; the
+    margin relative to beta x |chosen_logps|)."""
+    got, want = _run_example(tmp_path, steps=3, plain=True)
+    assert want[1]["margin"] > 0 and want[0]["loss"] != want[1]["loss"], want  # it trains
+    for g, w in zip(got, want):
+        assert g["accuracy"] == w["accuracy"], (g, w)
+        for key in ("loss", "chosen_logps", "rejected_logps"):
+            assert _close(g[key], w[key], tol=1e-4), (key, g, w)
+        assert _close(g["margin"], w["margin"], tol=1e-4, scale=0.1 * abs(w["chosen_logps"])), (g, w)
 
 
 def test_dpo_trainer_composes_and_refuses_what_tsp_cannot_honour_by_name():
