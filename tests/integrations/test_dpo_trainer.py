@@ -281,6 +281,32 @@ def test_dpo_example_under_tsp_logs_the_plain_runs_steps(tmp_path):
         assert _close(g["margin"], w["margin"], tol=1e-4, scale=0.1 * abs(w["chosen_logps"])), (g, w)
 
 
+def test_fused_head_logit_stats_read_nothing_on_the_host():
+    """DPOTrainer's fused-head call (log-probs with the mean logit and log sum p^2) and its backward: no host sync
+    (counted by what runs, tests/helpers/sync_counter.py), on a soft-capped head with a padded vocab row."""
+    from sync_counter import SyncCounter
+
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
+    from ds_tsp.model.fused_lm_head import FusedLMHeadCall
+
+    shape = ModelShape(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                       num_kv_heads=2, final_logit_softcapping=5.0)
+    model = ShardedCausalLM(shape, TSPComm.single(), dtype=torch.float64).init_weights_(0)
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.masked_fill(torch.arange(12) < 4, -100)
+    b = shard_batch(tsp=1, rank=0, input_ids=ids, labels=labels)
+    h, _ = model.final_hidden(b["input_ids"], b["position_ids"], None, b["shift_labels"], None)
+    batch = {"shift_labels": b["shift_labels"], "attention_mask": None}
+    with SyncCounter() as syncs:
+        out = FusedLMHeadCall(logit_stats=True)._stats(model, h, batch, b["seq_len"], None)
+        (out.log_probs.sum() + out.mean_logits.sum() + out.log_sum_sq_probs.sum()).backward()
+    assert not syncs.events, syncs.events
+    assert out.mean_logits.abs().sum() > 0 and out.log_sum_sq_probs.abs().sum() > 0
+
+
 def test_dpo_trainer_composes_and_refuses_what_tsp_cannot_honour_by_name():
     trl = pytest.importorskip("trl")
     pytest.importorskip("deepspeed")
