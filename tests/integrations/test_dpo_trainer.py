@@ -17,7 +17,8 @@ One launch runs several trainers (one process start for all):
   turns off itself: both runs pad).
 examples/dpo.py runs at TSP=2 (step 1's loss is log 2: the reference is the policy's copy; then it trains).
 Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes) equals a plain 2-process DPOTrainer (sigmoid and combined
-cases); examples/dpo.py at TSP=2 logs the plain one-process run's steps.
+cases); TSP=2 under ZeRO-3 (the combined case, the policy given as its checkpoint directory) equals the plain
+run; examples/dpo.py at TSP=2 logs the plain one-process run's steps.
 
 Run as a script, this file is the worker: `python tests/integrations/test_dpo_trainer.py OUT.json MODEL TOKENIZER
 [DS_CONFIG]` (one launch runs every case; the reference and TSP=2 launches run at the same time).
@@ -114,6 +115,9 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, out_dir: str, ds_con
 
         train = load_from_disk(str(Path(out_dir).parent / "data" / f"{name}-{'tsp' if ds_config else 'ref'}"))
     evaluate = name == "sigmoid"
+    if ds_config and json.loads(Path(ds_config).read_text())["zero_optimization"]["stage"] == 3:
+        model = model_dir  # loaded under the live ZeRO-3 config, the HF model's weights are partitioned: TSP reads
+        # the checkpoint by slices
     trainer = trainer_class(model=model, args=args, processing_class=tokenizer, train_dataset=train,
                             eval_dataset=Dataset.from_list(rows(4, seed=2)) if evaluate else None)
     trainer.remove_callback(transformers.PrinterCallback)
@@ -152,7 +156,7 @@ def _close(a, b, tol=1e-5, scale=0.0):
     return abs(a - b) <= tol * max(abs(b), scale, 1e-8)
 
 
-def _runs(tmp: Path, data_replicas: int, cases: str = "") -> dict:
+def _runs(tmp: Path, data_replicas: int, cases: str = "", zero_stage: int = 2) -> dict:
     """The plain DPOTrainer on `data_replicas` processes and TSP=2 on 2 x data_replicas, launched together."""
     pytest.importorskip("trl")
     pytest.importorskip("deepspeed")
@@ -161,7 +165,7 @@ def _runs(tmp: Path, data_replicas: int, cases: str = "") -> dict:
     save_tokenizer(tmp / "tokenizer")
     (tmp / "ds.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
+        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": zero_stage},
         "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
     from datasets import Dataset
 
@@ -182,6 +186,11 @@ def test_tsp_dpo_trainer_equals_plain_dpo_trainer(tmp_path):
 @pytest.mark.slow
 def test_tsp2_x_data2_zero2_equals_plain_two_process_dpo_trainer(tmp_path):
     _assert_same_runs(_runs(tmp_path, 2, cases="sigmoid,combined"))
+
+
+@pytest.mark.slow
+def test_tsp2_zero3_equals_plain_dpo_trainer(tmp_path):
+    _assert_same_runs(_runs(tmp_path, 1, cases="combined", zero_stage=3))
 
 
 def _assert_same_line(got: dict, want: dict, logits_scale: float, prefix: str = "") -> None:
@@ -217,6 +226,8 @@ def _assert_same_runs(dpo_runs: dict) -> None:
         totals = [[line for line in runs[case] if "train_runtime" in line][0] for runs in (tsp, reference)]
         assert totals[0]["total_flos"] == totals[1]["total_flos"] > 0, (case, totals)
         assert _close(totals[0]["train_loss"], totals[1]["train_loss"]), (case, totals)
+    if "sigmoid" not in reference:  # evaluate() and the saved weights: the sigmoid case's
+        return
     evals = [[line for line in runs["sigmoid"] if "eval_loss" in line] for runs in (tsp, reference)]
     assert len(evals[0]) == len(evals[1]) == 1, evals
     assert _close(evals[0][0]["eval_loss"], evals[1][0]["eval_loss"]), evals
@@ -342,6 +353,16 @@ def test_dpo_trainer_composes_and_refuses_what_tsp_cannot_honour_by_name():
         TSPDPOTrainer(model=None, args=cp)
     with pytest.raises(TSPConfigError, match="pass them by keyword"):  # DPOTrainer's (model, ref_model, args) order
         TSPDPOTrainer(None, None, SimpleNamespace(**plain), None, None, None, None, None, None, None, None, None, None)
+    import transformers
+    from hf_tiny import tiny_config
+
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.model.convert import to_tsp_model
+
+    partitioned = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+    next(partitioned.parameters()).ds_id = 0  # what zero.Init leaves on a model loaded under a live ZeRO-3 config
+    with pytest.raises(TSPConfigError, match="partitioned by DeepSpeed ZeRO-3.*pass the checkpoint directory"):
+        to_tsp_model(partitioned, TSPComm.single(), hf_face=True)
 
 
 if __name__ == "__main__":
