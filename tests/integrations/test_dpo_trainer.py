@@ -12,7 +12,7 @@ One launch runs several trainers (one process start for all):
   the saved weights;
 - "combined": every pairwise loss type TRL ships but aot (hinge, ipo, exo_pair, nca_pair, robust, bco_pair,
   sppo_hard, apo_zero, apo_down, discopop, sft, sigmoid_norm, sigmoid) as one weighted combination, with ld_alpha
-  (TRL's sft term cannot take WPO weights: it multiplies an expanded tensor in place);
+  and an explicit ref_model (TRL's sft term cannot take WPO weights: it multiplies an expanded tensor in place);
 - "aot": aot + aot_unpaired (they sort the batch), precompute_ref_log_probs, padding_free=True (which TRL 1.16
   turns off itself: both runs pad).
 examples/dpo.py runs at TSP=2 (step 1's loss is log 2: the reference is the policy's copy; then it trains).
@@ -46,7 +46,7 @@ CASES = {
     "sigmoid": {"loss_type": ["sigmoid"], "gradient_accumulation_steps": 2, "gradient_checkpointing": True,
                 "sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5, "use_weighting": True},
     "combined": {"loss_type": PAIRWISE, "loss_weights": [1.0 + 0.1 * i for i in range(len(PAIRWISE))],
-                 "label_smoothing": 0.1, "ld_alpha": 0.7},
+                 "label_smoothing": 0.1, "ld_alpha": 0.7, "ref_model": True},
     "aot": {"loss_type": ["aot", "aot_unpaired"], "loss_weights": [1.0, 0.5], "precompute_ref_log_probs": True,
             "padding_free": True},
 }
@@ -96,6 +96,7 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, out_dir: str, ds_con
 
     options = dict(CASES[name])
     accumulation = options.pop("gradient_accumulation_steps", 1)
+    given_ref = options.pop("ref_model", False)
     replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
     args = DPOConfig(output_dir=f"{out_dir}/{name}", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
@@ -115,10 +116,15 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, out_dir: str, ds_con
 
         train = load_from_disk(str(Path(out_dir).parent / "data" / f"{name}-{'tsp' if ds_config else 'ref'}"))
     evaluate = name == "sigmoid"
-    if ds_config and json.loads(Path(ds_config).read_text())["zero_optimization"]["stage"] == 3:
-        model = model_dir  # loaded under the live ZeRO-3 config, the HF model's weights are partitioned: TSP reads
-        # the checkpoint by slices
-    trainer = trainer_class(model=model, args=args, processing_class=tokenizer, train_dataset=train,
+    # loaded under a live ZeRO-3 config, an HF model's weights are partitioned: TSP reads the checkpoint by slices
+    zero3 = ds_config is not None and json.loads(Path(ds_config).read_text())["zero_optimization"]["stage"] == 3
+    model = model_dir if zero3 else model
+    ref_model = None
+    if given_ref:  # an explicit reference (the same weights): TSP converts it as its own frozen model
+        ref_model = model_dir if zero3 else transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                                               dtype=torch.float32)
+    trainer = trainer_class(model=model, ref_model=ref_model, args=args, processing_class=tokenizer,
+                            train_dataset=train,
                             eval_dataset=Dataset.from_list(rows(4, seed=2)) if evaluate else None)
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
