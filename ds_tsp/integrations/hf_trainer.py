@@ -115,8 +115,9 @@ class TSPTrainer(_transformers.Trainer):
     _tsp_with_dpo = False  # composed with TRL's DPOTrainer (ds_tsp.integrations.trl.dpo)
 
     def __init_subclass__(cls, **kwargs):
-        """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)` / `(TSPTrainer, RewardTrainer)`: TRL's
-        SFT / GRPO / reward modelling on TSP; any other TRL trainer is refused here, by name."""
+        """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)` / `(TSPTrainer, RewardTrainer)` /
+        `(TSPTrainer, DPOTrainer)`: TRL's SFT / GRPO / reward modelling / DPO on TSP; any other TRL trainer is refused
+        here, by name."""
         super().__init_subclass__(**kwargs)
         from ds_tsp.integrations.trl.sft import check_composition
 
@@ -296,6 +297,11 @@ class TSPTrainer(_transformers.Trainer):
         position, built from the vocab shards once per eval batch (as the plain Trainer materialises them; with
         preprocess_logits_for_metrics its output on those full logits), and the batch's own labels, full length,
         in the original order (unshifted). prediction_loss_only builds and gathers neither."""
+        if self._tsp_with_dpo and not prediction_loss_only:
+            raise TSPConfigError("TSPDPOTrainer.predict (or evaluate with prediction_loss_only=False): DPOTrainer "
+                                 "would recompute the full [B, S, V] logits of every batch, which TSP never builds; "
+                                 "use evaluate() (its loss and rewards/*, logps/*, logits/* metrics) or set "
+                                 "DPOConfig(prediction_loss_only=True)")
         if self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo:  # TRL's own (DPO: its loss)
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         full = inputs.pop(_FULL_BATCH, None) if isinstance(inputs, dict) else None

@@ -9,7 +9,7 @@ vocab shard at D=2, which logits/* must not count.
 One launch runs several trainers (one process start for all):
 - "sigmoid": loss_type sigmoid, gradient accumulation 2, gradient checkpointing, sync_ref_model (the reference
   mixed with the policy every step), WPO weighting (use_weighting: log sum p^2 from the vocab shards), evaluate(),
-  the saved weights;
+  the saved weights, predict() refused by name (it would rebuild full logits);
 - "combined": every pairwise loss type TRL ships but aot (hinge, ipo, exo_pair, nca_pair, robust, bco_pair,
   sppo_hard, apo_zero, apo_down, discopop, sft, sigmoid_norm, sigmoid) as one weighted combination, with ld_alpha
   and an explicit ref_model (TRL's sft term cannot take WPO weights: it multiplies an expanded tensor in place);
@@ -128,10 +128,18 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, out_dir: str, ds_con
                             eval_dataset=Dataset.from_list(rows(4, seed=2)) if evaluate else None)
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
+    log = trainer.state.log_history
     if evaluate:
         trainer.evaluate()
         trainer.save_model(f"{out_dir}/{name}/final")
-    return trainer.state.log_history
+        if ds_config is not None:  # predict() would rebuild full logits: refused on every rank before any collective
+            from ds_tsp.core.errors import TSPConfigError
+
+            try:
+                trainer.predict(trainer.eval_dataset)
+            except TSPConfigError as err:
+                log = [*log, {"predict": "refused" if "TSPDPOTrainer.predict" in str(err) else str(err)}]
+    return log
 
 
 def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = None, cases: str = "") -> None:
@@ -232,8 +240,9 @@ def _assert_same_runs(dpo_runs: dict) -> None:
         totals = [[line for line in runs[case] if "train_runtime" in line][0] for runs in (tsp, reference)]
         assert totals[0]["total_flos"] == totals[1]["total_flos"] > 0, (case, totals)
         assert _close(totals[0]["train_loss"], totals[1]["train_loss"]), (case, totals)
-    if "sigmoid" not in reference:  # evaluate() and the saved weights: the sigmoid case's
+    if "sigmoid" not in reference:  # evaluate(), predict() and the saved weights: the sigmoid case's
         return
+    assert {"predict": "refused"} in tsp["sigmoid"], tsp["sigmoid"][-2:]
     evals = [[line for line in runs["sigmoid"] if "eval_loss" in line] for runs in (tsp, reference)]
     assert len(evals[0]) == len(evals[1]) == 1, evals
     assert _close(evals[0][0]["eval_loss"], evals[1][0]["eval_loss"]), evals

@@ -28,8 +28,10 @@ TSPTrainer (listed first) changes:
 - padding_free: TRL 1.16 turns it off itself (padded batches, a warning); so does the TSP run, identically.
 Refused with a TSPConfigError naming them: DPOTrainer listed first, peft_config= and PEFT models (ref_model=None
 with an adapter would need the adapter-disabled base, which a LoRA-folded TSP model does not keep apart),
-quantization_config=, vision processors, compute_metrics (TRL recomputes full logits for it), use_liger_kernel,
-activation_offloading, a mixture-of-experts router aux loss, sync_ref_model under ZeRO-3, and tsp.cp_size > 1.
+quantization_config=, vision processors, compute_metrics and predict() (TRL recomputes full logits for them),
+use_liger_kernel, activation_offloading, a mixture-of-experts router aux loss, sync_ref_model under ZeRO-3, and
+tsp.cp_size > 1. Under ZeRO-3, pass the model (and a ref_model) as its checkpoint directory: a transformers model
+loaded after the ZeRO-3 TrainingArguments has partitioned weights (refused by name when converted).
 """
 from __future__ import annotations
 
