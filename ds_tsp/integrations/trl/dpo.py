@@ -209,7 +209,7 @@ def unsharded_loaders(trainer):
     from ds_tsp.integrations.trl.grpo import unsharded
 
     accelerator = trainer.accelerator
-    prepare = accelerator.prepare
+    prepare, own = accelerator.prepare, "prepare" in vars(accelerator)  # an instance attribute already: restore it
 
     def prepare_unsharded(*objects, **kwargs):
         result = prepare(*objects, **kwargs)
@@ -219,4 +219,7 @@ def unsharded_loaders(trainer):
     try:
         yield
     finally:
-        del accelerator.prepare
+        if own:
+            accelerator.prepare = prepare
+        else:
+            del accelerator.prepare
