@@ -372,8 +372,13 @@ def test_dpo_trainer_composes_and_refuses_what_tsp_cannot_honour_by_name():
     from hf_tiny import tiny_config
 
     from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.integrations.trl.dpo import reference_model
     from ds_tsp.model.convert import to_tsp_model
 
+    tsp_model = object()
+    runtime = SimpleNamespace(comm=None, options=None, data_group=None)
+    with pytest.raises(TSPConfigError, match="model= is a TSPForCausalLM and no ref_model= was given"):
+        reference_model(tsp_model, {}, SimpleNamespace(), runtime, lambda source, *a, **k: source)
     partitioned = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
     next(partitioned.parameters()).ds_id = 0  # what zero.Init leaves on a model loaded under a live ZeRO-3 config
     with pytest.raises(TSPConfigError, match="partitioned by DeepSpeed ZeRO-3.*pass the checkpoint directory"):

@@ -114,9 +114,12 @@ def reference_model(model, given: dict, args, runtime, to_tsp_model):
     if source is None:
         source = model
     ref = to_tsp_model(source, runtime.comm, options=runtime.options, data_group=runtime.data_group, hf_face=True)
-    if ref is model:
-        raise TSPConfigError("TSPDPOTrainer: ref_model is the policy's own TSP model; pass the HF model (or none: "
-                             "the reference is then a second TSP conversion of model)")
+    if ref is model:  # an already-built TSPForCausalLM converts to itself: it cannot also be the frozen reference
+        what = "ref_model= is the policy model itself" if given.get("ref_model") is not None else \
+            "model= is a TSPForCausalLM and no ref_model= was given"
+        raise TSPConfigError(f"TSPDPOTrainer: {what}; the reference must be a separate frozen model: pass the "
+                             "transformers model or its checkpoint directory as model= (the reference is then a "
+                             "second TSP conversion of it), or a separate ref_model=")
     ref.requires_grad_(False)
     return ref.eval()
 
