@@ -93,8 +93,8 @@ class ShardedStateDict:
                     for n in module.hf_shapes()}
             live |= {n for n, p in self.replicated_params().items() if p.requires_grad}
             shapes = {k: v for k, v in shapes.items() if k in live}
-        if exclude_embeddings:
-            shapes = {k: v for k, v in shapes.items() if not k.startswith(("model.embed_tokens.", "lm_head."))}
+        if exclude_embeddings:  # transformers drops nn.Embedding weights only: an untied lm_head (a Linear) counts
+            shapes = {k: v for k, v in shapes.items() if not k.startswith("model.embed_tokens.")}
         lora = sum(p.numel() if cut is None else p.numel() // p.shape[cut[0]] * (max(cut[1]) + p.shape[cut[0]])
                    for _, p, cut in self.lora_tensors() if p.requires_grad or not only_trainable)
         return sum(prod(v) for v in shapes.values()) + lora

@@ -155,10 +155,12 @@ def fused_call(directory: str) -> dict:
     model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
     assert model.tsp.comm.size == dist.get_world_size() == 2
     data, weights = fused_batch(model.config.vocab_size)
+    model.fused_lm_head_outputs = ("log_probs", "mean_logits", "log_sum_sq_probs")  # as DPOTrainer asks for them
     out = model(input_ids=data["input_ids"], labels=data["labels"], position_ids=data["position_ids"],
                 fused_lm_head=True)
     (-(out.log_probs * weights).sum()).backward()
-    fields = {k: getattr(out, k).detach() for k in ("loss", "log_probs", "entropy", "is_top1", "label_mask")}
+    fields = {k: getattr(out, k).detach() for k in ("loss", "log_probs", "entropy", "is_top1", "label_mask",
+                                                    "mean_logits", "log_sum_sq_probs")}
     everyone = [None] * 2
     dist.all_gather_object(everyone, fields)
     return {"ranks": everyone, "grads": model.tsp.full_state_dict(grads=True)}
@@ -255,7 +257,8 @@ def _assert_same_steps(reference: list[dict], tsp: list[dict], case: str) -> Non
 
 def test_fused_lm_head_call_equals_transformers(sft_runs):
     """TRL's fused call (model(..., fused_lm_head=True)) through the streaming head at TSP=2: values on every rank
-    and the gradient of a per-token-weighted loss equal transformers' logits path (float64; vocab 67: padded)."""
+    (with DPOTrainer's mean_logits and log_sum_sq_probs) and the gradient of a per-token-weighted loss equal
+    transformers' logits path (float64; vocab 67: padded)."""
     from hf_tiny import shift
 
     from ds_tsp.tools.hf_reference import load_hf_reference
@@ -271,9 +274,10 @@ def test_fused_lm_head_call_equals_transformers(sft_runs):
     (-(log_probs * weights).sum()).backward()
     want = {"log_probs": log_probs, "entropy": -(log_softmax.exp() * log_softmax).sum(-1) * valid,
             "is_top1": (logits.argmax(-1) == targets) & valid, "label_mask": valid,
-            "loss": -log_probs.sum() / valid.sum()}
+            "loss": -log_probs.sum() / valid.sum(), "mean_logits": logits.mean(-1) * valid,  # the real vocab only
+            "log_sum_sq_probs": torch.logsumexp(2 * log_softmax, -1) * valid}
     for rank in got["ranks"]:
-        for key in ("log_probs", "entropy", "loss"):
+        for key in ("log_probs", "entropy", "loss", "mean_logits", "log_sum_sq_probs"):
             assert (rank[key] - want[key]).abs().max() < 1e-10, key
         for key in ("is_top1", "label_mask"):
             assert torch.equal(rank[key], want[key]), key
@@ -308,7 +312,7 @@ def test_other_trl_trainers_and_the_wrong_order_are_refused_by_name():
     from ds_tsp.core.errors import TSPConfigError
     from ds_tsp.hf import TSPTrainer
 
-    for name in ("DPOTrainer", "KTOTrainer", "RLOOTrainer"):  # GRPO, Reward: test_grpo.py, test_reward_trainer.py
+    for name in ("KTOTrainer", "RLOOTrainer"):  # GRPO, Reward, DPO: test_grpo.py, test_*_trainer.py
         with pytest.raises(TSPConfigError, match=f"TSPTrainer with TRL's {name} is not supported"):
             type("Composed", (TSPTrainer, getattr(trl, name)), {})
     with pytest.raises(TSPConfigError, match=r"list TSPTrainer first, class Wrong\(TSPTrainer, SFTTrainer\)"):

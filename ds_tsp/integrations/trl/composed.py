@@ -9,7 +9,8 @@ INSTALL_HINT = "pip install 'ds_tsp[trl]'"
 # TRL trainer -> (the public name under ds_tsp.hf, the module that says what TSPTrainer does for it)
 COMPOSED = {"SFTTrainer": ("TSPSFTTrainer", "ds_tsp.integrations.trl.sft"),
             "GRPOTrainer": ("TSPGRPOTrainer", "ds_tsp.integrations.trl.grpo"),
-            "RewardTrainer": ("TSPRewardTrainer", "ds_tsp.integrations.trl.reward")}
+            "RewardTrainer": ("TSPRewardTrainer", "ds_tsp.integrations.trl.reward"),
+            "DPOTrainer": ("TSPDPOTrainer", "ds_tsp.integrations.trl.dpo")}
 
 
 @functools.cache
