@@ -114,6 +114,8 @@ class Watchdog:
 
         The poller gets the event, the groups (whose error state tells a failed work from a finished one) and the
         call site; never the Works or their tensors, so every buffer is freed as soon as Python drops it."""
+        if device.type == "cuda" and device.index is None:  # the watchdog thread must know which GPU: name it here
+            device = torch.device("cuda", torch.cuda.current_device())
         event = watchdog_polling.record_event(device)
         if event is None or event.query():
             return
