@@ -62,3 +62,4 @@ def test_first_contact_checks_self_test_on_cpu(tmp_path):
     moe = results["moe_autocast"]
     for dispatch in ("ring", "all_to_all"):
         assert moe[dispatch]["ok"] and moe[dispatch]["grad_rel_err"] > 0, moe  # > 0: bf16 really ran
+        assert moe[dispatch]["routing"] == "held at fp32's choice" and moe[dispatch]["free_bf16_routing_flips"] >= 0
