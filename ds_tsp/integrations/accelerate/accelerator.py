@@ -111,6 +111,12 @@ def _cpu_defaults(kwargs: dict, mode: str) -> dict:
     return {**kwargs, "kwargs_handlers": handlers}
 
 
+def _guard(accelerator, what: str, group, poll: torch.device | None = None):
+    """The accelerator's TSPComm guard (its timeout_s, the watchdog's one line) around a collective of its own."""
+    comm = getattr(accelerator, "tsp_comm", None)
+    return comm.guard(what, group=group, poll=poll) if comm is not None else contextlib.nullcontext()
+
+
 class DataAxisScheduler(_accelerate.scheduler.AcceleratedScheduler):
     """Accelerate steps a scheduler once per PROCESS per optimizer step (each process consumed a batch); under TSP
     the ranks of a TSP group share one batch, so it steps once per data replica."""
@@ -325,7 +331,8 @@ class TSPAccelerator(_accelerate.Accelerator):
             if t.dim() == 0:
                 t = t[None]
             out = [torch.empty_like(t) for _ in range(self.data_size * cp_size)]
-            dist.all_gather(out, t, group=self._data_group)
+            with _guard(self, "gather over data", self._data_group, poll=t.device):
+                dist.all_gather(out, t, group=self._data_group)
             return torch.cat(out[::cp_size])
 
         return recursively_apply(gather_one, tensor, error_on_other_type=True)
@@ -344,7 +351,8 @@ class TSPAccelerator(_accelerate.Accelerator):
                 data = input_data if isinstance(input_data, list) else [input_data]
             else:
                 parts = [None] * (self.data_size * self._cp_size)
-                dist.all_gather_object(parts, input_data, group=self._data_group)
+                with _guard(self, "gather_for_metrics gather_object over data", self._data_group):
+                    dist.all_gather_object(parts, input_data, group=self._data_group)
                 data = [x for part in parts[::self._cp_size] for x in (part if isinstance(part, list) else [part])]
         else:
             data = self.gather(input_data)
