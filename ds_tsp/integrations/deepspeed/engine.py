@@ -143,6 +143,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                seed=seed, device=engine.device)
     engine.tsp_groups, engine.tsp_config, engine.tsp_model = groups, tsp, tsp_model
     engine.tsp_guard = guard
+    engine.tsp_comm = comm  # `with engine.tsp_comm.guard("what", group=g):` bounds a script's own collectives
     return engine, opt, loader, sched
 
 
