@@ -186,3 +186,27 @@ def test_trainer_logging_and_saving_are_guarded_evaluation_is_not(monkeypatch, e
     else:
         assert calls == [(False, True, True), ("save", True)], calls
     assert trainer.control.should_evaluate is evaluate and trainer.control.should_save
+
+
+def test_deepspeed_step_reports_one_line_and_oom_propagates(fake_world, reports):
+    """engine.step() posts DeepSpeed's own collectives (its grad-norm all-reduce over the TSP group when clipping):
+    ds_tsp.initialize guards it, so gloo's timeout there is the one line, not its traceback; an out-of-memory error
+    inside a guard is the device's and propagates as it is."""
+    from ds_tsp.integrations.deepspeed.engine import _guard_step
+
+    def step(error):
+        raise error
+
+    engine = SimpleNamespace(step=lambda: step(RuntimeError(GLOO_TIMEOUT)))
+    _guard_step(engine, TSPComm(dist.group.WORLD, timeout_s=20))
+    with pytest.raises(RuntimeError):
+        engine.step()
+    (message,) = reports
+    assert message.startswith(f"{MESSAGE_PREFIX} DeepSpeed optimizer step (grad-norm all_reduce, ZeRO collectives) "
+                              "timed out on rank 0"), message
+    assert "layer: optimizer step" in message
+    engine = SimpleNamespace(step=lambda: step(torch.OutOfMemoryError("CUDA out of memory")))
+    _guard_step(engine, TSPComm(dist.group.WORLD, timeout_s=20))
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.step()
+    assert len(reports) == 1

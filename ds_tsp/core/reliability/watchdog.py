@@ -241,6 +241,9 @@ def post_failed(blocked: Blocked, err: BaseException, timeout_s: float | None) -
     WATCHDOG.failed(blocked, err, time.perf_counter(), timeout_s)
 
 
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
 class Guard:
     """`with guard(...)`: arm the watchdog around blocking torch.distributed calls made outside TSPComm. poll: the
     device of the block's tensors when its collectives do not block the host (NCCL): after the block an event on
@@ -262,7 +265,8 @@ class Guard:
         if self._token is not None:
             WATCHDOG.disarm(self._token)
             self._token = None
-        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, TSPCommError):
+        # an out-of-memory error is the device's, not a peer's: it propagates as it is
+        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, (TSPCommError, _OOM)):
             WATCHDOG.failed(self.blocked, exc, self._start, self.timeout_s)
         if exc is None and self.poll is not None and self.timeout_s is not None:
             WATCHDOG.watch(self.poll, self.blocked, self._start, self.timeout_s, sys._getframe(1))
