@@ -70,6 +70,6 @@ def test_an_input_error_in_a_rank_is_its_one_line():
     from ds_tsp.core.errors import TSPConfigError
 
     with pytest.raises(TSPConfigError) as info:
-        run_on_local_ranks(_bad_input_on_rank_zero, 2, timeout_s=120)
+        run_on_local_ranks(_bad_input_on_rank_zero, 1, timeout_s=120)  # one rank: what a rank returns is the same
     assert str(info.value) == "cannot read the safetensors header of model.safetensors: re-save or re-download it"
     assert isinstance(info.value, RuntimeError) and info.value.rank == 0
