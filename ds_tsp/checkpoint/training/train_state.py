@@ -43,7 +43,7 @@ def _world() -> tuple[int, int]:
 
 
 def comm_of(model: Any):
-    """The TSPComm whose timeout_s bounds a checkpoint's collectives (None: unbounded, as before a model has one)."""
+    """The TSPComm whose timeout_s bounds a checkpoint's collectives (None for a model without one: unbounded)."""
     comm = getattr(model, "comm", None)
     if comm is None:
         comm = getattr(getattr(model, "tsp", None), "comm", None)
