@@ -5,6 +5,8 @@
   Equal is right: the poller must hold a CUDA event, never the WorkNCCL (which keeps its outputs).
 - nccl_timeout_margin: the timeout every group build_runtime creates gets, against the tsp block's timeout_s.
   On NCCL it must be longer (ds_tsp's one-line report first, NCCL's abort as the backstop).
+- offload_pool: activation offload's host pool page-locked at exact sizes and equal to the plan (R3-2), the step
+  equal to the one without offload.
 - moe_autocast: a 2-layer MoE step (fp32 weights) under bf16 autocast, per dispatch, against the fp32 step with the
   experts each token is routed to held at the fp32 step's choice (bf16 router logits can flip a near-tie top-k, and a
   flipped token moves a tiny expert's gradient past any tolerance: that is routing, not a defect); the flips of the
@@ -175,7 +177,52 @@ class _FrozenRouting:
         return active()
 
 
-CHECKS = {"poller_memory": poller_memory, "nccl_timeout_margin": nccl_timeout_margin, "moe_autocast": moe_autocast}
+def offload_pool(device: torch.device, seq: int = 2500, hidden: int = 5120) -> dict:
+    """R3-2 on the device: a 3-layer step with offloaded layer inputs [1, seq, hidden] fp32 (not a power-of-two
+    size): every pool buffer is page-locked (cudaHostRegister reports as pinned), the pool holds what
+    `ds-tsp plan --offload-activations` counts (plus at most two pages per buffer; torch's pinned allocator would
+    have rounded each 48.8 MiB input up to 64 MiB), and the loss and gradients equal the step without offload."""
+    from dataclasses import replace
+
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.config import TSPOptions
+    from ds_tsp.core.shape.model_shape import ModelShape
+    from ds_tsp.core.tokens.zigzag import shard_batch
+    from ds_tsp.model.causal_lm import ShardedCausalLM
+    from ds_tsp.tools.plan import PlanInput, plan_tsp
+
+    if device.type != "cuda":
+        return {"skipped": "needs CUDA (the pool is page-locked for CUDA inputs only)"}
+    shape = ModelShape(vocab_size=256, hidden_size=hidden, intermediate_size=512, num_layers=3, num_heads=40,
+                       num_kv_heads=8)
+    ids = torch.randint(0, shape.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    batch = shard_batch(ids, tsp=1, rank=0, labels=ids)
+    result = {}
+    for label, offload in (("kept", False), ("offloaded", True)):
+        model = ShardedCausalLM(shape, TSPComm.single(), dtype=torch.float32, device=device,
+                                options=TSPOptions(activation_checkpointing=True, offload_activations=offload))
+        model.init_weights_(seed=1)
+        loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
+        if offload:
+            pool = model.activation_offload
+            result["pinned"] = all(h.is_pinned() for h in pool.host_in_use())
+            result["pool_bytes"] = pool.host_bytes
+        loss.backward()
+        torch.cuda.synchronize()
+        result[label] = (loss.detach().float().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()})
+        del model, loss
+    plan = plan_tsp(replace(PlanInput(model=shape, seq=seq, batch=1, dtype="fp32", activation_checkpointing=True),
+                            offload_activations=True)).host_bytes_per_rank
+    (want_loss, want), (got_loss, got) = result.pop("kept"), result.pop("offloaded")
+    grad_err = max(float((got[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in want.items())
+    over = result["pool_bytes"] - plan
+    return {**result, "plan_bytes": plan, "pool_over_plan_bytes": over, "loss_equal": bool(got_loss == want_loss),
+            "grad_rel_err": grad_err,
+            "ok": result["pinned"] and 0 <= over <= 2 * 4096 * (shape.num_layers - 1) and grad_err <= 1e-5}
+
+
+CHECKS = {"poller_memory": poller_memory, "nccl_timeout_margin": nccl_timeout_margin, "moe_autocast": moe_autocast,
+          "offload_pool": offload_pool}
 
 
 def main(argv=None) -> int:

@@ -56,8 +56,8 @@ def test_first_contact_checks_self_test_on_cpu(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = {r["check"]: r for r in json.loads((tmp_path / "results.json").read_text())}
-    assert set(results) == {"poller_memory", "nccl_timeout_margin", "moe_autocast"}
-    assert "skipped" in results["poller_memory"]
+    assert set(results) == {"poller_memory", "nccl_timeout_margin", "moe_autocast", "offload_pool"}
+    assert "skipped" in results["poller_memory"] and "skipped" in results["offload_pool"]
     assert results["nccl_timeout_margin"]["group_timeouts_s"] and "ok" not in results["nccl_timeout_margin"]
     moe = results["moe_autocast"]
     for dispatch in ("ring", "all_to_all"):
