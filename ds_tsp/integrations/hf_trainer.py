@@ -173,6 +173,7 @@ class TSPTrainer(_transformers.Trainer):
         runtime = build_runtime(tsp, ds_config=ds_config)  # DeepSpeed's cpu_checkpointing: offload_activations
         self.tsp_config = tsp = runtime.config
         self.tsp_groups = runtime.groups
+        self.tsp_comm = runtime.comm  # its timeout_s bounds the trainer's own collectives (token counts, loss)
         ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_with_grpo else None
         if self._tsp_with_dpo:
             ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model)
@@ -238,15 +239,18 @@ class TSPTrainer(_transformers.Trainer):
         if not batch_samples or "shift_labels" not in batch_samples[0]:
             return None
         local = sum((b["shift_labels"] != -100).sum() for b in batch_samples).to(device=device, dtype=torch.int64)
-        groups = self.tsp_groups
+        groups, comm = self.tsp_groups, self.tsp_comm
         if groups is not None and groups.layout.tsp_enabled:
-            dist.all_reduce(local, group=groups.tsp_group)
+            with comm.guard("token count all_reduce", group=groups.tsp_group, poll=local.device):
+                dist.all_reduce(local, group=groups.tsp_group)
         across_data = self.args.average_tokens_across_devices and groups is not None and \
             (groups.layout.data_enabled or groups.layout.cp_enabled)
         if across_data:
-            dist.all_reduce(local, group=groups.data_group)
+            with comm.guard("token count all_reduce over data", group=groups.data_group, poll=local.device):
+                dist.all_reduce(local, group=groups.data_group)
         elif groups is not None and groups.layout.cp_enabled:
-            dist.all_reduce(local, group=groups.cp_group)
+            with comm.guard("token count all_reduce over cp", group=groups.cp_group, poll=local.device):
+                dist.all_reduce(local, group=groups.cp_group)
         return local
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -337,7 +341,8 @@ class TSPTrainer(_transformers.Trainer):
         if loss is None or groups is None or not groups.layout.cp_enabled:
             return loss
         total = loss.detach().clone()
-        dist.all_reduce(total, group=groups.cp_group)
+        with self.tsp_comm.guard("evaluation loss all_reduce over cp", group=groups.cp_group, poll=total.device):
+            dist.all_reduce(total, group=groups.cp_group)
         return total / groups.cp_size
 
     # --- TRL's GRPOTrainer steps under TSP (ds_tsp.integrations.trl.grpo; inert in other compositions) ---------
@@ -415,4 +420,36 @@ class TSPTrainer(_transformers.Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, f"{output_dir}/training_args.bin")  # as the Trainer does
-        self.accelerator.wait_for_everyone()
+        with self._world_guard("save_model barrier"):
+            self.accelerator.wait_for_everyone()
+
+    # --- the Trainer's own collectives, bounded by tsp.timeout_s -------------------------------------------------
+    def _world_guard(self, what: str):
+        """The watchdog around collectives the Trainer (and DeepSpeed under it) posts on the world: a stalled or
+        dead peer ends this rank within timeout_s with the one line naming `what` and the peers."""
+        return self.tsp_comm.guard(what, group=dist.group.WORLD if dist.is_initialized() else None,
+                                   context=f"step {self.state.global_step}")
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        """Logging (the loss all-gather, the flos broadcast) and a checkpoint save (below) are bounded by
+        timeout_s; an evaluation is not bounded as a whole (it may outlast timeout_s; its model calls and gathers
+        are guarded one by one), so a step that evaluates logs first, guarded, then evaluates and saves."""
+        control = self.control
+        evaluate, save = control.should_evaluate, control.should_save
+        if evaluate:
+            control.should_evaluate = control.should_save = False
+        try:
+            with self._world_guard("the Trainer's loss logging (all_gather, flos broadcast)"):
+                super()._maybe_log_save_evaluate(*args, **kwargs)
+        finally:
+            if evaluate:
+                control.should_evaluate, control.should_save = evaluate, save
+        if evaluate:  # logged already: this call evaluates and saves only
+            super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's checkpoint (the model by save_model, DeepSpeed's or the optimizer's state, RNG, barriers):
+        its collectives bounded by timeout_s as one block, so a save must take less than timeout_s. Earlier
+        checkpoints stay untouched (the Trainer rotates them only after a complete save)."""
+        with self._world_guard("the Trainer's checkpoint save (its and DeepSpeed's collectives)"):
+            return super()._save_checkpoint(model, trial)

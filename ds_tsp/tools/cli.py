@@ -135,6 +135,8 @@ def _verify(args: argparse.Namespace) -> int:
                       run_on_local_ranks(run_cp_case, args.tsp * args.cp, case, args.tsp, args.cp,
                                          timeout_s=args.timeout)[0])
         except RuntimeError as exc:
+            if isinstance(exc, TSPConfigError):  # a rank found bad input: its one line, as in this process
+                return _error("verify", str(exc))
             print(f"ds-tsp verify: failed: {exc}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         ok = bool(report["ok"])

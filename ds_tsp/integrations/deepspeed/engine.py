@@ -145,7 +145,25 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine.tsp_groups, engine.tsp_config, engine.tsp_model = groups, tsp, tsp_model
     keep_clip_norm(engine)
     engine.tsp_guard = guard
+    engine.tsp_comm = comm  # `with engine.tsp_comm.guard("what", group=g):` bounds a script's own collectives
+    if tsp.pipeline_stages == 1:
+        _guard_step(engine, comm)
     return engine, opt, loader, sched
+
+
+def _guard_step(engine, comm) -> None:
+    """engine.step() posts DeepSpeed's own collectives (the grad-norm all-reduce over the TSP group for clipping,
+    ZeRO's gathers): bounded by timeout_s with the watchdog's one line, like every collective of ds_tsp's."""
+    import torch.distributed as dist
+
+    step = engine.step
+
+    def guarded_step(*args, **kwargs):
+        with comm.guard("DeepSpeed optimizer step (grad-norm all_reduce, ZeRO collectives)", group=dist.group.WORLD,
+                        context="optimizer step"):
+            return step(*args, **kwargs)
+
+    engine.step = guarded_step
 
 
 # Variables a launcher sets: torchrun / deepspeed (WORLD_SIZE), mpirun (OpenMPI, MPICH / Intel MPI, MVAPICH).

@@ -134,7 +134,8 @@ def batch_tokens(trainer, inputs: dict):
         local = inputs["attention_mask"].sum().to(torch.int64)
         groups = trainer.tsp_groups
         if groups is not None and groups.layout.tsp_enabled:
-            dist.all_reduce(local, group=groups.tsp_group)
+            with trainer.tsp_comm.guard("num_tokens all_reduce", group=groups.tsp_group, poll=local.device):
+                dist.all_reduce(local, group=groups.tsp_group)
         return local
     if inputs.get("position_ids") is not None:
         return torch.tensor(inputs.get("seq_len") or inputs["position_ids"].size(1),
