@@ -1,0 +1,170 @@
+"""A vision tower under TSP: each rank encodes 1/D of the images, and an all-to-all brings every vision token's
+embedding to the rank whose zigzag chunks hold that token.
+
+Schedule (one modality, one step; D = TSP degree, p = this rank):
+    plan  (host, once per step, from the full batch's token ids and grids, identical on every rank):
+          items (images, or video frames' parent videos) are cut into D contiguous runs balanced by patch count;
+          rank p encodes run p. Vision token k (k-th in row-major order of the batch, the order in which
+          transformers' masked_scatter fills them) belongs to item i(k), is encoded by rank e(k) and lands on rank
+          z(k), the owner of its zigzag chunk, at local row l(k).
+    fwd   E_p = tower(pixels of run p)                    [tokens of run p, h]      replicated tower, local images
+          R_p = all_to_all(E_p sorted by z)               [vision tokens in p's chunks, h]
+          h_p[l(k)] = R_p                                  (the text embedding of those rows is replaced)
+    bwd   dE_p = all_to_all back (splits swapped); tower backward on run p; the tower's weight grads summed over
+          the TSP group in ONE all-reduce per dtype inside that backward, before AccumulateGrad sees them.
+Bytes per rank: the rows it encodes out plus the rows it holds in, ~ (vision tokens x h) / D each way, not the
+all-gather's whole set. Memory: the tower's weights are replicated (small next to the language model), its
+activations are those of run p only (~1/D). Every rank runs the same Functions (an empty run included), so the
+collectives are posted in the same order everywhere.
+
+The plan reads token ids and grids on the host: a loader hands them there (TSPForConditionalGeneration copies
+device tensors to the host once at its entry); nothing inside the layers reads device values.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ds_tsp.core.comm.communicator import TSPComm
+
+
+@dataclass(frozen=True)
+class VisionRoute:
+    """One modality's plan for this rank (module docstring). Host tensors and ints only."""
+
+    items: tuple[int, int]  # [first, end) items this rank encodes
+    patches: tuple[int, int]  # their rows of pixel_values
+    send_order: torch.Tensor  # int64 [rows encoded here]: the encoded rows sorted by destination rank
+    in_splits: list[int]  # rows sent to each rank
+    out_splits: list[int]  # rows received from each rank
+    local_index: torch.Tensor  # int64 [rows received]: their flat [B * L] index in this rank's shard
+
+    @property
+    def encodes(self) -> bool:
+        return self.items[0] < self.items[1]
+
+
+def item_owners(patches_per_item: list[int], tsp: int) -> list[int]:
+    """The rank that encodes each item: D contiguous runs of items balanced by patch count (an item goes to the
+    rank whose 1/D slice of all patches holds its middle patch)."""
+    total, before, owners = sum(patches_per_item), 0, []
+    for n in patches_per_item:
+        owners.append(min(tsp - 1, (2 * before + n) * tsp // (2 * total)) if total else 0)
+        before += n
+    return owners
+
+
+def plan_vision_route(token_mask: torch.Tensor, grid_thw: torch.Tensor, spatial_merge_size: int, padded_len: int,
+                      tsp: int, rank: int, field: str = "image_grid_thw") -> VisionRoute:
+    """This rank's VisionRoute. token_mask: [B, S] bool on the host (the modality's placeholder tokens of the full,
+    unpadded batch); grid_thw: [items, 3] on the host; padded_len: the zigzag-padded sequence length. A grid whose
+    token count differs from the placeholders raises a ValueError naming `field`."""
+    grid = grid_thw.cpu().long()
+    patches = (grid[:, 0] * grid[:, 1] * grid[:, 2]).tolist()
+    tokens = [n // spatial_merge_size ** 2 for n in patches]
+    batch, seq = token_mask.shape
+    rows, cols = token_mask.cpu().nonzero(as_tuple=True)  # row-major: transformers' fill order
+    if sum(tokens) != rows.numel():
+        raise ValueError(f"{field} makes {sum(tokens)} vision tokens (spatial merge {spatial_merge_size}) but "
+                         f"input_ids holds {rows.numel()} placeholder tokens: the grid does not match the number of "
+                         "vision tokens")
+    owners = item_owners(patches, tsp)
+    encoder = torch.repeat_interleave(torch.tensor(owners, dtype=torch.long), torch.tensor(tokens, dtype=torch.long))
+    c = padded_len // (2 * tsp)
+    chunk = cols // c
+    dest = torch.where(chunk < tsp, chunk, 2 * tsp - 1 - chunk)
+    local = torch.where(chunk < tsp, cols - chunk * c, c + cols - chunk * c)
+    flat = rows * (2 * c) + local
+    first = owners.index(rank) if rank in owners else next((i for i, o in enumerate(owners) if o > rank),
+                                                          len(owners))
+    end = first + owners.count(rank)
+    token_start, token_end = sum(tokens[:first]), sum(tokens[:end])
+    mine = dest[token_start:token_end]
+    here = dest == rank
+    return VisionRoute(items=(first, end), patches=(sum(patches[:first]), sum(patches[:end])),
+                       send_order=torch.argsort(mine, stable=True),
+                       in_splits=torch.bincount(mine, minlength=tsp).tolist(),
+                       out_splits=torch.bincount(encoder[here], minlength=tsp).tolist(),
+                       local_index=flat[here])
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """forward: all-to-all of rows (in_splits out, out_splits in); backward: the same with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, rows, comm: TSPComm, in_splits: list[int], out_splits: list[int], what: str):
+        ctx.comm, ctx.splits, ctx.what = comm, (in_splits, out_splits), what
+        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        comm.all_to_all(out, rows, out_splits, in_splits, what=what).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, what=ctx.what + " (backward)").wait()
+        return back, None, None, None, None
+
+
+def all_to_all_rows(rows: torch.Tensor, comm: TSPComm, in_splits: list[int], out_splits: list[int],
+                    what: str = "vision embeddings") -> torch.Tensor:
+    """forward: all-to-all of rows over the TSP group; backward: all-to-all of their grads back."""
+    return _AllToAllRows.apply(rows, comm, in_splits, out_splits, what)
+
+
+class _ReplicatedEncode(torch.autograd.Function):
+    """A replicated module run on this rank's inputs: forward records its graph inside (grad enabled), backward
+    takes the weight grads from it and sums them over the TSP group, so each weight's AccumulateGrad (and every
+    engine hook on it) runs once with the group's sum."""
+
+    @staticmethod
+    def forward(ctx, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor, comm: TSPComm, what: str,
+                *params):
+        with torch.enable_grad():
+            out = encode()
+        ctx.out, ctx.comm, ctx.what = out, comm, what
+        ctx.save_for_backward(*params)
+        return empty.clone() if out is None else out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        params = ctx.saved_tensors
+        out, ctx.out = ctx.out, None
+        grads = (torch.autograd.grad(out, params, grad, allow_unused=True)
+                 if out is not None and out.requires_grad else (None,) * len(params))
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        summed: list[torch.Tensor | None] = [None] * len(params)
+        for slots in by_dtype.values():  # one all-reduce per dtype (a model normally has one)
+            flat = torch.cat([(grads[i] if grads[i] is not None else torch.zeros_like(params[i])).reshape(-1)
+                              for i in slots])
+            ctx.comm.all_reduce(flat, kind="replicated_grad", what=ctx.what).wait()
+            offset = 0
+            for i in slots:
+                n = params[i].numel()
+                summed[i] = flat[offset:offset + n].view_as(params[i])
+                offset += n
+        return (None, None, None, None, *summed)
+
+
+def encode_replicated(module: torch.nn.Module, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor,
+                      comm: TSPComm, what: str = "vision tower weight grads") -> torch.Tensor:
+    """encode() (this rank's part, or None for nothing: then `empty`) with the module's trainable weights' grads
+    summed over the TSP group in backward. Collective in backward on every rank, an empty part included."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params or not torch.is_grad_enabled():
+        with torch.no_grad():
+            out = encode()
+        return empty if out is None else out
+    return _ReplicatedEncode.apply(encode, empty, comm, what, *params)
+
+
+def scatter_vision_rows(h: torch.Tensor, rows: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor:
+    """h [B, L, hidden] with the rows at flat indices local_index replaced by `rows` (out of place: their text
+    embeddings get no gradient, as under transformers' masked_scatter)."""
+    B, L, hidden = h.shape
+    return h.reshape(B * L, hidden).index_copy(0, local_index.to(h.device), rows.to(h.dtype)).view(B, L, hidden)
+

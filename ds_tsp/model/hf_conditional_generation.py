@@ -1,0 +1,307 @@
+"""`TSPForConditionalGeneration`: a multimodal Qwen3.5 (transformers' Qwen3_5ForConditionalGeneration: a vision
+tower feeding the hybrid Gated DeltaNet / gated-attention language model) under TSP, with images.
+
+    model = TSPForConditionalGeneration.from_pretrained("local/qwen3.5-vl", tsp_group=group)
+    out = model(**processor_batch, labels=labels)    # input_ids, attention_mask, pixel_values, image_grid_thw,
+    out.loss.backward()                              # mm_token_type_ids: the FULL batch, on every TSP rank
+    model.save_pretrained("out/")                    # the Qwen3_5ForConditionalGeneration layout, streamed
+
+What runs where (D = TSP degree):
+* the language model is ShardedCausalLM (1/D of every weight and 1/D of the tokens, zigzag);
+* the vision tower is transformers' own module, replicated on the TSP group; each rank encodes a contiguous 1/D of
+  the images (balanced by patch count) and an all-to-all brings each vision token's embedding to the rank holding
+  that token (ds_tsp.core.layers.vision); the tower's weight grads are summed over the group inside backward;
+* positions: the 3-D mrope positions of the whole batch by transformers' get_rope_index rule
+  (ds_tsp.core.tokens.mrope), computed once per step and sharded with the tokens; a batch with no grid takes
+  transformers' text positions (0..S-1 on all three rows).
+Host reads: input_ids, mm_token_type_ids, attention_mask and the grids are read on the host once per step at this
+model's entry (a loader hands them there; device tensors are copied once) to plan the routing and the positions;
+nothing inside the layers reads a device value. (transformers' vision tower reads its grid on the host itself.)
+
+The loss is the one a single device computes (token mean over labels != -100, labels shifted inside), and its
+backward gives every rank its share of every gradient, the vision tower's (summed, whole) included, so a plain
+torch optimizer over model.parameters() trains it exactly.
+
+Not handled yet, each refused by name: video (pixel_values_videos / video_grid_thw), caller-given position_ids and
+packed multimodal documents, Qwen3.5-MoE and Qwen3-VL (DeepStack) checkpoints, a cp axis, TSPDataLoader shards
+(tsp_shard), TRL's fused head, frozen tower weights of an in-memory model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ds_tsp.core.config import TSPOptions
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.layers.vision import all_to_all_rows, encode_replicated, plan_vision_route, scatter_vision_rows
+from ds_tsp.core.shape.hf_config import import_transformers, language_model_config
+from ds_tsp.core.shape.model_shape import ModelShape
+from ds_tsp.core.tokens.mrope import mrope_cos_sin, mrope_positions
+from ds_tsp.core.tokens.positions import RopeTables, StepRope
+from ds_tsp.core.tokens.zigzag import pad_to, shard, shard_batch
+from ds_tsp.model.causal_lm import ShardedCausalLM
+from ds_tsp.model.hf_causal_lm import _HARMLESS_KWARGS, _resolve_dtype, as_comm
+
+# model_type -> the transformers class whose checkpoints and call this face reproduces
+ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
+# multimodal families on the way, refused by name until their exactness proof lands
+NOT_YET = {"qwen3_5_moe": "Qwen3.5-MoE (its sparse language model under the vision tower)",
+           "qwen3_vl": "Qwen3-VL (DeepStack visual features added to the first layers)",
+           "qwen3_vl_moe": "Qwen3-VL-MoE (DeepStack visual features added to the first layers)"}
+_VISION_PREFIX = "model.visual."
+_LM_PREFIX = "model.language_model."
+
+
+def check_multimodal_family(model_type: str | None) -> None:
+    if model_type in ARCHITECTURES:
+        return
+    if model_type in NOT_YET:
+        raise TSPConfigError(f"model_type={model_type!r}: {NOT_YET[model_type]} is not supported by "
+                             "TSPForConditionalGeneration yet; train its language model with TSPForCausalLM "
+                             "(text only) or use a qwen3_5 checkpoint")
+    raise TSPConfigError(f"model_type={model_type!r}: TSPForConditionalGeneration takes "
+                         f"{', '.join(ARCHITECTURES)} checkpoints (multimodal); for a text model use TSPForCausalLM")
+
+
+class _SaveView:
+    """What save_streaming reads, under Qwen3_5ForConditionalGeneration's names: the language model's shards and
+    norms under model.language_model., the lm_head as is, the vision tower's weights under model.visual."""
+
+    def __init__(self, model: "TSPForConditionalGeneration"):
+        self.tsp, self.visual, self.comm = model.tsp, model.visual, model.tsp.comm
+        self.lora_adapter_config = None
+
+    @staticmethod
+    def _rename(name: str) -> str:
+        return _LM_PREFIX + name[len("model."):] if name.startswith("model.") else name
+
+    def sharded_modules(self):
+        return [(self._rename(prefix), module, param) for prefix, module, param in self.tsp.sharded_modules()]
+
+    def replicated_params(self):
+        out = {self._rename(k): v for k, v in self.tsp.replicated_params().items()}
+        out.update({_VISION_PREFIX + k: v for k, v in self.visual.named_parameters()})
+        return out
+
+    def replicated_buffers(self):
+        return {self._rename(k): v for k, v in self.tsp.replicated_buffers().items()}
+
+
+class TSPForConditionalGeneration(nn.Module):
+    """A multimodal Qwen3.5 under TSP with the face of transformers' Qwen3_5ForConditionalGeneration: the call
+    takes the processor's full batch by keyword and returns the single-device loss (module docstring)."""
+
+    main_input_name = "input_ids"
+    accepts_loss_kwargs = True
+
+    def __init__(self, config, tsp_group=None, *, options: TSPOptions = TSPOptions(),
+                 dtype: torch.dtype = torch.float32, device=None, data_group=None):
+        super().__init__()
+        check_multimodal_family(getattr(config, "model_type", None))
+        self.config = config
+        text = language_model_config(config)
+        self.tsp = ShardedCausalLM(ModelShape.from_hf_config(text), as_comm(tsp_group), options=options,
+                                   dtype=dtype, device=device, data_group=data_group)
+        if self.tsp.comm.cp is not None:
+            raise TSPConfigError(f"tsp.cp_size={self.tsp.comm.cp.size} with TSPForConditionalGeneration: a cp axis "
+                                 "is not supported for multimodal models yet; use cp_size 1")
+        vision = import_transformers().AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
+        self.visual = vision.to(device=device, dtype=dtype)
+        rope = dict(getattr(text, "rope_parameters", None) or {})
+        self.mrope_section = tuple(rope.get("mrope_section", (11, 11, 10)))  # transformers' default
+        self.spatial_merge_size = config.vision_config.spatial_merge_size
+
+    # --- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained, tsp_group=None, *, dtype="auto", torch_dtype=None,
+                        options: TSPOptions = TSPOptions(), device=None,
+                        data_group=None) -> "TSPForConditionalGeneration":
+        """From a LOCAL checkpoint directory (each rank reads only its slices of the language model, and the vision
+        tower whole) or an in-memory transformers Qwen3_5ForConditionalGeneration. dtype "auto": the checkpoint's."""
+        from ds_tsp.checkpoint.hf.load import load_sharded
+        from ds_tsp.checkpoint.safetensors.reader import CheckpointReader
+
+        if torch_dtype is not None:
+            dtype = torch_dtype
+        if isinstance(pretrained, (str, Path)):
+            path = Path(pretrained) / "config.json"
+            if not path.is_file():
+                raise TSPConfigError(f"{path} does not exist: from_pretrained takes a local checkpoint directory")
+            values = json.loads(path.read_text())
+            check_multimodal_family(values.get("model_type"))
+            config = import_transformers().AutoConfig.for_model(**values)
+            model = cls(config, tsp_group, options=options, dtype=_resolve_dtype(dtype, config), device=device,
+                        data_group=data_group)
+            load_sharded(model.tsp, pretrained)
+            reader = CheckpointReader(pretrained)
+            with torch.no_grad(), reader.reading():
+                for name, param in model.visual.named_parameters():
+                    if _VISION_PREFIX + name not in reader:
+                        raise TSPConfigError(f"{pretrained}: {_VISION_PREFIX + name} is missing: the checkpoint has "
+                                             "no complete vision tower")
+                    reader.read(_VISION_PREFIX + name, out=param.data)
+            return model
+        if hasattr(pretrained, "config") and hasattr(pretrained, "state_dict"):
+            from ds_tsp.checkpoint.hf.language_model_names import language_model_tensors
+
+            check_multimodal_family(getattr(pretrained.config, "model_type", None))
+            frozen = [n for n, p in pretrained.named_parameters() if not p.requires_grad]
+            if frozen:
+                raise TSPConfigError(f"an in-memory model with frozen parameters ({frozen[0]}, ...): requires_grad "
+                                     "is not carried to TSPForConditionalGeneration yet; freeze after loading")
+            if dtype in (None, "auto"):
+                dtype = next(iter(pretrained.parameters())).dtype
+            model = cls(pretrained.config, tsp_group, options=options,
+                        dtype=_resolve_dtype(dtype, pretrained.config), device=device, data_group=data_group)
+            state = {k: v.detach() for k, v in pretrained.state_dict().items()}
+            model.tsp.load_full_state_dict(language_model_tensors(state))
+            model.visual.load_state_dict({k[len(_VISION_PREFIX):]: v for k, v in state.items()
+                                          if k.startswith(_VISION_PREFIX)})
+            return model
+        raise TSPConfigError(f"from_pretrained({type(pretrained).__name__}): pass a local checkpoint directory or a "
+                             "transformers Qwen3_5ForConditionalGeneration")
+
+    @property
+    def device(self) -> torch.device:
+        return self.tsp.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tsp.dtype
+
+    # --- forward ----------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None = None, *args, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                mm_token_type_ids: torch.Tensor | None = None, logits_to_keep: int = 0,
+                num_items_in_batch: torch.Tensor | int | None = None, **kwargs):
+        """transformers' Qwen3_5ForConditionalGeneration call on the full batch (every TSP rank passes the same):
+        CausalLMOutputWithPast(loss, logits). labels are unshifted (shifted inside); logits only for
+        logits_to_keep=k (the last k positions); num_items_in_batch as TSPForCausalLM takes it."""
+        self._check_call(args, kwargs, input_ids, labels, position_ids, pixel_values, image_grid_thw,
+                         pixel_values_videos, video_grid_thw, logits_to_keep)
+        comm, shape = self.tsp.comm, self.tsp.shape
+        ids = input_ids.cpu()  # the step's one host read of the token ids (module docstring)
+        image_tokens = ids == self.config.image_token_id
+        n_image = int(image_tokens.sum())
+        if pixel_values is None and n_image:
+            raise ValueError(f"input_ids holds {n_image} image tokens (image_token_id {self.config.image_token_id}) "
+                             "but pixel_values is None: pass the processor's pixel_values and image_grid_thw")
+        if image_grid_thw is not None and mm_token_type_ids is None:
+            raise ValueError("image_grid_thw without mm_token_type_ids: the processor returns it with input_ids, "
+                             "and the multimodal positions are computed from it")
+        full = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=labels, attention_mask=attention_mask,
+                           check_values=False)
+        padded = full["padded_len"]
+        if image_grid_thw is not None:  # transformers' get_rope_index rule, on the host, for the whole batch
+            positions = mrope_positions(mm_token_type_ids, self.spatial_merge_size, image_grid_thw,
+                                        attention_mask=attention_mask)
+        else:  # transformers' text positions
+            positions = torch.arange(ids.shape[1]).expand(3, *ids.shape)
+        local = shard(pad_to(positions, padded, 0, dim=2), comm.size, comm.rank, dim=2).to(input_ids.device)
+        cos, sin = mrope_cos_sin(local, shape.full_rotary_dim, shape.rope_theta, self.dtype, self.mrope_section,
+                                 shape.rope_scaling)
+        embeds = (self._vision_embeds(pixel_values, image_grid_thw, image_tokens, padded)
+                  if pixel_values is not None else None)
+        shift_labels = full["shift_labels"] if labels is not None else None
+        h, n_valid = self.tsp.final_hidden(full["input_ids"], full["position_ids"], full.get("attention_mask"),
+                                           shift_labels, None, ropes=StepRope(RopeTables(cos, sin)), embeds=embeds)
+        loss = logits = None
+        if shift_labels is not None and num_items_in_batch is not None:
+            total = (num_items_in_batch.to(device=h.device, dtype=n_valid.dtype).reshape(())
+                     if isinstance(num_items_in_batch, torch.Tensor)
+                     else torch.full((), num_items_in_batch, dtype=n_valid.dtype, device=h.device))
+            loss = self.tsp.tsp_group_loss(self.tsp.head_loss(h, shift_labels, total, full.get("attention_mask")))
+        elif shift_labels is not None:
+            loss = self.tsp.global_loss(self.tsp.head_loss(h, shift_labels, n_valid, full.get("attention_mask")))
+        if logits_to_keep:
+            logits = self.tsp.last_logits(h, full["seq_len"], logits_to_keep)
+        return import_transformers().modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _vision_embeds(self, pixel_values, grid_thw, image_tokens, padded_len):
+        """The embedding hook: this rank encodes its run of images, the all-to-all routes every vision token's
+        embedding to the rank holding it, and they replace the placeholders' text embeddings."""
+        comm = self.tsp.comm
+        route = plan_vision_route(image_tokens, grid_thw, self.spatial_merge_size, padded_len, comm.size, comm.rank)
+        (first, end), (lo, hi) = route.items, route.patches
+        device = self.device
+        vision_dtype = next(self.visual.parameters()).dtype
+
+        def encode():
+            if not route.encodes:
+                return None
+            pixels = pixel_values[lo:hi].to(device=device, dtype=vision_dtype)
+            return self.visual(pixels, grid_thw=grid_thw[first:end].to(device)).pooler_output
+
+        def embeds(h):
+            empty = torch.zeros((0, h.shape[-1]), dtype=vision_dtype, device=device)
+            encoded = encode_replicated(self.visual, encode, empty, comm)
+            rows = all_to_all_rows(encoded[route.send_order.to(device)], comm, route.in_splits, route.out_splits)
+            return scatter_vision_rows(h, rows, route.local_index)
+
+        return embeds
+
+    def _check_call(self, args, kwargs, input_ids, labels, position_ids, pixel_values, image_grid_thw,
+                    pixel_values_videos, video_grid_thw, logits_to_keep) -> None:
+        if args:
+            raise TSPConfigError(f"TSPForConditionalGeneration.forward got {1 + len(args)} positional arguments: "
+                                 "pass everything after input_ids by keyword (model(**batch))")
+        for key, value in kwargs.items():
+            if key == "tsp_shard":
+                raise TSPConfigError("tsp_shard=: TSPForConditionalGeneration takes the processor's full batch on "
+                                     "every TSP rank (TSPDataLoader shards are not supported for multimodal models)")
+            if key not in _HARMLESS_KWARGS or not any(value is v or value == v for v in _HARMLESS_KWARGS[key]):
+                raise TSPConfigError(f"{key}= is not supported by TSPForConditionalGeneration.forward; accepted: "
+                                     "input_ids, labels, attention_mask, pixel_values, image_grid_thw, "
+                                     "mm_token_type_ids, logits_to_keep, num_items_in_batch")
+        if input_ids is None or input_ids.dim() != 2:
+            raise TSPConfigError("input_ids [batch, seq] is required (inputs_embeds is not supported: the "
+                                 "embedding is sharded)")
+        if pixel_values_videos is not None or video_grid_thw is not None:
+            raise TSPConfigError("pixel_values_videos / video_grid_thw: video is not supported by "
+                                 "TSPForConditionalGeneration yet; pass images (pixel_values, image_grid_thw)")
+        if position_ids is not None:
+            raise TSPConfigError("position_ids=: TSPForConditionalGeneration computes the multimodal positions "
+                                 "itself (transformers' get_rope_index rule); caller-given positions and packed "
+                                 "multimodal documents are not supported yet: leave position_ids out")
+        if (pixel_values is None) != (image_grid_thw is None):
+            raise ValueError("pixel_values and image_grid_thw come together (the processor returns both)")
+        if labels is None and not logits_to_keep:
+            raise TSPConfigError("pass labels for the loss, or logits_to_keep=k for the logits of the last k "
+                                 "positions")
+
+    # --- state --------------------------------------------------------------------------------------------------
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Collective: every weight (or its grad, grads=True) whole, under Qwen3_5ForConditionalGeneration's
+        names."""
+        view = _SaveView(self)
+        out = {view._rename(k): v for k, v in self.tsp.full_state_dict(grads=grads).items()}
+        for name, p in self.visual.named_parameters():
+            t = p.grad if grads else p
+            out[_VISION_PREFIX + name] = torch.zeros_like(p) if t is None else t.detach().clone()
+        return out
+
+    def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
+                        dtype: torch.dtype | None = None, **kwargs) -> Path | None:
+        """Collective: the Qwen3_5ForConditionalGeneration layout (config.json, safetensors) that plain transformers
+        loads, written by global rank 0. Returns the directory there, None elsewhere."""
+        import copy
+
+        from ds_tsp.checkpoint.hf.save import save_streaming
+
+        unsupported = {k for k, v in kwargs.items() if not (k == "safe_serialization" and v)}
+        if unsupported:
+            raise TSPConfigError(f"save_pretrained: {', '.join(sorted(unsupported))} not supported")
+        dtype = dtype or self.dtype
+        config = copy.deepcopy(self.config)
+        config.architectures = [ARCHITECTURES[config.model_type]]
+        config.dtype = dtype
+        return save_streaming(_SaveView(self), save_directory, config.to_json_string(use_diff=False),
+                              max_shard_size=max_shard_size, dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"model_type={self.config.model_type}, tsp={self.tsp.comm.size}"

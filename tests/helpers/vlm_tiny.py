@@ -1,0 +1,95 @@
+"""A tiny multimodal Qwen3.5 (transformers' Qwen3_5ForConditionalGeneration) and image batches for
+tests/model/test_multimodal.py (a helper module: nothing collected).
+
+Language model: hybrid_tiny's Qwen3.5 (a Gated DeltaNet layer, then gated attention; hidden 32, rotary dim 8 with
+mrope_section [2, 1, 1], so the t, h and w rows each rotate a frequency of their own). Vision tower: depth 2,
+hidden 16, 2 heads, patch 2 px, temporal patch 2, spatial merge 2, a 4 x 4 learned position grid, out 32. An image
+of grid (1, h, w) patches is h * w patch rows of 3 * 2 * 2 * 2 = 24 pixels and makes h * w / 4 tokens. Placeholder
+ids inside the vocabulary (75): image 70, video 71, vision start 72, vision end 73.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hf_tiny import init_tiny_weights_, shift
+from hybrid_tiny import hybrid_config
+
+IMAGE, VIDEO, START, END = 70, 71, 72, 73
+VISION = dict(depth=2, hidden_size=16, num_heads=2, intermediate_size=32, patch_size=2, temporal_patch_size=2,
+              spatial_merge_size=2, out_hidden_size=32, num_position_embeddings=16, in_channels=3)
+PATCH_PIXELS = 3 * 2 * 2 * 2
+
+
+def vlm_config(**text_overrides):
+    import transformers
+
+    text = hybrid_config("qwen3_5", **text_overrides).to_dict()
+    return transformers.Qwen3_5Config(text_config=text, vision_config=VISION, image_token_id=IMAGE,
+                                      video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+
+
+def save_vlm_checkpoint(directory) -> str:
+    """The tiny VLM, deterministic float64 weights (norms 1 + 0.1 N; Gated DeltaNet decays spread), saved."""
+    import transformers
+
+    model = transformers.Qwen3_5ForConditionalGeneration._from_config(vlm_config(), attn_implementation="sdpa")
+    init_tiny_weights_(model.to(torch.float64), seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.linspace(-1.0, 1.0, p.numel(), dtype=p.dtype))
+            elif name.endswith("dt_bias"):
+                p.add_(1.0)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def image_batch(rows=(((4, (1, 4, 4)), (11, (1, 4, 6))), (), ((2, (1, 2, 4)),)), seq: int = 21,
+                seed: int = 0, pad_right=None) -> dict:
+    """Rows of random text with images placed at given starts: rows[b] lists (start, grid) per image (the
+    placeholders run from start, framed by vision start / end tokens). Labels: the ids, -100 on image tokens.
+    pad_right[b]: right padding of row b (attention_mask 0, labels -100). At the default S = 21 the images cross
+    the zigzag chunk boundaries at D = 2 (chunks of 6) and D = 4 (chunks of 3), a row has none, and three images
+    leave one of four ranks with nothing to encode."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE, (len(rows), seq), generator=g)
+    grids, pixels = [], []
+    for b, images in enumerate(rows):
+        for start, (t, h, w) in images:
+            n = t * h * w // 4
+            ids[b, start - 1], ids[b, start:start + n], ids[b, start + n] = START, IMAGE, END
+            grids.append((t, h, w))
+            pixels.append(torch.randn(t * h * w, PATCH_PIXELS, dtype=torch.float64, generator=g))
+    labels = ids.masked_fill(ids == IMAGE, -100)
+    batch = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == IMAGE).int(),
+             "pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
+    if pad_right is not None:
+        mask = torch.ones_like(ids)
+        for b, n in enumerate(pad_right):
+            if n:
+                mask[b, -n:] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = labels.masked_fill(mask == 0, -100)
+    return batch
+
+
+def reference_loss_and_grads(model, batch: dict):
+    """transformers' own Qwen3_5ForConditionalGeneration (float64, patched): the token-mean cross entropy of its
+    logits over labels != -100 (shifted), taken in the logits' dtype (its loss_function upcasts to float32), and
+    the gradient of every parameter, HF-named."""
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift(batch["labels"]).reshape(-1))
+        loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def tsp_vlm_step(source, batch: dict, group=None):
+    """(model, (loss, HF-named grads)) of one float64 TSPForConditionalGeneration step on `group`."""
+    from ds_tsp.hf import TSPForConditionalGeneration
+
+    model = TSPForConditionalGeneration.from_pretrained(source, group, dtype=torch.float64)
+    out = model(**batch)
+    out.loss.backward()
+    return model, (out.loss.detach(), model.full_state_dict(grads=True))

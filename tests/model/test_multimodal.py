@@ -1,0 +1,198 @@
+"""ds_tsp.hf.TSPForConditionalGeneration: a multimodal Qwen3.5 (vision tower + hybrid Gated DeltaNet / gated
+attention language model) with images under TSP, against transformers' own Qwen3_5ForConditionalGeneration,
+float64.
+
+The batch (tests/helpers/vlm_tiny.image_batch): three rows, two images in the first, none in the second, one in
+the third, S = 21, so at D = 2 (chunks of 6) and D = 4 (chunks of 3) both images of row 0 are cut by rank
+boundaries and at D = 4 one rank encodes no image at all. The mrope section [2, 1, 1] gives the t, h and w
+position rows a rotary frequency each, so a wrong row would show. Proofs: loss and EVERY gradient (the vision
+tower's included) within 1e-10 at D = 1 (in process), D = 2 and D = 4 (one 4-rank spawn: D = 4 on the world, D = 2
+on both halves, the second half with right padding), measured ~1e-15; the D = 4 save reloaded by plain transformers
+with identical tensors and logits; positions equal transformers' get_rope_index (images, padding, video frames);
+the routing plan moves every vision token exactly once; bad input refused by name.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hybrid_tiny import rel  # noqa: E402,I001
+from local_ranks import run_on_local_ranks  # noqa: E402
+from vlm_tiny import (  # noqa: E402
+    IMAGE,
+    image_batch,
+    reference_loss_and_grads,
+    save_vlm_checkpoint,
+    tsp_vlm_step,
+    vlm_config,
+)
+
+from ds_tsp.core.errors import TSPConfigError  # noqa: E402
+from ds_tsp.core.layers.vision import plan_vision_route  # noqa: E402
+from ds_tsp.core.tokens.mrope import mrope_cos_sin, mrope_positions  # noqa: E402
+from ds_tsp.tools.hf_reference import load_hf_reference  # noqa: E402
+
+PADDED = (0, 5, 2)  # right padding per row of the padded case
+
+
+def _spawned(directory: str, save_root: str) -> dict:
+    """D=4 on the world (then saved); D=2 on [0, 1] (the image batch) and on [2, 3] (the same, right-padded)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    results = {}
+    model, results[4] = tsp_vlm_step(directory, image_batch())
+    results["a2a_bytes", rank] = model.tsp.comm.counter.bytes["all_to_all"]
+    model.save_pretrained(save_root, max_shard_size="24KB")  # collective over the world
+    if rank < 2:
+        _, results[2] = tsp_vlm_step(directory, image_batch(), halves[0])
+    else:
+        _, results["padded", 2] = tsp_vlm_step(directory, image_batch(pad_right=PADDED), halves[1])
+    gathered = [None] * 4
+    dist.all_gather_object(gathered, results)
+    return {**gathered[3], **gathered[1], **gathered[2], **gathered[0]} if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_vlm_checkpoint(tmp_path_factory.mktemp("qwen3_5_vlm") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model = load_hf_reference(checkpoint, torch.float64, image_text=True)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    return model
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, tmp_path_factory):
+    saved = tmp_path_factory.mktemp("qwen3_5_vlm_saved") / "d4"
+    return run_on_local_ranks(_spawned, 4, checkpoint, str(saved), timeout_s=600)[0], str(saved)
+
+
+def assert_matches(got, ref, what, tol: float = 1e-10):
+    loss, grads = got
+    ref_loss, ref_grads = ref
+    assert set(grads) == set(ref_grads), (what, set(grads) ^ set(ref_grads))
+    assert rel(loss, ref_loss) < tol, (what, float(loss), float(ref_loss))
+    errors = {n: rel(grads[n], g) for n, g in ref_grads.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < tol, (what, worst, errors[worst])
+    assert float(ref_grads["model.visual.blocks.0.attn.qkv.weight"].norm()) > 0  # the tower really learns
+
+
+def test_positions_equal_transformers_get_rope_index(reference):
+    rope_index = reference.model.get_rope_index
+    batch = image_batch(pad_right=PADDED)
+    for mask in (None, batch["attention_mask"]):
+        want, _ = rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
+                             attention_mask=mask)
+        got = mrope_positions(batch["mm_token_type_ids"], 2, batch["image_grid_thw"], attention_mask=mask)
+        assert torch.equal(got, want)
+    # a video of 2 frames (a timestamp token between them) beside an image: frames restart h, w at the position
+    types = torch.tensor([[0, 1, 1, 0, 0, 2, 2, 0, 2, 2, 0]])
+    image, video = torch.tensor([[1, 2, 4]]), torch.tensor([[2, 2, 4]])
+    want, _ = rope_index(torch.zeros_like(types), types, image, video)
+    assert torch.equal(mrope_positions(types, 2, image, video), want)
+
+
+def test_mrope_tables_equal_transformers_rotary_embedding(reference):
+    """float32, three different rows: the interleaved recomposition bit for bit."""
+    rotary = reference.model.language_model.rotary_emb
+    positions = torch.stack((torch.arange(12), torch.arange(12) * 3 % 7, torch.arange(12) * 5 % 11))[:, None]
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    want = Qwen3_5TextRotaryEmbedding.forward(rotary, torch.zeros(1, dtype=torch.float32), positions)
+    got = mrope_cos_sin(positions, 8, 10000.0, torch.float32, (2, 1, 1))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_routing_moves_every_vision_token_exactly_once():
+    """Coordinate check of the plan at D = 4: the ranks' received rows cover every image token's slot once, every
+    rank's sends match its peers' receives, and each rank sends only the rows it encoded (~1/D of them)."""
+    batch = image_batch()
+    mask = batch["input_ids"] == IMAGE
+    routes = [plan_vision_route(mask, batch["image_grid_thw"], 2, 24, 4, r) for r in range(4)]
+    for p in range(4):
+        for q in range(4):
+            assert routes[p].in_splits[q] == routes[q].out_splits[p]
+    rows, cols = mask.nonzero(as_tuple=True)
+    slots = set()
+    for r, route in enumerate(routes):
+        for flat in route.local_index.tolist():
+            b, local = divmod(flat, 6)
+            g = (r if local < 3 else 7 - r)  # the zigzag chunk this local row sits in
+            slots.add((b, g * 3 + local % 3))
+    assert slots == set(zip(rows.tolist(), cols.tolist())) and sum(r.local_index.numel() for r in routes) == len(slots)
+    encoded = [sum(r.in_splits) for r in routes]
+    assert sum(encoded) == len(slots) and encoded.count(0) == 1  # three images, four ranks: one encodes none
+    assert [r.items for r in routes] == [(0, 1), (1, 1), (1, 2), (2, 3)]  # by patch count: 16, 24, 8
+
+
+def test_d1_matches_transformers_from_a_directory_and_in_memory(checkpoint, reference):
+    batch = image_batch()
+    ref = reference_loss_and_grads(reference, batch)
+    _, got = tsp_vlm_step(checkpoint, batch)
+    assert_matches(got, ref, "D=1 directory")
+    _, got = tsp_vlm_step(reference, batch)
+    assert_matches(got, ref, "D=1 in memory")
+
+
+def test_d2_and_d4_match_transformers(runs, reference):
+    results, _ = runs
+    ref = reference_loss_and_grads(reference, image_batch())
+    for degree in (4, 2):
+        assert_matches(results[degree], ref, ("images", degree))
+    assert_matches(results["padded", 2], reference_loss_and_grads(reference, image_batch(pad_right=PADDED)),
+                   ("padded", 2))
+    # the vision rows' all-to-all, forward and backward: each rank moves only the rows that change rank (row-wise
+    # 1/D of the vision tokens here), never an all-gather of them all
+    batch = image_batch()
+    routes = [plan_vision_route(batch["input_ids"] == IMAGE, batch["image_grid_thw"], 2, 24, 4, r) for r in range(4)]
+    row_bytes = 32 * 8
+    for r, route in enumerate(routes):
+        moved = sum(route.in_splits) - route.in_splits[r] + sum(route.out_splits) - route.out_splits[r]
+        assert results["a2a_bytes", r] == moved * row_bytes, r
+    assert sum(results["a2a_bytes", r] for r in range(4)) > 0
+
+
+def test_save_reloads_in_transformers_with_identical_logits(runs, reference):
+    _, saved = runs
+    config = json.loads(open(f"{saved}/config.json").read())
+    assert config["model_type"] == "qwen3_5" and config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    reloaded = load_hf_reference(saved, torch.float64, image_text=True)
+    original = dict(reference.state_dict())
+    assert reloaded.state_dict().keys() == original.keys()
+    differ = [k for k, v in reloaded.state_dict().items() if not torch.equal(v, original[k])]
+    assert not differ, differ
+    batch = {k: v for k, v in image_batch().items() if k != "labels"}
+    with torch.no_grad():
+        assert rel(reloaded(**batch).logits, reference(**batch).logits) < 1e-13
+
+
+def test_bad_input_is_refused_by_name(checkpoint):
+    from ds_tsp.hf import TSPForConditionalGeneration
+
+    model = TSPForConditionalGeneration.from_pretrained(checkpoint, None, dtype=torch.float64)
+    batch = image_batch()
+    with pytest.raises(ValueError, match="image_grid_thw"):  # a grid that does not match its span
+        model(**{**batch, "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4], [1, 2, 4]])})
+    with pytest.raises(ValueError, match="image_grid_thw"):  # more items than spans
+        model(**{**batch, "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 6], [1, 2, 4], [1, 2, 2]])})
+    with pytest.raises(ValueError, match="pixel_values"):
+        model(input_ids=batch["input_ids"], labels=batch["labels"])
+    with pytest.raises(TSPConfigError, match="pixel_values_videos"):
+        model(**batch, pixel_values_videos=batch["pixel_values"], video_grid_thw=batch["image_grid_thw"])
+    with pytest.raises(TSPConfigError, match="position_ids"):
+        model(**batch, position_ids=torch.arange(21).expand(3, 3, 21))
+    with pytest.raises(TSPConfigError, match="qwen3_vl"):
+        TSPForConditionalGeneration(transformers.Qwen3VLConfig())
+    with pytest.raises(TSPConfigError, match="qwen3_5_moe"):
+        TSPForConditionalGeneration(transformers.Qwen3_5MoeConfig())
+    assert vlm_config().model_type == "qwen3_5"
