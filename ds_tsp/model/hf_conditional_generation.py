@@ -1,9 +1,10 @@
 """`TSPForConditionalGeneration`: a multimodal Qwen3.5 (transformers' Qwen3_5ForConditionalGeneration: a vision
-tower feeding the hybrid Gated DeltaNet / gated-attention language model) under TSP, with images.
+tower feeding the hybrid Gated DeltaNet / gated-attention language model) under TSP, with images and videos.
 
     model = TSPForConditionalGeneration.from_pretrained("local/qwen3.5-vl", tsp_group=group)
     out = model(**processor_batch, labels=labels)    # input_ids, attention_mask, pixel_values, image_grid_thw,
-    out.loss.backward()                              # mm_token_type_ids: the FULL batch, on every TSP rank
+    out.loss.backward()                              # (pixel_values_videos, video_grid_thw,) mm_token_type_ids:
+                                                     # the FULL batch, on every TSP rank
     model.save_pretrained("out/")                    # the Qwen3_5ForConditionalGeneration layout, streamed
 
 What runs where (D = TSP degree):
@@ -22,7 +23,10 @@ The loss is the one a single device computes (token mean over labels != -100, la
 backward gives every rank its share of every gradient, the vision tower's (summed, whole) included, so a plain
 torch optimizer over model.parameters() trains it exactly.
 
-Not handled yet, each refused by name: video (pixel_values_videos / video_grid_thw), caller-given position_ids and
+Videos (pixel_values_videos, video_grid_thw) take the same path as images: whole videos are the items each rank
+encodes, their frames' positions restart h and w per frame (the timestamps between frames are text).
+
+Not handled yet, each refused by name: caller-given position_ids and
 packed multimodal documents, Qwen3.5-MoE and Qwen3-VL (DeepStack) checkpoints, a cp axis, TSPDataLoader shards
 (tsp_shard), TRL's fused head, frozen tower weights of an in-memory model.
 """
@@ -186,27 +190,33 @@ class TSPForConditionalGeneration(nn.Module):
                          pixel_values_videos, video_grid_thw, logits_to_keep)
         comm, shape = self.tsp.comm, self.tsp.shape
         ids = input_ids.cpu()  # the step's one host read of the token ids (module docstring)
-        image_tokens = ids == self.config.image_token_id
-        n_image = int(image_tokens.sum())
-        if pixel_values is None and n_image:
-            raise ValueError(f"input_ids holds {n_image} image tokens (image_token_id {self.config.image_token_id}) "
-                             "but pixel_values is None: pass the processor's pixel_values and image_grid_thw")
-        if image_grid_thw is not None and mm_token_type_ids is None:
-            raise ValueError("image_grid_thw without mm_token_type_ids: the processor returns it with input_ids, "
-                             "and the multimodal positions are computed from it")
+        modalities = []  # (pixels, grid, placeholder mask [B, S], grid field), in transformers' scatter order
+        for pixels, grid, token_id, names in ((pixel_values, image_grid_thw, self.config.image_token_id,
+                                               ("pixel_values", "image_grid_thw", "image")),
+                                              (pixel_values_videos, video_grid_thw, self.config.video_token_id,
+                                               ("pixel_values_videos", "video_grid_thw", "video"))):
+            tokens = ids == token_id
+            n = int(tokens.sum())
+            if pixels is None and n:
+                raise ValueError(f"input_ids holds {n} {names[2]} tokens ({names[2]}_token_id {token_id}) but "
+                                 f"{names[0]} is None: pass the processor's {names[0]} and {names[1]}")
+            if grid is not None and mm_token_type_ids is None:
+                raise ValueError(f"{names[1]} without mm_token_type_ids: the processor returns it with input_ids, "
+                                 "and the multimodal positions are computed from it")
+            if pixels is not None:
+                modalities.append((pixels, grid, tokens, names[1]))
         full = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=labels, attention_mask=attention_mask,
                            check_values=False)
         padded = full["padded_len"]
-        if image_grid_thw is not None:  # transformers' get_rope_index rule, on the host, for the whole batch
-            positions = mrope_positions(mm_token_type_ids, self.spatial_merge_size, image_grid_thw,
+        if modalities:  # transformers' get_rope_index rule, on the host, for the whole batch
+            positions = mrope_positions(mm_token_type_ids, self.spatial_merge_size, image_grid_thw, video_grid_thw,
                                         attention_mask=attention_mask)
         else:  # transformers' text positions
             positions = torch.arange(ids.shape[1]).expand(3, *ids.shape)
         local = shard(pad_to(positions, padded, 0, dim=2), comm.size, comm.rank, dim=2).to(input_ids.device)
         cos, sin = mrope_cos_sin(local, shape.full_rotary_dim, shape.rope_theta, self.dtype, self.mrope_section,
                                  shape.rope_scaling)
-        embeds = (self._vision_embeds(pixel_values, image_grid_thw, image_tokens, padded)
-                  if pixel_values is not None else None)
+        embeds = self._vision_embeds(modalities, padded) if modalities else None
         shift_labels = full["shift_labels"] if labels is not None else None
         h, n_valid = self.tsp.final_hidden(full["input_ids"], full["position_ids"], full.get("attention_mask"),
                                            shift_labels, None, ropes=StepRope(RopeTables(cos, sin)), embeds=embeds)
@@ -222,26 +232,34 @@ class TSPForConditionalGeneration(nn.Module):
             logits = self.tsp.last_logits(h, full["seq_len"], logits_to_keep)
         return import_transformers().modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def _vision_embeds(self, pixel_values, grid_thw, image_tokens, padded_len):
-        """The embedding hook: this rank encodes its run of images, the all-to-all routes every vision token's
-        embedding to the rank holding it, and they replace the placeholders' text embeddings."""
-        comm = self.tsp.comm
-        route = plan_vision_route(image_tokens, grid_thw, self.spatial_merge_size, padded_len, comm.size, comm.rank)
-        (first, end), (lo, hi) = route.items, route.patches
-        device = self.device
+    def _vision_embeds(self, modalities, padded_len):
+        """The embedding hook: per modality (images, then videos, as transformers scatters them), this rank encodes
+        its run of items, the all-to-all routes every vision token's embedding to the rank holding it, and they
+        replace the placeholders' text embeddings. Every route is planned here, before the layers run."""
+        comm, device = self.tsp.comm, self.device
         vision_dtype = next(self.visual.parameters()).dtype
+        plans = [(pixels, grid, plan_vision_route(tokens, grid, self.spatial_merge_size, padded_len, comm.size,
+                                                  comm.rank, field=field))
+                 for pixels, grid, tokens, field in modalities]
 
-        def encode():
-            if not route.encodes:
-                return None
-            pixels = pixel_values[lo:hi].to(device=device, dtype=vision_dtype)
-            return self.visual(pixels, grid_thw=grid_thw[first:end].to(device)).pooler_output
+        def encoder(pixels, grid, route):
+            (first, end), (lo, hi) = route.items, route.patches
+
+            def encode():
+                if not route.encodes:
+                    return None
+                part = pixels[lo:hi].to(device=device, dtype=vision_dtype)
+                return self.visual(part, grid_thw=grid[first:end].to(device)).pooler_output
+            return encode
 
         def embeds(h):
             empty = torch.zeros((0, h.shape[-1]), dtype=vision_dtype, device=device)
-            encoded = encode_replicated(self.visual, encode, empty, comm)
-            rows = all_to_all_rows(encoded[route.send_order.to(device)], comm, route.in_splits, route.out_splits)
-            return scatter_vision_rows(h, rows, route.local_index)
+            for pixels, grid, route in plans:
+                encoded = encode_replicated(self.visual, encoder(pixels, grid, route), empty, comm)
+                rows = all_to_all_rows(encoded[route.send_order.to(device)], comm, route.in_splits,
+                                       route.out_splits)
+                h = scatter_vision_rows(h, rows, route.local_index)
+            return h
 
         return embeds
 
@@ -261,15 +279,14 @@ class TSPForConditionalGeneration(nn.Module):
         if input_ids is None or input_ids.dim() != 2:
             raise TSPConfigError("input_ids [batch, seq] is required (inputs_embeds is not supported: the "
                                  "embedding is sharded)")
-        if pixel_values_videos is not None or video_grid_thw is not None:
-            raise TSPConfigError("pixel_values_videos / video_grid_thw: video is not supported by "
-                                 "TSPForConditionalGeneration yet; pass images (pixel_values, image_grid_thw)")
         if position_ids is not None:
             raise TSPConfigError("position_ids=: TSPForConditionalGeneration computes the multimodal positions "
                                  "itself (transformers' get_rope_index rule); caller-given positions and packed "
                                  "multimodal documents are not supported yet: leave position_ids out")
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw come together (the processor returns both)")
+        if (pixel_values_videos is None) != (video_grid_thw is None):
+            raise ValueError("pixel_values_videos and video_grid_thw come together (the processor returns both)")
         if labels is None and not logits_to_keep:
             raise TSPConfigError("pass labels for the loss, or logits_to_keep=k for the logits of the last k "
                                  "positions")

@@ -44,13 +44,21 @@ def save_vlm_checkpoint(directory) -> str:
     return str(directory)
 
 
+# a batch with both: row 0 two images and a 2-frame video whose frames land on different ranks, row 1 a 3-frame
+# video only, row 2 text only (S = 29: at D = 4 chunks of 4 tokens)
+MIXED = dict(rows=(((4, (1, 4, 4)), (11, (1, 2, 4))), (), ()), seq=29,
+             videos=(((17, (2, 4, 4)),), ((2, (3, 4, 2)),), ()))
+
+
 def image_batch(rows=(((4, (1, 4, 4)), (11, (1, 4, 6))), (), ((2, (1, 2, 4)),)), seq: int = 21,
-                seed: int = 0, pad_right=None) -> dict:
+                seed: int = 0, pad_right=None, videos=None) -> dict:
     """Rows of random text with images placed at given starts: rows[b] lists (start, grid) per image (the
     placeholders run from start, framed by vision start / end tokens). Labels: the ids, -100 on image tokens.
     pad_right[b]: right padding of row b (attention_mask 0, labels -100). At the default S = 21 the images cross
     the zigzag chunk boundaries at D = 2 (chunks of 6) and D = 4 (chunks of 3), a row has none, and three images
-    leave one of four ranks with nothing to encode."""
+    leave one of four ranks with nothing to encode. videos[b] lists (start, grid) per video of row b: frame f of t
+    runs from start + f * (frame tokens + 3), framed by vision start / end, a timestamp (text) token between frames.
+    """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, IMAGE, (len(rows), seq), generator=g)
     grids, pixels = [], []
@@ -60,9 +68,21 @@ def image_batch(rows=(((4, (1, 4, 4)), (11, (1, 4, 6))), (), ((2, (1, 2, 4)),)),
             ids[b, start - 1], ids[b, start:start + n], ids[b, start + n] = START, IMAGE, END
             grids.append((t, h, w))
             pixels.append(torch.randn(t * h * w, PATCH_PIXELS, dtype=torch.float64, generator=g))
-    labels = ids.masked_fill(ids == IMAGE, -100)
-    batch = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == IMAGE).int(),
-             "pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids)}
+    video_grids, video_pixels = [], []
+    for b, clips in enumerate(videos or ()):
+        for start, (t, h, w) in clips:  # frame f: [start - 1] vision start, frame tokens, vision end, a timestamp
+            n = h * w // 4
+            for f in range(t):
+                at = start + f * (n + 3)
+                ids[b, at - 1], ids[b, at:at + n], ids[b, at + n] = START, VIDEO, END
+            video_grids.append((t, h, w))
+            video_pixels.append(torch.randn(t * h * w, PATCH_PIXELS, dtype=torch.float64, generator=g))
+    labels = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)
+    batch = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == IMAGE).int() + 2 * (ids == VIDEO).int()}
+    if grids:
+        batch.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.tensor(grids))
+    if video_grids:
+        batch.update(pixel_values_videos=torch.cat(video_pixels), video_grid_thw=torch.tensor(video_grids))
     if pad_right is not None:
         mask = torch.ones_like(ids)
         for b, n in enumerate(pad_right):

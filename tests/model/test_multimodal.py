@@ -2,12 +2,13 @@
 attention language model) with images under TSP, against transformers' own Qwen3_5ForConditionalGeneration,
 float64.
 
-The batch (tests/helpers/vlm_tiny.image_batch): three rows, two images in the first, none in the second, one in
+The image batch (tests/helpers/vlm_tiny.image_batch): three rows, two images in the first, none in the second, one in
 the third, S = 21, so at D = 2 (chunks of 6) and D = 4 (chunks of 3) both images of row 0 are cut by rank
 boundaries and at D = 4 one rank encodes no image at all. The mrope section [2, 1, 1] gives the t, h and w
-position rows a rotary frequency each, so a wrong row would show. Proofs: loss and EVERY gradient (the vision
+position rows a rotary frequency each, so a wrong row would show. The mixed batch (vlm_tiny.MIXED) adds videos
+of 2 and 3 frames (timestamps between frames) beside images, frames landing on different ranks. Proofs: loss and EVERY gradient (the vision
 tower's included) within 1e-10 at D = 1 (in process), D = 2 and D = 4 (one 4-rank spawn: D = 4 on the world, D = 2
-on both halves, the second half with right padding), measured ~1e-15; the D = 4 save reloaded by plain transformers
+on both halves, the second half with right padding; the mixed batch at D = 1, 2, 4), measured ~1e-15; the D = 4 save reloaded by plain transformers
 with identical tensors and logits; positions equal transformers' get_rope_index (images, padding, video frames);
 the routing plan moves every vision token exactly once; bad input refused by name.
 """
@@ -24,6 +25,7 @@ from hybrid_tiny import rel  # noqa: E402,I001
 from local_ranks import run_on_local_ranks  # noqa: E402
 from vlm_tiny import (  # noqa: E402
     IMAGE,
+    MIXED,
     image_batch,
     reference_loss_and_grads,
     save_vlm_checkpoint,
@@ -49,8 +51,10 @@ def _spawned(directory: str, save_root: str) -> dict:
     model, results[4] = tsp_vlm_step(directory, image_batch())
     results["a2a_bytes", rank] = model.tsp.comm.counter.bytes["all_to_all"]
     model.save_pretrained(save_root, max_shard_size="24KB")  # collective over the world
+    _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED))
     if rank < 2:
         _, results[2] = tsp_vlm_step(directory, image_batch(), halves[0])
+        _, results["mixed", 2] = tsp_vlm_step(directory, image_batch(**MIXED), halves[0])
     else:
         _, results["padded", 2] = tsp_vlm_step(directory, image_batch(pad_right=PADDED), halves[1])
     gathered = [None] * 4
@@ -100,6 +104,11 @@ def test_positions_equal_transformers_get_rope_index(reference):
     image, video = torch.tensor([[1, 2, 4]]), torch.tensor([[2, 2, 4]])
     want, _ = rope_index(torch.zeros_like(types), types, image, video)
     assert torch.equal(mrope_positions(types, 2, image, video), want)
+    batch = image_batch(**MIXED)
+    want, _ = rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"],
+                         batch["video_grid_thw"])
+    assert torch.equal(mrope_positions(batch["mm_token_type_ids"], 2, batch["image_grid_thw"],
+                                       batch["video_grid_thw"]), want)
 
 
 def test_mrope_tables_equal_transformers_rotary_embedding(reference):
@@ -142,6 +151,9 @@ def test_d1_matches_transformers_from_a_directory_and_in_memory(checkpoint, refe
     assert_matches(got, ref, "D=1 directory")
     _, got = tsp_vlm_step(reference, batch)
     assert_matches(got, ref, "D=1 in memory")
+    batch = image_batch(**MIXED)
+    _, got = tsp_vlm_step(checkpoint, batch)
+    assert_matches(got, reference_loss_and_grads(reference, batch), "D=1 images and videos")
 
 
 def test_d2_and_d4_match_transformers(runs, reference):
@@ -151,6 +163,9 @@ def test_d2_and_d4_match_transformers(runs, reference):
         assert_matches(results[degree], ref, ("images", degree))
     assert_matches(results["padded", 2], reference_loss_and_grads(reference, image_batch(pad_right=PADDED)),
                    ("padded", 2))
+    mixed = reference_loss_and_grads(reference, image_batch(**MIXED))
+    for degree in (4, 2):
+        assert_matches(results["mixed", degree], mixed, ("images and videos", degree))
     # the vision rows' all-to-all, forward and backward: each rank moves only the rows that change rank (row-wise
     # 1/D of the vision tokens here), never an all-gather of them all
     batch = image_batch()
@@ -187,8 +202,11 @@ def test_bad_input_is_refused_by_name(checkpoint):
         model(**{**batch, "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 6], [1, 2, 4], [1, 2, 2]])})
     with pytest.raises(ValueError, match="pixel_values"):
         model(input_ids=batch["input_ids"], labels=batch["labels"])
-    with pytest.raises(TSPConfigError, match="pixel_values_videos"):
-        model(**batch, pixel_values_videos=batch["pixel_values"], video_grid_thw=batch["image_grid_thw"])
+    mixed = image_batch(**MIXED)
+    with pytest.raises(ValueError, match="video_grid_thw"):  # 3 frames where the tokens hold 2
+        model(**{**mixed, "video_grid_thw": torch.tensor([[3, 4, 4], [3, 4, 2]])})
+    with pytest.raises(ValueError, match="pixel_values_videos"):
+        model(**{k: v for k, v in mixed.items() if k not in ("pixel_values_videos", "video_grid_thw")})
     with pytest.raises(TSPConfigError, match="position_ids"):
         model(**batch, position_ids=torch.arange(21).expand(3, 3, 21))
     with pytest.raises(TSPConfigError, match="qwen3_vl"):
