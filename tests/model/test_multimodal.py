@@ -1,16 +1,18 @@
 """ds_tsp.hf.TSPForConditionalGeneration: a multimodal Qwen3.5 (vision tower + hybrid Gated DeltaNet / gated
-attention language model) with images under TSP, against transformers' own Qwen3_5ForConditionalGeneration,
-float64.
+attention language model) with images and videos under TSP, against transformers' own
+Qwen3_5ForConditionalGeneration, float64.
 
-The image batch (tests/helpers/vlm_tiny.image_batch): three rows, two images in the first, none in the second, one in
-the third, S = 21, so at D = 2 (chunks of 6) and D = 4 (chunks of 3) both images of row 0 are cut by rank
-boundaries and at D = 4 one rank encodes no image at all. The mrope section [2, 1, 1] gives the t, h and w
-position rows a rotary frequency each, so a wrong row would show. The mixed batch (vlm_tiny.MIXED) adds videos
-of 2 and 3 frames (timestamps between frames) beside images, frames landing on different ranks. Proofs: loss and EVERY gradient (the vision
-tower's included) within 1e-10 at D = 1 (in process), D = 2 and D = 4 (one 4-rank spawn: D = 4 on the world, D = 2
-on both halves, the second half with right padding; the mixed batch at D = 1, 2, 4), measured ~1e-15; the D = 4 save reloaded by plain transformers
-with identical tensors and logits; positions equal transformers' get_rope_index (images, padding, video frames);
-the routing plan moves every vision token exactly once; bad input refused by name.
+The image batch (tests/helpers/vlm_tiny.image_batch): three rows, two images in the first, none in the second, one
+in the third, S = 21, so at D = 2 (chunks of 6) and D = 4 (chunks of 3) both images of row 0 are cut by rank
+boundaries and at D = 4 one rank encodes no image at all. The mrope section [2, 1, 1] gives the t, h and w position
+rows a rotary frequency each, so a wrong row would show. The mixed batch (vlm_tiny.MIXED) adds videos of 2 and 3
+frames (timestamps between frames) beside images, frames landing on different ranks.
+
+Proofs: loss and EVERY gradient (the vision tower's included) within 1e-10 at D = 1 (in process), D = 2 and D = 4
+(one 4-rank spawn: D = 4 on the world, D = 2 on both halves, the second half with right padding; the mixed batch at
+D = 1, 2, 4), measured ~1e-15; the all-to-all's bytes per rank equal the rows that change rank; the D = 4 save
+reloaded by plain transformers with identical tensors and logits; positions equal transformers' get_rope_index
+(images, padding, video frames); the routing plan moves every vision token exactly once; bad input refused by name.
 """
 from __future__ import annotations
 
