@@ -26,9 +26,13 @@ torch optimizer over model.parameters() trains it exactly.
 Videos (pixel_values_videos, video_grid_thw) take the same path as images: whole videos are the items each rank
 encodes, their frames' positions restart h and w per frame (the timestamps between frames are text).
 
-Not handled yet, each refused by name: caller-given position_ids and
-packed multimodal documents, Qwen3.5-MoE and Qwen3-VL (DeepStack) checkpoints, a cp axis, TSPDataLoader shards
-(tsp_shard), TRL's fused head, frozen tower weights of an in-memory model.
+Packed documents: position_ids [B, S] counting from 0 per document (DataCollatorWithFlattening's); attention and
+the Gated DeltaNet state stay inside each document and the multimodal positions restart per document, so the
+loss is that of every document run alone (transformers' own call, given 2-D position_ids, would instead put text
+positions on the vision tokens).
+
+Not handled yet, each refused by name: 3-D position_ids, Qwen3.5-MoE and Qwen3-VL (DeepStack) checkpoints, a cp
+axis, TSPDataLoader shards (tsp_shard), TRL's fused head, frozen tower weights of an in-memory model.
 """
 from __future__ import annotations
 
@@ -68,6 +72,13 @@ def check_multimodal_family(model_type: str | None) -> None:
                              "(text only) or use a qwen3_5 checkpoint")
     raise TSPConfigError(f"model_type={model_type!r}: TSPForConditionalGeneration takes "
                          f"{', '.join(ARCHITECTURES)} checkpoints (multimodal); for a text model use TSPForCausalLM")
+
+
+def _count_from_zero(documents: torch.Tensor) -> bool:
+    """Whether every packed document's positions (host [B, S]) start at 0 (they continue by +1 by definition)."""
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1] + 1
+    return bool((documents[starts] == 0).all())
 
 
 class _SaveView:
@@ -206,12 +217,19 @@ class TSPForConditionalGeneration(nn.Module):
             if pixels is not None:
                 modalities.append((pixels, grid, tokens, names[1]))
         full = shard_batch(input_ids, tsp=comm.size, rank=comm.rank, labels=labels, attention_mask=attention_mask,
-                           check_values=False)
+                           position_ids=position_ids, check_values=False)
         padded = full["padded_len"]
-        if modalities:  # transformers' get_rope_index rule, on the host, for the whole batch
+        documents = None if position_ids is None else position_ids.cpu().expand(ids.shape)
+        if modalities:  # transformers' get_rope_index rule, on the host, for the whole batch (per packed document)
             positions = mrope_positions(mm_token_type_ids, self.spatial_merge_size, image_grid_thw, video_grid_thw,
-                                        attention_mask=attention_mask)
-        else:  # transformers' text positions
+                                        attention_mask=attention_mask, documents=documents)
+            if documents is not None and not _count_from_zero(documents):
+                raise TSPConfigError("position_ids with vision tokens: packed documents' position_ids must count "
+                                     "0, 1, 2, ... from each document's start (DataCollatorWithFlattening's); the "
+                                     "multimodal positions are derived from where they restart")
+        elif documents is not None:  # transformers' text positions: the caller's on all three rows
+            positions = documents.expand(3, *ids.shape)
+        else:
             positions = torch.arange(ids.shape[1]).expand(3, *ids.shape)
         local = shard(pad_to(positions, padded, 0, dim=2), comm.size, comm.rank, dim=2).to(input_ids.device)
         cos, sin = mrope_cos_sin(local, shape.full_rotary_dim, shape.rope_theta, self.dtype, self.mrope_section,
@@ -279,10 +297,10 @@ class TSPForConditionalGeneration(nn.Module):
         if input_ids is None or input_ids.dim() != 2:
             raise TSPConfigError("input_ids [batch, seq] is required (inputs_embeds is not supported: the "
                                  "embedding is sharded)")
-        if position_ids is not None:
-            raise TSPConfigError("position_ids=: TSPForConditionalGeneration computes the multimodal positions "
-                                 "itself (transformers' get_rope_index rule); caller-given positions and packed "
-                                 "multimodal documents are not supported yet: leave position_ids out")
+        if position_ids is not None and position_ids.dim() != 2:
+            raise TSPConfigError(f"position_ids with {position_ids.dim()} dims: TSPForConditionalGeneration computes "
+                                 "the multimodal (3-row) positions itself by transformers' get_rope_index rule; pass "
+                                 "[batch, seq] text positions (restarting at 0 per packed document) or none")
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw come together (the processor returns both)")
         if (pixel_values_videos is None) != (video_grid_thw is None):

@@ -113,3 +113,52 @@ def tsp_vlm_step(source, batch: dict, group=None):
     out = model(**batch)
     out.loss.backward()
     return model, (out.loss.detach(), model.full_state_dict(grads=True))
+
+
+def packed_documents():
+    """Two rows of two packed documents each (lengths 9 + 7 and 10 + 6): an image document then a text one, a
+    video document then an image one; at D = 4 (chunks of 2 tokens) every vision span is cut by rank boundaries."""
+    return [[image_batch(rows=(((3, (1, 4, 4)),),), seq=9, seed=1), image_batch(rows=((),), seq=7, seed=2)],
+            [image_batch(rows=((),), seq=10, seed=3, videos=(((2, (2, 2, 4)),),)),
+             image_batch(rows=(((2, (1, 2, 4)),),), seq=6, seed=4)]]
+
+
+def packed_batch(documents) -> dict:
+    """The documents packed row by row as DataCollatorWithFlattening packs them: position_ids counting from 0 per
+    document, each document's first label -100; pixels and grids in the batch's row-major order."""
+    rows = {key: [] for key in ("input_ids", "labels", "mm_token_type_ids", "position_ids")}
+    vision = {key: [] for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    for docs in documents:
+        for key in rows:
+            parts = []
+            for doc in docs:
+                n = doc["input_ids"].shape[1]
+                part = torch.arange(n)[None] if key == "position_ids" else doc[key].clone()
+                if key == "labels":
+                    part[:, 0] = -100
+                parts.append(part)
+            rows[key].append(torch.cat(parts, dim=1))
+        for doc in docs:
+            for key in vision:
+                if key in doc:
+                    vision[key].append(doc[key])
+    batch = {key: torch.cat(parts) for key, parts in rows.items()}
+    batch.update({key: torch.cat(parts) for key, parts in vision.items() if parts})
+    return batch
+
+
+def reference_packed(model, documents):
+    """Every document run alone through transformers (its own pixels and grids): the token-mean loss over all of
+    them and the summed gradients."""
+    count = sum(int((shift(doc["labels"]) != -100).sum()) for docs in documents for doc in docs)
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for docs in documents:
+        for doc in docs:
+            batch = {k: v for k, v in doc.items() if k != "labels"}
+            logits = model(**batch, use_cache=False).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift(doc["labels"]).reshape(-1),
+                                   reduction="sum") / count
+            loss.backward()
+            total = total + loss.detach()
+    return total, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -9,8 +9,8 @@ rows a rotary frequency each, so a wrong row would show. The mixed batch (vlm_ti
 frames (timestamps between frames) beside images, frames landing on different ranks.
 
 Proofs: loss and EVERY gradient (the vision tower's included) within 1e-10 at D = 1 (in process), D = 2 and D = 4
-(one 4-rank spawn: D = 4 on the world, D = 2 on both halves, the second half with right padding; the mixed batch at
-D = 1, 2, 4), measured ~1e-15; the all-to-all's bytes per rank equal the rows that change rank; the D = 4 save
+(one 4-rank spawn: D = 4 on the world, D = 2 on both halves, the second half with right padding; the mixed batch and
+packed multimodal documents at D = 1, 2, 4, the latter against each document run alone), measured ~1e-15; the all-to-all's bytes per rank equal the rows that change rank; the D = 4 save
 reloaded by plain transformers with identical tensors and logits; positions equal transformers' get_rope_index
 (images, padding, video frames); the routing plan moves every vision token exactly once; bad input refused by name.
 """
@@ -29,7 +29,10 @@ from vlm_tiny import (  # noqa: E402
     IMAGE,
     MIXED,
     image_batch,
+    packed_batch,
+    packed_documents,
     reference_loss_and_grads,
+    reference_packed,
     save_vlm_checkpoint,
     tsp_vlm_step,
     vlm_config,
@@ -54,11 +57,13 @@ def _spawned(directory: str, save_root: str) -> dict:
     results["a2a_bytes", rank] = model.tsp.comm.counter.bytes["all_to_all"]
     model.save_pretrained(save_root, max_shard_size="24KB")  # collective over the world
     _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED))
+    _, results["packed", 4] = tsp_vlm_step(directory, packed_batch(packed_documents()))
     if rank < 2:
         _, results[2] = tsp_vlm_step(directory, image_batch(), halves[0])
         _, results["mixed", 2] = tsp_vlm_step(directory, image_batch(**MIXED), halves[0])
     else:
         _, results["padded", 2] = tsp_vlm_step(directory, image_batch(pad_right=PADDED), halves[1])
+        _, results["packed", 2] = tsp_vlm_step(directory, packed_batch(packed_documents()), halves[1])
     gathered = [None] * 4
     dist.all_gather_object(gathered, results)
     return {**gathered[3], **gathered[1], **gathered[2], **gathered[0]} if rank == 0 else None
@@ -158,6 +163,19 @@ def test_d1_matches_transformers_from_a_directory_and_in_memory(checkpoint, refe
     assert_matches(got, reference_loss_and_grads(reference, batch), "D=1 images and videos")
 
 
+def test_packed_documents_equal_each_document_alone(checkpoint, reference):
+    """D = 1 here (D = 2, 4 in the spawn): positions restart per document, attention and the Gated DeltaNet state
+    stay inside it; transformers' own call on the packed batch (vision positions as text) is far from it."""
+    documents = packed_documents()
+    batch = packed_batch(documents)
+    alone = reference_packed(reference, documents)
+    _, got = tsp_vlm_step(checkpoint, batch)
+    assert_matches(got, alone, "D=1 packed")
+    assert rel(reference_loss_and_grads(reference, batch)[0], alone[0]) > 1e-4
+    with pytest.raises(TSPConfigError, match="position_ids"):  # documents not counting from 0
+        tsp_vlm_step(checkpoint, {**batch, "position_ids": batch["position_ids"] + 1})
+
+
 def test_d2_and_d4_match_transformers(runs, reference):
     results, _ = runs
     ref = reference_loss_and_grads(reference, image_batch())
@@ -168,6 +186,9 @@ def test_d2_and_d4_match_transformers(runs, reference):
     mixed = reference_loss_and_grads(reference, image_batch(**MIXED))
     for degree in (4, 2):
         assert_matches(results["mixed", degree], mixed, ("images and videos", degree))
+    alone = reference_packed(reference, packed_documents())
+    for degree in (4, 2):
+        assert_matches(results["packed", degree], alone, ("packed documents", degree))
     # the vision rows' all-to-all, forward and backward: each rank moves only the rows that change rank (row-wise
     # 1/D of the vision tokens here), never an all-gather of them all
     batch = image_batch()
@@ -211,6 +232,8 @@ def test_bad_input_is_refused_by_name(checkpoint):
         model(**{k: v for k, v in mixed.items() if k not in ("pixel_values_videos", "video_grid_thw")})
     with pytest.raises(TSPConfigError, match="position_ids"):
         model(**batch, position_ids=torch.arange(21).expand(3, 3, 21))
+    with pytest.raises(ValueError, match="image_grid_thw"):  # an image span cut by a document boundary
+        model(**batch, position_ids=torch.cat((torch.arange(6), torch.arange(15))).expand(3, 21))
     with pytest.raises(TSPConfigError, match="qwen3_vl"):
         TSPForConditionalGeneration(transformers.Qwen3VLConfig())
     with pytest.raises(TSPConfigError, match="qwen3_5_moe"):
