@@ -10,9 +10,10 @@ frames (timestamps between frames) beside images, frames landing on different ra
 
 Proofs: loss and EVERY gradient (the vision tower's included) within 1e-10 at D = 1 (in process), D = 2 and D = 4
 (one 4-rank spawn: D = 4 on the world, D = 2 on both halves, the second half with right padding; the mixed batch and
-packed multimodal documents at D = 1, 2, 4, the latter against each document run alone), measured ~1e-15; the all-to-all's bytes per rank equal the rows that change rank; the D = 4 save
-reloaded by plain transformers with identical tensors and logits; positions equal transformers' get_rope_index
-(images, padding, video frames); the routing plan moves every vision token exactly once; bad input refused by name.
+packed multimodal documents at D = 1, 2, 4, the latter against each document run alone), measured ~1e-15; the
+all-to-all's bytes per rank equal the rows that change rank; the D = 4 save reloaded by plain transformers with
+identical tensors and logits; positions equal transformers' get_rope_index (images, padding, video frames); the
+routing plan moves every vision token exactly once; bad input refused by name.
 """
 from __future__ import annotations
 
