@@ -1,5 +1,6 @@
-"""`TSPForConditionalGeneration`: a multimodal Qwen3.5 (transformers' Qwen3_5ForConditionalGeneration: a vision
-tower feeding the hybrid Gated DeltaNet / gated-attention language model) under TSP, with images and videos.
+"""`TSPForConditionalGeneration`: a multimodal Qwen3.5 (transformers' Qwen3_5ForConditionalGeneration, or
+Qwen3_5MoeForConditionalGeneration: a vision tower feeding the hybrid Gated DeltaNet / gated-attention language
+model, dense or with experts) under TSP, with images and videos.
 
     model = TSPForConditionalGeneration.from_pretrained("local/qwen3.5-vl", tsp_group=group)
     out = model(**processor_batch, labels=labels)    # input_ids, attention_mask, pixel_values, image_grid_thw,
@@ -31,8 +32,11 @@ the Gated DeltaNet state stay inside each document and the multimodal positions 
 loss is that of every document run alone (transformers' own call, given 2-D position_ids, would instead put text
 positions on the vision tokens).
 
-Not handled yet, each refused by name: 3-D position_ids, Qwen3.5-MoE and Qwen3-VL (DeepStack) checkpoints, a cp
-axis, TSPDataLoader shards (tsp_shard), TRL's fused head, frozen tower weights of an in-memory model.
+Qwen3.5-MoE: E/D whole experts per rank as in TSPForCausalLM; with output_router_logits (the config's) the loss
+adds router_aux_loss_coef x transformers' load-balancing loss of the whole batch, aux_loss returned beside it.
+
+Not handled yet, each refused by name: 3-D position_ids, Qwen3-VL (DeepStack) checkpoints, a cp axis,
+TSPDataLoader shards (tsp_shard), TRL's fused head, frozen tower weights of an in-memory model.
 """
 from __future__ import annotations
 
@@ -52,12 +56,12 @@ from ds_tsp.core.tokens.positions import RopeTables, StepRope
 from ds_tsp.core.tokens.zigzag import pad_to, shard, shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.hf_causal_lm import _HARMLESS_KWARGS, _resolve_dtype, as_comm
+from ds_tsp.model.loss import sequence_aux_loss
 
 # model_type -> the transformers class whose checkpoints and call this face reproduces
-ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration"}
+ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 # multimodal families on the way, refused by name until their exactness proof lands
-NOT_YET = {"qwen3_5_moe": "Qwen3.5-MoE (its sparse language model under the vision tower)",
-           "qwen3_vl": "Qwen3-VL (DeepStack visual features added to the first layers)",
+NOT_YET = {"qwen3_vl": "Qwen3-VL (DeepStack visual features added to the first layers)",
            "qwen3_vl_moe": "Qwen3-VL-MoE (DeepStack visual features added to the first layers)"}
 _VISION_PREFIX = "model.visual."
 _LM_PREFIX = "model.language_model."
@@ -236,19 +240,33 @@ class TSPForConditionalGeneration(nn.Module):
                                  shape.rope_scaling)
         embeds = self._vision_embeds(modalities, padded) if modalities else None
         shift_labels = full["shift_labels"] if labels is not None else None
-        h, n_valid = self.tsp.final_hidden(full["input_ids"], full["position_ids"], full.get("attention_mask"),
-                                           shift_labels, None, ropes=StepRope(RopeTables(cos, sin)), embeds=embeds)
+        mask = full.get("attention_mask")
+        # Qwen3.5-MoE: transformers' load-balancing loss over the whole batch when the config asks for it
+        router_logits = [] if shape.num_experts and shape.output_router_logits else None
+        h, n_valid = self.tsp.final_hidden(full["input_ids"], full["position_ids"], mask, shift_labels,
+                                           router_logits, ropes=StepRope(RopeTables(cos, sin)), embeds=embeds)
+        aux_share = (self.tsp.aux_loss_share(router_logits, tuple(full["input_ids"].shape), mask, full["seq_len"])
+                     if router_logits else None)
+        coef = shape.router_aux_loss_coef
         loss = logits = None
         if shift_labels is not None and num_items_in_batch is not None:
             total = (num_items_in_batch.to(device=h.device, dtype=n_valid.dtype).reshape(())
                      if isinstance(num_items_in_batch, torch.Tensor)
                      else torch.full((), num_items_in_batch, dtype=n_valid.dtype, device=h.device))
-            loss = self.tsp.tsp_group_loss(self.tsp.head_loss(h, shift_labels, total, full.get("attention_mask")))
+            share = self.tsp.head_loss(h, shift_labels, total, mask)
+            loss = self.tsp.tsp_group_loss(share if aux_share is None else share + coef * aux_share)
         elif shift_labels is not None:
-            loss = self.tsp.global_loss(self.tsp.head_loss(h, shift_labels, n_valid, full.get("attention_mask")))
+            share = self.tsp.head_loss(h, shift_labels, n_valid, mask)
+            if aux_share is not None:
+                share = share + coef * self.tsp.aux_in_mean_loss(aux_share)
+            loss = self.tsp.global_loss(share)
         if logits_to_keep:
             logits = self.tsp.last_logits(h, full["seq_len"], logits_to_keep)
-        return import_transformers().modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+        outputs = import_transformers().modeling_outputs
+        if aux_share is None:
+            return outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+        return outputs.MoeCausalLMOutputWithPast(loss=loss, logits=logits,
+                                                 aux_loss=sequence_aux_loss(aux_share, self.tsp.comm))
 
     def _vision_embeds(self, modalities, padded_len):
         """The embedding hook: per modality (images, then videos, as transformers scatters them), this rank encodes

@@ -208,7 +208,9 @@ def load_hf_reference(directory, dtype: torch.dtype, image_text: bool = False):
         raise ImportError("the transformers reference needs transformers: pip install 'ds_tsp[hf]'") from exc
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     # MoE experts: transformers' per-expert loop ("eager"); its default grouped GEMM has no float64 kernel
-    moe = {"experts_implementation": "eager"} if getattr(config, "num_experts_per_tok", None) else {}
+    text = getattr(config, "text_config", None)  # a multimodal config keeps its experts there
+    moe = ({"experts_implementation": "eager"} if getattr(config, "num_experts_per_tok", None)
+           or getattr(text, "num_experts_per_tok", None) else {})
     # a multimodal checkpoint whose ForConditionalGeneration AutoModelForCausalLM does not list (Mistral 3)
     auto = (transformers.AutoModelForCausalLM if type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
             and not image_text else transformers.AutoModelForImageTextToText)

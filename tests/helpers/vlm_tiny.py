@@ -2,7 +2,8 @@
 tests/model/test_multimodal.py (a helper module: nothing collected).
 
 Language model: hybrid_tiny's Qwen3.5 (a Gated DeltaNet layer, then gated attention; hidden 32, rotary dim 8 with
-mrope_section [2, 1, 1], so the t, h and w rows each rotate a frequency of their own). Vision tower: depth 2,
+mrope_section [2, 1, 1], so the t, h and w rows each rotate a frequency of their own), dense or Qwen3.5-MoE (4
+experts, top 2, a shared expert, the aux loss on). Vision tower: depth 2,
 hidden 16, 2 heads, patch 2 px, temporal patch 2, spatial merge 2, a 4 x 4 learned position grid, out 32. An image
 of grid (1, h, w) patches is h * w patch rows of 3 * 2 * 2 * 2 = 24 pixels and makes h * w / 4 tokens. Placeholder
 ids inside the vocabulary (75): image 70, video 71, vision start 72, vision end 73.
@@ -20,19 +21,21 @@ VISION = dict(depth=2, hidden_size=16, num_heads=2, intermediate_size=32, patch_
 PATCH_PIXELS = 3 * 2 * 2 * 2
 
 
-def vlm_config(**text_overrides):
+def vlm_config(family: str = "qwen3_5", **text_overrides):
+    """family "qwen3_5" (dense) or "qwen3_5_moe" (hybrid_tiny.MOE's experts, the aux loss on)."""
     import transformers
 
-    text = hybrid_config("qwen3_5", **text_overrides).to_dict()
-    return transformers.Qwen3_5Config(text_config=text, vision_config=VISION, image_token_id=IMAGE,
-                                      video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    text = hybrid_config(family, **text_overrides).to_dict()
+    config = transformers.Qwen3_5MoeConfig if family == "qwen3_5_moe" else transformers.Qwen3_5Config
+    return config(text_config=text, vision_config=VISION, image_token_id=IMAGE, video_token_id=VIDEO,
+                  vision_start_token_id=START, vision_end_token_id=END)
 
 
-def save_vlm_checkpoint(directory) -> str:
+def save_vlm_checkpoint(directory, family: str = "qwen3_5") -> str:
     """The tiny VLM, deterministic float64 weights (norms 1 + 0.1 N; Gated DeltaNet decays spread), saved."""
     import transformers
 
-    model = transformers.Qwen3_5ForConditionalGeneration._from_config(vlm_config(), attn_implementation="sdpa")
+    model = transformers.AutoModelForImageTextToText.from_config(vlm_config(family), attn_implementation="sdpa")
     init_tiny_weights_(model.to(torch.float64), seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -97,12 +100,30 @@ def reference_loss_and_grads(model, batch: dict):
     """transformers' own Qwen3_5ForConditionalGeneration (float64, patched): the token-mean cross entropy of its
     logits over labels != -100 (shifted), taken in the logits' dtype (its loss_function upcasts to float32), and
     the gradient of every parameter, HF-named."""
+    text = model.config.text_config
+    aux = bool(getattr(text, "num_experts", 0)) and text.output_router_logits
     model.zero_grad(set_to_none=True)
     with torch.enable_grad():
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+        out = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)
+        logits = out.logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift(batch["labels"]).reshape(-1))
+        if aux:  # transformers' load-balancing loss of the whole batch, accumulated in float64
+            from types import SimpleNamespace
+
+            from ds_tsp.tools.hf_reference import load_balancing_loss
+
+            loss = loss + text.router_aux_loss_coef * load_balancing_loss(
+                SimpleNamespace(config=text), out.router_logits, batch.get("attention_mask"))
         loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), _grads(model)
+
+
+def _grads(model) -> dict:
+    """Every parameter's grad, HF-named, transformers' fused experts under their checkpoint (per-expert) names."""
+    from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict
+
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return canonical_state_dict(grads, "qwen3_moe")
 
 
 def tsp_vlm_step(source, batch: dict, group=None):
@@ -161,4 +182,4 @@ def reference_packed(model, documents):
                                    reduction="sum") / count
             loss.backward()
             total = total + loss.detach()
-    return total, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return total, _grads(model)

@@ -13,7 +13,8 @@ Proofs: loss and EVERY gradient (the vision tower's included) within 1e-10 at D 
 packed multimodal documents at D = 1, 2, 4, the latter against each document run alone), measured ~1e-15; the
 all-to-all's bytes per rank equal the rows that change rank; the D = 4 save reloaded by plain transformers with
 identical tensors and logits; positions equal transformers' get_rope_index (images, padding, video frames); the
-routing plan moves every vision token exactly once; bad input refused by name.
+routing plan moves every vision token exactly once; bad input refused by name. Qwen3.5-MoE (experts, shared expert,
+the aux loss) likewise at D = 1, 2, 4.
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ from ds_tsp.tools.hf_reference import load_hf_reference  # noqa: E402
 PADDED = (0, 5, 2)  # right padding per row of the padded case
 
 
-def _spawned(directory: str, save_root: str) -> dict:
-    """D=4 on the world (then saved); D=2 on [0, 1] (the image batch) and on [2, 3] (the same, right-padded)."""
+def _spawned(directory: str, save_root: str, moe_directory: str) -> dict:
+    """D=4 on the world (then saved); D=2 on [0, 1] (the image batch) and on [2, 3] (the same, right-padded);
+    Qwen3.5-MoE: D=4 on the image batch, D=2 on the mixed one."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -59,9 +61,11 @@ def _spawned(directory: str, save_root: str) -> dict:
     model.save_pretrained(save_root, max_shard_size="24KB")  # collective over the world
     _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED))
     _, results["packed", 4] = tsp_vlm_step(directory, packed_batch(packed_documents()))
+    _, results["moe", 4] = tsp_vlm_step(moe_directory, image_batch())
     if rank < 2:
         _, results[2] = tsp_vlm_step(directory, image_batch(), halves[0])
         _, results["mixed", 2] = tsp_vlm_step(directory, image_batch(**MIXED), halves[0])
+        _, results["moe mixed", 2] = tsp_vlm_step(moe_directory, image_batch(**MIXED), halves[0])
     else:
         _, results["padded", 2] = tsp_vlm_step(directory, image_batch(pad_right=PADDED), halves[1])
         _, results["packed", 2] = tsp_vlm_step(directory, packed_batch(packed_documents()), halves[1])
@@ -83,9 +87,19 @@ def reference(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint, tmp_path_factory):
+def moe_checkpoint(tmp_path_factory):
+    return save_vlm_checkpoint(tmp_path_factory.mktemp("qwen3_5_moe_vlm") / "tiny", "qwen3_5_moe")
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_checkpoint):
+    return load_hf_reference(moe_checkpoint, torch.float64, image_text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, moe_checkpoint, tmp_path_factory):
     saved = tmp_path_factory.mktemp("qwen3_5_vlm_saved") / "d4"
-    return run_on_local_ranks(_spawned, 4, checkpoint, str(saved), timeout_s=600)[0], str(saved)
+    return run_on_local_ranks(_spawned, 4, checkpoint, str(saved), moe_checkpoint, timeout_s=600)[0], str(saved)
 
 
 def assert_matches(got, ref, what, tol: float = 1e-10):
@@ -164,6 +178,21 @@ def test_d1_matches_transformers_from_a_directory_and_in_memory(checkpoint, refe
     assert_matches(got, reference_loss_and_grads(reference, batch), "D=1 images and videos")
 
 
+def test_qwen3_5_moe_matches_transformers(moe_checkpoint, moe_reference, runs):
+    """Qwen3_5MoeForConditionalGeneration: experts, shared expert and the aux loss of the whole batch; D = 1 here,
+    D = 4 (images) and D = 2 (images and videos) from the spawn."""
+    assert type(moe_reference).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    batch = image_batch()
+    ref = reference_loss_and_grads(moe_reference, batch)
+    model, got = tsp_vlm_step(moe_checkpoint, batch)
+    assert_matches(got, ref, "MoE D=1")
+    assert model(**batch).aux_loss is not None
+    results, _ = runs
+    assert_matches(results["moe", 4], ref, ("MoE", 4))
+    assert_matches(results["moe mixed", 2], reference_loss_and_grads(moe_reference, image_batch(**MIXED)),
+                   ("MoE images and videos", 2))
+
+
 def test_packed_documents_equal_each_document_alone(checkpoint, reference):
     """D = 1 here (D = 2, 4 in the spawn): positions restart per document, attention and the Gated DeltaNet state
     stay inside it; transformers' own call on the packed batch (vision positions as text) is far from it."""
@@ -237,6 +266,4 @@ def test_bad_input_is_refused_by_name(checkpoint):
         model(**batch, position_ids=torch.cat((torch.arange(6), torch.arange(15))).expand(3, 21))
     with pytest.raises(TSPConfigError, match="qwen3_vl"):
         TSPForConditionalGeneration(transformers.Qwen3VLConfig())
-    with pytest.raises(TSPConfigError, match="qwen3_5_moe"):
-        TSPForConditionalGeneration(transformers.Qwen3_5MoeConfig())
     assert vlm_config().model_type == "qwen3_5"
