@@ -48,11 +48,12 @@ from torch import nn
 
 from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.core.layers.vision import all_to_all_rows, encode_replicated, plan_vision_route, scatter_vision_rows
+from ds_tsp.core.layers.vision import all_to_all_rows, encode_replicated, scatter_vision_rows
 from ds_tsp.core.shape.hf_config import import_transformers, language_model_config
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.mrope import mrope_cos_sin, mrope_positions
 from ds_tsp.core.tokens.positions import RopeTables, StepRope
+from ds_tsp.core.tokens.vision_route import plan_vision_route
 from ds_tsp.core.tokens.zigzag import pad_to, shard, shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.hf_causal_lm import _HARMLESS_KWARGS, _resolve_dtype, as_comm
@@ -234,7 +235,7 @@ class TSPForConditionalGeneration(nn.Module):
         elif documents is not None:  # transformers' text positions: the caller's on all three rows
             positions = documents.expand(3, *ids.shape)
         else:
-            positions = torch.arange(ids.shape[1]).expand(3, *ids.shape)
+            positions = torch.arange(ids.shape[1], device="cpu").expand(3, *ids.shape)
         local = shard(pad_to(positions, padded, 0, dim=2), comm.size, comm.rank, dim=2).to(input_ids.device)
         cos, sin = mrope_cos_sin(local, shape.full_rotary_dim, shape.rope_theta, self.dtype, self.mrope_section,
                                  shape.rope_scaling)
@@ -271,33 +272,46 @@ class TSPForConditionalGeneration(nn.Module):
     def _vision_embeds(self, modalities, padded_len):
         """The embedding hook: per modality (images, then videos, as transformers scatters them), this rank encodes
         its run of items, the all-to-all routes every vision token's embedding to the rank holding it, and they
-        replace the placeholders' text embeddings. Every route is planned here, before the layers run."""
+        replace the placeholders' text embeddings. Every route is planned and copied to the device here, at the
+        model's entry, before the layers run."""
         comm, device = self.tsp.comm, self.device
         vision_dtype = next(self.visual.parameters()).dtype
-        plans = [(pixels, grid, plan_vision_route(tokens, grid, self.spatial_merge_size, padded_len, comm.size,
-                                                  comm.rank, field=field))
-                 for pixels, grid, tokens, field in modalities]
-
-        def encoder(pixels, grid, route):
+        plans = []
+        for pixels, grid, tokens, field in modalities:
+            route = plan_vision_route(tokens, grid, self.spatial_merge_size, padded_len, comm.size, comm.rank,
+                                      field=field)
             (first, end), (lo, hi) = route.items, route.patches
+            part = ((pixels[lo:hi].to(device=device, dtype=vision_dtype), grid[first:end].to(device),
+                     self._tower_inputs(grid[first:end], device)) if route.encodes else None)
+            plans.append((part, route.send_order.to(device), route.local_index.to(device), route))
 
-            def encode():
-                if not route.encodes:
-                    return None
-                part = pixels[lo:hi].to(device=device, dtype=vision_dtype)
-                return self.visual(part, grid_thw=grid[first:end].to(device)).pooler_output
-            return encode
+        def encoder(part):
+            return lambda: None if part is None else self.visual(part[0], grid_thw=part[1], **part[2]).pooler_output
 
         def embeds(h):
             empty = torch.zeros((0, h.shape[-1]), dtype=vision_dtype, device=device)
-            for pixels, grid, route in plans:
-                encoded = encode_replicated(self.visual, encoder(pixels, grid, route), empty, comm)
-                rows = all_to_all_rows(encoded[route.send_order.to(device)], comm, route.in_splits,
-                                       route.out_splits)
-                h = scatter_vision_rows(h, rows, route.local_index)
+            for part, send_order, local_index, route in plans:
+                encoded = encode_replicated(self.visual, encoder(part), empty, comm)
+                rows = all_to_all_rows(encoded[send_order], comm, route.in_splits, route.out_splits)
+                h = scatter_vision_rows(h, rows, local_index)
             return h
 
         return embeds
+
+    def _tower_inputs(self, grid: torch.Tensor, device) -> dict:
+        """What transformers' vision tower derives from its grid by host reads, computed here on the host with its
+        own helpers and handed to it precomputed (its kwargs): patch positions, attention segments, position-table
+        interpolation. (Its sdpa path still splits the segments by one host read per block.)"""
+        from transformers import vision_utils
+
+        grid, visual = grid.cpu(), self.visual
+        indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.spatial_merge_size)
+        cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
+        return {"interp_indices": indices.to(device), "interp_weights": weights.to(device),
+                "position_ids": vision_utils.get_vision_position_ids(grid, visual.spatial_merge_size).to(device),
+                "cu_seqlens": cu_seqlens.to(device), "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
 
     def _check_call(self, args, kwargs, input_ids, labels, position_ids, pixel_values, image_grid_thw,
                     pixel_values_videos, video_grid_thw, logits_to_keep) -> None:

@@ -126,13 +126,19 @@ def _grads(model) -> dict:
     return canonical_state_dict(grads, "qwen3_moe")
 
 
-def tsp_vlm_step(source, batch: dict, group=None):
-    """(model, (loss, HF-named grads)) of one float64 TSPForConditionalGeneration step on `group`."""
+def tsp_vlm_step(source, batch: dict, group=None, syncs: list | None = None):
+    """(model, (loss, HF-named grads)) of one float64 TSPForConditionalGeneration step on `group`; `syncs` (a list)
+    receives the step's host syncs as (kind, op, region, where) (tests/helpers/sync_counter.py)."""
+    from sync_counter import SyncCounter
+
     from ds_tsp.hf import TSPForConditionalGeneration
 
     model = TSPForConditionalGeneration.from_pretrained(source, group, dtype=torch.float64)
-    out = model(**batch)
-    out.loss.backward()
+    with SyncCounter() as counter:
+        out = model(**batch)
+        out.loss.backward()
+    if syncs is not None:
+        syncs += [(e.kind, e.op, e.region, e.where) for e in counter.events]
     return model, (out.loss.detach(), model.full_state_dict(grads=True))
 
 

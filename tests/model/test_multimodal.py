@@ -30,6 +30,8 @@ from local_ranks import run_on_local_ranks  # noqa: E402
 from vlm_tiny import (  # noqa: E402
     IMAGE,
     MIXED,
+    VIDEO,
+    VISION,
     image_batch,
     packed_batch,
     packed_documents,
@@ -41,7 +43,7 @@ from vlm_tiny import (  # noqa: E402
 )
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.layers.vision import plan_vision_route  # noqa: E402
+from ds_tsp.core.tokens.vision_route import plan_vision_route  # noqa: E402
 from ds_tsp.core.tokens.mrope import mrope_cos_sin, mrope_positions  # noqa: E402
 from ds_tsp.tools.hf_reference import load_hf_reference  # noqa: E402
 
@@ -59,7 +61,11 @@ def _spawned(directory: str, save_root: str, moe_directory: str) -> dict:
     model, results[4] = tsp_vlm_step(directory, image_batch())
     results["a2a_bytes", rank] = model.tsp.comm.counter.bytes["all_to_all"]
     model.save_pretrained(save_root, max_shard_size="24KB")  # collective over the world
-    _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED))
+    results["syncs", rank] = []
+    _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED), syncs=results["syncs", rank])
+    results["encodes", rank] = [plan_vision_route(batch["input_ids"] == token, batch[grid], 2, 32, 4, rank).encodes
+                                for batch in [image_batch(**MIXED)]
+                                for token, grid in ((IMAGE, "image_grid_thw"), (VIDEO, "video_grid_thw"))]
     _, results["packed", 4] = tsp_vlm_step(directory, packed_batch(packed_documents()))
     _, results["moe", 4] = tsp_vlm_step(moe_directory, image_batch())
     if rank < 2:
@@ -228,6 +234,28 @@ def test_d2_and_d4_match_transformers(runs, reference):
         moved = sum(route.in_splits) - route.in_splits[r] + sum(route.out_splits) - route.out_splits[r]
         assert results["a2a_bytes", r] == moved * row_bytes, r
     assert sum(results["a2a_bytes", r] for r in range(4)) > 0
+
+
+# where the step may read values on the host: the model's entry (the batch is read once there to plan the routes, the
+# positions and the tower's inputs), the input check's one read, and transformers' vision attention (its sdpa path
+# splits its segments by a host read: three per block, per encoded run)
+ENTRY = ("model/hf_conditional_generation.py:", "core/tokens/mrope.py:", "core/tokens/vision_route.py:")
+
+
+def test_host_reads_only_at_the_entry_and_in_transformers_tower(runs):
+    """At D = 4 on the mixed batch, per rank: the exchange, the language model's layers and the whole backward read
+    no value; past the model's entry only the input check (once) and transformers' own vision attention (splitting
+    its segments) do. (Counted by what runs, so the CPU sees what a GPU would stall on; the entry's reads are of
+    host tensors there.)"""
+    results, _ = runs
+    for rank in range(4):
+        events = results["syncs", rank]
+        tower = [e for e in events if e[2] == "layers"]
+        assert all(e[1] == "tolist" and e[3].endswith("<lambda>") for e in tower), (rank, tower)
+        assert len(tower) == 3 * VISION["depth"] * sum(results["encodes", rank]), rank
+        assert len([e for e in events if e[2] == "input_checks"]) == 1, rank
+        rest = [e for e in events if e[2] not in ("layers", "input_checks")]
+        assert all(e[3].startswith(ENTRY) and "lambda" not in e[3] for e in rest), (rank, rest)
 
 
 def test_save_reloads_in_transformers_with_identical_logits(runs, reference):

@@ -2,11 +2,9 @@
 embedding to the rank whose zigzag chunks hold that token.
 
 Schedule (one modality, one step; D = TSP degree, p = this rank):
-    plan  (host, once per step, from the full batch's token ids and grids, identical on every rank):
-          items (images, or video frames' parent videos) are cut into D contiguous runs balanced by patch count;
-          rank p encodes run p. Vision token k (k-th in row-major order of the batch, the order in which
-          transformers' masked_scatter fills them) belongs to item i(k), is encoded by rank e(k) and lands on rank
-          z(k), the owner of its zigzag chunk, at local row l(k).
+    plan  (host, once per step, identical on every rank: ds_tsp.core.tokens.vision_route): rank p encodes a
+          contiguous run p of the items (images or whole videos), balanced by patch count; vision token k is
+          encoded by rank e(k) and lands on rank z(k), the owner of its zigzag chunk, at local row l(k).
     fwd   E_p = tower(pixels of run p)                    [tokens of run p, h]      replicated tower, local images
           R_p = all_to_all(E_p sorted by z)               [vision tokens in p's chunks, h]
           h_p[l(k)] = R_p                                  (the text embedding of those rows is replaced)
@@ -23,71 +21,10 @@ device tensors to the host once at its entry); nothing inside the layers reads d
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from ds_tsp.core.comm.communicator import TSPComm
-
-
-@dataclass(frozen=True)
-class VisionRoute:
-    """One modality's plan for this rank (module docstring). Host tensors and ints only."""
-
-    items: tuple[int, int]  # [first, end) items this rank encodes
-    patches: tuple[int, int]  # their rows of pixel_values
-    send_order: torch.Tensor  # int64 [rows encoded here]: the encoded rows sorted by destination rank
-    in_splits: list[int]  # rows sent to each rank
-    out_splits: list[int]  # rows received from each rank
-    local_index: torch.Tensor  # int64 [rows received]: their flat [B * L] index in this rank's shard
-
-    @property
-    def encodes(self) -> bool:
-        return self.items[0] < self.items[1]
-
-
-def item_owners(patches_per_item: list[int], tsp: int) -> list[int]:
-    """The rank that encodes each item: D contiguous runs of items balanced by patch count (an item goes to the
-    rank whose 1/D slice of all patches holds its middle patch)."""
-    total, before, owners = sum(patches_per_item), 0, []
-    for n in patches_per_item:
-        owners.append(min(tsp - 1, (2 * before + n) * tsp // (2 * total)) if total else 0)
-        before += n
-    return owners
-
-
-def plan_vision_route(token_mask: torch.Tensor, grid_thw: torch.Tensor, spatial_merge_size: int, padded_len: int,
-                      tsp: int, rank: int, field: str = "image_grid_thw") -> VisionRoute:
-    """This rank's VisionRoute. token_mask: [B, S] bool on the host (the modality's placeholder tokens of the full,
-    unpadded batch); grid_thw: [items, 3] on the host; padded_len: the zigzag-padded sequence length. A grid whose
-    token count differs from the placeholders raises a ValueError naming `field`."""
-    grid = grid_thw.cpu().long()
-    patches = (grid[:, 0] * grid[:, 1] * grid[:, 2]).tolist()
-    tokens = [n // spatial_merge_size ** 2 for n in patches]
-    batch, seq = token_mask.shape
-    rows, cols = token_mask.cpu().nonzero(as_tuple=True)  # row-major: transformers' fill order
-    if sum(tokens) != rows.numel():
-        raise ValueError(f"{field} makes {sum(tokens)} vision tokens (spatial merge {spatial_merge_size}) but "
-                         f"input_ids holds {rows.numel()} placeholder tokens: the grid does not match the number of "
-                         "vision tokens")
-    owners = item_owners(patches, tsp)
-    encoder = torch.repeat_interleave(torch.tensor(owners, dtype=torch.long), torch.tensor(tokens, dtype=torch.long))
-    c = padded_len // (2 * tsp)
-    chunk = cols // c
-    dest = torch.where(chunk < tsp, chunk, 2 * tsp - 1 - chunk)
-    local = torch.where(chunk < tsp, cols - chunk * c, c + cols - chunk * c)
-    flat = rows * (2 * c) + local
-    first = owners.index(rank) if rank in owners else next((i for i, o in enumerate(owners) if o > rank),
-                                                          len(owners))
-    end = first + owners.count(rank)
-    token_start, token_end = sum(tokens[:first]), sum(tokens[:end])
-    mine = dest[token_start:token_end]
-    here = dest == rank
-    return VisionRoute(items=(first, end), patches=(sum(patches[:first]), sum(patches[:end])),
-                       send_order=torch.argsort(mine, stable=True),
-                       in_splits=torch.bincount(mine, minlength=tsp).tolist(),
-                       out_splits=torch.bincount(encoder[here], minlength=tsp).tolist(),
-                       local_index=flat[here])
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -164,7 +101,7 @@ def encode_replicated(module: torch.nn.Module, encode: Callable[[], torch.Tensor
 
 def scatter_vision_rows(h: torch.Tensor, rows: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor:
     """h [B, L, hidden] with the rows at flat indices local_index replaced by `rows` (out of place: their text
-    embeddings get no gradient, as under transformers' masked_scatter)."""
+    embeddings get no gradient, as under transformers' masked_scatter). local_index on h's device."""
     B, L, hidden = h.shape
-    return h.reshape(B * L, hidden).index_copy(0, local_index.to(h.device), rows.to(h.dtype)).view(B, L, hidden)
+    return h.reshape(B * L, hidden).index_copy(0, local_index, rows.to(h.dtype)).view(B, L, hidden)
 

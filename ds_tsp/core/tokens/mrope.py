@@ -57,7 +57,7 @@ def mrope_positions(mm_token_type_ids: torch.Tensor, spatial_merge_size: int,
                              "with documents of their own, or leave attention_mask out")
     grids = {IMAGE: iter(image_grid_thw.cpu().tolist()) if image_grid_thw is not None else iter(()),
              VIDEO: iter(frame_grids(video_grid_thw.cpu()).tolist()) if video_grid_thw is not None else iter(())}
-    out = torch.zeros((3, batch, seq), dtype=torch.long)
+    out = torch.zeros((3, batch, seq), dtype=torch.long, device="cpu")
     for b in range(batch):
         row = types[b] if mask is None else types[b][mask[b]]
         if documents is None:
@@ -90,7 +90,7 @@ def _document_positions(types: list[int], grids: dict, m: int, b: int) -> torch.
     for kind, group in itertools.groupby(types):
         n = len(list(group))
         if kind == TEXT:
-            pieces.append(torch.arange(current, current + n).expand(3, n))
+            pieces.append(torch.arange(current, current + n, device="cpu").expand(3, n))
             current += n
             continue
         if kind not in grids:
@@ -103,10 +103,10 @@ def _document_positions(types: list[int], grids: dict, m: int, b: int) -> torch.
         if t * h * w != n:
             raise ValueError(f"{_FIELDS[kind]} item {grid} makes {t * h * w} tokens (spatial merge {m}) but its "
                              f"{noun} span in row {b} has {n}: the grid does not match the number of vision tokens")
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        tt, hh, ww = torch.meshgrid(*(torch.arange(n, device="cpu") for n in (t, h, w)), indexing="ij")
         pieces.append(torch.stack((tt + current, hh + current, ww + current)).reshape(3, -1))
         current += max(h, w)
-    return torch.cat(pieces, dim=1) if pieces else torch.zeros((3, 0), dtype=torch.long)
+    return torch.cat(pieces, dim=1) if pieces else torch.zeros((3, 0), dtype=torch.long, device="cpu")
 
 
 def mrope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
