@@ -126,17 +126,23 @@ def _grads(model) -> dict:
     return canonical_state_dict(grads, "qwen3_moe")
 
 
-def tsp_vlm_step(source, batch: dict, group=None, syncs: list | None = None):
+def tsp_vlm_step(source, batch: dict, group=None, syncs: list | None = None, ops: list | None = None):
     """(model, (loss, HF-named grads)) of one float64 TSPForConditionalGeneration step on `group`; `syncs` (a list)
-    receives the step's host syncs as (kind, op, region, where) (tests/helpers/sync_counter.py)."""
+    receives the step's host syncs as (kind, op, region, where) (tests/helpers/sync_counter.py), `ops` the TSP
+    group's recorded collectives (ds_tsp.core.comm.recorder, for tests/helpers/nccl_rules.py)."""
+    import contextlib
+
     from sync_counter import SyncCounter
 
     from ds_tsp.hf import TSPForConditionalGeneration
 
     model = TSPForConditionalGeneration.from_pretrained(source, group, dtype=torch.float64)
-    with SyncCounter() as counter:
+    recording = model.tsp.comm.recording() if ops is not None else contextlib.nullcontext()
+    with SyncCounter() as counter, recording as recorder:
         out = model(**batch)
         out.loss.backward()
+    if ops is not None:
+        ops += recorder.ops
     if syncs is not None:
         syncs += [(e.kind, e.op, e.region, e.where) for e in counter.events]
     return model, (out.loss.detach(), model.full_state_dict(grads=True))

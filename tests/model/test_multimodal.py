@@ -61,8 +61,9 @@ def _spawned(directory: str, save_root: str, moe_directory: str) -> dict:
     model, results[4] = tsp_vlm_step(directory, image_batch())
     results["a2a_bytes", rank] = model.tsp.comm.counter.bytes["all_to_all"]
     model.save_pretrained(save_root, max_shard_size="24KB")  # collective over the world
-    results["syncs", rank] = []
-    _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED), syncs=results["syncs", rank])
+    results["syncs", rank], results["ops", rank] = [], []
+    _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED), syncs=results["syncs", rank],
+                                          ops=results["ops", rank])
     results["encodes", rank] = [plan_vision_route(batch["input_ids"] == token, batch[grid], 2, 32, 4, rank).encodes
                                 for batch in [image_batch(**MIXED)]
                                 for token, grid in ((IMAGE, "image_grid_thw"), (VIDEO, "video_grid_thw"))]
@@ -256,6 +257,25 @@ def test_host_reads_only_at_the_entry_and_in_transformers_tower(runs):
         assert len([e for e in events if e[2] == "input_checks"]) == 1, rank
         rest = [e for e in events if e[2] not in ("layers", "input_checks")]
         assert all(e[3].startswith(ENTRY) and "lambda" not in e[3] for e in rest), (rank, rest)
+
+
+def test_collectives_obey_nccl_rules(runs):
+    """The D = 4 mixed step's collectives on every rank (the language model's, the vision rows' all-to-all both
+    ways, the tower's grads all-reduced), replayed under NCCL's queueing rules: no hang, the same sequence of kinds
+    on every rank, the all-to-all's splits matching pairwise with really uneven rows."""
+    from nccl_rules import check
+
+    results, _ = runs
+    ops = {rank: results["ops", rank] for rank in range(4)}
+    report = check(ops)
+    assert report.ok and report.completed == report.total == sum(len(o) for o in ops.values()), report
+    kinds = [[o["kind"] for o in rank_ops] for rank_ops in ops.values()]
+    assert all(k == kinds[0] for k in kinds)
+    exchanges = [o for o in ops[0] if o["kind"] == "all_to_all"]
+    assert len(exchanges) == 4  # images and videos, forward and backward
+    assert any(len(set(o["in_splits"])) > 1 for rank_ops in ops.values() for o in rank_ops
+               if o["kind"] == "all_to_all")
+    assert [o["what"] for o in ops[0] if o["kind"] == "all_reduce"].count("vision tower weight grads") == 2
 
 
 def test_save_reloads_in_transformers_with_identical_logits(runs, reference):
