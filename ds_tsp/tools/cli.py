@@ -65,6 +65,8 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
                    help="with --hf-model of a multimodal checkpoint (Qwen3.5 / Qwen3.5-MoE ForConditionalGeneration):"
                         " N images in the batch; the reference is transformers' ForConditionalGeneration, TSP runs "
                         "TSPForConditionalGeneration (the vision tower's gradients compared too)")
+    p.add_argument("--videos", type=positive(integer), default=None,
+                   help="with --hf-model of a multimodal checkpoint: M videos (2 frames each) in the batch")
     p.add_argument("--timeout", type=positive(float), default=600.0,
                    help="seconds before the ranks are stopped (default 600)")
     p.set_defaults(run=_verify)
@@ -107,7 +109,7 @@ def _shape_from_checkpoint(directory: str) -> ModelShape:
 
 def _world_entry(case):
     """The check's entry on a world that is one TSP group: the multimodal one for --images."""
-    if case.images:
+    if case.images or case.videos:
         from ds_tsp.tools.verify_multimodal import run_multimodal_case_on_world
 
         return run_multimodal_case_on_world
@@ -117,22 +119,25 @@ def _world_entry(case):
 
 
 def _check_images(args: argparse.Namespace) -> None:
-    """--images needs a multimodal checkpoint, one document per row and no cp axis (refused by name otherwise)."""
+    """--images / --videos need a multimodal checkpoint, one document per row and no cp axis (refused by name
+    otherwise)."""
     from pathlib import Path
 
     from ds_tsp.model.hf_conditional_generation import check_multimodal_family
 
     if not args.hf_model:
-        raise TSPConfigError("--images needs --hf-model DIR of a multimodal checkpoint (Qwen3_5ForConditionalGeneration"
-                             " or Qwen3_5MoeForConditionalGeneration)")
+        raise TSPConfigError("--images / --videos need --hf-model DIR of a multimodal checkpoint "
+                             "(Qwen3_5ForConditionalGeneration or Qwen3_5MoeForConditionalGeneration)")
     check_multimodal_family(json.loads((Path(args.hf_model) / "config.json").read_text()).get("model_type"))
     if args.cp > 1 or args.documents > 1:
-        raise TSPConfigError(f"--images with --cp {args.cp} / --documents {args.documents}: the multimodal check "
-                             "runs cp 1 and one document per row")
-    per_row = -(-args.images // args.batch)
-    if per_row * 7 > args.seq:  # ds_tsp.tools.verify_multimodal.multimodal_batch's layout
-        raise TSPConfigError(f"--images {args.images} over --batch {args.batch} rows needs {per_row} images of 4 "
-                             f"tokens (+ start, end and a text token) per row: --seq must be at least {per_row * 7}")
+        raise TSPConfigError(f"--images / --videos with --cp {args.cp} / --documents {args.documents}: the "
+                             "multimodal check runs cp 1 and one document per row")
+    from ds_tsp.tools.verify_multimodal import tokens_needed
+
+    need = tokens_needed(args.images or 0, args.videos or 0, args.batch)
+    if need > args.seq:
+        raise TSPConfigError(f"--images {args.images or 0} --videos {args.videos or 0} over --batch {args.batch} "
+                             f"rows need --seq {need} at least (an image takes 7 tokens of a row, a video 14)")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -142,7 +147,7 @@ def _verify(args: argparse.Namespace) -> int:
         if args.documents > args.seq:
             raise TSPConfigError(f"--documents {args.documents} is more than --seq {args.seq}: every document needs "
                                  "at least one token")
-        if args.images:
+        if args.images or args.videos:
             _check_images(args)
     except TSPConfigError as exc:
         return _error("verify", str(exc))
@@ -151,7 +156,8 @@ def _verify(args: argparse.Namespace) -> int:
     from ds_tsp.tools.verify import VerifyCase, run_cp_case
 
     case = VerifyCase(shape=shape, seq=args.seq, batch=args.batch, dtype=args.dtype, seed=args.seed,
-                      documents=args.documents, hf_model=args.hf_model, images=args.images or 0)
+                      documents=args.documents, hf_model=args.hf_model, images=args.images or 0,
+                      videos=args.videos or 0)
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world != args.tsp * args.cp:

@@ -1,11 +1,13 @@
-"""`ds-tsp verify --hf-model DIR --images N`: the numerics self-check of a multimodal checkpoint (Qwen3.5 /
-Qwen3.5-MoE ForConditionalGeneration) with images, TSPForConditionalGeneration against transformers' own model.
+"""`ds-tsp verify --hf-model DIR --images N --videos M`: the numerics self-check of a multimodal checkpoint (Qwen3.5
+/ Qwen3.5-MoE ForConditionalGeneration) with images and videos, TSPForConditionalGeneration against transformers'
+own model.
 
-The batch: case.batch rows of case.seq random text tokens with N images spread over the rows (image i in row
-i % batch), each a grid of (1, 2m, 2m) patches (m = the tower's spatial merge: 4 tokens), framed by the vision start
-/ end tokens, random pixels from the seed; labels are the ids, -100 on the image tokens. TSP loads DIR by slices
+The batch: case.batch rows of case.seq random text tokens with N images then M videos dealt round-robin over the
+rows; an image is a grid of (1, 2m, 2m) patches (m = the tower's spatial merge: 4 tokens), a video 2 such frames
+with a timestamp (text) token between them, each framed by the vision start / end tokens; random pixels from the
+seed; labels are the ids, -100 on the vision tokens. TSP loads DIR by slices
 (the tower whole, replicated); the reference runs on TSP rank 0. The report is `ds-tsp verify`'s JSON (loss and
-worst gradient, the vision tower's included, norm-wise relative), plus "images".
+worst gradient, the vision tower's included, norm-wise relative), plus "images" and "videos".
 """
 from __future__ import annotations
 
@@ -20,6 +22,23 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.parallel.launch import local_device
 from ds_tsp.core.tokens.zigzag import shift_labels as shift
 
+# tokens an item takes in a row, its trailing text token included: an image [start] 4 x [image] [end] [text]; a
+# video of 2 frames [start] 4 x [video] [end] [timestamp] [start] 4 x [video] [end] [text]
+WIDTH = {"image": 7, "video": 14}
+
+
+def row_layout(images: int, videos: int, batch: int) -> list[list[str]]:
+    """Which items each row holds: images then videos, dealt round-robin over the rows."""
+    rows: list[list[str]] = [[] for _ in range(batch)]
+    for i, kind in enumerate(["image"] * images + ["video"] * videos):
+        rows[i % batch].append(kind)
+    return rows
+
+
+def tokens_needed(images: int, videos: int, batch: int) -> int:
+    """The shortest --seq that holds the layout (one leading text token per row)."""
+    return 1 + max(sum(WIDTH[k] for k in row) for row in row_layout(images, videos, batch))
+
 
 def multimodal_batch(case, config: dict) -> dict:
     """The verify batch (module docstring) from the checkpoint's config.json values."""
@@ -30,28 +49,33 @@ def multimodal_batch(case, config: dict) -> dict:
     vocab = config["text_config"]["vocab_size"]
     special = {config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                    "vision_end_token_id") if k in config}
-    per_row = -(-case.images // case.batch)
-    if per_row * 7 > case.seq:
-        raise TSPConfigError(f"--images {case.images} over --batch {case.batch} rows needs {per_row} images of 4 "
-                             f"tokens (+ start, end and a text token) per row: --seq must be at least {per_row * 7}")
+    if tokens_needed(case.images, case.videos, case.batch) > case.seq:
+        raise TSPConfigError(f"--images {case.images} --videos {case.videos} over --batch {case.batch} rows need "
+                             f"--seq {tokens_needed(case.images, case.videos, case.batch)} at least")
     g = torch.Generator().manual_seed(case.seed)
     ids = torch.randint(0, vocab, (case.batch, case.seq), generator=g)
     for token in special:  # random text never looks like a placeholder
         ids[ids == token] = min(set(range(vocab)) - special)
-    placed = [0] * case.batch
-    for i in range(case.images):
-        b = i % case.batch
-        start = 2 + placed[b] * 7  # [text] [start] 4 x [image] [end] [text] ...
-        ids[b, start - 1], ids[b, start:start + 4], ids[b, start + 4] = (config["vision_start_token_id"],
-                                                                         config["image_token_id"],
-                                                                         config["vision_end_token_id"])
-        placed[b] += 1
-    images = ids == config["image_token_id"]
-    # the processor's order: images as they appear in the batch, row-major
-    grid = torch.tensor([[1, 2 * m, 2 * m]] * case.images)
-    pixels = torch.randn(case.images * 4 * m * m, pixels_per_patch, generator=g, dtype=torch.float64)
-    return {"input_ids": ids, "labels": ids.masked_fill(images, -100), "mm_token_type_ids": images.int(),
-            "pixel_values": pixels, "image_grid_thw": grid}
+    start, end = config["vision_start_token_id"], config["vision_end_token_id"]
+    for b, row in enumerate(row_layout(case.images, case.videos, case.batch)):
+        at = 1
+        for kind in row:
+            for _ in range(1 if kind == "image" else 2):  # frames
+                ids[b, at], ids[b, at + 1:at + 5], ids[b, at + 5] = start, config[f"{kind}_token_id"], end
+                at += 7
+    images, videos = ids == config["image_token_id"], ids == config["video_token_id"]
+    batch = {"input_ids": ids, "labels": ids.masked_fill(images | videos, -100),
+             "mm_token_type_ids": images.int() + 2 * videos.int()}
+    # the processor's order: items as they appear in the batch, row-major (all items of a kind share one grid)
+    if case.images:
+        batch["image_grid_thw"] = torch.tensor([[1, 2 * m, 2 * m]] * case.images)
+        batch["pixel_values"] = torch.randn(case.images * 4 * m * m, pixels_per_patch, generator=g,
+                                            dtype=torch.float64)
+    if case.videos:
+        batch["video_grid_thw"] = torch.tensor([[2, 2 * m, 2 * m]] * case.videos)
+        batch["pixel_values_videos"] = torch.randn(case.videos * 8 * m * m, pixels_per_patch, generator=g,
+                                                   dtype=torch.float64)
+    return batch
 
 
 def reference_loss_and_grads(directory: str, dtype: torch.dtype, batch: dict):
@@ -67,7 +91,7 @@ def reference_loss_and_grads(directory: str, dtype: torch.dtype, batch: dict):
 
     model = load_hf_reference(directory, dtype, image_text=True)
     text = model.config.text_config
-    inputs = {k: v.to(dtype) if k == "pixel_values" else v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v.to(dtype) if k.startswith("pixel_values") else v for k, v in batch.items() if k != "labels"}
     with torch.enable_grad():
         out = model(**inputs, use_cache=False, **({"output_router_logits": True}
                                                   if getattr(text, "num_experts", 0) else {}))
@@ -103,7 +127,7 @@ def run_multimodal_case(case, group: dist.ProcessGroup | None) -> dict | None:
     report = {"loss_rel_err": _rel_err(loss, ref_loss), "grad_rel_err": errors[worst], "worst_grad": worst,
               "tsp": comm.size, "dtype": case.dtype, "loss": float(loss), "ref_loss": float(ref_loss),
               "tolerance": case.tolerance, "documents": case.documents, "reference": "transformers",
-              "images": case.images}
+              "images": case.images, "videos": case.videos}
     report["ok"] = report["loss_rel_err"] <= case.tolerance and report["grad_rel_err"] <= case.tolerance
     return report
 
