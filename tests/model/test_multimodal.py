@@ -200,6 +200,23 @@ def test_qwen3_5_moe_matches_transformers(moe_checkpoint, moe_reference, runs):
                    ("MoE images and videos", 2))
 
 
+def test_logits_and_num_items_in_batch(checkpoint, reference):
+    """logits_to_keep=k: the last k positions' logits (all of them here) equal transformers'; num_items_in_batch
+    (the Trainer's count over an accumulated batch) divides the token sum instead of this batch's count."""
+    from ds_tsp.hf import TSPForConditionalGeneration
+
+    batch = image_batch()
+    model = TSPForConditionalGeneration.from_pretrained(checkpoint, None, dtype=torch.float64)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        want = reference(**inputs).logits
+        assert rel(model(**inputs, logits_to_keep=21).logits, want) < 1e-12
+        assert rel(model(**inputs, logits_to_keep=3).logits, want[:, -3:]) < 1e-12
+        count = int((batch["labels"][:, 1:] != -100).sum())
+        mean = model(**batch).loss
+        assert rel(model(**batch, num_items_in_batch=2 * count).loss, mean / 2) < 1e-14
+
+
 def test_packed_documents_equal_each_document_alone(checkpoint, reference):
     """D = 1 here (D = 2, 4 in the spawn): positions restart per document, attention and the Gated DeltaNet state
     stay inside it; transformers' own call on the packed batch (vision positions as text) is far from it."""
