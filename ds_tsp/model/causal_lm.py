@@ -193,13 +193,15 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
     def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                      attention_mask: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
                      router_logits: list | None = None, *, ropes: StepRope | None = None,
-                     embeds: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                     embeds: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         """(final-norm hidden states of the local tokens [B, L, h], loss denominator or None without labels).
 
         router_logits: a list that receives every sparse layer's router logits [B*L, E] (local tokens, in layer
         order), differentiable, also through activation checkpointing. A multimodal model passes its own RoPE
         tables (ropes: mrope's three position rows; position_ids then only mark documents) and `embeds`, which takes
-        the local token embeddings [B, L, h] and returns them with the vision rows in place."""
+        the local token embeddings [B, L, h] and returns them with the vision rows in place; after_layer(i, h)
+        returns layer i's output with what it adds (Qwen3-VL's DeepStack features at the vision rows)."""
         n_valid, doc_starts = self._check_inputs(input_ids, shift_labels, position_ids, attention_mask)
         if n_valid is not None:
             # float32 at least: bf16 would round token counts above 256
@@ -231,6 +233,8 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
                                       shared_kv=shared_kv)
                 if logits is not None and router_logits is not None:
                     router_logits.append(logits)
+                if after_layer is not None:
+                    h = after_layer(i, h)
             return self.model.norm(h), n_valid
 
     @property

@@ -1,6 +1,7 @@
-"""`TSPForConditionalGeneration`: a multimodal Qwen3.5 (transformers' Qwen3_5ForConditionalGeneration, or
+"""`TSPForConditionalGeneration`: multimodal Qwen3.5 (transformers' Qwen3_5ForConditionalGeneration, or
 Qwen3_5MoeForConditionalGeneration: a vision tower feeding the hybrid Gated DeltaNet / gated-attention language
-model, dense or with experts) under TSP, with images and videos.
+model, dense or with experts) and Qwen3-VL (Qwen3VLForConditionalGeneration: Qwen3's layer under mrope, with the
+tower's DeepStack features added to the first layers) under TSP, with images and videos.
 
     model = TSPForConditionalGeneration.from_pretrained("local/qwen3.5-vl", tsp_group=group)
     out = model(**processor_batch, labels=labels)    # input_ids, attention_mask, pixel_values, image_grid_thw,
@@ -35,7 +36,11 @@ positions on the vision tokens).
 Qwen3.5-MoE: E/D whole experts per rank as in TSPForCausalLM; with output_router_logits (the config's) the loss
 adds router_aux_loss_coef x transformers' load-balancing loss of the whole batch, aux_loss returned beside it.
 
-Not handled yet, each refused by name: 3-D position_ids, Qwen3-VL (DeepStack) checkpoints, a cp axis,
+Qwen3-VL's DeepStack features (one per deepstack_visual_indexes entry) ride as more columns of the same rows in the
+embeddings' all-to-all, and are added to the outputs of layers 0 .. k-1 at the vision rows (index_add on the same
+local rows), as transformers' _deepstack_process adds them.
+
+Not handled yet, each refused by name: 3-D position_ids, Qwen3-VL-MoE checkpoints, a cp axis,
 TSPDataLoader shards (tsp_shard), TRL's fused head, frozen tower weights of an in-memory model.
 """
 from __future__ import annotations
@@ -60,10 +65,12 @@ from ds_tsp.model.hf_causal_lm import _HARMLESS_KWARGS, _resolve_dtype, as_comm
 from ds_tsp.model.loss import sequence_aux_loss
 
 # model_type -> the transformers class whose checkpoints and call this face reproduces
-ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                 "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 # multimodal families on the way, refused by name until their exactness proof lands
-NOT_YET = {"qwen3_vl": "Qwen3-VL (DeepStack visual features added to the first layers)",
-           "qwen3_vl_moe": "Qwen3-VL-MoE (DeepStack visual features added to the first layers)"}
+NOT_YET = {"qwen3_vl_moe": "Qwen3-VL-MoE (its sparse language model under the DeepStack vision tower)"}
+# multimodal model_type -> the text family whose layer its language model is (read under that model_type)
+_TEXT_AS = {"qwen3_vl": "qwen3"}
 _VISION_PREFIX = "model.visual."
 _LM_PREFIX = "model.language_model."
 
@@ -77,6 +84,34 @@ def check_multimodal_family(model_type: str | None) -> None:
                              "(text only) or use a qwen3_5 checkpoint")
     raise TSPConfigError(f"model_type={model_type!r}: TSPForConditionalGeneration takes "
                          f"{', '.join(ARCHITECTURES)} checkpoints (multimodal); for a text model use TSPForCausalLM")
+
+
+def _text_config(config):
+    """The language model's config: the wrapper's text_config (with its dtype and tie_word_embeddings)."""
+    if config.model_type not in _TEXT_AS:
+        return language_model_config(config)
+    import copy
+
+    text = copy.deepcopy(config.text_config)
+    for key in ("dtype", "tie_word_embeddings"):
+        if getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
+
+
+def multimodal_shape(values: dict) -> ModelShape:
+    """The language model's ModelShape from a multimodal checkpoint's config.json values (collective-free)."""
+    check_multimodal_family(values.get("model_type"))
+    config = import_transformers().AutoConfig.for_model(**values)
+    return _text_shape(config, _text_config(config))
+
+
+def _text_shape(config, text) -> ModelShape:
+    """The language model's ModelShape; Qwen3-VL's text model is Qwen3's layer (q/k norms) under mrope, read as
+    such (its rope_parameters' mrope fields are honoured here, by mrope_cos_sin)."""
+    if config.model_type not in _TEXT_AS:
+        return ModelShape.from_hf_config(text)
+    return ModelShape.from_hf_config({**text.to_dict(), "model_type": _TEXT_AS[config.model_type]})
 
 
 def _count_from_zero(documents: torch.Tensor) -> bool:
@@ -122,9 +157,9 @@ class TSPForConditionalGeneration(nn.Module):
         super().__init__()
         check_multimodal_family(getattr(config, "model_type", None))
         self.config = config
-        text = language_model_config(config)
-        self.tsp = ShardedCausalLM(ModelShape.from_hf_config(text), as_comm(tsp_group), options=options,
-                                   dtype=dtype, device=device, data_group=data_group)
+        text = _text_config(config)
+        self.tsp = ShardedCausalLM(_text_shape(config, text), as_comm(tsp_group), options=options, dtype=dtype,
+                                   device=device, data_group=data_group)
         if self.tsp.comm.cp is not None:
             raise TSPConfigError(f"tsp.cp_size={self.tsp.comm.cp.size} with TSPForConditionalGeneration: a cp axis "
                                  "is not supported for multimodal models yet; use cp_size 1")
@@ -133,6 +168,9 @@ class TSPForConditionalGeneration(nn.Module):
         rope = dict(getattr(text, "rope_parameters", None) or {})
         self.mrope_section = tuple(rope.get("mrope_section", (11, 11, 10)))  # transformers' default
         self.spatial_merge_size = config.vision_config.spatial_merge_size
+        # Qwen3-VL: the tower's DeepStack features, added to the outputs of the first len(...) layers at the vision
+        # rows; they travel in the same all-to-all as the embeddings (k more row widths)
+        self.deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
 
     # --- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -239,13 +277,14 @@ class TSPForConditionalGeneration(nn.Module):
         local = shard(pad_to(positions, padded, 0, dim=2), comm.size, comm.rank, dim=2).to(input_ids.device)
         cos, sin = mrope_cos_sin(local, shape.full_rotary_dim, shape.rope_theta, self.dtype, self.mrope_section,
                                  shape.rope_scaling)
-        embeds = self._vision_embeds(modalities, padded) if modalities else None
+        embeds, after_layer = self._vision_embeds(modalities, padded) if modalities else (None, None)
         shift_labels = full["shift_labels"] if labels is not None else None
         mask = full.get("attention_mask")
         # Qwen3.5-MoE: transformers' load-balancing loss over the whole batch when the config asks for it
         router_logits = [] if shape.num_experts and shape.output_router_logits else None
         h, n_valid = self.tsp.final_hidden(full["input_ids"], full["position_ids"], mask, shift_labels,
-                                           router_logits, ropes=StepRope(RopeTables(cos, sin)), embeds=embeds)
+                                           router_logits, ropes=StepRope(RopeTables(cos, sin)), embeds=embeds,
+                                           after_layer=after_layer)
         aux_share = (self.tsp.aux_loss_share(router_logits, tuple(full["input_ids"].shape), mask, full["seq_len"])
                      if router_logits else None)
         coef = shape.router_aux_loss_coef
@@ -286,17 +325,38 @@ class TSPForConditionalGeneration(nn.Module):
             plans.append((part, route.send_order.to(device), route.local_index.to(device), route))
 
         def encoder(part):
-            return lambda: None if part is None else self.visual(part[0], grid_thw=part[1], **part[2]).pooler_output
+            def encode():
+                if part is None:
+                    return None
+                out = self.visual(part[0], grid_thw=part[1], **part[2])
+                # Qwen3-VL: the DeepStack features ride along as more columns of the same rows
+                return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1) if self.deepstack \
+                    else out.pooler_output
+            return encode
+
+        added = []  # (DeepStack rows [n, k, h], their local index) per modality
 
         def embeds(h):
-            empty = torch.zeros((0, h.shape[-1]), dtype=vision_dtype, device=device)
+            hidden = h.shape[-1]
+            empty = torch.zeros((0, hidden * (1 + self.deepstack)), dtype=vision_dtype, device=device)
             for part, send_order, local_index, route in plans:
                 encoded = encode_replicated(self.visual, encoder(part), empty, comm)
                 rows = all_to_all_rows(encoded[send_order], comm, route.in_splits, route.out_splits)
-                h = scatter_vision_rows(h, rows, local_index)
+                h = scatter_vision_rows(h, rows[:, :hidden], local_index)
+                if self.deepstack:
+                    added.append((rows[:, hidden:].reshape(-1, self.deepstack, hidden), local_index))
             return h
 
-        return embeds
+        def after_layer(i, h):
+            if i >= self.deepstack:
+                return h
+            B, L, hidden = h.shape
+            flat = h.reshape(B * L, hidden)
+            for rows, local_index in added:
+                flat = flat.index_add(0, local_index, rows[:, i].to(h.dtype))
+            return flat.view(B, L, hidden)
+
+        return embeds, after_layer if self.deepstack else None
 
     def _tower_inputs(self, grid: torch.Tensor, device) -> dict:
         """What transformers' vision tower derives from its grid by host reads, computed here on the host with its

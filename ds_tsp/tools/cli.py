@@ -104,7 +104,13 @@ def _shape_from_checkpoint(directory: str) -> ModelShape:
     config = Path(directory) / "config.json"
     if not config.is_file():
         raise TSPConfigError(f"--hf-model {directory}: no config.json there; pass a local HF checkpoint directory")
-    return ModelShape.from_hf_config(json.loads(config.read_text()))
+    values = json.loads(config.read_text())
+    from ds_tsp.model.hf_conditional_generation import ARCHITECTURES as MULTIMODAL
+    from ds_tsp.model.hf_conditional_generation import multimodal_shape
+
+    if values.get("model_type") in MULTIMODAL:  # read as TSPForConditionalGeneration reads it (Qwen3-VL's text)
+        return multimodal_shape(values)
+    return ModelShape.from_hf_config(values)
 
 
 def _world_entry(case):

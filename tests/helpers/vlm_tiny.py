@@ -21,9 +21,23 @@ VISION = dict(depth=2, hidden_size=16, num_heads=2, intermediate_size=32, patch_
 PATCH_PIXELS = 3 * 2 * 2 * 2
 
 
+# Qwen3-VL: Qwen3's layer (q/k norms) under mrope (section [4, 2, 2] of rotary dim 16), both vision blocks feeding
+# DeepStack features to the first two language layers
+QWEN3_VL_TEXT = dict(vocab_size=75, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                      "mrope_interleaved": True})
+
+
 def vlm_config(family: str = "qwen3_5", **text_overrides):
-    """family "qwen3_5" (dense) or "qwen3_5_moe" (hybrid_tiny.MOE's experts, the aux loss on)."""
+    """family "qwen3_5" (dense), "qwen3_5_moe" (hybrid_tiny.MOE's experts, the aux loss on) or "qwen3_vl"."""
     import transformers
+
+    if family == "qwen3_vl":
+        return transformers.Qwen3VLConfig(text_config={**QWEN3_VL_TEXT, **text_overrides},
+                                          vision_config={**VISION, "deepstack_visual_indexes": [0, 1]},
+                                          image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+                                          vision_end_token_id=END, tie_word_embeddings=False)
 
     text = hybrid_config(family, **text_overrides).to_dict()
     config = transformers.Qwen3_5MoeConfig if family == "qwen3_5_moe" else transformers.Qwen3_5Config

@@ -14,7 +14,7 @@ packed multimodal documents at D = 1, 2, 4, the latter against each document run
 all-to-all's bytes per rank equal the rows that change rank; the D = 4 save reloaded by plain transformers with
 identical tensors and logits; positions equal transformers' get_rope_index (images, padding, video frames); the
 routing plan moves every vision token exactly once; bad input refused by name. Qwen3.5-MoE (experts, shared expert,
-the aux loss) likewise at D = 1, 2, 4.
+the aux loss) and Qwen3-VL (DeepStack features into the first layers) likewise at D = 1, 2, 4.
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ from ds_tsp.tools.hf_reference import load_hf_reference  # noqa: E402
 PADDED = (0, 5, 2)  # right padding per row of the padded case
 
 
-def _spawned(directory: str, save_root: str, moe_directory: str) -> dict:
+def _spawned(directory: str, save_root: str, moe_directory: str, vl_directory: str) -> dict:
     """D=4 on the world (then saved); D=2 on [0, 1] (the image batch) and on [2, 3] (the same, right-padded);
-    Qwen3.5-MoE: D=4 on the image batch, D=2 on the mixed one."""
+    Qwen3.5-MoE: D=4 on the image batch, D=2 on the mixed one; Qwen3-VL: D=4 on the mixed batch, D=2 on images."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -69,6 +69,7 @@ def _spawned(directory: str, save_root: str, moe_directory: str) -> dict:
                                 for token, grid in ((IMAGE, "image_grid_thw"), (VIDEO, "video_grid_thw"))]
     _, results["packed", 4] = tsp_vlm_step(directory, packed_batch(packed_documents()))
     _, results["moe", 4] = tsp_vlm_step(moe_directory, image_batch())
+    _, results["vl mixed", 4] = tsp_vlm_step(vl_directory, image_batch(**MIXED))
     if rank < 2:
         _, results[2] = tsp_vlm_step(directory, image_batch(), halves[0])
         _, results["mixed", 2] = tsp_vlm_step(directory, image_batch(**MIXED), halves[0])
@@ -76,6 +77,7 @@ def _spawned(directory: str, save_root: str, moe_directory: str) -> dict:
     else:
         _, results["padded", 2] = tsp_vlm_step(directory, image_batch(pad_right=PADDED), halves[1])
         _, results["packed", 2] = tsp_vlm_step(directory, packed_batch(packed_documents()), halves[1])
+        _, results["vl", 2] = tsp_vlm_step(vl_directory, image_batch(), halves[1])
     gathered = [None] * 4
     dist.all_gather_object(gathered, results)
     return {**gathered[3], **gathered[1], **gathered[2], **gathered[0]} if rank == 0 else None
@@ -104,9 +106,20 @@ def moe_reference(moe_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint, moe_checkpoint, tmp_path_factory):
+def vl_checkpoint(tmp_path_factory):
+    return save_vlm_checkpoint(tmp_path_factory.mktemp("qwen3_vl") / "tiny", "qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def vl_reference(vl_checkpoint):
+    return load_hf_reference(vl_checkpoint, torch.float64, image_text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, moe_checkpoint, vl_checkpoint, tmp_path_factory):
     saved = tmp_path_factory.mktemp("qwen3_5_vlm_saved") / "d4"
-    return run_on_local_ranks(_spawned, 4, checkpoint, str(saved), moe_checkpoint, timeout_s=600)[0], str(saved)
+    return run_on_local_ranks(_spawned, 4, checkpoint, str(saved), moe_checkpoint, vl_checkpoint,
+                              timeout_s=600)[0], str(saved)
 
 
 def assert_matches(got, ref, what, tol: float = 1e-10):
@@ -217,6 +230,20 @@ def test_logits_and_num_items_in_batch(checkpoint, reference):
         assert rel(model(**batch, num_items_in_batch=2 * count).loss, mean / 2) < 1e-14
 
 
+def test_qwen3_vl_deepstack_matches_transformers(vl_checkpoint, vl_reference, runs):
+    """Qwen3VLForConditionalGeneration: Qwen3's layer under mrope, and the tower's DeepStack features (both vision
+    blocks) added to the first two layers' outputs at the vision rows, routed in the embeddings' all-to-all; D = 1
+    here (directory and in memory), D = 4 (images and videos) and D = 2 (images) from the spawn."""
+    assert type(vl_reference).__name__ == "Qwen3VLForConditionalGeneration"
+    results, _ = runs
+    for batch, key in ((image_batch(), ("vl", 2)), (image_batch(**MIXED), ("vl mixed", 4))):
+        ref = reference_loss_and_grads(vl_reference, batch)
+        assert float(ref[1]["model.visual.deepstack_merger_list.1.linear_fc2.weight"].norm()) > 0
+        for source in (vl_checkpoint, vl_reference):
+            assert_matches(tsp_vlm_step(source, batch)[1], ref, ("Qwen3-VL D=1", key))
+        assert_matches(results[key], ref, ("Qwen3-VL", key))
+
+
 def test_packed_documents_equal_each_document_alone(checkpoint, reference):
     """D = 1 here (D = 2, 4 in the spawn): positions restart per document, attention and the Gated DeltaNet state
     stay inside it; transformers' own call on the packed batch (vision positions as text) is far from it."""
@@ -269,11 +296,11 @@ def test_host_reads_only_at_the_entry_and_in_transformers_tower(runs):
     for rank in range(4):
         events = results["syncs", rank]
         tower = [e for e in events if e[2] == "layers"]
-        assert all(e[1] == "tolist" and e[3].endswith("<lambda>") for e in tower), (rank, tower)
+        assert all(e[1] == "tolist" and e[3].endswith(" encode") for e in tower), (rank, tower)  # the tower's call
         assert len(tower) == 3 * VISION["depth"] * sum(results["encodes", rank]), rank
         assert len([e for e in events if e[2] == "input_checks"]) == 1, rank
         rest = [e for e in events if e[2] not in ("layers", "input_checks")]
-        assert all(e[3].startswith(ENTRY) and "lambda" not in e[3] for e in rest), (rank, rest)
+        assert all(e[3].startswith(ENTRY) and not e[3].endswith(" encode") for e in rest), (rank, rest)
 
 
 def test_collectives_obey_nccl_rules(runs):
@@ -329,6 +356,6 @@ def test_bad_input_is_refused_by_name(checkpoint):
         model(**batch, position_ids=torch.arange(21).expand(3, 3, 21))
     with pytest.raises(ValueError, match="image_grid_thw"):  # an image span cut by a document boundary
         model(**batch, position_ids=torch.cat((torch.arange(6), torch.arange(15))).expand(3, 21))
-    with pytest.raises(TSPConfigError, match="qwen3_vl"):
-        TSPForConditionalGeneration(transformers.Qwen3VLConfig())
+    with pytest.raises(TSPConfigError, match="qwen3_vl_moe"):
+        TSPForConditionalGeneration(transformers.Qwen3VLMoeConfig())
     assert vlm_config().model_type == "qwen3_5"
