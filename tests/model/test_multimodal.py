@@ -242,6 +242,21 @@ def test_qwen3_vl_deepstack_matches_transformers(vl_checkpoint, vl_reference, ru
         for source in (vl_checkpoint, vl_reference):
             assert_matches(tsp_vlm_step(source, batch)[1], ref, ("Qwen3-VL D=1", key))
         assert_matches(results[key], ref, ("Qwen3-VL", key))
+    # activation checkpointing (the DeepStack additions sit between the checkpointed layers) and a frozen tower
+    from ds_tsp.core.config import TSPOptions
+    from ds_tsp.hf import TSPForConditionalGeneration
+
+    model = TSPForConditionalGeneration.from_pretrained(vl_checkpoint, None, dtype=torch.float64,
+                                                        options=TSPOptions(activation_checkpointing=True))
+    loss = model(**batch).loss
+    loss.backward()
+    assert_matches((loss.detach(), model.full_state_dict(grads=True)), ref, "Qwen3-VL activation checkpointing")
+    model.zero_grad(set_to_none=True)
+    model.visual.requires_grad_(False)
+    model(**batch).loss.backward()
+    grads = model.full_state_dict(grads=True)
+    assert all(float(grads[n].norm()) == 0 for n in grads if n.startswith("model.visual."))
+    assert rel(grads["lm_head.weight"], ref[1]["lm_head.weight"]) < 1e-10
 
 
 def test_packed_documents_equal_each_document_alone(checkpoint, reference):
