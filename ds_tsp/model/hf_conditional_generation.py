@@ -1,7 +1,8 @@
 """`TSPForConditionalGeneration`: multimodal Qwen3.5 (transformers' Qwen3_5ForConditionalGeneration, or
 Qwen3_5MoeForConditionalGeneration: a vision tower feeding the hybrid Gated DeltaNet / gated-attention language
-model, dense or with experts) and Qwen3-VL (Qwen3VLForConditionalGeneration: Qwen3's layer under mrope, with the
-tower's DeepStack features added to the first layers) under TSP, with images and videos.
+model, dense or with experts) and Qwen3-VL (Qwen3VLForConditionalGeneration / Qwen3VLMoeForConditionalGeneration:
+Qwen3's layer, dense or with experts, under mrope, the tower's DeepStack features added to the first layers) under
+TSP, with images and videos.
 
     model = TSPForConditionalGeneration.from_pretrained("local/qwen3.5-vl", tsp_group=group)
     out = model(**processor_batch, labels=labels)    # input_ids, attention_mask, pixel_values, image_grid_thw,
@@ -40,7 +41,7 @@ Qwen3-VL's DeepStack features (one per deepstack_visual_indexes entry) ride as m
 embeddings' all-to-all, and are added to the outputs of layers 0 .. k-1 at the vision rows (index_add on the same
 local rows), as transformers' _deepstack_process adds them.
 
-Not handled yet, each refused by name: 3-D position_ids, Qwen3-VL-MoE checkpoints, a cp axis,
+Not handled yet, each refused by name: 3-D position_ids, a cp axis,
 TSPDataLoader shards (tsp_shard), TRL's fused head, frozen tower weights of an in-memory model.
 """
 from __future__ import annotations
@@ -66,11 +67,12 @@ from ds_tsp.model.loss import sequence_aux_loss
 
 # model_type -> the transformers class whose checkpoints and call this face reproduces
 ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-                 "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 # multimodal families on the way, refused by name until their exactness proof lands
-NOT_YET = {"qwen3_vl_moe": "Qwen3-VL-MoE (its sparse language model under the DeepStack vision tower)"}
-# multimodal model_type -> the text family whose layer its language model is (read under that model_type)
-_TEXT_AS = {"qwen3_vl": "qwen3"}
+NOT_YET: dict[str, str] = {}
+# multimodal model_type -> (the text family whose layer its language model is, fields its model fixes): Qwen3-VL's
+# text model is Qwen3's layer, Qwen3-VL-MoE's Qwen3-MoE's with the top-k weights always renormalised
+_TEXT_AS = {"qwen3_vl": ("qwen3", {}), "qwen3_vl_moe": ("qwen3_moe", {"norm_topk_prob": True})}
 _VISION_PREFIX = "model.visual."
 _LM_PREFIX = "model.language_model."
 
@@ -111,7 +113,8 @@ def _text_shape(config, text) -> ModelShape:
     such (its rope_parameters' mrope fields are honoured here, by mrope_cos_sin)."""
     if config.model_type not in _TEXT_AS:
         return ModelShape.from_hf_config(text)
-    return ModelShape.from_hf_config({**text.to_dict(), "model_type": _TEXT_AS[config.model_type]})
+    family, fixed = _TEXT_AS[config.model_type]
+    return ModelShape.from_hf_config({**text.to_dict(), **fixed, "model_type": family})
 
 
 def _count_from_zero(documents: torch.Tensor) -> bool:

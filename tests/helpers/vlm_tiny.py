@@ -33,6 +33,13 @@ def vlm_config(family: str = "qwen3_5", **text_overrides):
     """family "qwen3_5" (dense), "qwen3_5_moe" (hybrid_tiny.MOE's experts, the aux loss on) or "qwen3_vl"."""
     import transformers
 
+    if family == "qwen3_vl_moe":  # hybrid_tiny.MOE's routed experts (no shared expert), the aux loss on
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, output_router_logits=True,
+                   router_aux_loss_coef=0.05)
+        return transformers.Qwen3VLMoeConfig(text_config={**QWEN3_VL_TEXT, **moe, **text_overrides},
+                                             vision_config={**VISION, "deepstack_visual_indexes": [0, 1]},
+                                             image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+                                             vision_end_token_id=END, tie_word_embeddings=False)
     if family == "qwen3_vl":
         return transformers.Qwen3VLConfig(text_config={**QWEN3_VL_TEXT, **text_overrides},
                                           vision_config={**VISION, "deepstack_visual_indexes": [0, 1]},

@@ -14,7 +14,7 @@ packed multimodal documents at D = 1, 2, 4, the latter against each document run
 all-to-all's bytes per rank equal the rows that change rank; the D = 4 save reloaded by plain transformers with
 identical tensors and logits; positions equal transformers' get_rope_index (images, padding, video frames); the
 routing plan moves every vision token exactly once; bad input refused by name. Qwen3.5-MoE (experts, shared expert,
-the aux loss) and Qwen3-VL (DeepStack features into the first layers) likewise at D = 1, 2, 4.
+the aux loss), Qwen3-VL (DeepStack features into the first layers) and Qwen3-VL-MoE likewise at D = 1, 2, 4.
 """
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ from ds_tsp.tools.hf_reference import load_hf_reference  # noqa: E402
 PADDED = (0, 5, 2)  # right padding per row of the padded case
 
 
-def _spawned(directory: str, save_root: str, moe_directory: str, vl_directory: str) -> dict:
+def _spawned(directory: str, save_root: str, moe_directory: str, vl_directory: str, vl_moe_directory: str) -> dict:
     """D=4 on the world (then saved); D=2 on [0, 1] (the image batch) and on [2, 3] (the same, right-padded);
-    Qwen3.5-MoE: D=4 on the image batch, D=2 on the mixed one; Qwen3-VL: D=4 on the mixed batch, D=2 on images."""
+    Qwen3.5-MoE: D=4 on the image batch, D=2 on the mixed one; Qwen3-VL: D=4 on the mixed batch, D=2 on images;
+    Qwen3-VL-MoE: D=4 on images, D=2 on the mixed batch."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -70,10 +71,12 @@ def _spawned(directory: str, save_root: str, moe_directory: str, vl_directory: s
     _, results["packed", 4] = tsp_vlm_step(directory, packed_batch(packed_documents()))
     _, results["moe", 4] = tsp_vlm_step(moe_directory, image_batch())
     _, results["vl mixed", 4] = tsp_vlm_step(vl_directory, image_batch(**MIXED))
+    _, results["vl moe", 4] = tsp_vlm_step(vl_moe_directory, image_batch())
     if rank < 2:
         _, results[2] = tsp_vlm_step(directory, image_batch(), halves[0])
         _, results["mixed", 2] = tsp_vlm_step(directory, image_batch(**MIXED), halves[0])
         _, results["moe mixed", 2] = tsp_vlm_step(moe_directory, image_batch(**MIXED), halves[0])
+        _, results["vl moe mixed", 2] = tsp_vlm_step(vl_moe_directory, image_batch(**MIXED), halves[0])
     else:
         _, results["padded", 2] = tsp_vlm_step(directory, image_batch(pad_right=PADDED), halves[1])
         _, results["packed", 2] = tsp_vlm_step(directory, packed_batch(packed_documents()), halves[1])
@@ -116,9 +119,14 @@ def vl_reference(vl_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoint, moe_checkpoint, vl_checkpoint, tmp_path_factory):
+def vl_moe_checkpoint(tmp_path_factory):
+    return save_vlm_checkpoint(tmp_path_factory.mktemp("qwen3_vl_moe") / "tiny", "qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, moe_checkpoint, vl_checkpoint, vl_moe_checkpoint, tmp_path_factory):
     saved = tmp_path_factory.mktemp("qwen3_5_vlm_saved") / "d4"
-    return run_on_local_ranks(_spawned, 4, checkpoint, str(saved), moe_checkpoint, vl_checkpoint,
+    return run_on_local_ranks(_spawned, 4, checkpoint, str(saved), moe_checkpoint, vl_checkpoint, vl_moe_checkpoint,
                               timeout_s=600)[0], str(saved)
 
 
@@ -259,6 +267,20 @@ def test_qwen3_vl_deepstack_matches_transformers(vl_checkpoint, vl_reference, ru
     assert rel(grads["lm_head.weight"], ref[1]["lm_head.weight"]) < 1e-10
 
 
+def test_qwen3_vl_moe_matches_transformers(vl_moe_checkpoint, runs):
+    """Qwen3VLMoeForConditionalGeneration: Qwen3-MoE's experts (top-k always renormalised, the whole batch's aux
+    loss) under the DeepStack tower; D = 1 here (directory and in memory), D = 4 (images) and D = 2 (images and
+    videos) from the spawn."""
+    reference = load_hf_reference(vl_moe_checkpoint, torch.float64, image_text=True)
+    assert type(reference).__name__ == "Qwen3VLMoeForConditionalGeneration"
+    results, _ = runs
+    for batch, key in ((image_batch(), ("vl moe", 4)), (image_batch(**MIXED), ("vl moe mixed", 2))):
+        ref = reference_loss_and_grads(reference, batch)
+        for source in (vl_moe_checkpoint, reference):
+            assert_matches(tsp_vlm_step(source, batch)[1], ref, ("Qwen3-VL-MoE D=1", key))
+        assert_matches(results[key], ref, ("Qwen3-VL-MoE", key))
+
+
 def test_packed_documents_equal_each_document_alone(checkpoint, reference):
     """D = 1 here (D = 2, 4 in the spawn): positions restart per document, attention and the Gated DeltaNet state
     stay inside it; transformers' own call on the packed batch (vision positions as text) is far from it."""
@@ -371,6 +393,6 @@ def test_bad_input_is_refused_by_name(checkpoint):
         model(**batch, position_ids=torch.arange(21).expand(3, 3, 21))
     with pytest.raises(ValueError, match="image_grid_thw"):  # an image span cut by a document boundary
         model(**batch, position_ids=torch.cat((torch.arange(6), torch.arange(15))).expand(3, 21))
-    with pytest.raises(TSPConfigError, match="qwen3_vl_moe"):
-        TSPForConditionalGeneration(transformers.Qwen3VLMoeConfig())
+    with pytest.raises(TSPConfigError, match="gemma3"):  # a multimodal family this face does not take
+        TSPForConditionalGeneration(transformers.Gemma3Config())
     assert vlm_config().model_type == "qwen3_5"

@@ -47,6 +47,6 @@ def test_verify_images_refuses_by_name(capsys, checkpoint, tmp_path):
     assert main(["verify", "--hf-model", checkpoint, "--images", "4", "--seq", "13", "--batch", "2"]) == 2
     assert "--seq" in capsys.readouterr().err
     text = json.loads(open(f"{checkpoint}/config.json").read())
-    (tmp_path / "config.json").write_text(json.dumps({**text, "model_type": "qwen3_vl_moe"}))
+    (tmp_path / "config.json").write_text(json.dumps({**text, "model_type": "llava"}))
     assert main(["verify", "--hf-model", str(tmp_path), "--images", "2"]) == 2
-    assert "qwen3_vl_moe" in capsys.readouterr().err
+    assert "llava" in capsys.readouterr().err
