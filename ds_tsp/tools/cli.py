@@ -62,8 +62,8 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
                    help="pack K documents of random lengths into every sequence (position_ids restarting); the "
                         "reference runs every document on its own (default 1)")
     p.add_argument("--images", type=positive(integer), default=None,
-                   help="with --hf-model of a multimodal checkpoint (Qwen3.5 / Qwen3.5-MoE ForConditionalGeneration):"
-                        " N images in the batch; the reference is transformers' ForConditionalGeneration, TSP runs "
+                   help="with --hf-model of a multimodal checkpoint (Qwen3.5, Qwen3.5-MoE, Qwen3-VL, Qwen3-VL-MoE): N "
+                        "images in the batch; the reference is transformers' ForConditionalGeneration, TSP runs "
                         "TSPForConditionalGeneration (the vision tower's gradients compared too)")
     p.add_argument("--videos", type=positive(integer), default=None,
                    help="with --hf-model of a multimodal checkpoint: M videos (2 frames each) in the batch")
@@ -132,8 +132,8 @@ def _check_images(args: argparse.Namespace) -> None:
     from ds_tsp.model.hf_conditional_generation import check_multimodal_family
 
     if not args.hf_model:
-        raise TSPConfigError("--images / --videos need --hf-model DIR of a multimodal checkpoint "
-                             "(Qwen3_5ForConditionalGeneration or Qwen3_5MoeForConditionalGeneration)")
+        raise TSPConfigError("--images / --videos need --hf-model DIR of a multimodal checkpoint (Qwen3.5, "
+                             "Qwen3.5-MoE, Qwen3-VL or Qwen3-VL-MoE ForConditionalGeneration)")
     check_multimodal_family(json.loads((Path(args.hf_model) / "config.json").read_text()).get("model_type"))
     if args.cp > 1 or args.documents > 1:
         raise TSPConfigError(f"--images / --videos with --cp {args.cp} / --documents {args.documents}: the "

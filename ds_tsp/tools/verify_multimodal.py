@@ -1,5 +1,5 @@
-"""`ds-tsp verify --hf-model DIR --images N --videos M`: the numerics self-check of a multimodal checkpoint (Qwen3.5
-/ Qwen3.5-MoE ForConditionalGeneration) with images and videos, TSPForConditionalGeneration against transformers'
+"""`ds-tsp verify --hf-model DIR --images N --videos M`: the numerics self-check of a multimodal checkpoint (Qwen3.5,
+Qwen3.5-MoE, Qwen3-VL, Qwen3-VL-MoE ForConditionalGeneration) with images and videos, TSPForConditionalGeneration against transformers'
 own model.
 
 The batch: case.batch rows of case.seq random text tokens with N images then M videos dealt round-robin over the
