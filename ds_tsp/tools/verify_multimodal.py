@@ -1,6 +1,6 @@
-"""`ds-tsp verify --hf-model DIR --images N --videos M`: the numerics self-check of a multimodal checkpoint (Qwen3.5,
-Qwen3.5-MoE, Qwen3-VL, Qwen3-VL-MoE ForConditionalGeneration) with images and videos, TSPForConditionalGeneration against transformers'
-own model.
+"""`ds-tsp verify --hf-model DIR --images N --videos M`: the numerics self-check of a multimodal checkpoint
+(Qwen3.5, Qwen3.5-MoE, Qwen3-VL, Qwen3-VL-MoE ForConditionalGeneration) with images and videos,
+TSPForConditionalGeneration against transformers' own model.
 
 The batch: case.batch rows of case.seq random text tokens with N images then M videos dealt round-robin over the
 rows; an image is a grid of (1, 2m, 2m) patches (m = the tower's spatial merge: 4 tokens), a video 2 such frames
