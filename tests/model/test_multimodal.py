@@ -396,3 +396,11 @@ def test_bad_input_is_refused_by_name(checkpoint):
     with pytest.raises(TSPConfigError, match="gemma3"):  # a multimodal family this face does not take
         TSPForConditionalGeneration(transformers.Gemma3Config())
     assert vlm_config().model_type == "qwen3_5"
+    # an outer engine that shards the tower's weights (ZeRO-3 marks them with ds_id) is refused, not summed wrongly
+    first = next(model.visual.parameters())
+    first.ds_id = 0
+    try:
+        with pytest.raises(TSPConfigError, match="ZeRO-3"):
+            model(**batch)
+    finally:
+        del first.ds_id

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.errors import TSPConfigError
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -92,6 +93,12 @@ def encode_replicated(module: torch.nn.Module, encode: Callable[[], torch.Tensor
     """encode() (this rank's part, or None for nothing: then `empty`) with the module's trainable weights' grads
     summed over the TSP group in backward. Collective in backward on every rank, an empty part included."""
     params = [p for p in module.parameters() if p.requires_grad]
+    sharded = [p for p in params if hasattr(p, "ds_id") or type(p) not in (torch.Tensor, torch.nn.Parameter)]
+    if sharded:  # ZeRO-3 partitions (ds_id) or FSDP2 DTensors: the grads taken here would not be the full ones
+        raise TSPConfigError(f"the vision tower's weights are sharded by the outer engine ({type(sharded[0]).__name__}"
+                             f"{' with ds_id' if hasattr(sharded[0], 'ds_id') else ''}): TSP replicates the tower on "
+                             "the TSP group; DeepSpeed ZeRO-3 and FSDP2 over a multimodal model are not supported yet "
+                             "(ZeRO-1/2 and plain data parallel keep the tower whole)")
     if not params or not torch.is_grad_enabled():
         with torch.no_grad():
             out = encode()
