@@ -238,7 +238,7 @@ def test_logits_and_num_items_in_batch(checkpoint, reference):
         assert rel(model(**batch, num_items_in_batch=2 * count).loss, mean / 2) < 1e-14
 
 
-def test_qwen3_vl_deepstack_matches_transformers(vl_checkpoint, vl_reference, runs):
+def test_qwen3_vl_deepstack_matches_transformers(vl_checkpoint, vl_reference, runs, tmp_path):
     """Qwen3VLForConditionalGeneration: Qwen3's layer under mrope, and the tower's DeepStack features (both vision
     blocks) added to the first two layers' outputs at the vision rows, routed in the embeddings' all-to-all; D = 1
     here (directory and in memory), D = 4 (images and videos) and D = 2 (images) from the spawn."""
@@ -265,6 +265,13 @@ def test_qwen3_vl_deepstack_matches_transformers(vl_checkpoint, vl_reference, ru
     grads = model.full_state_dict(grads=True)
     assert all(float(grads[n].norm()) == 0 for n in grads if n.startswith("model.visual."))
     assert rel(grads["lm_head.weight"], ref[1]["lm_head.weight"]) < 1e-10
+    # its save (the DeepStack mergers included) reloads in transformers with identical tensors
+    saved = model.save_pretrained(tmp_path / "saved")
+    reloaded = load_hf_reference(saved, torch.float64, image_text=True)
+    assert type(reloaded).__name__ == "Qwen3VLForConditionalGeneration"
+    original = dict(vl_reference.state_dict())
+    assert reloaded.state_dict().keys() == original.keys()
+    assert all(torch.equal(v, original[k]) for k, v in reloaded.state_dict().items())
 
 
 def test_qwen3_vl_moe_matches_transformers(vl_moe_checkpoint, runs):
