@@ -7,12 +7,14 @@ GRPOTrainer, RewardTrainer and DPOTrainer.
     from ds_tsp.hf import TSPDPOTrainer                               # (TSPTrainer, trl.DPOTrainer): preferences
     model = TSPForCausalLM.from_pretrained("local/llama-3.2-1b", tsp_group=group)
     scorer = TSPForSequenceClassification.from_pretrained("local/reward-model", tsp_group=group)
+    vlm = TSPForConditionalGeneration.from_pretrained("local/qwen3.5-vl", tsp_group=group)   # images under TSP
 """
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
+from ds_tsp.model.hf_conditional_generation import TSPForConditionalGeneration
 from ds_tsp.model.hf_sequence_classification import TSPForSequenceClassification
 
 __all__ = ["TSPForCausalLM", "TSPForSequenceClassification", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer",
-           "TSPRewardTrainer", "TSPDPOTrainer"]
+           "TSPRewardTrainer", "TSPDPOTrainer", "TSPForConditionalGeneration"]
 
 
 def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerate: only when asked for
