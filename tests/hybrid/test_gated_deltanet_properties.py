@@ -5,11 +5,14 @@ The D ranks run as threads (tests/helpers/thread_comm.py: the same collectives, 
 sequence lengths, document splits, D, head counts and conv kernels cheaply; every case is compared (output, dx and
 every weight grad) with transformers' layer in float64 (tests/hybrid/test_gated_deltanet.py: hf_layer; 1e-10). The same
 harness shows the comparison fails when one piece of the schedule is broken on purpose (no halo, chunks composed in
-rank order instead of sequence order, document resets ignored).
+rank order instead of sequence order, document resets ignored). The backward's work is counted (each head block
+walks its chunk kernels and projections once) and the overlap order checked (a transition gather waited only after
+the next block's chunks, a transition-grad reduce-scatter after the out projection's weight grad).
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 
 import pytest
@@ -346,3 +349,90 @@ def test_fla_is_selected_on_cuda_in_half_precision_and_its_absence_is_said_once(
         assert fla.select_delta_rule_backend("cuda", torch.float16) == "torch"  # said once
     with pytest.raises(RuntimeError, match="'fla' requested but flash-linear-attention is not installed"):
         fla.fla_kernel()
+
+
+# --- work per head block in backward ------------------------------------------------------------------------
+class _Probe(torch.autograd.Function):
+    """Identity whose backward records one call: how many autograd passes reach a tensor."""
+
+    @staticmethod
+    def forward(ctx, t, calls: list, name: str):
+        ctx.calls, ctx.name = calls, name
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.calls.append(ctx.name)
+        return grad, None, None
+
+
+def test_backward_runs_the_delta_rule_and_the_projections_once_per_head_block(monkeypatch):
+    """Per head block the backward pulls its grads through each chunk's delta rule and through the q/k/v/a/b
+    projections ONCE (the state hand-off's cotangents and the output's in one pass), at D=2 with packed documents;
+    the result still matches transformers."""
+    from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
+
+    calls = []
+    real_rule, real_projections = gdn.chunk_gated_delta_rule, gdn._projections
+
+    def rule(q, k, *args):  # k: every output of the rule (o_local, q_eff, M, U) depends on it
+        calls.append("delta rule forward")
+        return real_rule(q, _Probe.apply(k, calls, "delta rule backward"), *args)
+
+    def projections(w, spec):
+        qkv, z, b, a = real_projections(w, spec)
+        return _Probe.apply(qkv, calls, "qkv projection backward"), z, b, a
+
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", rule)
+    monkeypatch.setattr(gdn, "_projections", projections)
+    case = dict(D=2, fmt="qwen3_5", nk=2, nv=4, kernel=4, S=12, docs=((0, 5), (0,)), seed=7)
+    errors = _case_errors(**case)
+    assert max(errors.values()) < TOL, errors
+    D, ranks, chunks = 2, 2, 2
+    # forward and its recompute in backward: 2 D blocks x 2 chunks per rank
+    assert calls.count("delta rule forward") == 2 * D * chunks * ranks
+    assert calls.count("delta rule backward") == D * chunks * ranks, calls
+    assert calls.count("qkv projection backward") == D * ranks, calls
+
+
+def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypatch):
+    """Forward: block j's transition gather is posted, block j+1's chunks run, then it is waited (it travels behind
+    them); backward: each block's transition-grad reduce-scatter is waited after the out projection's weight grad.
+    D=3 threads; the posted collectives stay the same on every rank (_case_errors checks)."""
+    from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
+
+    events = {}
+    real_local, real_gather, real_scatter = gdn._block_local, gdn.TransitionGather, gdn.TransitionGradScatter
+    real_grad = torch.autograd.grad
+    log = lambda what: events.setdefault(threading.get_ident(), []).append(what)  # noqa: E731
+
+    class Gather(real_gather):
+        def wait(self):
+            log("gather wait")
+            return super().wait()
+
+    class Scatter(real_scatter):
+        def wait(self):
+            log("scatter wait")
+            return super().wait()
+
+    def block_local(*args):
+        log("chunks")
+        return real_local(*args)
+
+    def grad(outputs, inputs, *args, **kwargs):
+        if isinstance(inputs, torch.Tensor):  # the one call with a single input: the out projection's weight grad
+            log("out weight grad")
+        return real_grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(gdn, "_block_local", block_local)
+    monkeypatch.setattr(gdn, "TransitionGather", Gather)
+    monkeypatch.setattr(gdn, "TransitionGradScatter", Scatter)
+    monkeypatch.setattr(gdn.torch.autograd, "grad", grad)
+    errors = _case_errors(D=3, fmt="qwen3_5", nk=3, nv=3, kernel=3, S=12, docs=((0, 5),), seed=4)
+    assert max(errors.values()) < TOL, errors
+    assert len(events) == 3
+    for per_rank in events.values():
+        forward, backward = per_rank[:6], per_rank[6:]
+        assert forward == ["chunks", "chunks", "gather wait", "chunks", "gather wait", "gather wait"], per_rank
+        assert backward == ["chunks", "gather wait", "out weight grad", "scatter wait"] * 3, per_rank
