@@ -194,16 +194,24 @@ def test_head_counts_that_do_not_split_name_the_fields_and_the_degrees_that_fit(
 
 
 # --- device discipline -------------------------------------------------------------------------------------
-def test_forward_and_backward_have_no_host_sync():
+@pytest.mark.parametrize("backend", [None, "fla"])
+def test_forward_and_backward_have_no_host_sync(backend, monkeypatch):
     """Counted as tests/reliability/test_host_syncs.py counts a training step: no value read, no host data turned into a
-    tensor, no data-dependent op, at D=2 (threads) with packed documents."""
+    tensor, no element assignment `t[i] = v`, no data-dependent op, at D=2 (threads) with packed documents; "fla":
+    through the FLA adapter (the stand-in reads cu_seqlens on the host unless given cu_seqlens_cpu, as FLA does;
+    one chunk of rank 0 has no document start: FLA's plain batch)."""
     from sync_counter import SyncCounter
 
+    from ds_tsp.core.layers.linear_attention import delta_rule_fla
+
+    if backend == "fla":
+        monkeypatch.setattr(delta_rule_fla, "_fla_status", lambda: (fake_fla_chunk_gated_delta_rule, None))
     ref, config = hf_layer("qwen3_5", 2, 4, 3, hidden=H, dk=DK, dv=DV)
     x = torch.randn(2, 12, H, dtype=torch.float64)
 
     def rank(comm):
         layer = tsp_layer(ref, config, "qwen3_5", comm, hidden=H, dk=DK, dv=DV)
+        layer.spec = dataclasses.replace(layer.spec, delta_rule_backend=backend)
         x_local = shard(x, 2, comm.rank).requires_grad_()
         with SyncCounter() as syncs:
             layer(x_local, ((0, 5), (0, 1, 9))).sum().backward()
@@ -284,14 +292,23 @@ def test_a_frozen_shard_reduces_nothing_and_still_gives_dx():
 
 # --- the CUDA kernel adapter (flash-linear-attention), with a stand-in for FLA ------------------------------------
 def fake_fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False):
+                                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False,
+                                    cu_seqlens_cpu=None):
     """FLA's documented contract (fla/ops/gated_delta_rule/chunk.py), computed by transformers' own recurrence
-    (float64-widened): [B, T, H, *] inputs, with cu_seqlens B == 1 and one initial state per sequence."""
+    (float64-widened): [B, T, H, *] inputs, one initial state per row; with cu_seqlens B == 1 and one initial state
+    per sequence, whose lengths it reads from cu_seqlens_cpu when given (FLA >= 0.4.2), else from the device
+    tensor (a host read, as FLA does)."""
     assert q.dtype == k.dtype == v.dtype and not head_first and not use_qk_l2norm_in_kernel
     rec = _widened("transformers.models.qwen3_5.modeling_qwen3_5")["torch_recurrent_gated_delta_rule"]
-    bounds = [0, q.shape[1]] if cu_seqlens is None else [int(b) for b in cu_seqlens]
-    assert cu_seqlens is None or (q.shape[0] == 1 and initial_state.shape[0] == len(bounds) - 1)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        assert initial_state.shape[0] == q.shape[0] and cu_seqlens_cpu is None
+        o, ht = rec(q * scale * k.shape[-1] ** 0.5, k, v, g, beta, initial_state=initial_state,
+                    output_final_state=True)
+        return o, (ht if output_final_state else None)
+    bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    assert cu_seqlens_cpu is None or (cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.shape == cu_seqlens.shape)
+    assert q.shape[0] == 1 and initial_state.shape[0] == len(bounds) - 1
     outs, finals = [], []
     for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         o, ht = rec(q[:, lo:hi] * scale * k.shape[-1] ** 0.5, k[:, lo:hi], v[:, lo:hi], g[:, lo:hi],
@@ -313,14 +330,14 @@ def test_fla_adapter_gives_the_torch_kernels_transition_and_outputs():
     v = torch.randn(B, Hh, c, dv, dtype=torch.float64, generator=g)
     decay = -torch.rand(B, Hh, c, dtype=torch.float64, generator=g)
     beta = torch.rand(B, Hh, c, dtype=torch.float64, generator=g)
-    starts = ((0, 4), (2, 3, 8), ())
-    reset = torch.zeros(B, c, dtype=torch.float64)
-    for b, row in enumerate(starts):
-        reset[b, list(row)] = 1
-    want = chunk_gated_delta_rule(q, k, v, decay, beta, 4, reset)
-    got = fla_chunk_transition(fake_fla_chunk_gated_delta_rule, q, k, v, decay, beta, starts, torch.float64)
-    for name, a, b in zip(("o_local", "q_eff", "M", "U"), got, want):
-        assert a.shape == b.shape and (a - b).abs().max() < 1e-12, name
+    for starts in (((0, 4), (2, 3, 8), ()), ((), (), ())):  # varlen; no start anywhere: FLA's plain batch
+        reset = torch.zeros(B, c, dtype=torch.float64)
+        for b, row in enumerate(starts):
+            reset[b, list(row)] = 1
+        want = chunk_gated_delta_rule(q, k, v, decay, beta, 4, reset)
+        got = fla_chunk_transition(fake_fla_chunk_gated_delta_rule, q, k, v, decay, beta, starts, torch.float64)
+        for name, a, b in zip(("o_local", "q_eff", "M", "U"), got, want):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-12, (starts, name)
 
 
 def test_layer_through_the_fla_adapter_matches_transformers(monkeypatch):
@@ -436,3 +453,21 @@ def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypat
         forward, backward = per_rank[:6], per_rank[6:]
         assert forward == ["chunks", "chunks", "gather wait", "chunks", "gather wait", "gather wait"], per_rank
         assert backward == ["chunks", "gather wait", "out weight grad", "scatter wait"] * 3, per_rank
+
+
+def test_host_values_reach_cuda_in_one_non_blocking_copy_from_pinned_memory(monkeypatch):
+    """The FLA adapter's varlen plan (cu_seqlens, reads, last) goes to a CUDA device in one copy the host does not
+    wait for (the pinned, non_blocking copy the sync counter lets pass); the CUDA calls are recorded, not run."""
+    from ds_tsp.core.layers.linear_attention.delta_rule_fla import _on_device
+
+    calls, real_to = [], torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        calls.append(("to", args, kwargs))
+        return real_to(self, "cpu", copy=True)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin_memory") or self)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    host = torch.tensor([0, 3, 5])
+    assert torch.equal(_on_device(host, torch.device("cuda")), host)
+    assert calls == ["pin_memory", ("to", (torch.device("cuda"),), {"non_blocking": True})]

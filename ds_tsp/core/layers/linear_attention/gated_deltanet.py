@@ -71,7 +71,11 @@ document that starts in another group's chunk resets the state and the conv here
               halo's reduce-scatter
 O(1) in S as well. Without cp the collectives and bytes are exactly those above.
 
-Host syncs: 0 (document cuts are host ints of the DocumentLayout; the tap masks are built by fills on the device).
+Host syncs: 0 (document cuts are host ints of the DocumentLayout; the reset and tap masks are built by fills of
+slices on the device, never `t[i] = v`; FLA's varlen plan goes over in one non-blocking copy from pinned memory and
+FLA gets cu_seqlens' host copy as cu_seqlens_cpu, so it reads nothing back; a chunk without a document start calls
+FLA without cu_seqlens. FLA older than 0.4.2 takes no cu_seqlens_cpu and reads cu_seqlens itself on a packed chunk:
+that read is FLA's; tests/hybrid/test_gated_deltanet_properties.py counts them all, FLA's stand-in included).
 Collectives are posted in the same order on every rank: the loop and the masks are decided by shapes and the layout
 only, identical on all ranks.
 """

@@ -121,7 +121,8 @@ def chunk_plans(doc_rows: tuple[tuple[int, ...], ...], rank: int, tsp: int, loca
     row starting at 0); cp, cp_rank: the cp axis (the chunks are then global chunks of 2*cp*tsp).
 
     Built once per step (memoised on the layout: every linear-attention layer and head block of the step, and
-    backward, reuse it), by fills on `device`: no host-to-device copy. Constants (no grad), safe to share."""
+    backward, reuse it), by fills of slices on `device`: no host-to-device copy (an element assignment `t[i] = v`
+    would be one, blocking, on CUDA). Constants (no grad), safe to share."""
     c, B = local_len // 2, len(doc_rows)
     plans = []
     with torch.inference_mode(False):  # a cached inference tensor would be unusable once autograd records
@@ -135,7 +136,7 @@ def chunk_plans(doc_rows: tuple[tuple[int, ...], ...], rank: int, tsp: int, loca
                 for s in inside:
                     if reset is None:
                         reset = torch.zeros(B, c, dtype=dtype, device=device)
-                    reset[b, s - lo] = 1
+                    reset[b, s - lo:s - lo + 1] = 1  # a slice: an asynchronous fill (an element: a blocking copy)
                 # tap s of token t reads t - s: valid iff t - s >= the start of t's document (t's position in it)
                 governing = [s for s in starts if s <= lo]
                 for d in ([governing[-1]] if governing else []) + [s for s in inside if s > lo]:
