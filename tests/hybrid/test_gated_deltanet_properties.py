@@ -353,9 +353,13 @@ def test_fla_is_selected_on_cuda_in_half_precision_and_its_absence_is_said_once(
     from ds_tsp.core.layers.linear_attention import delta_rule_fla as fla
 
     monkeypatch.setattr(fla, "_fla_status", lambda: (fake_fla_chunk_gated_delta_rule, None))
+    monkeypatch.setattr(fla, "_WARNED", set())
     assert fla.select_delta_rule_backend("cuda", torch.bfloat16) == "fla"
-    assert fla.select_delta_rule_backend("cuda", torch.float32) == "torch"  # FLA refuses float32
+    with pytest.warns(RuntimeWarning, match="pure-torch chunk kernel on CUDA: the model runs in torch.float32 and "
+                                            "flash-linear-attention takes only .* train in bfloat16"):
+        assert fla.select_delta_rule_backend("cuda", torch.float32) == "torch"  # FLA refuses float32
     assert fla.select_delta_rule_backend("cpu", torch.bfloat16) == "torch"
+    assert fla.select_delta_rule_backend("cpu", torch.float32) == "torch"  # the CPU: nothing to say
     monkeypatch.setattr(fla, "_fla_status", lambda: (None, "flash-linear-attention is not installed (test)"))
     monkeypatch.setattr(fla, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="pure-torch chunk kernel on CUDA: flash-linear-attention is not "):
@@ -471,3 +475,38 @@ def test_host_values_reach_cuda_in_one_non_blocking_copy_from_pinned_memory(monk
     host = torch.tensor([0, 3, 5])
     assert torch.equal(_on_device(host, torch.device("cuda")), host)
     assert calls == ["pin_memory", ("to", (torch.device("cuda"),), {"non_blocking": True})]
+
+
+def test_fla_compiles_before_the_layer_posts_anything_once_per_shape_class(monkeypatch):
+    """The first call of a shape class runs FLA's plain and variable-length variants, forward and backward, before
+    the layer's first collective (its conv halo's gather); a second call, and a second layer of the same shape,
+    warm nothing; the output is the same."""
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.layers.linear_attention import delta_rule_fla
+    from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
+
+    events = []
+
+    def fla(q, *args, cu_seqlens=None, **kwargs):
+        events.append("fla varlen" if cu_seqlens is not None else "fla batch")
+        return fake_fla_chunk_gated_delta_rule(q, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+    def halo(*args):
+        events.append("halo")
+        return real_halo(*args)
+
+    real_halo, real_grad = gdn.conv_halo, torch.autograd.grad
+    monkeypatch.setattr(delta_rule_fla, "_fla_status", lambda: (fla, None))
+    monkeypatch.setattr(gdn, "conv_halo", halo)
+    ref, config = hf_layer("qwen3_5", 2, 4, 3, hidden=H, dk=DK, dv=DV)
+    layers = [tsp_layer(ref, config, "qwen3_5", TSPComm.single(), hidden=H, dk=DK, dv=DV) for _ in range(2)]
+    for layer in layers:
+        layer.spec = dataclasses.replace(layer.spec, delta_rule_backend="fla")
+    x = torch.randn(2, 12, H, dtype=torch.float64)
+    y = [layer(x, ((0, 5), (0,))) for layer in (*layers, layers[0])]
+    assert events[:3] == ["fla batch", "fla varlen", "halo"], events
+    assert events.count("fla batch") + events.count("fla varlen") == 2 + 3 * 2, events  # then 2 chunks a call
+    assert torch.equal(y[0], y[2]) and torch.equal(y[0], y[1])
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: events.append("backward") or real_grad(*a, **k))
+    assert delta_rule_fla.warm_up(fla, 8, 2, 3, torch.device("cpu"), torch.float64)  # a new shape class
+    assert events[-4:] == ["fla batch", "backward", "fla varlen", "backward"], events

@@ -18,8 +18,11 @@ still far below the pure-torch path on a GPU.
 
 Selection (`select_delta_rule_backend`, like ds_tsp.core.layers.attention.kernels.select_backend): "fla" on CUDA for
 fp16 / bf16 when `fla` imports (FLA refuses float32); "torch" everywhere else (float32 / float64: the exact path). On
-CUDA in fp16 / bf16 without FLA it says so once per process (pip install flash-linear-attention). Never run on a GPU
-here: the adapter is tested on the CPU against the torch kernel with a stand-in that follows FLA's documented contract.
+CUDA without FLA, or in float32 / float64 (which FLA refuses), it says so once per process and reason, with the fix
+(pip install flash-linear-attention; train in bfloat16): the torch kernel is launch-bound on a GPU. `warm_up` compiles
+FLA's kernels for a shape class with a tiny call before the layer posts its first collective (Triton's first-call
+JIT and autotune would otherwise run inside a head block while the other ranks wait). Never run on a GPU here: the
+adapter is tested on the CPU against the torch kernel with a stand-in that follows FLA's documented contract.
 """
 from __future__ import annotations
 
@@ -52,18 +55,52 @@ def _fla_status():
 _WARNED: set = set()
 
 
+def _say_once(why: str) -> None:
+    if why not in _WARNED:  # the layer runs per block and layer: say it once per process and reason
+        _WARNED.add(why)
+        warnings.warn(f"ds_tsp Gated DeltaNet uses its pure-torch chunk kernel on CUDA: {why}", RuntimeWarning,
+                      stacklevel=4)
+
+
 def select_delta_rule_backend(device: torch.device | str, dtype: torch.dtype) -> str:
-    """"fla" or "torch" for the Gated DeltaNet chunk kernel on tensors of `device` / `dtype` (the layer's input)."""
-    if torch.device(device).type != "cuda" or dtype not in _HALF:
+    """"fla" or "torch" for the Gated DeltaNet chunk kernel on tensors of `device` / `dtype` (the layer's input).
+    On CUDA the pure-torch kernel is launch-bound (a Python loop of small GEMMs per 64-token sub-chunk): choosing
+    it there is said once per process and reason, with the fix."""
+    if torch.device(device).type != "cuda":
+        return "torch"
+    if dtype not in _HALF:
+        _say_once(f"the model runs in {dtype} and flash-linear-attention takes only float16 / bfloat16; the torch "
+                  "kernel is exact but launch-bound on a GPU (a Python loop of small GEMMs per 64-token sub-chunk): "
+                  "train in bfloat16 (bf16 weights or autocast) with flash-linear-attention installed for its fused "
+                  "kernel")
         return "torch"
     fn, why = _fla_status()
     if fn is None:
-        if why not in _WARNED:  # the layer runs per block and layer: say it once per process and reason
-            _WARNED.add(why)
-            warnings.warn(f"ds_tsp Gated DeltaNet uses its pure-torch chunk kernel on CUDA: {why}", RuntimeWarning,
-                          stacklevel=3)
+        _say_once(why)
         return "torch"
     return "fla"
+
+
+_WARM: set = set()
+
+
+def warm_up(fn, heads: int, dk: int, dv: int, device: torch.device, kernel_dtype: torch.dtype) -> bool:
+    """Compile FLA's forward and backward kernels for one shape class (value heads, dk, dv, device, dtype) with a
+    tiny call of each variant the layer uses (plain batch and variable-length), once per process. Triton's
+    first-call JIT and autotune then run here, before the layer posts a collective, instead of inside a head block
+    while the other ranks already wait on its transitions. True when this call did the work."""
+    key = (fn, heads, dk, dv, torch.device(device), kernel_dtype)
+    if key in _WARM:
+        return False
+    _WARM.add(key)
+    c, cd = 128, torch.float32  # two of FLA's 64-token chunks; the compute dtype the layer hands the adapter
+    with torch.enable_grad():
+        leaves = [torch.zeros(1, heads, c, d, dtype=cd, device=device, requires_grad=True) for d in (dk, dk, dv)]
+        leaves += [torch.zeros(1, heads, c, dtype=cd, device=device, requires_grad=True) for _ in range(2)]
+        for starts in (((),), ((c // 2,),)):  # plain batch, then variable-length (cu_seqlens)
+            outs = fla_chunk_transition(fn, *leaves, starts, kernel_dtype)
+            torch.autograd.grad(sum(o.float().sum() for o in outs), leaves, allow_unused=True)
+    return True
 
 
 def fla_kernel():

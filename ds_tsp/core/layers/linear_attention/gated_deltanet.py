@@ -89,7 +89,7 @@ import torch.nn.functional as F
 
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.primitives import ShardGradReducer, ShardStream
-from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
+from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast, dtype_inside
 from ds_tsp.core.layers.linear_attention.delta_rule import chunk_gated_delta_rule, l2_normalize
 from ds_tsp.core.layers.linear_attention.delta_rule_fla import BACKENDS as DELTA_RULE_BACKENDS
 from ds_tsp.core.layers.linear_attention.delta_rule_fla import (
@@ -97,6 +97,7 @@ from ds_tsp.core.layers.linear_attention.delta_rule_fla import (
     fla_kernel,
     select_delta_rule_backend,
 )
+from ds_tsp.core.layers.linear_attention.delta_rule_fla import warm_up as fla_warm_up
 from ds_tsp.core.layers.linear_attention.scan import (
     ChunkPlan,
     TransitionGather,
@@ -341,6 +342,11 @@ def tsp_gated_deltanet(x: torch.Tensor, packed_shard: torch.Tensor, norm_weight:
     if L % 2:
         raise ValueError(f"tsp_gated_deltanet: the local length {L} must hold two zigzag chunks (even)")
     cp = () if comm.cp is None else (comm.cp.size, comm.cp.rank)  # the chunks are then global chunks of 2 C D
+    kernel_dtype = dtype_inside(_TSPGatedDeltaNet, x.device.type, x.dtype)
+    if (spec.delta_rule_backend or select_delta_rule_backend(x.device, kernel_dtype)) == "fla":
+        # FLA's first-call compile before this layer posts anything (once per shape class and process)
+        fla_warm_up(fla_kernel(), spec.value_heads_per_block, spec.key_head_dim, spec.value_head_dim, x.device,
+                    kernel_dtype)
     plans = chunk_plans(tuple(map(tuple, doc_rows)), comm.rank, comm.size, L, spec.conv_kernel, x.dtype, x.device,
                         *cp)
     halo = conv_halo(x, comm, spec.conv_kernel - 1) if spec.conv_kernel > 1 else x.new_zeros(B, 2, 0, h)
