@@ -113,6 +113,7 @@ class TSPTrainer(_transformers.Trainer):
     _tsp_with_grpo = False  # composed with TRL's GRPOTrainer (ds_tsp.integrations.trl.grpo)
     _tsp_with_reward = False  # composed with TRL's RewardTrainer (ds_tsp.integrations.trl.reward)
     _tsp_with_dpo = False  # composed with TRL's DPOTrainer (ds_tsp.integrations.trl.dpo)
+    _tsp_vlm = False  # a vision-language model, full batches on every TSP rank (ds_tsp.integrations.multimodal)
 
     def __init_subclass__(cls, **kwargs):
         """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)` / `(TSPTrainer, RewardTrainer)` /
@@ -142,6 +143,14 @@ class TSPTrainer(_transformers.Trainer):
             raise TSPConfigError("TSPTrainer needs TrainingArguments(deepspeed=<config with a \"tsp\" block>)")
         if kwargs.get("model_init") is not None:
             raise TSPConfigError("model_init is not supported by TSPTrainer: pass the model")
+        from ds_tsp.integrations import multimodal as tsp_vlm
+
+        self._tsp_vlm = tsp_vlm.is_vision_language(model)
+        if self._tsp_vlm:
+            tsp_vlm.check_vlm_trainer("TSPSFTTrainer" if self._tsp_with_sft else "TSPGRPOTrainer" if self._tsp_with_grpo
+                                      else "TSPDPOTrainer" if self._tsp_with_dpo else "TSPRewardTrainer"
+                                      if self._tsp_with_reward else None, model)
+            tsp_vlm.check_vlm_arguments(args, kwargs)
         if self._tsp_with_sft:
             from ds_tsp.integrations.trl import sft as tsp_trl
 
@@ -179,6 +188,8 @@ class TSPTrainer(_transformers.Trainer):
             ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model)
         if self._tsp_with_reward:
             model = trl_reward.to_reward_model(model, runtime)
+        elif self._tsp_vlm:
+            model = tsp_vlm.to_vlm_model(model, runtime)
         else:
             model = to_tsp_model(model, runtime.comm, options=runtime.options, data_group=runtime.data_group,
                                  hf_face=True)
@@ -201,8 +212,8 @@ class TSPTrainer(_transformers.Trainer):
             trl_dpo.after_init(self)
         else:
             super().__init__(model, args, *more, **kwargs)
-        if self._tsp_with_reward or self._tsp_with_dpo:  # their batches carry no token labels: TRL's label_names
-            return
+        if self._tsp_with_reward or self._tsp_with_dpo or self._tsp_vlm:  # no token labels (TRL's label_names),
+            return  # or full batches (a VLM: its unshifted labels)
         if set(self.label_names) != {"shift_labels"} and self.label_names in (["labels"], ["labels", "shift_labels"]):
             self.label_names = ["shift_labels"]  # TSP batches carry pre-shifted labels, sharded
 
@@ -236,11 +247,18 @@ class TSPTrainer(_transformers.Trainer):
         the TSP group (each rank holds a zigzag part of every sample), the cp groups (each holds a part of every
         sequence) and, with average_tokens_across_devices, the data replicas (the data group spans data x cp, so
         one all-reduce over it covers both)."""
-        if not batch_samples or "shift_labels" not in batch_samples[0]:
+        if self._tsp_vlm and not (self.model_accepts_loss_kwargs or self.compute_loss_func):
+            return None  # as the plain Trainer: the transformers VLM classes take no loss kwargs
+        if self._tsp_vlm and batch_samples and "labels" in batch_samples[0]:  # full batches: no TSP sum
+            from ds_tsp.integrations.multimodal import count_items
+
+            local = count_items(batch_samples).to(device=device, dtype=torch.int64)
+        elif not batch_samples or "shift_labels" not in batch_samples[0]:
             return None
-        local = sum((b["shift_labels"] != -100).sum() for b in batch_samples).to(device=device, dtype=torch.int64)
+        else:
+            local = sum((b["shift_labels"] != -100).sum() for b in batch_samples).to(device=device, dtype=torch.int64)
         groups, comm = self.tsp_groups, self.tsp_comm
-        if groups is not None and groups.layout.tsp_enabled:
+        if groups is not None and groups.layout.tsp_enabled and not self._tsp_vlm:
             with comm.guard("token count all_reduce", group=groups.tsp_group, poll=local.device):
                 dist.all_reduce(local, group=groups.tsp_group)
         across_data = self.args.average_tokens_across_devices and groups is not None and \
@@ -283,14 +301,14 @@ class TSPTrainer(_transformers.Trainer):
 
     # --- evaluation and prediction -------------------------------------------------------------------------------
     def get_eval_dataloader(self, eval_dataset=None):
-        if self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo:  # prompt rows, full batches
+        if self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo or self._tsp_vlm:  # full batches
             from ds_tsp.integrations.trl.grpo import unsharded
 
             return unsharded(super().get_eval_dataloader(eval_dataset))
         return _with_full_batch(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset):
-        if self._tsp_with_reward or self._tsp_with_dpo:  # the reward / DPO model takes full batches
+        if self._tsp_with_reward or self._tsp_with_dpo or self._tsp_vlm:  # reward, DPO, VLM: full batches
             from ds_tsp.integrations.trl.grpo import unsharded
 
             return unsharded(super().get_test_dataloader(test_dataset))
@@ -308,6 +326,9 @@ class TSPTrainer(_transformers.Trainer):
                                  "DPOConfig(prediction_loss_only=True)")
         if self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo:  # TRL's own (DPO: its loss)
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if self._tsp_vlm:  # the full batch: its loss, and with predictions the logits of every position
+            keep = {} if prediction_loss_only else {"logits_to_keep": inputs["input_ids"].shape[1]}
+            return super().prediction_step(model, {**inputs, **keep}, prediction_loss_only, ignore_keys)
         full = inputs.pop(_FULL_BATCH, None) if isinstance(inputs, dict) else None
         if prediction_loss_only:
             loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
@@ -348,11 +369,11 @@ class TSPTrainer(_transformers.Trainer):
     # --- TRL's GRPOTrainer steps under TSP (ds_tsp.integrations.trl.grpo; inert in other compositions) ---------
     def get_train_dataloader(self):  # (the reward trainer's loader too)
         loader = super().get_train_dataloader()
-        if not (self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo):
+        if not (self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo or self._tsp_vlm):
             return loader
         from ds_tsp.integrations.trl.grpo import unsharded
 
-        return unsharded(loader)  # GRPO's prompt rows, reward / DPO full batches: data-axis sampled, never cut
+        return unsharded(loader)  # GRPO's prompt rows, reward / DPO / VLM full batches: data-axis sampled, never cut
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):

@@ -36,13 +36,17 @@ def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dt
       loss share out), its shards taken from `source` (the in-memory transformers or PEFT LoRA model the config
       came from: weights unless `state_dict` overrides them, requires_grad, the LoRA adapter), from `state_dict`
       (HF names), or initialised in place from `seed`;
-    - a TSPForCausalLM or ShardedCausalLM already built: checked against `comm`'s degree, returned as it is.
+    - a TSPForCausalLM, TSPForConditionalGeneration or ShardedCausalLM already built: checked against `comm`'s
+      degree, returned as it is (the Trainer converts a vision-language model itself: ds_tsp.integrations.multimodal).
     Every result is labelled for the stall watchdog (a stalled collective's report names its layer).
     hf_face=True (the Trainer and Accelerate, whose loops call the model the HF way) accepts only the first and
     TSPForCausalLM kinds.
     """
-    if isinstance(model, TSPForCausalLM) or (not hf_face and isinstance(model, ShardedCausalLM)):
-        core = model.tsp if isinstance(model, TSPForCausalLM) else model
+    from ds_tsp.model.hf_conditional_generation import TSPForConditionalGeneration
+
+    if isinstance(model, (TSPForCausalLM, TSPForConditionalGeneration)) or \
+            (not hf_face and isinstance(model, ShardedCausalLM)):
+        core = model.tsp if isinstance(model, (TSPForCausalLM, TSPForConditionalGeneration)) else model
         if core.comm.size != comm.size:
             raise TSPConfigError(f"the {type(model).__name__} was built for tsp={core.comm.size} but the config asks "
                                  f"for tsp={comm.size}: pass the HF model (or its checkpoint path) instead")

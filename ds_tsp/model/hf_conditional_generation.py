@@ -62,7 +62,7 @@ from ds_tsp.core.tokens.positions import RopeTables, StepRope
 from ds_tsp.core.tokens.vision_route import plan_vision_route
 from ds_tsp.core.tokens.zigzag import pad_to, shard, shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
-from ds_tsp.model.hf_causal_lm import _HARMLESS_KWARGS, _resolve_dtype, as_comm
+from ds_tsp.model.hf_causal_lm import _HARMLESS_KWARGS, TSPForCausalLM, _resolve_dtype, as_comm
 from ds_tsp.model.loss import sequence_aux_loss
 
 # model_type -> the transformers class whose checkpoints and call this face reproduces
@@ -174,6 +174,10 @@ class TSPForConditionalGeneration(nn.Module):
         # Qwen3-VL: the tower's DeepStack features, added to the outputs of the first len(...) layers at the vision
         # rows; they travel in the same all-to-all as the embeddings (k more row widths)
         self.deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+        # what the Trainer reads to pass num_items_in_batch (False for these transformers classes: the plain Trainer
+        # averages their per-micro-batch means); the call itself takes num_items_in_batch either way
+        self.accepts_loss_kwargs = getattr(getattr(import_transformers(), ARCHITECTURES[config.model_type], None),
+                                           "accepts_loss_kwargs", True)
 
     # --- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -232,6 +236,11 @@ class TSPForConditionalGeneration(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.tsp.dtype
+
+    # activation checkpointing of the language model's decoder layers, as TSPForCausalLM (the Trainer calls these)
+    gradient_checkpointing_enable = TSPForCausalLM.gradient_checkpointing_enable
+    gradient_checkpointing_disable = TSPForCausalLM.gradient_checkpointing_disable
+    is_gradient_checkpointing = TSPForCausalLM.is_gradient_checkpointing
 
     # --- forward ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, *args, labels: torch.Tensor | None = None,

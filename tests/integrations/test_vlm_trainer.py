@@ -1,0 +1,177 @@
+"""TSPTrainer with a vision-language model: a transformers Qwen3_5ForConditionalGeneration (the tiny hybrid Qwen3.5
+VLM of tests/helpers/vlm_tiny.py) handed to ds_tsp.hf.TSPTrainer at TSP=2 (ZeRO-2, SGD, fp32, gradient
+accumulation 2) equals the plain transformers Trainer in one process with the same seed and image dataset, per
+logged step (loss 1e-5, grad norm 1e-4 relative), in evaluate()'s eval_loss and in the saved weights (the
+Qwen3_5ForConditionalGeneration layout plain transformers reloads), after 3 steps.
+The collator is what a VLM fine-tuning script writes: each example is text around one image (or none) whose
+placeholder span (vision start, n image tokens, vision end) is built from its grid, right padding, pixel_values
+concatenated in batch order, image_grid_thw, mm_token_type_ids, and labels with -100 on the image tokens and the
+padding (as transformers' Qwen-VL recipes mask them).
+A VLM under TRL's trainers is refused by name (what to use instead in the message).
+
+Run as a script, this file is the worker: `python tests/integrations/test_vlm_trainer.py OUT.json MODEL [DS_CONFIG]`
+(the reference and TSP=2 launches run at the same time).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers"), os.environ.get("PYTHONPATH", "")])}
+BATCH, ACCUMULATION, STEPS = 2, 2, 3
+PAD = 0
+
+
+# --- the worker ----------------------------------------------------------------------------------------------
+def examples(n: int, seed: int) -> list[dict]:
+    """Text before and after one image of a few grids (every third example has none), random pixels."""
+    from vlm_tiny import IMAGE, PATCH_PIXELS
+
+    g = torch.Generator().manual_seed(seed)
+    grids = [(1, 4, 4), (1, 2, 4), None, (1, 4, 6)]
+    out = []
+    for i in range(n):
+        before, after = (int(torch.randint(1, 6, (), generator=g)) for _ in range(2))
+        grid = grids[i % len(grids)]
+        row = {"before": torch.randint(1, IMAGE, (before,), generator=g).tolist(),
+               "after": torch.randint(1, IMAGE, (after,), generator=g).tolist(), "grid": grid}
+        if grid is not None:
+            row["pixels"] = torch.randn(grid[0] * grid[1] * grid[2], PATCH_PIXELS, generator=g)
+        out.append(row)
+    return out
+
+
+def collate(rows: list[dict]) -> dict:
+    """input_ids with the image placeholder spans, right padding, pixel_values / image_grid_thw in batch order,
+    mm_token_type_ids, labels masking the image tokens and the padding."""
+    from vlm_tiny import END, IMAGE, START
+
+    seqs = []
+    for row in rows:
+        span = [] if row["grid"] is None else [START, *[IMAGE] * (row["grid"][1] * row["grid"][2] // 4), END]
+        seqs.append(row["before"] + span + row["after"])
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(rows), length), PAD)
+    mask = torch.zeros_like(ids)
+    for b, seq in enumerate(seqs):
+        ids[b, :len(seq)], mask[b, :len(seq)] = torch.tensor(seq), 1
+    batch = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": (ids == IMAGE).int(),
+             "labels": ids.masked_fill((ids == IMAGE) | (mask == 0), -100)}
+    images = [row for row in rows if row["grid"] is not None]
+    if images:
+        batch["pixel_values"] = torch.cat([row["pixels"] for row in images])
+        batch["image_grid_thw"] = torch.tensor([row["grid"] for row in images])
+    return batch
+
+
+def main(out: str, model_dir: str, ds_config: str | None = None) -> None:
+    import transformers
+
+    out_dir = str(Path(out).with_suffix(""))
+    args = transformers.TrainingArguments(
+        output_dir=out_dir, max_steps=STEPS, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1, report_to=[], save_strategy="no",
+        train_sampling_strategy="sequential", disable_tqdm=True, use_cpu=not torch.cuda.is_available(), bf16=False,
+        max_grad_norm=1.0, dataloader_drop_last=True, per_device_train_batch_size=BATCH, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=ACCUMULATION, remove_unused_columns=False, deepspeed=ds_config)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                                     attn_implementation="sdpa")
+    if ds_config is None:
+        trainer_class = transformers.Trainer
+    else:
+        from ds_tsp.hf import TSPTrainer as trainer_class
+    trainer = trainer_class(model=model, args=args, train_dataset=examples(STEPS * BATCH * ACCUMULATION, seed=1),
+                            eval_dataset=examples(4, seed=2), data_collator=collate)
+    trainer.remove_callback(transformers.PrinterCallback)
+    trainer.train()
+    trainer.evaluate()
+    trainer.save_model(f"{out_dir}/final")
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps({"log": trainer.state.log_history}))
+
+
+# --- the tests -------------------------------------------------------------------------------------------------
+def _launch(out: Path, model: Path, ds_config: Path | None = None, nproc: int = 1) -> subprocess.Popen:
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc_per_node", str(nproc)]
+    argv = [str(out), str(model)] + ([str(ds_config)] if ds_config else [])
+    return subprocess.Popen([*launch, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV, cwd=ROOT)
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> list[dict]:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.read_text())["log"]
+
+
+def _close(a, b, tol=1e-5):
+    return abs(a - b) <= tol * abs(b)
+
+
+def test_tsp2_trainer_with_a_vlm_equals_plain_trainer(tmp_path):
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+    from vlm_tiny import save_vlm_checkpoint
+
+    import transformers
+
+    model_dir = tmp_path / "model"
+    save_vlm_checkpoint(model_dir)  # float64 on disk: both runs load it as float32
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
+    reference = _launch(tmp_path / "ref.json", model_dir)
+    tsp = _launch(tmp_path / "tsp.json", model_dir, tmp_path / "ds.json", nproc=2)
+    want, got = _finish(reference, tmp_path / "ref.json"), _finish(tsp, tmp_path / "tsp.json")
+    steps = [[line for line in log if "grad_norm" in line] for log in (want, got)]
+    assert len(steps[0]) == STEPS and [s["step"] for s in steps[1]] == [s["step"] for s in steps[0]], steps
+    assert len({s["loss"] for s in steps[0]}) == STEPS, steps  # the model trains: every step's loss differs
+    for w, g in zip(*steps):
+        assert _close(g["loss"], w["loss"]) and _close(g["grad_norm"], w["grad_norm"], 1e-4), (g, w)
+    evals = [[line["eval_loss"] for line in log if "eval_loss" in line] for log in (want, got)]
+    assert len(evals[1]) == 1 and _close(evals[1][0], evals[0][0]), evals
+    saved = json.loads((tmp_path / "tsp" / "final" / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3_5ForConditionalGeneration"], saved["architectures"]
+    want_w, got_w = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("ref", "tsp"))
+    initial = load_file(model_dir / "model.safetensors")
+    assert set(got_w) == set(want_w) == set(initial)
+    for name, tensor in want_w.items():
+        assert (got_w[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
+    tower = "model.visual.merger.linear_fc2.weight"
+    assert (want_w[tower] - initial[tower].float()).norm() > 1e-4 * initial[tower].norm(), "the tower trains"
+    reloaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "tsp" / "final")
+    assert type(reloaded).__name__ == "Qwen3_5ForConditionalGeneration"
+
+
+def test_vlm_under_trl_trainers_is_refused_by_name():
+    from ds_tsp.core.errors import TSPConfigError
+    from ds_tsp.integrations.multimodal import check_vlm_trainer, is_vision_language
+    from vlm_tiny import vlm_config
+
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_config(vlm_config())
+    assert is_vision_language(model)
+    assert not is_vision_language(transformers.AutoModelForCausalLM.from_config(vlm_config().text_config))
+    check_vlm_trainer(None, model)  # TSPTrainer itself takes it
+    for name in ("TSPSFTTrainer", "TSPGRPOTrainer", "TSPDPOTrainer", "TSPRewardTrainer"):
+        with pytest.raises(TSPConfigError, match=rf"Qwen3_5ForConditionalGeneration \(a vision-language model\) "
+                                                 rf"with {name}.*use ds_tsp.hf.TSPTrainer with a collator"):
+            check_vlm_trainer(name, model)
+
+
+if __name__ == "__main__":
+    from ds_tsp.core.parallel.launch import exit_rank
+
+    main(*sys.argv[1:])
+    exit_rank()  # a torchrun worker: skip interpreter finalization, where gloo can abort
