@@ -9,14 +9,16 @@
   the TSP group: it takes the collator's FULL batch (pixels whole) on every TSP rank and shards the tokens inside,
   so the train / eval / test loaders keep TSPAccelerator's data-axis sampling and are never cut (as for the reward
   model);
-- num_items_in_batch is what the plain Trainer counts (labels[..., 1:] != -100 of every micro-batch of the
-  accumulated batch, gathered over the data axis with average_tokens_across_devices): each TSP rank counts its
-  whole batch, the TSP group is not summed;
+- the loss is the plain Trainer's: the model reports the transformers class's accepts_loss_kwargs (False for these
+  four, so the Trainer averages the micro-batches' token means over gradient accumulation, as it does for the plain
+  model); where a model takes loss kwargs, num_items_in_batch is what the plain Trainer counts (labels[..., 1:] !=
+  -100 of the accumulated batch, over the data axis with average_tokens_across_devices), each TSP rank counting
+  its whole batch (the TSP group is not summed);
 - save_model writes the ForConditionalGeneration layout (TSPForConditionalGeneration.save_pretrained).
-Refused with a TSPConfigError naming them: compute_loss_func= and label_smoothing_factor (full logits), a VLM under TRL's SFTTrainer, GRPOTrainer, DPOTrainer or RewardTrainer
-(their vision paths are not wired to the TSP model: use TSPTrainer with a collator that builds input_ids,
-pixel_values, image_grid_thw, mm_token_type_ids and labels masking the vision tokens), and tsp.cp_size > 1 (the
-model refuses a cp axis).
+Refused with a TSPConfigError naming them: compute_loss_func= and label_smoothing_factor (they read full
+logits), a VLM under TRL's SFTTrainer, GRPOTrainer, DPOTrainer or RewardTrainer (their vision paths are not wired
+to the TSP model: use TSPTrainer with a collator that builds input_ids, pixel_values, image_grid_thw,
+mm_token_type_ids and labels masking the vision tokens), and tsp.cp_size > 1 (the model refuses a cp axis).
 """
 from __future__ import annotations
 

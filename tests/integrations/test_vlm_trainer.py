@@ -119,10 +119,9 @@ def _close(a, b, tol=1e-5):
 
 def test_tsp2_trainer_with_a_vlm_equals_plain_trainer(tmp_path):
     pytest.importorskip("deepspeed")
+    import transformers
     from safetensors.torch import load_file
     from vlm_tiny import save_vlm_checkpoint
-
-    import transformers
 
     model_dir = tmp_path / "model"
     save_vlm_checkpoint(model_dir)  # float64 on disk: both runs load it as float32
@@ -153,21 +152,30 @@ def test_tsp2_trainer_with_a_vlm_equals_plain_trainer(tmp_path):
     assert type(reloaded).__name__ == "Qwen3_5ForConditionalGeneration"
 
 
-def test_vlm_under_trl_trainers_is_refused_by_name():
-    from ds_tsp.core.errors import TSPConfigError
-    from ds_tsp.integrations.multimodal import check_vlm_trainer, is_vision_language
-    from vlm_tiny import vlm_config
+def test_vlm_under_trl_trainers_and_full_logit_options_are_refused_by_name():
+    pytest.importorskip("trl")
+    from types import SimpleNamespace
 
     import transformers
+    from vlm_tiny import vlm_config
+
+    from ds_tsp.core.errors import TSPConfigError
+    from ds_tsp.hf import TSPDPOTrainer, TSPGRPOTrainer, TSPRewardTrainer, TSPSFTTrainer, TSPTrainer
+    from ds_tsp.integrations.multimodal import is_vision_language
 
     model = transformers.AutoModelForImageTextToText.from_config(vlm_config())
     assert is_vision_language(model)
     assert not is_vision_language(transformers.AutoModelForCausalLM.from_config(vlm_config().text_config))
-    check_vlm_trainer(None, model)  # TSPTrainer itself takes it
-    for name in ("TSPSFTTrainer", "TSPGRPOTrainer", "TSPDPOTrainer", "TSPRewardTrainer"):
+    args = SimpleNamespace(chat_template_path=None, label_smoothing_factor=0.0)
+    for trainer, extra in ((TSPSFTTrainer, {}), (TSPGRPOTrainer, {"reward_funcs": []}), (TSPDPOTrainer, {}),
+                           (TSPRewardTrainer, {})):  # checked first thing: nothing is set up yet
         with pytest.raises(TSPConfigError, match=rf"Qwen3_5ForConditionalGeneration \(a vision-language model\) "
-                                                 rf"with {name}.*use ds_tsp.hf.TSPTrainer with a collator"):
-            check_vlm_trainer(name, model)
+                                                 rf"with {trainer.__name__}.*use ds_tsp.hf.TSPTrainer with a collator"):
+            trainer(model=model, args=args, **extra)
+    with pytest.raises(TSPConfigError, match="compute_loss_func= with a vision-language model"):
+        TSPTrainer(model=model, args=args, compute_loss_func=lambda *a, **k: None)
+    with pytest.raises(TSPConfigError, match="label_smoothing_factor=0.1 with a vision-language model"):
+        TSPTrainer(model=model, args=SimpleNamespace(label_smoothing_factor=0.1))
 
 
 if __name__ == "__main__":
