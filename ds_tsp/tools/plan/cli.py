@@ -32,7 +32,7 @@ _FLAGS = {"degree": "--tsp/--tp", "seq": "--seq", "batch": "--batch", "dp": "--d
           "vocab": "--vocab", "devices": "--devices", "gpu_mem_gib": "--gpu-mem-gib",
           "zero_bucket_elements": "--zero-bucket", "lm_head_chunk_tokens": "--lm-head-chunk-tokens",
           "num_experts": "--num-experts", "top_k": "--top-k", "moe_ffn": "--moe-ffn", "moe_dispatch": "--moe-dispatch",
-          "offload_activations": "--offload-activations", "host_mem_gib": "--host-mem-gib"}
+          "offload_activations": "--offload-activations", "host_mem_gib": "--host-mem-gib", "images": "--images"}
 _MOE_FLAGS = (("--num-experts", "num_experts", "experts per sparse layer (0: dense); a dense model becomes an MoE "
                                               "with every layer sparse"),
               ("--top-k", "top_k", "experts per token (default 2 for a model made sparse here)"),
@@ -117,6 +117,14 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "passed around a ring across nodes (layout tsp_cp); with --recommend, 'auto' picks D and C")
     p.add_argument("--inter-node-gbps", type=positive(float), default=400.0, metavar="G",
                    help="with --cp: inter-node bandwidth per GPU in Gb/s for the cp ring's time (default 400)")
+    p.add_argument("--images", type=non_negative(integer), default=0, metavar="N",
+                   help="with --hf-config of a multimodal Qwen3.5 / Qwen3-VL config: images in the batch; the vision "
+                        "tower's memory and all-to-all per rank (tsp layout)")
+    p.add_argument("--image-tokens", type=non_negative(integer), default=0, metavar="T",
+                   help="vision tokens per image (after the spatial merge)")
+    p.add_argument("--videos", type=non_negative(integer), default=0, metavar="M", help="videos in the batch")
+    p.add_argument("--video-tokens", type=non_negative(integer), default=0, metavar="F",
+                   help="vision tokens per video, all frames")
     p.add_argument("--json", action="store_true", help="one JSON object per layout per line")
     p.set_defaults(run=run)
     return p
@@ -238,6 +246,11 @@ def _error(message: str) -> int:
 # --- the modes ----------------------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
+    vision_flags = getattr(args, "images", 0) or getattr(args, "videos", 0)
+    if vision_flags and (args.cp is not None or args.recommend or args.max_seq):
+        mode = "--cp" if args.cp is not None else "--recommend" if args.recommend else "--max-seq"
+        return _error(f"--images: {mode} does not plan the vision tower yet; plan the layouts (no {mode}) for its "
+                      "bytes per rank")
     if args.cp is not None:  # TSP x a cp ring (ds_tsp.tools.plan.tsp_cp)
         return _run_cp(args)
     if args.recommend:
@@ -257,21 +270,55 @@ def _run_layouts(args: argparse.Namespace) -> int:
         hybrid = inp.model.layer_types is not None or gemma4_peer_refusal(inp.model) is not None  # (Gemma 4)
         if (inp.model.num_experts or inp.offload_activations or hybrid) and not args.layout:
             layouts = ("tsp",)  # MoE, offload and hybrids are planned for TSP only (plan_layouts refuses the peers)
+        vision = _vision(args, inp, layouts)
         plans = plan_layouts(inp, layouts)
         if inp.offload_activations:
             plans = [_with_rates(args, plan, inp) for plan in plans]
-        return plans, inp, model_name
+        return plans, inp, model_name, vision
 
     built, failed = _or_usage_error(build)
     if failed is not None:
         return failed
-    plans, inp, model_name = built
+    plans, inp, model_name, vision = built
     if args.json:
         for plan in plans:
-            print(json.dumps({**plan.to_dict(), "model": model_name, "input": inp.to_dict()}), flush=True)
+            extra = {"vision": vision} if vision is not None and plan.layout == "tsp" else {}
+            print(json.dumps({**plan.to_dict(), "model": model_name, "input": inp.to_dict(), **extra}), flush=True)
     else:
         _print_table(plans, inp, model_name)
+        if vision is not None:
+            _print_vision(vision, inp)
     return EXIT_OK
+
+
+def _vision(args: argparse.Namespace, inp, layouts) -> dict | None:
+    """--images / --videos: the vision tower's bytes per TSP rank (ds_tsp.tools.plan.vision), or None."""
+    from ds_tsp.tools.plan.vision import plan_vision, vision_config
+
+    if not (args.images or args.videos or args.image_tokens or args.video_tokens):
+        return None
+    if args.hf_config is None:
+        raise _UsageError("--images", "the vision tower is read from --hf-config PATH (a multimodal config.json)")
+    v = vision_config(args.hf_config)
+    if v is None:
+        raise _UsageError("--images", f"{args.hf_config} has no vision_config: a text-only model")
+    if [n for n in layouts if n != "tsp"]:
+        raise _UsageError("--layout", "--images / --videos plan the tsp layout only (TSPForConditionalGeneration)")
+    if args.offload_activations or args.pp > 1:
+        raise _UsageError("--images", "--images / --videos are planned without --offload-activations and --pp")
+    return plan_vision(inp, v, args.images, args.image_tokens, args.videos, args.video_tokens)
+
+
+def _print_vision(v: dict, inp) -> None:
+    mib = lambda n: f"{n / MIB:.2f}"  # noqa: E731
+    print(f"  vision tower: {v['params']} params, whole on every rank: params {mib(v['params_bytes'])} + grads "
+          f"{mib(v['grads_bytes'])} + optimizer {mib(v['optimizer_bytes'])} MiB; activations "
+          f"{mib(v['activations_bytes'])} MiB ({v['tokens_encoded_per_rank']} of {v['vision_tokens']} vision "
+          f"tokens, {v['patches_encoded_per_rank']} patches encoded per rank); the batch's pixel_values "
+          f"{mib(v['pixel_values_bytes'])} MiB, whole on every rank")
+    print(f"  vision tower memory per rank: {mib(v['memory_bytes_per_rank'])} MiB (not in the table's peak: add it); "
+          f"all-to-all {v['all_to_all_bytes_per_step'] / MIB:.2f} MiB per rank per step (at most "
+          f"{v['all_to_all_bytes_per_step_max'] / MIB:.2f})", flush=True)
 
 
 def _run_recommend(args: argparse.Namespace) -> int:
