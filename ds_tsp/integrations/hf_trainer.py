@@ -247,18 +247,13 @@ class TSPTrainer(_transformers.Trainer):
         the TSP group (each rank holds a zigzag part of every sample), the cp groups (each holds a part of every
         sequence) and, with average_tokens_across_devices, the data replicas (the data group spans data x cp, so
         one all-reduce over it covers both)."""
-        if self._tsp_vlm and not (self.model_accepts_loss_kwargs or self.compute_loss_func):
-            return None  # as the plain Trainer: the transformers VLM classes take no loss kwargs
-        if self._tsp_vlm and batch_samples and "labels" in batch_samples[0]:  # full batches: no TSP sum
-            from ds_tsp.integrations.multimodal import count_items
-
-            local = count_items(batch_samples).to(device=device, dtype=torch.int64)
-        elif not batch_samples or "shift_labels" not in batch_samples[0]:
+        if self._tsp_vlm:  # as the plain Trainer: the transformers VLM classes take no loss kwargs (multimodal.py)
             return None
-        else:
-            local = sum((b["shift_labels"] != -100).sum() for b in batch_samples).to(device=device, dtype=torch.int64)
+        if not batch_samples or "shift_labels" not in batch_samples[0]:
+            return None
+        local = sum((b["shift_labels"] != -100).sum() for b in batch_samples).to(device=device, dtype=torch.int64)
         groups, comm = self.tsp_groups, self.tsp_comm
-        if groups is not None and groups.layout.tsp_enabled and not self._tsp_vlm:
+        if groups is not None and groups.layout.tsp_enabled:
             with comm.guard("token count all_reduce", group=groups.tsp_group, poll=local.device):
                 dist.all_reduce(local, group=groups.tsp_group)
         across_data = self.args.average_tokens_across_devices and groups is not None and \

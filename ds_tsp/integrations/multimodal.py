@@ -10,10 +10,9 @@
   so the train / eval / test loaders keep TSPAccelerator's data-axis sampling and are never cut (as for the reward
   model);
 - the loss is the plain Trainer's: the model reports the transformers class's accepts_loss_kwargs (False for these
-  four, so the Trainer averages the micro-batches' token means over gradient accumulation, as it does for the plain
-  model); where a model takes loss kwargs, num_items_in_batch is what the plain Trainer counts (labels[..., 1:] !=
-  -100 of the accumulated batch, over the data axis with average_tokens_across_devices), each TSP rank counting
-  its whole batch (the TSP group is not summed);
+  four: the plain Trainer passes them no num_items_in_batch and averages the micro-batches' token means over
+  gradient accumulation), so TSPTrainer passes none either (a transformers whose class takes loss kwargs is
+  refused by name at conversion);
 - save_model writes the ForConditionalGeneration layout (TSPForConditionalGeneration.save_pretrained).
 Refused with a TSPConfigError naming them: compute_loss_func= and label_smoothing_factor (they read full
 logits), a VLM under TRL's SFTTrainer, GRPOTrainer, DPOTrainer or RewardTrainer (their vision paths are not wired
@@ -24,8 +23,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
 
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.model.hf_conditional_generation import ARCHITECTURES, TSPForConditionalGeneration
@@ -91,11 +88,10 @@ def to_vlm_model(model, runtime) -> TSPForConditionalGeneration:
                              "load the model before creating the TrainingArguments")
     converted = TSPForConditionalGeneration.from_pretrained(model, runtime.comm, options=runtime.options,
                                                             data_group=runtime.data_group)
+    if converted.accepts_loss_kwargs:
+        raise TSPConfigError(f"{ARCHITECTURES[model_type]}.accepts_loss_kwargs is True in this transformers: the "
+                             "plain Trainer would weight the micro-batches by their labelled tokens, which TSPTrainer "
+                             "does not count for vision-language models yet; use transformers 5.25's behaviour (False)")
     if not isinstance(model, (str, Path)) and _checkpointing_enabled(model):
         converted.gradient_checkpointing_enable()
     return label_modules(converted)
-
-
-def count_items(batch_samples: list) -> torch.Tensor:
-    """The plain Trainer's count of one TSP rank's accumulated batches (full batches: nothing to sum over TSP)."""
-    return sum(b["labels"][..., 1:].ne(-100).sum() for b in batch_samples)

@@ -153,7 +153,7 @@ class TSPForConditionalGeneration(nn.Module):
     takes the processor's full batch by keyword and returns the single-device loss (module docstring)."""
 
     main_input_name = "input_ids"
-    accepts_loss_kwargs = True
+    accepts_loss_kwargs = False  # per instance: the transformers class's own (see __init__)
 
     def __init__(self, config, tsp_group=None, *, options: TSPOptions = TSPOptions(),
                  dtype: torch.dtype = torch.float32, device=None, data_group=None):

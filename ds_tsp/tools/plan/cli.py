@@ -268,8 +268,9 @@ def _run_layouts(args: argparse.Namespace) -> int:
         layouts = _layouts(args.layout)
         inp, model_name = _plan_input(args)
         hybrid = inp.model.layer_types is not None or gemma4_peer_refusal(inp.model) is not None  # (Gemma 4)
-        if (inp.model.num_experts or inp.offload_activations or hybrid) and not args.layout:
-            layouts = ("tsp",)  # MoE, offload and hybrids are planned for TSP only (plan_layouts refuses the peers)
+        vision_flags = args.images or args.videos
+        if (inp.model.num_experts or inp.offload_activations or hybrid or vision_flags) and not args.layout:
+            layouts = ("tsp",)  # MoE, offload, hybrids, vision: planned for TSP only (plan_layouts refuses peers)
         vision = _vision(args, inp, layouts)
         plans = plan_layouts(inp, layouts)
         if inp.offload_activations:
@@ -316,7 +317,8 @@ def _print_vision(v: dict, inp) -> None:
           f"{mib(v['activations_bytes'])} MiB ({v['tokens_encoded_per_rank']} of {v['vision_tokens']} vision "
           f"tokens, {v['patches_encoded_per_rank']} patches encoded per rank); the batch's pixel_values "
           f"{mib(v['pixel_values_bytes'])} MiB, whole on every rank")
-    print(f"  vision tower memory per rank: {mib(v['memory_bytes_per_rank'])} MiB (not in the table's peak: add it); "
+    print(f"  vision tower memory per rank: {mib(v['memory_bytes_per_rank'])} MiB (not in the table's peak: add it; "
+          "the tower is not checkpointed by --activation-checkpointing); "
           f"all-to-all {v['all_to_all_bytes_per_step'] / MIB:.2f} MiB per rank per step (at most "
           f"{v['all_to_all_bytes_per_step_max'] / MIB:.2f})", flush=True)
 

@@ -14,7 +14,8 @@ the same rows) to the rank whose zigzag chunks hold it; backward sends the gradi
   spatial_merge_size^2), per patch: the embedding and its position sum, per block the layer norms'
   inputs and outputs, q / k / v after rotary, the attention output and its projection input, the MLP's hidden (in,
   activation out, down-projection in) and the residual, the mergers' inputs and hidden; the attention's own
-  buffers are the flash / efficient kernel's (no S x S matrix);
+  buffers are the flash / efficient kernel's (no S x S matrix); activation checkpointing recomputes the language
+  model's layers only, so the tower keeps all of this (at long video lengths it can exceed the language model);
 - all-to-all: each rank sends the rows it encoded for other ranks (forward) and the gradients of the rows it holds
   from other ranks (backward): at most 2 x V/D rows of out_hidden_size x (1 + DeepStack) columns, where no vision
   token stays on the rank that encoded it; (D-1)/D of that when the vision tokens' places are independent of the
