@@ -168,6 +168,8 @@ class TSPForConditionalGeneration(nn.Module):
                                  "is not supported for multimodal models yet; use cp_size 1")
         vision = import_transformers().AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
         self.visual = vision.to(device=device, dtype=dtype)
+        if options.activation_checkpointing:
+            self._checkpoint_tower(True)
         rope = dict(getattr(text, "rope_parameters", None) or {})
         self.mrope_section = tuple(rope.get("mrope_section", (11, 11, 10)))  # transformers' default
         self.spatial_merge_size = config.vision_config.spatial_merge_size
@@ -237,10 +239,25 @@ class TSPForConditionalGeneration(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tsp.dtype
 
-    # activation checkpointing of the language model's decoder layers, as TSPForCausalLM (the Trainer calls these)
-    gradient_checkpointing_enable = TSPForCausalLM.gradient_checkpointing_enable
-    gradient_checkpointing_disable = TSPForCausalLM.gradient_checkpointing_disable
+    # activation checkpointing (the Trainer calls these): the language model's decoder layers as TSPForCausalLM, and
+    # the vision tower's blocks by transformers' own checkpointing, as the plain model's gradient_checkpointing_enable
+    # does (at long video lengths the tower's activations can exceed the language model's)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      every_n_layers: int = 1, offload: bool = False) -> None:
+        TSPForCausalLM.gradient_checkpointing_enable(self, gradient_checkpointing_kwargs, every_n_layers, offload)
+        self._checkpoint_tower(True)
+
+    def gradient_checkpointing_disable(self) -> None:
+        TSPForCausalLM.gradient_checkpointing_disable(self)
+        self._checkpoint_tower(False)
+
     is_gradient_checkpointing = TSPForCausalLM.is_gradient_checkpointing
+
+    def _checkpoint_tower(self, on: bool) -> None:
+        if on:  # non-reentrant: the recompute sees the same grid-derived kwargs, no grad-requiring input needed
+            self.visual.activation_checkpointing_enable({"use_reentrant": False})
+        elif self.visual.is_activation_checkpointing:
+            self.visual.activation_checkpointing_disable()
 
     # --- forward ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, *args, labels: torch.Tensor | None = None,

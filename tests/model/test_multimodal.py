@@ -256,6 +256,7 @@ def test_qwen3_vl_deepstack_matches_transformers(vl_checkpoint, vl_reference, ru
 
     model = TSPForConditionalGeneration.from_pretrained(vl_checkpoint, None, dtype=torch.float64,
                                                         options=TSPOptions(activation_checkpointing=True))
+    assert model.visual.is_activation_checkpointing  # the tower's blocks too, as transformers checkpoints them
     loss = model(**batch).loss
     loss.backward()
     assert_matches((loss.detach(), model.full_state_dict(grads=True)), ref, "Qwen3-VL activation checkpointing")

@@ -317,8 +317,7 @@ def _print_vision(v: dict, inp) -> None:
           f"{mib(v['activations_bytes'])} MiB ({v['tokens_encoded_per_rank']} of {v['vision_tokens']} vision "
           f"tokens, {v['patches_encoded_per_rank']} patches encoded per rank); the batch's pixel_values "
           f"{mib(v['pixel_values_bytes'])} MiB, whole on every rank")
-    print(f"  vision tower memory per rank: {mib(v['memory_bytes_per_rank'])} MiB (not in the table's peak: add it; "
-          "the tower is not checkpointed by --activation-checkpointing); "
+    print(f"  vision tower memory per rank: {mib(v['memory_bytes_per_rank'])} MiB (not in the table's peak: add it); "
           f"all-to-all {v['all_to_all_bytes_per_step'] / MIB:.2f} MiB per rank per step (at most "
           f"{v['all_to_all_bytes_per_step_max'] / MIB:.2f})", flush=True)
 

@@ -15,7 +15,8 @@ the same rows) to the rank whose zigzag chunks hold it; backward sends the gradi
   inputs and outputs, q / k / v after rotary, the attention output and its projection input, the MLP's hidden (in,
   activation out, down-projection in) and the residual, the mergers' inputs and hidden; the attention's own
   buffers are the flash / efficient kernel's (no S x S matrix); activation checkpointing recomputes the language
-  model's layers only, so the tower keeps all of this (at long video lengths it can exceed the language model);
+  model's layers and the tower's blocks (TSPForConditionalGeneration.gradient_checkpointing_enable, as transformers'
+  own), and then the tower keeps each block's input and, in backward, one recomputed block's saves;
 - all-to-all: each rank sends the rows it encoded for other ranks (forward) and the gradients of the rows it holds
   from other ranks (backward): at most 2 x V/D rows of out_hidden_size x (1 + DeepStack) columns, where no vision
   token stays on the rank that encoded it; (D-1)/D of that when the vision tokens' places are independent of the
@@ -55,13 +56,21 @@ def pixels_per_patch(v: dict) -> int:
     return v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2
 
 
-def saved_elements_per_patch(v: dict) -> int:
-    """Elements autograd keeps per patch inside the tower (module docstring's list), the pixels aside."""
-    h, inter, m2 = v["hidden_size"], v["intermediate_size"], v["spatial_merge_size"] ** 2
-    block = 9 * h + 3 * inter
+def block_elements_per_patch(v: dict) -> int:
+    """Elements one vision block keeps per patch (module docstring's list)."""
+    return 9 * v["hidden_size"] + 3 * v["intermediate_size"]
+
+
+def saved_elements_per_patch(v: dict, checkpointed: bool = False) -> int:
+    """Elements autograd keeps per patch inside the tower (module docstring's list), the pixels aside; checkpointed
+    (the tower's blocks recomputed in backward): each block's input, and one block's saves while it is recomputed."""
+    h, m2 = v["hidden_size"], v["spatial_merge_size"] ** 2
+    block = block_elements_per_patch(v)
     merger = 2 * h + 2 * h + v["out_hidden_size"] // m2  # norm in / out, fc1 in / activation, fc2 in (per patch)
     # a DeepStack merger normalises after the shuffle: its input is a block's output, already kept
     deepstack = len(v.get("deepstack_visual_indexes") or ()) * 3 * h
+    if checkpointed:
+        return v["depth"] * h + block + merger + deepstack
     return 2 * h + v["depth"] * block + merger + deepstack
 
 
@@ -85,7 +94,7 @@ def plan_vision(inp: PlanInput, v: dict, images: int, image_tokens: int, videos:
            "patches_encoded_per_rank": patches, "params": params, "params_bytes": params * b,
            "grads_bytes": -(-params // divs["grads_div"]) * b,
            "optimizer_bytes": -(-params // divs["opt_div"]) * optimizer_bytes_per_param(inp),
-           "activations_bytes": patches * saved_elements_per_patch(v) * b,
+           "activations_bytes": patches * saved_elements_per_patch(v, inp.activation_checkpointing) * b,
            "pixel_values_bytes": vision_tokens * v["spatial_merge_size"] ** 2 * pixels_per_patch(v) * b,
            "all_to_all_bytes_per_step": bound * (d - 1) // d, "all_to_all_bytes_per_step_max": bound}
     out["memory_bytes_per_rank"] = (out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"]
