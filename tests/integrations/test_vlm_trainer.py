@@ -1,6 +1,7 @@
 """TSPTrainer with a vision-language model: a transformers Qwen3_5ForConditionalGeneration (the tiny hybrid Qwen3.5
 VLM of tests/helpers/vlm_tiny.py) handed to ds_tsp.hf.TSPTrainer at TSP=2 (ZeRO-2, SGD, fp32, gradient
-accumulation 2) equals the plain transformers Trainer in one process with the same seed and image dataset, per
+accumulation 2, gradient checkpointing: the language model's layers and the tower's blocks) equals the plain
+transformers Trainer in one process with the same seed and image dataset, per
 logged step (loss 1e-5, grad norm 1e-4 relative), in evaluate()'s eval_loss and in the saved weights (the
 Qwen3_5ForConditionalGeneration layout plain transformers reloads), after 3 steps.
 The collator is what a VLM fine-tuning script writes: each example is text around one image (or none) whose
@@ -81,7 +82,8 @@ def main(out: str, model_dir: str, ds_config: str | None = None) -> None:
         warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1, report_to=[], save_strategy="no",
         train_sampling_strategy="sequential", disable_tqdm=True, use_cpu=not torch.cuda.is_available(), bf16=False,
         max_grad_norm=1.0, dataloader_drop_last=True, per_device_train_batch_size=BATCH, per_device_eval_batch_size=2,
-        gradient_accumulation_steps=ACCUMULATION, remove_unused_columns=False, deepspeed=ds_config)
+        gradient_accumulation_steps=ACCUMULATION, remove_unused_columns=False, gradient_checkpointing=True,
+        deepspeed=ds_config)
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
                                                                      attn_implementation="sdpa")
     if ds_config is None:
@@ -92,6 +94,8 @@ def main(out: str, model_dir: str, ds_config: str | None = None) -> None:
                             eval_dataset=examples(4, seed=2), data_collator=collate)
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
+    checkpointed = getattr(trainer.model, "visual", None) or trainer.model.model.visual
+    assert checkpointed.is_activation_checkpointing, "the tower is checkpointed, as in the plain run"
     trainer.evaluate()
     trainer.save_model(f"{out_dir}/final")
     if int(os.environ.get("RANK", "0")) == 0:
