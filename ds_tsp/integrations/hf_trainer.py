@@ -28,6 +28,10 @@ What it changes, and why (the Trainer's own logic does the rest):
   ds_tsp.hf.TSPDPOTrainer);
   other TRL trainers are refused by name when the class is defined;
 - save_model writes the HF layout, streamed, from every rank's shards (a collective).
+- a vision-language model (transformers' Qwen3.5 / Qwen3-VL ...ForConditionalGeneration, its directory, or a
+  ds_tsp.hf.TSPForConditionalGeneration) becomes a TSPForConditionalGeneration that takes the collator's full batch
+  (pixels whole) on every TSP rank: its loaders are sampled over the data axis and never cut, the loss is the plain
+  Trainer's for that class, saves are in the ForConditionalGeneration layout (ds_tsp.integrations.multimodal);
 On CPU the launcher's process group (which TrainingArguments sets up as a 1-process accelerate state) is
 re-registered with gloo, so the same command runs on CPU and GPU.
 """
