@@ -1,9 +1,10 @@
 """Hugging Face models in and out: HF-shaped TSP model, sharded loading, streaming save, Trainer, TRL's SFTTrainer,
-GRPOTrainer and RewardTrainer.
+GRPOTrainer, RewardTrainer and RLOOTrainer.
 
     from ds_tsp.hf import TSPForCausalLM, TSPTrainer, TSPSFTTrainer   # TSPSFTTrainer: (TSPTrainer, trl.SFTTrainer)
     from ds_tsp.hf import TSPGRPOTrainer                              # (TSPTrainer, trl.GRPOTrainer): RL under TSP
     from ds_tsp.hf import TSPRewardTrainer                            # (TSPTrainer, trl.RewardTrainer): reward models
+    from ds_tsp.hf import TSPRLOOTrainer                              # (TSPTrainer, trl.RLOOTrainer): RLOO under TSP
     model = TSPForCausalLM.from_pretrained("local/llama-3.2-1b", tsp_group=group)
     scorer = TSPForSequenceClassification.from_pretrained("local/reward-model", tsp_group=group)
 """
@@ -11,7 +12,7 @@ from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 from ds_tsp.model.hf_sequence_classification import TSPForSequenceClassification
 
 __all__ = ["TSPForCausalLM", "TSPForSequenceClassification", "TSPTrainer", "TSPSFTTrainer", "TSPGRPOTrainer",
-           "TSPRewardTrainer"]
+           "TSPRewardTrainer", "TSPRLOOTrainer"]
 
 
 def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerate: only when asked for
@@ -31,4 +32,8 @@ def __getattr__(name):  # TSPTrainer imports transformers' Trainer and accelerat
         from ds_tsp.integrations.trl.reward_trainer import reward_trainer_class
 
         return reward_trainer_class()
+    if name == "TSPRLOOTrainer":  # ImportError with the install hint when trl is missing
+        from ds_tsp.integrations.trl.rloo_trainer import rloo_trainer_class
+
+        return rloo_trainer_class()
     raise AttributeError(f"module 'ds_tsp.hf' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """The TRL trainers composed with TSPTrainer (`class TSP<X>(TSPTrainer, <X>)`), each built once, on first use:
 TRL is optional, so nothing here imports it at module load. It sits above hf_trainer (TSPTrainer) and what
-TSPTrainer does for each TRL trainer (sft, grpo, reward), so those read one way: hf_trainer -> sft / grpo / reward."""
+TSPTrainer does for each TRL trainer (sft, grpo, reward, rloo), so those read one way: hf_trainer -> sft / grpo /
+reward / rloo."""
 from __future__ import annotations
 
 import functools
@@ -9,12 +10,13 @@ INSTALL_HINT = "pip install 'ds_tsp[trl]'"
 # TRL trainer -> (the public name under ds_tsp.hf, the module that says what TSPTrainer does for it)
 COMPOSED = {"SFTTrainer": ("TSPSFTTrainer", "ds_tsp.integrations.trl.sft"),
             "GRPOTrainer": ("TSPGRPOTrainer", "ds_tsp.integrations.trl.grpo"),
-            "RewardTrainer": ("TSPRewardTrainer", "ds_tsp.integrations.trl.reward")}
+            "RewardTrainer": ("TSPRewardTrainer", "ds_tsp.integrations.trl.reward"),
+            "RLOOTrainer": ("TSPRLOOTrainer", "ds_tsp.integrations.trl.rloo")}
 
 
 @functools.cache
 def composed_trainer_class(trl_trainer: str) -> type:
-    """The one `TSP<trl_trainer>` class of this process (ds_tsp.hf.TSPSFTTrainer, TSPGRPOTrainer, TSPRewardTrainer)."""
+    """The one `TSP<trl_trainer>` class of this process (ds_tsp.hf.TSPSFTTrainer, TSPGRPOTrainer, ...)."""
     name, adapter = COMPOSED[trl_trainer]
     try:
         import trl

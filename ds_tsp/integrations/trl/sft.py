@@ -16,8 +16,9 @@ labels, its collators, loss, metrics); TSPTrainer (listed FIRST, so it converts 
   restarting per document (integrations/accelerate/dataloaders.py), checked against the batch's position_ids;
 - TRL's num_tokens metric counts the tokens of the whole sequence (TRL would count this rank's shard).
 GRPOTrainer and RewardTrainer compose too: ds_tsp.integrations.trl.grpo (ds_tsp.hf.TSPGRPOTrainer) and
-ds_tsp.integrations.trl.reward (ds_tsp.hf.TSPRewardTrainer).
-Refused with a TSPConfigError naming them: the other TRL trainers (DPO, KTO, RLOO, GKD, ...: their
+ds_tsp.integrations.trl.reward (ds_tsp.hf.TSPRewardTrainer); RLOOTrainer runs on GRPO's machinery
+(ds_tsp.integrations.trl.rloo, ds_tsp.hf.TSPRLOOTrainer).
+Refused with a TSPConfigError naming them: the other TRL trainers (DPO, KTO, GKD, ...: their
 losses read full logits of several models), SFTTrainer listed before TSPTrainer, and the SFT options
 that need full logits or modify the model TRL-side (peft_config, compute_loss_func, label_smoothing_factor, a
 chat_template_path that adds tokens, selective activation checkpointing, MoE router aux loss).
@@ -39,21 +40,23 @@ def _trl_trainers(cls: type) -> list[type]:
 def check_composition(cls: type, tsp_trainer: type) -> str | None:
     """At class creation: "sft" / "grpo" / "reward" when `cls` composes TSPTrainer with TRL's SFTTrainer /
     GRPOTrainer / RewardTrainer (TSPTrainer first; GRPO: ds_tsp.integrations.trl.grpo, Reward:
-    ds_tsp.integrations.trl.reward); None without TRL; TSPConfigError for any other TRL trainer, or the TRL trainer
-    ahead of TSPTrainer."""
+    ds_tsp.integrations.trl.reward), "rloo" with RLOOTrainer (ds_tsp.integrations.trl.rloo); None without TRL;
+    TSPConfigError for any other TRL trainer, or the TRL trainer ahead of TSPTrainer."""
     trl_classes = _trl_trainers(cls)
     if not trl_classes:
         return None
-    from trl import GRPOTrainer, RewardTrainer, SFTTrainer
+    from trl import GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
-    supported = {SFTTrainer: "sft", GRPOTrainer: "grpo", RewardTrainer: "reward"}
+    supported = {SFTTrainer: "sft", GRPOTrainer: "grpo", RewardTrainer: "reward",
+                 RLOOTrainer: "rloo"}  # RLOO: on GRPO's machinery (ds_tsp.integrations.trl.rloo)
     others = [c for c in trl_classes if c not in supported and c.__name__ != "_BaseTrainer"]
     if others:
         name = others[0].__name__
         raise TSPConfigError(f"{cls.__name__}: TSPTrainer with TRL's {name} is not supported (SFTTrainer, "
-                             "GRPOTrainer and RewardTrainer are: ds_tsp.hf.TSPSFTTrainer, TSPGRPOTrainer, "
-                             f"TSPRewardTrainer): {name}'s loss reads full-vocabulary logits (of a policy and a "
-                             "reference model, or of generated samples), which TSP never builds per token")
+                             "GRPOTrainer, RLOOTrainer and RewardTrainer are: ds_tsp.hf.TSPSFTTrainer, "
+                             f"TSPGRPOTrainer, TSPRLOOTrainer, TSPRewardTrainer): {name}'s loss reads "
+                             "full-vocabulary logits (of a policy and a reference model, or of generated samples), "
+                             "which TSP never builds per token")
     mro = list(cls.__mro__)
     for trainer, kind in supported.items():
         if trainer in mro and mro.index(trainer) < mro.index(tsp_trainer):
