@@ -7,8 +7,9 @@ below 1e-3 within 1e-8; step_time, a wall-clock time, is not compared), and the 
 not on the second), gradient accumulation 2 with steps_per_generation 4 (a generation batch of 4 prompt groups
 serves two optimizer steps: a step's micro-batches hold parts of groups, so the leave-one-out advantages do not
 cancel in its loss, and the second step's importance ratios are off-policy, some of them clipped),
-normalize_advantages, reward_clip_range, sampling at temperature 0.7. The composition users write is checked by its
-class; options TSP cannot honour are refused by name.
+normalize_advantages, reward_clip_range, sampling at temperature 0.7, and evaluate() after training (every eval
+metric, as above). The composition users write is checked by its class; options TSP cannot honour are refused by
+name.
 Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes, `class R(TSPTrainer, RLOOTrainer)`) equals a plain
 2-process RLOOTrainer (the data axis is TRL's process axis: seeds, reward / KL gathering, advantage slices).
 
@@ -47,7 +48,8 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
                       report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
                       bf16=False, max_grad_norm=1.0, per_device_train_batch_size=BATCH,
-                      gradient_accumulation_steps=ACCUMULATION, deepspeed=ds_config, **OPTIONS)
+                      gradient_accumulation_steps=ACCUMULATION, per_device_eval_batch_size=8, deepspeed=ds_config,
+                      **OPTIONS)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, padding_side="left")
     if ds_config is None:
@@ -62,9 +64,11 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
 
         trainer_class = RLOOWithTSP
     trainer = trainer_class(model=model, reward_funcs=good_words, args=args, processing_class=tokenizer,
-                            train_dataset=Dataset.from_list(prompts(4 * STEPS * replicas, seed=1)))
+                            train_dataset=Dataset.from_list(prompts(4 * STEPS * replicas, seed=1)),
+                            eval_dataset=Dataset.from_list(prompts(2 * replicas, seed=2)))
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
+    trainer.evaluate()
     trainer.save_model(f"{out_dir}/final")
     if int(os.environ.get("RANK", "0")) == 0:
         Path(out).write_text(json.dumps(trainer.state.log_history))
@@ -129,6 +133,10 @@ def _assert_same_run(reference: list[dict], tsp: list[dict], tmp: Path) -> None:
     # = reference) and not on the second (step 2 reuses step 1's completions: no generation, no KL)
     assert len({w["loss"] for w in want}) == STEPS and min(abs(w["loss"]) for w in want) > 1e-3, want
     assert want[0]["kl"] == 0.0 and abs(want[2]["kl"]) > 1e-6 and "kl" not in want[1], want
+    evals = [[line for line in runs if "eval_loss" in line] for runs in (tsp, reference)]
+    assert len(evals[0]) == len(evals[1]) == 1 and set(evals[0][0]) == set(evals[1][0]), evals
+    for key in sorted(set(evals[1][0]) - {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}):
+        assert _close(evals[0][0][key], evals[1][0][key], _scale(key.removeprefix("eval_"), evals[1][0])), (key, evals)
     totals = [[line for line in runs if "train_runtime" in line][0] for runs in (tsp, reference)]
     assert _close(totals[0]["train_loss"], totals[1]["train_loss"], 1.0), totals
     want_w, got_w = (load_file(tmp / name / "final" / "model.safetensors") for name in ("ref", "tsp"))
