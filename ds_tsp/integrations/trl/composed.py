@@ -16,7 +16,7 @@ COMPOSED = {"SFTTrainer": ("TSPSFTTrainer", "ds_tsp.integrations.trl.sft"),
 
 @functools.cache
 def composed_trainer_class(trl_trainer: str) -> type:
-    """The one `TSP<trl_trainer>` class of this process (ds_tsp.hf.TSPSFTTrainer, TSPGRPOTrainer, ...)."""
+    """The one `TSP<trl_trainer>` class of this process (ds_tsp.hf.TSPSFTTrainer, TSPGRPOTrainer, TSPRewardTrainer)."""
     name, adapter = COMPOSED[trl_trainer]
     try:
         import trl
