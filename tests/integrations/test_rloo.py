@@ -2,7 +2,7 @@
 process with the same seed, prompts and a deterministic reward, over 3 optimizer steps: every logged value within
 1e-5 relative (the loss relative to its advantages' unit scale, the KL to the log-probs it is a difference of, values
 below 1e-3 within 1e-8; step_time, a wall-clock time, is not compared), and the saved weights after the 3 steps
-(1e-5 of each tensor's norm). Measured: loss 8e-7, grad_norm 3e-7, KL 2e-5 of itself (5e-9 of the entropy), weights
+(1e-5 of each tensor's norm). Measured: loss 8e-7, grad_norm 3e-7, KL 2e-5 of itself (2e-8 of the entropy), weights
 8e-8. The run covers beta > 0 (a reference model: RLOO's KL is a reward penalty, zero on the first generation and
 not on the second), gradient accumulation 2 with steps_per_generation 4 (a generation batch of 4 prompt groups
 serves two optimizer steps: a step's micro-batches hold parts of groups, so the leave-one-out advantages do not
