@@ -148,7 +148,7 @@ class TSPTrainer(_transformers.Trainer):
         if self._tsp_with_rloo:
             from ds_tsp.integrations.trl.rloo import check_rloo_arguments
 
-            check_rloo_arguments(model, kwargs)
+            check_rloo_arguments(model, args, kwargs)
         if self._tsp_with_reward:
             from ds_tsp.integrations.trl import reward as trl_reward
 

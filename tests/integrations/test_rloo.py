@@ -44,14 +44,15 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
 
     out_dir = str(Path(out).with_suffix(""))
     replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
+    # loaded before the config: under a ZeRO-3 config transformers would load it partitioned (zero.Init)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, padding_side="left")
     args = RLOOConfig(output_dir=out_dir, max_steps=STEPS, optim="sgd", learning_rate=0.1,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
                       report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
                       bf16=False, max_grad_norm=1.0, per_device_train_batch_size=BATCH,
                       gradient_accumulation_steps=ACCUMULATION, per_device_eval_batch_size=8, deepspeed=ds_config,
                       **OPTIONS)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, padding_side="left")
     if ds_config is None:
         trainer_class = RLOOTrainer
     elif replicas == 1:  # the ready-made class
@@ -193,7 +194,8 @@ def test_rloo_options_tsp_cannot_honour_are_refused_by_name():
                ({}, {"sync_ref_model": True, "deepspeed_plugin": SimpleNamespace(zero_stage=3)}, "ZeRO-3"),
                ({"processing_class": object()}, {}, "processing_class=object " + name),
                ({"model": "Qwen/Qwen3-0.6B"}, {}, r"model='Qwen/Qwen3-0.6B' \(a name\) " + name),
-               ({"quantization_config": object()}, {}, "quantization_config= " + name)]
+               ({"quantization_config": object()}, {}, "quantization_config= " + name),
+               ({}, {"deepspeed_plugin": SimpleNamespace(zero_stage=3)}, r"zero_optimization.stage=3 .*" + name)]
     for kwargs, options, match in refused:  # checked first thing: nothing is set up yet
         with pytest.raises(TSPConfigError, match=match):
             TSPRLOOTrainer(**{"model": None, **kwargs}, args=SimpleNamespace(**options))

@@ -63,6 +63,25 @@ def stream_full_weights(tsp_model) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @contextlib.contextmanager
+def _without_zero3_init():
+    """While a ZeRO-3 TrainingArguments is alive, transformers builds every model under deepspeed.zero.Init, which
+    partitions its parameters with collectives over the whole world: the generation copy is built on TSP rank 0
+    alone and must be whole there, so it is built as transformers builds models inside zero.Init (no nested one)."""
+    from transformers import modeling_utils
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    if not hasattr(modeling_utils, "set_zero3_state"):
+        raise TSPConfigError("this transformers version has no modeling_utils.set_zero3_state, which TSP needs to "
+                             "build the generation model on one rank under ZeRO-3; use transformers >= 5.0 or "
+                             "ZeRO-1/2")
+    with modeling_utils.set_zero3_state():
+        yield
+
+
+@contextlib.contextmanager
 def gathered_hf_model(tsp_model, device: torch.device | None = None):
     """A plain transformers model with the TSP model's current weights on TSP rank 0 of each group (None
     elsewhere), for generation; dropped on exit. Collective (see stream_full_weights)."""
@@ -76,7 +95,7 @@ def gathered_hf_model(tsp_model, device: torch.device | None = None):
         device = torch.device(device) if device is not None else inner.device
         # fork_rng: building the model must not move this rank's generator (sampling must draw what a plain run draws)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), no_init_weights(), \
-                torch.device(device):
+                torch.device(device), _without_zero3_init():
             hf_model = transformers.AutoModelForCausalLM.from_config(tsp_model.config, dtype=inner.dtype)
         hf_model.tie_weights()  # from_config leaves a tied LM head apart; the stream fills the embedding once
         hf_model.eval()

@@ -347,7 +347,9 @@ def generate(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
                       "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0,
                                             padding_side="left", pad_to_multiple_of=multiple).to(device)}
             with torch.no_grad():  # as TRL's regular path: no autocast around generate
-                out = hf_model.generate(**inputs, generation_config=trainer.generation_config)
+                # synced_gpus=False: under ZeRO-3 transformers would sync every decoding step over the world, but
+                # this whole copy generates on TSP rank 0 of each group alone
+                out = hf_model.generate(**inputs, generation_config=trainer.generation_config, synced_gpus=False)
             completion_ids = out[:, inputs["input_ids"].size(1):].cpu()
             is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids))
             eos_idx = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), completion_ids.size(1))
