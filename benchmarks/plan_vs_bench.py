@@ -65,9 +65,30 @@ def main(argv=None) -> int:
               f"{r['measured_peak_bytes'] / mib:.1f} | {err:+.1f} | {plan.peak_phase} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "see benchmarks/plan_vs_bench.py", "records": recs}, f, indent=1)
+            json.dump({"command": "see benchmarks/plan_vs_bench.py", "made_by": provenance(args.results),
+                       "records": recs}, f, indent=1)
             f.write("\n")
     return 0
+
+
+def provenance(paths: list[str]) -> dict:
+    """How the fixture was made: the commands (this module's docstring), the commit and the library versions of
+    the machine that ran the bench."""
+    import platform
+    import subprocess
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    try:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    except ImportError:
+        ds_version = None
+    return {"commands": [line.strip() for line in __doc__.splitlines()[2:7] if line.strip()],
+            "results": paths, "commit": commit or None, "torch": torch.__version__, "deepspeed": ds_version,
+            "machine": platform.machine(), "note": "MemTracker's peak is deterministic: the load does not move it"}
 
 
 if __name__ == "__main__":

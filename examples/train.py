@@ -118,9 +118,13 @@ def main(argv=None) -> int:
                     engine.zero_grad()
                 share += loss.detach() / engine.gradient_accumulation_steps()
         share = torch.as_tensor(share, dtype=torch.float32).clone()
-        dist.all_reduce(share, group=groups.tsp_group)  # TSP ranks hold shares of the loss
+        # guarded: a stalled or dead peer ends this rank within timeout_s with one line naming it
+        with engine.tsp_comm.guard("loss logging all_reduce", group=groups.tsp_group, poll=share.device):
+            dist.all_reduce(share, group=groups.tsp_group)  # TSP ranks hold shares of the loss
         if not pipelined and groups.data_size > 1:
-            dist.all_reduce(share, group=groups.data_group)
+            with engine.tsp_comm.guard("loss logging all_reduce over data", group=groups.data_group,
+                                       poll=share.device):
+                dist.all_reduce(share, group=groups.data_group)
             share /= groups.data_size
         return float(share)
 

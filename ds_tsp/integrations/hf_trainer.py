@@ -24,6 +24,8 @@ What it changes, and why (the Trainer's own logic does the rest):
   `class G(TSPTrainer, GRPOTrainer)`: TRL's GRPO on TSP (ds_tsp.integrations.trl.grpo; ds_tsp.hf.TSPGRPOTrainer);
   `class R(TSPTrainer, RewardTrainer)`: a reward model (ds_tsp.hf.TSPForSequenceClassification, full batches on
   every TSP rank) trained by TRL's RewardTrainer (ds_tsp.integrations.trl.reward; ds_tsp.hf.TSPRewardTrainer);
+  `class D(TSPTrainer, DPOTrainer)`: TRL's DPO, policy and reference on TSP (ds_tsp.integrations.trl.dpo;
+  ds_tsp.hf.TSPDPOTrainer);
   `class R(TSPTrainer, RLOOTrainer)`: TRL's RLOO on GRPO's machinery (ds_tsp.integrations.trl.rloo;
   ds_tsp.hf.TSPRLOOTrainer);
   other TRL trainers are refused by name when the class is defined;
@@ -112,18 +114,20 @@ class TSPTrainer(_transformers.Trainer):
     _tsp_with_sft = False  # composed with TRL's SFTTrainer (ds_tsp.integrations.trl.sft)
     _tsp_with_grpo = False  # composed with TRL's GRPOTrainer (ds_tsp.integrations.trl.grpo)
     _tsp_with_reward = False  # composed with TRL's RewardTrainer (ds_tsp.integrations.trl.reward)
+    _tsp_with_dpo = False  # composed with TRL's DPOTrainer (ds_tsp.integrations.trl.dpo)
     _tsp_with_rloo = False  # composed with TRL's RLOOTrainer (ds_tsp.integrations.trl.rloo)
     _tsp_online_rl = None  # "grpo" / "rloo": the online-RL kind, run on ds_tsp.integrations.trl.grpo's machinery
 
     def __init_subclass__(cls, **kwargs):
-        """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)` / `(TSPTrainer, RewardTrainer)`: TRL's
-        SFT / GRPO / reward modelling on TSP (and `(TSPTrainer, RLOOTrainer)`: RLOO); any other TRL trainer is
-        refused here, by name."""
+        """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)` / `(TSPTrainer, RewardTrainer)` /
+        `(TSPTrainer, DPOTrainer)`: TRL's SFT / GRPO / reward modelling / DPO on TSP (and `(TSPTrainer,
+        RLOOTrainer)`: RLOO); any other TRL trainer is refused here, by name."""
         super().__init_subclass__(**kwargs)
         from ds_tsp.integrations.trl.sft import check_composition
 
         kind = check_composition(cls, TSPTrainer)
         cls._tsp_with_sft, cls._tsp_with_grpo, cls._tsp_with_reward = kind == "sft", kind == "grpo", kind == "reward"
+        cls._tsp_with_dpo = kind == "dpo"
         cls._tsp_with_rloo = kind == "rloo"
         cls._tsp_online_rl = kind if kind in ("grpo", "rloo") else None
 
@@ -134,6 +138,12 @@ class TSPTrainer(_transformers.Trainer):
 
             model, args, kwargs = trl_grpo.keyword_arguments(super().__init__, model, args, more, kwargs,
                                                              self._tsp_online_rl)
+            more = ()
+        if self._tsp_with_dpo:  # DPOTrainer(model, ref_model, args, ...): everything by name from here on
+            from ds_tsp.integrations.trl import dpo as trl_dpo
+            from ds_tsp.integrations.trl import sft as tsp_trl
+
+            model, args, kwargs = trl_dpo.keyword_arguments(super().__init__, model, args, more, kwargs)
             more = ()
         if args is None:
             raise TSPConfigError("TSPTrainer needs TrainingArguments(deepspeed=<config with a \"tsp\" block>)")
@@ -153,6 +163,8 @@ class TSPTrainer(_transformers.Trainer):
             from ds_tsp.integrations.trl import reward as trl_reward
 
             trl_reward.check_reward_arguments(super().__init__, model, args, more, kwargs)
+        if self._tsp_with_dpo:
+            trl_dpo.check_dpo_arguments(model, args, kwargs)
         _ = args.device  # sets the process group up (TrainingArguments does it lazily)
         _register_cpu_world()
         tsp = _tsp_block(args)
@@ -163,15 +175,19 @@ class TSPTrainer(_transformers.Trainer):
                                      'DeepSpeed config has a "tsp" block, e.g. ds_configs/tsp.json')
             tsp = parse_tsp_config({"size": 1})
         _check_parallelism_config(args, tsp.size)
-        if self._tsp_with_sft or self._tsp_online_rl or self._tsp_with_reward:  # counts, metrics: not cut over cp
+        if self._tsp_with_sft or self._tsp_online_rl or self._tsp_with_reward or self._tsp_with_dpo:
+            # counts, metrics: not cut over cp
             check_cp_integration(tsp.cp_size, "TSPSFTTrainer" if self._tsp_with_sft else
                                  trl_grpo.PUBLIC_NAMES[self._tsp_online_rl] if self._tsp_online_rl else
-                                 "TSPRewardTrainer")
+                                 "TSPDPOTrainer" if self._tsp_with_dpo else "TSPRewardTrainer")
         ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
         runtime = build_runtime(tsp, ds_config=ds_config)  # DeepSpeed's cpu_checkpointing: offload_activations
         self.tsp_config = tsp = runtime.config
         self.tsp_groups = runtime.groups
+        self.tsp_comm = runtime.comm  # its timeout_s bounds the trainer's own collectives (token counts, loss)
         ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_online_rl else None
+        if self._tsp_with_dpo:
+            ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model)
         if self._tsp_with_reward:
             model = trl_reward.to_reward_model(model, runtime)
         else:
@@ -189,9 +205,14 @@ class TSPTrainer(_transformers.Trainer):
             with trl_grpo.grpo_init(ref_model, self._tsp_online_rl):
                 super().__init__(model=model, args=args, **kwargs)
             trl_grpo.after_init(self)
+        elif self._tsp_with_dpo:
+            tsp_trl.prepare_model(model)
+            with trl_dpo.dpo_init(ref_model):
+                super().__init__(model=model, args=args, **kwargs)
+            trl_dpo.after_init(self)
         else:
             super().__init__(model, args, *more, **kwargs)
-        if self._tsp_with_reward:  # RewardTrainer's label_names stay [] (its batches carry no token labels)
+        if self._tsp_with_reward or self._tsp_with_dpo:  # their batches carry no token labels: TRL's label_names
             return
         if set(self.label_names) != {"shift_labels"} and self.label_names in (["labels"], ["labels", "shift_labels"]):
             self.label_names = ["shift_labels"]  # TSP batches carry pre-shifted labels, sharded
@@ -229,15 +250,18 @@ class TSPTrainer(_transformers.Trainer):
         if not batch_samples or "shift_labels" not in batch_samples[0]:
             return None
         local = sum((b["shift_labels"] != -100).sum() for b in batch_samples).to(device=device, dtype=torch.int64)
-        groups = self.tsp_groups
+        groups, comm = self.tsp_groups, self.tsp_comm
         if groups is not None and groups.layout.tsp_enabled:
-            dist.all_reduce(local, group=groups.tsp_group)
+            with comm.guard("token count all_reduce", group=groups.tsp_group, poll=local.device):
+                dist.all_reduce(local, group=groups.tsp_group)
         across_data = self.args.average_tokens_across_devices and groups is not None and \
             (groups.layout.data_enabled or groups.layout.cp_enabled)
         if across_data:
-            dist.all_reduce(local, group=groups.data_group)
+            with comm.guard("token count all_reduce over data", group=groups.data_group, poll=local.device):
+                dist.all_reduce(local, group=groups.data_group)
         elif groups is not None and groups.layout.cp_enabled:
-            dist.all_reduce(local, group=groups.cp_group)
+            with comm.guard("token count all_reduce over cp", group=groups.cp_group, poll=local.device):
+                dist.all_reduce(local, group=groups.cp_group)
         return local
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -264,20 +288,20 @@ class TSPTrainer(_transformers.Trainer):
 
     def floating_point_ops(self, inputs) -> int:
         """The Trainer's count (6 x tokens x parameters); store_flos sums it over every process, so under the
-        reward trainer, whose TSP ranks each see the full batch, each rank counts its 1/D of it."""
+        reward and DPO trainers, whose TSP ranks each see the full batch, each rank counts its 1/D of it."""
         flops = super().floating_point_ops(inputs)
-        return flops // self.tsp_config.size if self._tsp_with_reward else flops
+        return flops // self.tsp_config.size if self._tsp_with_reward or self._tsp_with_dpo else flops
 
     # --- evaluation and prediction -------------------------------------------------------------------------------
     def get_eval_dataloader(self, eval_dataset=None):
-        if self._tsp_online_rl or self._tsp_with_reward:  # GRPO's prompt rows, the reward model's full batches
+        if self._tsp_online_rl or self._tsp_with_reward or self._tsp_with_dpo:  # prompt rows, full batches
             from ds_tsp.integrations.trl.grpo import unsharded
 
             return unsharded(super().get_eval_dataloader(eval_dataset))
         return _with_full_batch(super().get_eval_dataloader(eval_dataset))
 
     def get_test_dataloader(self, test_dataset):
-        if self._tsp_with_reward:  # the reward model takes full batches
+        if self._tsp_with_reward or self._tsp_with_dpo:  # the reward / DPO model takes full batches
             from ds_tsp.integrations.trl.grpo import unsharded
 
             return unsharded(super().get_test_dataloader(test_dataset))
@@ -288,7 +312,12 @@ class TSPTrainer(_transformers.Trainer):
         position, built from the vocab shards once per eval batch (as the plain Trainer materialises them; with
         preprocess_logits_for_metrics its output on those full logits), and the batch's own labels, full length,
         in the original order (unshifted). prediction_loss_only builds and gathers neither."""
-        if self._tsp_online_rl or self._tsp_with_reward:  # GRPO: generated completions; reward: [B, 1] rewards
+        if self._tsp_with_dpo and not prediction_loss_only:
+            raise TSPConfigError("TSPDPOTrainer.predict (or evaluate with prediction_loss_only=False): DPOTrainer "
+                                 "would recompute the full [B, S, V] logits of every batch, which TSP never builds; "
+                                 "use evaluate() (its loss and rewards/*, logps/*, logits/* metrics) or set "
+                                 "DPOConfig(prediction_loss_only=True)")
+        if self._tsp_online_rl or self._tsp_with_reward or self._tsp_with_dpo:  # TRL's own (DPO: its loss)
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         full = inputs.pop(_FULL_BATCH, None) if isinstance(inputs, dict) else None
         if prediction_loss_only:
@@ -323,17 +352,18 @@ class TSPTrainer(_transformers.Trainer):
         if loss is None or groups is None or not groups.layout.cp_enabled:
             return loss
         total = loss.detach().clone()
-        dist.all_reduce(total, group=groups.cp_group)
+        with self.tsp_comm.guard("evaluation loss all_reduce over cp", group=groups.cp_group, poll=total.device):
+            dist.all_reduce(total, group=groups.cp_group)
         return total / groups.cp_size
 
     # --- TRL's GRPOTrainer / RLOOTrainer steps under TSP (ds_tsp.integrations.trl.grpo; inert otherwise) --------
     def get_train_dataloader(self):  # (the reward trainer's loader too)
         loader = super().get_train_dataloader()
-        if not (self._tsp_online_rl or self._tsp_with_reward):
+        if not (self._tsp_online_rl or self._tsp_with_reward or self._tsp_with_dpo):
             return loader
         from ds_tsp.integrations.trl.grpo import unsharded
 
-        return unsharded(loader)  # GRPO's prompt rows, the reward model's full batches: data-axis sampled, never cut
+        return unsharded(loader)  # GRPO's prompt rows, reward / DPO full batches: data-axis sampled, never cut
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
@@ -373,11 +403,31 @@ class TSPTrainer(_transformers.Trainer):
         with data_axis(self):
             return super()._generate_and_score_completions(inputs)
 
-    def _compute_loss(self, model, inputs):
+    def _compute_loss(self, model, inputs, *return_outputs):
+        if self._tsp_with_dpo:  # DPOTrainer._compute_loss(model, inputs, return_outputs)
+            from ds_tsp.integrations.trl.dpo import trl_shaped_models
+
+            with trl_shaped_models(self, model) as shaped:
+                return super()._compute_loss(shaped, inputs, *return_outputs)
         from ds_tsp.integrations.trl.grpo import data_axis
 
         with data_axis(self):
-            return super()._compute_loss(model, inputs)
+            return super()._compute_loss(model, inputs, *return_outputs)
+
+    # --- TRL's DPOTrainer under TSP (ds_tsp.integrations.trl.dpo; only DPOTrainer calls these) ----------------
+    def compute_ref_log_probs(self, model, inputs):
+        """DPOTrainer's reference log-probs of one batch (precompute_ref_log_probs), the fused head in TRL's shape."""
+        from ds_tsp.integrations.trl.dpo import trl_shaped_models
+
+        with trl_shaped_models(self, model) as shaped:
+            return super().compute_ref_log_probs(shaped, inputs)
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """DPOTrainer's pass over a dataset with the reference, its batches whole on every TSP rank."""
+        from ds_tsp.integrations.trl.dpo import unsharded_loaders
+
+        with unsharded_loaders(self):
+            return super()._precompute_ref_logps(dataset, name, batch_size)
 
     # --- saving ------------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -389,4 +439,36 @@ class TSPTrainer(_transformers.Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, f"{output_dir}/training_args.bin")  # as the Trainer does
-        self.accelerator.wait_for_everyone()
+        with self._world_guard("save_model barrier"):
+            self.accelerator.wait_for_everyone()
+
+    # --- the Trainer's own collectives, bounded by tsp.timeout_s -------------------------------------------------
+    def _world_guard(self, what: str):
+        """The watchdog around collectives the Trainer (and DeepSpeed under it) posts on the world: a stalled or
+        dead peer ends this rank within timeout_s with the one line naming `what` and the peers."""
+        return self.tsp_comm.guard(what, group=dist.group.WORLD if dist.is_initialized() else None,
+                                   context=f"step {self.state.global_step}")
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        """Logging (the loss all-gather, the flos broadcast) and a checkpoint save (below) are bounded by
+        timeout_s; an evaluation is not bounded as a whole (it may outlast timeout_s; its model calls and gathers
+        are guarded one by one), so a step that evaluates logs first, guarded, then evaluates and saves."""
+        control = self.control
+        evaluate, save = control.should_evaluate, control.should_save
+        if evaluate:
+            control.should_evaluate = control.should_save = False
+        try:
+            with self._world_guard("the Trainer's loss logging (all_gather, flos broadcast)"):
+                super()._maybe_log_save_evaluate(*args, **kwargs)
+        finally:
+            if evaluate:
+                control.should_evaluate, control.should_save = evaluate, save
+        if evaluate:  # logged already: this call evaluates and saves only
+            super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's checkpoint (the model by save_model, DeepSpeed's or the optimizer's state, RNG, barriers):
+        its collectives bounded by timeout_s as one block, so a save must take less than timeout_s. Earlier
+        checkpoints stay untouched (the Trainer rotates them only after a complete save)."""
+        with self._world_guard("the Trainer's checkpoint save (its and DeepSpeed's collectives)"):
+            return super()._save_checkpoint(model, trial)

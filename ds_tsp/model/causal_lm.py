@@ -20,6 +20,7 @@ a cp axis over the whole sequence, cp x TSP).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from ds_tsp.core.layers.norm import TSPRMSNorm
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.input_check import check_inputs, input_check_payload
-from ds_tsp.core.tokens.positions import RopeTables, StepRopes
+from ds_tsp.core.tokens.positions import RopeTables, StepRope, StepRopes
 from ds_tsp.core.tokens.zigzag import cp_zigzag_positions, zigzag_chunks, zigzag_positions
 from ds_tsp.model.loss import count_valid_tokens, global_loss, loss_for_logging, normalise_over_data, tsp_group_loss
 from ds_tsp.model.modules.decoder import TSPDecoderLayer
@@ -191,22 +192,29 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
 
     def final_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                      attention_mask: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None,
-                     router_logits: list | None = None):
+                     router_logits: list | None = None, *, ropes: StepRope | None = None,
+                     embeds: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         """(final-norm hidden states of the local tokens [B, L, h], loss denominator or None without labels).
 
         router_logits: a list that receives every sparse layer's router logits [B*L, E] (local tokens, in layer
-        order), differentiable, also through activation checkpointing."""
+        order), differentiable, also through activation checkpointing. A multimodal model passes its own RoPE
+        tables (ropes: mrope's three position rows; position_ids then only mark documents) and `embeds`, which takes
+        the local token embeddings [B, L, h] and returns them with the vision rows in place; after_layer(i, h)
+        returns layer i's output with what it adds (Qwen3-VL's DeepStack features at the vision rows)."""
         n_valid, doc_starts = self._check_inputs(input_ids, shift_labels, position_ids, attention_mask)
         if n_valid is not None:
             # float32 at least: bf16 would round token counts above 256
             n_valid = normalise_over_data(n_valid, self.data_group, self.comm)
             n_valid = n_valid.to(torch.promote_types(self.dtype, torch.float32))
-        ropes = self._step_ropes(position_ids, self.dtype)
+        ropes = self._step_ropes(position_ids, self.dtype) if ropes is None else ropes
         # One all-reduce for every norm weight's grad, posted by the last one's backward (see replicated_grads);
         # opened before the embedding so that its backward ring overlaps the bucket's all-reduce.
         replicated = [*self.replicated_params().values(), *(p for _, p, cut in self.lora_tensors() if cut is None)]
         with ReplicatedGradBucket(self.comm, replicated):
             h = self.model.embed_tokens(input_ids)
+            if embeds is not None:
+                h = embeds(h)
             per_layer = None if self.model.per_layer_inputs is None else self.model.per_layer_inputs(input_ids, h)
             shared_kv = {} if self.shape.kv_shared_layers else None  # Gemma 4: K/V the KV-sharing layers read
             last = len(self.model.layers) - 1
@@ -225,6 +233,8 @@ class ShardedCausalLM(ShardedStateDict, nn.Module):
                                       shared_kv=shared_kv)
                 if logits is not None and router_logits is not None:
                     router_logits.append(logits)
+                if after_layer is not None:
+                    h = after_layer(i, h)
             return self.model.norm(h), n_valid
 
     @property

@@ -52,6 +52,13 @@ def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dt
         if not isinstance(model, (str, Path)) and not hasattr(model.config, "model_type"):
             raise TSPConfigError(f"{type(model).__name__} has no config.model_type: TSP converts transformers "
                                  "Llama / Mistral / Qwen2 / Qwen3 causal LMs")
+        if not isinstance(model, (str, Path)) and any(hasattr(p, "ds_id") for p in model.parameters()):
+            # from_pretrained under a live ZeRO-3 config (TrainingArguments(deepspeed=<stage 3>) made earlier) leaves
+            # every weight partitioned, empty on this rank: there is nothing to shard
+            raise TSPConfigError(f"{type(model).__name__}'s weights are partitioned by DeepSpeed ZeRO-3 (it was "
+                                 "loaded after TrainingArguments(deepspeed=<stage 3 config>)): pass the checkpoint "
+                                 "directory instead of the model (TSP reads it by slices), or load the model before "
+                                 "creating the TrainingArguments")
         converted = TSPForCausalLM.from_pretrained(model, comm, dtype=dtype or "auto", options=options,
                                                    device=device, data_group=data_group)
         if not isinstance(model, (str, Path)) and _checkpointing_enabled(model):

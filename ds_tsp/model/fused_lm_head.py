@@ -20,7 +20,9 @@ __all__ = ["FusedLMHeadCall", "FusedLMHeadOutput"]
 @dataclass
 class FusedLMHeadOutput:
     """forward(fused_lm_head=True)'s answer: the fields of TRL's FusedCausalLMOutput (per-token, [B, seq_len], zero
-    where the label is -100); those TSP does not compute (log_sum_sq_probs, mean_logits, aux_loss) are None."""
+    where the label is -100); log_sum_sq_probs and mean_logits only when the model was given them as fused-head
+    outputs (TSPForCausalLM.fused_lm_head_outputs, what TRL's add_fused_lm_head(outputs=...) asks for), else None;
+    aux_loss is None."""
 
     loss: torch.Tensor | None = None
     log_probs: torch.Tensor | None = None
@@ -40,6 +42,7 @@ class FusedLMHeadCall:
     """TRL's options of one model call: fused_lm_head=True, and the statistics of logits / temperature."""
 
     temperature: float = 1.0
+    logit_stats: bool = False  # also mean_logits and log_sum_sq_probs (TRL's DPO metrics and WPO weights)
 
     @classmethod
     def pop_from(cls, kwargs: dict) -> "FusedLMHeadCall | None":
@@ -77,9 +80,12 @@ class FusedLMHeadCall:
         labels = batch["shift_labels"]
         if batch["attention_mask"] is not None:
             labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
-        stats = token.gather_token_stats(model.lm_head(h, labels, token_stats=True), model.comm, seq_len)
+        local = model.lm_head(h, labels, token_stats=True, logit_stats=self.logit_stats)
+        stats = token.gather_token_stats(local, model.comm, seq_len)
         log_probs, mask = stats[token.LOG_PROB], stats[token.LABEL_MASK].detach().bool()
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        extra = {"mean_logits": stats[token.MEAN_LOGIT].detach(),
+                 "log_sum_sq_probs": stats[token.LOG_SUM_SQ_PROBS].detach()} if self.logit_stats else {}
         return FusedLMHeadOutput(loss=-log_probs.sum() / denominator, log_probs=log_probs,
                                  entropy=stats[token.ENTROPY].detach(), is_top1=stats[token.IS_TOP1].detach().bool(),
-                                 label_mask=mask)
+                                 label_mask=mask, **extra)

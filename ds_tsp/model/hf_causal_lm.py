@@ -82,6 +82,9 @@ class TSPForCausalLM(nn.Module):
 
     main_input_name = "input_ids"
     accepts_loss_kwargs = True  # the Trainer passes num_items_in_batch
+    # the fields TRL's add_fused_lm_head(model, outputs=...) asked for (ds_tsp.integrations.trl records them here):
+    # "mean_logits" / "log_sum_sq_probs" make the fused head carry those two extra per-token statistics
+    fused_lm_head_outputs: tuple[str, ...] = ("log_probs",)
 
     def __init__(self, config, tsp_group=None, *, options: TSPOptions = TSPOptions(),
                  dtype: torch.dtype = torch.float32, device=None, data_group=None):
@@ -219,6 +222,8 @@ class TSPForCausalLM(nn.Module):
         if args:  # transformers' own positional order differs (attention_mask second): never guess
             raise TSPConfigError(_POSITIONAL_ERROR.format(n=1 + len(args)))
         fused = FusedLMHeadCall.pop_from(kwargs)  # TRL's options, None for every other caller
+        if fused is not None and {"mean_logits", "log_sum_sq_probs"} & set(self.fused_lm_head_outputs):
+            fused = FusedLMHeadCall(fused.temperature, logit_stats=True)
         self._check_kwargs(kwargs)
         if input_ids is None:
             raise TSPConfigError("input_ids is required (inputs_embeds is not supported: the embedding is sharded)")

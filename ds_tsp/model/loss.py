@@ -24,7 +24,7 @@ def normalise_over_data(n_valid_tsp: torch.Tensor, data_group: dist.ProcessGroup
     if data_group is None or dist.get_world_size(data_group) == 1:
         return n_valid_tsp
     total = n_valid_tsp.clone()
-    with comm.guard("token count all_reduce over data", group=data_group):
+    with comm.guard("token count all_reduce over data", group=data_group, poll=total.device):
         dist.all_reduce(total, group=data_group)
     # float64: an int64 count / 3 (data x cp of 3) would divide in float32, 2e-8 off in a float64 loss
     return total.to(torch.float64) / dist.get_world_size(data_group)
@@ -41,7 +41,7 @@ def tsp_group_loss(loss_share: torch.Tensor, comm: TSPComm) -> torch.Tensor:
     """Value: the shares summed over the TSP group (this data replica's part); gradient: this rank's share."""
     total = loss_share.detach().clone()
     if comm.size > 1:
-        with comm.guard("loss all_reduce", context=comm.context or "loss for logging"):
+        with comm.guard("loss all_reduce", context=comm.context or "loss for logging", poll=total.device):
             dist.all_reduce(total, group=comm.group)
     return loss_share + (total - loss_share).detach()
 
@@ -51,11 +51,11 @@ def loss_for_logging(loss_share: torch.Tensor, comm: TSPComm, data_group: dist.P
     total = loss_share.detach().clone()
     context = comm.context or "loss for logging"
     if comm.size > 1:
-        with comm.guard("loss all_reduce", context=context):
+        with comm.guard("loss all_reduce", context=context, poll=total.device):
             dist.all_reduce(total, group=comm.group)
     data_size = dist.get_world_size(data_group) if data_group is not None else 1
     if data_size > 1:
-        with comm.guard("loss all_reduce over data", group=data_group, context=context):
+        with comm.guard("loss all_reduce over data", group=data_group, context=context, poll=total.device):
             dist.all_reduce(total, group=data_group)
         total /= data_size
     return total
@@ -77,7 +77,8 @@ def sequence_aux_loss(aux_share: torch.Tensor, comm: TSPComm) -> torch.Tensor:
     if comm.cp is None:
         return tsp_group_loss(aux_share, comm)
     total = tsp_group_loss(aux_share, comm).detach().clone()
-    with comm.guard("aux loss all_reduce over cp", group=comm.cp.group, context=comm.context or "loss for logging"):
+    with comm.guard("aux loss all_reduce over cp", group=comm.cp.group, context=comm.context or "loss for logging",
+                    poll=total.device):
         dist.all_reduce(total, group=comm.cp.group)
     scaled = aux_share * comm.cp_size
     return scaled + (total - scaled).detach()

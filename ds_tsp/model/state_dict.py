@@ -25,7 +25,7 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.model.modules.slices import HFRanges
 from ds_tsp.model.modules.vocab import TSPVocabShard
 
-__all__ = ["ShardedStateDict", "load_slices", "read_from_full"]
+__all__ = ["ShardedStateDict", "gather_pieces", "load_slices", "read_from_full"]
 
 
 class ShardedStateDict:
@@ -93,8 +93,8 @@ class ShardedStateDict:
                     for n in module.hf_shapes()}
             live |= {n for n, p in self.replicated_params().items() if p.requires_grad}
             shapes = {k: v for k, v in shapes.items() if k in live}
-        if exclude_embeddings:
-            shapes = {k: v for k, v in shapes.items() if not k.startswith(("model.embed_tokens.", "lm_head."))}
+        if exclude_embeddings:  # transformers drops nn.Embedding weights only: an untied lm_head (a Linear) counts
+            shapes = {k: v for k, v in shapes.items() if not k.startswith("model.embed_tokens.")}
         lora = sum(p.numel() if cut is None else p.numel() // p.shape[cut[0]] * (max(cut[1]) + p.shape[cut[0]])
                    for _, p, cut in self.lora_tensors() if p.requires_grad or not only_trainable)
         return sum(prod(v) for v in shapes.values()) + lora
@@ -161,26 +161,35 @@ class ShardedStateDict:
     @torch.no_grad()
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Collective: gather every shard into HF-named full tensors (params, or their .grad with grads=True)."""
-        def value(param):
-            t = param.grad if grads else param
-            return torch.zeros_like(param) if t is None else t.detach()
-
-        full = {}
-        for prefix, module, param in self.sharded_modules():
-            local = value(param).contiguous()
-            if self.comm.size > 1:
-                gathered = torch.empty((self.comm.size, *local.shape), dtype=local.dtype, device=local.device)
-                self.comm.all_gather(gathered, local).wait()
-                shards = list(gathered.unbind(0))
-            else:
-                shards = [local]
-            full.update({prefix + k: v for k, v in module.unshard(shards).items()})
-        full.update({k: value(p).clone() for k, p in self.replicated_params().items()})
+        full = gather_pieces(self.sharded_modules(), self.replicated_params(), self.comm, grads=grads)
         if not grads:
             full.update({k: b.detach().clone() for k, b in self.replicated_buffers().items()})
         if self.lm_head is not None and self.lm_head.tied:
             full["lm_head.weight"] = full["model.embed_tokens.weight"]
         return full
+
+
+@torch.no_grad()
+def gather_pieces(sharded: list[tuple[str, nn.Module, nn.Parameter]], replicated: dict[str, nn.Parameter], comm,
+                  grads: bool = False) -> dict[str, torch.Tensor]:
+    """Collective over comm: the pieces (a model's, or one pipeline stage's) gathered one tensor at a time into
+    HF-named full tensors; their .grad with grads=True (zeros where a parameter has none)."""
+    def value(param):
+        t = param.grad if grads else param
+        return torch.zeros_like(param) if t is None else t.detach()
+
+    full = {}
+    for prefix, module, param in sharded:
+        local = value(param).contiguous()
+        if comm.size > 1:
+            gathered = torch.empty((comm.size, *local.shape), dtype=local.dtype, device=local.device)
+            comm.all_gather(gathered, local).wait()
+            shards = list(gathered.unbind(0))
+        else:
+            shards = [local]
+        full.update({prefix + k: v for k, v in module.unshard(shards).items()})
+    full.update({k: value(p).clone() for k, p in replicated.items()})
+    return full
 
 
 @torch.no_grad()

@@ -61,6 +61,12 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--documents", type=positive(integer), default=1,
                    help="pack K documents of random lengths into every sequence (position_ids restarting); the "
                         "reference runs every document on its own (default 1)")
+    p.add_argument("--images", type=positive(integer), default=None,
+                   help="with --hf-model of a multimodal checkpoint (Qwen3.5, Qwen3.5-MoE, Qwen3-VL, Qwen3-VL-MoE): N "
+                        "images in the batch; the reference is transformers' ForConditionalGeneration, TSP runs "
+                        "TSPForConditionalGeneration (the vision tower's gradients compared too)")
+    p.add_argument("--videos", type=positive(integer), default=None,
+                   help="with --hf-model of a multimodal checkpoint: M videos (2 frames each) in the batch")
     p.add_argument("--timeout", type=positive(float), default=600.0,
                    help="seconds before the ranks are stopped (default 600)")
     p.set_defaults(run=_verify)
@@ -79,11 +85,11 @@ def _verify_under_launcher(case, tsp: int, timeout_s: float, cp: int = 1) -> tup
     import torch.distributed as dist
 
     from ds_tsp.core.parallel.launch import init_from_env
-    from ds_tsp.tools.verify import run_case_on_world, run_cp_case
+    from ds_tsp.tools.verify import run_cp_case
 
     rank, world = init_from_env(timeout_s=timeout_s)
     try:
-        report = run_case_on_world(case) if cp == 1 else run_cp_case(case, tsp, cp)
+        report = _world_entry(case)(case) if cp == 1 else run_cp_case(case, tsp, cp)
         verdict = [None if report is None else bool(report["ok"])]
         if world > 1:
             dist.broadcast_object_list(verdict, src=0)  # every rank exits with rank 0's verdict
@@ -98,7 +104,46 @@ def _shape_from_checkpoint(directory: str) -> ModelShape:
     config = Path(directory) / "config.json"
     if not config.is_file():
         raise TSPConfigError(f"--hf-model {directory}: no config.json there; pass a local HF checkpoint directory")
-    return ModelShape.from_hf_config(json.loads(config.read_text()))
+    values = json.loads(config.read_text())
+    from ds_tsp.model.hf_conditional_generation import ARCHITECTURES as MULTIMODAL
+    from ds_tsp.model.hf_conditional_generation import multimodal_shape
+
+    if values.get("model_type") in MULTIMODAL:  # read as TSPForConditionalGeneration reads it (Qwen3-VL's text)
+        return multimodal_shape(values)
+    return ModelShape.from_hf_config(values)
+
+
+def _world_entry(case):
+    """The check's entry on a world that is one TSP group: the multimodal one for --images."""
+    if case.images or case.videos:
+        from ds_tsp.tools.verify_multimodal import run_multimodal_case_on_world
+
+        return run_multimodal_case_on_world
+    from ds_tsp.tools.verify import run_case_on_world
+
+    return run_case_on_world
+
+
+def _check_images(args: argparse.Namespace) -> None:
+    """--images / --videos need a multimodal checkpoint, one document per row and no cp axis (refused by name
+    otherwise)."""
+    from pathlib import Path
+
+    from ds_tsp.model.hf_conditional_generation import check_multimodal_family
+
+    if not args.hf_model:
+        raise TSPConfigError("--images / --videos need --hf-model DIR of a multimodal checkpoint (Qwen3.5, "
+                             "Qwen3.5-MoE, Qwen3-VL or Qwen3-VL-MoE ForConditionalGeneration)")
+    check_multimodal_family(json.loads((Path(args.hf_model) / "config.json").read_text()).get("model_type"))
+    if args.cp > 1 or args.documents > 1:
+        raise TSPConfigError(f"--images / --videos with --cp {args.cp} / --documents {args.documents}: the "
+                             "multimodal check runs cp 1 and one document per row")
+    from ds_tsp.tools.verify_multimodal import tokens_needed
+
+    need = tokens_needed(args.images or 0, args.videos or 0, args.batch)
+    if need > args.seq:
+        raise TSPConfigError(f"--images {args.images or 0} --videos {args.videos or 0} over --batch {args.batch} "
+                             f"rows need --seq {need} at least (an image takes 7 tokens of a row, a video 14)")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -108,14 +153,17 @@ def _verify(args: argparse.Namespace) -> int:
         if args.documents > args.seq:
             raise TSPConfigError(f"--documents {args.documents} is more than --seq {args.seq}: every document needs "
                                  "at least one token")
+        if args.images or args.videos:
+            _check_images(args)
     except TSPConfigError as exc:
         return _error("verify", str(exc))
 
     from ds_tsp.core.parallel.launch import run_on_local_ranks
-    from ds_tsp.tools.verify import VerifyCase, run_case_on_world, run_cp_case
+    from ds_tsp.tools.verify import VerifyCase, run_cp_case
 
     case = VerifyCase(shape=shape, seq=args.seq, batch=args.batch, dtype=args.dtype, seed=args.seed,
-                      documents=args.documents, hf_model=args.hf_model)
+                      documents=args.documents, hf_model=args.hf_model, images=args.images or 0,
+                      videos=args.videos or 0)
     if "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         if world != args.tsp * args.cp:
@@ -130,11 +178,13 @@ def _verify(args: argparse.Namespace) -> int:
         report, ok = _verify_under_launcher(case, args.tsp, args.timeout, cp=args.cp)
     else:
         try:
-            report = (run_on_local_ranks(run_case_on_world, args.tsp, case, timeout_s=args.timeout)[0]
+            report = (run_on_local_ranks(_world_entry(case), args.tsp, case, timeout_s=args.timeout)[0]
                       if args.cp == 1 else
                       run_on_local_ranks(run_cp_case, args.tsp * args.cp, case, args.tsp, args.cp,
                                          timeout_s=args.timeout)[0])
         except RuntimeError as exc:
+            if isinstance(exc, TSPConfigError):  # a rank found bad input: its one line, as in this process
+                return _error("verify", str(exc))
             print(f"ds-tsp verify: failed: {exc}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         ok = bool(report["ok"])

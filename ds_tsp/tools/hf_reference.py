@@ -165,6 +165,8 @@ def patch_float64_(model: torch.nn.Module) -> int:
                 module.weight.data = module.weight.data.to(torch.float64)
                 module.e_score_correction_bias = module.e_score_correction_bias.to(torch.float64)
             module.forward = types.MethodType(_grouped_router_forward, module)
+        elif cls.endswith("VisionRotaryEmbedding"):
+            continue  # a vision tower's 2-D rope: transformers' float32 tables, which TSP runs through the same module
         elif cls.endswith("RotaryEmbedding") and hasattr(module, "mrope_section"):
             module.forward = types.MethodType(mrope, module)
         elif cls.endswith("RMSNorm") and hasattr(module, "with_scale"):
@@ -196,20 +198,22 @@ def reference_attention(model_type: str) -> str:
     return "eager" if model_type in EAGER_IN_DTYPE else "sdpa"
 
 
-def load_hf_reference(directory, dtype: torch.dtype):
+def load_hf_reference(directory, dtype: torch.dtype, image_text: bool = False):
     """`AutoModelForCausalLM.from_pretrained(directory)` (AutoModelForImageTextToText for a multimodal checkpoint it
-    does not list) in `dtype` with sdpa attention (GPT-OSS: eager, reference_attention) and the eager expert loop
-    for MoE; float64 gets the patches."""
+    does not list, or for any with image_text=True: the vision tower too) in `dtype` with sdpa attention (GPT-OSS:
+    eager, reference_attention) and the eager expert loop for MoE; float64 gets the patches."""
     try:
         import transformers
     except ImportError as exc:  # an optional dependency
         raise ImportError("the transformers reference needs transformers: pip install 'ds_tsp[hf]'") from exc
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     # MoE experts: transformers' per-expert loop ("eager"); its default grouped GEMM has no float64 kernel
-    moe = {"experts_implementation": "eager"} if getattr(config, "num_experts_per_tok", None) else {}
+    text = getattr(config, "text_config", None)  # a multimodal config keeps its experts there
+    moe = ({"experts_implementation": "eager"} if getattr(config, "num_experts_per_tok", None)
+           or getattr(text, "num_experts_per_tok", None) else {})
     # a multimodal checkpoint whose ForConditionalGeneration AutoModelForCausalLM does not list (Mistral 3)
     auto = (transformers.AutoModelForCausalLM if type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING
-            else transformers.AutoModelForImageTextToText)
+            and not image_text else transformers.AutoModelForImageTextToText)
     model = auto.from_pretrained(directory, dtype=dtype, attn_implementation=reference_attention(config.model_type),
                                  local_files_only=True, **moe)
     if dtype == torch.float64:

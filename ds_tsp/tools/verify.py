@@ -53,6 +53,8 @@ class VerifyCase:
     ignore_fraction: float = 0.1  # share of labels set to -100, so masking is exercised too
     documents: int = 1  # documents packed into every sequence
     hf_model: str | None = None  # checkpoint directory: the reference is transformers' own model
+    images: int = 0  # a multimodal checkpoint's images in the batch (ds_tsp.tools.verify_multimodal)
+    videos: int = 0  # ... and its videos
 
     @property
     def tolerance(self) -> float:

@@ -96,6 +96,9 @@ def test_model_surface_like_hf(tmp_path):
     assert model.num_parameters(exclude_embeddings=True) == hf.num_parameters(exclude_embeddings=True)
     assert model.device == torch.device("cpu") and model.dtype == torch.float32
     assert model.config.model_type == "llama" and model.config.rope_parameters["rope_type"] == "llama3"
+    untied = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=False))
+    assert TSPForCausalLM.from_pretrained(untied).num_parameters(exclude_embeddings=True) == \
+        untied.num_parameters(exclude_embeddings=True)  # the lm_head counts (the Trainer's total_flos)
     from_memory = TSPForCausalLM.from_pretrained(hf)  # an in-memory HF model, as before
     for a, b in zip(model.parameters(), from_memory.parameters()):
         assert torch.equal(a, b)

@@ -241,3 +241,154 @@ def test_d2_bit_for_bit_and_equal_to_the_single_device_model():
         for name, g in r["off"]["grads"].items():
             assert torch.equal(r["on"]["grads"][name], g), name
             assert torch.allclose(g, single_grads[name], rtol=1e-10, atol=1e-12), name
+
+
+# --- the pool's size: exact, bounded under varying lengths, what the plan counts -------------------------------------
+def test_pool_stays_at_the_plan_for_the_longest_length_when_lengths_vary():
+    """Lengths 8, 12, 6, 16, 10, 16: each new maximum replaces the buffers (never L-1 more per new maximum), and the
+    pool then holds exactly what `ds-tsp plan --offload-activations` counts at the longest length."""
+    from dataclasses import replace
+
+    from ds_tsp.tools.plan import PlanInput, plan_tsp
+
+    model = ShardedCausalLM(SHAPE, TSPComm.single(), options=ON, dtype=torch.float32).init_weights_(seed=1)
+    pool, held = model.activation_offload, []
+    for seq in (8, 12, 6, 16, 10, 16):
+        ids = torch.randint(0, SHAPE.vocab_size, (B, seq), generator=torch.Generator().manual_seed(seq))
+        b = shard_batch(tsp=1, rank=0, input_ids=ids, labels=ids)
+        loss = model(b["input_ids"], b["shift_labels"], b["position_ids"])
+        held.append(pool.host_bytes)
+        loss.backward()
+        del loss
+    x = lambda seq: B * seq * SHAPE.hidden_size * 4  # noqa: E731 - one layer input [B, S, h] fp32
+    longest = max(8, 12, 6, 16, 10, 16)
+    assert held == [2 * x(8), 2 * x(12), 2 * x(12), 2 * x(16), 2 * x(16), 2 * x(16)], held
+    assert pool.host_allocations == 3 * (SHAPE.num_layers - 1)  # one set per new maximum (8, 12, 16), none after
+    assert len(pool._free) == SHAPE.num_layers - 1 and not pool._retired
+    inp = PlanInput(model=SHAPE, seq=longest, batch=B, dtype="fp32", activation_checkpointing=True)
+    assert plan_tsp(replace(inp, offload_activations=True)).host_bytes_per_rank == pool.host_bytes
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() for the pinned path on a CPU-only machine: records what is registered."""
+
+    def __init__(self):
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr, size, flags):
+        assert ptr % 4096 == 0 and size % 4096 == 0  # page-aligned spans: two buffers never share a page
+        assert not any(p < ptr + size and ptr < p + s for p, s in self.registered.items()), "overlapping pages"
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        del self.registered[ptr]
+        return 0
+
+
+def test_pinned_buffers_are_exact_size_and_released_when_retired(monkeypatch):
+    """The CUDA pool page-locks exact-size host tensors (cudaHostRegister) instead of pin_memory=True, whose caching
+    allocator rounds each block up to a power of two (160 MiB -> 256 MiB at hidden 5120, S/D 16K); a buffer the
+    pool retires or drops is unregistered. cudart mocked; the pool is driven through its take / give-back."""
+    import ds_tsp.core.activation_offload as offload_module
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(offload_module, "_cudart", lambda: fake)
+    pinned_calls = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        pinned_calls.append(kwargs.get("pin_memory", False))
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    pool, cuda = ActivationOffload(), torch.device("cuda", 0)
+    layer_input = 5 * 2 ** 20 + 12  # not a power of two, not a page multiple
+    first = [pool._take(layer_input, cuda) for _ in range(3)]
+    assert not any(pinned_calls)  # never the rounding allocator
+    span = -(-layer_input // offload_module.PAGE) * offload_module.PAGE
+    assert sorted(fake.registered.values()) == [span] * 3
+    assert all(b.nbytes == layer_input and b.data.numel() == span for b in first)
+    assert pool.host_bytes == 3 * (span + offload_module.PAGE) < 3 * layer_input * 1.01  # not 3 x 8 MiB
+    for buffer in first:
+        pool._give_back(buffer)
+    longer = [pool._take(2 * layer_input, cuda) for _ in range(3)]  # a new maximum: the three smaller are retired
+    span2 = -(-2 * layer_input // offload_module.PAGE) * offload_module.PAGE
+    assert sorted(fake.registered.values()) == [span2] * 3 and pool.host_allocations == 6
+    for buffer in longer:
+        pool._give_back(buffer)
+    assert [pool._take(layer_input, cuda) for _ in range(3)] and pool.host_allocations == 6  # shorter: reused
+    del pool, first, longer, buffer
+    import gc
+
+    gc.collect()
+    assert fake.registered == {}  # nothing stays page-locked with the pool gone
+
+
+def test_a_retired_buffer_waits_for_the_side_stream(monkeypatch):
+    """On CUDA the side stream may still copy from a buffer that comes back: it is released only once an event
+    recorded on that stream at retirement has passed (queried, never waited on)."""
+    import ds_tsp.core.activation_offload as offload_module
+
+    fake, events = _FakeCudart(), []
+    monkeypatch.setattr(offload_module, "_cudart", lambda: fake)
+
+    class Event:
+        def __init__(self):
+            self.done = False
+            events.append(self)
+
+        def record(self, stream):
+            assert stream == "side"
+
+        def query(self):
+            return self.done
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    pool, cuda = ActivationOffload(), torch.device("cuda", 0)
+    pool._stream = "side"
+    small = pool._take(3 * 4096, cuda)
+    pool._give_back(small)
+    big = pool._take(5 * 4096, cuda)  # retires the smaller one: still registered while its copies may run
+    assert len(events) == 1 and len(fake.registered) == 2 and len(pool._retired) == 1
+    events[0].done = True
+    other = pool._take(4096, cuda)  # any later take releases it (and allocates at the longest size)
+    assert not pool._retired and sorted(fake.registered.values()) == [5 * 4096, 5 * 4096]
+    assert big.nbytes == other.nbytes == 5 * 4096
+
+
+def test_a_prefetched_copy_is_kept_from_reuse_until_the_side_stream_wrote_it(monkeypatch):
+    """The host -> device copy is allocated on the compute stream and written on the side stream: if its unpack never
+    comes (a backward abandoned mid-way) it is freed while the write may still run, so it is recorded on the side
+    stream (the caching allocator then waits for that stream before reusing the block). CUDA mocked."""
+    import contextlib
+    from types import SimpleNamespace
+
+    calls = []
+
+    class DeviceTensor:
+        def copy_(self, src, non_blocking=False):
+            calls.append(("copy", non_blocking))
+
+        def record_stream(self, stream):
+            calls.append(("record_stream", stream))
+
+    class Side:
+        def wait_stream(self, other):
+            calls.append(("wait_stream", other))
+
+    class Event:
+        def record(self, stream):
+            calls.append(("event", stream))
+
+    side = Side()
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: DeviceTensor())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    pool = ActivationOffload()
+    pool._stream = side
+    saved = SimpleNamespace(shape=(2, 3), dtype=torch.float32, device=torch.device("cuda", 0), host=None,
+                            on_device=None, fetched=None)
+    pool._fetch(saved)
+    assert calls == [("wait_stream", "compute"), ("copy", True), ("event", side), ("record_stream", side)], calls

@@ -43,7 +43,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from property_cases import ModelCase, Row, compare, draw_cases, model_cases, run_cases_on_ranks
+from property_cases import ModelCase, Row, compare, draw_cases, model_cases, profile_scale, run_cases_on_ranks
 
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.model_shape import ModelShape
@@ -281,7 +281,8 @@ def test_document_starts_from_restarting_positions(data):
 @functools.lru_cache(maxsize=None)
 def cases_for(tsp: int) -> tuple:
     cases = draw_cases(model_cases(tsp), CASES_PER_DEGREE[tsp])
-    assert len(cases) == CASES_PER_DEGREE[tsp], f"hypothesis drew {len(cases)} distinct configurations"
+    assert len(cases) == CASES_PER_DEGREE[tsp] * profile_scale(), \
+        f"hypothesis drew {len(cases)} distinct configurations"
     return tuple(cases)
 
 

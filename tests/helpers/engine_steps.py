@@ -24,9 +24,23 @@ def engine_steps(engine, batches, save_dir: str) -> dict:
     return {"losses": losses, "norms": norms}
 
 
-def train_from_shape(shape, configs: list[dict], steps: int, num_samples: int) -> list[dict]:
+def full_weights(engine) -> dict:
+    """Collective over the TSP group: the engine's model gathered into HF-named full tensors; with pipeline stages,
+    only this rank's stage (its embedding / decoder layers / norm and head)."""
+    from ds_tsp.model.state_dict import gather_pieces
+
+    if engine.tsp_model is not None:
+        return engine.tsp_model.full_state_dict()
+    full = {}
+    for layer in engine.module.forward_funcs:
+        full.update(gather_pieces(*layer.tsp_pieces(), layer.comm))
+    return full
+
+
+def train_from_shape(shape, configs: list[dict], steps: int, num_samples: int, final: bool = False) -> list[dict]:
     """ds_tsp.initialize once per config on `shape` (reference weights, seed 0; MaskedPatterns of length 30), then
-    `steps` engine steps from the engine's own loader: [{"losses", "grad_norms"}] per config."""
+    `steps` engine steps from the engine's own loader: [{"losses", "grad_norms"}] per config, and with final=True
+    "final": the trained weights, full and HF-named."""
     from masked_patterns import MaskedPatterns
 
     import ds_tsp
@@ -47,7 +61,7 @@ def train_from_shape(shape, configs: list[dict], steps: int, num_samples: int) -
             engine.step()
             losses.append(float(engine.tsp_model.loss_for_logging(loss)))
             norms.append(float(engine.get_global_grad_norm()))
-        runs.append({"losses": losses, "grad_norms": norms})
+        runs.append({"losses": losses, "grad_norms": norms, **({"final": full_weights(engine)} if final else {})})
         engine.destroy()
     return runs
 

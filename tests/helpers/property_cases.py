@@ -165,15 +165,30 @@ def model_cases(tsp: int, max_seq: int = 40):
     return strategy()
 
 
+# Example-count profiles: "ci" (the default run) and "long" (HYPOTHESIS_PROFILE=long: five times the examples of
+# every draw_cases call, for a run before a release)
+PROFILE_SCALE = {"ci": 1, "long": 5}
+
+
+def profile_scale() -> int:
+    import os
+
+    name = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    if name not in PROFILE_SCALE:
+        raise ValueError(f"HYPOTHESIS_PROFILE={name!r}: one of {sorted(PROFILE_SCALE)}")
+    return PROFILE_SCALE[name]
+
+
 def draw_cases(strategy, n: int, pool: int = 4) -> list:
-    """`n` examples of `strategy`, derandomized (the same list on every run for a given hypothesis version),
-    generate phase only, no example database.
+    """`n` examples of `strategy` (times the profile's scale: profile_scale), derandomized (the same list on every
+    run for a given hypothesis version), generate phase only, no example database.
 
     Hypothesis generates many examples as small mutations of earlier ones; to spread the few that run, it draws
     pool * n and keeps, in generation order, first those whose ModelShape (or whole value) is new, then the rest.
     """
     from hypothesis import HealthCheck, Phase, given, settings
 
+    n *= profile_scale()
     found: list = []
 
     @settings(max_examples=pool * n, derandomize=True, deadline=None, database=None, phases=[Phase.generate],

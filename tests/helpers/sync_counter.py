@@ -2,7 +2,8 @@
 
 On CUDA a host sync stalls the CPU until the GPU queue drains: every value read (`.item()`, `int(t)`, a tensor in
 an `if`, `.tolist()`), every op whose output size depends on the data (`nonzero`, boolean-mask indexing,
-`unique`, ...), `equal`, and copies between devices (`.cpu()`, `torch.tensor(list, device="cuda")`). On the CPU
+`unique`, ...), `equal`, copies between devices (`.cpu()`, `torch.tensor(list, device="cuda")`; not a
+non_blocking copy from pinned host memory), and a Python number assigned to one element (`t[i] = v`). On the CPU
 none of these costs anything, which is why they are counted here by WHAT runs, not by what it costs: a CPU test
 sees the syncs a GPU run would pay for.
 
@@ -74,6 +75,25 @@ def _bool_index(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices if i is not None)
 
 
+def _on_host(func, kwargs) -> bool:
+    """torch.tensor(data, device="cpu"): host data kept in host memory (copied once by whoever moves it)."""
+    return func is not torch.Tensor.new_tensor and kwargs.get("device") is not None and \
+        torch.device(kwargs["device"]).type == "cpu"
+
+
+def _storage(t) -> int | None:
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else None
+
+
+def _element_assignment(target, index, value) -> bool:
+    """`t[i, j] = 3`: a Python number into ONE element. torch 2.x copies a host scalar there (on CUDA a blocking
+    copy: cudaMemcpy + stream sync); a slice target (`t[i:i + 1] = 3`) is an asynchronous fill instead."""
+    if not isinstance(value, (bool, int, float)) or not isinstance(target, torch.Tensor):
+        return False
+    index = index if isinstance(index, tuple) else (index,)
+    return len(index) == target.dim() and all(isinstance(i, int) for i in index)
+
+
 def _devices(tensors) -> set:
     return {t.device for t in tensors if isinstance(t, torch.Tensor)}
 
@@ -87,10 +107,16 @@ class _Functions(TorchFunctionMode):
         kwargs = kwargs or {}
         kind = None
         if func in _READS:
-            kind = "read"
+            kind = None if _storage(args[0]) in self.counter._host_storages else "read"
         elif func in _HOST_DATA:
             data = args[1] if func is torch.Tensor.new_tensor else (args[0] if args else kwargs.get("data"))
-            kind = None if isinstance(data, torch.Tensor) else "host_data"
+            kind = None if isinstance(data, torch.Tensor) or _on_host(func, kwargs) else "host_data"
+        elif func is torch.Tensor.__setitem__ and _element_assignment(*args[:3]):
+            kind = "host_data"  # `t[i] = v`: on CUDA a host scalar copied into one element, waited for
+        if func in _HOST_DATA and _on_host(func, kwargs):  # its reads later are of host memory: free anywhere
+            out = func(*args, **kwargs)
+            self.counter._host_storages.add(_storage(out))
+            return out
         if kind is None or self.counter._inside:
             return func(*args, **kwargs)
         self.counter._record(kind, getattr(func, "__name__", str(func)))
@@ -119,7 +145,10 @@ class _Dispatch(TorchDispatchMode):
             elif func in _COPIES:
                 if func is aten._to_copy.default:
                     target = kwargs.get("device")
-                    cross = target is not None and torch.device(target) != args[0].device
+                    # from PINNED host memory, non_blocking: queued, not waited for (as copy_ below)
+                    queued = kwargs.get("non_blocking", False) and args[0].device.type == "cpu" and \
+                        args[0].is_pinned()
+                    cross = target is not None and torch.device(target) != args[0].device and not queued
                 else:
                     # a non_blocking copy between a device and PINNED host memory is queued, not waited for
                     # (ds_tsp.core.activation_offload's copies): no sync
@@ -138,6 +167,7 @@ class SyncCounter:
     def __init__(self):
         self.events: list[SyncEvent] = []
         self._inside = 0
+        self._host_storages: set = set()  # of tensors made with device="cpu" from host data (and their views)
         self._modes = None
 
     def _record(self, kind: str, op: str) -> None:

@@ -5,11 +5,14 @@ The D ranks run as threads (tests/helpers/thread_comm.py: the same collectives, 
 sequence lengths, document splits, D, head counts and conv kernels cheaply; every case is compared (output, dx and
 every weight grad) with transformers' layer in float64 (tests/hybrid/test_gated_deltanet.py: hf_layer; 1e-10). The same
 harness shows the comparison fails when one piece of the schedule is broken on purpose (no halo, chunks composed in
-rank order instead of sequence order, document resets ignored).
+rank order instead of sequence order, document resets ignored). The backward's work is counted (each head block
+walks its chunk kernels and projections once) and the overlap order checked (a transition gather waited only after
+the next block's chunks, a transition-grad reduce-scatter after the out projection's weight grad).
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 
 import pytest
@@ -82,7 +85,7 @@ def cases(draw):
 # derandomized, spread over shapes (tests/property_cases.draw_cases), plus the case that once found a bug: rank 1's
 # chunks both start documents, so its output needs no state, yet it must still post the transitions' grad
 # reduce-scatter that rank 0 waits for
-DRAWN = draw_cases(cases(), 12) + [dict(D=2, fmt="qwen3_5", nk=2, nv=2, kernel=2, S=4, docs=((0, 1, 2),), seed=0)]
+DRAWN = draw_cases(cases(), 16) + [dict(D=2, fmt="qwen3_5", nk=2, nv=2, kernel=2, S=4, docs=((0, 1, 2),), seed=0)]
 
 
 def _case_id(case: dict) -> str:
@@ -191,16 +194,24 @@ def test_head_counts_that_do_not_split_name_the_fields_and_the_degrees_that_fit(
 
 
 # --- device discipline -------------------------------------------------------------------------------------
-def test_forward_and_backward_have_no_host_sync():
+@pytest.mark.parametrize("backend", [None, "fla"])
+def test_forward_and_backward_have_no_host_sync(backend, monkeypatch):
     """Counted as tests/reliability/test_host_syncs.py counts a training step: no value read, no host data turned into a
-    tensor, no data-dependent op, at D=2 (threads) with packed documents."""
+    tensor, no element assignment `t[i] = v`, no data-dependent op, at D=2 (threads) with packed documents; "fla":
+    through the FLA adapter (the stand-in reads cu_seqlens on the host unless given cu_seqlens_cpu, as FLA does;
+    one chunk of rank 0 has no document start: FLA's plain batch)."""
     from sync_counter import SyncCounter
 
+    from ds_tsp.core.layers.linear_attention import delta_rule_fla
+
+    if backend == "fla":
+        monkeypatch.setattr(delta_rule_fla, "_fla_status", lambda: (fake_fla_chunk_gated_delta_rule, None))
     ref, config = hf_layer("qwen3_5", 2, 4, 3, hidden=H, dk=DK, dv=DV)
     x = torch.randn(2, 12, H, dtype=torch.float64)
 
     def rank(comm):
         layer = tsp_layer(ref, config, "qwen3_5", comm, hidden=H, dk=DK, dv=DV)
+        layer.spec = dataclasses.replace(layer.spec, delta_rule_backend=backend)
         x_local = shard(x, 2, comm.rank).requires_grad_()
         with SyncCounter() as syncs:
             layer(x_local, ((0, 5), (0, 1, 9))).sum().backward()
@@ -281,14 +292,23 @@ def test_a_frozen_shard_reduces_nothing_and_still_gives_dx():
 
 # --- the CUDA kernel adapter (flash-linear-attention), with a stand-in for FLA ------------------------------------
 def fake_fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False):
+                                    use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False,
+                                    cu_seqlens_cpu=None):
     """FLA's documented contract (fla/ops/gated_delta_rule/chunk.py), computed by transformers' own recurrence
-    (float64-widened): [B, T, H, *] inputs, with cu_seqlens B == 1 and one initial state per sequence."""
+    (float64-widened): [B, T, H, *] inputs, one initial state per row; with cu_seqlens B == 1 and one initial state
+    per sequence, whose lengths it reads from cu_seqlens_cpu when given (FLA >= 0.4.2), else from the device
+    tensor (a host read, as FLA does)."""
     assert q.dtype == k.dtype == v.dtype and not head_first and not use_qk_l2norm_in_kernel
     rec = _widened("transformers.models.qwen3_5.modeling_qwen3_5")["torch_recurrent_gated_delta_rule"]
-    bounds = [0, q.shape[1]] if cu_seqlens is None else [int(b) for b in cu_seqlens]
-    assert cu_seqlens is None or (q.shape[0] == 1 and initial_state.shape[0] == len(bounds) - 1)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        assert initial_state.shape[0] == q.shape[0] and cu_seqlens_cpu is None
+        o, ht = rec(q * scale * k.shape[-1] ** 0.5, k, v, g, beta, initial_state=initial_state,
+                    output_final_state=True)
+        return o, (ht if output_final_state else None)
+    bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    assert cu_seqlens_cpu is None or (cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.shape == cu_seqlens.shape)
+    assert q.shape[0] == 1 and initial_state.shape[0] == len(bounds) - 1
     outs, finals = [], []
     for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         o, ht = rec(q[:, lo:hi] * scale * k.shape[-1] ** 0.5, k[:, lo:hi], v[:, lo:hi], g[:, lo:hi],
@@ -310,14 +330,14 @@ def test_fla_adapter_gives_the_torch_kernels_transition_and_outputs():
     v = torch.randn(B, Hh, c, dv, dtype=torch.float64, generator=g)
     decay = -torch.rand(B, Hh, c, dtype=torch.float64, generator=g)
     beta = torch.rand(B, Hh, c, dtype=torch.float64, generator=g)
-    starts = ((0, 4), (2, 3, 8), ())
-    reset = torch.zeros(B, c, dtype=torch.float64)
-    for b, row in enumerate(starts):
-        reset[b, list(row)] = 1
-    want = chunk_gated_delta_rule(q, k, v, decay, beta, 4, reset)
-    got = fla_chunk_transition(fake_fla_chunk_gated_delta_rule, q, k, v, decay, beta, starts, torch.float64)
-    for name, a, b in zip(("o_local", "q_eff", "M", "U"), got, want):
-        assert a.shape == b.shape and (a - b).abs().max() < 1e-12, name
+    for starts in (((0, 4), (2, 3, 8), ()), ((), (), ())):  # varlen; no start anywhere: FLA's plain batch
+        reset = torch.zeros(B, c, dtype=torch.float64)
+        for b, row in enumerate(starts):
+            reset[b, list(row)] = 1
+        want = chunk_gated_delta_rule(q, k, v, decay, beta, 4, reset)
+        got = fla_chunk_transition(fake_fla_chunk_gated_delta_rule, q, k, v, decay, beta, starts, torch.float64)
+        for name, a, b in zip(("o_local", "q_eff", "M", "U"), got, want):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-12, (starts, name)
 
 
 def test_layer_through_the_fla_adapter_matches_transformers(monkeypatch):
@@ -333,9 +353,13 @@ def test_fla_is_selected_on_cuda_in_half_precision_and_its_absence_is_said_once(
     from ds_tsp.core.layers.linear_attention import delta_rule_fla as fla
 
     monkeypatch.setattr(fla, "_fla_status", lambda: (fake_fla_chunk_gated_delta_rule, None))
+    monkeypatch.setattr(fla, "_WARNED", set())
     assert fla.select_delta_rule_backend("cuda", torch.bfloat16) == "fla"
-    assert fla.select_delta_rule_backend("cuda", torch.float32) == "torch"  # FLA refuses float32
+    with pytest.warns(RuntimeWarning, match="pure-torch chunk kernel on CUDA: the model runs in torch.float32 and "
+                                            "flash-linear-attention takes only .* train in bfloat16"):
+        assert fla.select_delta_rule_backend("cuda", torch.float32) == "torch"  # FLA refuses float32
     assert fla.select_delta_rule_backend("cpu", torch.bfloat16) == "torch"
+    assert fla.select_delta_rule_backend("cpu", torch.float32) == "torch"  # the CPU: nothing to say
     monkeypatch.setattr(fla, "_fla_status", lambda: (None, "flash-linear-attention is not installed (test)"))
     monkeypatch.setattr(fla, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="pure-torch chunk kernel on CUDA: flash-linear-attention is not "):
@@ -346,3 +370,143 @@ def test_fla_is_selected_on_cuda_in_half_precision_and_its_absence_is_said_once(
         assert fla.select_delta_rule_backend("cuda", torch.float16) == "torch"  # said once
     with pytest.raises(RuntimeError, match="'fla' requested but flash-linear-attention is not installed"):
         fla.fla_kernel()
+
+
+# --- work per head block in backward ------------------------------------------------------------------------
+class _Probe(torch.autograd.Function):
+    """Identity whose backward records one call: how many autograd passes reach a tensor."""
+
+    @staticmethod
+    def forward(ctx, t, calls: list, name: str):
+        ctx.calls, ctx.name = calls, name
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.calls.append(ctx.name)
+        return grad, None, None
+
+
+def test_backward_runs_the_delta_rule_and_the_projections_once_per_head_block(monkeypatch):
+    """Per head block the backward pulls its grads through each chunk's delta rule and through the q/k/v/a/b
+    projections ONCE (the state hand-off's cotangents and the output's in one pass), at D=2 with packed documents;
+    the result still matches transformers."""
+    from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
+
+    calls = []
+    real_rule, real_projections = gdn.chunk_gated_delta_rule, gdn._projections
+
+    def rule(q, k, *args):  # k: every output of the rule (o_local, q_eff, M, U) depends on it
+        calls.append("delta rule forward")
+        return real_rule(q, _Probe.apply(k, calls, "delta rule backward"), *args)
+
+    def projections(w, spec):
+        qkv, z, b, a = real_projections(w, spec)
+        return _Probe.apply(qkv, calls, "qkv projection backward"), z, b, a
+
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", rule)
+    monkeypatch.setattr(gdn, "_projections", projections)
+    case = dict(D=2, fmt="qwen3_5", nk=2, nv=4, kernel=4, S=12, docs=((0, 5), (0,)), seed=7)
+    errors = _case_errors(**case)
+    assert max(errors.values()) < TOL, errors
+    D, ranks, chunks = 2, 2, 2
+    # forward and its recompute in backward: 2 D blocks x 2 chunks per rank
+    assert calls.count("delta rule forward") == 2 * D * chunks * ranks
+    assert calls.count("delta rule backward") == D * chunks * ranks, calls
+    assert calls.count("qkv projection backward") == D * ranks, calls
+
+
+def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypatch):
+    """Forward: block j's transition gather is posted, block j+1's chunks run, then it is waited (it travels behind
+    them); backward: each block's transition-grad reduce-scatter is waited after the out projection's weight grad.
+    D=3 threads; the posted collectives stay the same on every rank (_case_errors checks)."""
+    from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
+
+    events = {}
+    real_local, real_gather, real_scatter = gdn._block_local, gdn.TransitionGather, gdn.TransitionGradScatter
+    real_grad = torch.autograd.grad
+    log = lambda what: events.setdefault(threading.get_ident(), []).append(what)  # noqa: E731
+
+    class Gather(real_gather):
+        def wait(self):
+            log("gather wait")
+            return super().wait()
+
+    class Scatter(real_scatter):
+        def wait(self):
+            log("scatter wait")
+            return super().wait()
+
+    def block_local(*args):
+        log("chunks")
+        return real_local(*args)
+
+    def grad(outputs, inputs, *args, **kwargs):
+        if isinstance(inputs, torch.Tensor):  # the one call with a single input: the out projection's weight grad
+            log("out weight grad")
+        return real_grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(gdn, "_block_local", block_local)
+    monkeypatch.setattr(gdn, "TransitionGather", Gather)
+    monkeypatch.setattr(gdn, "TransitionGradScatter", Scatter)
+    monkeypatch.setattr(gdn.torch.autograd, "grad", grad)
+    errors = _case_errors(D=3, fmt="qwen3_5", nk=3, nv=3, kernel=3, S=12, docs=((0, 5),), seed=4)
+    assert max(errors.values()) < TOL, errors
+    assert len(events) == 3
+    for per_rank in events.values():
+        forward, backward = per_rank[:6], per_rank[6:]
+        assert forward == ["chunks", "chunks", "gather wait", "chunks", "gather wait", "gather wait"], per_rank
+        assert backward == ["chunks", "gather wait", "out weight grad", "scatter wait"] * 3, per_rank
+
+
+def test_host_values_reach_cuda_in_one_non_blocking_copy_from_pinned_memory(monkeypatch):
+    """The FLA adapter's varlen plan (cu_seqlens, reads, last) goes to a CUDA device in one copy the host does not
+    wait for (the pinned, non_blocking copy the sync counter lets pass); the CUDA calls are recorded, not run."""
+    from ds_tsp.core.layers.linear_attention.delta_rule_fla import _on_device
+
+    calls, real_to = [], torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        calls.append(("to", args, kwargs))
+        return real_to(self, "cpu", copy=True)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin_memory") or self)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    host = torch.tensor([0, 3, 5])
+    assert torch.equal(_on_device(host, torch.device("cuda")), host)
+    assert calls == ["pin_memory", ("to", (torch.device("cuda"),), {"non_blocking": True})]
+
+
+def test_fla_compiles_before_the_layer_posts_anything_once_per_shape_class(monkeypatch):
+    """The first call of a shape class runs FLA's plain and variable-length variants, forward and backward, before
+    the layer's first collective (its conv halo's gather); a second call, and a second layer of the same shape,
+    warm nothing; the output is the same."""
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.layers.linear_attention import delta_rule_fla
+    from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
+
+    events = []
+
+    def fla(q, *args, cu_seqlens=None, **kwargs):
+        events.append("fla varlen" if cu_seqlens is not None else "fla batch")
+        return fake_fla_chunk_gated_delta_rule(q, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+    def halo(*args):
+        events.append("halo")
+        return real_halo(*args)
+
+    real_halo, real_grad = gdn.conv_halo, torch.autograd.grad
+    monkeypatch.setattr(delta_rule_fla, "_fla_status", lambda: (fla, None))
+    monkeypatch.setattr(gdn, "conv_halo", halo)
+    ref, config = hf_layer("qwen3_5", 2, 4, 3, hidden=H, dk=DK, dv=DV)
+    layers = [tsp_layer(ref, config, "qwen3_5", TSPComm.single(), hidden=H, dk=DK, dv=DV) for _ in range(2)]
+    for layer in layers:
+        layer.spec = dataclasses.replace(layer.spec, delta_rule_backend="fla")
+    x = torch.randn(2, 12, H, dtype=torch.float64)
+    y = [layer(x, ((0, 5), (0,))) for layer in (*layers, layers[0])]
+    assert events[:3] == ["fla batch", "fla varlen", "halo"], events
+    assert events.count("fla batch") + events.count("fla varlen") == 2 + 3 * 2, events  # then 2 chunks a call
+    assert torch.equal(y[0], y[2]) and torch.equal(y[0], y[1])
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: events.append("backward") or real_grad(*a, **k))
+    assert delta_rule_fla.warm_up(fla, 8, 2, 3, torch.device("cpu"), torch.float64)  # a new shape class
+    assert events[-4:] == ["fla batch", "backward", "fla varlen", "backward"], events

@@ -52,6 +52,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
+from engine_steps import full_weights  # noqa: E402
 from hf_tiny import shift  # noqa: E402
 from hybrid_tiny import VOCAB, hybrid_config, packed_inputs, plain_inputs, rel, save_checkpoint  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
@@ -178,7 +179,7 @@ def _fsdp2_run(directory: str, offload: bool) -> dict:
 
 def _pipeline_run(directory: str) -> dict:
     """tsp.pipeline_stages 2 x TSP 2 (ZeRO-1, data 1; stage 0: embedding + the Gated DeltaNet layer, stage 1: the
-    gated attention layer + head): the global loss of every step."""
+    gated attention layer + head): the global loss and clip norm of every step, this stage's final weights."""
     import torch.distributed as dist
 
     import ds_tsp
@@ -195,15 +196,17 @@ def _pipeline_run(directory: str) -> dict:
             b = shard_batch(ids, tsp=groups.tsp_size, rank=groups.tsp_rank, labels=labels)
             yield (b["input_ids"], b["position_ids"], b["shift_labels"]), b["shift_labels"]
 
-    batches, losses = feed(), []
+    batches, losses, norms = feed(), [], []
     for _ in range(STEPS):
         share = engine.train_batch(batches)  # this TSP rank's share of the loss, on the last stage
         dist.all_reduce(share, group=groups.tsp_group)
         losses.append(float(share))
+        norms.append(float(engine.get_global_grad_norm()))
     mixers = [type(layer.linear_attn if layer.is_linear_attention else layer.self_attn).__name__
               for layer in engine.module.forward_funcs if hasattr(layer, "is_linear_attention")]
+    final = full_weights(engine)  # this stage's layers, full and HF-named
     engine.destroy()
-    return {"losses": losses, "stage": groups.pipe_rank, "mixers": mixers}
+    return {"losses": losses, "norms": norms, "final": final, "stage": groups.pipe_rank, "mixers": mixers}
 
 
 def _accelerate_run(directory: str, out: str, env: dict) -> list[dict]:
@@ -552,16 +555,22 @@ def test_deepspeed_zero3_trains_gated_deltanet_lora_like_peft(four_ranks, checkp
 
 def test_pipeline_stages_train_a_hybrid_like_transformers(four_ranks, references):
     """tsp.pipeline_stages 2 x TSP 2 on Qwen3.5 (the Gated DeltaNet layer on stage 0, the gated attention on stage
-    1): every step's global loss equals transformers' loop (1e-5). (A MoE hybrid with the aux loss is refused under
-    pipeline stages by name, as every MoE model: tests/moe/test_moe_compose.py.)"""
+    1): every step's global loss (1e-5) and clip norm (1e-4) equal transformers' loop, and the two stages' final
+    weights its final weights (1e-5 norm-wise per tensor: AdamW amplifies last-bit rounding, ~1e-6 seen). (A MoE
+    hybrid with the aux loss is refused under pipeline stages by name, as every MoE model:
+    tests/moe/test_moe_compose.py.)"""
     results, _ = four_ranks
-    want = references["qwen3_5"]["losses"]
-    stages = {}
+    want = references["qwen3_5"]
+    stages, final = {}, {}
     for rank in range(4):
         got = results[rank]["pipeline"]
-        assert _rel(got["losses"], want) < 1e-5, (rank, got["losses"], want)
+        _assert_steps(got, want, ("pipeline", rank))
         stages[got["stage"]] = got["mixers"]
+        final.update(got["final"])
     assert stages == {0: ["TSPGatedDeltaNet"], 1: ["TSPAttention"]}, stages
+    assert set(final) == set(want["final"]), sorted(set(final) ^ set(want["final"]))
+    worst = max((float((final[k] - v).norm() / v.norm()), k) for k, v in want["final"].items())
+    assert worst[0] < 1e-5, worst
 
 
 def test_gated_deltanet_lora_keeps_no_merged_shard_for_backward(checkpoints):

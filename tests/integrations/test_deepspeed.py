@@ -2,7 +2,8 @@
 gradient clipping active, replicas holding different numbers of labelled tokens), pipeline stages x TSP equal a
 single rank, and incompatible configurations fail with one clear error.
 
-Tolerance: per-step loss within 1e-5 relative, grad norm 1e-4 (fp32; sharded sums are reordered, ~1e-7 here).
+Tolerance: per-step loss within 1e-5 relative, grad norm 1e-4 (fp32; sharded sums are reordered, ~1e-7 here); final
+weights 1e-5 relative per tensor (AdamW steps near-zero gradients by +-lr on last-bit rounding, ~1e-6 here).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from engine_steps import train_from_shape  # noqa: E402
+from engine_steps import full_weights, train_from_shape  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 from masked_patterns import MaskedPatterns  # noqa: E402
 
@@ -31,9 +32,9 @@ def ds_config(tsp: int, stage: int, pipeline_stages: int = 1, micro_batch: int =
             "gradient_clipping": 0.5, "tsp": {"size": tsp, "pipeline_stages": pipeline_stages}, **extra}
 
 
-def _train(configs: list[dict], steps: int = STEPS) -> list[dict]:
-    """Train once per config in this process group; per-step global losses and grad norms."""
-    return train_from_shape(SHAPE, configs, steps, num_samples=64)
+def _train(configs: list[dict], steps: int = STEPS, final: bool = False) -> list[dict]:
+    """Train once per config in this process group; per-step global losses and grad norms (and final weights)."""
+    return train_from_shape(SHAPE, configs, steps, num_samples=64, final=final)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_incompatible_or_bad_config_fails_clearly(extra, match):
         ds_tsp.initialize(model=SHAPE, config=cfg)
 
 
-def _train_pipeline(cfg: dict, steps: int = STEPS) -> list[float]:
+def _train_pipeline(cfg: dict, steps: int = STEPS) -> dict:
     import torch.distributed as dist
 
     import ds_tsp
@@ -93,17 +94,61 @@ def _train_pipeline(cfg: dict, steps: int = STEPS) -> list[float]:
     engine, _, loader, _ = ds_tsp.initialize(model=SHAPE, config=cfg, training_data=data,
                                              state_dict=full_state_dict(ref))
     batches = pipeline_batches(loader)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         share = engine.train_batch(batches)
         dist.all_reduce(share, group=engine.tsp_groups.tsp_group)
         losses.append(float(share))
-    return losses
+        norms.append(float(engine.get_global_grad_norm()))
+    out = {"losses": losses, "grad_norms": norms, "final": full_weights(engine)}
+    engine.destroy()
+    return out
+
+
+def _train_pipeline_and_a_planted_defect(cfg: dict) -> dict:
+    """The pipeline run, then the same run clipping each stage by its own norm (DeepSpeed's model-parallel group
+    narrowed to the TSP group): the negative control the comparison must catch."""
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    honest = _train_pipeline(cfg)
+    whole = PipelineParallelGrid.get_model_parallel_group
+    PipelineParallelGrid.get_model_parallel_group = PipelineParallelGrid.get_slice_parallel_group
+    try:
+        return {"honest": honest, "per_stage_clipping": _train_pipeline(cfg)}
+    finally:
+        PipelineParallelGrid.get_model_parallel_group = whole
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _pipeline_differences(runs: list[dict], reference: dict) -> list:
+    """What differs between the ranks' runs and one rank's: losses (1e-5), clip norms (1e-4: fp32 sums reordered
+    over stages and TSP shards, ~1e-7 seen) per step, and the final weights of both stages together (1e-5 relative
+    per tensor: AdamW turns last-bit rounding of near-zero gradients into +-lr steps, 1.2e-6 seen). Empty if equal."""
+    out, stages = [], {}
+    for rank, run in enumerate(runs):
+        if not torch.allclose(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=1e-5):
+            out.append(("losses", rank, run["losses"], reference["losses"]))
+        if not torch.allclose(torch.tensor(run["grad_norms"]), torch.tensor(reference["grad_norms"]), rtol=1e-4):
+            out.append(("grad_norms", rank, run["grad_norms"], reference["grad_norms"]))
+        for name, value in run["final"].items():  # both TSP ranks of a stage gather the same full tensors
+            if not torch.equal(stages.setdefault(name, value), value):
+                out.append(("tsp ranks disagree", rank, name))
+    want = {k: v for k, v in reference["final"].items() if not (SHAPE.tie_word_embeddings and k == "lm_head.weight")}
+    if set(stages) != set(want):
+        return out + [("weights held", sorted(set(stages) ^ set(want)))]
+    return out + [("final weight", k, _rel(stages[k], v)) for k, v in want.items() if _rel(stages[k], v) >= 1e-5]
 
 
 def test_pipeline_stages_times_tsp_match_single_rank():
-    reference = run_on_local_ranks(_train, 1, [ds_config(1, 1)], timeout_s=300, env=ENV)[0][0]["losses"]
-    cfg = ds_config(2, 1, pipeline_stages=2)
-    got = run_on_local_ranks(_train_pipeline, 4, cfg, timeout_s=300, env=ENV)
-    for rank_losses in got:  # every stage and TSP rank reports the same global loss
-        assert torch.allclose(torch.tensor(rank_losses), torch.tensor(reference), rtol=1e-5), (got, reference)
+    """Pipeline stages 2 x TSP 2 equal one rank (_pipeline_differences); clipping each stage by its own norm instead
+    of the global one (losses ~1e-4 off, final weights ~1e-2, norms at once) is caught."""
+    reference = run_on_local_ranks(_train, 1, [ds_config(1, 1)], STEPS, True, timeout_s=300, env=ENV)[0][0]
+    assert (torch.tensor(reference["grad_norms"]) > 0.5).any(), "clipping must be active, or the norms prove nothing"
+    got = run_on_local_ranks(_train_pipeline_and_a_planted_defect, 4, ds_config(2, 1, pipeline_stages=2),
+                             timeout_s=300, env=ENV)
+    assert _pipeline_differences([r["honest"] for r in got], reference) == []
+    planted = _pipeline_differences([r["per_stage_clipping"] for r in got], reference)
+    assert {"grad_norms", "final weight"} <= {d[0] for d in planted}, planted

@@ -50,3 +50,26 @@ def test_overall_timeout():
     with pytest.raises(RuntimeError, match="timed out"):
         run_on_local_ranks(_sleep, 1, 60.0, timeout_s=4)
     assert time.monotonic() - start < 30
+
+
+def _bad_input_on_rank_zero() -> None:
+    from ds_tsp.core.errors import TSPConfigError
+
+    if dist.get_rank() == 0:
+        try:
+            raise OSError("header too large")
+        except OSError:  # wrapped, as a library may raise it
+            raise RuntimeError("loading failed") from TSPConfigError(
+                "cannot read the safetensors header of model.safetensors: re-save or re-download it")
+    dist.barrier()
+
+
+def test_an_input_error_in_a_rank_is_its_one_line():
+    """A TSPConfigError in a spawned rank reaches the caller as that one line (no relayed traceback), still a
+    RuntimeError for callers that catch a rank's failure; ds-tsp verify prints it as its one error line."""
+    from ds_tsp.core.errors import TSPConfigError
+
+    with pytest.raises(TSPConfigError) as info:
+        run_on_local_ranks(_bad_input_on_rank_zero, 1, timeout_s=120)  # one rank: what a rank returns is the same
+    assert str(info.value) == "cannot read the safetensors header of model.safetensors: re-save or re-download it"
+    assert isinstance(info.value, RuntimeError) and info.value.rank == 0

@@ -5,13 +5,14 @@ mean_token_accuracy / entropy / num_tokens metrics, for
 - padding_free=True (a flattened row, position_ids + cu_seq_lens_q/k + seq_idx),
 - completion-only loss (a prompt-completion dataset, padded rows with an attention mask) plus evaluate() with a
   compute_metrics (full logits and labels, as the plain SFTTrainer gives them),
-- assistant-only loss (a chat template with {% generation %} markers) with loss_type="dft" (per-token weights).
+- assistant-only loss (a chat template with {% generation %} markers) with loss_type="dft" (per-token weights);
+and TSPSFTTrainer at TSP=2 x data 2 (ZeRO-2) equals a plain 2-process (DDP) SFTTrainer, packing=True.
 TRL's fused-LM-head call is answered by TSP's streaming head: per-token log-probs / entropy / top-1 and the
 gradient of a per-token-weighted loss equal transformers' (float64, 1e-10). The packed-document keys are honoured
 or refused by name; other TRL trainers and SFTTrainer-before-TSPTrainer are refused by name.
 
 Run as a script, this file is the worker: `python tests/integrations/test_trl.py OUT.json MODEL TOKENIZER [DS_CONFIG FUSED]`
-(one launch runs every case; the reference and TSP=2 launches run at the same time).
+(one launch runs every case; the reference, TSP=2 and the data-axis launches run at the same time).
 """
 from __future__ import annotations
 
@@ -110,7 +111,9 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, ds_config: str | Non
             pass
 
         trainer_class = SFTWithTSP
-    n = STEPS * options["per_device_train_batch_size"] * (3 if options.get("packing") else 1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    data_replicas = world // (json.loads(Path(ds_config).read_text())["tsp"]["size"] if ds_config else 1)
+    n = STEPS * options["per_device_train_batch_size"] * (3 if options.get("packing") else 1) * data_replicas
     trainer = trainer_class(model=model, args=args, processing_class=tokenizer,
                             train_dataset=Dataset.from_list(rows(kind, n, seed=1)),
                             eval_dataset=Dataset.from_list(rows(kind, 4, seed=2)) if evaluate else None,
@@ -122,9 +125,11 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, ds_config: str | Non
     return trainer.state.log_history
 
 
-def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = None, fused_dir: str | None = None):
-    results = {name: run_case(name, model_dir, tokenizer_dir, ds_config, str(Path(out).parent))
-               for name in CASES}
+def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = None, fused_dir: str | None = None,
+         cases: str | None = None):
+    names = cases.split(",") if cases else list(CASES)
+    results = {name: run_case(name, model_dir, tokenizer_dir, ds_config or None, str(Path(out).parent))
+               for name in names}
     fused = fused_call(fused_dir) if fused_dir else None  # on the TSP ranks the trainers set up
     if int(os.environ.get("RANK", "0")) == 0:
         Path(out).write_text(json.dumps(results))
@@ -150,10 +155,12 @@ def fused_call(directory: str) -> dict:
     model = TSPForCausalLM.from_pretrained(directory, dtype=torch.float64)
     assert model.tsp.comm.size == dist.get_world_size() == 2
     data, weights = fused_batch(model.config.vocab_size)
+    model.fused_lm_head_outputs = ("log_probs", "mean_logits", "log_sum_sq_probs")  # as DPOTrainer asks for them
     out = model(input_ids=data["input_ids"], labels=data["labels"], position_ids=data["position_ids"],
                 fused_lm_head=True)
     (-(out.log_probs * weights).sum()).backward()
-    fields = {k: getattr(out, k).detach() for k in ("loss", "log_probs", "entropy", "is_top1", "label_mask")}
+    fields = {k: getattr(out, k).detach() for k in ("loss", "log_probs", "entropy", "is_top1", "label_mask",
+                                                    "mean_logits", "log_sum_sq_probs")}
     everyone = [None] * 2
     dist.all_gather_object(everyone, fields)
     return {"ranks": everyone, "grads": model.tsp.full_state_dict(grads=True)}
@@ -161,10 +168,13 @@ def fused_call(directory: str) -> dict:
 
 # --- the tests -------------------------------------------------------------------------------------------------
 def _launch(out: Path, model: Path, tokenizer: Path, ds_config: Path | None = None,
-            fused: Path | None = None) -> subprocess.Popen:
-    launch = [sys.executable] if ds_config is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                         "--nproc_per_node", "2"]
-    argv = [str(out), str(model), str(tokenizer)] + ([str(ds_config), str(fused)] if ds_config else [])
+            fused: Path | None = None, processes: int | None = None, cases: str = "") -> subprocess.Popen:
+    processes = processes or (1 if ds_config is None else 2)
+    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc_per_node", str(processes)]
+    argv = [str(out), str(model), str(tokenizer)] + ([str(ds_config or ""), str(fused or "")] if ds_config or cases
+                                                     else [])
+    argv += [cases] if cases else []
     return subprocess.Popen([*launch, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ENV, cwd=ROOT)
 
@@ -196,16 +206,38 @@ def sft_runs(tmp_path_factory):
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
         "tsp": {"size": 2}}))
-    # both at once: the plain reference (one process) and TSP=2 share the two cores while each starts up
+    # all at once: the plain references (one process; two for the data axis), TSP=2 and TSP=2 x data 2 share the
+    # two cores while each starts up
     reference = _launch(tmp / "ref.json", tmp / "model", tmp / "tokenizer")
     tsp = _launch(tmp / "tsp.json", tmp / "model", tmp / "tokenizer", tmp / "ds.json", tmp / "fused")
+    reference_dp = _launch(tmp / "ref_dp.json", tmp / "model", tmp / "tokenizer", processes=2, cases="packing")
+    tsp_dp = _launch(tmp / "tsp_dp.json", tmp / "model", tmp / "tokenizer", tmp / "ds.json", processes=4,
+                     cases="packing")
     runs = _finish(reference, tmp / "ref.json"), _finish(tsp, tmp / "tsp.json")
-    return {"sft": runs, "fused": torch.load(tmp / "tsp.json.fused.pt"), "fused_dir": tmp / "fused"}
+    data_runs = _finish(reference_dp, tmp / "ref_dp.json"), _finish(tsp_dp, tmp / "tsp_dp.json")
+    return {"sft": runs, "sft_data2": data_runs, "fused": torch.load(tmp / "tsp.json.fused.pt"),
+            "fused_dir": tmp / "fused"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sft_with_tsp_equals_plain_sft_trainer(sft_runs, case):
     reference, tsp = (runs[case] for runs in sft_runs["sft"])
+    _assert_same_steps(reference, tsp, case)
+
+
+def test_tsp_sft_trainer_tsp2_x_data2_equals_plain_two_process_sft(sft_runs):
+    """TSPSFTTrainer on TSP=2 x data 2 (4 processes, ZeRO-2 over the data axis) equals a plain SFTTrainer on 2
+    processes (DDP), packing=True: the data axis is the Trainer's process axis (its sampler's shards, num_tokens
+    gathered over replicas, the loss weighted by the tokens of both replicas)."""
+    runs = sft_runs["sft_data2"]
+    _assert_same_steps(runs[0]["packing"], runs[1]["packing"], "packing")
+    assert runs[0]["packing"][0]["num_tokens"] > sft_runs["sft"][0]["packing"][0]["num_tokens"], \
+        "two replicas count the tokens of both"
+
+
+def _assert_same_steps(reference: list[dict], tsp: list[dict], case: str) -> None:
+    """Every logged step: the loss and TRL's metrics 1e-5, num_tokens equal, the grad norm 1e-4 (fp32); evaluate()'s
+    metrics where the case evaluates."""
     want = [line for line in reference if "loss" in line and "train_runtime" not in line]
     got = [line for line in tsp if "loss" in line and "train_runtime" not in line]
     assert len(want) == STEPS and [g["step"] for g in got] == [w["step"] for w in want], (got, want)
@@ -225,7 +257,8 @@ def test_sft_with_tsp_equals_plain_sft_trainer(sft_runs, case):
 
 def test_fused_lm_head_call_equals_transformers(sft_runs):
     """TRL's fused call (model(..., fused_lm_head=True)) through the streaming head at TSP=2: values on every rank
-    and the gradient of a per-token-weighted loss equal transformers' logits path (float64; vocab 67: padded)."""
+    (with DPOTrainer's mean_logits and log_sum_sq_probs) and the gradient of a per-token-weighted loss equal
+    transformers' logits path (float64; vocab 67: padded)."""
     from hf_tiny import shift
 
     from ds_tsp.tools.hf_reference import load_hf_reference
@@ -241,9 +274,10 @@ def test_fused_lm_head_call_equals_transformers(sft_runs):
     (-(log_probs * weights).sum()).backward()
     want = {"log_probs": log_probs, "entropy": -(log_softmax.exp() * log_softmax).sum(-1) * valid,
             "is_top1": (logits.argmax(-1) == targets) & valid, "label_mask": valid,
-            "loss": -log_probs.sum() / valid.sum()}
+            "loss": -log_probs.sum() / valid.sum(), "mean_logits": logits.mean(-1) * valid,  # the real vocab only
+            "log_sum_sq_probs": torch.logsumexp(2 * log_softmax, -1) * valid}
     for rank in got["ranks"]:
-        for key in ("log_probs", "entropy", "loss"):
+        for key in ("log_probs", "entropy", "loss", "mean_logits", "log_sum_sq_probs"):
             assert (rank[key] - want[key]).abs().max() < 1e-10, key
         for key in ("is_top1", "label_mask"):
             assert torch.equal(rank[key], want[key]), key
@@ -278,7 +312,7 @@ def test_other_trl_trainers_and_the_wrong_order_are_refused_by_name():
     from ds_tsp.core.errors import TSPConfigError
     from ds_tsp.hf import TSPTrainer
 
-    for name in ("DPOTrainer", "KTOTrainer"):  # GRPO, RLOO, Reward: test_grpo.py, test_rloo.py, test_reward_trainer.py
+    for name in ("KTOTrainer",):  # GRPO, RLOO, Reward, DPO: test_grpo.py, test_rloo.py, test_*_trainer.py
         with pytest.raises(TSPConfigError, match=f"TSPTrainer with TRL's {name} is not supported"):
             type("Composed", (TSPTrainer, getattr(trl, name)), {})
     with pytest.raises(TSPConfigError, match=r"list TSPTrainer first, class Wrong\(TSPTrainer, SFTTrainer\)"):

@@ -56,9 +56,10 @@ def test_first_contact_checks_self_test_on_cpu(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = {r["check"]: r for r in json.loads((tmp_path / "results.json").read_text())}
-    assert set(results) == {"poller_memory", "nccl_timeout_margin", "moe_autocast"}
-    assert "skipped" in results["poller_memory"]
+    assert set(results) == {"poller_memory", "nccl_timeout_margin", "moe_autocast", "offload_pool"}
+    assert "skipped" in results["poller_memory"] and "skipped" in results["offload_pool"]
     assert results["nccl_timeout_margin"]["group_timeouts_s"] and "ok" not in results["nccl_timeout_margin"]
     moe = results["moe_autocast"]
     for dispatch in ("ring", "all_to_all"):
         assert moe[dispatch]["ok"] and moe[dispatch]["grad_rel_err"] > 0, moe  # > 0: bf16 really ran
+        assert moe[dispatch]["routing"] == "held at fp32's choice" and moe[dispatch]["free_bf16_routing_flips"] >= 0

@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("deepspeed")
 
+from engine_steps import full_weights  # noqa: E402
 from hf_tiny import build_tiny_model  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 from masked_patterns import MaskedPatterns  # noqa: E402
@@ -174,20 +175,21 @@ def pipe_model():
     return model
 
 
-def _pipe_reference_loop() -> list[float]:
-    """The single-device AdamW loop of tests/model/test_frozen_params.py on pipe_model()."""
+def _pipe_reference_loop() -> dict:
+    """The single-device AdamW loop of tests/model/test_frozen_params.py on pipe_model(): losses, clip norms, final
+    weights."""
     model = pipe_model()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-    losses = []
+    losses, norms = [], []
     for ids in batches(model.config.vocab_size, STEPS):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
-    return losses
+    return {"losses": losses, "norms": norms, "final": model.state_dict()}
 
 
 def _pipeline_frozen() -> dict:
@@ -215,18 +217,21 @@ def _pipeline_frozen() -> dict:
             b = shard_batch(ids, tsp=groups.tsp_size, rank=groups.tsp_rank, labels=ids)
             yield (b["input_ids"], b["position_ids"], b["shift_labels"]), b["shift_labels"]
 
-    it, losses = feed(), []
+    it, losses, norms = feed(), [], []
     for _ in range(STEPS):
         share = engine.train_batch(it)
         dist.all_reduce(share, group=groups.tsp_group)
         losses.append(float(share))
+        norms.append(float(engine.get_global_grad_norm()))
     from deepspeed.utils import safe_get_full_optimizer_state  # ZeRO-1 keys its state by flat partitions
 
     params = {n: {"trainable": p.requires_grad, "grad": p.grad is not None,
                   "state": safe_get_full_optimizer_state(p, "exp_avg") is not None,
                   "moved": not torch.equal(p.detach(), start[n])} for n, p in engine.module.named_parameters()}
+    final = full_weights(engine)  # this stage's layers, full and HF-named
     engine.destroy()
-    return {"losses": losses, "params": params, "stage": groups.pipe_rank, "refused": refused}
+    return {"losses": losses, "norms": norms, "final": final, "params": params, "stage": groups.pipe_rank,
+            "refused": refused}
 
 
 def _fsdp_frozen(kind: str, groups) -> dict:
@@ -275,19 +280,33 @@ def four_ranks():
 
 
 def test_pipeline_stages_carry_frozen_parameters_like_single_device(four_ranks):
-    losses = _pipe_reference_loop()
-    stages = set()
+    """Losses (1e-5) and clip norms (1e-4) every step, and the final weights of both stages (1e-5 norm-wise per
+    tensor: AdamW amplifies last-bit rounding; frozen ones bit-identical) equal the single-device loop."""
+    want = _pipe_reference_loop()
+    assert want["norms"][0] > CLIP, "clipping must be active, or the norms prove nothing"
+    stages, final = set(), {}
     for rank, run in enumerate(four_ranks):
         got = run["pipeline"]
-        assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(losses), rtol=1e-5, atol=0), (rank, got)
+        assert torch.allclose(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=0), \
+            (rank, got)
+        assert torch.allclose(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=1e-4), \
+            (rank, got["norms"], want["norms"])
         for name, p in got["params"].items():
             if p["trainable"]:
                 assert p["state"] and p["moved"], (rank, name, p)
             else:  # no gradient, no optimizer state, not moved
                 assert not (p["state"] or p["grad"] or p["moved"]), (rank, name, p)
         stages.add((got["stage"], tuple(sorted(n for n, p in got["params"].items() if p["trainable"]))))
+        final.update(got["final"])
     assert len(stages) == 2 and all(trainable for _, trainable in stages), stages
     assert sum(len(trainable) for _, trainable in stages) == 3, stages  # layer 0's MLP | layer 1's attention, head
+    start = pipe_model()
+    assert set(final) == set(want["final"]), sorted(set(final) ^ set(want["final"]))
+    for name, p in start.named_parameters():
+        if p.requires_grad:
+            assert (final[name] - want["final"][name]).norm() < 1e-5 * want["final"][name].norm(), name
+        else:
+            assert torch.equal(final[name], p.detach()), name
 
 
 def test_pipeline_stage_with_nothing_to_train_is_one_error_on_every_rank(four_ranks):

@@ -40,14 +40,17 @@ def _saved_for_backward():
 
 
 def test_saved_bytes_fall_with_degree():
-    measured = {1: _saved_for_backward()}
+    """Every rank (not one of them): no foreign weight shard and no full-sequence tensor kept for backward, and the
+    largest rank's saved bytes fall with the degree."""
+    measured = {1: [_saved_for_backward()]}
     for tsp in (2, 4):
-        measured[tsp] = run_on_local_ranks(_saved_for_backward, tsp, timeout_s=180)[0]
-    for tsp, m in measured.items():
-        assert m["foreign_shards"] == [], (tsp, m)
-        assert tsp == 1 or m["full_sequence"] == [], (tsp, m)
-    ratio2 = measured[2]["saved_bytes"] / measured[1]["saved_bytes"]
-    ratio4 = measured[4]["saved_bytes"] / measured[1]["saved_bytes"]
-    print({tsp: m["saved_bytes"] for tsp, m in measured.items()}, ratio2, ratio4)
-    assert ratio2 < 0.55, measured
-    assert ratio4 < 0.30, measured
+        measured[tsp] = run_on_local_ranks(_saved_for_backward, tsp, timeout_s=180)
+    for tsp, ranks in measured.items():
+        assert len(ranks) == tsp
+        for rank, m in enumerate(ranks):
+            assert m["foreign_shards"] == [], (tsp, rank, m)
+            assert tsp == 1 or m["full_sequence"] == [], (tsp, rank, m)
+    largest = {tsp: max(m["saved_bytes"] for m in ranks) for tsp, ranks in measured.items()}
+    print(largest)
+    assert largest[2] / largest[1] < 0.55, largest
+    assert largest[4] / largest[1] < 0.30, largest

@@ -237,7 +237,9 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "range", "tensor", "as_
 HOT = ("core/layers/", "core/tokens/rope.py", "model/modules/")
 # (file, function) of the hot path that copies host data on purpose: the varlen plan's cu_seqlens, built once per
 # document layout and kept in its cache, pinned and copied without blocking (tests/core/test_varlen.py counts them)
-HOT_COPIES = {("core/layers/attention/varlen.py", "_to_device")}
+HOT_COPIES = {("core/layers/attention/varlen.py", "_to_device"),
+              # FLA's varlen plan: built on the host (FLA takes that copy too), then ONE pinned non_blocking copy
+              ("core/layers/linear_attention/delta_rule_fla.py", "_varlen_plan")}
 # (file, enclosing function, factory): host tensors by design. Each says why; remove an entry once it is gone.
 ALLOWED = {
     # seeded CPU generators make the same values on every device and rank; the result is copied into the param

@@ -1,7 +1,7 @@
 """Property test (hypothesis) of the TSP MoE MLP: random expert counts, top-k, shapes and routings, both dispatch
 schedules, against transformers' own sparse MoE block on one device (float64, norm-wise relative error <= 1e-10).
 
-hypothesis draws CASES_PER_DEGREE cases per D in the parent (tests/property_cases.draw_cases: derandomized, a
+hypothesis draws CASES_PER_DEGREE cases per D (times HYPOTHESIS_PROFILE=long's 5) in the parent (draw_cases: derandomized, a
 fixed example count, generate phase only, so the cost is fixed): E a multiple of D (up to 4 experts per rank),
 top_k 1..E, Qwen3-MoE (norm_topk_prob either way) or Mixtral, hidden / F, batch 1..2, 1..3 tokens per zigzag
 chunk, router rows boosted for some experts (others get no row), or one rank whose tokens all route to the same
@@ -15,14 +15,14 @@ import torch.distributed as dist
 from hypothesis import strategies as st
 from local_ranks import run_on_local_ranks
 from moe_reference import MoECase, assemble, reference, tsp_case, worst
-from property_cases import draw_cases
+from property_cases import draw_cases, profile_scale
 
 from ds_tsp.core.comm.communicator import TSPComm
 
 pytest.importorskip("transformers")
 
 TOL = 1e-10
-CASES_PER_DEGREE = 6
+CASES_PER_DEGREE = 8
 DISPATCHES = ("ring", "all_to_all")
 
 
@@ -72,4 +72,4 @@ def test_moe_matches_single_device_reference(results, tsp):
             if not err <= TOL:
                 failing.append((case.num_experts * case.top_k, f"{dispatch} {key} {err:.2e}: {case!r}"))
     assert not failing, "\n".join(text for _, text in sorted(failing))
-    assert len(CASES[tsp]) == CASES_PER_DEGREE
+    assert len(CASES[tsp]) == CASES_PER_DEGREE * profile_scale()

@@ -110,3 +110,27 @@ def test_user_script_exits_cleanly(tmp_path):
     assert summary["runs"] == 3 and summary["aborts"] == 0, done.stdout
     for i in range(3):
         assert "saved " in (tmp_path / "runs" / f"run{i}.out").read_text()  # the script really ran to its end
+
+
+@pytest.mark.parametrize("error, backend, expected", [
+    (True, "cpu:gloo,cuda:nccl", "abort"), (False, "cpu:gloo,cuda:nccl", "destroy"), (True, "gloo", "destroy"),
+], ids=["error-nccl-aborts", "clean-nccl-destroys", "error-gloo-destroys"])
+def test_an_error_exit_on_nccl_aborts_instead_of_a_graceful_destroy(monkeypatch, error, backend, expected):
+    """NCCL's destroy waits for the peers (ncclCommFinalize): a rank that raised after posting a collective its peers
+    never post would sit in exit until NCCL's timeout. After an uncaught exception (sys.last_value set) the groups
+    are aborted; a clean exit, or gloo, destroys them as before. torch.distributed mocked."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from ds_tsp.core.reliability.watchdog import WATCHDOG
+
+    called = []
+    monkeypatch.setattr(WATCHDOG, "shutdown", lambda: None)  # the test process's watchdog keeps running
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: called.append("destroy"))
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda group=None: called.append("abort"))
+    monkeypatch.setattr(sys, "last_value", RuntimeError("boom") if error else None, raising=False)
+    monkeypatch.setattr(sys, "last_exc", None, raising=False)
+    finalize.finalize(drain_limit_s=0.0)
+    assert called == [expected]

@@ -226,3 +226,43 @@ def test_stalled_process_ends_with_one_message():
     messages = [line for line in done.stderr.splitlines() if line.startswith(MESSAGE_PREFIX)]
     assert len(messages) == 1 and "timed out" in messages[0] and "waiting for rank 2" in messages[0], done.stderr
     assert time.monotonic() - start < 30  # interpreter start-up plus 1 s, not the 60 s sleep
+
+
+def test_watchdog_thread_sets_the_cuda_device_before_it_queries(reports, events, monkeypatch):
+    """A fresh thread's current CUDA device is 0, and a bare cudaEventQuery there creates a context on GPU 0 (about
+    0.5 GiB per rank, all on rank 0's GPU). torch.cuda mocked: a per-thread current device, set_device recorded; the
+    event records which device was current on the thread that queried it. The rank's device is cuda:1, named as
+    plain "cuda" by the caller (the current device of the waiting thread)."""
+    current, calls = threading.local(), []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "index", 0))
+
+    def set_device(device):
+        index = device.index if isinstance(device, torch.device) else int(device)
+        calls.append((threading.get_ident(), index))
+        current.index = index
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(watchdog_polling._thread_device, "index", None, raising=False)
+    current.index = 1  # the waiting (main) thread runs on the rank's GPU
+
+    class DeviceEvent(FakeEvent):
+        def __init__(self):
+            super().__init__(done_from_query=3)
+            self.seen = []
+
+        def query(self) -> bool:
+            self.seen.append((threading.get_ident(), getattr(current, "index", 0)))
+            return super().query()
+
+    event = DeviceEvent()
+    events.queued.append(event)
+    WATCHDOG.watch(torch.device("cuda"), _blocked(), time.perf_counter(), 5.0, sys._getframe())
+    deadline = time.monotonic() + 5
+    while not WATCHDOG.poller.idle() and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    assert WATCHDOG.poller.idle() and not reports.got, reports.got
+    assert [d for d, _ in events.made] == [torch.device("cuda", 1)]  # the index resolved on the waiting thread
+    main = threading.get_ident()
+    on_watchdog = [(t, d) for t, d in event.seen if t != main]
+    assert on_watchdog and all(d == 1 for _, d in on_watchdog), event.seen  # never queried with GPU 0 current
+    assert [i for t, i in calls if t != main] == [1]  # set once on the watchdog thread, not per query

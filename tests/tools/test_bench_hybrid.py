@@ -35,6 +35,10 @@ def test_hybrid_peer_is_in_all_for_hybrids_only_and_the_other_peers_are_refused_
     assert _layouts("--tsp", "2", "--layouts", "tsp,hf_zero3_dp") == ["tsp", "hf_zero3_dp"]  # named, it runs
     assert _layouts("--hf-config", str(hybrid_dir), "--tsp", "2", "4") == [
         "tsp", "tsp_speed", "hf_zero3_dp", "tsp", "tsp_speed", "hf_zero3_dp"]
+    # transformers' model under torch FSDP2 data parallel: runs when named, for hybrids too, never in "all"
+    assert _layouts("--hf-config", str(hybrid_dir), "--tsp", "2", "--layouts", "tsp,hf_fsdp2_dp") == [
+        "tsp", "hf_fsdp2_dp"]
+    assert "hf_fsdp2_dp" not in _layouts("--tsp", "2")
     for peer in ("ulysses_zero3", "ulysses_zero1", "dtensor_tp_sp", "autotp_zero1"):
         with pytest.raises(ValueError, match=rf"{peer}.*attention function only.*1/D of the sequence.*#8114"):
             _layouts("--hf-config", str(hybrid_dir), "--tsp", "2", "--layouts", f"tsp,{peer}")
@@ -107,17 +111,24 @@ def test_max_seq_on_a_hybrid_config_at_d2_and_d4(two_layer_hybrid_dir, tmp_path)
     assert by_degree[4, False] > by_degree[2, False]  # 1/D of the tokens and weights per rank
 
 
-def test_zero3_peer_and_tsp_step_the_same_hybrid_in_one_run(hybrid_dir, tmp_path, capsys):
-    """One step of the hybrid under TSP and under hf_zero3_dp at D=2, in one bench run (about 5 s unloaded)."""
+def test_zero3_and_fsdp2_peers_and_tsp_step_the_same_hybrid_in_one_run(hybrid_dir, tmp_path, capsys):
+    """One step of the hybrid under TSP, hf_zero3_dp and hf_fsdp2_dp at D=2, in one bench run (about 8 s
+    unloaded)."""
     out = tmp_path / "bench"
     args = build_parser().parse_args(["--hf-config", str(hybrid_dir), "--tsp", "2", "--seq", "64", "--steps", "1",
-                                      "--layouts", "tsp,hf_zero3_dp", "--timeout", "300", "--quiet",
+                                      "--layouts", "tsp,hf_zero3_dp,hf_fsdp2_dp", "--timeout", "300", "--quiet",
                                       "--out", str(out)])
     with forked_ranks():
         assert args.run(args) == 0, capsys.readouterr().err[-3000:]
     rows = {r["layout"]: r for r in json.loads((out / "results.json").read_text())}
-    assert rows["tsp"]["tokens_per_step"] == 64 and rows["hf_zero3_dp"]["tokens_per_step"] == 2 * 64
+    assert rows["tsp"]["tokens_per_step"] == 64
+    assert rows["hf_zero3_dp"]["tokens_per_step"] == rows["hf_fsdp2_dp"]["tokens_per_step"] == 2 * 64
     for r in rows.values():
         assert r["ok"] and abs(r["loss"] - float(torch.log(torch.tensor(75.0)))) < 1.0
-    # whole sequence per rank against 1/D of it: the peer's activations are the larger at the same S
-    assert rows["hf_zero3_dp"]["peak_breakdown"]["activations"] > rows["tsp"]["peak_breakdown"]["activations"]
+    # whole sequence per rank against 1/D of it: the peers' activations are the larger at the same S
+    for peer in ("hf_zero3_dp", "hf_fsdp2_dp"):
+        assert rows[peer]["peak_breakdown"]["activations"] > rows["tsp"]["peak_breakdown"]["activations"]
+    # FSDP2 shards the params: every decoder layer's weights all-gathered (forward and backward), grads
+    # reduce-scattered
+    assert {"all_gather", "reduce_scatter"} <= {op.split(".")[-1].removeprefix("_").removesuffix("_base")
+                                                 .removesuffix("_tensor") for op in rows["hf_fsdp2_dp"]["comm_by_op"]}

@@ -53,6 +53,8 @@ def test_attribute_charges_each_self_time_once():
     assert cells["rest"]["other_s"] == pytest.approx(25e-6)  # wall outside every top-level range
     assert sum(totals.values()) == pytest.approx(200e-6)
     assert layer_of(None) == "rest"
+    gdn = nest([_event("_TSPGatedDeltaNet_autocast_cpu_bfloat16", 0, 10), _event("aten::mm", 1, 2)])
+    assert layer_of(gdn[-1]) == layer_of(nest([_event("_TSPGatedDeltaNetBackward", 0, 1)])[0]) == "gdn"
 
 
 def test_bench_profile_tiny(tmp_path):

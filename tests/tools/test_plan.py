@@ -2,7 +2,7 @@
 
 The TSP communication formulas must equal CommCounter's totals of a real forward + backward EXACTLY (per counter
 kind, every rank), params and grads bytes per rank exactly, and the saved-activation formula the bytes autograd
-really keeps (dedupe by storage, params excluded) within 10% (it is exact at the time of writing).
+really keeps (dedupe by storage, params excluded) exactly (SAVED_SLACK names the one scalar that differs).
 """
 from __future__ import annotations
 
@@ -168,6 +168,10 @@ def test_tsp_comm_matches_design_formula_at_7b():
 
 # --- (b) saved activations --------------------------------------------------------------------------------------------
 
+# Exact, but for bf16: one 0-dim bf16 scalar in the loss path more than the plan counts (2 bytes)
+SAVED_SLACK = {"mha_bf16": 2}
+
+
 @pytest.mark.parametrize("world,name", _case_ids(), ids=[f"D{w}-{n}" for w, n in _case_ids()])
 def test_tsp_activation_bytes_match_saved_tensors(measured, world, name):
     plan = plan_tsp(_input(name, world))
@@ -175,8 +179,7 @@ def test_tsp_activation_bytes_match_saved_tensors(measured, world, name):
     expected = plan.activations_bytes
     # With checkpointing the hooks see what checkpointing keeps (layer inputs); the layer being recomputed is in
     # the plan's backward phases, not in activations_bytes.
-    print(name, world, saved, expected)
-    assert abs(saved - expected) <= 0.10 * saved, (saved, expected)
+    assert abs(saved - expected) <= SAVED_SLACK.get(name, 0), (saved, expected)
 
 
 # --- (c) textbook Megatron TP -----------------------------------------------------------------------------------
@@ -308,6 +311,12 @@ _FIXTURE = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "plan_
 
 def _bench_records():
     return json.loads(_FIXTURE.read_text())["records"]
+
+
+def test_bench_fixture_says_how_it_was_made():
+    made_by = json.loads(_FIXTURE.read_text())["made_by"]
+    assert made_by["commit"] and any(c.startswith("ds-tsp bench") for c in made_by["commands"]), made_by
+    assert any("plan_vs_bench.py" in c for c in made_by["commands"]), made_by
 
 
 @pytest.mark.parametrize("record", _bench_records(),

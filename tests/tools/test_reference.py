@@ -120,10 +120,11 @@ def test_matches_hf_float64(name, hf_float64):
 
 
 def test_matches_hf_float32_unpatched():
-    """Without patches HF float32 and ours agree at the float32 noise floor (same fp32 norm and rope angles)."""
+    """Without patches HF float32 and ours agree at the float32 noise floor (same fp32 norm and rope angles): 2e-6,
+    some 16 ulps of float32 over the reductions of a tiny model (2.9e-7 seen, a k_proj bias's gradient)."""
     errors = compare_with_hf(SHAPES["qwen2_bias_gqa"], torch.float32)
     worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-4, (worst, errors[worst])
+    assert errors[worst] < 2e-6, (worst, errors[worst])
 
 
 def test_tied_embeddings_share_one_parameter():

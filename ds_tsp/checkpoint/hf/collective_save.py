@@ -12,17 +12,30 @@ import torch.distributed as dist
 from ds_tsp.core.errors import TSPConfigError
 
 
+def guarded(comm, what: str):
+    """`with guarded(comm, "what"):` the block's world collectives bounded by comm.timeout_s (the watchdog's one
+    line names the collective and the peers); nothing without a comm or a process group."""
+    if comm is None or not hasattr(comm, "guard") or not dist.is_initialized():
+        return contextlib.nullcontext()
+    return comm.guard(what, group=dist.group.WORLD, context="save")
+
+
 @contextlib.contextmanager
-def whole_on_this_rank(param: torch.nn.Parameter):
+def whole_on_this_rank(param: torch.nn.Parameter, comm=None, what: str = "save: data-axis gather of a shard"):
     """This rank's whole TSP shard for the duration: under ZeRO-3 (partitioned over the data axis) gathered, under
-    FSDP2 (a DTensor sharded over the data mesh) its full_tensor(); both collective over the data axis."""
+    FSDP2 (a DTensor sharded over the data mesh) its full_tensor(); both collective over the data axis, bounded by
+    comm's timeout_s when a comm is given."""
     if hasattr(param, "ds_id"):
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        with contextlib.ExitStack() as stack:
+            with guarded(comm, what):
+                stack.enter_context(deepspeed.zero.GatheredParameters([param], modifier_rank=None))
             yield param.detach()
     elif hasattr(param, "full_tensor"):
-        yield param.detach().full_tensor()
+        with guarded(comm, what):
+            whole = param.detach().full_tensor()
+        yield whole
     else:
         yield param.detach()
 
@@ -36,11 +49,12 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def agree_on_outcome(failure: str | None, directory: Path) -> None:
+def agree_on_outcome(failure: str | None, directory: Path, comm=None) -> None:
     """Collective over every rank: the writer's failure (or None) broadcast, raised on every rank alike."""
     outcome = [failure]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)
+        with guarded(comm, "save_pretrained: broadcast of the outcome"):
+            dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         raise TSPConfigError(f"save_pretrained({str(directory)!r}) failed on {outcome[0]}; the previous checkpoint "
                              "there (if any) is untouched")

@@ -48,7 +48,7 @@ def gather_adapter(model, grads: bool = False) -> Iterator[tuple[str, torch.Tens
     time. grads=True: the factors' gradients instead (zeros where none), for tests and checks."""
     comm = model.comm
     for name, param, cut in model.lora_tensors():
-        with whole_on_this_rank(param) as whole:
+        with whole_on_this_rank(param, comm, "save_pretrained (adapter): data-axis gather") as whole:
             local = whole
             if grads:
                 local = param.grad.detach() if param.grad is not None else torch.zeros_like(whole)
@@ -87,5 +87,5 @@ def save_adapter(model, directory: str | Path) -> Path | None:
             fsync_path(directory)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             failure = f"{type(exc).__name__}: {exc}"
-    agree_on_outcome(failure, directory)
+    agree_on_outcome(failure, directory, getattr(model, "comm", None))
     return directory if writer else None

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_tsp.checkpoint.hf.collective_save import agree_on_outcome, global_rank, is_writer, whole_on_this_rank
+from ds_tsp.checkpoint.hf.collective_save import agree_on_outcome, global_rank, guarded, is_writer, whole_on_this_rank
 from ds_tsp.checkpoint.hf.load import progress_on_rank0
 from ds_tsp.checkpoint.hf.owned_tensors import OwnedParts, gather_owned_parts, open_rank_stream, saved_by_owner
 from ds_tsp.checkpoint.safetensors.shard_stream import ShardStream
@@ -100,7 +100,7 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
     buffers = model.replicated_buffers() if callable(getattr(model, "replicated_buffers", None)) else {}
     with progress_on_rank0(f"saving {directory.name}", len(sharded) + len(replicated)) as advance:
         for (prefix, module, param), owned in zip(sharded, by_owner):
-            with whole_on_this_rank(param) as whole:
+            with whole_on_this_rank(param, comm, f"save_pretrained: data-axis gather of {prefix}") as whole:
                 if owned:  # this rank's experts, written here (views: the stream copies them one part at a time)
                     for name, tensor in module.hf_targets(whole).items():
                         add(experts_to, prefix + name, tensor)
@@ -113,7 +113,7 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
             del shards
             advance()
         for name, param in replicated.items():
-            with whole_on_this_rank(param) as whole:
+            with whole_on_this_rank(param, comm, f"save_pretrained: data-axis gather of {name}") as whole:
                 add(writer, name, whole)
             advance()
         for name, buffer in buffers.items():  # in their own dtype, as transformers keeps GLM's bias in float32
@@ -132,7 +132,7 @@ def save_streaming(model: nn.Module, directory: str | Path, config_json: str, *,
                 writer.abort()
         except Exception as exc:  # noqa: BLE001
             keep.failure = keep.failure or _failure(exc)
-    agree_on_outcome(keep.failure, directory)
+    agree_on_outcome(keep.failure, directory, comm)
     return directory if writer is not None else None
 
 
@@ -150,7 +150,8 @@ def _open_writer(directory: Path, max_shard_size: int | str, comm) -> tuple[Stre
             failure = _failure(exc)
     start = [None if writer is None else str(writer.tmp_dir), failure]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(start, src=0)
+        with guarded(comm, "save_pretrained: broadcast of the temporary directory"):
+            dist.broadcast_object_list(start, src=0)
     if start[1] is not None:
         raise TSPConfigError(f"save_pretrained({str(directory)!r}) could not start: {start[1]}; nothing was written")
     return writer, Path(start[0])

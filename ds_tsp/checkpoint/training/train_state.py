@@ -6,9 +6,14 @@ of each TSP rank writes that rank's shard files (with a cp axis, the cp groups h
 do: only cp rank 0 of data rank 0 writes, so nothing is written twice), rank 0 writes the RNG file and the manifest
 and commits the step directory. A failure on any rank is agreed on (one small all-gather) before the next
 collective, so every rank raises the same error instead of waiting for the one that failed.
+
+Every collective here is guarded by the model's TSPComm (`timeout_s`): a stalled or dead peer ends each other rank
+with the watchdog's one line naming the collective and the peer, and since the step directory is committed (renamed
+into place) only after every rank's files are in, an interrupted save leaves the previous checkpoints untouched.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -37,26 +42,43 @@ def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _gather(obj: Any) -> list:
+def comm_of(model: Any):
+    """The TSPComm whose timeout_s bounds a checkpoint's collectives (None for a model without one: unbounded)."""
+    comm = getattr(model, "comm", None)
+    if comm is None:
+        comm = getattr(getattr(model, "tsp", None), "comm", None)
+    return comm if hasattr(comm, "guard") else None
+
+
+def guarded(comm, what: str, group: Any = None):
+    """`with guarded(comm, "what"):` the block's collectives bounded by comm.timeout_s; group: default the world."""
+    if comm is None or not dist.is_initialized():
+        return contextlib.nullcontext()
+    return comm.guard(what, group=group if group is not None else dist.group.WORLD, context="training checkpoint")
+
+
+def _gather(obj: Any, comm=None, what: str = "training checkpoint all_gather_object") -> list:
     rank, world = _world()
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj)
+    with guarded(comm, what):
+        dist.all_gather_object(out, obj)
     return out
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, comm=None, what: str = "training checkpoint broadcast_object_list") -> Any:
     if _world()[1] == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    with guarded(comm, what):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _agree(error: str | None) -> None:
+def _agree(error: str | None, comm=None) -> None:
     """Raise the first rank's error on every rank (or return when no rank has one)."""
-    errors = [(r, e) for r, e in enumerate(_gather(error)) if e]
+    errors = [(r, e) for r, e in enumerate(_gather(error, comm, "training checkpoint: agreeing on errors")) if e]
     if errors:
         rank, message = errors[0]
         raise TSPConfigError(message if rank == _world()[0] else f"rank {rank}: {message}")
@@ -114,7 +136,9 @@ def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
     """Collective. Writes DIR/step-<step> and returns its path (on every rank)."""
     _check_pipeline(groups)
     rank, _ = _world()
-    tmp = Path(_broadcast(str(store.new_temporary(step)) if rank == 0 else None))
+    comm = comm_of(model)
+    tmp = Path(_broadcast(str(store.new_temporary(step)) if rank == 0 else None, comm,
+                          "training checkpoint save: broadcast of the directory"))
     tsp_rank, writes = groups.tsp_rank, groups.data_rank == 0 and groups.cp_rank == 0  # one writer per TSP shard
     writer = ShardFileWriter(tmp, f"tsp{tsp_rank:02d}", max_file_bytes) if writes else None
     sharded = sharded_ids(model)
@@ -122,13 +146,15 @@ def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
     error = None
     for name, param in saved_parameters(model):
         for key in (None, *keys):
-            value = access.weight(param) if key is None else access.state(param, key)  # collective over data
+            with guarded(comm, f"training checkpoint save: {state_tensor_name(name, key)} over data",
+                         groups.data_group):  # collective over data (ZeRO)
+                value = access.weight(param) if key is None else access.state(param, key)
             if writer is not None and error is None and (tsp_rank == 0 or id(param) in sharded):
                 error = _attempt(writer.add, state_tensor_name(name, key), value)
     if writer is not None and error is None:
         error = _attempt(writer.flush)
     mine = (tsp_rank, writer.files if writer else {}, writer.tensor_files if writer else {}, _rng_state(), error)
-    everyone = _gather(mine)
+    everyone = _gather(mine, comm, "training checkpoint save: all_gather_object of the files")
     outcome = None
     if rank == 0:
         outcome = next((f"rank {r}: {e[4]}" for r, e in enumerate(everyone) if e[4]), None)
@@ -136,7 +162,7 @@ def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
             outcome = _attempt(_commit, access, model, groups, store, step, tmp, everyone, data_state)
         if outcome is not None:
             store.discard_temporary(tmp)
-    outcome = _broadcast(outcome)
+    outcome = _broadcast(outcome, comm, "training checkpoint save: broadcast of the outcome")
     if outcome is not None:
         raise TSPConfigError(f"saving the training checkpoint of step {step} failed ({outcome}); the previous "
                              "checkpoints are untouched")
@@ -181,14 +207,14 @@ def _shape_dict(model: nn.Module) -> dict:
 
 
 # --- load ---------------------------------------------------------------------------------------------------
-def find_checkpoint(store: CheckpointStore, path: str | Path | None = None) -> Path | None:
+def find_checkpoint(store: CheckpointStore, path: str | Path | None = None, comm=None) -> Path | None:
     """The checkpoint to resume from (rank 0's view, shared): `path`, else the store's latest complete one."""
     rank, _ = _world()
     found = None
     if rank == 0:
         found = Path(path).absolute() if path is not None else store.latest()
         found = None if found is None else str(found)
-    found = _broadcast(found)
+    found = _broadcast(found, comm, "training checkpoint load: broadcast of the directory")
     return None if found is None else Path(found)
 
 
@@ -248,7 +274,8 @@ def check_resumable(manifest: Manifest, access: OptimizerAccess, model: nn.Modul
 def load_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessGroups, store: CheckpointStore,
                      *, path: str | Path | None = None) -> tuple[Manifest, Path] | None:
     """Collective. Restore everything but the data position (returned in the manifest); None: nothing to resume."""
-    where = find_checkpoint(store, path)
+    comm = comm_of(model)
+    where = find_checkpoint(store, path, comm)
     if where is None:
         return None
     state: dict[str, Any] = {}
@@ -262,21 +289,23 @@ def load_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
                 raise TSPConfigError(f"{where}: {name} has no checksum in the manifest: the checkpoint is damaged")
             verify_file(where, name, manifest.files[name])
 
-    _agree(_attempt(read_and_check))
+    _agree(_attempt(read_and_check), comm)
     manifest, source = state["manifest"], state["source"]
     keys = manifest.optimizer.state_keys
     params = [p for _, p in saved_parameters(model)]
     if keys:
-        access.ensure_state(params)
+        access.ensure_state(params)  # a fresh engine's zero step: the model's own collectives are guarded
         if access.state_keys() != keys:
             raise TSPConfigError(f"{where}: the checkpoint holds optimizer state {keys}, this optimizer "
                                  f"{access.state_keys()}: configure the same optimizer")
-    for name, param in saved_parameters(model):
+    for name, param in saved_parameters(model):  # local writes (each rank its own shards and fragments)
         access.set_weight(param, source.value(name))
         for key in keys:
             access.set_state(param, key, source.value(name, key))
     source.close()
-    access.finish_load()
+    with guarded(comm, "training checkpoint load: ZeRO-3 re-gather of the persistent parameters",
+                 groups.data_group):
+        access.finish_load()
     access.set_step_count(manifest.optimizer.step)
     access.set_param_groups(manifest.optimizer.param_groups)
     access.load_scheduler_state(manifest.lr_scheduler)

@@ -177,11 +177,13 @@ class TSPComm:
     def _global(self, group_rank: int) -> int:
         return self._ranks[group_rank]
 
-    def guard(self, what: str, group: dist.ProcessGroup | None = None, context: str | None = None) -> Guard:
+    def guard(self, what: str, group: dist.ProcessGroup | None = None, context: str | None = None,
+              poll: torch.device | None = None) -> Guard:
         """`with comm.guard("loss all_reduce"): dist.all_reduce(t, group=comm.group)`: the block's blocking
         torch.distributed calls get this comm's timeout_s and one-message report. group: the group they talk to
-        (its other ranks are the waited-for peers; default the TSP group); context: default comm.context."""
-        return guard(what, timeout_s=self.timeout_s, group=group, comm=self, context=context)
+        (its other ranks are the waited-for peers; default the TSP group); context: default comm.context; poll:
+        the device of the block's tensors, watched after the block where collectives do not block the host."""
+        return guard(what, timeout_s=self.timeout_s, group=group, comm=self, context=context, poll=poll)
 
     @contextmanager
     def recording(self, recorder: CommRecorder | None = None) -> Iterator[CommRecorder]:

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ds_tsp.core.errors import TSPConfigError
+
 __all__ = ["run_on_local_ranks", "init_from_env", "free_port", "local_device", "default_backend"]
 
 
@@ -57,8 +59,32 @@ def _child(rank: int, world_size: int, port: int, timeout_s: float, env: Mapping
         value = fn(*args)
         dist.destroy_process_group()
         results.put(("ok", rank, pickle.dumps(_to_cpu(value))))
-    except BaseException:  # noqa: BLE001 - report everything, including SystemExit, to the parent
-        results.put(("error", rank, traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit, to the parent
+        config = _config_error_in(exc)
+        if config is not None:  # an input error: its one line, not a traceback (those stay for real bugs)
+            results.put(("config_error", rank, str(config)))
+        else:
+            results.put(("error", rank, traceback.format_exc()))
+
+
+def _config_error_in(exc: BaseException | None) -> TSPConfigError | None:
+    """The TSPConfigError `exc` is or was raised from (a library may wrap it), else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, TSPConfigError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class RankConfigError(TSPConfigError, RuntimeError):
+    """A TSPConfigError raised in a rank run_on_local_ranks started: its message alone (callers that catch a rank's
+    failure as RuntimeError still do). `rank`: the first rank that reported it."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
 
 
 def _stop(procs: list) -> None:
@@ -115,6 +141,8 @@ def run_on_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, time
                         raise RuntimeError(f"rank {r} exited with code {p.exitcode} without returning a result "
                                            "(killed, or crashed in native code)")
                 continue
+            if status == "config_error":
+                raise RankConfigError(payload, rank)
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
             values[rank] = pickle.loads(payload)

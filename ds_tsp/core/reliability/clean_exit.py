@@ -18,6 +18,11 @@ call), i.e. after the script returned but BEFORE finalization begins, in this or
    worker still holding a finished work takes the GIL and frees it while the interpreter is fully alive (Linux:
    /proc/self/task; elsewhere a fixed pause). Bounded by `DRAIN_LIMIT_S`; costs ~20 ms on an idle exit.
 
+After an error (the script ended with an uncaught exception: `sys.last_value` is set before atexit runs) on NCCL,
+step 2 ABORTS the groups instead: NCCL's destroy is a graceful ncclCommFinalize that waits for the peers, and a rank
+that raised after posting a collective its peers never post would sit in exit until NCCL's timeout instead of dying
+and letting the launcher tear the job down.
+
 `ds_tsp.exit_rank()` (os._exit after flushing) is not needed for a clean exit; it stays for scripts that must end at
 once.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 
@@ -58,10 +64,21 @@ def finalize(drain_limit_s: float = DRAIN_LIMIT_S) -> None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            if exiting_on_error() and "nccl" in str(dist.get_backend()).lower():
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()  # every group, no waiting on peers that will never answer
+            else:
+                dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a group already broken (a dead peer) must not turn an exit into a traceback
         pass
     drain(drain_limit_s)
+
+
+def exiting_on_error() -> bool:
+    """The script ended with an uncaught exception (the interpreter set sys.last_value / last_exc while printing
+    it, before atexit handlers run)."""
+    return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
 
 
 def _runnable_threads() -> int | None:

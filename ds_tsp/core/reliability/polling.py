@@ -18,6 +18,7 @@ nothing left in flight.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Callable
 
@@ -41,6 +42,19 @@ def record_event(device: torch.device):
     except (RuntimeError, TypeError, ValueError):
         return None
     return event
+
+
+_thread_device = threading.local()  # the CUDA device this thread made current (the watchdog thread: once)
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` current on the calling thread before it queries an event of that device. A fresh thread's
+    current device is 0, and an event query (a bare cudaEventQuery, no device guard) on it would create a CUDA
+    context on GPU 0: about 0.5 GiB per rank, all landing on rank 0's GPU. Set once per thread and device."""
+    if device.type != "cuda" or getattr(_thread_device, "index", None) == device.index:
+        return
+    torch.cuda.set_device(device)
+    _thread_device.index = device.index
 
 
 def group_error(group, device: torch.device) -> str | None:
@@ -106,6 +120,7 @@ class WorkPoller:
     def _in_flight(entry: tuple, now: float, report: Callable[[str], None], errors: dict) -> bool:
         deadline, start, timeout_s, blocked, event, groups, device, frames = entry
         try:
+            bind_device(device)
             done = event.query()
         except RuntimeError as err:  # the device reports an error (e.g. an illegal access in the stream)
             outcome = "timed out" if is_timeout(err) else "failed"

@@ -114,6 +114,8 @@ class Watchdog:
 
         The poller gets the event, the groups (whose error state tells a failed work from a finished one) and the
         call site; never the Works or their tensors, so every buffer is freed as soon as Python drops it."""
+        if device.type == "cuda" and device.index is None:  # the watchdog thread must know which GPU: name it here
+            device = torch.device("cuda", torch.cuda.current_device())
         event = watchdog_polling.record_event(device)
         if event is None or event.query():
             return
@@ -239,13 +241,19 @@ def post_failed(blocked: Blocked, err: BaseException, timeout_s: float | None) -
     WATCHDOG.failed(blocked, err, time.perf_counter(), timeout_s)
 
 
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
 class Guard:
-    """`with guard(...)`: arm the watchdog around blocking torch.distributed calls made outside TSPComm."""
+    """`with guard(...)`: arm the watchdog around blocking torch.distributed calls made outside TSPComm. poll: the
+    device of the block's tensors when its collectives do not block the host (NCCL): after the block an event on
+    that device's stream is watched like a TSPComm wait's (Watchdog.watch)."""
 
-    __slots__ = ("blocked", "timeout_s", "_token", "_start")
+    __slots__ = ("blocked", "timeout_s", "poll", "_token", "_start")
 
-    def __init__(self, blocked: Blocked, timeout_s: float | None):
+    def __init__(self, blocked: Blocked, timeout_s: float | None, poll: torch.device | None = None):
         self.blocked, self.timeout_s, self._token = blocked, timeout_s, None
+        self.poll = poll if poll is not None and poll.type not in ("cpu", "meta") else None
 
     def __enter__(self) -> "Guard":
         self._start = time.perf_counter()
@@ -257,17 +265,21 @@ class Guard:
         if self._token is not None:
             WATCHDOG.disarm(self._token)
             self._token = None
-        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, TSPCommError):
+        # an out-of-memory error is the device's, not a peer's: it propagates as it is
+        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, (TSPCommError, _OOM)):
             WATCHDOG.failed(self.blocked, exc, self._start, self.timeout_s)
+        if exc is None and self.poll is not None and self.timeout_s is not None:
+            WATCHDOG.watch(self.poll, self.blocked, self._start, self.timeout_s, sys._getframe(1))
         return False
 
 
 def guard(what: str, *, timeout_s: float | None = 1800, group: Any = None, comm: Any = None,
-          context: str | None = None) -> Guard:
+          context: str | None = None, poll: torch.device | None = None) -> Guard:
     """Bound a block of blocking torch.distributed calls, e.g. `with guard("loss all_reduce", group=g): ...`.
 
     group: the process group the block talks to (its other ranks are named as the waited-for peers; default the
-    TSP group of `comm`, else the world). Prefer `comm.guard(what)`, which takes timeout_s and context from comm.
+    TSP group of `comm`, else the world). poll: the device of the block's tensors (see Guard). Prefer
+    `comm.guard(what)`, which takes timeout_s and context from comm.
     """
     if group is not None and dist.is_initialized():
         peer = ("ranks", dist.get_process_group_ranks(group))
@@ -276,7 +288,7 @@ def guard(what: str, *, timeout_s: float | None = 1800, group: Any = None, comm:
     else:
         peer = ("ranks", list(range(dist.get_world_size())) if dist.is_initialized() else [0])
     return Guard(Blocked(comm, what, peer, context=context if context is not None else getattr(comm, "context", "")),
-                 timeout_s)
+                 timeout_s, poll)
 
 
 def stats() -> dict:

@@ -20,11 +20,14 @@ from ds_tsp.core.tokens.zigzag import zigzag_chunks
 DocStarts = tuple[tuple[int, ...], ...]  # per batch row: sorted global token indices, the first is 0
 
 
-def document_starts(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DocStarts | None:
+def document_starts(position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    max_breaks: int | None = None) -> DocStarts | None:
     """Document starts of global [B, S] position_ids (and 0/1 attention_mask); None when every row is one document.
 
     ONE device-to-host read per call (the kernels slice by python ints). The meta device has no values to read:
-    there every row is taken as one document (None) and the padding check is skipped.
+    there every row is taken as one document (None) and the padding check is skipped. max_breaks: an upper bound
+    on the breaks (document starts after column 0, padding edges) known on the host, e.g. from the input check's
+    per-rank counts: the read is then 1 + B + max_breaks ints instead of 1 + B + B S.
     """
     if position_ids.dim() != 2:
         raise TSPConfigError(f"position_ids has shape {list(position_ids.shape)}: expected [batch, seq]")
@@ -40,9 +43,12 @@ def document_starts(position_ids: torch.Tensor, attention_mask: torch.Tensor | N
         return None
     # nonzero_static has a size known without reading the data, so the count, the padding check and the break
     # positions all come back in one read (nonzero would sync once by itself, then again for tolist)
-    flat = torch.nonzero_static(breaks.reshape(-1), size=breaks.numel(), fill_value=-1).reshape(-1)
+    size = breaks.numel() if max_breaks is None else min(breaks.numel(), max_breaks)
+    flat = torch.nonzero_static(breaks.reshape(-1), size=size, fill_value=-1).reshape(-1)
     host = torch.cat((breaks.sum().reshape(1), rises, flat)).tolist()
     n_breaks, row_rises, indices = host[0], host[1:1 + len(rises)], host[1 + len(rises):]
+    if n_breaks > size:  # a wrong bound would drop starts silently: never return a truncated layout
+        raise RuntimeError(f"document_starts: {n_breaks} document breaks, more than max_breaks={max_breaks}")
     holes = [b for b, r in enumerate(row_rises) if r > 1]
     if holes:
         raise padding_holes_error(holes[0])
@@ -155,11 +161,14 @@ class DocumentLayout:
     per chunk length and kept here, not re-derived by every layer, head block and phase.
     """
 
-    __slots__ = ("rows", "_cuts")
+    __slots__ = ("rows", "_cuts", "_hash")
 
     def __init__(self, rows: tuple[tuple[int, ...], ...]):  # trusted: rows already validated
         object.__setattr__(self, "rows", rows)
         object.__setattr__(self, "_cuts", {})
+        # hashed once: the per-step caches keyed by a layout (cp ring runs, local layouts) look it up per layer and
+        # head block, and hashing the rows anew walks every document start
+        object.__setattr__(self, "_hash", hash(rows))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"DocumentLayout is frozen (cannot set {name})")
@@ -181,7 +190,7 @@ class DocumentLayout:
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self.rows)
+        return self._hash
 
     def __reduce__(self):  # pickles as its rows (the caches are rebuilt on use)
         return DocumentLayout, (self.rows,)

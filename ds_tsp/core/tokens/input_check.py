@@ -138,7 +138,10 @@ def check_inputs(comm: TSPComm, vocab_size: int, input_ids: torch.Tensor, shift_
             gathered = data[None]
         full = (unshard(list(gathered.unbind(0)), dim=2) if comm.cp is None
                 else full_fields(comm, gathered))  # [fields, B, S]
-        doc_starts = document_starts(full[0], full[1] if attention_mask is not None else None)
+        # at most every rank's breaks inside its chunks plus one at each chunk's first token: a read of that
+        # many positions, not of all B * S
+        bound = sum(h.breaks for h in heads) + B * 2 * len(heads)
+        doc_starts = document_starts(full[0], full[1] if attention_mask is not None else None, max_breaks=bound)
     return total, (None if doc_starts is None else document_layout(doc_starts, B))
 
 

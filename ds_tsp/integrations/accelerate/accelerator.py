@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_tsp.checkpoint import tensor_tree
 from ds_tsp.checkpoint.local_state import load_model_local, load_optimizer_local, to_local
 from ds_tsp.core.config import check_deepspeed_compatible
 from ds_tsp.core.errors import TSPConfigError
@@ -41,6 +42,7 @@ from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
 from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader
 from ds_tsp.integrations.accelerate.launch_config import TSPAccelerateSetup, resolve_setup
 from ds_tsp.integrations.accelerate.state_layout import check_layout, layout_record, write_layout
+from ds_tsp.integrations.deepspeed.clip_norm import keep_clip_norm
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
 from ds_tsp.model.convert import parameter_names, rebind_optimizer, to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
@@ -55,7 +57,44 @@ def _import_accelerate():
 
 
 _accelerate = _import_accelerate()
-STATE_FILE = "tsp_state_rank{rank}.pt"
+STATE_STEM = "tsp_state_rank{rank}"  # + .safetensors and .json (ds_tsp.checkpoint.tensor_tree): never unpickled
+PICKLED_STATE_FILE = "tsp_state_rank{rank}.pt"  # what earlier versions wrote: refused, never loaded
+
+
+def write_rank_state(directory: str | Path, rank: int, models: list, optimizers: list) -> None:
+    """This rank's own model and optimizer shards (local tensors) as safetensors + JSON."""
+    state = {"models": [to_local(m.state_dict()) for m in models],
+             "optimizers": [to_local(o.state_dict()) for o in optimizers]}
+    tensor_tree.save_tree(directory, STATE_STEM.format(rank=rank), state)
+
+
+def read_rank_state(directory: str | Path, rank: int, device: torch.device | str) -> dict:
+    """What write_rank_state saved for `rank`, read without unpickling; a pickled state of an earlier version is
+    one TSPConfigError (it is never opened: unpickling a file can run arbitrary code)."""
+    stem = STATE_STEM.format(rank=rank)
+    tensors, record = tensor_tree.paths(directory, stem)
+    if not record.is_file():
+        pickled = Path(directory) / PICKLED_STATE_FILE.format(rank=rank)
+        if pickled.is_file():
+            raise TSPConfigError(
+                f"{pickled} is a pickled TSPAccelerator state of an earlier ds_tsp: it is not loaded, since "
+                f"unpickling a file can run arbitrary code. Resume from the run's ds_tsp.save_training_checkpoint "
+                f"or its saved model, or, for a state you trust, convert it once with "
+                f"ds_tsp.integrations.accelerate.accelerator.convert_pickled_state({str(directory)!r})")
+        raise TSPConfigError(f"{record} is missing: the state was saved by another layout or without TSP")
+    return tensor_tree.load_tree(directory, stem, device)
+
+
+def convert_pickled_state(directory: str | Path) -> list[Path]:
+    """Rewrite the pickled per-rank states of an earlier ds_tsp in `directory` as safetensors + JSON. It UNPICKLES
+    them: call it only on a state you trust (load_state itself never does). Returns the converted files."""
+    converted = []
+    for pickled in sorted(Path(directory).glob(PICKLED_STATE_FILE.format(rank="*"))):
+        rank = int(pickled.stem.rsplit("rank", 1)[1])
+        state = torch.load(pickled, map_location="cpu", weights_only=False)
+        tensor_tree.save_tree(directory, STATE_STEM.format(rank=rank), state)
+        converted.append(pickled)
+    return converted
 
 
 def _cpu_defaults(kwargs: dict, mode: str) -> dict:
@@ -71,6 +110,12 @@ def _cpu_defaults(kwargs: dict, mode: str) -> dict:
     if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     return {**kwargs, "kwargs_handlers": handlers}
+
+
+def _guard(accelerator, what: str, group, poll: torch.device | None = None):
+    """The accelerator's TSPComm guard (its timeout_s, the watchdog's one line) around a collective of its own."""
+    comm = getattr(accelerator, "tsp_comm", None)
+    return comm.guard(what, group=group, poll=poll) if comm is not None else contextlib.nullcontext()
 
 
 class DataAxisScheduler(_accelerate.scheduler.AcceleratedScheduler):
@@ -243,7 +288,9 @@ class TSPAccelerator(_accelerate.Accelerator):
             if model is not None and model.tsp.lm_head is not None and model.tsp.lm_head.tied and \
                     (config.get("zero_optimization") or {}).get("stage", 0) == 3:
                 deepspeed.zero.register_external_parameter(model.tsp.lm_head, model.tsp.model.embed_tokens.vocab_shard)
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            keep_clip_norm(out[0])  # the grad_norm the Trainer logs, also without ZeRO
+            return out
 
         deepspeed.initialize = initialize
         try:
@@ -287,7 +334,8 @@ class TSPAccelerator(_accelerate.Accelerator):
             if t.dim() == 0:
                 t = t[None]
             out = [torch.empty_like(t) for _ in range(self.data_size * cp_size)]
-            dist.all_gather(out, t, group=self._data_group)
+            with _guard(self, "gather over data", self._data_group, poll=t.device):
+                dist.all_gather(out, t, group=self._data_group)
             return torch.cat(out[::cp_size])
 
         return recursively_apply(gather_one, tensor, error_on_other_type=True)
@@ -306,7 +354,8 @@ class TSPAccelerator(_accelerate.Accelerator):
                 data = input_data if isinstance(input_data, list) else [input_data]
             else:
                 parts = [None] * (self.data_size * self._cp_size)
-                dist.all_gather_object(parts, input_data, group=self._data_group)
+                with _guard(self, "gather_for_metrics gather_object over data", self._data_group):
+                    dist.all_gather_object(parts, input_data, group=self._data_group)
                 data = [x for part in parts[::self._cp_size] for x in (part if isinstance(part, list) else [part])]
         else:
             data = self.gather(input_data)
@@ -340,9 +389,7 @@ class TSPAccelerator(_accelerate.Accelerator):
                 location = super().save_state(output_dir, safe_serialization, **kwargs)
             finally:
                 self._models, self._optimizers = models, optimizers
-            state = {"models": [to_local(m.state_dict()) for m in models],
-                     "optimizers": [to_local(o.state_dict()) for o in optimizers]}
-            torch.save(state, Path(location) / STATE_FILE.format(rank=self.process_index))
+            write_rank_state(location, self.process_index, models, optimizers)
         if self.is_local_main_process:
             write_layout(location, self._state_layout(), self.process_index)
         self.wait_for_everyone()
@@ -369,18 +416,14 @@ class TSPAccelerator(_accelerate.Accelerator):
             return super().load_state(input_dir, load_kwargs, **kwargs)
         if input_dir is None:
             raise TSPConfigError("load_state needs input_dir under TSP (automatic checkpoint naming is not supported)")
+        # read first: a missing or refused state fails before Accelerate restored its part (RNG, scheduler)
+        state = read_rank_state(input_dir, self.process_index, self.device)
         models, optimizers = self._models, self._optimizers
         self._models, self._optimizers = [], []
         try:
             super().load_state(input_dir, load_kwargs, **kwargs)
         finally:
             self._models, self._optimizers = models, optimizers
-        path = Path(input_dir) / STATE_FILE.format(rank=self.process_index)
-        if not path.is_file():
-            raise TSPConfigError(f"{path} is missing: the state was saved by another layout or without TSP")
-        # FSDP2 tensors record their storage on "cpu:0", which torch.load only maps with an explicit "cpu"
-        where = "cpu" if self.device.type == "cpu" else self.device
-        state = torch.load(path, map_location=where, weights_only=False)
         for model, saved in zip(models, state["models"]):
             load_model_local(model, saved)
         for optimizer, saved in zip(optimizers, state["optimizers"]):

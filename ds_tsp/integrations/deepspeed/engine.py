@@ -25,6 +25,7 @@ from ds_tsp.core.reliability.watchdog import label_modules
 from ds_tsp.core.shape.hf_config import generation_config_json
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.loader import TSPDataLoader
+from ds_tsp.integrations.deepspeed.clip_norm import keep_clip_norm
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.convert import to_tsp_model
@@ -142,8 +143,27 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         loader = TSPDataLoader(training_data, groups, micro_batch_size=engine.train_micro_batch_size_per_gpu(),
                                seed=seed, device=engine.device)
     engine.tsp_groups, engine.tsp_config, engine.tsp_model = groups, tsp, tsp_model
+    keep_clip_norm(engine)
     engine.tsp_guard = guard
+    engine.tsp_comm = comm  # `with engine.tsp_comm.guard("what", group=g):` bounds a script's own collectives
+    if tsp.pipeline_stages == 1:
+        _guard_step(engine, comm)
     return engine, opt, loader, sched
+
+
+def _guard_step(engine, comm) -> None:
+    """engine.step() posts DeepSpeed's own collectives (the grad-norm all-reduce over the TSP group for clipping,
+    ZeRO's gathers): bounded by timeout_s with the watchdog's one line, like every collective of ds_tsp's."""
+    import torch.distributed as dist
+
+    step = engine.step
+
+    def guarded_step(*args, **kwargs):
+        with comm.guard("DeepSpeed optimizer step (grad-norm all_reduce, ZeRO collectives)", group=dist.group.WORLD,
+                        context="optimizer step"):
+            return step(*args, **kwargs)
+
+    engine.step = guarded_step
 
 
 # Variables a launcher sets: torchrun / deepspeed (WORLD_SIZE), mpirun (OpenMPI, MPICH / Intel MPI, MVAPICH).

@@ -57,7 +57,7 @@ class DecoderPipe(TSPDecoderLayer):
     def __init__(self, shape: ModelShape, comm: TSPComm, options: TSPOptions, dtype, device, index: int,
                  positions: StepPositions):
         super().__init__(shape, comm, options, dtype, device, layer=index)
-        self.shape, self.index, self.positions = shape, index, positions
+        self.shape, self.index, self.positions, self.comm = shape, index, positions, comm
 
     def forward(self, inputs):
         h, position_ids, shift_labels = inputs

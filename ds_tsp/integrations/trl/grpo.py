@@ -232,7 +232,8 @@ class DataAxisAccelerator:
         out = tensor.clone()
         group = self._trainer.tsp_groups.data_group if data_size(self._trainer) > 1 else None
         if group is not None:
-            dist.all_reduce(out, group=group)
+            with self._trainer.tsp_comm.guard("GRPO reduce over data", group=group, poll=out.device):
+                dist.all_reduce(out, group=group)
         if reduction == "mean":
             out = out / data_size(self._trainer)
         return out * scale if scale != 1.0 else out
@@ -258,7 +259,8 @@ def data_axis(trainer):
         if data_size(trainer) == 1:
             return obj if isinstance(obj, list) else [obj]
         parts = [None] * data_size(trainer)
-        dist.all_gather_object(parts, obj, group=trainer.tsp_groups.data_group)
+        with trainer.tsp_comm.guard("GRPO gather_object over data", group=trainer.tsp_groups.data_group):
+            dist.all_gather_object(parts, obj, group=trainer.tsp_groups.data_group)
         return [x for part in parts for x in (part if isinstance(part, list) else [part])]
 
     trainer.accelerator = DataAxisAccelerator(accelerator, trainer)
@@ -310,7 +312,9 @@ def _broadcast_from_leader(trainer, payload):
     if comm.size == 1:
         return payload
     box = [payload if comm.rank == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, 0), group=comm.group)
+    # the group waits here while its leader generates: timeout_s must exceed one generation
+    with comm.guard("GRPO completions broadcast from TSP rank 0", context="generation"):
+        dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, 0), group=comm.group)
     return box[0]
 
 
@@ -337,8 +341,11 @@ def generate(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
 
     model = tsp_model(trainer)
     device = trainer.accelerator.device
+    dtype = generation_dtype(trainer.args, model.tsp.dtype)
     completions = None
-    with gathered_hf_model(model, device) as hf_model:
+    kv = kv_cache_bytes(model.config, len(prompt_ids), max(map(len, prompt_ids), default=0) +
+                        (trainer.generation_config.max_new_tokens or 0), dtype)
+    with gathered_hf_model(model, device, dtype, kv, f"of KV cache for {len(prompt_ids)} sequences") as hf_model:
         if hf_model is not None:
             tensors = [torch.tensor(ids) for ids in prompt_ids]
             pad_id, multiple = trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of
@@ -346,9 +353,11 @@ def generate(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
                                        pad_to_multiple_of=multiple).to(device),
                       "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0,
                                             padding_side="left", pad_to_multiple_of=multiple).to(device)}
-            with torch.no_grad():  # as TRL's regular path: no autocast around generate
-                # synced_gpus=False: under ZeRO-3 transformers would sync every decoding step over the world, but
-                # this whole copy generates on TSP rank 0 of each group alone
+            # under mixed precision the copy is in the generation dtype and runs under its autocast, as the
+            # accelerator's autocast runs a plain model's forward; synced_gpus=False: under ZeRO-3 transformers would
+            # sync every decoding step over the world, but this whole copy generates on TSP rank 0 of each group alone
+            low = dtype in (torch.bfloat16, torch.float16)
+            with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=low):
                 out = hf_model.generate(**inputs, generation_config=trainer.generation_config, synced_gpus=False)
             completion_ids = out[:, inputs["input_ids"].size(1):].cpu()
             is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids))
@@ -359,6 +368,26 @@ def generate(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
     completions, state = payload
     _set_rng_state(state, device)
     return completions
+
+
+def generation_dtype(args, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the generation copy: the mixed-precision dtype (bf16 / fp16) when the run trains in one, not the
+    fp32 master weights (half the memory, the fast GEMMs); else the model's own."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return model_dtype
+
+
+def kv_cache_bytes(config, sequences: int, tokens: int, dtype: torch.dtype) -> int:
+    """An upper estimate of HF generate's KV cache: every layer keeps K and V for every token of every sequence."""
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_attention_heads", 1)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return (2 * text.num_hidden_layers * kv_heads * head_dim * sequences * tokens *
+            torch.empty((), dtype=dtype).element_size())
 
 
 def broadcast_vllm_completions(trainer, completion_ids, logprobs):

@@ -15,10 +15,10 @@ labels, its collators, loss, metrics); TSPTrainer (listed FIRST, so it converts 
 - the packed-document keys TRL's collators emit (cu_seq_lens_q/k, seq_idx, seq_lengths) become position_ids
   restarting per document (integrations/accelerate/dataloaders.py), checked against the batch's position_ids;
 - TRL's num_tokens metric counts the tokens of the whole sequence (TRL would count this rank's shard).
-GRPOTrainer and RewardTrainer compose too: ds_tsp.integrations.trl.grpo (ds_tsp.hf.TSPGRPOTrainer) and
-ds_tsp.integrations.trl.reward (ds_tsp.hf.TSPRewardTrainer); RLOOTrainer runs on GRPO's machinery
-(ds_tsp.integrations.trl.rloo, ds_tsp.hf.TSPRLOOTrainer).
-Refused with a TSPConfigError naming them: the other TRL trainers (DPO, KTO, GKD, ...: their
+GRPOTrainer, RewardTrainer and DPOTrainer compose too: ds_tsp.integrations.trl.grpo (ds_tsp.hf.TSPGRPOTrainer),
+ds_tsp.integrations.trl.reward (ds_tsp.hf.TSPRewardTrainer) and ds_tsp.integrations.trl.dpo (TSPDPOTrainer);
+RLOOTrainer runs on GRPO's machinery (ds_tsp.integrations.trl.rloo, ds_tsp.hf.TSPRLOOTrainer).
+Refused with a TSPConfigError naming them: the other TRL trainers (KTO, GKD, ...: their
 losses read full logits of several models), SFTTrainer listed before TSPTrainer, and the SFT options
 that need full logits or modify the model TRL-side (peft_config, compute_loss_func, label_smoothing_factor, a
 chat_template_path that adds tokens, selective activation checkpointing, MoE router aux loss).
@@ -38,23 +38,24 @@ def _trl_trainers(cls: type) -> list[type]:
 
 
 def check_composition(cls: type, tsp_trainer: type) -> str | None:
-    """At class creation: "sft" / "grpo" / "reward" when `cls` composes TSPTrainer with TRL's SFTTrainer /
-    GRPOTrainer / RewardTrainer (TSPTrainer first; GRPO: ds_tsp.integrations.trl.grpo, Reward:
-    ds_tsp.integrations.trl.reward), "rloo" with RLOOTrainer (ds_tsp.integrations.trl.rloo); None without TRL;
-    TSPConfigError for any other TRL trainer, or the TRL trainer ahead of TSPTrainer."""
+    """At class creation: "sft" / "grpo" / "reward" / "dpo" when `cls` composes TSPTrainer with TRL's SFTTrainer /
+    GRPOTrainer / RewardTrainer / DPOTrainer (TSPTrainer first; GRPO: ds_tsp.integrations.trl.grpo, Reward:
+    ds_tsp.integrations.trl.reward, DPO: ds_tsp.integrations.trl.dpo), "rloo" with RLOOTrainer
+    (ds_tsp.integrations.trl.rloo); None without TRL; TSPConfigError for any other TRL trainer, or the TRL trainer
+    ahead of TSPTrainer."""
     trl_classes = _trl_trainers(cls)
     if not trl_classes:
         return None
-    from trl import GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
+    from trl import DPOTrainer, GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
-    supported = {SFTTrainer: "sft", GRPOTrainer: "grpo", RewardTrainer: "reward",
+    supported = {SFTTrainer: "sft", GRPOTrainer: "grpo", RewardTrainer: "reward", DPOTrainer: "dpo",
                  RLOOTrainer: "rloo"}  # RLOO: on GRPO's machinery (ds_tsp.integrations.trl.rloo)
     others = [c for c in trl_classes if c not in supported and c.__name__ != "_BaseTrainer"]
     if others:
         name = others[0].__name__
         raise TSPConfigError(f"{cls.__name__}: TSPTrainer with TRL's {name} is not supported (SFTTrainer, "
-                             "GRPOTrainer, RLOOTrainer and RewardTrainer are: ds_tsp.hf.TSPSFTTrainer, "
-                             f"TSPGRPOTrainer, TSPRLOOTrainer, TSPRewardTrainer): {name}'s loss reads "
+                             "GRPOTrainer, RewardTrainer, DPOTrainer and RLOOTrainer are: ds_tsp.hf.TSPSFTTrainer, "
+                             f"TSPGRPOTrainer, TSPRewardTrainer, TSPDPOTrainer, TSPRLOOTrainer): {name}'s loss reads "
                              "full-vocabulary logits (of a policy and a reference model, or of generated samples), "
                              "which TSP never builds per token")
     mro = list(cls.__mro__)
@@ -136,7 +137,8 @@ def batch_tokens(trainer, inputs: dict):
         local = inputs["attention_mask"].sum().to(torch.int64)
         groups = trainer.tsp_groups
         if groups is not None and groups.layout.tsp_enabled:
-            dist.all_reduce(local, group=groups.tsp_group)
+            with trainer.tsp_comm.guard("num_tokens all_reduce", group=groups.tsp_group, poll=local.device):
+                dist.all_reduce(local, group=groups.tsp_group)
         return local
     if inputs.get("position_ids") is not None:
         return torch.tensor(inputs.get("seq_len") or inputs["position_ids"].size(1),

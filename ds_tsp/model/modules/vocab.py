@@ -97,13 +97,15 @@ class TSPLMHeadLoss(TSPVocabShard):
     def weight(self) -> nn.Parameter:
         return self._tied_to[0].vocab_shard if self.tied else self.vocab_shard
 
-    def forward(self, h, shift_labels=None, n_valid_total=None, *, select=None, token_stats=False):
+    def forward(self, h, shift_labels=None, n_valid_total=None, *, select=None, token_stats=False,
+                logit_stats=False):
         """The loss share; or, with select=(local_index, slots, k), the [B, k, V] logits of k positions; or, with
-        token_stats=True, per-token (log_prob, entropy, is_top1, label_mask) [4, B, L] (a module call each time,
-        so ZeRO-3 gathers the weight for all three)."""
+        token_stats=True, per-token (log_prob, entropy, is_top1, label_mask) [4, B, L], and with logit_stats=True
+        also (mean_logit, log_sum_sq_probs): [6, B, L] (a module call each time, so ZeRO-3 gathers the weight for
+        all three)."""
         if token_stats:
             return tsp_token_stats(h, self.weight, shift_labels, self.vocab_size, self.comm,
-                                   chunk_tokens=self.chunk_tokens, softcap=self.softcap)
+                                   chunk_tokens=self.chunk_tokens, softcap=self.softcap, logit_stats=logit_stats)
         if select is not None:
             local_index, slots, k = select
             logits = tsp_selected_logits(h, self.weight, local_index, slots, k, self.vocab_size, self.comm)

@@ -44,6 +44,9 @@ LAYOUTS: dict[str, LayoutSpec] = {spec.name: spec for spec in (
                requires=("deepspeed", "transformers")),
     LayoutSpec("autotp_zero1", "autotp", "AutoTP + ZeRO-1", options=(("zero_stage", 1),),
                requires=("deepspeed", "transformers")),
+    # transformers' own model, torch FSDP2 data parallel, a whole sequence per rank: the hybrid models' second
+    # peer; runs when named (not in "all")
+    LayoutSpec("hf_fsdp2_dp", "fsdp2_dp", "HF model + FSDP2 DP (whole S per rank)", requires=("transformers",)),
 )}
 
 INSTALL_HINT = {

@@ -2,7 +2,8 @@
 
 TSP runs it (ShardedCausalLM builds TSPGatedDeltaNet for every linear_attention layer), and so does the baseline
 every user has: layout hf_zero3_dp (ds_tsp.tools.bench.zero3_dp), transformers' own model of the same config under
-DeepSpeed ZeRO-3 data parallelism, each rank a whole sequence. "all" means these (tsp, tsp_speed, hf_zero3_dp);
+DeepSpeed ZeRO-3 data parallelism, each rank a whole sequence, and, when named, hf_fsdp2_dp (ds_tsp.tools.bench.
+fsdp2_dp: the same model under torch FSDP2 data parallelism). "all" means tsp, tsp_speed, hf_zero3_dp;
 with --cp C, tsp_cp (C TSP groups sharing each sequence: the Gated DeltaNet gathers over cp) and tsp at C x D.
 
 The sequence-parallel peers cannot run it, and are refused by name rather than run on a model they do not build:
@@ -25,7 +26,8 @@ from dataclasses import replace
 from ds_tsp.core.shape.model_shape import ModelShape
 
 HYBRID_PEER = "hf_zero3_dp"  # the peer that runs transformers' own hybrid model
-_RUNS_HYBRIDS = ("tsp", "tsp_cp", "zero3_dp", "single")  # layout modules that build the hybrid model itself
+NAMED_ONLY = ("hf_fsdp2_dp",)  # transformers' model under FSDP2 data parallel: runs when named, never in "all"
+_RUNS_HYBRIDS = ("tsp", "tsp_cp", "zero3_dp", "fsdp2_dp", "single")  # layout modules that build the hybrid model
 
 
 def hybrid_layouts(shape: ModelShape, layouts_flag: str, layouts: list[str]) -> list[str]:
@@ -34,6 +36,8 @@ def hybrid_layouts(shape: ModelShape, layouts_flag: str, layouts: list[str]) -> 
     from ds_tsp.tools.bench.config import LAYOUTS
 
     explicit = layouts_flag.strip() != "all"
+    if not explicit:
+        layouts = [name for name in layouts if name not in NAMED_ONLY]
     if shape.layer_types is None:
         return layouts if explicit else [name for name in layouts if name != HYBRID_PEER]
     if not explicit:
@@ -42,7 +46,8 @@ def hybrid_layouts(shape: ModelShape, layouts_flag: str, layouts: list[str]) -> 
     if peers:
         raise ValueError(f"--layouts {peers}: a hybrid model (Gated DeltaNet layers, --hf-config model_type "
                          f"{shape.hybrid_family!r}) runs on tsp, tsp_speed, {HYBRID_PEER} (transformers' own model, "
-                         "ZeRO-3 data parallel) and single: the other peers' sessions build an HF Llama, and "
+                         "ZeRO-3 data parallel), hf_fsdp2_dp (the same under torch FSDP2) and single: the other "
+                         "peers' sessions build an HF Llama, and "
                          "DeepSpeed's Ulysses wraps the attention function only, so a Gated DeltaNet layer's conv "
                          "and recurrence would see 1/D of the sequence as the whole (deepspeedai/DeepSpeed#8114)")
     return layouts

@@ -33,6 +33,7 @@ KEYS = ("gemm_s", "attention_s", "comm_wait_s", "copy_s", "elementwise_s", "othe
 # event-name substrings -> layer type; matched against the event and then its ancestors, nearest first
 LAYERS = {
     "attention": ("_TSPAttention",),
+    "gdn": ("_TSPGatedDeltaNet",),  # a hybrid model's Gated DeltaNet (linear attention) layers
     "mlp": ("_TSPGatedMLP",),
     "vocab": ("_TSPEmbedding", "_TSPLMHeadLoss", "_SelectedLogits"),
     "optimizer": ("Optimizer.step", "Optimizer.zero_grad"),

@@ -76,7 +76,7 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
               "convention); TSP from its own counter, peers from every c10d / functional collective seen by the "
               "dispatcher. "
               "Step s: median over timed steps of the slowest rank's wall time; tokens/s = B*S / step s "
-              "(hf_zero3_dp: D*B*S, a sequence per rank). "
+              "(hf_zero3_dp, hf_fsdp2_dp: D*B*S, a sequence per rank). "
               "CPU s/step: CPU seconds of all ranks together per step (less disturbed by other load than wall "
               "time). Exposed comm: TSP's time blocked on communication handles / step time. "
               "Wall times on a shared CPU are noisy (results.json has the load average around each layout): "

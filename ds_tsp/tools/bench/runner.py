@@ -105,7 +105,8 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         # ones return at once, so this is a lower bound of exposed communication for the peers
         "comm_call_s_tracked": max(r["c10d"]["blocking_s"] for r in ranks),
         "step_s": step_s, "step_s_per_step": per_step,
-        # the group's tokens per step: B*S, or D*B*S for a data-parallel layout (hf_zero3_dp: a sequence per rank)
+        # the group's tokens per step: B*S, or D*B*S for a data-parallel layout (hf_zero3_dp, hf_fsdp2_dp: a
+        # sequence per rank)
         "tokens_per_step": ranks[0].get("tokens_per_step", cfg.batch * seq),
         "tokens_per_s": ranks[0].get("tokens_per_step", cfg.batch * seq) / step_s,
         # CPU seconds of all ranks together per step (median over steps): the work a step costs, which other

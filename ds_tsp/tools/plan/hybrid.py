@@ -294,11 +294,13 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     """Temporaries of a Gated DeltaNet layer: the prefetched shards (ShardStream: two foreign blocks ahead), the
     halo, one block's projections (q, k repeated to value heads, v, z; compute dtype), its gathered transitions,
     the chunk kernel's [C, C] sub-chunk matrices (ds_tsp.core.layers.linear_attention.delta_rule, C = min(64, L/2):
-    decay, k_beta k^T, the triangular system, q k^T, intra: 5 per value head and token), y; backward the block
-    recomputed under autograd, so its graph (the 5 matrices + their grads and the solves' temporaries: 10 per value head
-    and token, a count FITTED to MemTracker: peaks within 7% at three shapes, tests/tools/test_plan_hybrid.py checks
-    one) and twice the token-sized tensors, the grad reducer's shards and dx. This is the pure-torch kernel (CPU, or
-    without flash-linear-attention); fla's fused kernel holds less, so the plan is an upper bound there."""
+    decay, k_beta k^T, the triangular system, q k^T, intra: 5 per value head and token), y, and the next block's
+    chunk results (its transitions' gather overlaps them); backward the block recomputed under autograd, so its
+    graph (the 5 matrices + their grads and the solves' temporaries, walked once by the one-pass backward: 7.5 per
+    value head and token, a count FITTED to MemTracker: peaks within 1% at S = 256, 512, 1024 at D = 2,
+    tests/tools/test_plan_hybrid.py checks one) and twice the token-sized tensors, the grad reducer's shards and dx.
+    This is the pure-torch kernel (CPU, or without flash-linear-attention); fla's fused kernel holds less, so the
+    plan is an upper bound there."""
     g, b, B = hg.tsp, inp.dtype_bytes, inp.batch
     D, T, h = g.D, B * g.L, g.dims.h
     cb = hg.transition_bytes
@@ -308,8 +310,9 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     block = T * hg.vb * (2 * hg.dk + 3 * hg.dv) * cb
     square = T * hg.vb * min(GDN_CHUNK, g.L // 2) * cb  # one [C, C] matrix per value head, every local token
     trans = D * 2 * B * hg.vb * hg.dk * (hg.dk + hg.dv) * cb
-    return {"gdn_fwd": 2 * shard_in + halo + block + 5 * square + trans + x,
-            "gdn_bwd": 2 * shard_in + min(D - 1, 3) * hg.G * b + halo + 2 * (block + trans) + 10 * square + 2 * x}
+    return {"gdn_fwd": 2 * shard_in + halo + 2 * block + 5 * square + trans + x,
+            "gdn_bwd": 2 * shard_in + min(D - 1, 3) * hg.G * b + halo + 2 * (block + trans) + 15 * square // 2
+            + 2 * x}
 
 
 def sparse_mlp_transients(inp: PlanInput, hg: HybridGeometry, attention_mlp_transients, ring_buffers

@@ -210,11 +210,12 @@ def plan_tsp(inp: PlanInput, *, _other_schedules: bool = True) -> LayoutPlan:
             mlp_grads = ((sparse_mlp if top_sparse else g.M) + dims.h) * b
             dense_terms = [replace(t, name=f"dense layers x{dense}: {t.name}", calls=t.calls * dense,
                                    bytes=t.bytes * dense) for t in (*dense_fwd, *dense_bwd)] if dense else []
-        # cos, sin (shared by every layer; Gemma 4's full layers: of their own head_dim) and the sliding layers' own
+        # cos, sin (shared by every layer; Gemma 4's full layers: of their own head_dim), the sliding layers' own
         # pair where their theta or head_dim differs (ds_tsp.core.tokens.positions)
         m = inp.model
         own_sliding = any(m.layer_rope(i) == "sliding" for i in range(m.num_layers))
         other = 2 * T * ((m.full_head_dim or m.dim_per_head) + (m.dim_per_head if own_sliding else 0)) * b
+        other += T * b if dims.q_scaled else 0  # Ministral 3: each query's position scale, shared by the layers
         head_act = head_params = 0
         if stage.embed:
             params += g.Vd * dims.h

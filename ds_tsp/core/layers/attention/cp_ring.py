@@ -49,6 +49,7 @@ two accumulators and one contribution.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 
 import torch
@@ -127,18 +128,25 @@ def _runs(layout: DocumentLayout | None, batch: int, t0: int, n_queries: int, r:
     """Per group of batch rows with the same runs: (rows slice list, [(q0, q1, k0)]): queries t0+q0 .. t0+q1-1
     (one document) see keys k0 .. n_keys-1 of group r's buffer. Runs that see no key are left out."""
     if layout is None:
-        return [([slice(0, batch)], [(0, n_queries, 0)])]
+        return (((slice(0, batch),), ((0, n_queries, 0),)),)
+    return _document_runs(layout, batch, t0, n_queries, r, geo.cp, geo.cp_chunk, n_keys)
+
+
+@functools.lru_cache(maxsize=256)
+def _document_runs(layout: DocumentLayout, batch: int, t0: int, n_queries: int, r: int, cp: int, cp_chunk: int,
+                   n_keys: int) -> tuple:
+    """_runs for packed documents, computed once per (layout, chunk, foreign group) and step: the forward, the
+    recompute and the backward of every layer and head block ask the same. Each row's starts are searched
+    (bisect), not scanned: a 1M-token pack of short documents holds thousands per row."""
     groups: dict[tuple, list[int]] = {}
     t1 = t0 + n_queries
     for b, starts in enumerate(layout.rows):
-        runs, doc = [], 0
-        for s in starts:  # the document holding t0
-            if s <= t0:
-                doc = s
-        cuts = [t0] + [s for s in starts if t0 < s < t1] + [t1]
-        docs = [doc] + [s for s in starts if t0 < s < t1]
+        first = bisect.bisect_right(starts, t0)  # starts[first - 1] <= t0: the document holding t0 (starts[0] = 0)
+        inside = starts[first:bisect.bisect_left(starts, t1, lo=first)]  # documents starting in (t0, t1)
+        cuts, docs = (t0, *inside, t1), (starts[first - 1], *inside)
+        runs = []
         for a, u0, u1 in zip(docs, cuts, cuts[1:]):
-            k0 = _buffer_offset(a, r, geo.cp, geo.cp_chunk)
+            k0 = _buffer_offset(a, r, cp, cp_chunk)
             if k0 < n_keys:
                 runs.append((u0 - t0, u1 - t0, k0))
         groups.setdefault(tuple(runs), []).append(b)
@@ -146,8 +154,9 @@ def _runs(layout: DocumentLayout | None, batch: int, t0: int, n_queries: int, r:
     for runs, rows in groups.items():
         if runs:
             contiguous = rows[-1] - rows[0] + 1 == len(rows)
-            out.append(([slice(rows[0], rows[-1] + 1)] if contiguous else [slice(b, b + 1) for b in rows], runs))
-    return out
+            out.append(((slice(rows[0], rows[-1] + 1),) if contiguous else tuple(slice(b, b + 1) for b in rows),
+                        runs))
+    return tuple(out)
 
 
 def _single(layout: DocumentLayout) -> DocumentLayout | None:

@@ -182,12 +182,13 @@ def _groups(layouts: LayoutCut, device):
 
 @functools.lru_cache(maxsize=256)
 def _row_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """`rows` as an index tensor on `device`, built once per layout (not per layer and block) and by fills:
-    torch.tensor(rows, device=) would be a blocking host-to-device copy."""
+    """`rows` as an index tensor on `device`, built once per layout (not per layer and block) and by fills of
+    one-element SLICES: torch.tensor(rows, device=) and `index[i] = r` would each be a blocking host-to-device copy
+    on CUDA (an element target copies a host scalar and waits; a slice target is an asynchronous fill)."""
     with torch.inference_mode(False):  # a cached inference tensor would be unusable once autograd records
         index = torch.empty(len(rows), dtype=torch.int64, device=device)
         for i, r in enumerate(rows):
-            index[i] = r
+            index[i:i + 1] = r
     return index
 
 

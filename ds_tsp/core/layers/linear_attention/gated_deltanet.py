@@ -21,8 +21,9 @@ Schedule (like TSP attention: the weights travel, every rank computes its own to
         per local chunk (every row at once, document starts cut inside the kernel): chunked delta rule from a zero
             state -> o_local, q_eff (o = o_local + q_eff S_in) and the chunk's transition (M, U)
             (ds_tsp.core.layers.linear_attention.delta_rule)
-        all-gather the transitions (with cp: then over cp too), compose all 2D (2CD) in sequence order -> S_in of
-            both local chunks
+        all-gather the transitions (with cp: then over cp too), posted at once and waited only after block j+1's
+            chunks above have run (TransitionGather: the gather travels behind them; the cp stage is posted as
+            soon as the TSP stage is in); compose all 2D (2CD) in sequence order -> S_in of both local chunks
         o = o_local + q_eff @ S_in (q_eff is 0 from a chunk's first document start on); gated RMSNorm;
         y += o @ Wout_j^T
 The chunk kernel: on CUDA in fp16 / bf16 flash-linear-attention's chunk_gated_delta_rule when installed (one call
@@ -33,17 +34,24 @@ Document starts reset the state (M = 0 from there) and the conv (masked taps), a
 cu_seq_lens.
 
 Backward (hand-written loop, autograd inside each block): for j in 0..D-1 the shard is broadcast again and the
-block recomputed from x and the halo under autograd, in two stages around the one explicit collective:
-    1. grads of this rank's output w.r.t. x, the halo, the norm weight, the shard AND every rank's gathered (M, U)
+block recomputed from x and the halo under autograd, its chunk results (o_local, q_eff, z) cut off as fresh leaves,
+so every op's backward runs ONCE per block, in three stages around the one explicit collective:
+    1. the output side (out projection's dX, gated norm, the start-state GEMMs and their composition): grads of
+       this rank's chunk results, of the norm weight and of EVERY rank's gathered (M, U); no chunk kernel, no
+       projection
     2. reduce-scatter of the (M, U) grads, posted by EVERY rank (also one whose chunks all start documents and so
-       read no state: autograd alone would skip it there and the other ranks would wait), then the grads of this
-       rank's own transitions are pulled back through its chunk kernels into x, the halo and the shard.
+       read no state: autograd alone would skip it there and the other ranks would wait); the out projection's
+       weight grad is computed while it travels
+    3. one autograd pass through the chunk kernels (the torch kernel's graph or FLA's backward), conv and the
+       q/k/v/z/a/b projections with both cotangents at once: the chunk results' (stage 1) and the transitions'
+       (stage 2) -> the grads of x, the halo and the shard.
 The block's packed weight grad is reduced to its owner (ShardGradReducer). The halo's grad returns to the ranks
 holding those tokens once, after the blocks (conv_halo's autograd dual: a reduce-scatter). Saved for backward: x,
 the halo and the parameters (a LoRA-merged shard as its base and factors, rebuilt in backward: shard_rebuild; no
 per-block activation, no foreign shard): memory O(B L h) + one block's recompute
-graph (O(B L vb (2 dk + 3 dv)) + O(D B vb dk (dk + dv))) + at most 3 packed shards in flight. Compute: the forward
-twice (the price of keeping nothing per block).
+graph (O(B L vb (2 dk + 3 dv)) + O(D B vb dk (dk + dv))) + at most 3 packed shards in flight; forward holds two
+blocks' chunk results at once (block j's while block j+1's run). Compute: the forward twice (the price of keeping
+nothing per block) and the backward once.
 
 Bytes per layer per rank (elements x dtype bytes; rho = (D-1)/D; W = the layer's sharded weights):
     forward:  rho W (shards) + 2 (D-1) B min(c, K-1) h (halo) + 2 (D-1) B H_v dk (dk + dv) (transitions, compute dtype)
@@ -63,7 +71,11 @@ document that starts in another group's chunk resets the state and the conv here
               halo's reduce-scatter
 O(1) in S as well. Without cp the collectives and bytes are exactly those above.
 
-Host syncs: 0 (document cuts are host ints of the DocumentLayout; the tap masks are built by fills on the device).
+Host syncs: 0 (document cuts are host ints of the DocumentLayout; the reset and tap masks are built by fills of
+slices on the device, never `t[i] = v`; FLA's varlen plan goes over in one non-blocking copy from pinned memory and
+FLA gets cu_seqlens' host copy as cu_seqlens_cpu, so it reads nothing back; a chunk without a document start calls
+FLA without cu_seqlens. FLA older than 0.4.2 takes no cu_seqlens_cpu and reads cu_seqlens itself on a packed chunk:
+that read is FLA's; tests/hybrid/test_gated_deltanet_properties.py counts them all, FLA's stand-in included).
 Collectives are posted in the same order on every rank: the loop and the masks are decided by shapes and the layout
 only, identical on all ranks.
 """
@@ -77,7 +89,7 @@ import torch.nn.functional as F
 
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.primitives import ShardGradReducer, ShardStream
-from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
+from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast, dtype_inside
 from ds_tsp.core.layers.linear_attention.delta_rule import chunk_gated_delta_rule, l2_normalize
 from ds_tsp.core.layers.linear_attention.delta_rule_fla import BACKENDS as DELTA_RULE_BACKENDS
 from ds_tsp.core.layers.linear_attention.delta_rule_fla import (
@@ -85,12 +97,13 @@ from ds_tsp.core.layers.linear_attention.delta_rule_fla import (
     fla_kernel,
     select_delta_rule_backend,
 )
+from ds_tsp.core.layers.linear_attention.delta_rule_fla import warm_up as fla_warm_up
 from ds_tsp.core.layers.linear_attention.scan import (
     ChunkPlan,
+    TransitionGather,
+    TransitionGradScatter,
     chunk_plans,
     conv_halo,
-    gather_transitions,
-    scatter_transition_grads,
     start_states,
 )
 from ds_tsp.core.layers.shard_rebuild import save_with_shard, saved_with_shard
@@ -231,6 +244,18 @@ def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: G
     return F.linear(on.to(x.dtype).reshape(B, L, -1), w["out"])
 
 
+def _cut(local: _LocalBlock) -> _LocalBlock:
+    """The block's local results as fresh autograd leaves: the output side's backward then runs apart from (and
+    before) the chunk kernels', whose one pass takes both of its cotangents."""
+    leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
+    return _LocalBlock([(leaf(o), leaf(q)) for o, q in local.outputs], local.transitions, leaf(local.z))
+
+
+def _ends(local: _LocalBlock) -> list:
+    """What the chunk kernels and projections hand the output side: o_local, q_eff of each chunk, then z."""
+    return [t for pair in local.outputs for t in pair] + [local.z]
+
+
 class _TSPGatedDeltaNet(torch.autograd.Function):
     AUTOCAST = AUTOCAST_LOW_PRECISION  # projections in the autocast dtype; the delta rule itself runs in float32
 
@@ -238,12 +263,22 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
     def forward(ctx, x, halo, packed_shard, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm, plans):
         y = torch.zeros_like(x)
         shards = ShardStream(comm, packed_shard)
-        for j in range(comm.size):
-            shards.next_block(j)
+
+        def start(j):
+            """Block j's chunks from the local tokens, and its transitions' gather posted."""
             w = spec.layout.unpack(shards.take(j))
             local = _block_local(x, halo, w, spec, plans)
-            everyone = gather_transitions(local.transitions, comm)
-            y.add_(_block_output(local, everyone, x, w, norm_weight, spec, comm))
+            return w, local, TransitionGather(local.transitions, comm)
+
+        pending = None
+        for j in range(comm.size):
+            shards.next_block(j)
+            w, local, gather = pending or start(j)
+            gather.advance()
+            # block j's transitions travel while block j+1's chunks run (its shard is already posted)
+            pending = start(j + 1) if j + 1 < comm.size else None
+            y.add_(_block_output(local, gather.wait(), x, w, norm_weight, spec, comm))
+            del w, local, gather
         ctx.spec, ctx.comm, ctx.plans = spec, comm, plans
         # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
         save_with_shard(ctx, packed_shard, x, halo, norm_weight)
@@ -255,15 +290,9 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
         packed_shard, (x, halo, norm_weight) = saved_with_shard(ctx)
         need_w = ctx.needs_input_grad[2]  # a frozen shard: no weight grads, nothing reduced to owners
         dy = dy.contiguous()
-        acc = [torch.zeros_like(x), torch.zeros_like(halo), torch.zeros_like(norm_weight)]
+        dx, dhalo, dnorm = torch.zeros_like(x), torch.zeros_like(halo), torch.zeros_like(norm_weight)
         shards = ShardStream(comm, packed_shard)
         reducer = ShardGradReducer(comm)
-
-        def add(grads, into):
-            for i, gr in enumerate(grads):
-                if gr is not None:  # None: unused (the empty halo of a kernel-1 conv)
-                    into[i] = gr if into[i] is None else into[i] + gr
-
         for j in range(comm.size):
             shards.next_block(j)
             with torch.enable_grad():
@@ -271,25 +300,35 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 shard = shards.take(j).detach().requires_grad_(need_w)
                 w = spec.layout.unpack(shard)
                 local = _block_local(x_, halo_, w, spec, plans)
-                everyone = gather_transitions(local.transitions, comm).requires_grad_()
-                y = _block_output(local, everyone, x_, w, nw_, spec, comm)
-                leaves = (x_, halo_, nw_) + ((shard,) if need_w else ())
-                # stage 1: grads from this rank's outputs, including those of every rank's transitions ...
-                first = torch.autograd.grad(y, leaves + (everyone,), dy, retain_graph=True, allow_unused=True)
-                d_everyone = first[-1] if first[-1] is not None else torch.zeros_like(everyone)
-                # ... stage 2: the sum over ranks of the grads of OUR transitions (posted on every rank), into them
-                d_local = scatter_transition_grads(d_everyone, comm)
-                second = torch.autograd.grad(local.transitions, leaves, d_local, allow_unused=True)
-            block = [None] * len(leaves)
-            add(first[:-1], block)
-            add(second, block)
-            for i in range(3):
-                if block[i] is not None:
-                    acc[i].add_(block[i])
+                gather = TransitionGather(local.transitions, comm)
+                cut = _cut(local)
+                everyone = gather.wait().requires_grad_()
+                y = _block_output(cut, everyone, x_, w, nw_, spec, comm)
+                # 1. the output side (norm, gate, the start states' GEMMs): grads of every rank's transitions,
+                # of this rank's chunk results and of the norm weight; no chunk kernel, no projection
+                first = torch.autograd.grad(y, (everyone, nw_, *_ends(cut)), dy, retain_graph=need_w,
+                                            allow_unused=True)
+                d_everyone = first[0] if first[0] is not None else torch.zeros_like(everyone)
+                # 2. the sum over ranks of the grads of OUR transitions (posted on every rank) travels while the
+                # out projection's weight grad is computed
+                scatter = TransitionGradScatter(d_everyone, comm)
+                d_out = torch.autograd.grad(y, shard, dy)[0] if need_w else None
+                del y, cut, everyone
+                d_local = scatter.wait()
+                # 3. ONE pass through the chunk kernels, conv and projections with both cotangents
+                pairs = [(t, g) for t, g in zip(_ends(local) + [local.transitions], [*first[2:], d_local])
+                         if g is not None and t.requires_grad]
+                leaves = (x_, halo_) + ((shard,) if need_w else ())
+                second = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
+                                             allow_unused=True)
+            for acc, grad in zip((dx, dhalo, dnorm), (second[0], second[1], first[1])):
+                if grad is not None:  # None: unused (the empty halo of a kernel-1 conv)
+                    acc.add_(grad)
             if need_w:
-                reducer.reduce(j, block[3].contiguous())
+                block = d_out if second[2] is None else second[2] + d_out
+                reducer.reduce(j, block.contiguous())
         grad_shard = reducer.finish() if need_w else None
-        return acc[0], acc[1], grad_shard, acc[2], None, None, None
+        return dx, dhalo, grad_shard, dnorm, None, None, None
 
 
 def tsp_gated_deltanet(x: torch.Tensor, packed_shard: torch.Tensor, norm_weight: torch.Tensor,
@@ -303,6 +342,11 @@ def tsp_gated_deltanet(x: torch.Tensor, packed_shard: torch.Tensor, norm_weight:
     if L % 2:
         raise ValueError(f"tsp_gated_deltanet: the local length {L} must hold two zigzag chunks (even)")
     cp = () if comm.cp is None else (comm.cp.size, comm.cp.rank)  # the chunks are then global chunks of 2 C D
+    kernel_dtype = dtype_inside(_TSPGatedDeltaNet, x.device.type, x.dtype)
+    if (spec.delta_rule_backend or select_delta_rule_backend(x.device, kernel_dtype)) == "fla":
+        # FLA's first-call compile before this layer posts anything (once per shape class and process)
+        fla_warm_up(fla_kernel(), spec.value_heads_per_block, spec.key_head_dim, spec.value_head_dim, x.device,
+                    kernel_dtype)
     plans = chunk_plans(tuple(map(tuple, doc_rows)), comm.rank, comm.size, L, spec.conv_kernel, x.dtype, x.device,
                         *cp)
     halo = conv_halo(x, comm, spec.conv_kernel - 1) if spec.conv_kernel > 1 else x.new_zeros(B, 2, 0, h)

@@ -121,7 +121,8 @@ def chunk_plans(doc_rows: tuple[tuple[int, ...], ...], rank: int, tsp: int, loca
     row starting at 0); cp, cp_rank: the cp axis (the chunks are then global chunks of 2*cp*tsp).
 
     Built once per step (memoised on the layout: every linear-attention layer and head block of the step, and
-    backward, reuse it), by fills on `device`: no host-to-device copy. Constants (no grad), safe to share."""
+    backward, reuse it), by fills of slices on `device`: no host-to-device copy (an element assignment `t[i] = v`
+    would be one, blocking, on CUDA). Constants (no grad), safe to share."""
     c, B = local_len // 2, len(doc_rows)
     plans = []
     with torch.inference_mode(False):  # a cached inference tensor would be unusable once autograd records
@@ -135,7 +136,7 @@ def chunk_plans(doc_rows: tuple[tuple[int, ...], ...], rank: int, tsp: int, loca
                 for s in inside:
                     if reset is None:
                         reset = torch.zeros(B, c, dtype=dtype, device=device)
-                    reset[b, s - lo] = 1
+                    reset[b, s - lo:s - lo + 1] = 1  # a slice: an asynchronous fill (an element: a blocking copy)
                 # tap s of token t reads t - s: valid iff t - s >= the start of t's document (t's position in it)
                 governing = [s for s in starts if s <= lo]
                 for d in ([governing[-1]] if governing else []) + [s for s in inside if s > lo]:
@@ -147,35 +148,77 @@ def chunk_plans(doc_rows: tuple[tuple[int, ...], ...], rank: int, tsp: int, loca
     return plans[0], plans[1]
 
 
-def gather_transitions(local_transitions: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+class TransitionGather:
     """Every rank's [2, B, H, dk, dk + dv] chunk transitions (M | U), rank order: [D, 2, B, H, dk, dk + dv]; with a
     cp axis then gathered over cp too: [C, D, 2, B, H, dk, dk + dv] (cp rank order).
-    Not differentiable by itself: the layer's backward posts the dual (`scatter_transition_grads`) on every rank
+
+    Posted on construction and waited when the states are needed (`wait`), so the gather travels while the caller
+    computes (the next head block's chunks); with cp, `advance` moves it on to the cp stage as soon as the TSP stage
+    is in (call it before the overlapped compute, so both stages travel behind it). Every rank posts the same
+    stages in the same order: construction, then the cp stage at its first advance or wait.
+    Not differentiable by itself: the layer's backward posts the dual (`TransitionGradScatter`) on every rank
     unconditionally, also where its own chunks do not depend on the state (a rank whose chunks all start
     documents), so every rank posts the same collectives."""
-    what = "gated delta rule chunk transitions"
-    everyone = local_transitions.new_empty((comm.size, *local_transitions.shape))
-    comm.all_gather(everyone, local_transitions.detach().contiguous(), what=what).wait()
-    if comm.cp is None:
-        return everyone
-    cp = comm.cp_axis()
-    sequence = everyone.new_empty((cp.size, *everyone.shape))
-    cp.all_gather(sequence, everyone, what=f"{what} over cp").wait()
-    return sequence
+
+    WHAT = "gated delta rule chunk transitions"
+
+    def __init__(self, local_transitions: torch.Tensor, comm: TSPComm):
+        self.comm = comm
+        self.everyone = local_transitions.new_empty((comm.size, *local_transitions.shape))
+        self.handle = comm.all_gather(self.everyone, local_transitions.detach().contiguous(), what=self.WHAT)
+        self.sequence = None
+
+    def advance(self) -> None:
+        """With cp: wait for the TSP stage and post the cp stage (once); without cp nothing to do."""
+        if self.comm.cp is None or self.sequence is not None:
+            return
+        self.handle.wait()
+        cp = self.comm.cp_axis()
+        self.sequence = self.everyone.new_empty((cp.size, *self.everyone.shape))
+        self.handle = cp.all_gather(self.sequence, self.everyone, what=f"{self.WHAT} over cp")
+
+    def wait(self) -> torch.Tensor:
+        self.advance()
+        self.handle.wait()
+        return self.everyone if self.sequence is None else self.sequence
+
+
+def gather_transitions(local_transitions: torch.Tensor, comm: TSPComm) -> torch.Tensor:
+    """TransitionGather posted and waited at once."""
+    return TransitionGather(local_transitions, comm).wait()
+
+
+class TransitionGradScatter:
+    """Backward of TransitionGather: the sum over ranks (of the TSP group and, with cp, of every cp group) of the
+    grads of this rank's transitions: reduce-scatter over cp first, then over TSP. Posted on construction (the
+    first stage), waited by `wait` (with cp the TSP stage is posted there), so it travels behind the caller's work."""
+
+    WHAT = "grad of gated delta rule chunk transitions"
+
+    def __init__(self, grad_everyone: torch.Tensor, comm: TSPComm):
+        self.comm, self.cp_stage = comm, None
+        if comm.cp is not None:
+            cp = comm.cp_axis()
+            self.cp_stage = grad_everyone.new_empty(grad_everyone.shape[1:])
+            self.handle = cp.reduce_scatter(self.cp_stage, grad_everyone.contiguous(), what=f"{self.WHAT} over cp")
+        else:
+            self.handle = self._post(grad_everyone)
+
+    def _post(self, grad_group: torch.Tensor):
+        self.out = grad_group.new_empty(grad_group.shape[1:])
+        return self.comm.reduce_scatter(self.out, grad_group.contiguous(), what=self.WHAT)
+
+    def wait(self) -> torch.Tensor:
+        self.handle.wait()
+        if self.cp_stage is not None:
+            self.handle, self.cp_stage = self._post(self.cp_stage), None
+            self.handle.wait()
+        return self.out
 
 
 def scatter_transition_grads(grad_everyone: torch.Tensor, comm: TSPComm) -> torch.Tensor:
-    """Backward of gather_transitions: the sum over ranks (of the TSP group and, with cp, of every cp group) of the
-    grads of this rank's transitions: reduce-scatter over cp first, then over TSP."""
-    what = "grad of gated delta rule chunk transitions"
-    if comm.cp is not None:
-        cp = comm.cp_axis()
-        group = grad_everyone.new_empty(grad_everyone.shape[1:])
-        cp.reduce_scatter(group, grad_everyone.contiguous(), what=f"{what} over cp").wait()
-        grad_everyone = group
-    out = grad_everyone.new_empty(grad_everyone.shape[1:])
-    comm.reduce_scatter(out, grad_everyone.contiguous(), what=what).wait()
-    return out
+    """TransitionGradScatter posted and waited at once."""
+    return TransitionGradScatter(grad_everyone, comm).wait()
 
 
 def start_states(everyone: torch.Tensor, rank: int, dk: int, cp_rank: int | None = None

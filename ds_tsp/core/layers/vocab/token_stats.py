@@ -6,7 +6,10 @@ label is the argmax (metrics), without ever building [tokens, vocab] logits or a
 
 `tsp_token_stats`: the same ring over vocab shards and [<= chunk_tokens, V/D] tiles as lm_head_loss.py, keeping per
 token a running max, sum of exp and sum of exp * logit (online log-sum-exp), and the target logit. Output, for this
-rank's tokens: float32 [4, *labels.shape] = (log_prob, entropy, is_top1, label_mask), zero where the label is -100.
+rank's tokens: float32 [4, *labels.shape] = (log_prob, entropy, is_top1, label_mask), zero where the label is -100;
+with logit_stats=True two more rows, [6, ...]: the mean logit over the real vocabulary (each shard's sum of its
+real rows, summed around the ring, / V) and log sum_v p_v^2 (a running sum of exp(2 (logit - max)), rescaled by the
+square of the max's shift), TRL's mean_logits and log_sum_sq_probs (DPO's logits/* metrics, WPO weights).
 Only row 0 carries a gradient: d logit_j = g * (1[j = target] - p_j), recomputed per tile from the saved
 log-sum-exp, the weight grad riding the ring home (lm_head_loss.py's backward with a per-token coefficient).
 
@@ -27,7 +30,7 @@ from ds_tsp.core.layers.amp import AUTOCAST_KEEP_DTYPE, AUTOCAST_LOW_PRECISION, 
 from ds_tsp.core.layers.vocab.loss import _shard_logits, _token_tiles, softmax_ce_backward_ring
 from ds_tsp.core.tokens.zigzag import pad_to, rank_order_to_global_index, shard
 
-LOG_PROB, ENTROPY, IS_TOP1, LABEL_MASK = range(4)
+LOG_PROB, ENTROPY, IS_TOP1, LABEL_MASK, MEAN_LOGIT, LOG_SUM_SQ_PROBS = range(6)
 
 
 class _TSPLMHeadTokenStats(torch.autograd.Function):
@@ -35,7 +38,7 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, vocab_shard, shift_labels, vocab_size: int, comm: TSPComm, chunk_tokens: int,
-                softcap: float | None = None):
+                softcap: float | None = None, logit_stats: bool = False):
         h = x.shape[-1]
         x2d, labels = x.reshape(-1, h), shift_labels.reshape(-1)
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -45,6 +48,9 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
         running_sum = torch.zeros(n, dtype=compute_dtype, device=x.device)
         running_xsum = torch.zeros(n, dtype=compute_dtype, device=x.device)  # sum exp(l - max) * l
         target = torch.zeros(n, dtype=compute_dtype, device=x.device)
+        if logit_stats:
+            running_zsum = torch.zeros(n, dtype=compute_dtype, device=x.device)  # sum of the real rows' logits
+            running_sqsum = torch.zeros(n, dtype=compute_dtype, device=x.device)  # sum exp(2 (l - max))
         tiles = _token_tiles(n, chunk_tokens)
 
         def step(owner, shard):
@@ -61,6 +67,9 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
                 scale = torch.exp(old_max - shift)
                 running_sum[t] = running_sum[t] * scale + e.sum(dim=1)
                 running_xsum[t] = running_xsum[t] * scale + (e * finite).sum(dim=1)
+                if logit_stats:
+                    running_zsum[t] = running_zsum[t] + finite.sum(dim=1)
+                    running_sqsum[t] = running_sqsum[t] * scale * scale + (e * e).sum(dim=1)
                 running_max[t] = new_max
                 target[t] = torch.where(hit, picked, target[t])
                 del logits, finite, e
@@ -69,13 +78,15 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
         lse = running_max + torch.log(running_sum)
         valid = labels != -100
         zero = torch.zeros_like(lse)
-        stats = torch.stack((torch.where(valid, target - lse, zero),
-                             torch.where(valid, lse - running_xsum / running_sum, zero),
-                             (valid & (target >= running_max)).to(compute_dtype),
-                             valid.to(compute_dtype)))
+        rows = [torch.where(valid, target - lse, zero), torch.where(valid, lse - running_xsum / running_sum, zero),
+                (valid & (target >= running_max)).to(compute_dtype), valid.to(compute_dtype)]
+        if logit_stats:
+            rows += [torch.where(valid, running_zsum / vocab_size, zero),
+                     torch.where(valid, torch.log(running_sqsum) - 2 * torch.log(running_sum), zero)]
+        stats = torch.stack(rows)
         ctx.vocab_size, ctx.comm, ctx.tiles, ctx.softcap = vocab_size, comm, tiles, softcap
         ctx.save_for_backward(x, vocab_shard, shift_labels, lse)
-        return stats.view(4, *shift_labels.shape)
+        return stats.view(len(rows), *shift_labels.shape)
 
     @staticmethod
     def backward(ctx, dstats):
@@ -86,18 +97,19 @@ class _TSPLMHeadTokenStats(torch.autograd.Function):
         dx, grad_shard = softmax_ce_backward_ring(ctx.comm, x, vocab_shard, labels, lse, coef, ctx.tiles,
                                                   ctx.vocab_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                                   ctx.softcap)
-        return dx, grad_shard, None, None, None, None, None
+        return dx, grad_shard, None, None, None, None, None, None
 
 
 def tsp_token_stats(x: torch.Tensor, vocab_shard: torch.Tensor, shift_labels: torch.Tensor, vocab_size: int,
-                    comm: TSPComm, chunk_tokens: int = 4096, softcap: float | None = None) -> torch.Tensor:
+                    comm: TSPComm, chunk_tokens: int = 4096, softcap: float | None = None,
+                    logit_stats: bool = False) -> torch.Tensor:
     """float32 [4, *shift_labels.shape]: (log_prob, entropy, is_top1, label_mask) of this rank's tokens (labels
-    already shifted; -100 rows all zero), of the soft-capped logits under softcap. Only log_prob (row LOG_PROB)
-    has a gradient."""
+    already shifted; -100 rows all zero), of the soft-capped logits under softcap; logit_stats=True adds
+    (mean_logit, log_sum_sq_probs): [6, ...]. Only log_prob (row LOG_PROB) has a gradient."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: must be an integer >= 1")
     return apply_autocast(_TSPLMHeadTokenStats, x.device.type, x, vocab_shard, shift_labels, vocab_size, comm,
-                          chunk_tokens, softcap)
+                          chunk_tokens, softcap, logit_stats)
 
 
 class _GatherTokens(torch.autograd.Function):

@@ -1,0 +1,114 @@
+"""A vision tower under TSP: each rank encodes 1/D of the images, and an all-to-all brings every vision token's
+embedding to the rank whose zigzag chunks hold that token.
+
+Schedule (one modality, one step; D = TSP degree, p = this rank):
+    plan  (host, once per step, identical on every rank: ds_tsp.core.tokens.vision_route): rank p encodes a
+          contiguous run p of the items (images or whole videos), balanced by patch count; vision token k is
+          encoded by rank e(k) and lands on rank z(k), the owner of its zigzag chunk, at local row l(k).
+    fwd   E_p = tower(pixels of run p)                    [tokens of run p, h]      replicated tower, local images
+          R_p = all_to_all(E_p sorted by z)               [vision tokens in p's chunks, h]
+          h_p[l(k)] = R_p                                  (the text embedding of those rows is replaced)
+    bwd   dE_p = all_to_all back (splits swapped); tower backward on run p; the tower's weight grads summed over
+          the TSP group in ONE all-reduce per dtype inside that backward, before AccumulateGrad sees them.
+Bytes per rank: the rows it encodes out plus the rows it holds in, ~ (vision tokens x h) / D each way, not the
+all-gather's whole set. Memory: the tower's weights are replicated (small next to the language model), its
+activations are those of run p only (~1/D). Every rank runs the same Functions (an empty run included), so the
+collectives are posted in the same order everywhere.
+
+The plan reads token ids and grids on the host: a loader hands them there (TSPForConditionalGeneration copies
+device tensors to the host once at its entry); nothing inside the layers reads device values.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ds_tsp.core.comm.communicator import TSPComm
+from ds_tsp.core.errors import TSPConfigError
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """forward: all-to-all of rows (in_splits out, out_splits in); backward: the same with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, rows, comm: TSPComm, in_splits: list[int], out_splits: list[int], what: str):
+        ctx.comm, ctx.splits, ctx.what = comm, (in_splits, out_splits), what
+        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        comm.all_to_all(out, rows, out_splits, in_splits, what=what).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all(back, grad.contiguous(), in_splits, out_splits, what=ctx.what + " (backward)").wait()
+        return back, None, None, None, None
+
+
+def all_to_all_rows(rows: torch.Tensor, comm: TSPComm, in_splits: list[int], out_splits: list[int],
+                    what: str = "vision embeddings") -> torch.Tensor:
+    """forward: all-to-all of rows over the TSP group; backward: all-to-all of their grads back."""
+    return _AllToAllRows.apply(rows, comm, in_splits, out_splits, what)
+
+
+class _ReplicatedEncode(torch.autograd.Function):
+    """A replicated module run on this rank's inputs: forward records its graph inside (grad enabled), backward
+    takes the weight grads from it and sums them over the TSP group, so each weight's AccumulateGrad (and every
+    engine hook on it) runs once with the group's sum."""
+
+    @staticmethod
+    def forward(ctx, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor, comm: TSPComm, what: str,
+                *params):
+        with torch.enable_grad():
+            out = encode()
+        ctx.out, ctx.comm, ctx.what = out, comm, what
+        ctx.save_for_backward(*params)
+        return empty.clone() if out is None else out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        params = ctx.saved_tensors
+        out, ctx.out = ctx.out, None
+        grads = (torch.autograd.grad(out, params, grad, allow_unused=True)
+                 if out is not None and out.requires_grad else (None,) * len(params))
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        summed: list[torch.Tensor | None] = [None] * len(params)
+        for slots in by_dtype.values():  # one all-reduce per dtype (a model normally has one)
+            flat = torch.cat([(grads[i] if grads[i] is not None else torch.zeros_like(params[i])).reshape(-1)
+                              for i in slots])
+            ctx.comm.all_reduce(flat, kind="replicated_grad", what=ctx.what).wait()
+            offset = 0
+            for i in slots:
+                n = params[i].numel()
+                summed[i] = flat[offset:offset + n].view_as(params[i])
+                offset += n
+        return (None, None, None, None, *summed)
+
+
+def encode_replicated(module: torch.nn.Module, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor,
+                      comm: TSPComm, what: str = "vision tower weight grads") -> torch.Tensor:
+    """encode() (this rank's part, or None for nothing: then `empty`) with the module's trainable weights' grads
+    summed over the TSP group in backward. Collective in backward on every rank, an empty part included."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    sharded = [p for p in params if hasattr(p, "ds_id") or type(p) not in (torch.Tensor, torch.nn.Parameter)]
+    if sharded:  # ZeRO-3 partitions (ds_id) or FSDP2 DTensors: the grads taken here would not be the full ones
+        raise TSPConfigError(f"the vision tower's weights are sharded by the outer engine ({type(sharded[0]).__name__}"
+                             f"{' with ds_id' if hasattr(sharded[0], 'ds_id') else ''}): TSP replicates the tower on "
+                             "the TSP group; DeepSpeed ZeRO-3 and FSDP2 over a multimodal model are not supported yet "
+                             "(ZeRO-1/2 and plain data parallel keep the tower whole)")
+    if not params or not torch.is_grad_enabled():
+        with torch.no_grad():
+            out = encode()
+        return empty if out is None else out
+    return _ReplicatedEncode.apply(encode, empty, comm, what, *params)
+
+
+def scatter_vision_rows(h: torch.Tensor, rows: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor:
+    """h [B, L, hidden] with the rows at flat indices local_index replaced by `rows` (out of place: their text
+    embeddings get no gradient, as under transformers' masked_scatter). local_index on h's device."""
+    B, L, hidden = h.shape
+    return h.reshape(B * L, hidden).index_copy(0, local_index, rows.to(h.dtype)).view(B, L, hidden)
+
