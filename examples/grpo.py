@@ -1,5 +1,6 @@
 """RL with TRL's GRPOTrainer under TSP: `TSPGRPOTrainer` in place of `GRPOTrainer`, the "tsp" block of the DeepSpeed
 config; the policy and the reference model are sharded, completions scored through TSP's streaming LM head.
+`--trainer rloo` runs TRL's RLOOTrainer the same way (`TSPRLOOTrainer`; RLOO has no --loss_type).
 
     torchrun --standalone --nproc_per_node 2 examples/grpo.py --ds_config ds_configs/tsp.json \\
         --max_steps 4 --output_dir /tmp/grpo_out
@@ -42,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--max_completion_length", type=int, default=8)
     p.add_argument("--beta", type=float, default=0.04, help="KL weight against the reference model (0: none)")
     p.add_argument("--loss_type", default="grpo", help="TRL's: grpo, bnpo, dr_grpo, dapo, cispo, sapo, ...")
+    p.add_argument("--trainer", choices=("grpo", "rloo"), default="grpo", help="TRL's GRPOTrainer or RLOOTrainer")
     p.add_argument("--lr", type=float, default=3e-3, help="ignored under TSP when the DeepSpeed JSON sets one")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     return p.parse_args(argv)
@@ -89,7 +91,7 @@ class JsonLines(transformers.TrainerCallback):
 
 def main(argv=None):
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -103,10 +105,12 @@ def main(argv=None):
     micro = micro if isinstance(micro, int) else 2
     lr = (ds.get("optimizer") or {}).get("params", {}).get("lr", args.lr)
     model_path = args.model_name_or_path or str(Path(args.output_dir) / "initial")
-    training = GRPOConfig(
+    rloo = args.trainer == "rloo"
+    training = (RLOOConfig if rloo else GRPOConfig)(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=micro,
         steps_per_generation=args.steps_per_generation, num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length, beta=args.beta, loss_type=args.loss_type,
+        max_completion_length=args.max_completion_length, beta=args.beta,
+        **({} if rloo else {"loss_type": args.loss_type}),
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=args.seed,
         logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, bf16=False,
         gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
@@ -120,10 +124,12 @@ def main(argv=None):
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path, padding_side="left")
     prompts_per_step = micro * data_size * args.steps_per_generation // args.num_generations
     dataset = Dataset.from_list(prompt_rows(max(1, prompts_per_step) * args.max_steps, args.seed))
-    if distributed:
-        from ds_tsp.hf import TSPGRPOTrainer as Trainer  # the one TSP line
+    if distributed:  # the one TSP line
+        from ds_tsp.hf import TSPGRPOTrainer, TSPRLOOTrainer
+
+        Trainer = TSPRLOOTrainer if rloo else TSPGRPOTrainer
     else:
-        Trainer = GRPOTrainer  # the single-process reference
+        Trainer = RLOOTrainer if rloo else GRPOTrainer  # the single-process reference
     trainer = Trainer(model=model, reward_funcs=echo_reward, args=training, train_dataset=dataset,
                       processing_class=tokenizer, callbacks=[JsonLines()])
     trainer.remove_callback(transformers.PrinterCallback)  # one JSON line per step, nothing else

@@ -26,6 +26,8 @@ What it changes, and why (the Trainer's own logic does the rest):
   every TSP rank) trained by TRL's RewardTrainer (ds_tsp.integrations.trl.reward; ds_tsp.hf.TSPRewardTrainer);
   `class D(TSPTrainer, DPOTrainer)`: TRL's DPO, policy and reference on TSP (ds_tsp.integrations.trl.dpo;
   ds_tsp.hf.TSPDPOTrainer);
+  `class R(TSPTrainer, RLOOTrainer)`: TRL's RLOO on GRPO's machinery (ds_tsp.integrations.trl.rloo;
+  ds_tsp.hf.TSPRLOOTrainer);
   other TRL trainers are refused by name when the class is defined;
 - save_model writes the HF layout, streamed, from every rank's shards (a collective).
 - a vision-language model (transformers' Qwen3.5 / Qwen3-VL ...ForConditionalGeneration, its directory, or a
@@ -117,25 +119,30 @@ class TSPTrainer(_transformers.Trainer):
     _tsp_with_grpo = False  # composed with TRL's GRPOTrainer (ds_tsp.integrations.trl.grpo)
     _tsp_with_reward = False  # composed with TRL's RewardTrainer (ds_tsp.integrations.trl.reward)
     _tsp_with_dpo = False  # composed with TRL's DPOTrainer (ds_tsp.integrations.trl.dpo)
+    _tsp_with_rloo = False  # composed with TRL's RLOOTrainer (ds_tsp.integrations.trl.rloo)
+    _tsp_online_rl = None  # "grpo" / "rloo": the online-RL kind, run on ds_tsp.integrations.trl.grpo's machinery
     _tsp_vlm = False  # a vision-language model, full batches on every TSP rank (ds_tsp.integrations.multimodal)
 
     def __init_subclass__(cls, **kwargs):
         """`class X(TSPTrainer, SFTTrainer)` / `(TSPTrainer, GRPOTrainer)` / `(TSPTrainer, RewardTrainer)` /
-        `(TSPTrainer, DPOTrainer)`: TRL's SFT / GRPO / reward modelling / DPO on TSP; any other TRL trainer is refused
-        here, by name."""
+        `(TSPTrainer, DPOTrainer)`: TRL's SFT / GRPO / reward modelling / DPO on TSP (and `(TSPTrainer,
+        RLOOTrainer)`: RLOO); any other TRL trainer is refused here, by name."""
         super().__init_subclass__(**kwargs)
         from ds_tsp.integrations.trl.sft import check_composition
 
         kind = check_composition(cls, TSPTrainer)
         cls._tsp_with_sft, cls._tsp_with_grpo, cls._tsp_with_reward = kind == "sft", kind == "grpo", kind == "reward"
         cls._tsp_with_dpo = kind == "dpo"
+        cls._tsp_with_rloo = kind == "rloo"
+        cls._tsp_online_rl = kind if kind in ("grpo", "rloo") else None
 
     def __init__(self, model=None, args=None, *more, **kwargs):
-        if self._tsp_with_grpo:  # GRPOTrainer(model, reward_funcs, args, ...): everything by name from here on
+        if self._tsp_online_rl:  # GRPOTrainer(model, reward_funcs, args, ...): everything by name from here on
             from ds_tsp.integrations.trl import grpo as trl_grpo
             from ds_tsp.integrations.trl import sft as tsp_trl
 
-            model, args, kwargs = trl_grpo.keyword_arguments(super().__init__, model, args, more, kwargs)
+            model, args, kwargs = trl_grpo.keyword_arguments(super().__init__, model, args, more, kwargs,
+                                                             self._tsp_online_rl)
             more = ()
         if self._tsp_with_dpo:  # DPOTrainer(model, ref_model, args, ...): everything by name from here on
             from ds_tsp.integrations.trl import dpo as trl_dpo
@@ -151,16 +158,21 @@ class TSPTrainer(_transformers.Trainer):
 
         self._tsp_vlm = tsp_vlm.is_vision_language(model)
         if self._tsp_vlm:
-            tsp_vlm.check_vlm_trainer("TSPSFTTrainer" if self._tsp_with_sft else "TSPGRPOTrainer" if self._tsp_with_grpo
-                                      else "TSPDPOTrainer" if self._tsp_with_dpo else "TSPRewardTrainer"
-                                      if self._tsp_with_reward else None, model)
+            tsp_vlm.check_vlm_trainer("TSPSFTTrainer" if self._tsp_with_sft else
+                                      trl_grpo.PUBLIC_NAMES[self._tsp_online_rl] if self._tsp_online_rl else
+                                      "TSPDPOTrainer" if self._tsp_with_dpo else
+                                      "TSPRewardTrainer" if self._tsp_with_reward else None, model)
             tsp_vlm.check_vlm_arguments(args, kwargs)
         if self._tsp_with_sft:
             from ds_tsp.integrations.trl import sft as tsp_trl
 
             tsp_trl.check_sft_arguments(super().__init__, model, args, more, kwargs)
-        if self._tsp_with_grpo:
-            trl_grpo.check_grpo_arguments(model, args, kwargs)
+        if self._tsp_online_rl:
+            trl_grpo.check_grpo_arguments(model, args, kwargs, self._tsp_online_rl)
+        if self._tsp_with_rloo:
+            from ds_tsp.integrations.trl.rloo import check_rloo_arguments
+
+            check_rloo_arguments(model, args, kwargs)
         if self._tsp_with_reward:
             from ds_tsp.integrations.trl import reward as trl_reward
 
@@ -177,17 +189,17 @@ class TSPTrainer(_transformers.Trainer):
                                      'DeepSpeed config has a "tsp" block, e.g. ds_configs/tsp.json')
             tsp = parse_tsp_config({"size": 1})
         _check_parallelism_config(args, tsp.size)
-        if self._tsp_with_sft or self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo:
+        if self._tsp_with_sft or self._tsp_online_rl or self._tsp_with_reward or self._tsp_with_dpo:
             # counts, metrics: not cut over cp
             check_cp_integration(tsp.cp_size, "TSPSFTTrainer" if self._tsp_with_sft else
-                                 "TSPGRPOTrainer" if self._tsp_with_grpo else
+                                 trl_grpo.PUBLIC_NAMES[self._tsp_online_rl] if self._tsp_online_rl else
                                  "TSPDPOTrainer" if self._tsp_with_dpo else "TSPRewardTrainer")
         ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
         runtime = build_runtime(tsp, ds_config=ds_config)  # DeepSpeed's cpu_checkpointing: offload_activations
         self.tsp_config = tsp = runtime.config
         self.tsp_groups = runtime.groups
         self.tsp_comm = runtime.comm  # its timeout_s bounds the trainer's own collectives (token counts, loss)
-        ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_with_grpo else None
+        ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_online_rl else None
         if self._tsp_with_dpo:
             ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model)
         if self._tsp_with_reward:
@@ -203,10 +215,10 @@ class TSPTrainer(_transformers.Trainer):
             tsp_trl.prepare_model(model)
             with tsp_trl.sft_init():
                 super().__init__(model, args, *more, **kwargs)
-        elif self._tsp_with_grpo:
+        elif self._tsp_online_rl:
             trl_grpo.data_axis_batches(args, getattr(runtime.groups, "data_size", 1))
             tsp_trl.prepare_model(model)
-            with trl_grpo.grpo_init(ref_model):
+            with trl_grpo.grpo_init(ref_model, self._tsp_online_rl):
                 super().__init__(model=model, args=args, **kwargs)
             trl_grpo.after_init(self)
         elif self._tsp_with_dpo:
@@ -300,7 +312,7 @@ class TSPTrainer(_transformers.Trainer):
 
     # --- evaluation and prediction -------------------------------------------------------------------------------
     def get_eval_dataloader(self, eval_dataset=None):
-        if self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo or self._tsp_vlm:  # full batches
+        if self._tsp_online_rl or self._tsp_with_reward or self._tsp_with_dpo or self._tsp_vlm:  # full batches
             from ds_tsp.integrations.trl.grpo import unsharded
 
             return unsharded(super().get_eval_dataloader(eval_dataset))
@@ -323,7 +335,7 @@ class TSPTrainer(_transformers.Trainer):
                                  "would recompute the full [B, S, V] logits of every batch, which TSP never builds; "
                                  "use evaluate() (its loss and rewards/*, logps/*, logits/* metrics) or set "
                                  "DPOConfig(prediction_loss_only=True)")
-        if self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo:  # TRL's own (DPO: its loss)
+        if self._tsp_online_rl or self._tsp_with_reward or self._tsp_with_dpo:  # TRL's own (DPO: its loss)
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if self._tsp_vlm:  # the full batch: its loss, and with predictions the logits of every position
             keep = {} if prediction_loss_only else {"logits_to_keep": inputs["input_ids"].shape[1]}
@@ -365,10 +377,10 @@ class TSPTrainer(_transformers.Trainer):
             dist.all_reduce(total, group=groups.cp_group)
         return total / groups.cp_size
 
-    # --- TRL's GRPOTrainer steps under TSP (ds_tsp.integrations.trl.grpo; inert in other compositions) ---------
+    # --- TRL's GRPOTrainer / RLOOTrainer steps under TSP (ds_tsp.integrations.trl.grpo; inert otherwise) --------
     def get_train_dataloader(self):  # (the reward trainer's loader too)
         loader = super().get_train_dataloader()
-        if not (self._tsp_with_grpo or self._tsp_with_reward or self._tsp_with_dpo or self._tsp_vlm):
+        if not (self._tsp_online_rl or self._tsp_with_reward or self._tsp_with_dpo or self._tsp_vlm):
             return loader
         from ds_tsp.integrations.trl.grpo import unsharded
 
@@ -381,17 +393,25 @@ class TSPTrainer(_transformers.Trainer):
 
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if given or compute_aux_loss:
-            raise TSPConfigError(f"TSPGRPOTrainer scores text only: {given or 'the MoE aux loss'} is not supported")
+            raise TSPConfigError(f"{trl_grpo.trainer_name(self)} scores text only: {given or 'the MoE aux loss'} is "
+                                 "not supported")
         logps, entropies = trl_grpo.completion_logps(self, model, input_ids, attention_mask, logits_to_keep,
                                                      batch_size, compute_entropy)
         return logps, entropies, None
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """Without vLLM: the full model gathered on TSP rank 0 of the group generates; completions broadcast."""
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations=None,
+                              has_tool_images=False):
+        """Without vLLM: the full model gathered on TSP rank 0 of the group generates; completions broadcast.
+        (RLOOTrainer's takes no num_generations and returns the completions alone.)"""
         from ds_tsp.integrations.trl import grpo as trl_grpo
 
         if images is not None or multimodal_fields:
-            raise TSPConfigError("TSPGRPOTrainer generates text only: the dataset has images")
+            raise TSPConfigError(f"{trl_grpo.trainer_name(self)} generates text only: the dataset has images")
+        if self._tsp_with_rloo:
+            if self.use_vllm:
+                completion_ids = super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+                return trl_grpo.broadcast_vllm_completions(self, completion_ids, None)[0]
+            return trl_grpo.generate(self, prompt_ids)
         if self.use_vllm:
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                                      num_generations, has_tool_images)

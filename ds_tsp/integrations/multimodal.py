@@ -15,8 +15,8 @@
   refused by name at conversion);
 - save_model writes the ForConditionalGeneration layout (TSPForConditionalGeneration.save_pretrained).
 Refused with a TSPConfigError naming them: compute_loss_func= and label_smoothing_factor (they read full
-logits), a VLM under TRL's SFTTrainer, GRPOTrainer, DPOTrainer or RewardTrainer (their vision paths are not wired
-to the TSP model: use TSPTrainer with a collator that builds input_ids, pixel_values, image_grid_thw,
+logits), a VLM under TRL's SFTTrainer, GRPOTrainer, RLOOTrainer, DPOTrainer or RewardTrainer (their vision paths
+are not wired to the TSP model: use TSPTrainer with a collator that builds input_ids, pixel_values, image_grid_thw,
 mm_token_type_ids and labels masking the vision tokens), and tsp.cp_size > 1 (the model refuses a cp axis).
 """
 from __future__ import annotations

@@ -164,14 +164,15 @@ def test_vlm_under_trl_trainers_and_full_logit_options_are_refused_by_name():
     from vlm_tiny import vlm_config
 
     from ds_tsp.core.errors import TSPConfigError
-    from ds_tsp.hf import TSPDPOTrainer, TSPGRPOTrainer, TSPRewardTrainer, TSPSFTTrainer, TSPTrainer
+    from ds_tsp.hf import TSPDPOTrainer, TSPGRPOTrainer, TSPRewardTrainer, TSPRLOOTrainer, TSPSFTTrainer, TSPTrainer
     from ds_tsp.integrations.multimodal import is_vision_language
 
     model = transformers.AutoModelForImageTextToText.from_config(vlm_config())
     assert is_vision_language(model)
     assert not is_vision_language(transformers.AutoModelForCausalLM.from_config(vlm_config().text_config))
     args = SimpleNamespace(chat_template_path=None, label_smoothing_factor=0.0)
-    for trainer, extra in ((TSPSFTTrainer, {}), (TSPGRPOTrainer, {"reward_funcs": []}), (TSPDPOTrainer, {}),
+    for trainer, extra in ((TSPSFTTrainer, {}), (TSPGRPOTrainer, {"reward_funcs": []}),
+                           (TSPRLOOTrainer, {"reward_funcs": []}), (TSPDPOTrainer, {}),
                            (TSPRewardTrainer, {})):  # checked first thing: nothing is set up yet
         with pytest.raises(TSPConfigError, match=rf"Qwen3_5ForConditionalGeneration \(a vision-language model\) "
                                                  rf"with {trainer.__name__}.*use ds_tsp.hf.TSPTrainer with a collator"):

@@ -1,6 +1,7 @@
 """The TRL trainers composed with TSPTrainer (`class TSP<X>(TSPTrainer, <X>)`), each built once, on first use:
 TRL is optional, so nothing here imports it at module load. It sits above hf_trainer (TSPTrainer) and what
-TSPTrainer does for each TRL trainer (sft, grpo, reward), so those read one way: hf_trainer -> sft / grpo / reward."""
+TSPTrainer does for each TRL trainer (sft, grpo, reward, dpo, rloo), so those read one way: hf_trainer -> sft / grpo /
+reward / dpo / rloo."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +11,8 @@ INSTALL_HINT = "pip install 'ds_tsp[trl]'"
 COMPOSED = {"SFTTrainer": ("TSPSFTTrainer", "ds_tsp.integrations.trl.sft"),
             "GRPOTrainer": ("TSPGRPOTrainer", "ds_tsp.integrations.trl.grpo"),
             "RewardTrainer": ("TSPRewardTrainer", "ds_tsp.integrations.trl.reward"),
-            "DPOTrainer": ("TSPDPOTrainer", "ds_tsp.integrations.trl.dpo")}
+            "DPOTrainer": ("TSPDPOTrainer", "ds_tsp.integrations.trl.dpo"),
+            "RLOOTrainer": ("TSPRLOOTrainer", "ds_tsp.integrations.trl.rloo")}
 
 
 @functools.cache

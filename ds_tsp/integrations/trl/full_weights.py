@@ -80,7 +80,7 @@ def full_model_bytes(config, dtype: torch.dtype) -> tuple[int, int]:
     """(parameters, bytes in `dtype`) of the transformers model `config` describes (built on meta: nothing allocated;
     a tied LM head counted once)."""
     transformers = import_transformers()
-    with torch.device("meta"):
+    with torch.device("meta"), _without_zero3_init():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     count = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
@@ -103,6 +103,25 @@ def memory_refusal(config, dtype: torch.dtype, device: torch.device, reserve_byt
             "stream to the server, no rank holds the full model), or a smaller generation batch "
             "(generation_batch_size, or per_device_train_batch_size x steps_per_generation) or a shorter "
             "max_completion_length")
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """While a ZeRO-3 TrainingArguments is alive, transformers builds every model under deepspeed.zero.Init, which
+    partitions its parameters with collectives over the whole world: the generation copy is built on TSP rank 0
+    alone and must be whole there, so it is built as transformers builds models inside zero.Init (no nested one)."""
+    from transformers import modeling_utils
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        yield
+        return
+    if not hasattr(modeling_utils, "set_zero3_state"):
+        raise TSPConfigError("this transformers version has no modeling_utils.set_zero3_state, which TSP needs to "
+                             "build the generation model on one rank under ZeRO-3; use transformers >= 5.0 or "
+                             "ZeRO-1/2")
+    with modeling_utils.set_zero3_state():
+        yield
 
 
 @contextlib.contextmanager
@@ -132,7 +151,7 @@ def gathered_hf_model(tsp_model, device: torch.device | None = None, dtype: torc
 
         # fork_rng: building the model must not move this rank's generator (sampling must draw what a plain run draws)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), no_init_weights(), \
-                torch.device(device):
+                torch.device(device), _without_zero3_init():
             hf_model = transformers.AutoModelForCausalLM.from_config(tsp_model.config, dtype=dtype)
         hf_model.tie_weights()  # from_config leaves a tied LM head apart; the stream fills the embedding once
         hf_model.eval()

@@ -30,10 +30,14 @@ Refused with a TSPConfigError naming them (checked before anything is built): GR
 and PEFT models, vLLM colocate mode, transformers continuous batching, cast_lm_head_to_fp32, the entropy bonus
 (entropy_coef / use_adaptive_entropy: TSP's entropy carries no gradient), MoE router aux loss, use_liger_kernel,
 tools / environment_factory / rollout_func, multimodal processors, sync_ref_model under ZeRO-3.
+TRL's RLOOTrainer runs on this same machinery (ds_tsp.integrations.trl.rloo says what differs): its module has the
+names patched here, and the trainer's kind ("grpo" / "rloo": TSPTrainer._tsp_online_rl) picks the module and the
+public name.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -41,70 +45,79 @@ import torch.distributed as dist
 
 from ds_tsp.core.errors import TSPConfigError
 
-# GRPOTrainer.__init__ and the generation / scoring steps look these up in their own module's namespace
-_GRPO_MODULE = "trl.trainer.grpo_trainer"
+# The online-RL trainers' __init__ and generation / scoring steps look these names up in their own module's
+# namespace (create_model_from_path, add_fused_lm_head, prepare_deepspeed / prepare_fsdp, gather, gather_object)
+TRL_MODULES = {"grpo": "trl.trainer.grpo_trainer", "rloo": "trl.trainer.rloo_trainer"}
+PUBLIC_NAMES = {"grpo": "TSPGRPOTrainer", "rloo": "TSPRLOOTrainer"}
 
 
-def _refuse(option: str, why: str) -> None:
-    raise TSPConfigError(f"{option} with TSP (TSPGRPOTrainer): {why}")
+def _refuse(option: str, why: str, kind: str = "grpo") -> None:
+    raise TSPConfigError(f"{option} with TSP ({PUBLIC_NAMES[kind]}): {why}")
 
 
-def keyword_arguments(init, model, args, more: tuple, kwargs: dict) -> tuple:
+def trainer_name(trainer) -> str:
+    """The public name of an online-RL TSPTrainer (TSPGRPOTrainer / TSPRLOOTrainer), for its errors."""
+    return PUBLIC_NAMES[trainer._tsp_online_rl]
+
+
+def keyword_arguments(init, model, args, more: tuple, kwargs: dict, kind: str = "grpo") -> tuple:
     """(model, args, the other arguments by name) of a GRPOTrainer call: GRPOTrainer's positional order is (model,
     reward_funcs, args, ...), where TSPTrainer's own signature reads (model, args, ...). init: the bound __init__
-    after TSPTrainer's (GRPOTrainer's, or a user subclass's)."""
+    after TSPTrainer's (GRPOTrainer's, or a user subclass's). RLOOTrainer's order is the same."""
     if not more:
         return model, args, kwargs
     try:
         given = dict(inspect.signature(init).bind(model, args, *more, **kwargs).arguments)
     except TypeError as err:
-        raise TSPConfigError(f"TSPGRPOTrainer arguments: {err}; pass them by keyword (model=, reward_funcs=, "
+        raise TSPConfigError(f"{PUBLIC_NAMES[kind]} arguments: {err}; pass them by keyword (model=, reward_funcs=, "
                              "args=, train_dataset=, ...)") from err
     given.update(given.pop("kwargs", {}))
     return given.pop("model", None), given.pop("args", None), given
 
 
-def check_grpo_arguments(model, args, given: dict) -> None:
-    """GRPOTrainer options TSP cannot honour, named (given: the other arguments of the call, by name)."""
+def check_grpo_arguments(model, args, given: dict, kind: str = "grpo") -> None:
+    """GRPOTrainer options TSP cannot honour, named (given: the other arguments of the call, by name); RLOOTrainer's
+    options of the same names (kind "rloo") are refused alike, naming TSPRLOOTrainer."""
+    refuse = functools.partial(_refuse, kind=kind)
     if given.get("peft_config") is not None or hasattr(model, "peft_config"):
-        _refuse("peft_config= / a PEFT model", "GRPO's reference is the adapter-disabled base model, which a "
-                "LoRA-folded TSP model does not keep apart, and its generation would need the merged weights; "
-                "train full weights, or merge the adapter (merge_and_unload) first")
+        refuse("peft_config= / a PEFT model", "TRL's reference is the model with its adapter disabled (or a "
+               "frozen copy of the adapter), which a LoRA-folded TSP model does not keep apart, and its generation "
+               "would need the merged weights; train full weights, or merge the adapter (merge_and_unload) first")
     for key in ("tools", "environment_factory", "rollout_func"):
         if given.get(key):
-            _refuse(f"{key}=", "multi-turn and custom rollouts generate outside TSP's group-consistent sampling "
-                    "(every rank of a TSP group must score the same completions); use reward functions on "
-                    "single-turn completions")
+            refuse(f"{key}=", "multi-turn and custom rollouts generate outside TSP's group-consistent sampling "
+                   "(every rank of a TSP group must score the same completions); use reward functions on "
+                   "single-turn completions")
     processing = given.get("processing_class")
     if processing is not None and not hasattr(processing, "convert_tokens_to_ids"):
-        _refuse(f"processing_class={type(processing).__name__}", "TSP models are text-only; pass a tokenizer")
+        refuse(f"processing_class={type(processing).__name__}", "TSP models are text-only; pass a tokenizer")
     if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "server") != "server":
-        _refuse(f"vllm_mode={args.vllm_mode!r}", "colocated vLLM would hold the full model in every process; use "
-                "vllm_mode='server' (the weight sync streams full tensors from the shards), or use_vllm=False")
+        refuse(f"vllm_mode={args.vllm_mode!r}", "colocated vLLM would hold the full model in every process; use "
+               "vllm_mode='server' (the weight sync streams full tensors from the shards), or use_vllm=False")
     if getattr(args, "use_transformers_continuous_batching", False):
-        _refuse("use_transformers_continuous_batching=True", "generation gathers the full model on one rank per "
-                "TSP group and calls generate(); set it to False")
+        refuse("use_transformers_continuous_batching=True", "generation gathers the full model on one rank per "
+               "TSP group and calls generate(); set it to False")
     if getattr(args, "cast_lm_head_to_fp32", False):
-        _refuse("cast_lm_head_to_fp32=True", "TSP's streaming head keeps the LM head as vocab shards (there is no "
-                "lm_head module to cast) and computes its log-softmax statistics in float32 already; set it False")
+        refuse("cast_lm_head_to_fp32=True", "TSP's streaming head keeps the LM head as vocab shards (there is no "
+               "lm_head module to cast) and computes its log-softmax statistics in float32 already; set it False")
     if getattr(args, "entropy_coef", 0.0) or getattr(args, "use_adaptive_entropy", False):
-        _refuse("entropy_coef / use_adaptive_entropy", "the entropy bonus needs the entropy's gradient, and TSP's "
-                "streaming head returns the entropy as a metric (no gradient); set entropy_coef=0.0, "
-                "use_adaptive_entropy=False (top_entropy_quantile masking is supported)")
+        refuse("entropy_coef / use_adaptive_entropy", "the entropy bonus needs the entropy's gradient, and TSP's "
+               "streaming head returns the entropy as a metric (no gradient); set entropy_coef=0.0, "
+               "use_adaptive_entropy=False (top_entropy_quantile masking is supported)")
     if getattr(args, "use_liger_kernel", False):
-        _refuse("use_liger_kernel=True", "Liger patches transformers modules, which a TSP model does not run")
+        refuse("use_liger_kernel=True", "Liger patches transformers modules, which a TSP model does not run")
     if getattr(args, "router_aux_loss_coef", None):
-        _refuse("router_aux_loss_coef", "TSP's fused head has no MoE router aux loss; set it to 0.0")
+        refuse("router_aux_loss_coef", "TSP's fused head has no MoE router aux loss; set it to 0.0")
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "output_router_logits") and \
             getattr(args, "router_aux_loss_coef", None) is None and getattr(config, "router_aux_loss_coef", 0.0):
-        _refuse("a mixture-of-experts model", "GRPO would add the router aux loss, which TSP's fused head does not "
-                "compute; pass GRPOConfig(router_aux_loss_coef=0.0)")
+        refuse("a mixture-of-experts model", "TRL would add the router aux loss, which TSP's fused head does not "
+               f"compute; pass {type(args).__name__}(router_aux_loss_coef=0.0)")
     if getattr(args, "sync_ref_model", False):
         plugin = getattr(args, "deepspeed_plugin", None)
         if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-            _refuse("sync_ref_model=True under ZeRO-3", "TRL mixes gathered parameters on global rank 0 only, but "
-                    "every TSP rank holds a different shard; use ZeRO-2, or sync_ref_model=False")
+            refuse("sync_ref_model=True under ZeRO-3", "TRL mixes gathered parameters on global rank 0 only, but "
+                   "every TSP rank holds a different shard; use ZeRO-2, or sync_ref_model=False")
 
 
 def data_axis_batches(args, data_size: int) -> None:
@@ -131,21 +144,22 @@ def reference_model(model, args, runtime, to_tsp_model):
 
 
 @contextlib.contextmanager
-def grpo_init(ref_model):
+def grpo_init(ref_model, kind: str = "grpo"):
     """During GRPOTrainer.__init__: its reference model is `ref_model` (TRL would reload the policy by name), TRL's
     fused LM head is not installed on TSP models (their forward has one), and the reference is not wrapped by
-    DeepSpeed / FSDP (it is frozen and already sharded over the TSP group)."""
+    DeepSpeed / FSDP (it is frozen and already sharded over the TSP group). Likewise RLOOTrainer's (kind "rloo")."""
     import importlib
 
     from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 
-    grpo = importlib.import_module(_GRPO_MODULE)
+    grpo = importlib.import_module(TRL_MODULES[kind])
     originals = {name: getattr(grpo, name) for name in
                  ("create_model_from_path", "add_fused_lm_head", "prepare_deepspeed", "prepare_fsdp")}
 
     def create_model_from_path(*args, **kwargs):
         if ref_model is None:
-            raise TSPConfigError("GRPOTrainer asked for a reference model although beta is 0 (internal)")
+            raise TSPConfigError(f"{PUBLIC_NAMES[kind]} was asked for a reference model although beta is 0 "
+                                 "(internal)")
         return ref_model
 
     def skip_tsp(name):
@@ -237,7 +251,7 @@ def data_axis(trainer):
     TRL's module-level gather / gather_object over the data axis (they would gather every TSP rank's copy)."""
     import importlib
 
-    grpo = importlib.import_module(_GRPO_MODULE)
+    grpo = importlib.import_module(TRL_MODULES[trainer._tsp_online_rl])
     accelerator = trainer.accelerator
     original_gather, original_gather_object = grpo.gather, grpo.gather_object
 
@@ -264,7 +278,7 @@ def tsp_model(trainer):
 
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     if not isinstance(model, TSPForCausalLM):
-        raise TSPConfigError(f"TSPGRPOTrainer's model is a {type(model).__name__}, not a TSP model (internal)")
+        raise TSPConfigError(f"{trainer_name(trainer)}'s model is a {type(model).__name__}, not a TSP model (internal)")
     return model
 
 
@@ -340,10 +354,11 @@ def generate(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
                       "attention_mask": pad([torch.ones_like(t) for t in tensors], padding_value=0,
                                             padding_side="left", pad_to_multiple_of=multiple).to(device)}
             # under mixed precision the copy is in the generation dtype and runs under its autocast, as the
-            # accelerator's autocast runs a plain model's forward
+            # accelerator's autocast runs a plain model's forward; synced_gpus=False: under ZeRO-3 transformers would
+            # sync every decoding step over the world, but this whole copy generates on TSP rank 0 of each group alone
             low = dtype in (torch.bfloat16, torch.float16)
             with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=low):
-                out = hf_model.generate(**inputs, generation_config=trainer.generation_config)
+                out = hf_model.generate(**inputs, generation_config=trainer.generation_config, synced_gpus=False)
             completion_ids = out[:, inputs["input_ids"].size(1):].cpu()
             is_eos = torch.isin(completion_ids, torch.tensor(trainer.eos_token_ids))
             eos_idx = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), completion_ids.size(1))

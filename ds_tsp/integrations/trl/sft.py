@@ -16,8 +16,9 @@ labels, its collators, loss, metrics); TSPTrainer (listed FIRST, so it converts 
   restarting per document (integrations/accelerate/dataloaders.py), checked against the batch's position_ids;
 - TRL's num_tokens metric counts the tokens of the whole sequence (TRL would count this rank's shard).
 GRPOTrainer, RewardTrainer and DPOTrainer compose too: ds_tsp.integrations.trl.grpo (ds_tsp.hf.TSPGRPOTrainer),
-ds_tsp.integrations.trl.reward (ds_tsp.hf.TSPRewardTrainer) and ds_tsp.integrations.trl.dpo (TSPDPOTrainer).
-Refused with a TSPConfigError naming them: the other TRL trainers (KTO, RLOO, GKD, ...: their
+ds_tsp.integrations.trl.reward (ds_tsp.hf.TSPRewardTrainer) and ds_tsp.integrations.trl.dpo (TSPDPOTrainer);
+RLOOTrainer runs on GRPO's machinery (ds_tsp.integrations.trl.rloo, ds_tsp.hf.TSPRLOOTrainer).
+Refused with a TSPConfigError naming them: the other TRL trainers (KTO, GKD, ...: their
 losses read full logits of several models), SFTTrainer listed before TSPTrainer, and the SFT options
 that need full logits or modify the model TRL-side (peft_config, compute_loss_func, label_smoothing_factor, a
 chat_template_path that adds tokens, selective activation checkpointing, MoE router aux loss).
@@ -39,22 +40,24 @@ def _trl_trainers(cls: type) -> list[type]:
 def check_composition(cls: type, tsp_trainer: type) -> str | None:
     """At class creation: "sft" / "grpo" / "reward" / "dpo" when `cls` composes TSPTrainer with TRL's SFTTrainer /
     GRPOTrainer / RewardTrainer / DPOTrainer (TSPTrainer first; GRPO: ds_tsp.integrations.trl.grpo, Reward:
-    ds_tsp.integrations.trl.reward, DPO: ds_tsp.integrations.trl.dpo); None without TRL; TSPConfigError for any
-    other TRL trainer, or the TRL trainer ahead of TSPTrainer."""
+    ds_tsp.integrations.trl.reward, DPO: ds_tsp.integrations.trl.dpo), "rloo" with RLOOTrainer
+    (ds_tsp.integrations.trl.rloo); None without TRL; TSPConfigError for any other TRL trainer, or the TRL trainer
+    ahead of TSPTrainer."""
     trl_classes = _trl_trainers(cls)
     if not trl_classes:
         return None
-    from trl import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
+    from trl import DPOTrainer, GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
-    supported = {SFTTrainer: "sft", GRPOTrainer: "grpo", RewardTrainer: "reward", DPOTrainer: "dpo"}
+    supported = {SFTTrainer: "sft", GRPOTrainer: "grpo", RewardTrainer: "reward", DPOTrainer: "dpo",
+                 RLOOTrainer: "rloo"}  # RLOO: on GRPO's machinery (ds_tsp.integrations.trl.rloo)
     others = [c for c in trl_classes if c not in supported and c.__name__ != "_BaseTrainer"]
     if others:
         name = others[0].__name__
         raise TSPConfigError(f"{cls.__name__}: TSPTrainer with TRL's {name} is not supported (SFTTrainer, "
-                             "GRPOTrainer, RewardTrainer and DPOTrainer are: ds_tsp.hf.TSPSFTTrainer, "
-                             f"TSPGRPOTrainer, TSPRewardTrainer, TSPDPOTrainer): {name}'s loss reads full-vocabulary "
-                             "logits (of a policy and a reference model, or of generated samples), which TSP never "
-                             "builds per token")
+                             "GRPOTrainer, RewardTrainer, DPOTrainer and RLOOTrainer are: ds_tsp.hf.TSPSFTTrainer, "
+                             f"TSPGRPOTrainer, TSPRewardTrainer, TSPDPOTrainer, TSPRLOOTrainer): {name}'s loss reads "
+                             "full-vocabulary logits (of a policy and a reference model, or of generated samples), "
+                             "which TSP never builds per token")
     mro = list(cls.__mro__)
     for trainer, kind in supported.items():
         if trainer in mro and mro.index(trainer) < mro.index(tsp_trainer):
