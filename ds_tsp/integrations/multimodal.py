@@ -8,7 +8,8 @@
   local checkpoint directory, or a ds_tsp.hf.TSPForConditionalGeneration) becomes a TSPForConditionalGeneration on
   the TSP group: it takes the collator's FULL batch (pixels whole) on every TSP rank and shards the tokens inside,
   so the train / eval / test loaders keep TSPAccelerator's data-axis sampling and are never cut (as for the reward
-  model);
+  model); each data replica's loss is its own batch's mean (no data group on the model), averaged over the
+  replicas by the data engine, as the plain Trainer's DDP does;
 - the loss is the plain Trainer's: the model reports the transformers class's accepts_loss_kwargs (False for these
   four: the plain Trainer passes them no num_items_in_batch and averages the micro-batches' token means over
   gradient accumulation), so TSPTrainer passes none either (a transformers whose class takes loss kwargs is
@@ -75,7 +76,7 @@ def to_vlm_model(model, runtime) -> TSPForConditionalGeneration:
             raise TSPConfigError(f"the TSPForConditionalGeneration was built for tsp={model.tsp.comm.size} but the "
                                  f"config asks for tsp={runtime.comm.size}: pass the transformers model (or its "
                                  "checkpoint directory) instead")
-        model.tsp.set_data_parallel_group(runtime.data_group)
+        model.tsp.set_data_parallel_group(None)  # per-replica means, as below
         return label_modules(model)
     model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type") \
         if isinstance(model, (str, Path)) else getattr(model.config, "model_type", None)
@@ -86,8 +87,9 @@ def to_vlm_model(model, runtime) -> TSPForConditionalGeneration:
         raise TSPConfigError(f"{type(model).__name__}'s weights are partitioned by DeepSpeed ZeRO-3 (it was loaded "
                              "after TrainingArguments(deepspeed=<stage 3 config>)): pass the checkpoint directory, or "
                              "load the model before creating the TrainingArguments")
-    converted = TSPForConditionalGeneration.from_pretrained(model, runtime.comm, options=runtime.options,
-                                                            data_group=runtime.data_group)
+    # no data group: each data replica's loss is its own batch's mean, as the plain Trainer's model computes it,
+    # and the data engine averages the replicas (a data group would weight them by their labelled tokens)
+    converted = TSPForConditionalGeneration.from_pretrained(model, runtime.comm, options=runtime.options)
     if converted.accepts_loss_kwargs:
         raise TSPConfigError(f"{ARCHITECTURES[model_type]}.accepts_loss_kwargs is True in this transformers: the "
                              "plain Trainer would weight the micro-batches by their labelled tokens, which TSPTrainer "

@@ -50,7 +50,8 @@ def to_tsp_model(model, comm: TSPComm, *, options: TSPOptions = TSPOptions(), dt
         if core.comm.size != comm.size:
             raise TSPConfigError(f"the {type(model).__name__} was built for tsp={core.comm.size} but the config asks "
                                  f"for tsp={comm.size}: pass the HF model (or its checkpoint path) instead")
-        core.set_data_parallel_group(data_group)
+        if not isinstance(model, TSPForConditionalGeneration):  # its data group is the Trainer's choice (None)
+            core.set_data_parallel_group(data_group)
         return label_modules(model)
     if isinstance(model, (str, Path)) or (hasattr(model, "config") and hasattr(model, "state_dict")):
         if not isinstance(model, (str, Path)) and not hasattr(model.config, "model_type"):

@@ -90,7 +90,9 @@ def main(out: str, model_dir: str, ds_config: str | None = None) -> None:
         trainer_class = transformers.Trainer
     else:
         from ds_tsp.hf import TSPTrainer as trainer_class
-    trainer = trainer_class(model=model, args=args, train_dataset=examples(STEPS * BATCH * ACCUMULATION, seed=1),
+    replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
+    trainer = trainer_class(model=model, args=args,
+                            train_dataset=examples(STEPS * BATCH * ACCUMULATION * replicas, seed=1),
                             eval_dataset=examples(4, seed=2), data_collator=collate)
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
@@ -122,6 +124,16 @@ def _close(a, b, tol=1e-5):
 
 
 def test_tsp2_trainer_with_a_vlm_equals_plain_trainer(tmp_path):
+    _assert_same_run(tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_tsp2_x_data2_zero2_vlm_equals_plain_two_process_trainer(tmp_path):
+    """The data axis: TSP=2 x data 2 (4 processes) against the plain Trainer on 2 processes (DDP)."""
+    _assert_same_run(tmp_path, 2)
+
+
+def _assert_same_run(tmp_path, replicas: int) -> None:
     pytest.importorskip("deepspeed")
     import transformers
     from safetensors.torch import load_file
@@ -133,8 +145,8 @@ def test_tsp2_trainer_with_a_vlm_equals_plain_trainer(tmp_path):
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
         "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
-    reference = _launch(tmp_path / "ref.json", model_dir)
-    tsp = _launch(tmp_path / "tsp.json", model_dir, tmp_path / "ds.json", nproc=2)
+    reference = _launch(tmp_path / "ref.json", model_dir, nproc=replicas)
+    tsp = _launch(tmp_path / "tsp.json", model_dir, tmp_path / "ds.json", nproc=2 * replicas)
     want, got = _finish(reference, tmp_path / "ref.json"), _finish(tsp, tmp_path / "tsp.json")
     steps = [[line for line in log if "grad_norm" in line] for log in (want, got)]
     assert len(steps[0]) == STEPS and [s["step"] for s in steps[1]] == [s["step"] for s in steps[0]], steps
