@@ -453,3 +453,19 @@ class TSPTrainer(_transformers.Trainer):
         checkpoints stay untouched (the Trainer rotates them only after a complete save)."""
         with self._world_guard("the Trainer's checkpoint save (its and DeepSpeed's collectives)"):
             return super()._save_checkpoint(model, trial)
+
+    def _load_best_model(self):
+        """load_best_model_at_end: DeepSpeed's checkpoint load (its barriers and ZeRO gathers) or the model's load,
+        bounded by timeout_s as one block, like a checkpoint save."""
+        with self._world_guard("the Trainer's best-model load (its and DeepSpeed's collectives)"):
+            return super()._load_best_model()
+
+    # --- resuming ------------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's train; a resume_from_checkpoint (True or a path) naming a checkpoint-N whose save was
+        interrupted (no trainer_state.json) is refused by name, with the previous complete one to use
+        (ds_tsp.integrations.trainer_resume)."""
+        from ds_tsp.integrations.trainer_resume import check_resume
+
+        check_resume(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
