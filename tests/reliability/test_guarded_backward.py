@@ -236,5 +236,31 @@ def test_accelerator_backward_and_the_evaluation_size_gather_are_guarded(fake_wo
     assert second.startswith(f"{MESSAGE_PREFIX} pad_across_processes size gather timed out on rank 0"), second
 
 
+def test_on_a_device_the_backward_guards_watch_an_event_and_do_not_sync(fake_world, monkeypatch):
+    """NCCL: the reduction in a backward does not block the host, so after the block the guard hands an event on
+    the engine's (the loss's) device to the watchdog thread; nothing waits on the host. Watchdog.watch mocked."""
+    import accelerate
+
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.reliability.watchdog import WATCHDOG
+    from ds_tsp.integrations.accelerate.accelerator import TSPAccelerator
+    from ds_tsp.integrations.deepspeed.engine import _guard_backward
+
+    watched = []
+    monkeypatch.setattr(WATCHDOG, "watch", lambda device, blocked, start, timeout_s, frame: watched.append(
+        (device, blocked.kind.split(" (")[0], timeout_s)))
+    comm = TSPComm(dist.group.WORLD, timeout_s=20)
+    for device in (torch.device("cuda", 1), torch.device("cpu")):
+        engine = SimpleNamespace(backward=lambda loss: None, device=device)
+        _guard_backward(engine, comm)
+        engine.backward(None)
+    monkeypatch.setattr(accelerate.Accelerator, "backward", lambda self, loss, **kw: None)
+    accelerator = object.__new__(TSPAccelerator)
+    accelerator.__dict__.update(tsp_comm=comm, tsp_setup=SimpleNamespace(mode="fsdp2"))
+    accelerator.backward(SimpleNamespace(device=torch.device("cuda", 0)))  # a CUDA loss
+    assert watched == [(torch.device("cuda", 1), "DeepSpeed backward", 20),
+                       (torch.device("cuda", 0), "fsdp2 backward", 20)], watched
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "rank":
     _rank_main(sys.argv[2])

@@ -317,7 +317,7 @@ class TSPAccelerator(_accelerate.Accelerator):
             return contextlib.nullcontext()
         what = "DeepSpeed backward and step (gradient reduction, grad-norm all_reduce, ZeRO collectives)" \
             if self.tsp_setup.mode == "deepspeed" else f"{self.tsp_setup.mode} backward (gradient reduction)"
-        device = loss.device if isinstance(loss, torch.Tensor) else None
+        device = getattr(loss, "device", None)  # a tensor's; Guard watches only a device (cuda), never the host
         return self.tsp_comm.guard(what, group=dist.group.WORLD, context="backward", poll=device,
                                    comm_errors_only=True)
 
