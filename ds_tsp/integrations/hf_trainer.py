@@ -43,7 +43,7 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.parallel.runtime import build_runtime
 from ds_tsp.core.shape.hf_config import import_transformers
 from ds_tsp.core.tokens.input_check import check_cp_integration
-from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, shard_hf_batch
+from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, guarded_batches, shard_hf_batch
 from ds_tsp.model.convert import to_tsp_model
 
 _transformers = import_transformers()
@@ -90,7 +90,7 @@ class _EvalShardedLoader(TSPShardedLoader):
     (token ids: small), so predictions and compute_metrics get them whole and in the original order."""
 
     def __iter__(self):
-        for batch in self.loader:
+        for batch in guarded_batches(self.loader, self.comm):
             sharded = shard_hf_batch(batch, self.comm)
             if isinstance(batch, dict) and "tsp_shard" not in batch:
                 sharded[_FULL_BATCH] = {k: batch[k] for k in ("input_ids", "labels", "shift_labels")
@@ -459,6 +459,11 @@ class TSPTrainer(_transformers.Trainer):
         bounded by timeout_s as one block, like a checkpoint save."""
         with self._world_guard("the Trainer's best-model load (its and DeepSpeed's collectives)"):
             return super()._load_best_model()
+
+    def store_flos(self):
+        """The Trainer's flos broadcast over the world (at a log, a save and the end of training), guarded."""
+        with self._world_guard("the Trainer's flos broadcast"):
+            return super().store_flos()
 
     # --- resuming ------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

@@ -1,8 +1,9 @@
-"""DeepSpeed's gradient reduction inside `engine.backward` and the evaluation loop's size gather are guarded: a peer
-that stalls (sleeps) inside them ends the other rank within timeout_s plus a margin with the watchdog's ONE line
-naming the block and the peer (exit code EXIT_CODE), instead of gloo's 1800 s default (or, where the group has
-timeout_s, gloo's own traceback). Guards nest (the layers' waits inside a guarded backward keep the outer deadline),
-and an error of the computation inside a guarded backward propagates as it is.
+"""DeepSpeed's gradient reduction inside `engine.backward`, the evaluation loop's size gather, the loader's batch
+fetch and the Trainer's flos broadcast are guarded: a peer that stalls (sleeps) inside them ends the other rank
+within timeout_s plus a margin with the watchdog's ONE line naming the block and the peer (exit code EXIT_CODE),
+instead of gloo's 1800 s default (or, where the group has timeout_s, gloo's own traceback). Guards nest (the layers'
+waits inside a guarded backward keep the outer deadline), and an error of the computation inside a guarded backward
+propagates as it is.
 
 Two ranks started by hand (tests/helpers/rank_procs.py) on gloo. This file is also the rank script:
 `python test_guarded_backward.py rank CASE`. In-process cases use the fake process group (world 2).
@@ -260,6 +261,48 @@ def test_on_a_device_the_backward_guards_watch_an_event_and_do_not_sync(fake_wor
     accelerator.backward(SimpleNamespace(device=torch.device("cuda", 0)))  # a CUDA loss
     assert watched == [(torch.device("cuda", 1), "DeepSpeed backward", 20),
                        (torch.device("cuda", 0), "fsdp2 backward", 20)], watched
+
+
+def test_the_loaders_batch_fetch_and_the_flos_broadcast_are_guarded(fake_world, reports, monkeypatch):
+    """Accelerate's loader posts world collectives when a batch is fetched (the generator's RNG broadcast at an
+    epoch's start, the dispatcher's batch broadcast): each fetch is guarded, errors of the data pipeline propagate,
+    a complete or abandoned iteration leaves nothing armed. The Trainer's flos broadcast is guarded too."""
+    import transformers
+
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.reliability.stall_message import MESSAGE_PREFIX
+    from ds_tsp.core.reliability.watchdog import WATCHDOG
+    from ds_tsp.integrations.accelerate.dataloaders import guarded_batches
+    from ds_tsp.integrations.hf_trainer import TSPTrainer
+
+    comm, me = TSPComm(dist.group.WORLD, timeout_s=20), threading.get_ident()
+
+    def loader(error=None):
+        yield me in WATCHDOG._armed
+        if error is not None:
+            raise error
+        yield me in WATCHDOG._armed
+
+    assert list(guarded_batches(loader(), comm)) == [True, True] and me not in WATCHDOG._armed
+    for batch in guarded_batches(loader(), comm):
+        break
+    assert me not in WATCHDOG._armed
+    with pytest.raises(RuntimeError, match="stack expects"):
+        list(guarded_batches(loader(RuntimeError("stack expects each tensor to be equal size")), comm))
+    assert reports == []
+    with pytest.raises(RuntimeError):
+        list(guarded_batches(loader(RuntimeError(GLOO_TIMEOUT)), comm))
+    (message,) = reports
+    assert message.startswith(f"{MESSAGE_PREFIX} the data loader's batch fetch (Accelerate's RNG-state / batch "
+                              "broadcast) timed out on rank 0"), message
+    assert "waiting for rank 1" in message and "layer: data loading" in message
+
+    armed = []
+    monkeypatch.setattr(transformers.Trainer, "store_flos", lambda self: armed.append(me in WATCHDOG._armed))
+    trainer = object.__new__(TSPTrainer)
+    trainer.__dict__.update(tsp_comm=comm, state=SimpleNamespace(global_step=3))
+    trainer.store_flos()
+    assert armed == [True] and me not in WATCHDOG._armed
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "rank":
