@@ -49,7 +49,7 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.parallel.runtime import build_runtime
 from ds_tsp.core.shape.hf_config import import_transformers
 from ds_tsp.core.tokens.input_check import check_cp_integration
-from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, shard_hf_batch
+from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, guarded_batches, shard_hf_batch
 from ds_tsp.model.convert import to_tsp_model
 
 _transformers = import_transformers()
@@ -96,7 +96,7 @@ class _EvalShardedLoader(TSPShardedLoader):
     (token ids: small), so predictions and compute_metrics get them whole and in the original order."""
 
     def __iter__(self):
-        for batch in self.loader:
+        for batch in guarded_batches(self.loader, self.comm):
             sharded = shard_hf_batch(batch, self.comm)
             if isinstance(batch, dict) and "tsp_shard" not in batch:
                 sharded[_FULL_BATCH] = {k: batch[k] for k in ("input_ids", "labels", "shift_labels")
@@ -493,3 +493,24 @@ class TSPTrainer(_transformers.Trainer):
         checkpoints stay untouched (the Trainer rotates them only after a complete save)."""
         with self._world_guard("the Trainer's checkpoint save (its and DeepSpeed's collectives)"):
             return super()._save_checkpoint(model, trial)
+
+    def _load_best_model(self):
+        """load_best_model_at_end: DeepSpeed's checkpoint load (its barriers and ZeRO gathers) or the model's load,
+        bounded by timeout_s as one block, like a checkpoint save."""
+        with self._world_guard("the Trainer's best-model load (its and DeepSpeed's collectives)"):
+            return super()._load_best_model()
+
+    def store_flos(self):
+        """The Trainer's flos broadcast over the world (at a log, a save and the end of training), guarded."""
+        with self._world_guard("the Trainer's flos broadcast"):
+            return super().store_flos()
+
+    # --- resuming ------------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's train; a resume_from_checkpoint (True or a path) naming a checkpoint-N whose save was
+        interrupted (no trainer_state.json) is refused by name, with the previous complete one to use
+        (ds_tsp.integrations.trainer_resume)."""
+        from ds_tsp.integrations.trainer_resume import check_resume
+
+        check_resume(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)

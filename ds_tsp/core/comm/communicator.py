@@ -178,12 +178,14 @@ class TSPComm:
         return self._ranks[group_rank]
 
     def guard(self, what: str, group: dist.ProcessGroup | None = None, context: str | None = None,
-              poll: torch.device | None = None) -> Guard:
+              poll: torch.device | None = None, comm_errors_only: bool = False) -> Guard:
         """`with comm.guard("loss all_reduce"): dist.all_reduce(t, group=comm.group)`: the block's blocking
         torch.distributed calls get this comm's timeout_s and one-message report. group: the group they talk to
         (its other ranks are the waited-for peers; default the TSP group); context: default comm.context; poll:
-        the device of the block's tensors, watched after the block where collectives do not block the host."""
-        return guard(what, timeout_s=self.timeout_s, group=group, comm=self, context=context, poll=poll)
+        the device of the block's tensors, watched after the block where collectives do not block the host;
+        comm_errors_only: other errors of the block propagate as they are (watchdog.Guard)."""
+        return guard(what, timeout_s=self.timeout_s, group=group, comm=self, context=context, poll=poll,
+                     comm_errors_only=comm_errors_only)
 
     @contextmanager
     def recording(self, recorder: CommRecorder | None = None) -> Iterator[CommRecorder]:

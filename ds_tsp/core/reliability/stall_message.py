@@ -13,6 +13,9 @@ MESSAGE_PREFIX = "ds_tsp: TSP collective"
 # as ds_tsp.initialize does): gloo "Timed out waiting 10000ms for recv operation to complete", "Application timeout
 # caused pair closure" (a pair an earlier timeout closed); NCCL "Watchdog caught collective operation timeout".
 _TIMEOUT_MARKERS = ("timed out", "timeout")
+# How a transport failure reads (gloo "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer", "Connection
+# reset by peer", NCCL "NCCL error", "Broken pipe"): gloo raises plain RuntimeErrors, so the text tells them apart.
+_TRANSPORT_MARKERS = ("gloo", "nccl", "connection", "by peer", "broken pipe", "socket")
 
 
 class TSPCommError(RuntimeError):
@@ -117,6 +120,15 @@ def is_timeout(err: BaseException) -> bool:
     """The error is the backend's own timeout (the process group's, fired before the watchdog's deadline)."""
     text = str(err).lower()
     return any(marker in text for marker in _TIMEOUT_MARKERS)
+
+
+def is_comm_error(err: BaseException) -> bool:
+    """The error is a collective's (a torch.distributed error, a transport failure, a backend timeout), not one of
+    the computation around it."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err).lower()
+    return any(marker in text for marker in _TIMEOUT_MARKERS + _TRANSPORT_MARKERS)
 
 
 def describe(b: Blocked, outcome: str, waited_s: float, timeout_s: float | None, frame=None,

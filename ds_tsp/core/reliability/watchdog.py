@@ -55,6 +55,7 @@ from ds_tsp.core.reliability.stall_message import (
     TSPCommError,
     caller_frames,
     describe,
+    is_comm_error,
     is_timeout,
 )
 
@@ -247,12 +248,19 @@ _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 class Guard:
     """`with guard(...)`: arm the watchdog around blocking torch.distributed calls made outside TSPComm. poll: the
     device of the block's tensors when its collectives do not block the host (NCCL): after the block an event on
-    that device's stream is watched like a TSPComm wait's (Watchdog.watch)."""
+    that device's stream is watched like a TSPComm wait's (Watchdog.watch). comm_errors_only: around a block that
+    mostly computes (a backward with the gradient reduction in its hooks), an error that is not a collective's
+    (stall_message.is_comm_error) propagates as it is instead of being reported as the collective's failure.
 
-    __slots__ = ("blocked", "timeout_s", "poll", "_token", "_start")
+    Guards nest: an inner guard (a TSPComm wait inside the block) arms its own deadline and restores the outer one
+    when it ends, so the outer deadline still counts from the outer block's start."""
 
-    def __init__(self, blocked: Blocked, timeout_s: float | None, poll: torch.device | None = None):
+    __slots__ = ("blocked", "timeout_s", "poll", "comm_errors_only", "_token", "_start")
+
+    def __init__(self, blocked: Blocked, timeout_s: float | None, poll: torch.device | None = None,
+                 comm_errors_only: bool = False):
         self.blocked, self.timeout_s, self._token = blocked, timeout_s, None
+        self.comm_errors_only = comm_errors_only
         self.poll = poll if poll is not None and poll.type not in ("cpu", "meta") else None
 
     def __enter__(self) -> "Guard":
@@ -266,7 +274,8 @@ class Guard:
             WATCHDOG.disarm(self._token)
             self._token = None
         # an out-of-memory error is the device's, not a peer's: it propagates as it is
-        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, (TSPCommError, _OOM)):
+        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, (TSPCommError, _OOM)) and \
+                (not self.comm_errors_only or is_comm_error(exc)):
             WATCHDOG.failed(self.blocked, exc, self._start, self.timeout_s)
         if exc is None and self.poll is not None and self.timeout_s is not None:
             WATCHDOG.watch(self.poll, self.blocked, self._start, self.timeout_s, sys._getframe(1))
@@ -274,11 +283,11 @@ class Guard:
 
 
 def guard(what: str, *, timeout_s: float | None = 1800, group: Any = None, comm: Any = None,
-          context: str | None = None, poll: torch.device | None = None) -> Guard:
+          context: str | None = None, poll: torch.device | None = None, comm_errors_only: bool = False) -> Guard:
     """Bound a block of blocking torch.distributed calls, e.g. `with guard("loss all_reduce", group=g): ...`.
 
     group: the process group the block talks to (its other ranks are named as the waited-for peers; default the
-    TSP group of `comm`, else the world). poll: the device of the block's tensors (see Guard). Prefer
+    TSP group of `comm`, else the world). poll: the device of the block's tensors, comm_errors_only: see Guard. Prefer
     `comm.guard(what)`, which takes timeout_s and context from comm.
     """
     if group is not None and dist.is_initialized():
@@ -288,7 +297,7 @@ def guard(what: str, *, timeout_s: float | None = 1800, group: Any = None, comm:
     else:
         peer = ("ranks", list(range(dist.get_world_size())) if dist.is_initialized() else [0])
     return Guard(Blocked(comm, what, peer, context=context if context is not None else getattr(comm, "context", "")),
-                 timeout_s, poll)
+                 timeout_s, poll, comm_errors_only)
 
 
 def stats() -> dict:

@@ -302,12 +302,24 @@ class TSPAccelerator(_accelerate.Accelerator):
     def backward(self, loss, **kwargs):
         """Accelerate's backward; in the plain setup with cp groups (no data engine to reduce them) the cp groups'
         gradients are then averaged over the data group (data x cp), once per optimizer step (sync_gradients), so
-        clip_grad_norm_ and the optimizer see the whole sequence's gradient."""
-        super().backward(loss, **kwargs)
+        clip_grad_norm_ and the optimizer see the whole sequence's gradient. Bounded by timeout_s as one block with
+        the watchdog's one line: the gradient reduction in the backward's hooks (DeepSpeed's ZeRO reduce /
+        all-reduce, FSDP2's reduce-scatter) and, under DeepSpeed, engine.step() (Accelerate steps it here)."""
+        with self._backward_guard(loss):
+            super().backward(loss, **kwargs)
         if self.tsp_setup.mode == "plain" and self._cp_size > 1 and self.sync_gradients and self.tsp_model is not None:
             from ds_tsp.core.grads.data_parallel import average_grads_over_group
 
             average_grads_over_group(self.tsp_model.parameters(), self._data_group, self.tsp_comm)
+
+    def _backward_guard(self, loss):
+        if self.tsp_comm is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return contextlib.nullcontext()
+        what = "DeepSpeed backward and step (gradient reduction, grad-norm all_reduce, ZeRO collectives)" \
+            if self.tsp_setup.mode == "deepspeed" else f"{self.tsp_setup.mode} backward (gradient reduction)"
+        device = getattr(loss, "device", None)  # a tensor's; Guard watches only a device (cuda), never the host
+        return self.tsp_comm.guard(what, group=dist.group.WORLD, context="backward", poll=device,
+                                   comm_errors_only=True)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The norm of the FULL model's gradient (TSP shards summed over the group, norms counted once)."""
@@ -365,6 +377,13 @@ class TSPAccelerator(_accelerate.Accelerator):
                 return data[:state.remainder]
             return recursively_apply(lambda t: t[:state.remainder], data)
         return data
+
+    def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
+        """Accelerate's: it gathers the sizes over every process (the evaluation loop's predictions and labels);
+        guarded (its .cpu() waits on the host, so the deadline covers it on NCCL too)."""
+        group = dist.group.WORLD if dist.is_initialized() else None
+        with _guard(self, "pad_across_processes size gather", group):
+            return super().pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         if isinstance(dataloader, TSPShardedLoader):

@@ -115,6 +115,26 @@ def shard_hf_batch(batch: dict, comm: TSPComm) -> dict:
     return {**batch, **sharded}  # anything else stays: the model names it if it does not take it
 
 
+def guarded_batches(loader, comm: TSPComm | None):
+    """The batches of an Accelerate-prepared loader, each fetch bounded by comm's timeout_s with the watchdog's one
+    line: Accelerate posts world collectives there (the sampler generator's RNG broadcast when an epoch starts, the
+    dispatcher's batch broadcast). Errors of the data pipeline itself propagate as they are."""
+    import torch.distributed as dist
+
+    if comm is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        yield from loader
+        return
+    batches = iter(loader)
+    while True:
+        with comm.guard("the data loader's batch fetch (Accelerate's RNG-state / batch broadcast)",
+                        group=dist.group.WORLD, context="data loading", comm_errors_only=True):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+        yield batch
+
+
 class TSPShardedLoader:
     """Wraps an Accelerate-prepared loader (data-axis sampling) and yields this rank's zigzag shard of each batch."""
 
@@ -123,7 +143,7 @@ class TSPShardedLoader:
         self.batch_size = batch_size  # per data replica (the prepared loader reports None: it has a batch sampler)
 
     def __iter__(self):
-        for batch in self.loader:
+        for batch in guarded_batches(self.loader, self.comm):
             yield shard_hf_batch(batch, self.comm)
 
     def __len__(self) -> int:

@@ -148,6 +148,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine.tsp_comm = comm  # `with engine.tsp_comm.guard("what", group=g):` bounds a script's own collectives
     if tsp.pipeline_stages == 1:
         _guard_step(engine, comm)
+        _guard_backward(engine, comm)
     return engine, opt, loader, sched
 
 
@@ -164,6 +165,25 @@ def _guard_step(engine, comm) -> None:
             return step(*args, **kwargs)
 
     engine.step = guarded_step
+
+
+def _guard_backward(engine, comm) -> None:
+    """engine.backward(loss) posts DeepSpeed's gradient reduction from its hooks (ZeRO-1/2's bucketed reduce /
+    all-reduce over the data group, ZeRO-3's reduce-scatter, the plain engine's all-reduce at the boundary): the
+    whole backward is bounded by timeout_s with the watchdog's one line (so timeout_s must exceed one backward; the
+    layers' own waits inside it nest, each with its own deadline). Errors of the computation propagate as they are.
+    On a device the wait is an event recorded after the backward, polled by the watchdog thread: no host sync."""
+    import torch.distributed as dist
+
+    backward = engine.backward
+    poll = engine.device if getattr(engine.device, "type", "cpu") not in ("cpu", "meta") else None
+
+    def guarded_backward(*args, **kwargs):
+        with comm.guard("DeepSpeed backward (gradient reduction: ZeRO reduce / all_reduce hooks)",
+                        group=dist.group.WORLD, context="backward", poll=poll, comm_errors_only=True):
+            return backward(*args, **kwargs)
+
+    engine.backward = guarded_backward
 
 
 # Variables a launcher sets: torchrun / deepspeed (WORLD_SIZE), mpirun (OpenMPI, MPICH / Intel MPI, MVAPICH).
