@@ -94,7 +94,7 @@ def _groups():
 def test_trainer_token_count_reports_one_line(fake_world, reports):
     from ds_tsp.integrations.hf_trainer import TSPTrainer
 
-    trainer = SimpleNamespace(tsp_groups=_groups(), tsp_comm=TSPComm(dist.group.WORLD, timeout_s=20),
+    trainer = SimpleNamespace(tsp_groups=_groups(), tsp_comm=TSPComm(dist.group.WORLD, timeout_s=20), _tsp_vlm=False,
                               args=SimpleNamespace(average_tokens_across_devices=True))
     with pytest.raises(RuntimeError):
         TSPTrainer._get_num_items_in_batch(trainer, [{"shift_labels": torch.tensor([[1, -100]])}], torch.device("cpu"))
