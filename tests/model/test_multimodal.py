@@ -342,8 +342,8 @@ def test_host_reads_only_at_the_entry_and_in_transformers_tower(runs):
         events = results["syncs", rank]
         tower = [e for e in events if e[2] == "layers"]
         assert all(e[1] == "tolist" and e[3].endswith(" encode") for e in tower), (rank, tower)  # the tower's call
-        # at most three per block and encoded run: transformers may reuse a split it computed for the same grid
-        # earlier in the process (in the suite's forkserver, 9 of 12 were seen on one rank)
+        # at most three per block and encoded run: the count varies with what ran earlier in the process (12 when
+        # this file runs alone, 9 on one rank once in the full suite's forkserver); where they come from is checked
         assert len(tower) <= 3 * VISION["depth"] * sum(results["encodes", rank]), rank
         assert len([e for e in events if e[2] == "input_checks"]) == 1, rank
         rest = [e for e in events if e[2] not in ("layers", "input_checks")]
