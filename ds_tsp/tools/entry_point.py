@@ -20,20 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.errors import config_error_in
 
 EXIT_USAGE = 2
-
-
-def config_error_in(exc: BaseException) -> TSPConfigError | None:
-    """The TSPConfigError `exc` is or was raised from (a library may wrap it), else None."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, TSPConfigError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def report_error(prog: str, message: str) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.errors import TSPConfigError, config_error_in
 
 __all__ = ["run_on_local_ranks", "init_from_env", "free_port", "local_device", "default_backend"]
 
@@ -60,22 +60,11 @@ def _child(rank: int, world_size: int, port: int, timeout_s: float, env: Mapping
         dist.destroy_process_group()
         results.put(("ok", rank, pickle.dumps(_to_cpu(value))))
     except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit, to the parent
-        config = _config_error_in(exc)
+        config = config_error_in(exc)
         if config is not None:  # an input error: its one line, not a traceback (those stay for real bugs)
             results.put(("config_error", rank, str(config)))
         else:
             results.put(("error", rank, traceback.format_exc()))
-
-
-def _config_error_in(exc: BaseException | None) -> TSPConfigError | None:
-    """The TSPConfigError `exc` is or was raised from (a library may wrap it), else None."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, TSPConfigError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 class RankConfigError(TSPConfigError, RuntimeError):
