@@ -7,8 +7,9 @@ averaging engine), so the cp groups' gradients must be averaged once per optimiz
 per dtype, buckets of at most BUCKET_BYTES (a gradient larger than that is its own bucket, reduced in place, with no
 copy): one SUM all-reduce per bucket, then a division by the group size (gloo has no AVG), copied back in place. A
 bucket bounds the extra memory to one bucket, where one flat copy of every gradient doubled the gradients' bytes at
-the optimizer step (+4 GB fp32 for an 8B model at D=8). Averaging the accumulated `.grad` once at the end of gradient accumulation equals
-averaging every micro-step (the average is linear), so it runs only when the optimizer is about to step.
+the optimizer step (+4 GB fp32 for an 8B model at D=8). Averaging the accumulated `.grad` once at the end of
+gradient accumulation equals averaging every micro-step (the average is linear), so it runs only when the optimizer
+is about to step.
 
 Every rank passes the same parameters in the same order (the same model), so the flat buffers match; a parameter
 without a gradient is skipped, which is the same on every rank of a TSP model (same graph everywhere).
@@ -19,7 +20,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-
 
 BUCKET_BYTES = 256 * 2 ** 20
 

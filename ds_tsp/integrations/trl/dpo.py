@@ -38,11 +38,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import inspect
 
 import torch
 
 from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.integrations.trl.arguments import bind_by_name
 
 # DPOTrainer.__init__ looks these up in its own module's namespace
 _DPO_MODULE = "trl.trainer.dpo_trainer"
@@ -53,18 +53,10 @@ def _refuse(option: str, why: str) -> None:
 
 
 def keyword_arguments(init, model, args, more: tuple, kwargs: dict) -> tuple:
-    """(model, args, the other arguments by name) of a DPOTrainer call: DPOTrainer's positional order is (model,
-    ref_model, args, ...), where TSPTrainer's own signature reads (model, args, ...). init: the bound __init__
-    after TSPTrainer's (DPOTrainer's, or a user subclass's)."""
-    if not more:
-        return model, args, kwargs
-    try:
-        given = dict(inspect.signature(init).bind(model, args, *more, **kwargs).arguments)
-    except TypeError as err:
-        raise TSPConfigError(f"TSPDPOTrainer arguments: {err}; pass them by keyword (model=, ref_model=, args=, "
-                             "train_dataset=, ...)") from err
-    given.update(given.pop("kwargs", {}))
-    return given.pop("model", None), given.pop("args", None), given
+    """(model, args, the other arguments by name) of a DPOTrainer call: its positional order is (model, ref_model,
+    args, ...), where TSPTrainer's own signature reads (model, args, ...)."""
+    return bind_by_name(init, model, args, more, kwargs, "TSPDPOTrainer",
+                        "model=, ref_model=, args=, train_dataset=, ...")
 
 
 def check_dpo_arguments(model, args, given: dict) -> None:

@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 
 import torch
 import torch.distributed as dist
 
 from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.integrations.trl.arguments import bind_by_name
 
 # The online-RL trainers' __init__ and generation / scoring steps look these names up in their own module's
 # namespace (create_model_from_path, add_fused_lm_head, prepare_deepspeed / prepare_fsdp, gather, gather_object)
@@ -61,18 +61,10 @@ def trainer_name(trainer) -> str:
 
 
 def keyword_arguments(init, model, args, more: tuple, kwargs: dict, kind: str = "grpo") -> tuple:
-    """(model, args, the other arguments by name) of a GRPOTrainer call: GRPOTrainer's positional order is (model,
-    reward_funcs, args, ...), where TSPTrainer's own signature reads (model, args, ...). init: the bound __init__
-    after TSPTrainer's (GRPOTrainer's, or a user subclass's). RLOOTrainer's order is the same."""
-    if not more:
-        return model, args, kwargs
-    try:
-        given = dict(inspect.signature(init).bind(model, args, *more, **kwargs).arguments)
-    except TypeError as err:
-        raise TSPConfigError(f"{PUBLIC_NAMES[kind]} arguments: {err}; pass them by keyword (model=, reward_funcs=, "
-                             "args=, train_dataset=, ...)") from err
-    given.update(given.pop("kwargs", {}))
-    return given.pop("model", None), given.pop("args", None), given
+    """(model, args, the other arguments by name) of a GRPOTrainer / RLOOTrainer call: their positional order is
+    (model, reward_funcs, args, ...), where TSPTrainer's own signature reads (model, args, ...)."""
+    return bind_by_name(init, model, args, more, kwargs, PUBLIC_NAMES[kind],
+                        "model=, reward_funcs=, args=, train_dataset=, ...")
 
 
 def check_grpo_arguments(model, args, given: dict, kind: str = "grpo") -> None:
