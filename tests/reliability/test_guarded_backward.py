@@ -96,25 +96,9 @@ def _rank_main(case: str) -> None:
 
 
 def _run(tmp_path: Path, case: str):
-    from rank_procs import Ranks
+    from rank_procs import Ranks, survivor_reports_the_stall
 
-    from ds_tsp.core.reliability.stall_message import MESSAGE_PREFIX
-    from ds_tsp.core.reliability.watchdog import EXIT_CODE
-
-    ranks = Ranks(tmp_path, 2, [__file__, "rank", case])
-    try:
-        ranks.wait_for("STALLING", ranks=[1], deadline_s=180)
-        took = ranks.wait_exit(0, TIMEOUT_S + MARGIN_S)
-        err = ranks.err(0)
-        assert took is not None, f"rank 0 still waits {TIMEOUT_S + MARGIN_S} s after rank 1 stalled:\n{err[-3000:]}"
-        print(f"{case}: rank 0 exited {took:.1f} s after rank 1 stalled\n{err}")
-        assert ranks.procs[0].returncode == EXIT_CODE, err
-        messages = [line for line in err.splitlines() if line.startswith(MESSAGE_PREFIX)]
-        assert len(messages) == 1, err
-        assert "NOT STALLED" not in ranks.out(0)
-        return messages[0], took
-    finally:
-        ranks.cleanup()
+    return survivor_reports_the_stall(Ranks(tmp_path, 2, [__file__, "rank", case]), TIMEOUT_S + MARGIN_S)
 
 
 # --- two ranks ------------------------------------------------------------------------------------------------
