@@ -200,8 +200,10 @@ class TSPTrainer(_transformers.Trainer):
         self.tsp_groups = runtime.groups
         self.tsp_comm = runtime.comm  # its timeout_s bounds the trainer's own collectives (token counts, loss)
         ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_online_rl else None
-        if self._tsp_with_dpo:
-            ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model)
+        if self._tsp_with_dpo:  # a LoRA policy with ref_model=None: the reference is its own adapter-off pass
+            model, dpo_adapter = trl_dpo.peft_policy(model, kwargs, args)
+            ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model,
+                                                                      dpo_adapter)
         if self._tsp_with_reward:
             model = trl_reward.to_reward_model(model, runtime)
         elif self._tsp_vlm:
@@ -222,6 +224,7 @@ class TSPTrainer(_transformers.Trainer):
                 super().__init__(model=model, args=args, **kwargs)
             trl_grpo.after_init(self)
         elif self._tsp_with_dpo:
+            ref_model = kwargs["ref_model"] = trl_dpo.adapter_reference(model, ref_model, dpo_adapter)
             tsp_trl.prepare_model(model)
             with trl_dpo.dpo_init(ref_model):
                 super().__init__(model=model, args=args, **kwargs)

@@ -49,7 +49,13 @@ CASES = {
                  "label_smoothing": 0.1, "ld_alpha": 0.7, "ref_model": True},
     "aot": {"loss_type": ["aot", "aot_unpaired"], "loss_weights": [1.0, 0.5], "precompute_ref_log_probs": True,
             "padding_free": True},
+    "peft": {"loss_type": ["sigmoid"], "peft": "config", "use_weighting": True},
 }
+SLOW_CASES = {  # run by the slow tests only
+    "peft_model": {"loss_type": ["sigmoid", "ipo"], "peft": "model", "precompute_ref_log_probs": True,
+                   "ld_alpha": 0.7},
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 METRICS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "entropy", "mean_token_accuracy",
            "rewards/accuracies")
 LOGITS = ("logits/chosen", "logits/rejected")  # relative to the run's largest |mean logit|
@@ -94,9 +100,10 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, out_dir: str, ds_con
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    options = dict(CASES[name])
+    options = dict({**CASES, **SLOW_CASES}[name])
     accumulation = options.pop("gradient_accumulation_steps", 1)
     given_ref = options.pop("ref_model", False)
+    adapter = options.pop("peft", None)
     replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
     args = DPOConfig(output_dir=f"{out_dir}/{name}", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
@@ -123,12 +130,25 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, out_dir: str, ds_con
     if given_ref:  # an explicit reference (the same weights): TSP converts it as its own frozen model
         ref_model = model_dir if zero3 else transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                                                                dtype=torch.float32)
+    more = {}
+    if adapter is not None:  # LoRA, ref_model=None: the reference is the adapter-disabled base (peft_config=) or,
+        import peft  # for a PEFT model, its adapter as it was before training (here a nonzero one)
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                               init_lora_weights=adapter == "config")
+        torch.manual_seed(0)  # PEFT draws the factors from the global generator: the same in both runs
+        if adapter == "config":
+            more["peft_config"] = lora
+        else:
+            model = peft.get_peft_model(model, lora)
     trainer = trainer_class(model=model, ref_model=ref_model, args=args, processing_class=tokenizer,
                             train_dataset=train,
-                            eval_dataset=Dataset.from_list(rows(4, seed=2)) if evaluate else None)
+                            eval_dataset=Dataset.from_list(rows(4, seed=2)) if evaluate else None, **more)
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
     log = trainer.state.log_history
+    if adapter is not None:
+        trainer.save_model(f"{out_dir}/{name}/final")
     if evaluate:
         trainer.evaluate()
         trainer.save_model(f"{out_dir}/{name}/final")
@@ -183,7 +203,7 @@ def _runs(tmp: Path, data_replicas: int, cases: str = "", zero_stage: int = 2) -
         "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
     from datasets import Dataset
 
-    for name, options in CASES.items():  # on disk, one copy per run: TRL's precompute cache is a shared file
+    for name, options in {**CASES, **SLOW_CASES}.items():  # on disk, one copy per run: TRL's precompute cache
         if options.get("precompute_ref_log_probs"):
             n = STEPS * BATCH * options.get("gradient_accumulation_steps", 1) * data_replicas
             for run in ("ref", "tsp"):
@@ -240,6 +260,8 @@ def _assert_same_runs(dpo_runs: dict) -> None:
         totals = [[line for line in runs[case] if "train_runtime" in line][0] for runs in (tsp, reference)]
         assert totals[0]["total_flos"] == totals[1]["total_flos"] > 0, (case, totals)
         assert _close(totals[0]["train_loss"], totals[1]["train_loss"]), (case, totals)
+        if case.startswith("peft"):
+            _assert_same_adapters(dpo_runs["root"], case, want)
     if "sigmoid" not in reference:  # evaluate(), predict() and the saved weights: the sigmoid case's
         return
     assert {"predict": "refused"} in tsp["sigmoid"], tsp["sigmoid"][-2:]
@@ -256,6 +278,35 @@ def _assert_same_runs(dpo_runs: dict) -> None:
         assert (got_w[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
     moved = (want_w["lm_head.weight"] - initial["lm_head.weight"]).norm() / initial["lm_head.weight"].norm()
     assert moved > 1e-4, moved  # the comparison is of trained weights
+
+
+def _assert_same_adapters(root: Path, case: str, want: list[dict]) -> None:
+    """A LoRA case: the reference really is the adapter-off base (peft_config=) / the initial adapter (a PEFT model):
+    the plain run's rewards are far from those of a reference that kept the trained adapter (0: the policy itself)
+    or dropped the initial one; the TSP run's saved adapter equals the plain run's, trained, and plain peft
+    reloads it onto the base model with the plain adapter's scores."""
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    scale = BETA * abs(want[-1]["logps/chosen"])
+    assert abs(want[-1]["rewards/chosen"]) > 1e-3 * scale, want[-1]  # 100x the comparison's tolerance
+    if case == "peft_model":  # step 1: the policy is its initial adapter, exactly the reference (not the base)
+        assert want[0]["rewards/chosen"] == want[0]["rewards/margins"] == 0.0, want[0]
+    got_dir, want_dir = root / "tsp" / case / "final", root / "ref" / case / "final"
+    got, plain = load_file(got_dir / "adapter_model.safetensors"), load_file(want_dir / "adapter_model.safetensors")
+    assert set(got) == set(plain) and len(plain) == 2 * len(LORA_TARGETS) * 2, sorted(set(got) ^ set(plain))
+    for name, tensor in plain.items():
+        assert (got[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
+    b = [name for name in plain if name.endswith("down_proj.lora_B.weight")][0]
+    assert plain[b].norm() > 1e-3, b  # trained (peft_config= starts B at zero)
+    probe = torch.randint(0, len(WORDS) + 3, (2, 11), generator=torch.Generator().manual_seed(3))
+    scores = []
+    for directory in (got_dir, want_dir):
+        base = transformers.AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
+        with torch.no_grad():
+            scores.append(peft.PeftModel.from_pretrained(base, directory)(input_ids=probe).logits)
+    assert (scores[0] - scores[1]).norm() <= 1e-5 * scores[1].norm()
 
 
 def _run_example(tmp: Path, steps: int, plain: bool) -> list[list[dict]]:
@@ -349,8 +400,11 @@ def test_dpo_trainer_composes_and_refuses_what_tsp_cannot_honour_by_name():
         type("Both", (TSPTrainer, trl.DPOTrainer, trl.SFTTrainer), {})
     plain = {"chat_template_path": None}
     zero3 = SimpleNamespace(zero_stage=3)
-    refused = [({"peft_config": object()}, {}, "peft_config= / a PEFT model"),
-               ({"ref_model": SimpleNamespace(peft_config={})}, {}, "peft_config= / a PEFT model"),
+    peft_model = SimpleNamespace(peft_config={})
+    refused = [({"model": peft_model, "peft_config": object()}, {}, "peft_config= with a PEFT model"),
+               ({"model": "a/checkpoint", "peft_config": object()}, {}, "peft_config= with model='a/checkpoint'"),
+               ({"model": peft_model}, {"sync_ref_model": True}, "sync_ref_model=True with a PEFT adapter"),
+               ({"model": peft_model}, {"deepspeed_plugin": zero3}, "a PEFT adapter under ZeRO-3"),
                ({"quantization_config": object()}, {}, "quantization_config="),
                ({"processing_class": object()}, {}, "processing_class=object.*text-only"),
                ({"compute_metrics": len}, {}, "compute_metrics="),
