@@ -311,6 +311,10 @@ class TSPTrainer(_transformers.Trainer):
         """The Trainer's count (6 x tokens x parameters); store_flos sums it over every process, so under the
         reward and DPO trainers, whose TSP ranks each see the full batch, each rank counts its 1/D of it."""
         flops = super().floating_point_ops(inputs)
+        if self._tsp_with_dpo:  # with a PEFT model, TRL's "ref" adapter copy counts as parameters too
+            from ds_tsp.integrations.trl.dpo import reference_adapter_flops
+
+            flops += reference_adapter_flops(self, inputs)
         return flops // self.tsp_config.size if self._tsp_with_reward or self._tsp_with_dpo else flops
 
     # --- evaluation and prediction -------------------------------------------------------------------------------

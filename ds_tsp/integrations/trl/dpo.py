@@ -25,13 +25,20 @@ TSPTrainer (listed first) changes:
 - metrics: TSPAccelerator.gather / gather_for_metrics gather over the data axis (one copy per TSP group), so
   rewards/*, logps/*, logits/*, entropy, mean_token_accuracy and num_tokens count each pair once and TRL's
   `_tp_size` stays 1; num_items_in_batch is None, as DPOTrainer's batches carry no labels;
-- padding_free: TRL 1.16 turns it off itself (padded batches, a warning); so does the TSP run, identically.
-Refused with a TSPConfigError naming them: DPOTrainer listed first, peft_config= and PEFT models (ref_model=None
-with an adapter would need the adapter-disabled base, which a LoRA-folded TSP model does not keep apart),
-quantization_config=, vision processors, compute_metrics and predict() (TRL recomputes full logits for them),
-use_liger_kernel, activation_offloading, a mixture-of-experts router aux loss, sync_ref_model under ZeRO-3, and
-tsp.cp_size > 1. Under ZeRO-3, pass the model (and a ref_model) as its checkpoint directory: a transformers model
-loaded after the ZeRO-3 TrainingArguments has partitioned weights (refused by name when converted).
+- padding_free: TRL 1.16 turns it off itself (padded batches, a warning); so does the TSP run, identically;
+- PEFT LoRA (ds_tsp.model.peft.lora) with ref_model=None: as DPOTrainer, peft_config= wraps the model in a fresh
+  adapter and the reference is the adapter-disabled base, and a PEFT model's reference is its adapter as it was
+  before training (TRL copies it to a frozen "ref" adapter; TSP keeps frozen copies of this rank's factor slices).
+  No second model: AdapterReference runs the policy's own TSP forward with its adapter off (or at that copy),
+  through the same streaming head; also with precompute_ref_log_probs (whose cache key tells the two apart). An
+  explicit ref_model (a PEFT one too) is converted like any reference. save_model writes the adapter as PEFT does
+  (without TRL's "ref" subfolder).
+Refused with a TSPConfigError naming them: DPOTrainer listed first, peft_config= with a PEFT model or a checkpoint
+directory, sync_ref_model with an adapter (DPOTrainer refuses it too), quantization_config=, vision processors,
+compute_metrics and predict() (TRL recomputes full logits for them), use_liger_kernel, activation_offloading, a
+mixture-of-experts router aux loss, sync_ref_model under ZeRO-3, and tsp.cp_size > 1. Under ZeRO-3, pass the model
+(and a ref_model) as its checkpoint directory, or load it before the ZeRO-3 TrainingArguments (a PEFT model): a
+transformers model loaded after them has partitioned weights (refused by name when converted).
 """
 from __future__ import annotations
 
@@ -73,11 +80,6 @@ def check_dpo_arguments(model, args, given: dict) -> None:
         _refuse("sync_ref_model=True with a PEFT adapter", "the reference is the policy's own base weights (or its "
                 "initial adapter), not a separate model to mix into (DPOTrainer refuses it too); set "
                 "sync_ref_model=False")
-    if peft_config is not None or peft_model:
-        plugin = getattr(args, "deepspeed_plugin", None)
-        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-            _refuse("a PEFT adapter under ZeRO-3", "the adapter-disabled reference pass is compared with the plain "
-                    "trainer under ZeRO-1/2 only; use ZeRO-2 (the adapter's optimizer state is small)")
     if given.get("quantization_config") is not None:
         _refuse("quantization_config=", "TSP shards full-precision weights; pass an unquantized model")
     processing = given.get("processing_class")
@@ -118,7 +120,9 @@ def peft_policy(model, given: dict, args) -> tuple[object, str | None]:
     if config is not None:
         import peft
 
-        model = peft.get_peft_model(model, config)
+        plugin = getattr(args, "deepspeed_plugin", None)  # as DPOTrainer: under ZeRO-3 the adapter keeps the
+        zero3 = plugin is not None and getattr(plugin, "zero_stage", 0) == 3  # model's dtype (one dtype to gather)
+        model = peft.get_peft_model(model, config, **({"autocast_adapter_dtype": False} if zero3 else {}))
     if not hasattr(model, "peft_config") or given.get("ref_model") is not None:
         return model, None
     return model, "off" if config is not None else "initial"
@@ -158,8 +162,13 @@ class AdapterReference:
             raise TSPConfigError("TSPDPOTrainer: the PEFT model has no LoRA layer TSP adapts (internal)")
         self.policy, self.mode = policy, mode
         self.fused_lm_head_outputs = ("log_probs",)
+        # the full-model size of the initial copy: DPOTrainer's PEFT model holds it as a second adapter, which the
+        # Trainer's flop count (6 x tokens x parameters) includes
+        self.copied_parameters = 0
         if mode == "initial":
             keep_initial_adapter(policy.tsp)
+            self.copied_parameters = sum(p.numel() if cut is None else p.numel() // p.shape[cut[0]] *
+                                         (max(cut[1]) + p.shape[cut[0]]) for _, p, cut in policy.tsp.lora_tensors())
 
     def __call__(self, *args, **kwargs):
         from ds_tsp.model.peft.lora import adapter_mode
@@ -184,6 +193,15 @@ class AdapterReference:
 
     def eval(self):
         return self
+
+
+def reference_adapter_flops(trainer, inputs) -> int:
+    """What the Trainer's flop count adds for DPOTrainer's "ref" adapter (a PEFT model's initial copy), as the
+    plain trainer counts it; 0 otherwise."""
+    ref = trainer.ref_model
+    if not isinstance(ref, AdapterReference) or "input_ids" not in inputs:
+        return 0
+    return 6 * inputs["input_ids"].numel() * ref.copied_parameters
 
 
 def adapter_reference(model, ref_model, adapter: str | None):
