@@ -186,6 +186,8 @@ class AdapterReference:
                 policy.fused_lm_head_outputs = own
 
     def __getattr__(self, name):  # what TRL reads of a reference (modules() for dropout, config, device, ...)
+        if name == "policy":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.policy, name)
 
     def to(self, *args, **kwargs):  # the policy moves with the trainer
