@@ -200,8 +200,10 @@ class TSPTrainer(_transformers.Trainer):
         self.tsp_groups = runtime.groups
         self.tsp_comm = runtime.comm  # its timeout_s bounds the trainer's own collectives (token counts, loss)
         ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_online_rl else None
-        if self._tsp_with_dpo:
-            ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model)
+        if self._tsp_with_dpo:  # a LoRA policy with ref_model=None: the reference is its own adapter-off pass
+            model, dpo_adapter = trl_dpo.peft_policy(model, kwargs, args)
+            ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model,
+                                                                      dpo_adapter)
         if self._tsp_with_reward:
             model = trl_reward.to_reward_model(model, runtime)
         elif self._tsp_vlm:
@@ -222,6 +224,7 @@ class TSPTrainer(_transformers.Trainer):
                 super().__init__(model=model, args=args, **kwargs)
             trl_grpo.after_init(self)
         elif self._tsp_with_dpo:
+            ref_model = kwargs["ref_model"] = trl_dpo.adapter_reference(model, ref_model, dpo_adapter)
             tsp_trl.prepare_model(model)
             with trl_dpo.dpo_init(ref_model):
                 super().__init__(model=model, args=args, **kwargs)
@@ -308,6 +311,10 @@ class TSPTrainer(_transformers.Trainer):
         """The Trainer's count (6 x tokens x parameters); store_flos sums it over every process, so under the
         reward and DPO trainers, whose TSP ranks each see the full batch, each rank counts its 1/D of it."""
         flops = super().floating_point_ops(inputs)
+        if self._tsp_with_dpo:  # with a PEFT model, TRL's "ref" adapter copy counts as parameters too
+            from ds_tsp.integrations.trl.dpo import reference_adapter_flops
+
+            flops += reference_adapter_flops(self, inputs)
         return flops // self.tsp_config.size if self._tsp_with_reward or self._tsp_with_dpo else flops
 
     # --- evaluation and prediction -------------------------------------------------------------------------------
