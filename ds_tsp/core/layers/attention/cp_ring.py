@@ -55,16 +55,17 @@ import functools
 import torch
 
 from ds_tsp.core.comm.communicator import TSPComm
-from ds_tsp.core.comm.kv_gather import RankOrderedKVGrad, kv_prefix
+from ds_tsp.core.comm.kv_gather import GlobalKVGather, RankOrderedKVGrad, kv_prefix
 from ds_tsp.core.layers.attention import kernels
 from ds_tsp.core.layers.attention.cp_window import uses_window_path, window_attention_backward, window_attention_forward
 from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
 from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.zigzag import zigzag_chunks
 
-__all__ = ["cp_attention_forward", "cp_attention_backward", "local_layout"]
+__all__ = ["cp_attention_forward", "cp_attention_backward", "local_layout", "own_share"]
 
 KV_TAG, GRAD_TAG = 31, 32  # gloo matches p2p by tag (NCCL by post order, the same on every rank)
+OWN_ORDER = (1, 0)  # the own block's larger query chunk (the second: more keys) first, so hop 1 hides behind it
 
 
 def _buffer_offset(a: int, cp_rank: int, cp: int, cp_chunk: int) -> int:
@@ -164,30 +165,74 @@ def _single(layout: DocumentLayout) -> DocumentLayout | None:
 
 
 class _KVRing:
-    """The K/V of every other group of the cp ring, one hop ahead: next() waits for hop s and posts hop s+1."""
+    """The K/V of every other group of the cp ring, each carried across nodes once.
 
-    def __init__(self, cp: TSPComm, kv_all: torch.Tensor, what: str):
-        self.cp, self.what, self.step = cp, what, 0
-        self.buffers = [torch.empty_like(kv_all), torch.empty_like(kv_all)] if cp.size > 2 else [
-            torch.empty_like(kv_all)]
-        self.current = kv_all
-        self.handle = self._post()
+    TSP rank p of group i holds 1/D of its group's K/V: its own two zigzag chunks (`share`, local_kv's
+    [2, c, B, 2, nkv, d]). The cp ring of TSP rank p passes only these shares (pass-KV: hop s brings group
+    (i - s) mod C's rank p share, forwarded at hop s+1), and the TSP group reassembles each received block with
+    the K/V gather TSP uses alone (GlobalKVGather, on the TSP communicator, intra-node). Two stages in flight: at
+    `next()` for block s the gather of block s+1 and the hop bringing block s+2 are posted before block s's
+    attention runs, so both travel behind it; `advance()` (called once between the own group's two query chunks)
+    starts that pipeline."""
 
-    def _post(self):
-        if self.step >= self.cp.size - 1:
+    def __init__(self, comm: TSPComm, cp: TSPComm, kv_all: torch.Tensor, what: str):
+        self.comm, self.cp, self.what = comm, cp, what
+        self.hops_posted, self.gathers = 0, []
+        self.hop = self._post_hop(own_share(kv_all, comm.size, comm.rank))
+
+    def _post_hop(self, send: torch.Tensor):
+        if self.hops_posted >= self.cp.size - 1:
             return None
-        recv = self.buffers[self.step % len(self.buffers)]
-        handle = self.cp.ring_exchange(self.current, recv, KV_TAG,
-                                       what=f"{self.what} cp hop {self.step + 1}/{self.cp.size - 1}")
-        self.pending = recv
-        return handle
+        self.hops_posted += 1
+        recv = torch.empty_like(send)
+        handle = self.cp.ring_exchange(send, recv, KV_TAG,
+                                       what=f"{self.what} cp hop {self.hops_posted}/{self.cp.size - 1}")
+        return handle, recv
+
+    def advance(self) -> None:
+        """Wait for the hop in flight, post the TSP gather of the share it brought and the hop forwarding it."""
+        if self.hop is None:
+            return
+        handle, share = self.hop
+        handle.wait()
+        self.gathers.append(GlobalKVGather(self.comm, share, what=f"{self.what} cp block {self.hops_posted}"))
+        self.hop = self._post_hop(share)
 
     def next(self) -> torch.Tensor:
-        """The K/V of group (i - s) mod C at the s-th call; posts the hop of the (s+1)-th."""
-        self.handle.wait()
-        self.current, self.step = self.pending, self.step + 1
-        self.handle = self._post()
-        return self.current
+        """Group (i - s) mod C's gathered K/V [S_loc, B, 2, nkv, d] at the s-th call; posts the next stages."""
+        if not self.gathers:
+            self.advance()
+        self.advance()
+        return self.gathers.pop(0).wait()
+
+
+def own_share(kv_all: torch.Tensor, tsp: int, tsp_rank: int) -> torch.Tensor:
+    """This TSP rank's two zigzag chunks of its group's gathered K/V [S_loc, ...], as local_kv lays them out:
+    [2, c, ...] (a copy of 1/D of the buffer)."""
+    chunks = kv_all.view(2 * tsp, kv_all.shape[0] // (2 * tsp), *kv_all.shape[1:])
+    return torch.stack((chunks[tsp_rank], chunks[2 * tsp - 1 - tsp_rank]))
+
+
+def _scatter_grad(comm: TSPComm, grad: torch.Tensor, what: str):
+    """Post the reduce-scatter over the TSP group of a group's dK/dV [S_loc, ...] (global order): returns (this
+    rank's share of the sum, [2, c, ...] as own_share lays it out, handle). One reduce-scatter per zigzag half,
+    as GlobalKVGather gathers them: the first half is in rank order already, the second reversed."""
+    D = comm.size
+    half = grad.shape[0] // 2
+    out = grad.new_empty((2, half // D, *grad.shape[1:]))
+    second = grad[half:].view(D, half // D, *grad.shape[1:]).flip(0)
+    handles = [comm.reduce_scatter(out[0], grad[:half], what=f"{what}, first zigzag half"),
+               comm.reduce_scatter(out[1], second, what=f"{what}, second zigzag half")]
+    return out, _Handles(handles)
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
 
 
 def cp_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, *, doc_starts: DocumentLayout,
@@ -202,19 +247,20 @@ def cp_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, *
         return window_attention_forward(q, kv_all, comm, cp, doc_starts=doc_starts, window=window, scale=scale,
                                         backend=backend)
     geo = _Geometry(cp, comm.rank, comm.size, L)
-    ring = _KVRing(cp, kv_all, "K/V")
+    ring = _KVRing(comm, cp, kv_all, "K/V")
     own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)
-    outs, lses = [], []
-    for local, start, _ in geo.queries:  # own block, while hop 1 is in flight
+    outs, lses = [None, None], [None, None]
+    for chunk in OWN_ORDER:  # own block, while hop 1 (then block 1's gather and hop 2) are in flight
+        local, start, _ = geo.queries[chunk]
         k_all, v_all = kv_prefix(kv_all, start + geo.c)
-        o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=own, window=None,
-                                          scale=scale, backend=backend)
-        outs.append(o)
-        lses.append(lse)
+        outs[chunk], lses[chunk] = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=own,
+                                                            window=None, scale=scale, backend=backend)
+        if chunk == OWN_ORDER[0]:
+            ring.advance()
     impl = kernels._backend_impl(backend, q)
     layout = _single(doc_starts)
     for s in range(1, cp.size):
-        buffer, r = ring.next(), (cp.rank - s) % cp.size  # next hop posted: it runs behind this block
+        buffer, r = ring.next(), (cp.rank - s) % cp.size  # the next stages posted: they run behind this block
         for chunk, n_keys in geo.visible(r):
             local, _, t0 = geo.queries[chunk]
             qc, oc, lc = q[:, local], outs[chunk], lses[chunk]
@@ -239,28 +285,27 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Ten
         return window_attention_backward(dout, q, kv_all, out, lses, kv_grad, comm, cp, doc_starts=doc_starts,
                                          window=window, scale=scale, backend=backend)
     geo = _Geometry(cp, comm.rank, comm.size, L)
-    ring = _KVRing(cp, kv_all, "K/V (backward)")
+    ring = _KVRing(comm, cp, kv_all, "K/V (backward)")
     own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)
     acc = kernels.accumulation_dtype(q.dtype)
-    dq_chunks = []
-    for (local, start, _), lse in zip(geo.queries, lses):
+    dq_chunks = [None, None]
+    for chunk in OWN_ORDER:
+        local, start, _ = geo.queries[chunk]
         k_all, v_all = kv_prefix(kv_all, start + geo.c)
-        dq_c, dk_c, dv_c = masked_attention_backward(dout[:, local], q[:, local], k_all, v_all, out[:, local], lse,
-                                                     q_start=start, doc_starts=own, window=None, scale=scale,
-                                                     backend=backend)
-        dq_chunks.append(dq_c.to(acc))
+        dq_c, dk_c, dv_c = masked_attention_backward(dout[:, local], q[:, local], k_all, v_all, out[:, local],
+                                                     lses[chunk], q_start=start, doc_starts=own, window=None,
+                                                     scale=scale, backend=backend)
+        dq_chunks[chunk] = dq_c.to(acc)
         kv_grad.add(dk_c, dv_c)
+        if chunk == OWN_ORDER[0]:
+            ring.advance()
     impl = kernels._backend_impl(backend, q)
     layout = _single(doc_starts)
-    grad_shape, grad_dtype = kv_all.shape, acc
-    inbox = [torch.empty(grad_shape, dtype=grad_dtype, device=kv_all.device) for _ in range(2)]
-    carried, grad_hop = None, None  # the accumulator this rank passes on, and the hop bringing the next one
+    scattered = None  # (share of block s-1's dK/dV, its reduce-scatter): summed and sent on behind block s
+    carried_hop = None  # (handle, inbox): the accumulator of block s-1's group arriving from the previous group
     for s in range(1, cp.size):
         buffer, r = ring.next(), (cp.rank - s) % cp.size
-        if carried is not None:  # the previous block's accumulator travels while this block's backward runs
-            received = inbox[s % 2]
-            grad_hop = cp.ring_exchange(carried, received, GRAD_TAG, what=f"dK/dV cp hop {s - 1}/{cp.size - 1}")
-        mine = torch.zeros(grad_shape, dtype=grad_dtype, device=kv_all.device)  # this rank's part for group r
+        mine = torch.zeros(kv_all.shape, dtype=acc, device=kv_all.device)  # this rank's part for group r
         for chunk, n_keys in geo.visible(r):
             local, _, t0 = geo.queries[chunk]
             for rows, runs in _runs(layout, B, t0, geo.c, r, geo, n_keys):
@@ -274,13 +319,25 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Ten
                         dk, dv = _kv_keys(mine[:, row], k0, n_keys)
                         dk += gk
                         dv += gv
-        if grad_hop is not None:
-            grad_hop.wait()
-            mine += received
-        carried = mine
-    if carried is not None:  # the last hop brings each group the grads of its own K/V from every other group
-        home = inbox[cp.size % 2]
-        cp.ring_exchange(carried, home, GRAD_TAG, what=f"dK/dV cp hop {cp.size - 1}/{cp.size - 1}").wait()
-        dk, dv = kv_prefix(home.to(kv_all.dtype), home.shape[0])
-        kv_grad.add(dk, dv)
+        if scattered is not None:  # block s-1's accumulator moves on while block s+1's backward runs
+            carried_hop = _pass_on(cp, scattered, carried_hop, s)
+        scattered = _scatter_grad(comm, mine, f"dK/dV cp block {s}")  # behind block s+1's backward
+    if scattered is not None:  # the last hop brings each group its own K/V's grads from every other group
+        inbox, handle = _pass_on(cp, scattered, carried_hop, cp.size)
+        handle.wait()
+        kv_grad.add_share(comm.rank, inbox.to(kv_all.dtype))
     return [d.to(q.dtype) for d in dq_chunks]
+
+
+def _pass_on(cp: TSPComm, scattered, carried_hop, s: int):
+    """This rank's share of a group's dK/dV summed over this group's TSP ranks (the reduce-scatter) and over the
+    groups before it on the ring (the accumulator arriving with `carried_hop`), posted to the next group; returns
+    (the inbox receiving the previous group's accumulator, the hop's handle)."""
+    share, scatter = scattered
+    scatter.wait()
+    if carried_hop is not None:
+        inbox, handle = carried_hop
+        handle.wait()
+        share += inbox
+    inbox = torch.empty_like(share)
+    return inbox, cp.ring_exchange(share, inbox, GRAD_TAG, what=f"dK/dV cp hop {s - 1}/{cp.size - 1}")
