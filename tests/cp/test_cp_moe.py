@@ -305,7 +305,7 @@ def test_verify_cli_hf_model_tsp2_cp2(tmp_path, capsys):
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_plan_cp_moe_equals_the_counters_of_a_real_step(runs, dispatch):
     """ds-tsp plan --cp 2 for the MoE shape: the TSP group's bytes are TSP's MoE plan at the group's tokens
-    (tsp_counter_bytes: every kind, exactly), the cp communicator's whole counter is the plan's inter-node bytes:
+    (tsp_counter_bytes: every kind, exactly) plus the cp blocks' reassembly over TSP, the cp communicator's whole counter is the plan's inter-node bytes:
     the attention ring's, the aux counts' all-reduce over cp and the input check's all-gather over cp (each kind
     exactly); params and grads per rank equal the model's."""
     from ds_tsp.core.shape.model_shape import ModelShape
@@ -325,6 +325,8 @@ def test_plan_cp_moe_equals_the_counters_of_a_real_step(runs, dispatch):
     assert plan.cp["inter_node_bytes_per_step"] == ring + aux + check
     assert plan.cp["inter_node_bytes_per_rank"] == [ring + aux + check] * (C * D)
     tsp = tsp_counter_bytes(group_input(inp, C))
+    for kind, n in plan.cp["intra_node_cp_bytes_by_kind"].items():  # + the cp blocks' reassembly over TSP
+        tsp[kind] = tsp.get(kind, 0) + n
     for r in results:
         measured = r["measured"][dispatch]
         assert measured["tsp"] == tsp, (r["rank"], measured["tsp"], tsp)

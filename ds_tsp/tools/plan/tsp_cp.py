@@ -5,10 +5,15 @@ ds_tsp.core.tokens.zigzag) and 1/D of every weight; weights are replicated over 
 states go with the data axis (ZeRO over data x cp). So one rank is planned as TSP (plan_tsp) at seq S_pad / C with
 dp x C data ranks, plus the cp ring (ds_tsp.core.layers.attention.cp_ring):
 
-- inter-node bytes: per decoder layer and head block, C-1 hops of the group's gathered K/V of that block
-  (B x S/C x 2 nkv_b x d elements) forward; backward the same K/V hops again plus C-1 hops of its dK/dV (float32
-  accumulators under bf16/fp16); activation checkpointing replays the forward hops. Every TSP rank sends its
-  block's hops on its own NIC (TSP rank p of each group talks to TSP rank p of the next). Sliding-window layers
+- inter-node bytes: per decoder layer and head block, C-1 hops of this rank's 1/D share of its group's K/V of that
+  block (B x S/(CD) x 2 nkv_b x d elements: each token's K/V crosses nodes once) forward; backward the same K/V
+  hops again plus C-1 hops of the share's dK/dV (float32 accumulators under bf16/fp16); activation checkpointing
+  replays the forward hops. Every TSP rank sends its hops on its own NIC (TSP rank p of each group talks to TSP
+  rank p of the next);
+- intra-node bytes the ring adds: each received block reassembled over the TSP group (two all-gathers of the
+  block, per zigzag half), in backward again, plus its dK/dV reduce-scattered to the shares the ring carries back
+  (`intra_node_cp_bytes_per_step`, by kind in `intra_node_cp_bytes_by_kind`; layer terms, or step terms where not
+  every layer takes the full ring). Sliding-window layers
   send only the keys their window reaches (ds_tsp.core.layers.attention.cp_window; tsp_cp_window): their bytes differ
   between cp ranks, so the step's bytes are the busiest rank's (`inter_node_bytes_per_rank` gives each, cp-major);
 - the input check: its fixed-size payloads all-gathered over cp once per step (ds_tsp.core.tokens.input_check.over_cp;
@@ -17,7 +22,8 @@ dp x C data ranks, plus the cp ring (ds_tsp.core.layers.attention.cp_ring):
 - memory: the ring's buffers on top of the TSP peak (conservatively, at the peak phase): two received K/V blocks
   forward; backward also two dK/dV accumulators and one contribution buffer (float32 under bf16);
 - hybrid models (Gated DeltaNet layers): the full-attention layers take the ring above; each Gated DeltaNet layer
-  all-gathers its conv halo and chunk transitions over cp too, O(1) in S (ds_tsp.tools.plan.hybrid_cp); the
+  all-gathers its conv halo and chunk transitions over cp too (each rank its own pieces, then the TSP group
+  gathers the [C, ...] pieces: more intra-node bytes), O(1) in S (ds_tsp.tools.plan.hybrid_cp); the
   layer terms describe the most numerous Gated DeltaNet kind, the other kinds' cp terms come in the step terms;
 - overlap: each hop's transfer runs behind the attention of the previous block: per hop and head block
   c = S/(2CD) queries x S/C keys (zigzag: the same on every rank), 4 c (S/C) nq_b d FLOPs forward, 2.5x that in
@@ -30,7 +36,7 @@ from dataclasses import replace
 
 from ds_tsp.tools.cli_types import GIB, MIB
 from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
-from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, hybrid_cp_rows
+from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, gdn_cp_tsp_terms, hybrid_cp_rows
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
 from ds_tsp.tools.plan.offload import with_offload
@@ -137,6 +143,12 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         tsp_steps = [replace(t, name=f"full-attention layers x{full_layers}: {t.name}", calls=t.calls * full_layers,
                              bytes=t.bytes * full_layers) for t in tsp_fwd + tsp_bwd if full_layers]
         tsp_fwd, tsp_bwd = [], []
+    if hybrid:  # the Gated DeltaNet layers' TSP stage gathers every cp group's pieces (hybrid_cp.gdn_cp_tsp_terms)
+        n_gdn = sum(t == "linear_attention" for t in inp.model.layer_types)
+        for t in (t for terms in gdn_cp_tsp_terms(group, C) for t in terms):
+            intra_cp += n_gdn * t.bytes
+            intra_by_kind[t.kind] = intra_by_kind.get(t.kind, 0) + n_gdn * t.bytes
+            tsp_steps.append(replace(t, name=f"Gated DeltaNet layers x{n_gdn}: {t.name}", bytes=t.bytes * n_gdn))
     # attention FLOPs the hops overlap: per hop and block c = S/(2CD) queries x S/C keys x nq_b heads
     c = group_tokens // (2 * D)
     hop_flops = 4 * B * c * group_tokens * g.nq_b * g.dims.d

@@ -1,4 +1,4 @@
-"""Attention across the context-parallel (cp) axis: each TSP group's gathered K/V travels the cp ring (pass-KV).
+"""Attention across the context-parallel (cp) axis: K/V travel the cp ring in 1/D shares, reassembled over TSP.
 
 A sequence is split over C TSP groups (tsp.cp_size; layout in ds_tsp.core.tokens.zigzag): cp group i holds cp chunks
 i and 2C-1-i of the 2C cp chunks (Ccp = S_pad / (2C) tokens each). Inside the group TSP works as alone: every
@@ -9,9 +9,15 @@ per head block, TSP rank p of group i:
 1. own block: attends its two query chunks to its own group's K/V with the kernels TSP uses alone
    (ds_tsp.core.layers.attention.masked), the document starts mapped to cp-local coordinates (`local_layout`);
 2. ring: C-1 hops over the cp group (TSP rank p of every group; one `batch_isend_irecv` per hop and
-   direction, TSPComm.ring_exchange). Hop s brings the K/V of group r = (i - s) mod C and is posted before the
-   previous block's attention runs, so the transfer overlaps it; the received block's partial (out, lse) is merged
-   by log-sum-exp (kernels._merge) into the queries it is visible to.
+   direction, TSPComm.ring_exchange), each carrying only this rank's 1/D SHARE of a group's block: its two zigzag
+   chunks' K/V (`own_share`, local_kv's layout). Hop s brings group r = (i - s) mod C's rank-p share (forwarded at
+   hop s+1), and the TSP group reassembles r's whole block over the fast intra-node link with TSP's own K/V gather
+   (GlobalKVGather: two all-gathers, one per zigzag half, into cp-local order). So each token's K/V crosses the
+   inter-node link once per hop, not once per TSP rank. `_KVRing` keeps two stages in flight: when block s's
+   attention starts, block s+1's gather and the hop bringing block s+2's share are already posted, so both travel
+   behind it (the own block's second query chunk, the larger, runs first, behind hop 1; the first, behind block
+   1's gather and hop 2); the received block's partial (out, lse) is merged by log-sum-exp (kernels._merge) into
+   the queries it is visible to.
 
 Causal skipping, and why zigzag balances the ring: every key of group r != i lies strictly before or strictly
 after each local query chunk (the chunks are whole cp chunks apart), so a foreign block is either unmasked (one
@@ -35,17 +41,21 @@ per distance; distances no rank needs are not posted; dK/dV go back the same way
 its bytes. Full layers of the same model keep this ring. MoE layers need nothing here: their experts stay inside the TSP
 group and the aux loss's counts are reduced over cp (functions/moe_aux).
 
-Backward (same hops, plus the way back): K/V hops as in forward (posted one block ahead); each rank computes the
-received block's dK/dV contribution with the kernels' backward from the MERGED out / lse (exact partial grads,
-kernels module doc) and adds it to the accumulator that arrived with the previous hop; the accumulator of group
-r's K/V goes around the ring behind the K/V (posted at the start of the next block, so it overlaps that block's
-attention backward) and one last hop brings every group its own K/V's grads from all the others, which are added
-to the TSP group's dK/dV before its reduce-scatter (kv_layout.RankOrderedKVGrad). Accumulators are float32 for
-half-precision K/V (the sum of up to C-1 contributions).
+Backward (same hops, plus the way back): K/V hops and gathers as in forward; each rank computes the received
+block's dK/dV contribution with the kernels' backward from the MERGED out / lse (exact partial grads, kernels
+module doc) into a whole-block buffer, which the TSP group reduce-scatters (`_scatter_grad`, one per zigzag half)
+to each rank's share: the sum over the group's queries of the grads of rank p's share of group r's K/V. That share
+is added to the accumulator that arrived from the previous group and passed on around the ring at 1/D (posted
+after the next block's backward is queued, so the reduce-scatter and the hop travel behind it), and one last hop
+brings every rank its own share's grads from every other group, which are added to the TSP group's dK/dV before
+its reduce-scatter (kv_gather.RankOrderedKVGrad.add_share). Accumulators are float32 for half-precision K/V (the
+sum of up to C-1 contributions).
 
-Traffic per head block (kv group) and rank: forward (C-1) x S_loc x B x 2 nkv d elements, backward twice that
-(K/V again, dK/dV back). Live buffers: two received K/V blocks (one computed on, one in flight), in backward also
-two accumulators and one contribution.
+Traffic per head block (kv group) and rank, with E = S_loc x B x 2 nkv d elements (one group's block):
+inter-node (cp) forward (C-1) x E / D, backward twice that (K/V again, dK/dV back); intra-node (TSP) forward
+(C-1) x (D-1)/D x E (the reassembly gathers), backward that again plus (C-1) x (D-1)/D x E of dK/dV reduce-scatters.
+Live buffers: two gathered blocks (one attended, one in flight) and two shares; in backward also two dK/dV blocks
+(one computed, one being reduce-scattered), the second half's reversed copy and two accumulator shares.
 """
 from __future__ import annotations
 
