@@ -305,7 +305,8 @@ def test_verify_cli_hf_model_tsp2_cp2(tmp_path, capsys):
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_plan_cp_moe_equals_the_counters_of_a_real_step(runs, dispatch):
     """ds-tsp plan --cp 2 for the MoE shape: the TSP group's bytes are TSP's MoE plan at the group's tokens
-    (tsp_counter_bytes: every kind, exactly) plus the cp blocks' reassembly over TSP, the cp communicator's whole counter is the plan's inter-node bytes:
+    (tsp_counter_bytes: every kind, exactly) plus the cp blocks' reassembly over TSP, the cp communicator's whole
+    counter is the plan's inter-node bytes:
     the attention ring's, the aux counts' all-reduce over cp and the input check's all-gather over cp (each kind
     exactly); params and grads per rank equal the model's."""
     from ds_tsp.core.shape.model_shape import ModelShape

@@ -149,6 +149,15 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
             intra_cp += n_gdn * t.bytes
             intra_by_kind[t.kind] = intra_by_kind.get(t.kind, 0) + n_gdn * t.bytes
             tsp_steps.append(replace(t, name=f"Gated DeltaNet layers x{n_gdn}: {t.name}", bytes=t.bytes * n_gdn))
+    intra_per_rank = [intra_cp] * (C * D)
+    if win.layers:  # the windowed layers' slices gathered and their dK/dV reduce-scattered over TSP (per rank)
+        intra_per_rank = [intra_cp + g + r for g, r in zip(win.intra_gather, win.intra_scatter)]
+        for kind, n in (("all_gather", win.intra_gather[busiest]), ("reduce_scatter", win.intra_scatter[busiest])):
+            if n:
+                intra_by_kind[kind] = intra_by_kind.get(kind, 0) + n
+                tsp_steps.append(term(f"windowed layers x{win.layers}: cp window slices {kind} over TSP "
+                                      f"(cp rank {busiest // D})", kind, 0, 0, n))
+        intra_cp = intra_per_rank[busiest]
     # attention FLOPs the hops overlap: per hop and block c = S/(2CD) queries x S/C keys x nq_b heads
     c = group_tokens // (2 * D)
     hop_flops = 4 * B * c * group_tokens * g.nq_b * g.dims.d
@@ -164,6 +173,7 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         "intra_node_bytes_per_step": layers * (base.comm_bytes_per_layer_fwd + base.comm_bytes_per_layer_bwd)
         + intra_cp,
         "intra_node_cp_bytes_per_step": intra_cp, "intra_node_cp_bytes_by_kind": intra_by_kind,
+        "intra_node_cp_bytes_per_rank": intra_per_rank,
         "grad_sync_bytes_per_step": base.comm_bytes_per_step - layers * (base.comm_bytes_per_layer_fwd
                                                                          + base.comm_bytes_per_layer_bwd),
         "ring_buffer_bytes": extra, "kv_hop_bytes": kv_share, "kv_block_bytes": kv_hop,

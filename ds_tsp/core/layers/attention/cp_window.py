@@ -79,6 +79,31 @@ def window_hops(window: int, cp: int, tsp: int, tsp_rank: int, chunk: int
     return tuple(hops)
 
 
+@functools.lru_cache(maxsize=256)
+def group_hops(window: int, cp: int, tsp: int, chunk: int) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """What crosses nodes per ring distance: (distance s, per receiving cp rank i (start, m)): its TSP group needs,
+    of sender (i - s) mod C's buffer, the hull of what its D ranks' windows reach (window_hops of each), padded to
+    D slices of m keys, [start, start + D m) inside the buffer (the padding is real keys nobody reads); TSP rank p
+    of each side moves slice p, and the receiving group all-gathers the slices over TSP. (0, 0): nothing. The same
+    list on every rank; distances no group needs are left out."""
+    cp_chunk, hops = tsp * chunk, []
+    for s in range(1, cp):
+        spans = []
+        for i in range(cp):
+            ranges = [_needed(window, cp, tsp, chunk, query_starts(cp, i, tsp, p, chunk), (i - s) % cp)
+                      for p in range(tsp)]
+            ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+            if not ranges:
+                spans.append((0, 0))
+                continue
+            lo, hi = min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
+            m = -(-(hi - lo) // tsp)
+            spans.append((min(lo, 2 * cp_chunk - tsp * m), m))
+        if any(m for _, m in spans):
+            hops.append((s, tuple(spans)))
+    return tuple(hops)
+
+
 def query_starts(cp: int, i: int, tsp: int, tsp_rank: int, chunk: int) -> tuple[int, int]:
     """Global starts of the two query chunks (`chunk` tokens each) of TSP rank tsp_rank of cp group i."""
     first, second = zigzag_chunks(tsp, tsp_rank)
@@ -103,13 +128,14 @@ def _halves(cp: int, cp_chunk: int, r: int) -> tuple[tuple[int, int], tuple[int,
     return (0, r * cp_chunk), (cp_chunk, (2 * cp - 1 - r) * cp_chunk)
 
 
-def hop_elements(window: int, cp: int, tsp: int, tsp_rank: int, chunk: int) -> tuple[int, list[int], list[int]]:
-    """(hops posted, tokens each cp rank sends, tokens it receives) per head block in forward, on TSP rank
-    tsp_rank's ring: what ds-tsp plan counts."""
-    hops = window_hops(window, cp, tsp, tsp_rank, chunk)
-    sent = [sum(_size(ranges[(i + s) % cp]) for s, ranges in hops) for i in range(cp)]
-    received = [sum(_size(ranges[i]) for _, ranges in hops) for i in range(cp)]
-    return len(hops), sent, received
+def hop_elements(window: int, cp: int, tsp: int, chunk: int) -> tuple[list[int], list[int], list[int]]:
+    """Per cp rank (every TSP rank of a group the same), per head block in forward: (exchanges posted, tokens it
+    sends across nodes, tokens its group gathers over TSP (D m per received slice m)): what ds-tsp plan counts."""
+    hops = group_hops(window, cp, tsp, chunk)
+    calls = [sum(1 for s, spans in hops if spans[(i + s) % cp][1] or spans[i][1]) for i in range(cp)]
+    sent = [sum(spans[(i + s) % cp][1] for s, spans in hops) for i in range(cp)]
+    gathered = [sum(tsp * spans[i][1] for _, spans in hops) for i in range(cp)]
+    return calls, sent, gathered
 
 
 def _size(r: tuple[int, int]) -> int:
@@ -240,32 +266,43 @@ def _segment_backward(dout, q, out, lses, dq_chunks, chunks: _Chunks, kv: torch.
 
 
 class _Fetch:
-    """The received ranges of every posted hop, one hop ahead: next() waits for hop h and posts hop h+1."""
+    """The hull each group_hops hop brings this rank's group, one hop ahead: next() waits for hop h's slice, posts
+    hop h+1, and gathers the group's slices over TSP into the hull [D m, B, 2, nkv, d] (None when this group
+    receives nothing at that distance)."""
 
-    def __init__(self, cp: TSPComm, kv_all: torch.Tensor, hops, what: str):
-        self.cp, self.kv_all, self.hops, self.what, self.step = cp, kv_all, hops, what, 0
+    def __init__(self, comm: TSPComm, cp: TSPComm, kv_all: torch.Tensor, hops, what: str):
+        self.comm, self.cp, self.kv_all, self.hops, self.what, self.step = comm, cp, kv_all, hops, what, 0
         self.pending = self._post(0)
 
     def _post(self, h: int):
         if h >= len(self.hops):
             return None
-        s, ranges = self.hops[h]
-        i, C = self.cp.rank, self.cp.size
-        lo, hi = ranges[(i + s) % C]  # what the rank at distance s needs of this rank's buffer
-        send = self.kv_all[lo:hi].contiguous() if hi > lo else None
-        lo, hi = ranges[i]
-        recv = self.kv_all.new_empty((hi - lo, *self.kv_all.shape[1:])) if hi > lo else None
+        s, spans = self.hops[h]
+        i, C, p = self.cp.rank, self.cp.size, self.comm.rank
+        start, m = spans[(i + s) % C]  # what the group at distance s needs of this group's buffer: slice p of it
+        send = self.kv_all[start + p * m:start + (p + 1) * m].contiguous() if m else None
+        m = spans[i][1]
+        recv = self.kv_all.new_empty((m, *self.kv_all.shape[1:])) if m else None
         handle = self.cp.shift_exchange(send, recv, s, KV_TAG,
                                         what=f"{self.what} cp hop {h + 1}/{len(self.hops)} (window, distance {s})")
         return handle, recv
 
     def next(self) -> torch.Tensor | None:
-        """The range received at hop h (None when this rank needs none of it); posts hop h+1."""
         handle, recv = self.pending
         handle.wait()
         self.step += 1
         self.pending = self._post(self.step)
-        return recv
+        if recv is None:
+            return None
+        hull = recv.new_empty((self.comm.size * recv.shape[0], *recv.shape[1:]))
+        self.comm.all_gather(hull, recv, what=f"{self.what} cp window slices (hop {self.step})").wait()
+        return hull
+
+
+def _my_range(own_hops: dict, s: int, i: int) -> tuple[int, int]:
+    """This rank's range of the sender's buffer at distance s (window_hops), (0, 0) when it needs none."""
+    ranges = own_hops.get(s)
+    return ranges[i] if ranges is not None else (0, 0)
 
 
 def window_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, cp: TSPComm, *,
@@ -274,8 +311,9 @@ def window_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPCom
     """cp_ring.cp_attention_forward for a windowed layer (same arguments and results; cp: comm's cp ring)."""
     chunks = _Chunks(cp.size, cp.rank, comm.size, comm.rank, q.shape[1])
     C, i, Ccp = cp.size, cp.rank, chunks.cp_chunk
-    hops = window_hops(window, C, comm.size, comm.rank, chunks.c)
-    fetch = _Fetch(cp, kv_all, hops, "K/V")
+    hops = group_hops(window, C, comm.size, chunks.c)
+    own_hops = dict(window_hops(window, C, comm.size, comm.rank, chunks.c))
+    fetch = _Fetch(comm, cp, kv_all, hops, "K/V")
     outs, lses = [], []
     for local, t0, g, base in chunks.queries:  # the own cp chunk of each query chunk, while hop 1 is in flight
         k_own, v_own = kv_prefix(kv_all[base:], t0 - g + chunks.c)
@@ -288,10 +326,11 @@ def window_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPCom
     own_past = kv_all[:Ccp]  # cp chunk i, past of query chunk 2
     _segment_forward(q, outs, lses, chunks, own_past, i * Ccp, (i + 1) * Ccp, doc_starts, window, scale, impl,
                      backend)
-    for s, ranges in hops:
-        received, (lo, hi) = fetch.next(), ranges[i]
-        if received is None:
+    for s, spans in hops:
+        hull, (lo, hi) = fetch.next(), _my_range(own_hops, s, i)
+        if hull is None or hi <= lo:
             continue
+        received = hull[lo - spans[i][0]:hi - spans[i][0]]
         for offset, g0, g1 in _segments(C, Ccp, (i - s) % C, lo, hi):
             _segment_forward(q, outs, lses, chunks, received[offset:offset + g1 - g0], g0, g1, doc_starts, window,
                              scale, impl, backend)
@@ -305,9 +344,10 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch
     """cp_ring.cp_attention_backward for a windowed layer: dq of the two query chunks; this group's dK/dV (its
     own blocks' and the other groups', sent back) added into kv_grad."""
     chunks = _Chunks(cp.size, cp.rank, comm.size, comm.rank, q.shape[1])
-    C, i, Ccp = cp.size, cp.rank, chunks.cp_chunk
-    hops = window_hops(window, C, comm.size, comm.rank, chunks.c)
-    fetch = _Fetch(cp, kv_all, hops, "K/V (backward)")
+    C, i, Ccp, p = cp.size, cp.rank, chunks.cp_chunk, comm.rank
+    hops = group_hops(window, C, comm.size, chunks.c)
+    own_hops = dict(window_hops(window, C, comm.size, comm.rank, chunks.c))
+    fetch = _Fetch(comm, cp, kv_all, hops, "K/V (backward)")
     acc = kernels.accumulation_dtype(q.dtype)
     own_grad = torch.zeros(kv_all.shape, dtype=acc, device=kv_all.device)  # dK/dV of this group's buffer
     dq_chunks = []
@@ -325,19 +365,25 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch
     _segment_backward(dout, q, out, lses, dq_chunks, chunks, kv_all[:Ccp], own_grad[:Ccp], i * Ccp, (i + 1) * Ccp,
                       doc_starts, window, scale, impl, backend)
     returning = None  # (handle, inbox, lo, hi): the previous hop's grads coming home, behind this block
-    for h, (s, ranges) in enumerate(hops):
-        received, (lo, hi) = fetch.next(), ranges[i]
-        grad = None
-        if received is not None:
-            grad = torch.zeros(received.shape, dtype=acc, device=kv_all.device)
-            for offset, g0, g1 in _segments(C, Ccp, (i - s) % C, lo, hi):
-                _segment_backward(dout, q, out, lses, dq_chunks, chunks, received[offset:offset + g1 - g0],
-                                  grad[offset:offset + g1 - g0], g0, g1, doc_starts, window, scale, impl, backend)
+    for h, (s, spans) in enumerate(hops):
+        hull, (lo, hi) = fetch.next(), _my_range(own_hops, s, i)
+        share = None
+        if hull is not None:  # this rank's grads of the hull, summed over the group onto slice p (reduce-scatter)
+            grad = torch.zeros(hull.shape, dtype=acc, device=kv_all.device)
+            if hi > lo:
+                start = spans[i][0]
+                for offset, g0, g1 in _segments(C, Ccp, (i - s) % C, lo, hi):
+                    k0 = lo - start + offset
+                    _segment_backward(dout, q, out, lses, dq_chunks, chunks, hull[k0:k0 + g1 - g0],
+                                      grad[k0:k0 + g1 - g0], g0, g1, doc_starts, window, scale, impl, backend)
+            share = grad.new_empty((spans[i][1], *grad.shape[1:]))
+            comm.reduce_scatter(share, grad, what=f"dK/dV cp window slices (hop {h + 1})").wait()
         if returning is not None:
             _add_returned(own_grad, *returning)
-        sent_lo, sent_hi = ranges[(i + s) % C]  # the range this rank sent at this hop: its grads come back
-        inbox = own_grad.new_empty((sent_hi - sent_lo, *own_grad.shape[1:])) if sent_hi > sent_lo else None
-        handle = cp.shift_exchange(grad, inbox, -s, GRAD_TAG,
+        sent_start, m = spans[(i + s) % C]  # the slice this rank sent at this hop: its grads come back
+        sent_lo, sent_hi = sent_start + p * m, sent_start + (p + 1) * m
+        inbox = own_grad.new_empty((m, *own_grad.shape[1:])) if m else None
+        handle = cp.shift_exchange(share, inbox, -s, GRAD_TAG,
                                    what=f"dK/dV cp hop {h + 1}/{len(hops)} (window, distance {s})")
         returning = (handle, inbox, sent_lo, sent_hi)
     if returning is not None:
