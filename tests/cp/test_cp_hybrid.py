@@ -317,10 +317,10 @@ def test_verify_hf_model_under_cp(runs):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_plan_cp_hybrid_equals_the_counters_of_a_real_step(runs, checkpointing):
     """ds-tsp plan --cp 2 for the hybrid shape: the TSP group's bytes are TSP's hybrid plan at the group's tokens
-    (hybrid_counter_bytes, every kind exactly) plus the cp blocks' reassembly over TSP; the cp communicator's whole counter is the full-attention layer's
-    K/V ring (cp_ring), the Gated DeltaNet's halo / transition gathers and reduce-scatters over cp and the input
-    check's all-gather over cp (exactly), with and without activation checkpointing (the forward's cp traffic
-    replayed in backward)."""
+    (hybrid_counter_bytes, every kind exactly) plus the cp blocks' reassembly over TSP; the cp communicator's whole
+    counter is the full-attention layer's K/V ring (cp_ring), the Gated DeltaNet's halo / transition gathers and
+    reduce-scatters over cp and the input check's all-gather over cp (exactly), with and without activation
+    checkpointing (the forward's cp traffic replayed in backward)."""
     from ds_tsp.tools.plan import PlanInput
     from ds_tsp.tools.plan.hybrid import hybrid_counter_bytes
     from ds_tsp.tools.plan.tsp_cp import group_input, plan_tsp_cp

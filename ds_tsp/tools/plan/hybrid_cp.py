@@ -10,10 +10,10 @@ piece is gathered over cp first, then the TSP group gathers the [C, ...] pieces)
 - backward: per head block the transitions re-gathered and their grads reduce-scattered over cp (the same bytes
   each), the halo's grad reduce-scattered once; activation checkpointing replays the forward's.
 The TSP stage then moves C times TSP's own pieces: (C-1) (D-1) x each piece more than TSP alone, intra-node
-(gdn_cp_tsp_terms). Nothing grows with S. Full-attention layers take the K/V ring (ds_tsp.tools.plan.tsp_cp's terms). As in
-plan_tsp_hybrid, the plan's layer terms describe the most numerous Gated DeltaNet kind and every other kind's cp
-terms come in the step terms ("full-attention layers xN: cp ring K/V hops"). tests/cp/test_cp_hybrid.py checks the
-bytes against both communicators' CommCounters of a real step.
+(gdn_cp_tsp_terms). Nothing grows with S. Full-attention layers take the K/V ring (ds_tsp.tools.plan.tsp_cp's
+terms). As in plan_tsp_hybrid, the plan's layer terms describe the most numerous Gated DeltaNet kind and every
+other kind's cp terms come in the step terms ("full-attention layers xN: cp ring K/V hops").
+tests/cp/test_cp_hybrid.py checks the bytes against both communicators' CommCounters of a real step.
 """
 from __future__ import annotations
 

@@ -35,11 +35,11 @@ suffix of the buffer, since r's two chunks are in global order), so each run of 
 unmasked kernel call over a buffer suffix: no [S, S] mask. Linear-attention (Gated DeltaNet) layers do not take
 this ring: their conv halo and chunk transitions are all-gathered over cp (ds_tsp.core.layers.linear_attention.scan).
 Sliding-window layers (a window that hides some key of S_pad) do not take this ring:
-ds_tsp.core.layers.attention.cp_window fetches, per ring distance that some rank needs (a static fact of window, C and
-Ccp, the same on every rank), only the key range each receiver's window reaches, straight from its owner (one exchange
-per distance; distances no rank needs are not posted; dK/dV go back the same way); its module doc has that schedule and
-its bytes. Full layers of the same model keep this ring. MoE layers need nothing here: their experts stay inside the TSP
-group and the aux loss's counts are reduced over cp (functions/moe_aux).
+ds_tsp.core.layers.attention.cp_window fetches, per ring distance that some group needs (a static fact of window, C
+and Ccp, the same on every rank), only the hull of the keys its ranks' windows reach, in D slices gathered over TSP
+(one exchange per distance; distances no group needs are not posted; dK/dV go back the same way); its module doc has
+that schedule and its bytes. Full layers of the same model keep this ring. MoE layers need nothing here: their
+experts stay inside the TSP group and the aux loss's counts are reduced over cp (functions/moe_aux).
 
 Backward (same hops, plus the way back): K/V hops and gathers as in forward; each rank computes the received
 block's dK/dV contribution with the kernels' backward from the MERGED out / lse (exact partial grads, kernels

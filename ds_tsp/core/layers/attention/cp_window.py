@@ -8,18 +8,23 @@ the keys some window of this rank's queries reaches. Zigzag puts those neighbour
 chunk 1 (in cp chunk i) reaches back into cp chunk i-1 (group i-1's first half), query chunk 2 (in cp chunk
 2C-1-i) into cp chunk 2C-2-i (group i+1's second half). Pass-KV would forward every block C-1 hops to bring group
 i+1 round; instead hop s is one exchange at ring distance s (TSPComm.shift_exchange: send to i+s, receive from
-i-s, one batch_isend_irecv) carrying exactly the range the receiver needs of the sender's own buffer:
+i-s, one batch_isend_irecv) carrying, of the sender's own buffer, a slice of what the receiving group needs. A
+rank's own need is
 
     needed(i, p <- r) = the hull, in r's buffer coordinates, of r's keys in [q0 - w + 1, q0 + c - 1] for the
                         global starts q0 of rank (i, p)'s two query chunks (keys of r after a query chunk are
                         after all of it: cp chunks are whole chunks apart).
 
-It is a static fact of (w, C, D, p, c), computed once per ring (`window_hops`) and the same on every rank of that
-ring, so they post the same hops in the same order in forward and backward: hop s is posted at all iff some pair
-of the ring at distance s needs a key, and a pair whose range is empty posts nothing on either side. A window below
-one TSP chunk reaches another group only from the query chunks that start a cp chunk (TSP ranks 0 and D-1): the
-other TSP ranks' rings post nothing, and those two move w - 1 keys per neighbour. Windows spanning several chunks
-reach further, up to the full causal ranges (then half of a past group's buffer, not all of it as pass-KV sends).
+It is a static fact of (w, C, D, p, c), computed once per ring (`window_hops`). What crosses nodes is decided
+per GROUP (`group_hops`): the hull of its D ranks' ranges from sender r, padded to D slices of m keys inside r's
+buffer; TSP rank p of the sender sends slice p to TSP rank p of the receiver (one exchange at distance s), which
+all-gathers the D slices over TSP (intra-node) and reads its own range from the hull. So a key that several TSP
+ranks' windows reach crosses nodes once, not once per rank. Every rank of a ring and of a group computes the same
+lists, so they post the same hops and gathers in the same order in forward and backward: hop s is posted at all
+iff some group needs a key at distance s, and a pair of groups whose hull is empty posts nothing on either side.
+A window below one TSP chunk reaches another group only from the query chunks that start a cp chunk (TSP ranks 0
+and D-1): w - 1 keys per neighbour, in D slices. Windows spanning several chunks reach further, up to the full
+causal ranges (then half of a past group's buffer, not all of it as pass-KV sends).
 Full-attention layers (window None, or >= S_pad) take cp_ring's pass-KV ring.
 
 Per query chunk the own group's keys come first: the keys of its own cp chunk with
@@ -32,13 +37,15 @@ document run (queries [u0, u1) of the document starting at a; lo = max(a, g0)) i
                           (t < g1 + w - 1; later queries see none of the segment)   (document_attention's trick)
 
 merged into the chunk's (out, lse) by log-sum-exp. No [S, S] mask; blocks are host ints, cached per layout.
-Backward runs the same blocks with the merged (out, lse) (exact partial grads, kernels module doc); a received
-range's dK/dV go straight back to their owner by the reverse exchange (distance -s, posted after the block, so it
-runs behind the next block's backward), and are added with the own blocks' grads into the TSP group's dK/dV.
+Backward runs the same blocks with the merged (out, lse) (exact partial grads, kernels module doc) into a hull-
+shaped dK/dV buffer, which the group reduce-scatters over TSP to the slices; slice p's grads go straight back to
+TSP rank p of their owner group by the reverse exchange (distance -s, posted after the block, so it runs behind
+the next block's backward), and are added with the own blocks' grads into the TSP group's dK/dV.
 
-Traffic per head block (kv group) and rank: forward sum over hops of the range this rank sends, x B x 2 nkv d
-elements; backward the same K/V again plus the same number of dK/dV elements back (in the accumulation dtype:
-float32 for half precision). `hop_elements` gives these counts for ds-tsp plan.
+Traffic per head block (kv group) and rank: inter-node forward sum over hops of the slice this rank sends (m
+tokens) x B x 2 nkv d elements; backward the same K/V again plus its received slice's dK/dV back (in the
+accumulation dtype: float32 for half precision); intra-node the received slices' all-gathers ((D-1) m tokens each,
+forward and backward) and their dK/dV reduce-scatters. `hop_elements` gives these counts for ds-tsp plan.
 """
 from __future__ import annotations
 
