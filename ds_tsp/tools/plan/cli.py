@@ -556,7 +556,8 @@ def _cp_lines(plan) -> list[str]:
         + (f", host {plan.host_bytes_per_rank / GIB:.2f} GiB per rank (offloaded layer inputs)"
            if plan.host_bytes_per_rank else ""),
         f"per step and rank: inter-node (cp axis) {cp['inter_node_bytes_per_step'] / GIB:.1f} GiB, intra-node (TSP) "
-        f"{cp['intra_node_bytes_per_step'] / GIB:.1f} GiB, grad sync over dp x cp "
+        f"{cp['intra_node_bytes_per_step'] / GIB:.1f} GiB (cp blocks reassembled over TSP "
+        f"{cp.get('intra_node_cp_bytes_per_step', 0) / GIB:.1f} GiB of it), grad sync over dp x cp "
         f"{cp['grad_sync_bytes_per_step'] / GIB:.2f} GiB",
         f"cp ring at {cp['inter_node_gbps']:g} Gb/s per GPU: {cp['cp_ring_seconds_per_step']:.1f} s per step vs "
         f"{cp['overlapped_attention_seconds_per_step']:.1f} s of the attention it overlaps at {cp['gpu_tflops']:g} "
