@@ -27,6 +27,20 @@ def recorded(out_dir: str | Path, world: int) -> list[list[dict]]:
     return ops
 
 
+def assert_obeys_nccl_rules(trace: str | Path, kinds: set[str], world: int = 2) -> None:
+    """The NCCL-rules replay (tests/helpers/nccl_rules.py) of a traced run: every rank's collectives (the layers'
+    through TSPComm; the Trainer's, Accelerate's and DeepSpeed's, ds_tsp's token counts and saves through
+    torch.distributed) in post order meet their peers' in the same order, with the same shapes, and the replay
+    finishes (gloo's threads hide orders that hang NCCL). kinds: op kinds rank 0 must have posted."""
+    from nccl_rules import check
+
+    ops = recorded(trace, world)
+    assert kinds <= {o["kind"] for o in ops[0]}, {o["kind"] for o in ops[0]}
+    assert any(o.get("source") == "outside" for o in ops[0])  # the collectives outside TSPComm were recorded
+    report = check(ops)
+    assert report.ok and report.completed == report.total, report
+
+
 def _main(out_dir: str, script: str, argv: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from dist_trace import traced

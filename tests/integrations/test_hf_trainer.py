@@ -73,28 +73,15 @@ def _assert_saved_weights_match(got_dir: Path, want_dir: Path) -> None:
         assert (saved[name] - value).norm() <= 1e-4 * value.norm(), name
 
 
-def _assert_obeys_nccl_rules(trace: Path, kinds: set[str], world: int = 2) -> None:
-    """The NCCL-rules replay (tests/helpers/nccl_rules.py) of a traced trainer run: every rank's collectives (the
-    layers' through TSPComm; the Trainer's, Accelerate's and DeepSpeed's, ds_tsp's token counts and saves through
-    torch.distributed) in post order meet their peers' in the same order, with the same shapes, and the replay
-    finishes (gloo's threads hide orders that hang NCCL)."""
-    from nccl_rules import check
-    from traced_run import recorded
-
-    ops = recorded(trace, world)
-    assert kinds <= {o["kind"] for o in ops[0]}, {o["kind"] for o in ops[0]}
-    assert any(o.get("source") == "outside" for o in ops[0])  # the Trainer's own collectives were recorded
-    report = check(ops)
-    assert report.ok and report.completed == report.total, report
-
-
 def test_tsp2_equals_plain_trainer_with_eval_save_and_resume(tmp_path):
     common = ["--max_steps", "4", "--global_batch", "2", "--lr", "3e-3", "--eval_samples", "4", "--save_steps", "2"]
     reference = _run(tmp_path / "ref", *common)
     tsp = _run(tmp_path / "tsp", "--ds_config", str(ROOT / "ds_configs" / "tsp.json"), *common, processes=2,
                trace=tmp_path / "trace")
     _assert_steps_match(_steps(tsp), _steps(reference))  # recorded: the traced run's numbers are the plain run's
-    _assert_obeys_nccl_rules(tmp_path / "trace", kinds={"all_reduce", "all_gather", "broadcast", "gather"})
+    from traced_run import assert_obeys_nccl_rules
+
+    assert_obeys_nccl_rules(tmp_path / "trace", kinds={"all_reduce", "all_gather", "broadcast", "gather"})
     eval_ref = [line["eval_loss"] for line in reference if "eval_loss" in line]
     eval_tsp = [line["eval_loss"] for line in tsp if "eval_loss" in line]
     assert len(eval_tsp) == 1 and _close(eval_tsp[0], eval_ref[0]), (eval_tsp, eval_ref)

@@ -226,6 +226,36 @@ def test_the_setup_and_resume_blocks_are_armed_and_let_their_own_errors_through(
     assert me not in WATCHDOG._armed
 
 
+def test_the_pipeline_engines_train_batch_and_eval_batch_are_bounded(fake_world, monkeypatch):
+    """Under tsp.pipeline_stages > 1 the stages' sends / receives run inside DeepSpeed's train_batch / eval_batch:
+    each call is one guarded block (armed while it runs); a collective's failure is reported with the one line, an
+    error of the computation propagates as it is."""
+    from ds_tsp.core.comm.communicator import TSPComm
+    from ds_tsp.core.reliability.watchdog import WATCHDOG
+    from ds_tsp.integrations.deepspeed.engine import _guard_pipeline
+
+    comm, me = TSPComm(dist.group.WORLD, timeout_s=20), threading.get_ident()
+    reports = []
+    monkeypatch.setattr(WATCHDOG, "report_and_exit", lambda message: reports.append(message))
+
+    def train_batch(error=None):
+        if error is not None:
+            raise error
+        return WATCHDOG._armed[me][3].kind
+
+    engine = SimpleNamespace(train_batch=train_batch, eval_batch=train_batch)
+    _guard_pipeline(engine, comm)
+    assert engine.train_batch().startswith("DeepSpeed pipeline train_batch")
+    assert engine.eval_batch().startswith("DeepSpeed pipeline eval_batch") and me not in WATCHDOG._armed
+    with pytest.raises(ValueError):
+        engine.train_batch(ValueError("bad batch"))
+    assert reports == []
+    with pytest.raises(RuntimeError):
+        engine.train_batch(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    (message,) = reports
+    assert "DeepSpeed pipeline train_batch" in message and "waiting for rank 1" in message, message
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "rank":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
     _rank_main(sys.argv[2])

@@ -155,7 +155,25 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if tsp.pipeline_stages == 1:
         _guard_step(engine, comm)
         _guard_backward(engine, comm)
+    else:
+        _guard_pipeline(engine, comm)
     return engine, opt, loader, sched
+
+
+def _guard_pipeline(engine, comm) -> None:
+    """The pipeline engine runs a whole step inside train_batch (eval_batch: the forwards): the stages' activation
+    and gradient sends / receives, the tied-weight and data-axis reductions, the optimizer step. Each call is bounded
+    by timeout_s as one block with the watchdog's one line (so timeout_s must exceed one step, as for a backward);
+    the layers' own waits inside keep their own deadlines; errors of the computation propagate as they are."""
+    import torch.distributed as dist
+
+    for name in ("train_batch", "eval_batch"):
+        def bounded(*args, _run=getattr(engine, name), _name=name, **kwargs):
+            with comm.guard(f"DeepSpeed pipeline {_name} (stage sends / receives, gradient reductions, step)",
+                            group=dist.group.WORLD, context=f"pipeline {_name}", comm_errors_only=True):
+                return _run(*args, **kwargs)
+
+        setattr(engine, name, bounded)
 
 
 def _guard_step(engine, comm) -> None:
