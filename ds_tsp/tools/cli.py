@@ -85,14 +85,17 @@ def _verify_under_launcher(case, tsp: int, timeout_s: float, cp: int = 1) -> tup
     import torch.distributed as dist
 
     from ds_tsp.core.parallel.launch import init_from_env
+    from ds_tsp.core.reliability.watchdog import guarded
     from ds_tsp.tools.verify import run_cp_case
 
     rank, world = init_from_env(timeout_s=timeout_s)
     try:
         report = _world_entry(case)(case) if cp == 1 else run_cp_case(case, tsp, cp)
         verdict = [None if report is None else bool(report["ok"])]
-        if world > 1:
-            dist.broadcast_object_list(verdict, src=0)  # every rank exits with rank 0's verdict
+        if world > 1:  # every rank exits with rank 0's verdict; a stalled rank 0 is reported, not waited for
+            with guarded(None, "verify: rank 0's verdict broadcast_object_list", context="verify",
+                         timeout_s=timeout_s):
+                dist.broadcast_object_list(verdict, src=0)
     finally:
         dist.destroy_process_group()
     return report, bool(verdict[0])

@@ -389,7 +389,8 @@ def broadcast_vllm_completions(trainer, completion_ids, logprobs):
 
 def unsharded(loader):
     """GRPO's loaders yield lists of prompt rows (strings), never token batches: keep the data-axis sampling of
-    TSPAccelerator.prepare, drop the zigzag cut (completions are scored whole-batch through the TSP model)."""
-    from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader
+    TSPAccelerator.prepare, drop the zigzag cut (completions are scored whole-batch through the TSP model); each
+    batch fetch stays bounded by timeout_s (Accelerate's RNG-state and batch broadcasts)."""
+    from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, WholeBatchLoader
 
-    return loader.loader if isinstance(loader, TSPShardedLoader) else loader
+    return WholeBatchLoader(loader.loader, loader.comm) if isinstance(loader, TSPShardedLoader) else loader
