@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
@@ -217,16 +218,25 @@ def _hf_face_loss(case: VerifyCase) -> float:
 
 
 def _all_at_2x2():
+    from test_cp_all_to_all import all_to_all_at_2x2
+
     from ds_tsp.tools.verify import run_cp_case
 
     reports = [run_cp_case(case, 2, 2, options) for _, case, options in EXACT_CASES]
     return {"reports": reports, **_nccl_step(NCCL_DOCUMENTS), "rank": dist.get_rank(),
-            "hf_face_loss": _hf_face_loss(EXACT_CASES[1][1])}
+            "hf_face_loss": _hf_face_loss(EXACT_CASES[1][1]),
+            "all_to_all": all_to_all_at_2x2()}  # tests/cp/test_cp_all_to_all.py's, in the same spawn
+
+
+@functools.cache
+def spawn_at_2x2() -> list:
+    """The 4-rank spawn, once per session: tests/cp/test_cp_all_to_all.py reads it too."""
+    return run_on_local_ranks(_all_at_2x2, 4, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def at_2x2():
-    return run_on_local_ranks(_all_at_2x2, 4, timeout_s=300)
+    return spawn_at_2x2()
 
 
 @pytest.mark.parametrize("index", range(len(EXACT_CASES)), ids=[name for name, _, _ in EXACT_CASES])
