@@ -122,7 +122,7 @@ def _recorded_step(D: int, C: int) -> dict:
         loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
         loss.backward()
     average_grads_over_data(model, runtime.data_group)
-    return {"ops": rec.ops, "cp_bytes": dict(comm.cp.counter.bytes),
+    return {"ops": rec.ops, "cp_bytes": dict(comm.cp.counter.bytes), "tsp_bytes": dict(comm.counter.bytes),
             "syncs": [(e.kind, e.op, e.region, e.where) for e in syncs.events]}
 
 
@@ -178,17 +178,27 @@ def test_all_to_all_step_reads_the_host_once(at_2x2):
 
 def test_plan_all_to_all_bytes_match_the_run(at_2x2):
     """`ds-tsp plan --cp 2 --cp-comm all_to_all`'s inter-node bytes are the cp communicator's whole counter of the
-    recorded step (float64 there: twice the plan's float32 bytes) and the input check's all-gather over cp."""
+    recorded step (float64 there: twice the plan's float32 bytes) and the input check's all-gather over cp; its
+    intra-node bytes the TSP communicator's, every kind."""
     from ds_tsp.tools.plan import PlanInput
-    from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all
+    from ds_tsp.tools.plan.tsp_cp import group_input
+    from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all, tsp_counter_bytes_all_to_all
 
-    plan = plan_tsp_cp_all_to_all(PlanInput(model=STEP_SHAPE, seq=sum(STEP_DOCS), batch=2, degree=2, dtype="fp32"),
-                                  2)
+    inp = PlanInput(model=STEP_SHAPE, seq=sum(STEP_DOCS), batch=2, degree=2, dtype="fp32")
+    plan = plan_tsp_cp_all_to_all(inp, 2)
     assert plan.layout == "tsp_cp" and plan.cp["cp_comm"] == "all_to_all"
     check = plan.cp["input_check_cp_bytes_per_step"]
     a2a = plan.cp["inter_node_bytes_per_step"] - check
     assert all(r["cp_bytes"] == {"all_to_all": 2 * a2a, "all_gather": check} for r in at_2x2), [
         r["cp_bytes"] for r in at_2x2]
+    assert plan.cp["kv_replication"] == 2  # MQA: the one kv head goes to both cp ranks
+    tsp = tsp_counter_bytes_all_to_all(group_input(inp, 2), 2)  # the TSP group's: its K/V of the whole sequence
+    ints = sum(t.bytes for t in plan.step_terms if t.name.startswith("input check") and "over cp" not in t.name)
+    float64 = {k: 2 * v - (ints if k == "all_gather" else 0) for k, v in tsp.items()}  # int64 payloads: as planned
+    assert all(r["tsp_bytes"] == float64 for r in at_2x2), ([r["tsp_bytes"] for r in at_2x2], float64)
+    # the rest of the plan's step is the gradient sync over data x cp (2 ranks): 2 (C-1)/C x the gradient bytes
+    assert plan.comm_bytes_per_step - plan.cp["inter_node_bytes_per_step"] - sum(tsp.values()) == \
+        plan.grads_bytes
 
 
 @pytest.mark.slow

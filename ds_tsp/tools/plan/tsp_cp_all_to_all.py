@@ -32,10 +32,16 @@ from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
 from ds_tsp.tools.plan.offload import with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.tsp import plan_tsp
-from ds_tsp.tools.plan.tsp_comm import TSPGeometry, input_check_cp_bytes, input_check_cp_payload
+from ds_tsp.tools.plan.tsp_comm import (
+    TSPGeometry,
+    input_check_cp_bytes,
+    input_check_cp_payload,
+    tsp_counter_bytes,
+    tsp_layer_terms,
+)
 from ds_tsp.tools.plan.tsp_cp import ATTENTION_BACKWARD_FLOPS, INTER_NODE_GBPS, group_input, plan_tsp_cp
 
-__all__ = ["plan_tsp_cp_all_to_all", "all_to_all_lines", "CP_COMMS"]
+__all__ = ["plan_tsp_cp_all_to_all", "all_to_all_lines", "tsp_counter_bytes_all_to_all", "CP_COMMS"]
 
 CP_COMMS = ("ring", "all_to_all")  # tsp.cp_comm's values (ds_tsp.core.config.ScheduleOptions.cp_comm)
 _KV_TERMS = ("K/V all-gather (per kv group)", "K/V re-gather (per kv group)", "dK/dV reduce-scatter (per kv group)")
@@ -61,6 +67,19 @@ def _scaled_kv_terms(terms, r: int, D: int):
     return tuple(out)
 
 
+def tsp_counter_bytes_all_to_all(group: PlanInput, cp: int) -> dict[str, int]:
+    """Predicted TSP-group CommCounter.bytes of one forward + backward of a dense model under the all-to-all
+    (group: tsp_cp.group_input's): TSP's at the group's tokens, its K/V gathers and dK/dV reduce-scatters of the
+    whole sequence's nkv' heads."""
+    out = tsp_counter_bytes(group)
+    _, _, r = _heads(TSPGeometry.of(group), cp)
+    terms = [t for terms in tsp_layer_terms(group) for t in terms]
+    for before, after in zip(terms, _scaled_kv_terms(terms, r, group.degree)):
+        if after.bytes != before.bytes:
+            out[after.kind] += (after.bytes - before.bytes) * group.model.num_layers
+    return out
+
+
 def all_to_all_terms(group: PlanInput, C: int) -> tuple[list, list, int]:
     """(forward terms, backward terms, extra live bytes) of one attention layer's cp all-to-alls, per rank."""
     g = TSPGeometry.of(group)
@@ -72,16 +91,16 @@ def all_to_all_terms(group: PlanInput, C: int) -> tuple[list, list, int]:
     kv = C * B * L * 2 * nkv * d * b  # the K/V all-to-all's input [C, 2, c, B, 2, nkv', d]
     q = C * B * L * nq * d * b  # one [C, B, L, nq', d] all-to-all (q, out or dq)
     lse = C * B * nq * L * lse_b
-    fwd = [term("cp all-to-all K/V (per kv group)", "all_to_all", kv, groups, groups * gather_bytes(kv, C)),
-           term("cp all-to-all q + out (per head block)", "all_to_all", q, 2 * D, 2 * D * gather_bytes(q, C)),
-           term("cp all-to-all lse (per head block)", "all_to_all", lse, D, D * gather_bytes(lse, C))]
+    fwd = [term("cp all-to-all K/V (per kv group)", "cp_all_to_all", kv, groups, groups * gather_bytes(kv, C)),
+           term("cp all-to-all q + out (per head block)", "cp_all_to_all", q, 2 * D, 2 * D * gather_bytes(q, C)),
+           term("cp all-to-all lse (per head block)", "cp_all_to_all", lse, D, D * gather_bytes(lse, C))]
     regather = 0 if group.keep_gathered_kv else groups
-    bwd = [term("cp all-to-all K/V re-gather (per kv group)", "all_to_all", kv, regather,
+    bwd = [term("cp all-to-all K/V re-gather (per kv group)", "cp_all_to_all", kv, regather,
                 regather * gather_bytes(kv, C)),
-           term("cp all-to-all q / out / dout (per head block)", "all_to_all", 3 * q, D, D * gather_bytes(3 * q, C)),
-           term("cp all-to-all lse (backward, per head block)", "all_to_all", lse, D, D * gather_bytes(lse, C)),
-           term("cp all-to-all dq (per head block)", "all_to_all", q, D, D * gather_bytes(q, C)),
-           term("cp all-to-all dK/dV (per kv group)", "all_to_all", kv, groups, groups * gather_bytes(kv, C))]
+           term("cp all-to-all q / out / dout (per head block)", "cp_all_to_all", 3 * q, D, D * gather_bytes(3 * q, C)),
+           term("cp all-to-all lse (backward, per head block)", "cp_all_to_all", lse, D, D * gather_bytes(lse, C)),
+           term("cp all-to-all dq (per head block)", "cp_all_to_all", q, D, D * gather_bytes(q, C)),
+           term("cp all-to-all dK/dV (per kv group)", "cp_all_to_all", kv, groups, groups * gather_bytes(kv, C))]
     if group.activation_checkpointing:
         bwd += recompute(fwd)
     full_kv = C * D * B * L * 2 * nkv * d * b  # the whole sequence's K/V of nkv' heads
