@@ -113,7 +113,8 @@ def _recorded_step(D: int, C: int) -> dict:
 
     runtime = build_runtime(parse_tsp_config({"size": D, "cp_size": C, **A2A}))
     comm, groups = runtime.comm, runtime.groups
-    model = label_modules(ShardedCausalLM(STEP_SHAPE, comm, dtype=torch.float64, options=runtime.options,
+    shape = STEP_SHAPE if C == 2 else _shape(2 * C, 1)  # a head block of C query heads (D = 2)
+    model = label_modules(ShardedCausalLM(shape, comm, dtype=torch.float64, options=runtime.options,
                                           data_group=runtime.data_group).init_weights_(3))
     ids = torch.randint(0, 61, (2, sum(STEP_DOCS)), generator=torch.Generator().manual_seed(0))
     batch = shard_batch(ids, tsp=D, rank=groups.tsp_rank, cp=C, cp_rank=groups.cp_rank,
@@ -137,6 +138,15 @@ def _all_at(D: int, C: int, cases, directories: dict | None = None) -> dict:
         reports["hybrid"] = run_cp_case(hybrid_case(directories["hybrid"]), D, C, A2A)
         reports["moe"] = run_cp_case(moe_case(directories["moe"]), D, C, A2A)
     return {"reports": reports, **_recorded_step(D, C), "rank": dist.get_rank()}
+
+
+def _checkpoints(root, heads: int) -> dict:
+    """The tiny Qwen3.5 hybrid and Qwen3-MoE checkpoints with `heads` query heads (2 kv heads)."""
+    from hf_tiny import save_tiny_checkpoint, tiny_config
+    from hybrid_tiny import hybrid_config, save_checkpoint
+
+    return {"hybrid": save_checkpoint(root / "hybrid", hybrid_config("qwen3_5", num_attention_heads=heads)),
+            "moe": str(save_tiny_checkpoint(root / "moe", tiny_config("qwen3_moe", num_attention_heads=heads)))}
 
 
 def all_to_all_at_2x2() -> dict:

@@ -475,7 +475,7 @@ class _TSPAttention(torch.autograd.Function):
             if first:
                 kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()
                 kv_source = None
-                # summed over the group's blocks, scattered once (all-to-all: the whole sequence's, this rank's cp heads)
+                # summed over the group's blocks, scattered once (all-to-all: the whole sequence's of its cp heads)
                 dkv = (A2AKVGrad(kv_all, comm, _head_split(spec, comm), spec.kv_heads_per_block)
                        if _all_to_all(comm, spec) else RankOrderedKVGrad(kv_all, D))
             if _all_to_all(comm, spec):
