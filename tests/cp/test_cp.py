@@ -448,7 +448,7 @@ def test_deepspeed_zero_stages_over_data_x_cp_match_one_rank():
 
 
 # --- device-correct by construction: a cp step on the meta device -----------------------------------------------------
-def run_meta_cp(attention_windows=None) -> list[str]:
+def run_meta_cp(attention_windows=None, cp_comm: str = "ring") -> list[str]:
     """Rank 1 of a fake world of 4 ((D, C) = (2, 2)) runs a cp step on `meta`: every tensor it creates stays there
     (tests/model/test_meta_device.py's recorder). Returns what it found off the device. attention_windows: per layer
     (tests/cp/test_cp_window.py runs the windowed layers' path)."""
@@ -461,7 +461,10 @@ def run_meta_cp(attention_windows=None) -> list[str]:
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)
     tsp_group, _, cp_group, _ = (dist.new_group(r) for r in ([0, 1], [2, 3], [1, 3], [0, 2]))
     comm = TSPComm(tsp_group, cp=TSPComm(cp_group))
-    model = ShardedCausalLM(_shape(4, 1, attention_windows=attention_windows), comm, device=META)
+    from ds_tsp.core.config import TSPOptions
+
+    model = ShardedCausalLM(_shape(4, 1, attention_windows=attention_windows), comm, device=META,
+                            options=TSPOptions(cp_comm=cp_comm))
     b = shard_batch(torch.randint(0, 61, (2, 30)), tsp=2, rank=1, cp=2, cp_rank=1)
     with DeviceRecorder() as rec:
         loss = model(*(b[k].to(META) for k in ("input_ids", "shift_labels", "position_ids")))

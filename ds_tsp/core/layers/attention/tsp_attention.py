@@ -77,7 +77,10 @@ With a context-parallel axis (comm.cp, tsp.cp_size > 1) the kernel calls on a bl
 ds_tsp.core.layers.attention.cp_ring's: the same own-group attention plus the other cp groups' K/V around the cp ring
 (its hops on comm.cp, posted one block ahead inside the call; backward also returns their dK/dV into this group's
 rank-ordered buffer before its reduce-scatter). The table above is unchanged; doc_starts is then the whole sequence's
-layout.
+layout. With spec.cp_comm "all_to_all" a kv group's K/V source is instead cp_all_to_all.A2AKVGather (its local K/V
+all-to-all over cp posted where the gather is, the TSP all-gather of this rank's cp heads when the group starts), the
+kernel calls are cp_all_to_all's (q / out all-to-alls around the whole sequence's attention of its cp heads) and the
+group's dK/dV go back through A2AKVGrad (reduce-scatter over TSP, then the inverse all-to-all over cp).
 """
 from __future__ import annotations
 
