@@ -470,6 +470,7 @@ def run_meta_cp(attention_windows=None, cp_comm: str = "ring") -> list[str]:
         loss = model(*(b[k].to(META) for k in ("input_ids", "shift_labels", "position_ids")))
         loss.backward()
     assert loss.device == META
+    dist.destroy_process_group()  # the next call (another schedule) starts its own fake world
     return rec.found
 
 
@@ -479,6 +480,7 @@ def test_cp_step_creates_nothing_off_device():
     from pathlib import Path
 
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cp as t; found = t.run_meta_cp(); "
+            "found += t.run_meta_cp((5, None), cp_comm='all_to_all'); "  # tests/cp/test_cp_all_to_all.py's schedule
             "print('\\n'.join(found)); print('done'); sys.exit(1 if found else 0)")
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
                          timeout=300)
