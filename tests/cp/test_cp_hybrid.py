@@ -109,6 +109,8 @@ def _runs(checkpoints: dict) -> dict:
     out["verify_checkpointing"] = run_cp_case(verify_case(checkpoints["qwen3_next"]), 2, 2,
                                               {"activation_checkpointing": True})
     out["measured"] = {ac: _measure_for_plan(runtime, ac) for ac in (False, True)}
+    # tsp.cp_comm "all_to_all": the full-attention layer's heads over cp, the Gated DeltaNet's gathers as before
+    out["verify_all_to_all"] = run_cp_case(verify_case(checkpoints["qwen3_5"]), 2, 2, {"cp_comm": "all_to_all"})
     return out
 
 
@@ -306,7 +308,7 @@ def test_verify_hf_model_under_cp(runs):
     """ds-tsp verify --hf-model DIR --tsp 2 --cp 2 --dtype float64 --documents 3 (its run_cp_case, in this module's
     spawn) on the Qwen3.5 checkpoint, and on the Qwen3-Next one with activation checkpointing: loss and every
     gradient against transformers within the float64 tolerance."""
-    for key in ("verify", "verify_checkpointing"):  # Qwen3.5; Qwen3-Next with activation checkpointing
+    for key in ("verify", "verify_checkpointing", "verify_all_to_all"):  # + Qwen3.5 under cp_comm all_to_all
         report = runs[0][key]
         assert all(r[key] is None for r in runs[1:])  # the report is rank 0's
         assert (report["tsp"], report["cp"], report["reference"], report["ok"]) == (2, 2, "transformers", True), \

@@ -92,6 +92,8 @@ def _runs(directories: dict[str, str]) -> dict:
     directory = directories["qwen3_moe"]
     out["verify"] = run_cp_case(verify_case(directory), D, C)  # what ds-tsp verify --hf-model DIR --cp 2 runs
     out["measured"] = {dispatch: _measure_for_plan(dispatch) for dispatch in DISPATCHES}
+    # tsp.cp_comm "all_to_all" on GPT-OSS: experts, attention sinks, a sliding and a full layer, heads over cp
+    out["verify_all_to_all"] = run_cp_case(verify_case(directories["gpt_oss"]), D, C, {"cp_comm": "all_to_all"})
     return out
 
 
@@ -414,3 +416,10 @@ def test_moe_under_cp_is_exact_on_an_odd_ring_of_tsp_groups(tmp_path):
            if not ((r["tsp"], r["cp"], r["reference"], r["ok"]) == (2, 3, "transformers", True)
                    and max(r["loss_rel_err"], r["grad_rel_err"], r["aux_rel_err"]) < TOL)}
     assert not bad, bad
+
+
+def test_verify_hf_model_under_cp_all_to_all(runs):
+    """The same check of GPT-OSS (MoE, sinks, a sliding and a full layer) under tsp.cp_comm "all_to_all"."""
+    report = runs[1][0]["verify_all_to_all"]
+    assert (report["tsp"], report["cp"], report["reference"], report["ok"]) == (2, 2, "transformers", True), report
+    assert report["loss_rel_err"] < TOL and report["grad_rel_err"] < TOL, report
