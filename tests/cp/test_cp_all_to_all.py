@@ -234,7 +234,12 @@ def test_plan_cli_cp_comm(capsys):
     assert main([*argv, "--json"]) == 0
     cp = json.loads(capsys.readouterr().out)["cp"]
     assert cp["cp_comm"] == "all_to_all" and cp["kv_replication"] == 4  # 8b at D = 8: one kv head per block
-    assert cp["inter_node_bytes_per_step"] < cp["ring_inter_node_bytes_per_step"] / 4
+    # one kv head per block, sent to all 4 cp groups: more inter-node bytes than the ring's 1/D shares
+    assert cp["inter_node_bytes_per_step"] > cp["ring_inter_node_bytes_per_step"]
+    assert main([*argv, "--kv-heads", "32", "--json"]) == 0
+    mha = json.loads(capsys.readouterr().out)["cp"]
+    # 4 kv heads per block, one per cp group: nothing replicated, fewer bytes than the ring (docs/long_context.md)
+    assert mha["kv_replication"] == 1 and mha["inter_node_bytes_per_step"] < mha["ring_inter_node_bytes_per_step"] / 2
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "C=4 (cp all-to-all across nodes)" in out and "(the cp ring: " in out
