@@ -393,30 +393,6 @@ def test_cp_moe_step_creates_nothing_off_device():
     assert out.returncode == 0 and "done" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
 
 
-def _verify_at(directories: dict[str, str], tsp: int, cp: int) -> dict:
-    from ds_tsp.tools.verify import run_cp_case
-
-    return {family: run_cp_case(verify_case(directory), tsp, cp) for family, directory in directories.items()}
-
-
-@pytest.mark.slow
-def test_moe_under_cp_is_exact_on_an_odd_ring_of_tsp_groups(tmp_path):
-    """(D, C) = (2, 3) (6 ranks): the cp ring's 1/D shares over three groups of two, with each MoE family (GPT-OSS:
-    its window layer on cp_window's hulls), loss, aux loss and every gradient against transformers.
-    The reference's gradients are those of 3 x loss, / 3 (verify's loss_scale: the data group's size), as the
-    data-parallel average computes them: transformers' float32 router softmax (Qwen3-MoE, Mixtral) rounds 3 x its
-    gradient differently, which alone moves the routers' grads by 5e-9 / 3e-8 relative
-    (test_router_grads_depend_on_the_loss_scale_only_through_float32)."""
-    directories = {family: str(save_tiny_checkpoint(tmp_path / family, tiny_config(family, **overrides)))
-                   for family, overrides in FAMILIES.items()}
-    reports = run_on_local_ranks(_verify_at, 6, directories, 2, 3, timeout_s=600)[0]
-    bad = {family: {k: r[k] for k in ("loss_rel_err", "grad_rel_err", "worst_grad", "aux_rel_err", "ok")}
-           for family, r in reports.items()
-           if not ((r["tsp"], r["cp"], r["reference"], r["ok"]) == (2, 3, "transformers", True)
-                   and max(r["loss_rel_err"], r["grad_rel_err"], r["aux_rel_err"]) < TOL)}
-    assert not bad, bad
-
-
 def _router_softmax_in_float64(self, hidden_states):
     # Qwen3MoeTopKRouter.forward with the softmax in the logits' dtype (transformers': float32)
     logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
@@ -448,3 +424,27 @@ def test_router_grads_depend_on_the_loss_scale_only_through_float32(tmp_path, mo
     assert 1e-9 < odd[router] < 1e-7 and max(odd, key=odd.get) == router, odd
     monkeypatch.setattr(Qwen3MoeTopKRouter, "forward", _router_softmax_in_float64)
     assert max(errors(3.0).values()) < 1e-13
+
+
+def _verify_at(directories: dict[str, str], tsp: int, cp: int) -> dict:
+    from ds_tsp.tools.verify import run_cp_case
+
+    return {family: run_cp_case(verify_case(directory), tsp, cp) for family, directory in directories.items()}
+
+
+@pytest.mark.slow
+def test_moe_under_cp_is_exact_on_an_odd_ring_of_tsp_groups(tmp_path):
+    """(D, C) = (2, 3) (6 ranks): the cp ring's 1/D shares over three groups of two, with each MoE family (GPT-OSS:
+    its window layer on cp_window's hulls), loss, aux loss and every gradient against transformers.
+    The reference's gradients are those of 3 x loss, / 3 (verify's loss_scale: the data group's size), as the
+    data-parallel average computes them: transformers' float32 router softmax (Qwen3-MoE, Mixtral) rounds 3 x its
+    gradient differently, which alone moves the routers' grads by 5e-9 / 3e-8 relative
+    (test_router_grads_depend_on_the_loss_scale_only_through_float32)."""
+    directories = {family: str(save_tiny_checkpoint(tmp_path / family, tiny_config(family, **overrides)))
+                   for family, overrides in FAMILIES.items()}
+    reports = run_on_local_ranks(_verify_at, 6, directories, 2, 3, timeout_s=600)[0]
+    bad = {family: {k: r[k] for k in ("loss_rel_err", "grad_rel_err", "worst_grad", "aux_rel_err", "ok")}
+           for family, r in reports.items()
+           if not ((r["tsp"], r["cp"], r["reference"], r["ok"]) == (2, 3, "transformers", True)
+                   and max(r["loss_rel_err"], r["grad_rel_err"], r["aux_rel_err"]) < TOL)}
+    assert not bad, bad
