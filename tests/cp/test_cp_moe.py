@@ -401,7 +401,7 @@ def _router_softmax_in_float64(self, hidden_states):
 
 
 def test_router_grads_depend_on_the_loss_scale_only_through_float32(tmp_path, monkeypatch):
-    """Why verify's reference takes the data group's loss scale (the odd-ring test above): transformers' own float64
+    """Why verify's reference takes the data group's loss scale (the odd-ring test below): transformers' own float64
     Qwen3-MoE, single device, the gradients of n x loss divided by n. n = 2: bitwise the same; n = 3: the router's
     grad moves by ~5e-9 relative (what (D, C) = (2, 3) or (1, 3) showed against the unscaled reference), and so do
     the grads upstream of it; with the router's softmax in float64 instead of float32 the same n = 3 agrees to 1e-13:
