@@ -224,9 +224,12 @@ def _setup(tmp: Path, tsp_json: dict) -> None:
 
 
 def zero(stage: int) -> dict:
-    """The ZeRO section; under ZeRO-3 no parameter persists whole (however small): every one is partitioned outside
-    the hooks that fetch it, so a read outside them fails."""
-    return {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    """The ZeRO section. Under ZeRO-3 every parameter is partitioned again as soon as the module that fetched it is
+    done: none persists whole however small, none is kept for a reuse DeepSpeed's trace foresees, none is prefetched.
+    So a read outside the hooks that fetch a parameter fails here (with DeepSpeed's defaults the tiny model stays
+    gathered once its trace is complete, and a RLOO run without the layer fetches passed)."""
+    strict = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    return {"stage": stage, **(strict if stage == 3 else {})}
 
 
 def _requirements():
