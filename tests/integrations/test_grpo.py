@@ -1,5 +1,5 @@
 """TRL's GRPOTrainer on TSP: ds_tsp.hf.TSPGRPOTrainer and `class G(TSPTrainer, GRPOTrainer)` at TSP=2 equal a plain
-GRPOTrainer in one process with the same seed, prompts and a deterministic reward, per logged step (fp32): loss
+GRPOTrainer in one process with the same seed, prompts and a deterministic reward, per logged step (fp32, SGD): loss
 and KL within 5e-6, entropy and grad norm 1e-5 relative, rewards, reward std and completion lengths equal (the
 same completions were sampled), for
 - loss_type="grpo", beta KL, num_iterations=2 (the second pass has an importance ratio != 1), sampling temperature
