@@ -45,6 +45,7 @@ from ds_tsp.integrations.accelerate.launch_config import TSPAccelerateSetup, res
 from ds_tsp.integrations.accelerate.state_layout import check_layout, layout_record, write_layout
 from ds_tsp.integrations.deepspeed.clip_norm import keep_clip_norm
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
+from ds_tsp.integrations.deepspeed.zero3_fetch import register_zero3_fetches
 from ds_tsp.model.convert import parameter_names, rebind_optimizer, to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 
@@ -294,9 +295,8 @@ class TSPAccelerator(_accelerate.Accelerator):
                                           config["gradient_accumulation_steps"] * data_size * cp_size)
             if groups is not None:
                 kwargs["mpu"] = TSPModelParallelUnit(groups)
-            if model is not None and model.tsp.lm_head is not None and model.tsp.lm_head.tied and \
-                    (config.get("zero_optimization") or {}).get("stage", 0) == 3:
-                deepspeed.zero.register_external_parameter(model.tsp.lm_head, model.tsp.model.embed_tokens.vocab_shard)
+            if model is not None and (config.get("zero_optimization") or {}).get("stage", 0) == 3:
+                register_zero3_fetches(model, deepspeed)  # what each layer reads, whole in its hooks
             out = original(*args, **kwargs)
             keep_clip_norm(out[0])  # the grad_norm the Trainer logs, also without ZeRO
             return out

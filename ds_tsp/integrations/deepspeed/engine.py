@@ -27,6 +27,7 @@ from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.loader import TSPDataLoader
 from ds_tsp.integrations.deepspeed.clip_norm import keep_clip_norm
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
+from ds_tsp.integrations.deepspeed.zero3_fetch import register_zero3_fetches
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.convert import to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
@@ -128,7 +129,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if isinstance(module, ShardedCausalLM) and source_config is not None:
             module.hf_config, module.generation_config_json = source_config, generation
         tsp_model, mpu = (module.tsp if isinstance(module, TSPForCausalLM) else module), TSPModelParallelUnit(groups)
-        _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
+        _register_zero3_fetches(tsp_model, ds_config, deepspeed)
     guard = None  # the pipeline engine steps inside train_batch: nothing to guard from outside
     if tsp.pipeline_stages == 1:
         if tsp.on_nonfinite == "skip" and (ds_config.get("gradient_accumulation_steps") or 1) != 1:
@@ -230,8 +231,8 @@ def _single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def _register_tied_head_for_zero3(model: ShardedCausalLM, ds_config: dict, deepspeed) -> None:
-    # ZeRO-3 gathers a param only inside its own module's forward; the tied head reads the embedding's shard.
-    zero3 = (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
-    if model.lm_head is not None and model.lm_head.tied and zero3:  # a sequence classifier has no LM head
-        deepspeed.zero.register_external_parameter(model.lm_head, model.model.embed_tokens.vocab_shard)
+def _register_zero3_fetches(model: ShardedCausalLM, ds_config: dict, deepspeed) -> None:
+    # ZeRO-3 gathers a param only inside its own module's hooks: what each layer (and a tied head) reads is
+    # registered with it (ds_tsp.integrations.deepspeed.zero3_fetch)
+    if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+        register_zero3_fetches(model, deepspeed)
