@@ -10,7 +10,9 @@ center_rewards_coefficient, gradient accumulation 2, gradient checkpointing, and
 dataset (chosen_ids / rejected_ids). The composition users write is checked by its class; options TSP cannot honour
 are refused by name.
 Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes, no checkpointing) equals a plain 2-process RewardTrainer
-(the data axis is TRL's process axis: its gathered rewards and token counts).
+(the data axis is TRL's process axis: its gathered rewards and token counts); TSP=2 under ZeRO-3 with nothing kept
+whole (test_grpo.py's zero(3)) equals the one-process RewardTrainer with the same assertions (total_flos included:
+the parameter count reads a partitioned parameter's whole shape).
 
 Run as a script, this file is the worker: `python tests/integrations/test_reward_trainer.py OUT.json MODEL TOKENIZER
 [DS_CONFIG]` (one launch runs every case; the reference and TSP=2 launches run at the same time).
@@ -81,6 +83,8 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
 
     out_dir = str(Path(out).with_suffix(""))
     replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
+    # loaded before the config: under a ZeRO-3 config transformers would load it partitioned (zero.Init)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
     args = RewardConfig(output_dir=out_dir, max_steps=STEPS, optim="sgd", learning_rate=0.5,
                         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
                         report_to=[], save_strategy="no", train_sampling_strategy="sequential", disable_tqdm=True,
@@ -88,7 +92,6 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
                         dataloader_drop_last=True, per_device_train_batch_size=BATCH, per_device_eval_batch_size=2,
                         gradient_accumulation_steps=ACCUMULATION, center_rewards_coefficient=0.01,
                         gradient_checkpointing=replicas == 1, deepspeed=ds_config)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     if ds_config is None:
         trainer_class = RewardTrainer
@@ -134,8 +137,10 @@ def _reward_scale(line: dict, prefix: str = "") -> float:
     return max(abs(line[f"{prefix}min_reward"]), abs(line[f"{prefix}max_reward"]))
 
 
-def _runs(tmp: Path, data_replicas: int) -> dict:
-    """The plain RewardTrainer on `data_replicas` processes and TSP=2 on 2 x data_replicas, launched together."""
+def _runs(tmp: Path, data_replicas: int, stage: int = 2) -> dict:
+    """The plain RewardTrainer on `data_replicas` processes and TSP=2 on 2 x data_replicas under ZeRO `stage`,
+    launched together."""
+    from test_grpo import zero
     pytest.importorskip("trl")
     pytest.importorskip("deepspeed")
     pytest.importorskip("datasets")
@@ -143,7 +148,7 @@ def _runs(tmp: Path, data_replicas: int) -> dict:
     save_tokenizer(tmp / "tokenizer")
     (tmp / "ds.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
+        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": zero(stage),
         "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
     # both at once: the plain reference (one process) and TSP=2 share the two cores while each starts up
     reference = _launch(tmp / "ref.json", tmp / "model", tmp / "tokenizer", nproc=data_replicas)
@@ -159,6 +164,14 @@ def test_tsp_reward_trainer_equals_plain_reward_trainer(tmp_path):
 
     _assert_same_run(_runs(tmp_path, 1))
     assert_obeys_nccl_rules(tmp_path / "trace", kinds={"all_reduce", "all_gather", "broadcast"})
+
+
+@pytest.mark.slow
+def test_tsp_reward_trainer_under_zero3_equals_plain_reward_trainer(tmp_path):
+    """ZeRO-3 partitions every parameter again as soon as the module that fetched it is done (tests/integrations/
+    test_grpo.py's zero(3)): the score head, read by the classifier's pooling outside any decoder layer, is whole in
+    the forward and in the backward (gradient checkpointing's recompute included)."""
+    _assert_same_run(_runs(tmp_path, 1, stage=3))
 
 
 @pytest.mark.slow
