@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,8 +29,9 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OF
 
 
 def _run(out: Path, *args: str, processes: int = 1) -> list[dict]:
-    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node", str(processes)]
+    from warm_python import python_command
+
+    launch = python_command(0 if processes == 1 else processes)  # python, or torchrun's ranks (warm_python.py)
     proc = subprocess.run([*launch, SCRIPT, "--output_dir", str(out), *args], capture_output=True, text=True,
                           timeout=600, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
