@@ -26,6 +26,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -246,6 +247,9 @@ def _server_path() -> str:
     if "path" in _SERVER:
         return _SERVER["path"]
     folder = tempfile.mkdtemp(prefix="ds_tsp_warm_")
+    if len(folder) > 80 and os.path.isdir("/tmp"):  # a unix socket's path is limited to ~107 bytes
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="ds_tsp_warm_", dir="/tmp")
     path = os.path.join(folder, "server.sock")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
@@ -256,8 +260,9 @@ def _server_path() -> str:
     def stop() -> None:
         if proc.poll() is None:
             proc.kill()
-        proc.wait()
+        proc.wait()  # the server's CPU and its ranks' is counted in the session's (time -v, rusage)
         log.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
     atexit.register(stop)
     deadline = time.monotonic() + 300
