@@ -80,6 +80,7 @@ def _child(request: dict, fds: list[int], closing: list[socket.socket]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    _stdout_as_python(request.get("unbuffered", False) or bool(os.environ.get("PYTHONUNBUFFERED")))
     if "OMP_NUM_THREADS" in os.environ:  # read by torch when it loaded, in the server
         import torch
 
@@ -94,6 +95,22 @@ def _child(request: dict, fds: list[int], closing: list[socket.socket]) -> None:
         sys.argv = list(argv)
         sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def _stdout_as_python(unbuffered: bool) -> None:
+    """sys.stdout as `python [-u]` builds it for the child's fd 1 (the server's was built for its log file):
+    unbuffered under -u (what torchrun passes its workers) or PYTHONUNBUFFERED, else block-buffered (line-buffered
+    on a terminal). Two ranks writing JSON lines to one pipe interleave whole lines only when unbuffered."""
+    import io
+
+    old = sys.stdout
+    old.flush()
+    raw = io.FileIO(1, "w", closefd=False)
+    if unbuffered:
+        sys.stdout = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors, write_through=True)
+    else:
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(raw), encoding=old.encoding, errors=old.errors,
+                                      line_buffering=raw.isatty())
 
 
 def _exit_as_python(request: dict, fds: list[int], closing: list[socket.socket]) -> None:
@@ -208,7 +225,10 @@ def _rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
 
 
 def client(path: str, nproc: int, argv: list[str]) -> int:
-    """Starts max(nproc, 1) ranks of argv through the server; the first non-zero exit code (0 when all exit 0)."""
+    """Starts max(nproc, 1) ranks of argv through the server; the first non-zero exit code (0 when all exit 0).
+    A leading -u (torchrun's workers get one, see python_exec()) is python's; torchrun's ranks run with it too."""
+    unbuffered = nproc > 0 or argv[:1] == ["-u"]
+    argv = argv[1:] if argv[:1] == ["-u"] else argv
     port = 0
     if nproc:
         with socket.socket() as s:
@@ -219,7 +239,8 @@ def client(path: str, nproc: int, argv: list[str]) -> int:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
         env = {**os.environ, **(_rank_env(rank, nproc, port) if nproc else {})}
-        message = (json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}) + "\n").encode()
+        message = (json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered}) + "\n"
+                   ).encode()
         conn.sendmsg([message[:1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
         conn.sendall(message[1:])
         reply, _ = _recv_message(conn)
@@ -272,6 +293,23 @@ def _server_path() -> str:
         time.sleep(0.05)
     _SERVER["path"] = path
     return path
+
+
+def python_exec() -> dict[str, str]:
+    """Environment for a launcher built on torch.distributed.run (`accelerate launch`): its workers, started as
+    `$PYTHON_EXEC -u SCRIPT ...` with the launcher's rank variables, fork from the server too. Empty (the launcher
+    starts fresh interpreters) under DS_TSP_SUITE_SPAWN=1."""
+    if os.environ.get("DS_TSP_SUITE_SPAWN") == "1":
+        return {}
+    path = _server_path()
+    wrapper = os.path.join(os.path.dirname(path), "python")
+    if not os.path.exists(wrapper):
+        with open(wrapper + ".tmp", "w") as f:
+            f.write(f'#!/bin/sh\nexec "{sys.executable}" "{os.path.abspath(__file__)}" --socket "{path}" --nproc 0 '
+                    '"$@"\n')
+        os.chmod(wrapper + ".tmp", 0o755)
+        os.rename(wrapper + ".tmp", wrapper)
+    return {"PYTHON_EXEC": wrapper}
 
 
 def python_command(nproc: int = 0) -> list[str]:

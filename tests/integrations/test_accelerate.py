@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
-from warm_python import python_command  # noqa: E402 - the single-process references fork from a warm interpreter
+from warm_python import python_command, python_exec  # noqa: E402
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from ds_tsp.integrations.accelerate.launch_config import resolve_setup  # noqa: E402
@@ -32,7 +32,8 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OF
 
 def _run(launch: list[str], out: Path, *extra: str) -> list[dict]:
     cmd = [*launch, *SCRIPT, "--output_dir", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    # the Accelerate launcher runs as itself; its workers (and the references) fork from the warm interpreter
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**ENV, **python_exec()}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

@@ -192,7 +192,9 @@ def moe_checkpoint(tmp_path_factory) -> str:
 
 
 def _json_lines(cmd: list[str]) -> list[dict]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    from warm_python import python_exec  # the Accelerate launcher's workers fork from the warm interpreter
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**ENV, **python_exec()}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
