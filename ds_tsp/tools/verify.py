@@ -219,7 +219,10 @@ def run_cp_case(case: VerifyCase, tsp: int, cp: int, options: dict | None = None
                         cp=cp, cp_rank=groups.cp_rank if groups else 0)
     model, full = _build_model(case, runtime.comm, runtime.options, runtime.data_group)
     reporter = not dist.is_initialized() or dist.get_rank() == 0
-    return _step_and_compare(case, model, full, batch, reporter, runtime.data_group, tsp=tsp, cp=cp)
+    report = _step_and_compare(case, model, full, batch, reporter, runtime.data_group, tsp=tsp, cp=cp)
+    if report is not None and runtime.config.cp_comm != "ring":
+        report["cp_comm"] = runtime.config.cp_comm
+    return report
 
 
 def run_case_on_world(case: VerifyCase, options: TSPOptions = TSPOptions(), overlap: bool = True) -> dict | None:

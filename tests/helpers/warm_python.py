@@ -312,10 +312,12 @@ def python_exec() -> dict[str, str]:
     return {"PYTHON_EXEC": wrapper}
 
 
-def python_command(nproc: int = 0) -> list[str]:
+def python_command(nproc: int = 0, fresh: bool = False) -> list[str]:
     """The argv prefix that runs `PREFIX SCRIPT ARGS...` as `python SCRIPT ARGS` (nproc 0) or as `torchrun
-    --standalone --nproc_per_node NPROC SCRIPT ARGS` (nproc >= 1), forked from the session's server (see above)."""
-    if os.environ.get("DS_TSP_SUITE_SPAWN") == "1":
+    --standalone --nproc_per_node NPROC SCRIPT ARGS` (nproc >= 1), forked from the session's server (see above).
+    fresh: those very commands. For a run whose wrapper must act before the libraries are imported (traced_run.py:
+    modules imported inside dist_trace's `traced` bind its wrappers, the server's were imported before it)."""
+    if fresh or os.environ.get("DS_TSP_SUITE_SPAWN") == "1":
         return [sys.executable] if nproc == 0 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc_per_node", str(nproc)]
     return [sys.executable, os.path.abspath(__file__), "--socket", _server_path(), "--nproc", str(nproc)]

@@ -21,7 +21,7 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.parallel.launch import init_from_env, local_device
 from ds_tsp.core.parallel.runtime import build_runtime
 from ds_tsp.core.reliability.nonfinite import NonFiniteGuard
-from ds_tsp.core.reliability.watchdog import label_modules
+from ds_tsp.core.reliability.watchdog import guarded, label_modules
 from ds_tsp.core.shape.hf_config import generation_config_json
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.loader import TSPDataLoader
@@ -30,6 +30,9 @@ from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.convert import to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
+
+# the one-time setup's collectives, named in a stalled peer's report
+SETUP_WHAT = "deepspeed.initialize (the model's broadcast, ZeRO's partitioning, barriers)"
 
 
 def import_deepspeed():
@@ -134,9 +137,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         guard = NonFiniteGuard(module, policy=tsp.on_nonfinite)  # hooks before DeepSpeed moves any grad
     if model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]
-    engine, opt, _, sched = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=model_parameters,
-                                                 lr_scheduler=lr_scheduler, mpu=mpu, config=ds_config,
-                                                 dist_init_required=False, **ds_kwargs)
+    # DeepSpeed's setup posts collectives (the model's broadcast over data, ZeRO's partitioning, barriers): bounded
+    # by timeout_s as one block with the watchdog's one line (so timeout_s must exceed it, as a backward)
+    with guarded(comm, SETUP_WHAT, context="setup", comm_errors_only=True):
+        engine, opt, _, sched = deepspeed.initialize(model=module, optimizer=optimizer,
+                                                     model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                                                     mpu=mpu, config=ds_config, dist_init_required=False, **ds_kwargs)
     loader = None
     if training_data is not None:
         # on the engine's device: DeepSpeed does not move inputs, and NCCL groups take no CPU tensor
@@ -149,7 +155,25 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if tsp.pipeline_stages == 1:
         _guard_step(engine, comm)
         _guard_backward(engine, comm)
+    else:
+        _guard_pipeline(engine, comm)
     return engine, opt, loader, sched
+
+
+def _guard_pipeline(engine, comm) -> None:
+    """The pipeline engine runs a whole step inside train_batch (eval_batch: the forwards): the stages' activation
+    and gradient sends / receives, the tied-weight and data-axis reductions, the optimizer step. Each call is bounded
+    by timeout_s as one block with the watchdog's one line (so timeout_s must exceed one step, as for a backward);
+    the layers' own waits inside keep their own deadlines; errors of the computation propagate as they are."""
+    import torch.distributed as dist
+
+    for name in ("train_batch", "eval_batch"):
+        def bounded(*args, _run=getattr(engine, name), _name=name, **kwargs):
+            with comm.guard(f"DeepSpeed pipeline {_name} (stage sends / receives, gradient reductions, step)",
+                            group=dist.group.WORLD, context=f"pipeline {_name}", comm_errors_only=True):
+                return _run(*args, **kwargs)
+
+        setattr(engine, name, bounded)
 
 
 def _guard_step(engine, comm) -> None:
