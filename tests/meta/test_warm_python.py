@@ -13,7 +13,7 @@ import time
 
 from warm_python import python_command
 
-SCRIPT = '''
+SCRIPT = r'''
 import atexit, json, os, sys
 what = sys.argv[1]
 rank = int(os.environ.get("RANK", "-1"))
@@ -27,11 +27,14 @@ if what == "report":
         dist.all_reduce(t)
         total = float(t)
         dist.destroy_process_group()
-    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "name": __name__, "path0": sys.path[0],
-                      "probe": os.environ.get("WARM_PROBE"), "rank": rank, "world": os.environ.get("WORLD_SIZE"),
-                      "local_rank": os.environ.get("LOCAL_RANK"), "total": total, "threads": torch.get_num_threads()}))
-    atexit.register(lambda: print("atexit ran", rank))
-    sys.stdout.write("unflushed")  # written at exit, as a fresh interpreter would
+    # one write per line: the ranks share one pipe (print() writes the text and its newline separately)
+    sys.stdout.write(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "name": __name__, "path0": sys.path[0],
+                                 "probe": os.environ.get("WARM_PROBE"), "rank": rank,
+                                 "world": os.environ.get("WORLD_SIZE"), "local_rank": os.environ.get("LOCAL_RANK"),
+                                 "total": total, "threads": torch.get_num_threads()}) + "\n")
+    atexit.register(lambda: sys.stdout.write(f"atexit ran {rank}\n"))
+    if rank < 0:
+        sys.stdout.write("unflushed")  # written at exit, as a fresh interpreter would
 elif what == "exit3":
     sys.exit(3)
 elif what == "fail":
