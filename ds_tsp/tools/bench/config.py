@@ -74,6 +74,7 @@ class BenchConfig:
     profile: bool = False  # --profile: one extra profiled step per S (ds_tsp.tools.bench.profile), every layout
     moe_dispatch: str = "auto"  # TSP layouts on an MoE shape: TSPOptions.moe_dispatch ("auto", "ring", "all_to_all")
     cp: int = 1  # layout tsp_cp: C TSP groups of D = tsp ranks (world C x D); 1 for every other layout
+    vision: object | None = None  # --images / --videos: ds_tsp.tools.bench.vision.VisionBench (a VLM's step)
 
     def checkpointing(self) -> bool:
         """Whether this run uses activation checkpointing (peers with "peers"/"all", TSP only with "all")."""
