@@ -9,6 +9,9 @@ placeholder span (vision start, n image tokens, vision end) is built from its gr
 concatenated in batch order, image_grid_thw, mm_token_type_ids, and labels with -100 on the image tokens and the
 padding (as transformers' Qwen-VL recipes mask them).
 A VLM under TRL's trainers is refused by name (what to use instead in the message).
+Under --runslow: TSP=2 x data 2 (ZeRO-2) against the plain Trainer on 2 processes; DeepSpeed ZeRO-3 with every
+weight partitioned (the tower's gathered by ZeRO-3's hooks) at TSP=2 x data 2 against the plain Trainer under the
+same ZeRO-3; and TSPAccelerator.prepare on the VLM in a hand-written loop against the same loop on one process.
 
 Run as a script, this file is the worker: `python tests/integrations/test_vlm_trainer.py OUT.json MODEL [DS_CONFIG]`
 (the reference and TSP=2 launches run at the same time).
@@ -107,6 +110,45 @@ def main(out: str, model_dir: str, ds_config: str | None = None, trainer: str = 
         Path(out).write_text(json.dumps({"log": trainer.state.log_history}))
 
 
+def loop_main(out: str, model_dir: str, mode: str) -> None:
+    """A hand-written training loop (SGD, fp32, STEPS batches of BATCH, grad clipping): mode "loop" on one process
+    with the plain transformers model, "accelerate" under TSPAccelerator(tsp_size=WORLD_SIZE) (prepare converts the
+    model, rebinds the optimizer and keeps the loader's batches whole). Writes the losses, the clipped norms and,
+    on rank 0, the final weights (save_model / save_pretrained)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                                     attn_implementation="sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(examples(STEPS * BATCH, seed=1), batch_size=BATCH, collate_fn=collate)
+    accelerator = None
+    if mode == "accelerate":
+        from ds_tsp.accelerate import TSPAccelerator
+
+        accelerator = TSPAccelerator(tsp_size=int(os.environ.get("WORLD_SIZE", "1")))
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    log = []
+    for batch in loader:
+        loss = model(**batch).loss
+        if accelerator is None:
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            accelerator.backward(loss)
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        log.append({"step": len(log) + 1, "loss": float(loss), "grad_norm": float(norm)})
+    final = str(Path(out).with_suffix("")) + "/final"
+    if accelerator is None:
+        model.save_pretrained(final)
+    else:
+        accelerator.save_model(model, final)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps({"log": log}))
+
+
 # --- the tests -------------------------------------------------------------------------------------------------
 def _launch(out: Path, model: Path, ds_config: Path | None = None, nproc: int = 1,
             trainer: str = "tsp") -> subprocess.Popen:
@@ -143,6 +185,39 @@ def test_tsp2_x_data2_zero3_vlm_equals_plain_zero3_trainer(tmp_path):
     weight, the tower's included, gathered by ZeRO-3's hooks): TSP=2 x data 2 against the plain Trainer under the
     same ZeRO-3 config on 2 processes."""
     _assert_same_run(tmp_path, 2, stage=3)
+
+
+@pytest.mark.slow
+def test_tsp2_accelerate_loop_with_a_vlm_equals_single_process_loop(tmp_path):
+    """TSPAccelerator.prepare on the VLM (plain launch, TSP=2): a hand-written loop over pixel_values batches (one
+    batch with one image, so one rank encodes nothing) equals the same loop on one process with the plain model:
+    loss and clipped grad norm per step, and the saved weights (the tower trained)."""
+    from safetensors.torch import load_file
+    from vlm_tiny import save_vlm_checkpoint
+
+    model_dir = tmp_path / "model"
+    save_vlm_checkpoint(model_dir)
+
+    def launch(out, mode, nproc):
+        launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc_per_node", str(nproc)]
+        return subprocess.Popen([*launch, __file__, str(out), str(model_dir), mode], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+
+    procs = launch(tmp_path / "loop.json", "loop", 1), launch(tmp_path / "acc.json", "accelerate", 2)
+    want, got = _finish(procs[0], tmp_path / "loop.json"), _finish(procs[1], tmp_path / "acc.json")
+    assert [s["step"] for s in got] == [s["step"] for s in want] == list(range(1, STEPS + 1))
+    assert len({s["loss"] for s in want}) == STEPS
+    for w, g in zip(want, got):
+        assert _close(g["loss"], w["loss"]) and _close(g["grad_norm"], w["grad_norm"], 1e-4), (g, w)
+    want_w = load_file(tmp_path / "loop" / "final" / "model.safetensors")
+    got_w = {k: v for f in (tmp_path / "acc" / "final").glob("*.safetensors") for k, v in load_file(f).items()}
+    initial = load_file(model_dir / "model.safetensors")
+    assert set(got_w) == set(want_w) == set(initial)
+    for name, tensor in want_w.items():
+        assert (got_w[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
+    tower = "model.visual.merger.linear_fc2.weight"
+    assert (want_w[tower] - initial[tower].float()).norm() > 1e-4 * initial[tower].norm(), "the tower trains"
 
 
 def _assert_same_run(tmp_path, replicas: int, stage: int = 2) -> None:
@@ -217,10 +292,20 @@ def test_vlm_under_trl_trainers_and_full_logit_options_are_refused_by_name():
         TSPTrainer(model=model, args=args, compute_loss_func=lambda *a, **k: None)
     with pytest.raises(TSPConfigError, match="label_smoothing_factor=0.1 with a vision-language model"):
         TSPTrainer(model=model, args=SimpleNamespace(label_smoothing_factor=0.1))
+    pytest.importorskip("accelerate")
+    from ds_tsp.integrations.accelerate.accelerator import _vlm_names
+
+    with pytest.raises(TSPConfigError, match="vision-language model with TSPAccelerator under FSDP2"):
+        _vlm_names({0: "model.visual.merger.linear_fc2.weight"}, "fsdp2")
+    assert _vlm_names({0: "model.visual.merger.norm.weight", 1: "model.language_model.norm.weight"}, "plain") == \
+        {0: "visual.merger.norm.weight", 1: "model.norm.weight"}
 
 
 if __name__ == "__main__":
     from ds_tsp.core.parallel.launch import exit_rank
 
-    main(*sys.argv[1:])
+    if sys.argv[3:] and sys.argv[3] in ("loop", "accelerate"):
+        loop_main(*sys.argv[1:4])
+    else:
+        main(*sys.argv[1:])
     exit_rank()  # a torchrun worker: skip interpreter finalization, where gloo can abort
