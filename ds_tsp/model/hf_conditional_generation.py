@@ -28,8 +28,10 @@ The loss is the one a single device computes (token mean over labels != -100, la
 backward gives every rank its share of every gradient, the vision tower's (summed, whole) included, so a plain
 torch optimizer over model.parameters() trains it exactly.
 
-Videos (pixel_values_videos, video_grid_thw) take the same path as images: whole videos are the items each rank
-encodes, their frames' positions restart h and w per frame (the timestamps between frames are text).
+Videos (pixel_values_videos, video_grid_thw) take the same path as images: their frames (temporal patches) are
+the items each rank encodes, so one long video is shared by the ranks (the tower attends within a frame and repeats
+a video's patch positions per frame, so a (t, h, w) video encodes exactly as t (1, h, w) items); the frames'
+language-model positions restart h and w per frame (the timestamps between frames are text).
 
 Packed documents: position_ids [B, S] counting from 0 per document (DataCollatorWithFlattening's); attention and
 the Gated DeltaNet state stay inside each document and the multimodal positions restart per document, so the
@@ -62,7 +64,7 @@ from ds_tsp.core.shape.hf_config import import_transformers, language_model_conf
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.mrope import mrope_cos_sin, mrope_positions
 from ds_tsp.core.tokens.positions import RopeTables, StepRope
-from ds_tsp.core.tokens.vision_route import plan_vision_route
+from ds_tsp.core.tokens.vision_route import frame_items, plan_vision_route
 from ds_tsp.core.tokens.zigzag import pad_to, shard, shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.hf_causal_lm import _HARMLESS_KWARGS, TSPForCausalLM, _resolve_dtype, as_comm
@@ -370,6 +372,7 @@ class TSPForConditionalGeneration(nn.Module):
             present = {field for *_, field in modalities}
             absent = [field for field in ("image_grid_thw", "video_grid_thw") if field not in present]
         for pixels, grid, tokens, field in modalities:
+            grid = frame_items(grid)  # video frames are the items: one long video is shared by the ranks
             route = plan_vision_route(tokens, grid, self.spatial_merge_size, padded_len, comm.size, comm.rank,
                                       field=field)
             (first, end), (lo, hi) = route.items, route.patches

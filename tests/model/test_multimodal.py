@@ -43,7 +43,7 @@ from vlm_tiny import (  # noqa: E402
 )
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.tokens.vision_route import plan_vision_route  # noqa: E402
+from ds_tsp.core.tokens.vision_route import frame_items, plan_vision_route  # noqa: E402
 from ds_tsp.core.tokens.mrope import mrope_cos_sin, mrope_positions  # noqa: E402
 from ds_tsp.tools.hf_reference import load_hf_reference  # noqa: E402
 
@@ -65,7 +65,8 @@ def _spawned(directory: str, save_root: str, moe_directory: str, vl_directory: s
     results["syncs", rank], results["ops", rank] = [], []
     _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED), syncs=results["syncs", rank],
                                           ops=results["ops", rank])
-    results["encodes", rank] = [plan_vision_route(batch["input_ids"] == token, batch[grid], 2, 32, 4, rank).encodes
+    results["encodes", rank] = [plan_vision_route(batch["input_ids"] == token, frame_items(batch[grid]), 2, 32, 4,
+                                                  rank).encodes
                                 for batch in [image_batch(**MIXED)]
                                 for token, grid in ((IMAGE, "image_grid_thw"), (VIDEO, "video_grid_thw"))]
     _, results["packed", 4] = tsp_vlm_step(directory, packed_batch(packed_documents()))

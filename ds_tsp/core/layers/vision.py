@@ -3,7 +3,7 @@ embedding to the rank whose zigzag chunks hold that token.
 
 Schedule (one modality, one step; D = TSP degree, p = this rank):
     plan  (host, once per step, identical on every rank: ds_tsp.core.tokens.vision_route): rank p encodes a
-          contiguous run p of the items (images or whole videos), balanced by patch count; vision token k is
+          contiguous run p of the items (images or video frames), balanced by patch count; vision token k is
           encoded by rank e(k) and lands on rank z(k), the owner of its zigzag chunk, at local row l(k).
     fwd   E_p = tower(pixels of run p)                    [tokens of run p, h]      replicated tower, local images
           R_p = all_to_all(E_p sorted by z)               [vision tokens in p's chunks, h]
