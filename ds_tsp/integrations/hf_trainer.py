@@ -200,8 +200,10 @@ class TSPTrainer(_transformers.Trainer):
         self.tsp_groups = runtime.groups
         self.tsp_comm = runtime.comm  # its timeout_s bounds the trainer's own collectives (token counts, loss)
         ref_model = trl_grpo.reference_model(model, args, runtime, to_tsp_model) if self._tsp_online_rl else None
-        if self._tsp_with_dpo:
-            ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model)
+        if self._tsp_with_dpo:  # a LoRA policy with ref_model=None: the reference is its own adapter-off pass
+            model, dpo_adapter = trl_dpo.peft_policy(model, kwargs, args)
+            ref_model = kwargs["ref_model"] = trl_dpo.reference_model(model, kwargs, args, runtime, to_tsp_model,
+                                                                      dpo_adapter)
         if self._tsp_with_reward:
             model = trl_reward.to_reward_model(model, runtime)
         elif self._tsp_vlm:
@@ -222,6 +224,7 @@ class TSPTrainer(_transformers.Trainer):
                 super().__init__(model=model, args=args, **kwargs)
             trl_grpo.after_init(self)
         elif self._tsp_with_dpo:
+            ref_model = kwargs["ref_model"] = trl_dpo.adapter_reference(model, ref_model, dpo_adapter)
             tsp_trl.prepare_model(model)
             with trl_dpo.dpo_init(ref_model):
                 super().__init__(model=model, args=args, **kwargs)
@@ -308,6 +311,10 @@ class TSPTrainer(_transformers.Trainer):
         """The Trainer's count (6 x tokens x parameters); store_flos sums it over every process, so under the
         reward and DPO trainers, whose TSP ranks each see the full batch, each rank counts its 1/D of it."""
         flops = super().floating_point_ops(inputs)
+        if self._tsp_with_dpo:  # with a PEFT model, TRL's "ref" adapter copy counts as parameters too
+            from ds_tsp.integrations.trl.dpo import reference_adapter_flops
+
+            flops += reference_adapter_flops(self, inputs)
         return flops // self.tsp_config.size if self._tsp_with_reward or self._tsp_with_dpo else flops
 
     # --- evaluation and prediction -------------------------------------------------------------------------------
@@ -464,11 +471,12 @@ class TSPTrainer(_transformers.Trainer):
             self.accelerator.wait_for_everyone()
 
     # --- the Trainer's own collectives, bounded by tsp.timeout_s -------------------------------------------------
-    def _world_guard(self, what: str):
+    def _world_guard(self, what: str, comm_errors_only: bool = False):
         """The watchdog around collectives the Trainer (and DeepSpeed under it) posts on the world: a stalled or
-        dead peer ends this rank within timeout_s with the one line naming `what` and the peers."""
+        dead peer ends this rank within timeout_s with the one line naming `what` and the peers. comm_errors_only:
+        the block's other errors (a bad checkpoint file) propagate as they are (watchdog.Guard)."""
         return self.tsp_comm.guard(what, group=dist.group.WORLD if dist.is_initialized() else None,
-                                   context=f"step {self.state.global_step}")
+                                   context=f"step {self.state.global_step}", comm_errors_only=comm_errors_only)
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         """Logging (the loss all-gather, the flos broadcast) and a checkpoint save (below) are bounded by
@@ -504,6 +512,21 @@ class TSPTrainer(_transformers.Trainer):
         """The Trainer's flos broadcast over the world (at a log, a save and the end of training), guarded."""
         with self._world_guard("the Trainer's flos broadcast"):
             return super().store_flos()
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """The Trainer's one-time setup (accelerator.prepare: deepspeed.initialize under DeepSpeed) and, when
+        resuming, its checkpoint load (DeepSpeed's load_checkpoint: barriers, ZeRO gathers; the optimizer's and the
+        scheduler's): their collectives bounded by timeout_s as one block, like a checkpoint save."""
+        what = "the Trainer's setup (accelerator.prepare, deepspeed.initialize)"
+        if resume_from_checkpoint is not None:
+            what += " and resume load (DeepSpeed's checkpoint load, the optimizer's)"
+        with self._world_guard(what, comm_errors_only=True):
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """The Trainer's model load on resume (before prepare outside DeepSpeed), bounded like the setup."""
+        with self._world_guard("the Trainer's resume load (the model's checkpoint)", comm_errors_only=True):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     # --- resuming ------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

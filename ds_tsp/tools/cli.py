@@ -42,6 +42,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tsp", type=positive(integer), default=2, help="TSP degree D (default 2)")
     p.add_argument("--cp", type=positive(integer), default=1,
                    help="context-parallel degree C: C TSP groups share each sequence, C x D ranks (default 1)")
+    p.add_argument("--cp-comm", choices=("ring", "all_to_all"), default="ring",
+                   help="with --cp C > 1: K/V around the cp ring, or each head block's heads scattered over the cp "
+                        "groups by all-to-all (tsp.cp_comm; default ring)")
     p.add_argument("--layers", type=positive(integer), default=2, help="decoder layers (default 2)")
     p.add_argument("--hidden", type=positive(integer), default=64, help="hidden size (default 64)")
     p.add_argument("--heads", type=positive(integer), default=4, help="query heads (default 4)")
@@ -79,20 +82,24 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
                       head_dim=args.head_dim, tie_word_embeddings=args.tie_embeddings, qkv_bias=args.qkv_bias)
 
 
-def _verify_under_launcher(case, tsp: int, timeout_s: float, cp: int = 1) -> tuple[dict | None, bool]:
+def _verify_under_launcher(case, tsp: int, timeout_s: float, cp: int = 1,
+                           cp_comm: str = "ring") -> tuple[dict | None, bool]:
     """torchrun / deepspeed started us: the whole world is the TSP group (cp > 1: C TSP groups sharing the
     sequence). Returns (report on rank 0, ok)."""
     import torch.distributed as dist
 
     from ds_tsp.core.parallel.launch import init_from_env
+    from ds_tsp.core.reliability.watchdog import guarded
     from ds_tsp.tools.verify import run_cp_case
 
     rank, world = init_from_env(timeout_s=timeout_s)
     try:
-        report = _world_entry(case)(case) if cp == 1 else run_cp_case(case, tsp, cp)
+        report = _world_entry(case)(case) if cp == 1 else run_cp_case(case, tsp, cp, {"cp_comm": cp_comm})
         verdict = [None if report is None else bool(report["ok"])]
-        if world > 1:
-            dist.broadcast_object_list(verdict, src=0)  # every rank exits with rank 0's verdict
+        if world > 1:  # every rank exits with rank 0's verdict; a stalled rank 0 is reported, not waited for
+            with guarded(None, "verify: rank 0's verdict broadcast_object_list", context="verify",
+                         timeout_s=timeout_s):
+                dist.broadcast_object_list(verdict, src=0)
     finally:
         dist.destroy_process_group()
     return report, bool(verdict[0])
@@ -150,6 +157,12 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         shape = _shape_from_checkpoint(args.hf_model) if args.hf_model else _shape_from_args(args)
         shape.check_tsp_degree(args.tsp)
+        if args.cp_comm == "all_to_all":  # before any rank starts: the head blocks must split over cp
+            if args.cp == 1:
+                raise TSPConfigError("--cp-comm all_to_all needs --cp C > 1: it schedules attention across cp groups")
+            from ds_tsp.core.layers.attention.cp_all_to_all import check_all_to_all_heads
+
+            check_all_to_all_heads(shape.num_heads // args.tsp, max(shape.num_kv_heads // args.tsp, 1), args.cp)
         if args.documents > args.seq:
             raise TSPConfigError(f"--documents {args.documents} is more than --seq {args.seq}: every document needs "
                                  "at least one token")
@@ -175,13 +188,13 @@ def _verify(args: argparse.Namespace) -> int:
             return _error("verify", f"--tsp={args.tsp} but the launcher started WORLD_SIZE={world} ranks: under "
                                     f"torchrun/deepspeed the whole world is one TSP group; pass --tsp {world} or "
                                     f"launch {args.tsp} ranks")
-        report, ok = _verify_under_launcher(case, args.tsp, args.timeout, cp=args.cp)
+        report, ok = _verify_under_launcher(case, args.tsp, args.timeout, cp=args.cp, cp_comm=args.cp_comm)
     else:
         try:
             report = (run_on_local_ranks(_world_entry(case), args.tsp, case, timeout_s=args.timeout)[0]
                       if args.cp == 1 else
                       run_on_local_ranks(run_cp_case, args.tsp * args.cp, case, args.tsp, args.cp,
-                                         timeout_s=args.timeout)[0])
+                                         {"cp_comm": args.cp_comm}, timeout_s=args.timeout)[0])
         except RuntimeError as exc:
             if isinstance(exc, TSPConfigError):  # a rank found bad input: its one line, as in this process
                 return _error("verify", str(exc))

@@ -276,7 +276,7 @@ def _rope_switches_with_length(model) -> bool:
 
 def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor, position_ids=None,
                       attention_mask=None, documents: Sequence[Sequence[int]] | None = None,
-                      aux_out: dict | None = None):
+                      aux_out: dict | None = None, loss_scale: float = 1.0):
     """Token-mean cross entropy over shift_labels != -100 (shift_labels[b, t] is the target of position t) and
     the gradient of every parameter, HF-named (a tied lm_head.weight is reported too: the embedding's grad).
 
@@ -288,6 +288,11 @@ def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor
     A mixture-of-experts model whose config sets output_router_logits: loss includes router_aux_loss_coef x the
     load-balancing loss of ALL the tokens (every document's router logits together, as one unpacked batch would
     give), and aux_out (a dict, when given) receives it as "aux_loss".
+
+    `loss_scale` = n: the gradients of n x loss, divided by n, as a data-parallel engine of n replicas computes them
+    (each replica's loss scaled by n, the gradients averaged). Equal in math; in rounding too except where the model
+    computes in float32 inside a float64 model: the MoE routers' float32 softmax rounds n x its gradient, which for
+    n not a power of two moves the routers' gradients (and what flows back through them) by ~1e-8 relative.
     """
     if shift_labels.shape != input_ids.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and shift_labels {tuple(shift_labels.shape)} "
@@ -331,7 +336,7 @@ def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor
                 masks.append(torch.ones(ids.numel(), dtype=torch.long) if mask is None else mask.reshape(-1))
                 ce = piece / count if ce is None else ce + piece / count
             else:
-                (piece / count).backward()
+                (piece * loss_scale / count).backward()
             total = piece.detach() if total is None else total + piece.detach()
     loss = total / count
     if aux:
@@ -339,11 +344,11 @@ def hf_loss_and_grads(model, input_ids: torch.Tensor, shift_labels: torch.Tensor
             layers = [torch.cat(per_layer) for per_layer in zip(*router)]  # every piece's tokens, layer by layer
             has_mask = any(m is not None for *_, m in pieces)
             aux_loss = load_balancing_loss(model, layers, torch.cat(masks) if has_mask else None)
-            (ce + model.config.router_aux_loss_coef * aux_loss).backward()
+            ((ce + model.config.router_aux_loss_coef * aux_loss) * loss_scale).backward()
         loss = loss + model.config.router_aux_loss_coef * aux_loss.detach()
         if aux_out is not None:
             aux_out["aux_loss"] = aux_loss.detach()
     grads = {}
     for name, param in model.named_parameters(remove_duplicate=False):  # tied: both names, one Parameter
-        grads[name] = torch.zeros_like(param) if param.grad is None else param.grad.detach().clone()
+        grads[name] = torch.zeros_like(param) if param.grad is None else param.grad.detach() / loss_scale
     return loss, grads

@@ -91,8 +91,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
-    """ReferenceCausalLM on the same batch, every packed document run on its own; token-mean over all of them."""
+def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor], loss_scale: float = 1.0):
+    """ReferenceCausalLM on the same batch, every packed document run on its own; token-mean over all of them.
+    loss_scale: as hf_reference_loss_and_grads's."""
     ids, labels, _ = make_batch(case)
     targets = shift(labels)
     ref = ReferenceCausalLM(case.shape, dtype=DTYPES[case.dtype])
@@ -108,23 +109,26 @@ def reference_loss_and_grads(case: VerifyCase, full: dict[str, torch.Tensor]):
                 total = total + mean.double() * count
             start += n
     loss = total / int((targets != -100).sum())
-    loss.backward()
-    grads = {n: p.grad for n, p in ref.named_parameters()}
+    (loss * loss_scale).backward()
+    grads = {n: p.grad if p.grad is None else p.grad / loss_scale for n, p in ref.named_parameters()}
     if case.shape.tie_word_embeddings:
         grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
     return loss.detach(), grads
 
 
-def hf_reference_loss_and_grads(case: VerifyCase, aux_out: dict | None = None):
+def hf_reference_loss_and_grads(case: VerifyCase, aux_out: dict | None = None, loss_scale: float = 1.0):
     """transformers' own model from case.hf_model, same batch, every packed document on its own (an MoE aux loss
-    over all of them, into aux_out["aux_loss"]); gradients under the checkpoint names."""
+    over all of them, into aux_out["aux_loss"]); gradients under the checkpoint names. loss_scale = the data group's
+    size: the gradients as that many data-parallel replicas compute them (ds_tsp.tools.hf_reference.hf_loss_and_grads;
+    the same float32 router rounding as the TSP model's, whose loss share carries that factor)."""
     from ds_tsp.checkpoint.hf.language_model_names import language_model_tensors
     from ds_tsp.checkpoint.hf.moe_names import canonical_state_dict
     from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
 
     ids, labels, _ = make_batch(case)
     model = load_hf_reference(case.hf_model, DTYPES[case.dtype])
-    loss, grads = hf_loss_and_grads(model, ids, shift(labels), documents=document_lengths(case), aux_out=aux_out)
+    loss, grads = hf_loss_and_grads(model, ids, shift(labels), documents=document_lengths(case), aux_out=aux_out,
+                                    loss_scale=loss_scale)
     # a multimodal checkpoint's reference is its ForConditionalGeneration: compare its language model
     return loss, canonical_state_dict(language_model_tensors(grads), case.shape.moe_family)
 
@@ -173,8 +177,12 @@ def _step_and_compare(case: VerifyCase, model: ShardedCausalLM, full: dict | Non
     if not reporter:
         return None
     ref_aux = {}
-    ref_loss, ref_grads = (hf_reference_loss_and_grads(case, ref_aux) if case.hf_model is not None
-                           else reference_loss_and_grads(case, full))
+    # the reference's gradients as a data-parallel engine of data_size replicas computes them: the TSP model's loss
+    # share is scaled by data_size (its grads then averaged), and a float32 step inside a float64 model (the MoE
+    # routers' softmax) rounds data_size x its gradient: for data x cp of 3 that alone moves the routers' grads ~1e-8
+    scale = float(model.data_size)
+    ref_loss, ref_grads = (hf_reference_loss_and_grads(case, ref_aux, scale) if case.hf_model is not None
+                           else reference_loss_and_grads(case, full, scale))
     grad_errs = {name: _rel_err(grads[name], g) for name, g in ref_grads.items()}
     worst = max(grad_errs, key=grad_errs.get)
     report = {"loss_rel_err": _rel_err(loss, ref_loss), "grad_rel_err": grad_errs[worst], "worst_grad": worst,
@@ -219,7 +227,10 @@ def run_cp_case(case: VerifyCase, tsp: int, cp: int, options: dict | None = None
                         cp=cp, cp_rank=groups.cp_rank if groups else 0)
     model, full = _build_model(case, runtime.comm, runtime.options, runtime.data_group)
     reporter = not dist.is_initialized() or dist.get_rank() == 0
-    return _step_and_compare(case, model, full, batch, reporter, runtime.data_group, tsp=tsp, cp=cp)
+    report = _step_and_compare(case, model, full, batch, reporter, runtime.data_group, tsp=tsp, cp=cp)
+    if report is not None and runtime.config.cp_comm != "ring":
+        report["cp_comm"] = runtime.config.cp_comm
+    return report
 
 
 def run_case_on_world(case: VerifyCase, options: TSPOptions = TSPOptions(), overlap: bool = True) -> dict | None:

@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
@@ -217,16 +218,25 @@ def _hf_face_loss(case: VerifyCase) -> float:
 
 
 def _all_at_2x2():
+    from test_cp_all_to_all import all_to_all_at_2x2
+
     from ds_tsp.tools.verify import run_cp_case
 
     reports = [run_cp_case(case, 2, 2, options) for _, case, options in EXACT_CASES]
     return {"reports": reports, **_nccl_step(NCCL_DOCUMENTS), "rank": dist.get_rank(),
-            "hf_face_loss": _hf_face_loss(EXACT_CASES[1][1])}
+            "hf_face_loss": _hf_face_loss(EXACT_CASES[1][1]),
+            "all_to_all": all_to_all_at_2x2()}  # tests/cp/test_cp_all_to_all.py's, in the same spawn
+
+
+@functools.cache
+def spawn_at_2x2() -> list:
+    """The 4-rank spawn, once per session: tests/cp/test_cp_all_to_all.py reads it too."""
+    return run_on_local_ranks(_all_at_2x2, 4, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def at_2x2():
-    return run_on_local_ranks(_all_at_2x2, 4, timeout_s=300)
+    return spawn_at_2x2()
 
 
 @pytest.mark.parametrize("index", range(len(EXACT_CASES)), ids=[name for name, _, _ in EXACT_CASES])
@@ -438,7 +448,7 @@ def test_deepspeed_zero_stages_over_data_x_cp_match_one_rank():
 
 
 # --- device-correct by construction: a cp step on the meta device -----------------------------------------------------
-def run_meta_cp(attention_windows=None) -> list[str]:
+def run_meta_cp(attention_windows=None, cp_comm: str = "ring") -> list[str]:
     """Rank 1 of a fake world of 4 ((D, C) = (2, 2)) runs a cp step on `meta`: every tensor it creates stays there
     (tests/model/test_meta_device.py's recorder). Returns what it found off the device. attention_windows: per layer
     (tests/cp/test_cp_window.py runs the windowed layers' path)."""
@@ -451,12 +461,16 @@ def run_meta_cp(attention_windows=None) -> list[str]:
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=1, world_size=4)
     tsp_group, _, cp_group, _ = (dist.new_group(r) for r in ([0, 1], [2, 3], [1, 3], [0, 2]))
     comm = TSPComm(tsp_group, cp=TSPComm(cp_group))
-    model = ShardedCausalLM(_shape(4, 1, attention_windows=attention_windows), comm, device=META)
+    from ds_tsp.core.config import TSPOptions
+
+    model = ShardedCausalLM(_shape(4, 1, attention_windows=attention_windows), comm, device=META,
+                            options=TSPOptions(cp_comm=cp_comm))
     b = shard_batch(torch.randint(0, 61, (2, 30)), tsp=2, rank=1, cp=2, cp_rank=1)
     with DeviceRecorder() as rec:
         loss = model(*(b[k].to(META) for k in ("input_ids", "shift_labels", "position_ids")))
         loss.backward()
     assert loss.device == META
+    dist.destroy_process_group()  # the next call (another schedule) starts its own fake world
     return rec.found
 
 
@@ -466,6 +480,7 @@ def test_cp_step_creates_nothing_off_device():
     from pathlib import Path
 
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cp as t; found = t.run_meta_cp(); "
+            "found += t.run_meta_cp((5, None), cp_comm='all_to_all'); "  # tests/cp/test_cp_all_to_all.py's schedule
             "print('\\n'.join(found)); print('done'); sys.exit(1 if found else 0)")
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
                          timeout=300)

@@ -109,6 +109,8 @@ def _runs(checkpoints: dict) -> dict:
     out["verify_checkpointing"] = run_cp_case(verify_case(checkpoints["qwen3_next"]), 2, 2,
                                               {"activation_checkpointing": True})
     out["measured"] = {ac: _measure_for_plan(runtime, ac) for ac in (False, True)}
+    # tsp.cp_comm "all_to_all": the full-attention layer's heads over cp, the Gated DeltaNet's gathers as before
+    out["verify_all_to_all"] = run_cp_case(verify_case(checkpoints["qwen3_5"]), 2, 2, {"cp_comm": "all_to_all"})
     return out
 
 
@@ -263,16 +265,16 @@ def test_cp_hybrid_step_obeys_nccl_rules(runs):
         whats = [(o["kind"], o["what"]) for o in rank_ops if o["what"] and ("transitions" in o["what"]
                                                                            or "conv halo" in o["what"])]
         cp_ops = [w for w in whats if w[1].endswith("over cp")]
-        # forward: the halo once and every block's transitions over TSP then cp; backward: each block's
-        # transitions re-gathered and reduce-scattered over cp then TSP, the halo's grad once
+        # forward: the halo once and every block's transitions over cp (each rank's own piece) then TSP;
+        # backward: each block's transitions re-gathered and reduce-scattered over TSP then cp, the halo's grad once
         assert ("all_gather", "conv halo (2 tokens per chunk) over cp") in cp_ops, whats
         assert ("reduce_scatter", "grad of conv halo (2 tokens per chunk) over cp") in cp_ops, whats
         gathers = [w for w in whats if w[1].startswith("gated delta rule chunk transitions")]
-        assert gathers == [("all_gather", "gated delta rule chunk transitions"),
-                           ("all_gather", "gated delta rule chunk transitions over cp")] * 4, gathers
+        assert gathers == [("all_gather", "gated delta rule chunk transitions over cp"),
+                           ("all_gather", "gated delta rule chunk transitions")] * 4, gathers
         grads = [w for w in whats if w[1].startswith("grad of gated delta rule")]
-        assert grads == [("reduce_scatter", "grad of gated delta rule chunk transitions over cp"),
-                         ("reduce_scatter", "grad of gated delta rule chunk transitions")] * 2, grads
+        assert grads == [("reduce_scatter", "grad of gated delta rule chunk transitions"),
+                         ("reduce_scatter", "grad of gated delta rule chunk transitions over cp")] * 2, grads
         assert any(o["kind"] == "p2p" and "cp hop" in o["what"] for o in rank_ops)  # the attention layer's ring
 
 
@@ -285,16 +287,17 @@ def test_cp_hybrid_step_host_reads(runs):
 
 
 def test_cp_bytes_of_the_gated_deltanet_are_the_documented_formula(runs):
-    """The cp communicator's all-gather / reduce-scatter bytes of the step are the module doc's: halo (C-1) D 2 B
-    min(c, K-1) h once forward (its reduce-scatter once backward), transitions (C-1) D 2 B H_block dk (dk + dv)
-    per block, gathered in forward and again in backward, reduce-scattered in backward (float64: 8 bytes)."""
+    """The cp communicator's all-gather / reduce-scatter bytes of the step are the module doc's: halo (C-1) 2 B
+    min(c, K-1) h once forward (its reduce-scatter once backward), transitions (C-1) 2 B H_block dk (dk + dv)
+    per block, gathered in forward and again in backward, reduce-scattered in backward (float64: 8 bytes): each
+    rank's own pieces, not its TSP group's D of them."""
     config = hybrid_config()
     D, C, B, h = 2, 2, len(PACKED_DOCUMENTS), config.hidden_size
     c = 16 // (2 * C * D)
     K, dk, dv = config.linear_conv_kernel_dim, config.linear_key_head_dim, config.linear_value_head_dim
     H_block = config.linear_num_value_heads // D
-    halo = (C - 1) * D * 2 * B * min(c, K - 1) * h * 8
-    transitions = (C - 1) * D * 2 * B * H_block * dk * (dk + dv) * 8
+    halo = (C - 1) * 2 * B * min(c, K - 1) * h * 8
+    transitions = (C - 1) * 2 * B * H_block * dk * (dk + dv) * 8
     for r in runs:
         check = sum(o["nbytes"] * (C - 1) for o in r["ops"] if o["what"] == "input check over cp")  # cp_inputs
         assert r["cp_bytes"]["all_gather"] == check + halo + 2 * D * transitions, r["cp_bytes"]
@@ -305,7 +308,7 @@ def test_verify_hf_model_under_cp(runs):
     """ds-tsp verify --hf-model DIR --tsp 2 --cp 2 --dtype float64 --documents 3 (its run_cp_case, in this module's
     spawn) on the Qwen3.5 checkpoint, and on the Qwen3-Next one with activation checkpointing: loss and every
     gradient against transformers within the float64 tolerance."""
-    for key in ("verify", "verify_checkpointing"):  # Qwen3.5; Qwen3-Next with activation checkpointing
+    for key in ("verify", "verify_checkpointing", "verify_all_to_all"):  # + Qwen3.5 under cp_comm all_to_all
         report = runs[0][key]
         assert all(r[key] is None for r in runs[1:])  # the report is rank 0's
         assert (report["tsp"], report["cp"], report["reference"], report["ok"]) == (2, 2, "transformers", True), \
@@ -316,10 +319,10 @@ def test_verify_hf_model_under_cp(runs):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_plan_cp_hybrid_equals_the_counters_of_a_real_step(runs, checkpointing):
     """ds-tsp plan --cp 2 for the hybrid shape: the TSP group's bytes are TSP's hybrid plan at the group's tokens
-    (hybrid_counter_bytes, every kind exactly); the cp communicator's whole counter is the full-attention layer's
-    K/V ring (cp_ring), the Gated DeltaNet's halo / transition gathers and reduce-scatters over cp and the input
-    check's all-gather over cp (exactly), with and without activation checkpointing (the forward's cp traffic
-    replayed in backward)."""
+    (hybrid_counter_bytes, every kind exactly) plus the cp blocks' reassembly over TSP; the cp communicator's whole
+    counter is the full-attention layer's K/V ring (cp_ring), the Gated DeltaNet's halo / transition gathers and
+    reduce-scatters over cp and the input check's all-gather over cp (exactly), with and without activation
+    checkpointing (the forward's cp traffic replayed in backward)."""
     from ds_tsp.tools.plan import PlanInput
     from ds_tsp.tools.plan.hybrid import hybrid_counter_bytes
     from ds_tsp.tools.plan.tsp_cp import group_input, plan_tsp_cp
@@ -336,6 +339,8 @@ def test_plan_cp_hybrid_equals_the_counters_of_a_real_step(runs, checkpointing):
     assert set(by_kind) == {"cp_ring", "all_gather", "reduce_scatter"}, by_kind
     assert plan.cp["inter_node_bytes_per_step"] == sum(by_kind.values())
     tsp = hybrid_counter_bytes(group_input(inp, 2))
+    for kind, n in plan.cp["intra_node_cp_bytes_by_kind"].items():  # + the cp blocks' reassembly over TSP
+        tsp[kind] = tsp.get(kind, 0) + n
     for r in runs:
         measured = r["measured"][checkpointing]
         assert measured["tsp"] == tsp, (r["rank"], measured["tsp"], tsp)

@@ -92,6 +92,8 @@ def _runs(directories: dict[str, str]) -> dict:
     directory = directories["qwen3_moe"]
     out["verify"] = run_cp_case(verify_case(directory), D, C)  # what ds-tsp verify --hf-model DIR --cp 2 runs
     out["measured"] = {dispatch: _measure_for_plan(dispatch) for dispatch in DISPATCHES}
+    # tsp.cp_comm "all_to_all" on GPT-OSS: experts, attention sinks, a sliding and a full layer, heads over cp
+    out["verify_all_to_all"] = run_cp_case(verify_case(directories["gpt_oss"]), D, C, {"cp_comm": "all_to_all"})
     return out
 
 
@@ -305,7 +307,8 @@ def test_verify_cli_hf_model_tsp2_cp2(tmp_path, capsys):
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_plan_cp_moe_equals_the_counters_of_a_real_step(runs, dispatch):
     """ds-tsp plan --cp 2 for the MoE shape: the TSP group's bytes are TSP's MoE plan at the group's tokens
-    (tsp_counter_bytes: every kind, exactly), the cp communicator's whole counter is the plan's inter-node bytes:
+    (tsp_counter_bytes: every kind, exactly) plus the cp blocks' reassembly over TSP, the cp communicator's whole
+    counter is the plan's inter-node bytes:
     the attention ring's, the aux counts' all-reduce over cp and the input check's all-gather over cp (each kind
     exactly); params and grads per rank equal the model's."""
     from ds_tsp.core.shape.model_shape import ModelShape
@@ -325,6 +328,8 @@ def test_plan_cp_moe_equals_the_counters_of_a_real_step(runs, dispatch):
     assert plan.cp["inter_node_bytes_per_step"] == ring + aux + check
     assert plan.cp["inter_node_bytes_per_rank"] == [ring + aux + check] * (C * D)
     tsp = tsp_counter_bytes(group_input(inp, C))
+    for kind, n in plan.cp["intra_node_cp_bytes_by_kind"].items():  # + the cp blocks' reassembly over TSP
+        tsp[kind] = tsp.get(kind, 0) + n
     for r in results:
         measured = r["measured"][dispatch]
         assert measured["tsp"] == tsp, (r["rank"], measured["tsp"], tsp)
@@ -388,3 +393,67 @@ def test_cp_moe_step_creates_nothing_off_device():
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "done" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+
+
+def _router_softmax_in_float64(self, hidden_states):
+    # Qwen3MoeTopKRouter.forward with the softmax in the logits' dtype (transformers': float32)
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    top, idx = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True) if self.norm_topk_prob else top, idx
+
+
+def test_router_grads_depend_on_the_loss_scale_only_through_float32(tmp_path, monkeypatch):
+    """Why verify's reference takes the data group's loss scale (the odd-ring test below): transformers' own float64
+    Qwen3-MoE, single device, the gradients of n x loss divided by n. n = 2: bitwise the same; n = 3: the router's
+    grad moves by ~5e-9 relative (what (D, C) = (2, 3) or (1, 3) showed against the unscaled reference), and so do
+    the grads upstream of it; with the router's softmax in float64 instead of float32 the same n = 3 agrees to 1e-13:
+    the float32 softmax's rounding of n x its gradient is the whole difference, not the cp schedule."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from ds_tsp.tools.hf_reference import hf_loss_and_grads, load_hf_reference
+
+    model = load_hf_reference(save_tiny_checkpoint(tmp_path / "qwen3_moe", tiny_config("qwen3_moe")), torch.float64)
+    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+
+    def errors(scale: float) -> dict[str, float]:
+        _, plain = hf_loss_and_grads(model, ids, shift(ids))
+        _, scaled = hf_loss_and_grads(model, ids, shift(ids), loss_scale=scale)
+        return {n: _rel(scaled[n], g) for n, g in plain.items()}
+
+    assert max(errors(2.0).values()) == 0.0  # a power of two scales every rounding alike
+    odd = errors(3.0)
+    router = "model.layers.1.mlp.gate.weight"
+    assert 1e-9 < odd[router] < 1e-7 and max(odd, key=odd.get) == router, odd
+    monkeypatch.setattr(Qwen3MoeTopKRouter, "forward", _router_softmax_in_float64)
+    assert max(errors(3.0).values()) < 1e-13
+
+
+def _verify_at(directories: dict[str, str], tsp: int, cp: int) -> dict:
+    from ds_tsp.tools.verify import run_cp_case
+
+    return {family: run_cp_case(verify_case(directory), tsp, cp) for family, directory in directories.items()}
+
+
+@pytest.mark.slow
+def test_moe_under_cp_is_exact_on_an_odd_ring_of_tsp_groups(tmp_path):
+    """(D, C) = (2, 3) (6 ranks): the cp ring's 1/D shares over three groups of two, with each MoE family (GPT-OSS:
+    its window layer on cp_window's hulls), loss, aux loss and every gradient against transformers.
+    The reference's gradients are those of 3 x loss, / 3 (verify's loss_scale: the data group's size), as the
+    data-parallel average computes them: transformers' float32 router softmax (Qwen3-MoE, Mixtral) rounds 3 x its
+    gradient differently, which alone moves the routers' grads by 5e-9 / 3e-8 relative
+    (test_router_grads_depend_on_the_loss_scale_only_through_float32)."""
+    directories = {family: str(save_tiny_checkpoint(tmp_path / family, tiny_config(family, **overrides)))
+                   for family, overrides in FAMILIES.items()}
+    reports = run_on_local_ranks(_verify_at, 6, directories, 2, 3, timeout_s=600)[0]
+    bad = {family: {k: r[k] for k in ("loss_rel_err", "grad_rel_err", "worst_grad", "aux_rel_err", "ok")}
+           for family, r in reports.items()
+           if not ((r["tsp"], r["cp"], r["reference"], r["ok"]) == (2, 3, "transformers", True)
+                   and max(r["loss_rel_err"], r["grad_rel_err"], r["aux_rel_err"]) < TOL)}
+    assert not bad, bad
+
+
+def test_verify_hf_model_under_cp_all_to_all(runs):
+    """The same check of GPT-OSS (MoE, sinks, a sliding and a full layer) under tsp.cp_comm "all_to_all"."""
+    report = runs[1][0]["verify_all_to_all"]
+    assert (report["tsp"], report["cp"], report["reference"], report["ok"]) == (2, 2, "transformers", True), report
+    assert report["loss_rel_err"] < TOL and report["grad_rel_err"] < TOL, report

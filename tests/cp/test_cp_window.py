@@ -77,15 +77,16 @@ def test_window_geometry_matches_brute_force(C, D, window):
 
 
 def test_window_hops_skip_what_no_rank_needs():
-    from ds_tsp.core.layers.attention.cp_window import hop_elements, window_hops
+    from ds_tsp.core.layers.attention.cp_window import group_hops, hop_elements, window_hops
 
     # C = 4, D = 1, window below a cp chunk (10): group i needs w-1 keys of i-1 (first half), of i+1 (second half)
     hops = window_hops(4, 4, 1, 0, 10)
     assert [s for s, _ in hops] == [1, 3]  # distance 2 is never posted
     assert dict(hops)[1] == ((0, 0), (7, 10), (7, 10), (7, 10))  # group 0 needs nothing before it
     assert dict(hops)[3] == ((17, 20), (17, 20), (17, 20), (0, 0))  # i+1's second half; group 3's is its own
-    # (hops, tokens each group sends, receives) per head block; pass-KV sends 3 x 20
-    assert hop_elements(4, 4, 1, 0, 10) == (2, [3, 6, 6, 3], [3, 6, 6, 3])
+    # (exchanges, tokens each group sends, tokens it gathers) per head block; pass-KV sends 3 x 20
+    assert hop_elements(4, 4, 1, 10) == ([2, 2, 2, 2], [3, 6, 6, 3], [3, 6, 6, 3])
+    assert group_hops(4, 4, 1, 10) == ((1, ((0, 0), (7, 3), (7, 3), (7, 3))), (3, ((17, 3), (17, 3), (17, 3), (0, 0))))
     assert window_hops(1, 3, 1, 0, 10) == ()  # a query sees only itself: no hop at all
     # C = 2: the one distance is needed, but only w - 1 keys of it travel
     assert window_hops(5, 2, 1, 0, 10) == ((1, ((16, 20), (6, 10))),)
@@ -95,7 +96,13 @@ def test_window_hops_skip_what_no_rank_needs():
     # chunk reach another group: TSP rank 0's first (group i-1), TSP rank 3's second (group i+1)
     assert window_hops(4, 2, 4, 0, 5) == ((1, ((0, 0), (17, 20))),)
     assert window_hops(4, 2, 4, 3, 5) == ((1, ((37, 40), (0, 0))),)
-    assert window_hops(4, 2, 4, 1, 5) == window_hops(4, 2, 4, 2, 5) == ()  # their rings post nothing
+    assert window_hops(4, 2, 4, 1, 5) == window_hops(4, 2, 4, 2, 5) == ()  # their queries need nothing
+    # what crosses nodes: each group's hull in D slices of m keys (padded inside the buffer), every TSP rank one
+    assert group_hops(4, 2, 4, 5) == ((1, ((36, 1), (17, 1))),)  # [37, 40) padded down to [36, 40); [17, 21)
+    # a window spanning chunks: the D ranks' ranges overlap; the hull crosses once, not once per rank
+    assert [window_hops(23, 2, 2, p, 5) for p in range(2)] == [((1, ((3, 20), (0, 10))),),
+                                                               ((1, ((0, 20), (0, 10))),)]
+    assert group_hops(23, 2, 2, 5) == ((1, ((0, 10), (0, 5))),)  # slices of 10 and 5: 20 and 10 keys per group
 
 
 # --- multi-rank: exactness, the NCCL rules, the hops posted, plan bytes -------------------------------------------
@@ -180,12 +187,13 @@ def _window_hops_of(ops):
 
 @pytest.mark.parametrize("layout, D, C", [("step_2x2", 2, 2), ("step_1x4", 1, 4)])
 def test_windowed_step_posts_only_the_planned_hops(on_4_ranks, layout, D, C):
-    """Recorded ops: the window layer's hops are exactly window_hops' (distance, sizes), in forward, backward and
-    the dK/dV return; the full layer keeps the pass-KV ring; the whole step obeys NCCL's rules; no host read
+    """Recorded ops: the window layer's hops are exactly group_hops' (distance, slice sizes), in forward, backward
+    and the dK/dV return, each received hull gathered (and its dK/dV reduce-scattered) over TSP; the full layer
+    keeps the pass-KV ring; the whole step obeys NCCL's rules; no host read
     inside the layers."""
     from nccl_rules import check
 
-    from ds_tsp.core.layers.attention.cp_window import window_hops
+    from ds_tsp.core.layers.attention.cp_window import group_hops
     from ds_tsp.core.tokens.zigzag import padded_length
 
     runs = [r[layout] for r in on_4_ranks]
@@ -194,27 +202,32 @@ def test_windowed_step_posts_only_the_planned_hops(on_4_ranks, layout, D, C):
     assert report.ok and report.completed == report.total == sum(len(o) for o in ops), report
     c = padded_length(sum(STEP_DOCS), 2 * C * D) // (2 * C * D)
     B, nkv_b, d = 2, 1, STEP_SHAPE.hidden_size // STEP_SHAPE.num_heads  # one kv head: one head block per rank
+    hops = group_hops(STEP_SHAPE.layer_window(1), C, D, c)
+    if C == 4:
+        assert [s for s, _ in hops] == [1, 3]  # distance 2 skipped
+    token = B * 2 * nkv_b * d  # elements per token of one head block's K/V
     for run in runs:
-        i, hops = run["cp_rank"], window_hops(STEP_SHAPE.layer_window(1), C, D, run["tsp_rank"], c)
-        if C == 4:
-            assert [s for s, _ in hops] == [1, 3]  # distance 2 skipped
+        i = run["cp_rank"]
         for phase in ("K/V", "K/V (backward)", "dK/dV"):
             got = [(o["what"], o["p2p"]) for o in _window_hops_of(run["ops"]) if o["what"].startswith(phase + " cp")]
             want = []
-            for h, (s, ranges) in enumerate(hops):
-                out_range, in_range = ranges[(i + s) % C], ranges[i]
-                if phase == "dK/dV":  # the received range's grads go back, the sent range's come home
-                    out_range, in_range = in_range, out_range
+            for h, (s, spans) in enumerate(hops):  # every TSP rank moves its slice: m keys
+                out_m, in_m = spans[(i + s) % C][1], spans[i][1]
+                if phase == "dK/dV":  # the received slice's grads go back, the sent slice's come home
+                    out_m, in_m = in_m, out_m
                 sign = -1 if phase == "dK/dV" else 1
-                token = B * 2 * nkv_b * d  # elements per token of one head block's K/V
                 links = []
-                if out_range[1] > out_range[0]:
-                    links.append(("send", _global(run, (i + sign * s) % C), (out_range[1] - out_range[0]) * token))
-                if in_range[1] > in_range[0]:
-                    links.append(("recv", _global(run, (i - sign * s) % C), (in_range[1] - in_range[0]) * token))
+                if out_m:
+                    links.append(("send", _global(run, (i + sign * s) % C), out_m * token))
+                if in_m:
+                    links.append(("recv", _global(run, (i - sign * s) % C), in_m * token))
                 if links:
                     want.append((f"{phase} cp hop {h + 1}/{len(hops)} (window, distance {s})", tuple(links)))
             assert got == want * D, (phase, i, got, want)  # one per head block (D blocks of one kv head each)
+        slices = [o for o in run["ops"] if "cp window slices" in (o["what"] or "")]  # the TSP side, per received hull
+        received = sum(1 for _, spans in hops if spans[i][1]) if D > 1 else 0  # D = 1: nothing to gather
+        assert [o["kind"] for o in slices] == ["all_gather"] * received * D + [  # forward; backward's per hop
+            k for _ in range(D) for _ in range(received) for k in ("all_gather", "reduce_scatter")]
         full = [o for o in run["ops"] if o["kind"] == "p2p" and " cp hop" in o["what"] and "(window" not in o["what"]]
         assert len(full) == D * (C - 1) * 3  # the full layer: pass-KV forward, backward and dK/dV, C-1 hops each
         assert [e for e in run["syncs"] if e[2] != "input_checks"] == [], run["syncs"]
@@ -241,6 +254,11 @@ def test_plan_cp_ring_bytes_of_a_windowed_model_match_the_run(on_4_ranks, layout
         k = run["cp_rank"] * D + run["tsp_rank"]
         assert run["cp_bytes"] == {"ring": 2 * (per_rank[k] - check), "all_gather": check}, (k, run["cp_bytes"],
                                                                                               per_rank)
+        # intra-node: the TSP counter's bytes of the blocks' reassembly and the window slices' gathers and dK/dV
+        # reduce-scatters (each counts (D-1) x the recorded per-rank tensor), the plan's for this rank
+        intra = sum(o["nbytes"] * (D - 1) for o in run["ops"]
+                    if o["what"] and (" cp block " in o["what"] or "cp window slices" in o["what"]))
+        assert intra == 2 * plan.cp["intra_node_cp_bytes_per_rank"][k], (k, intra, plan.cp)
     full = plan_tsp_cp(PlanInput(model=_shape(kv=1), seq=sum(STEP_DOCS), batch=2, degree=D, dtype="fp32"), C)
     assert max(per_rank) < full.cp["inter_node_bytes_per_step"]  # the window layer moves less than a full one
 

@@ -84,21 +84,24 @@ class Ranks:
             f.close()
 
 
-def survivor_reports_the_stall(ranks: Ranks, limit_s: float) -> tuple[str, float]:
-    """Rank 1 prints STALLING and stalls; rank 0 must exit within limit_s with the watchdog's exit code, one line
-    of its report on stderr and never "NOT STALLED" on stdout. (that line, seconds rank 0 took); cleans up."""
+def survivor_reports_the_stall(ranks: Ranks, limit_s: float, stalling: int = 1) -> tuple[str, float]:
+    """Rank `stalling` (1, or 0 where only the root's peer waits, e.g. a broadcast from rank 0) prints STALLING and
+    stalls; the other rank must exit within limit_s with the watchdog's exit code, one line of its report on
+    stderr and never "NOT STALLED" on stdout. (that line, seconds the survivor took); cleans up."""
     from ds_tsp.core.reliability.stall_message import MESSAGE_PREFIX
     from ds_tsp.core.reliability.watchdog import EXIT_CODE
 
+    survivor = 1 - stalling
     try:
-        ranks.wait_for("STALLING", ranks=[1], deadline_s=180)
-        took = ranks.wait_exit(0, limit_s)
-        err = ranks.err(0)
-        assert took is not None, f"rank 0 still waits {limit_s} s after rank 1 stalled:\n{err[-3000:]}"
-        assert ranks.procs[0].returncode == EXIT_CODE, err
+        ranks.wait_for("STALLING", ranks=[stalling], deadline_s=180)
+        took = ranks.wait_exit(survivor, limit_s)
+        err = ranks.err(survivor)
+        assert took is not None, f"rank {survivor} still waits {limit_s} s after rank {stalling} stalled:\n" \
+                                 f"{err[-3000:]}"
+        assert ranks.procs[survivor].returncode == EXIT_CODE, err
         messages = [line for line in err.splitlines() if line.startswith(MESSAGE_PREFIX)]
         assert len(messages) == 1, err
-        assert "NOT STALLED" not in ranks.out(0)
+        assert "NOT STALLED" not in ranks.out(survivor)
         return messages[0], took
     finally:
         ranks.cleanup()

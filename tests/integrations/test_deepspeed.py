@@ -152,3 +152,38 @@ def test_pipeline_stages_times_tsp_match_single_rank():
     assert _pipeline_differences([r["honest"] for r in got], reference) == []
     planted = _pipeline_differences([r["per_stage_clipping"] for r in got], reference)
     assert {"grad_norms", "final weight"} <= {d[0] for d in planted}, planted
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_next_moe"])
+def test_zero3_gathers_what_a_layer_reads_with_the_layer(family):
+    """ZeRO-3 makes a parameter whole only inside the hooks of a module it belongs or is registered to; a TSP layer
+    reads parameters held by children it never calls (the q/k norms, the MoE router and shared-expert gates, the
+    Gated DeltaNet norm), also in its checkpointed recompute and in the backward of its autograd Functions.
+    register_zero3_fetches registers every parameter of each decoder layer's subtree with the layer, and a tied
+    head's weight (the embedding's shard) with the head. (The TRL RL tests run this under real ZeRO-3.)"""
+    import deepspeed
+    from hf_tiny import tiny_config
+    from hybrid_tiny import hybrid_config
+
+    from ds_tsp.hf import TSPForCausalLM
+    from ds_tsp.integrations.deepspeed.zero3_fetch import register_zero3_fetches
+    from ds_tsp.model.modules.decoder import TSPDecoderLayer
+
+    config = hybrid_config(family) if family == "qwen3_next_moe" else tiny_config(family)
+    model = TSPForCausalLM.from_config(config, seed=0)
+    assert register_zero3_fetches(model, deepspeed) > 0
+    layers = [m for m in model.modules() if isinstance(m, TSPDecoderLayer)]
+    assert len(layers) == config.num_hidden_layers
+    names = {id(p): n for n, p in model.named_parameters()}
+    for layer in layers:
+        own = {id(p) for p in layer.parameters(recurse=False)}
+        registered = {id(p) for _, p in layer.ds_external_parameters()}
+        assert registered == {id(p) for p in layer.parameters()} - own
+    read_by_parents = {"qwen3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+                       "qwen3_moe": ("self_attn.q_norm.weight", "mlp.gate.weight"),
+                       "qwen3_next_moe": ("linear_attn.norm.weight", "mlp.shared_expert_gate.weight")}[family]
+    registered_names = {names[key].split(".", 4)[-1] for layer in layers for key, _ in layer.ds_external_parameters()}
+    assert set(read_by_parents) <= registered_names, sorted(registered_names)
+    head = model.tsp.lm_head
+    if head.tied:
+        assert [p for _, p in head.ds_external_parameters()] == [model.tsp.model.embed_tokens.vocab_shard]

@@ -14,11 +14,17 @@ One launch runs several trainers (one process start for all):
   sppo_hard, apo_zero, apo_down, discopop, sft, sigmoid_norm, sigmoid) as one weighted combination, with ld_alpha
   and an explicit ref_model (TRL's sft term cannot take WPO weights: it multiplies an expanded tensor in place);
 - "aot": aot + aot_unpaired (they sort the batch), precompute_ref_log_probs, padding_free=True (which TRL 1.16
-  turns off itself: both runs pad).
+  turns off itself: both runs pad);
+- "peft": peft_config=LoraConfig (every projection), ref_model=None, WPO weighting, gradient checkpointing: the
+  reference is the policy's own pass with the adapter off; the saved adapter equals the plain run's, and plain
+  peft reloads it with its scores; the plain run's rewards are far from those of a reference that kept the
+  adapter (all zero).
 examples/dpo.py runs at TSP=2 (step 1's loss is log 2: the reference is the policy's copy; then it trains).
-Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes) equals a plain 2-process DPOTrainer (sigmoid and combined
-cases); TSP=2 under ZeRO-3 (the combined case, the policy given as its checkpoint directory) equals the plain
-run; examples/dpo.py at TSP=2 logs the plain one-process run's steps.
+Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes) equals a plain 2-process DPOTrainer (sigmoid, combined and
+peft cases); "peft_model" (a PEFT model with a nonzero adapter, sigmoid + ipo, ld_alpha, precompute_ref_log_probs:
+the reference is the adapter before training, TRL's "ref" copy) at TSP=2; TSP=2 under ZeRO-3 (the combined case,
+the policy given as its checkpoint directory, and both LoRA cases) equals the plain run; examples/dpo.py at TSP=2
+logs the plain one-process run's steps.
 
 Run as a script, this file is the worker: `python tests/integrations/test_dpo_trainer.py OUT.json MODEL TOKENIZER
 [DS_CONFIG]` (one launch runs every case; the reference and TSP=2 launches run at the same time).
@@ -37,7 +43,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-       "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+       "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "helpers"),
+                                      os.environ.get("PYTHONPATH", "")])}
 WORDS = [f"w{i}" for i in range(40)]
 BATCH, STEPS, BETA = 2, 3, 0.5
 PAIRWISE = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
@@ -49,7 +56,13 @@ CASES = {
                  "label_smoothing": 0.1, "ld_alpha": 0.7, "ref_model": True},
     "aot": {"loss_type": ["aot", "aot_unpaired"], "loss_weights": [1.0, 0.5], "precompute_ref_log_probs": True,
             "padding_free": True},
+    "peft": {"loss_type": ["sigmoid"], "peft": "config", "use_weighting": True, "gradient_checkpointing": True},
 }
+SLOW_CASES = {  # run by the slow tests only
+    "peft_model": {"loss_type": ["sigmoid", "ipo"], "peft": "model", "precompute_ref_log_probs": True,
+                   "ld_alpha": 0.7},
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 METRICS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "entropy", "mean_token_accuracy",
            "rewards/accuracies")
 LOGITS = ("logits/chosen", "logits/rejected")  # relative to the run's largest |mean logit|
@@ -94,17 +107,23 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, out_dir: str, ds_con
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    options = dict(CASES[name])
+    options = dict({**CASES, **SLOW_CASES}[name])
     accumulation = options.pop("gradient_accumulation_steps", 1)
     given_ref = options.pop("ref_model", False)
+    adapter = options.pop("peft", None)
     replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
+    # loaded before the DPOConfig: under a live ZeRO-3 config an HF model's weights would be partitioned (the
+    # previous case's, still alive in this process, is forgotten first)
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     args = DPOConfig(output_dir=f"{out_dir}/{name}", max_steps=STEPS, optim="sgd", learning_rate=0.5,
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
                      report_to=[], save_strategy="no", train_sampling_strategy="sequential", disable_tqdm=True,
                      use_cpu=not torch.cuda.is_available(), bf16=False, max_grad_norm=1.0, beta=BETA,
                      dataloader_drop_last=True, per_device_train_batch_size=BATCH, per_device_eval_batch_size=2,
                      gradient_accumulation_steps=accumulation, deepspeed=ds_config, **options)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     if ds_config is None:
         trainer_class = DPOTrainer
@@ -116,19 +135,32 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, out_dir: str, ds_con
 
         train = load_from_disk(str(Path(out_dir).parent / "data" / f"{name}-{'tsp' if ds_config else 'ref'}"))
     evaluate = name == "sigmoid"
-    # loaded under a live ZeRO-3 config, an HF model's weights are partitioned: TSP reads the checkpoint by slices
+    # under ZeRO-3 TSP reads the checkpoint by slices (a LoRA case: the model loaded before the DPOConfig)
     zero3 = ds_config is not None and json.loads(Path(ds_config).read_text())["zero_optimization"]["stage"] == 3
-    model = model_dir if zero3 else model
+    model = model_dir if zero3 and adapter is None else model
     ref_model = None
     if given_ref:  # an explicit reference (the same weights): TSP converts it as its own frozen model
         ref_model = model_dir if zero3 else transformers.AutoModelForCausalLM.from_pretrained(model_dir,
                                                                                                dtype=torch.float32)
+    more = {}
+    if adapter is not None:  # LoRA, ref_model=None: the reference is the adapter-disabled base (peft_config=) or,
+        import peft  # for a PEFT model, its adapter as it was before training (here a nonzero one)
+        from hf_tiny import randomize_lora_
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        torch.manual_seed(0)  # PEFT draws lora_A from the global generator: the same in both runs
+        if adapter == "config":
+            more["peft_config"] = lora
+        else:
+            model = randomize_lora_(peft.get_peft_model(model, lora))
     trainer = trainer_class(model=model, ref_model=ref_model, args=args, processing_class=tokenizer,
                             train_dataset=train,
-                            eval_dataset=Dataset.from_list(rows(4, seed=2)) if evaluate else None)
+                            eval_dataset=Dataset.from_list(rows(4, seed=2)) if evaluate else None, **more)
     trainer.remove_callback(transformers.PrinterCallback)
     trainer.train()
     log = trainer.state.log_history
+    if adapter is not None:
+        trainer.save_model(f"{out_dir}/{name}/final")
     if evaluate:
         trainer.evaluate()
         trainer.save_model(f"{out_dir}/{name}/final")
@@ -183,7 +215,7 @@ def _runs(tmp: Path, data_replicas: int, cases: str = "", zero_stage: int = 2) -
         "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
     from datasets import Dataset
 
-    for name, options in CASES.items():  # on disk, one copy per run: TRL's precompute cache is a shared file
+    for name, options in {**CASES, **SLOW_CASES}.items():  # on disk, one copy per run: TRL's precompute cache
         if options.get("precompute_ref_log_probs"):
             n = STEPS * BATCH * options.get("gradient_accumulation_steps", 1) * data_replicas
             for run in ("ref", "tsp"):
@@ -199,12 +231,19 @@ def test_tsp_dpo_trainer_equals_plain_dpo_trainer(tmp_path):
 
 @pytest.mark.slow
 def test_tsp2_x_data2_zero2_equals_plain_two_process_dpo_trainer(tmp_path):
-    _assert_same_runs(_runs(tmp_path, 2, cases="sigmoid,combined"))
+    _assert_same_runs(_runs(tmp_path, 2, cases="sigmoid,combined,peft"))
+
+
+@pytest.mark.slow
+def test_tsp_dpo_trainer_with_a_peft_model_equals_plain_dpo_trainer(tmp_path):
+    """A PEFT model (nonzero initial adapter), ref_model=None, precompute_ref_log_probs: the reference is the adapter
+    as it was before training, as DPOTrainer's "ref" copy of it."""
+    _assert_same_runs(_runs(tmp_path, 1, cases="peft_model"))
 
 
 @pytest.mark.slow
 def test_tsp2_zero3_equals_plain_dpo_trainer(tmp_path):
-    _assert_same_runs(_runs(tmp_path, 1, cases="combined", zero_stage=3))
+    _assert_same_runs(_runs(tmp_path, 1, cases="combined,peft,peft_model", zero_stage=3))
 
 
 def _assert_same_line(got: dict, want: dict, logits_scale: float, prefix: str = "") -> None:
@@ -240,6 +279,8 @@ def _assert_same_runs(dpo_runs: dict) -> None:
         totals = [[line for line in runs[case] if "train_runtime" in line][0] for runs in (tsp, reference)]
         assert totals[0]["total_flos"] == totals[1]["total_flos"] > 0, (case, totals)
         assert _close(totals[0]["train_loss"], totals[1]["train_loss"]), (case, totals)
+        if case.startswith("peft"):
+            _assert_same_adapters(dpo_runs["root"], case, want)
     if "sigmoid" not in reference:  # evaluate(), predict() and the saved weights: the sigmoid case's
         return
     assert {"predict": "refused"} in tsp["sigmoid"], tsp["sigmoid"][-2:]
@@ -256,6 +297,35 @@ def _assert_same_runs(dpo_runs: dict) -> None:
         assert (got_w[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
     moved = (want_w["lm_head.weight"] - initial["lm_head.weight"]).norm() / initial["lm_head.weight"].norm()
     assert moved > 1e-4, moved  # the comparison is of trained weights
+
+
+def _assert_same_adapters(root: Path, case: str, want: list[dict]) -> None:
+    """A LoRA case: the reference really is the adapter-off base (peft_config=) / the initial adapter (a PEFT model):
+    the plain run's rewards are far from those of a reference that kept the trained adapter (0: the policy itself)
+    or dropped the initial one; the TSP run's saved adapter equals the plain run's, trained, and plain peft
+    reloads it onto the base model with the plain adapter's scores."""
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    rewards = max(abs(w[key]) / (BETA * abs(w["logps/chosen"])) for w in want for key in REWARDS)
+    assert rewards > 1e-4, want  # 10x the comparison's tolerance
+    if case == "peft_model":  # step 1: the policy is its initial adapter, exactly the reference (not the base)
+        assert want[0]["rewards/chosen"] == want[0]["rewards/margins"] == 0.0, want[0]
+    got_dir, want_dir = root / "tsp" / case / "final", root / "ref" / case / "final"
+    got, plain = load_file(got_dir / "adapter_model.safetensors"), load_file(want_dir / "adapter_model.safetensors")
+    assert set(got) == set(plain) and len(plain) == 2 * len(LORA_TARGETS) * 2, sorted(set(got) ^ set(plain))
+    for name, tensor in plain.items():
+        assert (got[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
+    b = [name for name in plain if name.endswith("down_proj.lora_B.weight")][0]
+    assert plain[b].norm() > 1e-3, b  # trained (peft_config= starts B at zero)
+    probe = torch.randint(0, len(WORDS) + 3, (2, 11), generator=torch.Generator().manual_seed(3))
+    scores = []
+    for directory in (got_dir, want_dir):
+        base = transformers.AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
+        with torch.no_grad():
+            scores.append(peft.PeftModel.from_pretrained(base, directory)(input_ids=probe).logits)
+    assert (scores[0] - scores[1]).norm() <= 1e-5 * scores[1].norm()
 
 
 def _run_example(tmp: Path, steps: int, plain: bool) -> list[list[dict]]:
@@ -349,8 +419,10 @@ def test_dpo_trainer_composes_and_refuses_what_tsp_cannot_honour_by_name():
         type("Both", (TSPTrainer, trl.DPOTrainer, trl.SFTTrainer), {})
     plain = {"chat_template_path": None}
     zero3 = SimpleNamespace(zero_stage=3)
-    refused = [({"peft_config": object()}, {}, "peft_config= / a PEFT model"),
-               ({"ref_model": SimpleNamespace(peft_config={})}, {}, "peft_config= / a PEFT model"),
+    peft_model = SimpleNamespace(peft_config={})
+    refused = [({"model": peft_model, "peft_config": object()}, {}, "peft_config= with a PEFT model"),
+               ({"model": "a/checkpoint", "peft_config": object()}, {}, "peft_config= with model='a/checkpoint'"),
+               ({"model": peft_model}, {"sync_ref_model": True}, "sync_ref_model=True with a PEFT adapter"),
                ({"quantization_config": object()}, {}, "quantization_config="),
                ({"processing_class": object()}, {}, "processing_class=object.*text-only"),
                ({"compute_metrics": len}, {}, "compute_metrics="),

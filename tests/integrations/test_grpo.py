@@ -1,17 +1,21 @@
 """TRL's GRPOTrainer on TSP: ds_tsp.hf.TSPGRPOTrainer and `class G(TSPTrainer, GRPOTrainer)` at TSP=2 equal a plain
-GRPOTrainer in one process with the same seed, prompts and a deterministic reward, per logged step (fp32): loss
-and KL within 5e-6, entropy and grad norm 1e-5 relative, rewards, reward std and completion lengths equal (the same completions were sampled), for
+GRPOTrainer in one process with the same seed, prompts and a deterministic reward, per logged step (fp32, SGD): loss
+and KL within 5e-6, entropy and grad norm 1e-5 relative, rewards, reward std and completion lengths equal (the
+same completions were sampled), for
 - loss_type="grpo", beta KL, num_iterations=2 (the second pass has an importance ratio != 1), sampling temperature
-  0.7, gradient checkpointing;
+  0.7, gradient checkpointing, under DeepSpeed ZeRO-3 (the layers' recompute in backward reads the q/k norm weights,
+  which ZeRO-3 partitions outside the hooks of the layer they are registered with);
 - loss_type="dapo" (normalised by num_items_in_batch / data replicas), top_entropy_quantile masking (entropies from
   the streaming head), steps_per_generation=2 (old log-probs recomputed), sync_ref_model (the reference mixed in
-  shard by shard).
+  shard by shard), under ZeRO-2.
 The reference model's per-token log-probs through TSP's streaming head equal transformers' logits path (1e-5) on a
 left-padded prompt + right-padded completion batch; the vLLM server-mode weight sync streams, to a recording fake
 client, every tensor of the HF checkpoint exactly, one module's tensors alive at a time. Options TSP cannot honour
-are refused by name. Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes) equals a plain 2-process GRPOTrainer.
+are refused by name. Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (both cases) and with ZeRO-3 (grpo) (4 processes)
+equals a plain 2-process GRPOTrainer.
 
-Run as a script, this file is the worker: `python tests/integrations/test_grpo.py OUT.json MODEL TOKENIZER CASES [DS_CONFIG]`.
+Run as a script, this file is the worker: `python tests/integrations/test_grpo.py OUT.json MODEL TOKENIZER CASES
+[DS_CONFIG]` (a case named "grpo@3" runs under the ds_zero3.json beside DS_CONFIG).
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ CASES = {
              "sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5,
              "gradient_checkpointing": False},
 }
+# the cases the TSP=2 run trains under ZeRO-3 (the rest under ZeRO-2: dapo's sync_ref_model is refused under ZeRO-3)
+ZERO3 = {"grpo"}
 STEPS = 3
 EQUAL = ("reward", "reward_std", "completions/mean_length", "completions/max_length", "frac_reward_zero_std")
 CLOSE = ("loss", "kl", "entropy")
@@ -70,17 +76,24 @@ def good_words(completions, **kwargs) -> list[float]:
 
 
 def run_case(name: str, model_dir: str, tokenizer_dir: str, ds_config: str | None, out_dir: str):
+    """One trainer; name "case@3": the case under ZeRO-3 (ds_zero3.json beside ds_config), else ds_config's."""
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    name, _, stage = name.partition("@")
+    if ds_config and stage:
+        ds_config = str(Path(ds_config).with_name(f"ds_zero{stage}.json"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = GRPOConfig(output_dir=f"{out_dir}/{name}", max_steps=STEPS, learning_rate=3e-2,
+    # loaded before the config: under a ZeRO-3 config transformers would load it partitioned (zero.Init)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # SGD: AdamW turns last-bit differences of near-zero gradients into +-lr steps (at data 2 the third step's grad
+    # norm drifted 1.8e-5 relative under AdamW at 3e-2, ZeRO-2 and ZeRO-3 alike)
+    args = GRPOConfig(output_dir=f"{out_dir}/{name}", max_steps=STEPS, optim="sgd", learning_rate=0.1,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
                       report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
                       bf16=False, max_grad_norm=1.0, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, deepspeed=ds_config, **CASES[name])
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, padding_side="left")
     if ds_config is None:
         trainer_class = GRPOTrainer
@@ -164,13 +177,17 @@ def tsp_checks(trainer, model_dir: str) -> dict:
 
 
 def main(out: str, model_dir: str, tokenizer_dir: str, cases: str, ds_config: str | None = None):
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
     results, checks = {}, None
     for name in cases.split(","):
         trainer = run_case(name, model_dir, tokenizer_dir, ds_config, str(Path(out).parent))
+        name = name.partition("@")[0]
         results[name] = trainer.state.log_history
         if ds_config and name == "grpo":
             checks = tsp_checks(trainer, model_dir)
         del trainer
+        unset_hf_deepspeed_config()  # the next model loads before its config: this one's ZeRO-3 must be gone
     if checks is not None:
         import torch.distributed as dist
 
@@ -201,10 +218,20 @@ def _setup(tmp: Path, tsp_json: dict) -> None:
 
     save_tiny_checkpoint(tmp / "model", "qwen3")  # q/k norms, tied embeddings, GQA, vocab 98
     save_tokenizer(tmp / "tokenizer")
-    (tmp / "ds.json").write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
-        "tsp": tsp_json}))
+    for stage in (2, 3):
+        (tmp / f"ds_zero{stage}.json").write_text(json.dumps({
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": zero(stage),
+            "tsp": tsp_json}))
+
+
+def zero(stage: int) -> dict:
+    """The ZeRO section. Under ZeRO-3 every parameter is partitioned again as soon as the module that fetched it is
+    done: none persists whole however small, none is kept for a reuse DeepSpeed's trace foresees, none is prefetched.
+    So a read outside the hooks that fetch a parameter fails here (with DeepSpeed's defaults the tiny model stays
+    gathered once its trace is complete, and a RLOO run without the layer fetches passed)."""
+    strict = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    return {"stage": stage, **(strict if stage == 3 else {})}
 
 
 def _requirements():
@@ -218,9 +245,9 @@ def grpo_runs(tmp_path_factory):
     _requirements()
     tmp = tmp_path_factory.mktemp("grpo")
     _setup(tmp, {"size": 2})
-    cases = ",".join(CASES)
-    reference = _launch(tmp / "ref.json", tmp, cases, 1)  # both at once: they share the two cores while starting
-    tsp = _launch(tmp / "tsp.json", tmp, cases, 2, tmp / "ds.json")
+    reference = _launch(tmp / "ref.json", tmp, ",".join(CASES), 1)  # both at once: they share the two cores
+    tsp_cases = ",".join(f"{c}@3" if c in ZERO3 else c for c in CASES)
+    tsp = _launch(tmp / "tsp.json", tmp, tsp_cases, 2, tmp / "ds_zero2.json")
     return {"runs": (_finish(reference, tmp / "ref.json"), _finish(tsp, tmp / "tsp.json")), "dir": tmp}
 
 
@@ -298,16 +325,19 @@ def test_vllm_weight_sync_streams_the_hf_checkpoint_one_module_at_a_time(grpo_ru
 
 
 @pytest.mark.slow
-def test_grpo_tsp2_x_data2_zero2_equals_plain_two_process_grpo(tmp_path):
-    """4 processes (TSP=2 x data 2, ZeRO-2) against a plain GRPOTrainer on 2 processes (DDP): the data axis is TRL's
-    process axis (seeds, reward gathering, advantage slices, dapo's normaliser)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grpo_tsp2_x_data2_zero_equals_plain_two_process_grpo(tmp_path, stage):
+    """4 processes (TSP=2 x data 2, ZeRO-2: both cases; ZeRO-3: the grpo case) against a plain GRPOTrainer on 2
+    processes (DDP): the data axis is TRL's process axis (seeds, reward gathering, advantage slices, dapo's
+    normaliser)."""
     _requirements()
     _setup(tmp_path, {"size": 2})
-    cases = ",".join(CASES)
-    reference = _launch(tmp_path / "ref.json", tmp_path, cases, 2)
-    tsp = _launch(tmp_path / "tsp.json", tmp_path, cases, 4, tmp_path / "ds.json")
+    cases = list(CASES) if stage == 2 else sorted(ZERO3)
+    reference = _launch(tmp_path / "ref.json", tmp_path, ",".join(cases), 2)
+    tsp_cases = ",".join(f"{c}@{stage}" for c in cases)
+    tsp = _launch(tmp_path / "tsp.json", tmp_path, tsp_cases, 4, tmp_path / "ds_zero2.json")
     runs = _finish(reference, tmp_path / "ref.json"), _finish(tsp, tmp_path / "tsp.json")
-    for case in CASES:
+    for case in cases:
         _assert_same_steps(runs[0][case], runs[1][case], case)
 
 

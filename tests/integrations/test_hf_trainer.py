@@ -2,7 +2,8 @@
 `Trainer` (the same script with one process) per logged step (fp32: loss 1e-5, grad norm 1e-4 relative) and in its
 final weights (1e-4 norm-wise):
 - TSP=2 with tsp.json; eval_loss under TSP equals the single-process one; the HF-layout save loads in plain
-  transformers with the same weights; resume_from_checkpoint continues with identical losses;
+  transformers with the same weights; resume_from_checkpoint continues with identical losses; that run (steps,
+  evaluation, checkpoint saves) recorded and replayed under NCCL's rules;
 - TSP=2 x DP=2, ZeRO-2, gradient_accumulation_steps=2, replicas holding different numbers of labelled tokens
   (the token-weighted mean over the whole global batch, as num_items_in_batch intends);
 - packed batches (DataCollatorWithFlattening), TSP=2;
@@ -29,11 +30,13 @@ SCRIPT = str(ROOT / "examples" / "hf_trainer.py")
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def _run(out: Path, *args: str, processes: int = 1) -> list[dict]:
+def _run(out: Path, *args: str, processes: int = 1, trace: Path | None = None) -> list[dict]:
+    """trace: record every rank's collectives there (tests/helpers/traced_run.py) for the NCCL-rules replay."""
     launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                       "--nproc_per_node", str(processes)]
-    proc = subprocess.run([*launch, SCRIPT, "--output_dir", str(out), *args], capture_output=True, text=True,
-                          timeout=600, env=ENV, cwd=ROOT)
+    traced = [str(ROOT / "tests" / "helpers" / "traced_run.py"), str(trace)] if trace is not None else []
+    proc = subprocess.run([*launch, *traced, SCRIPT, "--output_dir", str(out), *args], capture_output=True,
+                          text=True, timeout=600, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = []
     for line in proc.stdout.splitlines():
@@ -73,8 +76,12 @@ def _assert_saved_weights_match(got_dir: Path, want_dir: Path) -> None:
 def test_tsp2_equals_plain_trainer_with_eval_save_and_resume(tmp_path):
     common = ["--max_steps", "4", "--global_batch", "2", "--lr", "3e-3", "--eval_samples", "4", "--save_steps", "2"]
     reference = _run(tmp_path / "ref", *common)
-    tsp = _run(tmp_path / "tsp", "--ds_config", str(ROOT / "ds_configs" / "tsp.json"), *common, processes=2)
-    _assert_steps_match(_steps(tsp), _steps(reference))
+    tsp = _run(tmp_path / "tsp", "--ds_config", str(ROOT / "ds_configs" / "tsp.json"), *common, processes=2,
+               trace=tmp_path / "trace")
+    _assert_steps_match(_steps(tsp), _steps(reference))  # recorded: the traced run's numbers are the plain run's
+    from traced_run import assert_obeys_nccl_rules
+
+    assert_obeys_nccl_rules(tmp_path / "trace", kinds={"all_reduce", "all_gather", "broadcast", "gather"})
     eval_ref = [line["eval_loss"] for line in reference if "eval_loss" in line]
     eval_tsp = [line["eval_loss"] for line in tsp if "eval_loss" in line]
     assert len(eval_tsp) == 1 and _close(eval_tsp[0], eval_ref[0]), (eval_tsp, eval_ref)

@@ -75,7 +75,7 @@ def test_initialize_gives_the_loader_the_engine_device(monkeypatch):
     monkeypatch.setattr(ds_engine, "_launched", lambda: True)
     monkeypatch.setattr(ds_engine, "build_runtime", lambda tsp, **kw: SimpleNamespace(config=tsp, **vars(runtime)))
     monkeypatch.setattr(ds_engine, "to_tsp_model", lambda *a, **k: torch.nn.Linear(2, 2))
-    monkeypatch.setattr(ds_engine, "_register_tied_head_for_zero3", lambda *a: None)
+    monkeypatch.setattr(ds_engine, "_register_zero3_fetches", lambda *a: None)
     monkeypatch.setattr(ds_engine, "NonFiniteGuard", lambda *a, **k: None)
     engine, _, loader, _ = ds_engine.initialize(model=object(), config={"train_batch_size": 2, "tsp": {"size": 1}},
                                                 training_data=_samples())

@@ -108,12 +108,14 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
 
 # --- the tests -------------------------------------------------------------------------------------------------
 def _launch(out: Path, model: Path, tokenizer: Path, ds_config: Path | None = None,
-            nproc: int = 1) -> subprocess.Popen:
+            nproc: int = 1, trace: Path | None = None) -> subprocess.Popen:
+    """trace: record every rank's collectives there (tests/helpers/traced_run.py) for the NCCL-rules replay."""
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                   "--nproc_per_node", str(nproc)]
     argv = [str(out), str(model), str(tokenizer)] + ([str(ds_config)] if ds_config else [])
-    return subprocess.Popen([*launch, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ENV, cwd=ROOT)
+    traced = [str(ROOT / "tests" / "helpers" / "traced_run.py"), str(trace)] if trace is not None else []
+    return subprocess.Popen([*launch, *traced, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV, cwd=ROOT)
 
 
 def _finish(proc: subprocess.Popen, out: Path) -> dict:
@@ -145,13 +147,18 @@ def _runs(tmp: Path, data_replicas: int) -> dict:
         "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
     # both at once: the plain reference (one process) and TSP=2 share the two cores while each starts up
     reference = _launch(tmp / "ref.json", tmp / "model", tmp / "tokenizer", nproc=data_replicas)
-    tsp = _launch(tmp / "tsp.json", tmp / "model", tmp / "tokenizer", tmp / "ds.json", nproc=2 * data_replicas)
+    tsp = _launch(tmp / "tsp.json", tmp / "model", tmp / "tokenizer", tmp / "ds.json", nproc=2 * data_replicas,
+                  trace=tmp / "trace" if data_replicas == 1 else None)
     return {"runs": (_finish(reference, tmp / "ref.json"), _finish(tsp, tmp / "tsp.json")),
             "final": (tmp / "ref", tmp / "tsp")}
 
 
 def test_tsp_reward_trainer_equals_plain_reward_trainer(tmp_path):
+    """...and the TSP run (training, evaluate, predict: whole-batch loaders), recorded, obeys NCCL's rules."""
+    from traced_run import assert_obeys_nccl_rules
+
     _assert_same_run(_runs(tmp_path, 1))
+    assert_obeys_nccl_rules(tmp_path / "trace", kinds={"all_reduce", "all_gather", "broadcast"})
 
 
 @pytest.mark.slow

@@ -62,6 +62,7 @@ def _tsp_runs(save_root: str) -> dict | None:
     from ds_tsp.checkpoint.hf.peft_adapter import gather_adapter
     from ds_tsp.hf import TSPForCausalLM
     from ds_tsp.model.convert import parameter_names, rebind_optimizer
+    from ds_tsp.model.peft.lora import adapter_mode, keep_initial_adapter
 
     rank = dist.get_rank()
     halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
@@ -88,9 +89,15 @@ def _tsp_runs(save_root: str) -> dict | None:
             entry = {"loss": out.loss.detach(), "grads": grads, "non_lora_grads": moved, "counts": counts,
                      "num_parameters": (model.num_parameters(only_trainable=True), model.num_parameters())}
             if degree == 4:  # the optimizer a script builds on the PEFT model, rebound; then the saved adapter
+                keep_initial_adapter(model.tsp)
                 optimizer = torch.optim.AdamW([p for p in source.parameters() if p.requires_grad], lr=1e-2)
                 rebind_optimizer(optimizer, parameter_names(source), model)
                 optimizer.step()
+                with torch.no_grad():  # DPO's references (ds_tsp.integrations.trl.dpo.AdapterReference)
+                    entry["modes"] = {"stepped": model(input_ids=ids, labels=labels).loss}
+                    for mode in ("off", "initial"):
+                        with adapter_mode(model.tsp, mode):
+                            entry["modes"][mode] = model(input_ids=ids, labels=labels).loss
                 entry["state"] = sorted((id(p) in lora, s["exp_avg"].numel()) for p, s in optimizer.state.items())
                 entry["n_lora"] = len(lora)
                 model.save_pretrained(f"{save_root}/{case}")
@@ -161,6 +168,23 @@ def test_saved_adapter_loads_in_plain_peft_with_the_tsp_logits(runs, case):
     logits = hf_logits(loaded, ids)
     assert _rel(results[(case, 4)]["logits"], logits) < 1e-10
     assert _rel(logits, hf_logits(reference, ids)) > 1e-6, "the optimizer step moved the adapter"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_adapter_off_and_initial_modes_after_a_step(runs, case):
+    """After the optimizer step, at D=4: adapter_mode "off" scores as PEFT's disable_adapter (the frozen base),
+    "initial" as the adapter before the step (its keep_initial copy), and both differ from the stepped model."""
+    results, _ = runs
+    reference = peft_model(case)
+    ids, labels = make_batch(reference.config.vocab_size)
+    with reference.disable_adapter():  # the frozen base: nothing to differentiate
+        logits = hf_logits(reference, ids)
+    base_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shift(labels).flatten(), ignore_index=-100)
+    modes = results[(case, 4)]["modes"]
+    assert _rel(modes["off"], base_loss) < 1e-10, case
+    assert _rel(modes["initial"], results[(case, 4)]["loss"]) < 1e-10, case
+    assert min(_rel(modes["stepped"], modes[m]) for m in ("off", "initial")) > 1e-8, (case, modes)
+    assert _rel(modes["off"], modes["initial"]) > 1e-8, (case, modes)  # randomize_lora_: B is not zero
 
 
 def _convert(model):

@@ -81,7 +81,7 @@ def _rank_main(case: str, directory: str) -> None:
 
         from ds_tsp.integrations.hf_trainer import TSPTrainer
 
-        trainer = SimpleNamespace(tsp_groups=groups, tsp_comm=comm,
+        trainer = SimpleNamespace(tsp_groups=groups, tsp_comm=comm, _tsp_vlm=False,
                                   args=SimpleNamespace(average_tokens_across_devices=True))
         labels = torch.tensor([[1, 2, -100, 3]])
         _stall(rank, case)

@@ -248,3 +248,40 @@ def test_cp_bad_value_names_the_flag(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--cp", "0"])
     assert exc.value.code == 2 and "--cp" in capsys.readouterr().err
+
+
+def test_cp_comm_flag_measures_tsp_cp_under_each_schedule(capsys, tmp_path):
+    """--cp-comm ring,all_to_all: one tsp_cp row per cp schedule (tsp.cp_comm), labelled; refused by name without
+    --cp, for an unknown schedule, and for heads the all-to-all cannot split (before any rank starts)."""
+    configs = configs_from_args(build_parser().parse_args(["--tsp", "2", "--cp", "2", "--seq", "64", "--cp-comm",
+                                                           "ring,all_to_all"]))
+    assert [(c.label, c.cp_comm, c.tsp, c.cp) for c in configs] == [
+        ("tsp_cp", "ring", 2, 2), ("tsp_cp[all_to_all]", "all_to_all", 2, 2), ("tsp", "ring", 4, 1),
+        ("ulysses_zero3", "ring", 4, 1)]
+    for argv, message in ((["--cp-comm", "all_to_all"], "--cp-comm: the cp schedules of layout tsp_cp; add --cp"),
+                          (["--cp", "2", "--cp-comm", "pass_kv"], "--cp-comm: unknown ['pass_kv']"),
+                          (["--cp", "2", "--tsp", "2", "--heads", "6", "--hidden", "48", "--layouts", "tsp_cp",
+                            "--cp-comm", "all_to_all"],
+                           "--cp 2 --cp-comm all_to_all: cp_comm all_to_all with cp=2: a head block of 3 query")):
+        args = build_parser().parse_args([*argv, "--out", str(tmp_path)])
+        assert args.run(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_bench_tsp2_cp2_all_to_all_bytes_are_the_plan(tmp_path, capsys):
+    """`ds-tsp bench --tsp 2 --cp 2 --cp-comm ring,all_to_all --layouts tsp_cp`: each schedule's cp bytes and every
+    byte of both communicators equal its plan's (~200 s on 2 loaded cores)."""
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(["--tsp", "2", "--cp", "2", "--cp-comm", "ring,all_to_all", "--layouts",
+                                      "tsp_cp", "--quick", "--seq", "32", "--steps", "1", "--quiet", "--out", str(out),
+                                      *TINY])
+    assert args.run(args) == 0, capsys.readouterr().err[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["label"], r["cp_comm"]) for r in rows] == [("tsp_cp", "ring"), ("tsp_cp[all_to_all]", "all_to_all")]
+    for r in rows:
+        assert r["ok"] and r["comm_cp_ring_bytes"] == r["plan_cp_ring_bytes"] > 0, r
+        assert r["comm_bytes"] == r["plan_comm_bytes_per_step"], r
+    assert rows[1]["comm_cp_ring_bytes"] < rows[0]["comm_cp_ring_bytes"]  # MHA, C = 2: half the ring's
+    assert "| tsp_cp[all_to_all] | off | 4 | 2 | 2 | 32 |" in (out / "results.md").read_text()

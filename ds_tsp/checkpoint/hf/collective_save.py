@@ -10,14 +10,9 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.reliability.watchdog import guarded
 
-
-def guarded(comm, what: str):
-    """`with guarded(comm, "what"):` the block's world collectives bounded by comm.timeout_s (the watchdog's one
-    line names the collective and the peers); nothing without a comm or a process group."""
-    if comm is None or not hasattr(comm, "guard") or not dist.is_initialized():
-        return contextlib.nullcontext()
-    return comm.guard(what, group=dist.group.WORLD, context="save")
+CONTEXT = "save"  # the layer a stalled collective's report names
 
 
 @contextlib.contextmanager
@@ -29,11 +24,11 @@ def whole_on_this_rank(param: torch.nn.Parameter, comm=None, what: str = "save: 
         import deepspeed
 
         with contextlib.ExitStack() as stack:
-            with guarded(comm, what):
+            with guarded(comm, what, context=CONTEXT):
                 stack.enter_context(deepspeed.zero.GatheredParameters([param], modifier_rank=None))
             yield param.detach()
     elif hasattr(param, "full_tensor"):
-        with guarded(comm, what):
+        with guarded(comm, what, context=CONTEXT):
             whole = param.detach().full_tensor()
         yield whole
     else:
@@ -53,7 +48,7 @@ def agree_on_outcome(failure: str | None, directory: Path, comm=None) -> None:
     """Collective over every rank: the writer's failure (or None) broadcast, raised on every rank alike."""
     outcome = [failure]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        with guarded(comm, "save_pretrained: broadcast of the outcome"):
+        with guarded(comm, "save_pretrained: broadcast of the outcome", context=CONTEXT):
             dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         raise TSPConfigError(f"save_pretrained({str(directory)!r}) failed on {outcome[0]}; the previous checkpoint "

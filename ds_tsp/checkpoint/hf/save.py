@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ds_tsp.checkpoint.hf.collective_save import agree_on_outcome, global_rank, guarded, is_writer, whole_on_this_rank
+from ds_tsp.checkpoint.hf.collective_save import CONTEXT, agree_on_outcome, global_rank, is_writer, whole_on_this_rank
 from ds_tsp.checkpoint.hf.load import progress_on_rank0
 from ds_tsp.checkpoint.hf.owned_tensors import OwnedParts, gather_owned_parts, open_rank_stream, saved_by_owner
 from ds_tsp.checkpoint.safetensors.shard_stream import ShardStream
 from ds_tsp.checkpoint.safetensors.writer import StreamingCheckpointWriter
 from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.reliability.watchdog import guarded
 
 
 def _failure(exc: BaseException) -> str:
@@ -150,7 +151,7 @@ def _open_writer(directory: Path, max_shard_size: int | str, comm) -> tuple[Stre
             failure = _failure(exc)
     start = [None if writer is None else str(writer.tmp_dir), failure]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        with guarded(comm, "save_pretrained: broadcast of the temporary directory"):
+        with guarded(comm, "save_pretrained: broadcast of the temporary directory", context=CONTEXT):
             dist.broadcast_object_list(start, src=0)
     if start[1] is not None:
         raise TSPConfigError(f"save_pretrained({str(directory)!r}) could not start: {start[1]}; nothing was written")

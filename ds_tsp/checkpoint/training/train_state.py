@@ -13,7 +13,6 @@ into place) only after every rank's files are in, an interrupted save leaves the
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import random
@@ -33,6 +32,7 @@ from ds_tsp.checkpoint.training.shard_files import DEFAULT_FILE_BYTES, ShardFile
 from ds_tsp.checkpoint.training.store import CheckpointStore
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.parallel.topology import ProcessGroups
+from ds_tsp.core.reliability.watchdog import guarded
 
 RNG_FILE = "rng.safetensors"
 
@@ -50,11 +50,7 @@ def comm_of(model: Any):
     return comm if hasattr(comm, "guard") else None
 
 
-def guarded(comm, what: str, group: Any = None):
-    """`with guarded(comm, "what"):` the block's collectives bounded by comm.timeout_s; group: default the world."""
-    if comm is None or not dist.is_initialized():
-        return contextlib.nullcontext()
-    return comm.guard(what, group=group if group is not None else dist.group.WORLD, context="training checkpoint")
+CONTEXT = "training checkpoint"  # the layer a stalled collective's report names
 
 
 def _gather(obj: Any, comm=None, what: str = "training checkpoint all_gather_object") -> list:
@@ -62,7 +58,7 @@ def _gather(obj: Any, comm=None, what: str = "training checkpoint all_gather_obj
     if world == 1:
         return [obj]
     out = [None] * world
-    with guarded(comm, what):
+    with guarded(comm, what, context=CONTEXT):
         dist.all_gather_object(out, obj)
     return out
 
@@ -71,7 +67,7 @@ def _broadcast(obj: Any, comm=None, what: str = "training checkpoint broadcast_o
     if _world()[1] == 1:
         return obj
     box = [obj]
-    with guarded(comm, what):
+    with guarded(comm, what, context=CONTEXT):
         dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -147,7 +143,7 @@ def save_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
     for name, param in saved_parameters(model):
         for key in (None, *keys):
             with guarded(comm, f"training checkpoint save: {state_tensor_name(name, key)} over data",
-                         groups.data_group):  # collective over data (ZeRO)
+                         group=groups.data_group, context=CONTEXT):  # collective over data (ZeRO)
                 value = access.weight(param) if key is None else access.state(param, key)
             if writer is not None and error is None and (tsp_rank == 0 or id(param) in sharded):
                 error = _attempt(writer.add, state_tensor_name(name, key), value)
@@ -304,7 +300,7 @@ def load_train_state(access: OptimizerAccess, model: nn.Module, groups: ProcessG
             access.set_state(param, key, source.value(name, key))
     source.close()
     with guarded(comm, "training checkpoint load: ZeRO-3 re-gather of the persistent parameters",
-                 groups.data_group):
+                 group=groups.data_group, context=CONTEXT):
         access.finish_load()
     access.set_step_count(manifest.optimizer.step)
     access.set_param_groups(manifest.optimizer.param_groups)

@@ -103,3 +103,11 @@ class RankOrderedKVGrad:
             self.buffer[r, half].zero_()
         out = self.buffer.new_empty(self.buffer.shape[1:])
         return out, comm.reduce_scatter(out, self.buffer, what="dK/dV scatter")
+
+    def add_share(self, rank: int, grad: torch.Tensor) -> None:
+        """grad [2, c, B, 2, nkv, d]: more grads of rank `rank`'s two chunks (local_kv's layout), added after an
+        add() that reached both (its second chunk, global 2D-1-rank, is the later)."""
+        if self._written < 2 * self.tsp - rank:
+            raise RuntimeError(f"RankOrderedKVGrad.add_share(rank={rank}): its chunks hold no grads yet; add() the "
+                               "key prefix covering them first")
+        self.buffer[rank].add_(grad)

@@ -16,6 +16,7 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.offload_config import with_deepspeed_activation_checkpointing
 from ds_tsp.core.parallel.placement import check_tsp_inside_nodes
 from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
+from ds_tsp.core.reliability.watchdog import guarded
 
 
 def cp_comm(groups: ProcessGroups | None, *, overlap: bool = True, timeout_s: float | None = 1800) -> TSPComm | None:
@@ -50,11 +51,14 @@ def build_runtime(tsp: TSPConfig, *, world_size: int | None = None,
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     layout = ParallelLayout.from_world_size(world_size, tsp=tsp.size, pipe=tsp.pipeline_stages, cp=tsp.cp_size)
-    check_tsp_inside_nodes(layout, allow_cross_node=tsp.allow_cross_node)
+    # both collectives over the world, before any TSPComm exists: bounded by tsp.timeout_s with the watchdog's line
+    with guarded(None, "setup: node-placement all_gather_object", context="setup", timeout_s=tsp.timeout_s):
+        check_tsp_inside_nodes(layout, allow_cross_node=tsp.allow_cross_node)
     if groups is not None and groups.layout != layout:
         raise TSPConfigError(f"tsp_groups were built for {groups.layout}, the config asks for {layout}")
     if groups is None and dist.is_initialized():
-        groups = ProcessGroups.build(layout, timeout_s=tsp.timeout_s)
+        with guarded(None, "setup: process groups' creation (new_group)", context="setup", timeout_s=tsp.timeout_s):
+            groups = ProcessGroups.build(layout, timeout_s=tsp.timeout_s)
     comm = TSPComm(groups.tsp_group if groups is not None else None, overlap=tsp.overlap, timeout_s=tsp.timeout_s,
                    weight_group=groups.tsp_weight_group if groups is not None else None,
                    cp=cp_comm(groups, overlap=tsp.overlap, timeout_s=tsp.timeout_s))

@@ -37,6 +37,7 @@ nothing is reported after a script returned, and no Python thread of ours runs i
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -59,7 +60,8 @@ from ds_tsp.core.reliability.stall_message import (
     is_timeout,
 )
 
-__all__ = ["EXIT_CODE", "MESSAGE_PREFIX", "POLL_S", "TSPCommError", "guard", "label_modules", "stats", "WATCHDOG"]
+__all__ = ["EXIT_CODE", "MESSAGE_PREFIX", "POLL_S", "TSPCommError", "guard", "guarded", "label_modules", "stats",
+           "WATCHDOG"]
 
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): the job may succeed when restarted without the failed peer
 # Seconds between polls of works in flight: a stall is reported by timeout_s + POLL_S; a polled work (and what it
@@ -298,6 +300,23 @@ def guard(what: str, *, timeout_s: float | None = 1800, group: Any = None, comm:
         peer = ("ranks", list(range(dist.get_world_size())) if dist.is_initialized() else [0])
     return Guard(Blocked(comm, what, peer, context=context if context is not None else getattr(comm, "context", "")),
                  timeout_s, poll, comm_errors_only)
+
+
+def guarded(comm: Any, what: str, *, context: str, group: Any = None, timeout_s: float | None = None,
+            comm_errors_only: bool = False):
+    """`with guarded(comm, "what", context="save"):` the block's collectives over `group` (default the world) bounded
+    by comm's timeout_s with the watchdog's one line; nothing without a process group (or a 1-process one), or
+    without a comm and a timeout_s (a model without a TSPComm: unbounded). timeout_s: for a block that runs before
+    any TSPComm exists (the setup that builds the groups). comm_errors_only: see Guard (for blocks that also
+    compute, read or write files: their own errors propagate as they are)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return contextlib.nullcontext()
+    group = group if group is not None else dist.group.WORLD
+    if comm is not None and hasattr(comm, "guard"):
+        return comm.guard(what, group=group, context=context, comm_errors_only=comm_errors_only)
+    if timeout_s is None:
+        return contextlib.nullcontext()
+    return guard(what, timeout_s=timeout_s, group=group, context=context, comm_errors_only=comm_errors_only)
 
 
 def stats() -> dict:

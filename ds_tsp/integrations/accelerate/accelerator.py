@@ -41,11 +41,13 @@ from ds_tsp.core.config import check_deepspeed_compatible
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.parallel.runtime import build_runtime
 from ds_tsp.core.parallel.topology import ParallelLayout, ProcessGroups
-from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader
+from ds_tsp.core.reliability.watchdog import guarded
+from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, WholeBatchLoader
 from ds_tsp.integrations.accelerate.launch_config import TSPAccelerateSetup, resolve_setup
 from ds_tsp.integrations.accelerate.state_layout import check_layout, layout_record, write_layout
 from ds_tsp.integrations.deepspeed.clip_norm import keep_clip_norm
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
+from ds_tsp.integrations.deepspeed.zero3_fetch import register_zero3_fetches
 from ds_tsp.model.convert import parameter_names, rebind_optimizer, to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
 
@@ -61,6 +63,8 @@ def _import_accelerate():
 _accelerate = _import_accelerate()
 STATE_STEM = "tsp_state_rank{rank}"  # + .safetensors and .json (ds_tsp.checkpoint.tensor_tree): never unpickled
 PICKLED_STATE_FILE = "tsp_state_rank{rank}.pt"  # what earlier versions wrote: refused, never loaded
+# Accelerate's prepare, named in a stalled peer's report (under DeepSpeed it runs deepspeed.initialize)
+PREPARE_WHAT = "Accelerate prepare (deepspeed.initialize: the model's broadcast, ZeRO's partitioning, barriers)"
 
 
 def write_rank_state(directory: str | Path, rank: int, models: list, optimizers: list) -> None:
@@ -226,7 +230,8 @@ class TSPAccelerator(_accelerate.Accelerator):
                 names = _vlm_names(names, self.tsp_setup.mode)
             model = self._convert_model(original)
             if self.tsp_setup.mode != "deepspeed":
-                model = self._shard_model(model)
+                with self._setup_guard(f"{self.tsp_setup.mode} sharding of the model (fully_shard)"):
+                    model = self._shard_model(model)
             for optimizer in optimizers:  # the optimizer built on the HF model now steps the TSP shards
                 rebind_optimizer(optimizer, names, model)
             result[models[0]] = model
@@ -238,7 +243,7 @@ class TSPAccelerator(_accelerate.Accelerator):
                 (self.tsp_setup.mode == "deepspeed" or i not in models)]
         if keep:
             with self._tsp_deepspeed_initialize(result) if self.tsp_setup.mode == "deepspeed" else \
-                    contextlib.nullcontext():
+                    contextlib.nullcontext(), self._setup_guard(PREPARE_WHAT):
                 prepared = super().prepare(*[result[i] for i in keep])
             for i, obj in zip(keep, prepared if isinstance(prepared, tuple) else (prepared,)):
                 result[i] = obj
@@ -246,6 +251,11 @@ class TSPAccelerator(_accelerate.Accelerator):
             if isinstance(obj, _accelerate.scheduler.AcceleratedScheduler):
                 obj.__class__, obj.data_size = DataAxisScheduler, self.data_size
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _setup_guard(self, what: str):
+        """The one-time setup's collectives (under DeepSpeed: deepspeed.initialize's broadcasts, ZeRO's partitioning,
+        barriers) bounded by timeout_s as one block with the watchdog's one line, over every process."""
+        return guarded(getattr(self, "tsp_comm", None), what, context="setup", comm_errors_only=True)
 
     def _convert_model(self, model) -> TSPForCausalLM:
         if _is_vlm(model):  # full batches on every TSP rank, per-replica means (ds_tsp.integrations.multimodal)
@@ -325,9 +335,8 @@ class TSPAccelerator(_accelerate.Accelerator):
                                           config["gradient_accumulation_steps"] * data_size * cp_size)
             if groups is not None:
                 kwargs["mpu"] = TSPModelParallelUnit(groups)
-            if model is not None and model.tsp.lm_head is not None and model.tsp.lm_head.tied and \
-                    (config.get("zero_optimization") or {}).get("stage", 0) == 3:
-                deepspeed.zero.register_external_parameter(model.tsp.lm_head, model.tsp.model.embed_tokens.vocab_shard)
+            if model is not None and (config.get("zero_optimization") or {}).get("stage", 0) == 3:
+                register_zero3_fetches(model, deepspeed)  # what each layer reads, whole in its hooks
             out = original(*args, **kwargs)
             keep_clip_norm(out[0])  # the grad_norm the Trainer logs, also without ZeRO
             return out
@@ -426,6 +435,8 @@ class TSPAccelerator(_accelerate.Accelerator):
             return super().pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
+        if isinstance(dataloader, WholeBatchLoader):
+            return WholeBatchLoader(super().skip_first_batches(dataloader.loader, num_batches), self.tsp_comm)
         if isinstance(dataloader, TSPShardedLoader):
             return TSPShardedLoader(super().skip_first_batches(dataloader.loader, num_batches), self.tsp_comm,
                                     batch_size=dataloader.batch_size, whole=dataloader.whole)
@@ -439,6 +450,11 @@ class TSPAccelerator(_accelerate.Accelerator):
         """Accelerate's save_state; outside DeepSpeed every rank also writes its own model and optimizer shards
         (Accelerate's files hold only the main process's tensors, which differ between TSP ranks). The layout
         (tsp x cp x data) is recorded beside them: load_state refuses another one (state_layout.py)."""
+        with guarded(self.tsp_comm, "TSPAccelerator.save_state (Accelerate's and DeepSpeed's collectives, barrier)",
+                     context="save", comm_errors_only=True):
+            return self._save_state(output_dir, safe_serialization, **kwargs)
+
+    def _save_state(self, output_dir, safe_serialization, **kwargs):
         if self.tsp_setup.mode == "deepspeed":
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         else:
@@ -468,6 +484,13 @@ class TSPAccelerator(_accelerate.Accelerator):
         return None
 
     def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+        """Accelerate's load_state (DeepSpeed's checkpoint load under DeepSpeed), then every rank's own shards;
+        its collectives bounded by timeout_s as one block."""
+        with guarded(self.tsp_comm, "TSPAccelerator.load_state (Accelerate's and DeepSpeed's collectives)",
+                     context="load", comm_errors_only=True):
+            return self._load_state(input_dir, load_kwargs, **kwargs)
+
+    def _load_state(self, input_dir, load_kwargs, **kwargs):
         directory = self._saved_state_dir(input_dir)
         if directory is not None:  # before anything is loaded: another layout's files would fit the wrong ranks
             check_layout(directory, self._state_layout())

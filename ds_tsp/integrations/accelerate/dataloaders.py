@@ -135,6 +135,25 @@ def guarded_batches(loader, comm: TSPComm | None):
         yield batch
 
 
+class WholeBatchLoader:
+    """An Accelerate-prepared loader whose batches stay whole (data-axis sampled, never cut: GRPO / RLOO prompt
+    rows, reward / DPO / VLM batches), each fetch bounded like TSPShardedLoader's (guarded_batches)."""
+
+    def __init__(self, loader, comm: TSPComm | None):
+        self.loader, self.comm = loader, comm
+
+    def __iter__(self):
+        yield from guarded_batches(self.loader, self.comm)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name):  # batch_size, dataset, sampler, set_epoch, ... of the wrapped loader
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
 class TSPShardedLoader:
     """Wraps an Accelerate-prepared loader (data-axis sampling) and yields this rank's zigzag shard of each batch."""
 

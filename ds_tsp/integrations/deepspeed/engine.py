@@ -21,15 +21,19 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.parallel.launch import init_from_env, local_device
 from ds_tsp.core.parallel.runtime import build_runtime
 from ds_tsp.core.reliability.nonfinite import NonFiniteGuard
-from ds_tsp.core.reliability.watchdog import label_modules
+from ds_tsp.core.reliability.watchdog import guarded, label_modules
 from ds_tsp.core.shape.hf_config import generation_config_json
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.loader import TSPDataLoader
 from ds_tsp.integrations.deepspeed.clip_norm import keep_clip_norm
 from ds_tsp.integrations.deepspeed.mpu import TSPModelParallelUnit
+from ds_tsp.integrations.deepspeed.zero3_fetch import register_zero3_fetches
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.convert import to_tsp_model
 from ds_tsp.model.hf_causal_lm import TSPForCausalLM
+
+# the one-time setup's collectives, named in a stalled peer's report
+SETUP_WHAT = "deepspeed.initialize (the model's broadcast, ZeRO's partitioning, barriers)"
 
 
 def import_deepspeed():
@@ -125,7 +129,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         if isinstance(module, ShardedCausalLM) and source_config is not None:
             module.hf_config, module.generation_config_json = source_config, generation
         tsp_model, mpu = (module.tsp if isinstance(module, TSPForCausalLM) else module), TSPModelParallelUnit(groups)
-        _register_tied_head_for_zero3(tsp_model, ds_config, deepspeed)
+        _register_zero3_fetches(tsp_model, ds_config, deepspeed)
     guard = None  # the pipeline engine steps inside train_batch: nothing to guard from outside
     if tsp.pipeline_stages == 1:
         if tsp.on_nonfinite == "skip" and (ds_config.get("gradient_accumulation_steps") or 1) != 1:
@@ -134,9 +138,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         guard = NonFiniteGuard(module, policy=tsp.on_nonfinite)  # hooks before DeepSpeed moves any grad
     if model_parameters is None:
         model_parameters = [p for p in module.parameters() if p.requires_grad]
-    engine, opt, _, sched = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=model_parameters,
-                                                 lr_scheduler=lr_scheduler, mpu=mpu, config=ds_config,
-                                                 dist_init_required=False, **ds_kwargs)
+    # DeepSpeed's setup posts collectives (the model's broadcast over data, ZeRO's partitioning, barriers): bounded
+    # by timeout_s as one block with the watchdog's one line (so timeout_s must exceed it, as a backward)
+    with guarded(comm, SETUP_WHAT, context="setup", comm_errors_only=True):
+        engine, opt, _, sched = deepspeed.initialize(model=module, optimizer=optimizer,
+                                                     model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                                                     mpu=mpu, config=ds_config, dist_init_required=False, **ds_kwargs)
     loader = None
     if training_data is not None:
         # on the engine's device: DeepSpeed does not move inputs, and NCCL groups take no CPU tensor
@@ -149,7 +156,25 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if tsp.pipeline_stages == 1:
         _guard_step(engine, comm)
         _guard_backward(engine, comm)
+    else:
+        _guard_pipeline(engine, comm)
     return engine, opt, loader, sched
+
+
+def _guard_pipeline(engine, comm) -> None:
+    """The pipeline engine runs a whole step inside train_batch (eval_batch: the forwards): the stages' activation
+    and gradient sends / receives, the tied-weight and data-axis reductions, the optimizer step. Each call is bounded
+    by timeout_s as one block with the watchdog's one line (so timeout_s must exceed one step, as for a backward);
+    the layers' own waits inside keep their own deadlines; errors of the computation propagate as they are."""
+    import torch.distributed as dist
+
+    for name in ("train_batch", "eval_batch"):
+        def bounded(*args, _run=getattr(engine, name), _name=name, **kwargs):
+            with comm.guard(f"DeepSpeed pipeline {_name} (stage sends / receives, gradient reductions, step)",
+                            group=dist.group.WORLD, context=f"pipeline {_name}", comm_errors_only=True):
+                return _run(*args, **kwargs)
+
+        setattr(engine, name, bounded)
 
 
 def _guard_step(engine, comm) -> None:
@@ -206,8 +231,8 @@ def _single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def _register_tied_head_for_zero3(model: ShardedCausalLM, ds_config: dict, deepspeed) -> None:
-    # ZeRO-3 gathers a param only inside its own module's forward; the tied head reads the embedding's shard.
-    zero3 = (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3
-    if model.lm_head is not None and model.lm_head.tied and zero3:  # a sequence classifier has no LM head
-        deepspeed.zero.register_external_parameter(model.lm_head, model.model.embed_tokens.vocab_shard)
+def _register_zero3_fetches(model: ShardedCausalLM, ds_config: dict, deepspeed) -> None:
+    # ZeRO-3 gathers a param only inside its own module's hooks: what each layer (and a tied head) reads is
+    # registered with it (ds_tsp.integrations.deepspeed.zero3_fetch)
+    if (ds_config.get("zero_optimization") or {}).get("stage", 0) == 3:
+        register_zero3_fetches(model, deepspeed)

@@ -27,6 +27,7 @@ from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.layers.norm import TSPRMSNorm
 from ds_tsp.core.parallel.topology import ProcessGroups
+from ds_tsp.core.reliability.watchdog import guarded
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.positions import StepPositions
 from ds_tsp.model.causal_lm import ShardedCausalLM
@@ -145,7 +146,7 @@ def carry_stage_requires_grad(module: nn.Module, source: nn.Module, shape: Model
 
 
 def _carry_on_every_stage(module: nn.Module, source: nn.Module, shape: ModelShape, options: TSPOptions,
-                          groups: ProcessGroups) -> None:
+                          groups: ProcessGroups, comm: TSPComm | None = None) -> None:
     """carry_stage_requires_grad, then one error on every rank alike (collective over the job, once at build
     time) when a stage failed or has nothing to train."""
     import torch.distributed as dist
@@ -161,7 +162,8 @@ def _carry_on_every_stage(module: nn.Module, source: nn.Module, shape: ModelShap
     except TSPConfigError as err:
         error = str(err)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, error)
+    with guarded(comm, "setup: pipeline stages' trainable-parameter check (all_gather_object)", context="setup"):
+        dist.all_gather_object(everyone, error)
     first = next((e for e in everyone if e), None)
     if first is not None:
         raise TSPConfigError(first)
@@ -208,5 +210,5 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
             layer.load_full(state_dict)
     if source is not None:
         check_pipeline_source(source)
-        _carry_on_every_stage(module, source, shape, options, groups)
+        _carry_on_every_stage(module, source, shape, options, groups, comm)
     return module

@@ -25,18 +25,26 @@ TSPTrainer (listed first) changes:
 - metrics: TSPAccelerator.gather / gather_for_metrics gather over the data axis (one copy per TSP group), so
   rewards/*, logps/*, logits/*, entropy, mean_token_accuracy and num_tokens count each pair once and TRL's
   `_tp_size` stays 1; num_items_in_batch is None, as DPOTrainer's batches carry no labels;
-- padding_free: TRL 1.16 turns it off itself (padded batches, a warning); so does the TSP run, identically.
-Refused with a TSPConfigError naming them: DPOTrainer listed first, peft_config= and PEFT models (ref_model=None
-with an adapter would need the adapter-disabled base, which a LoRA-folded TSP model does not keep apart),
-quantization_config=, vision processors, compute_metrics and predict() (TRL recomputes full logits for them),
-use_liger_kernel, activation_offloading, a mixture-of-experts router aux loss, sync_ref_model under ZeRO-3, and
-tsp.cp_size > 1. Under ZeRO-3, pass the model (and a ref_model) as its checkpoint directory: a transformers model
-loaded after the ZeRO-3 TrainingArguments has partitioned weights (refused by name when converted).
+- padding_free: TRL 1.16 turns it off itself (padded batches, a warning); so does the TSP run, identically;
+- PEFT LoRA (ds_tsp.model.peft.lora) with ref_model=None: as DPOTrainer, peft_config= wraps the model in a fresh
+  adapter and the reference is the adapter-disabled base, and a PEFT model's reference is its adapter as it was
+  before training (TRL copies it to a frozen "ref" adapter; TSP keeps frozen copies of this rank's factor slices).
+  No second model: AdapterReference runs the policy's own TSP forward with its adapter off (or at that copy),
+  through the same streaming head; also with precompute_ref_log_probs (whose cache key tells the two apart). An
+  explicit ref_model (a PEFT one too) is converted like any reference. save_model writes the adapter as PEFT does
+  (without TRL's "ref" subfolder).
+Refused with a TSPConfigError naming them: DPOTrainer listed first, peft_config= with a PEFT model or a checkpoint
+directory, sync_ref_model with an adapter (DPOTrainer refuses it too), quantization_config=, vision processors,
+compute_metrics and predict() (TRL recomputes full logits for them), use_liger_kernel, activation_offloading, a
+mixture-of-experts router aux loss, sync_ref_model under ZeRO-3, and tsp.cp_size > 1. Under ZeRO-3, pass the model
+(and a ref_model) as its checkpoint directory, or load it before the ZeRO-3 TrainingArguments (a PEFT model): a
+transformers model loaded after them has partitioned weights (refused by name when converted).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 
 import torch
@@ -61,11 +69,17 @@ def keyword_arguments(init, model, args, more: tuple, kwargs: dict) -> tuple:
 
 def check_dpo_arguments(model, args, given: dict) -> None:
     """DPOTrainer options TSP cannot honour, named (given: the other arguments of the call, by name)."""
-    if given.get("peft_config") is not None or hasattr(model, "peft_config") or \
-            hasattr(given.get("ref_model"), "peft_config"):
-        _refuse("peft_config= / a PEFT model", "DPO's reference for an adapter (ref_model=None) is the "
-                "adapter-disabled base model, which a LoRA-folded TSP model does not keep apart; train full weights "
-                "(the reference is then a second TSP conversion), or merge the adapter (merge_and_unload) first")
+    peft_config, peft_model = given.get("peft_config"), hasattr(model, "peft_config")
+    if peft_config is not None and peft_model:
+        _refuse("peft_config= with a PEFT model", "DPOTrainer refuses it too: pass the PEFT model alone, or its "
+                "merged base (merge_and_unload) with peft_config=")
+    if peft_config is not None and not hasattr(model, "state_dict"):
+        _refuse(f"peft_config= with model={model!r}", "the adapter is added to a loaded transformers model: load it "
+                "(AutoModelForCausalLM.from_pretrained) and pass that, or wrap it yourself (peft.get_peft_model)")
+    if (peft_config is not None or peft_model) and getattr(args, "sync_ref_model", False):
+        _refuse("sync_ref_model=True with a PEFT adapter", "the reference is the policy's own base weights (or its "
+                "initial adapter), not a separate model to mix into (DPOTrainer refuses it too); set "
+                "sync_ref_model=False")
     if given.get("quantization_config") is not None:
         _refuse("quantization_config=", "TSP shards full-precision weights; pass an unquantized model")
     processing = given.get("processing_class")
@@ -97,11 +111,29 @@ def check_dpo_arguments(model, args, given: dict) -> None:
                     "every TSP rank holds a different shard; use ZeRO-1/2, or sync_ref_model=False")
 
 
-def reference_model(model, given: dict, args, runtime, to_tsp_model):
+def peft_policy(model, given: dict, args) -> tuple[object, str | None]:
+    """(the model to convert, how the reference reads its adapter: ADAPTER_MODES' "off" / "initial", or None for
+    a separate reference). As DPOTrainer does with ref_model=None: peft_config= wraps the model in a fresh adapter
+    (taken out of the call: TRL would wrap the TSP model) and the reference is the adapter-disabled base; a PEFT
+    model trains its adapter and the reference is that adapter as it was before training (TRL's "ref" copy)."""
+    config = given.pop("peft_config", None)
+    if config is not None:
+        import peft
+
+        plugin = getattr(args, "deepspeed_plugin", None)  # as DPOTrainer: under ZeRO-3 the adapter keeps the
+        zero3 = plugin is not None and getattr(plugin, "zero_stage", 0) == 3  # model's dtype (one dtype to gather)
+        model = peft.get_peft_model(model, config, **({"autocast_adapter_dtype": False} if zero3 else {}))
+    if not hasattr(model, "peft_config") or given.get("ref_model") is not None:
+        return model, None
+    return model, "off" if config is not None else "initial"
+
+
+def reference_model(model, given: dict, args, runtime, to_tsp_model, adapter: str | None = None):
     """DPO's reference as TSP: the user's ref_model converted, else a second frozen conversion of the model (None
-    with precompute_ref_log_probs, where TRL scores the dataset with the policy before training)."""
+    with precompute_ref_log_probs, where TRL scores the dataset with the policy before training; None with an
+    adapter reference, which AdapterReference builds on the converted policy)."""
     source = given.get("ref_model")
-    if source is None and getattr(args, "precompute_ref_log_probs", False):
+    if source is None and (adapter is not None or getattr(args, "precompute_ref_log_probs", False)):
         return None
     if source is None:
         source = model
@@ -116,6 +148,70 @@ def reference_model(model, given: dict, args, runtime, to_tsp_model):
     return ref.eval()
 
 
+class AdapterReference:
+    """DPO's reference for a LoRA policy and ref_model=None, computed as DPOTrainer does for a PEFT model: the
+    policy's own TSP forward with its adapter off (the frozen base shards, as PEFT's disable_adapter) or at its
+    frozen initial copy ("initial": TRL's "ref" adapter), through the same streaming vocab-sharded head; no second
+    copy of the base weights. TRL calls it as its ref_model (under no_grad); the fused head answers log-probs only,
+    as TRL asks of a reference."""
+
+    def __init__(self, policy, mode: str):
+        from ds_tsp.model.peft.lora import keep_initial_adapter, lora_pieces
+
+        if not lora_pieces(policy.tsp):
+            raise TSPConfigError("TSPDPOTrainer: the PEFT model has no LoRA layer TSP adapts (internal)")
+        self.policy, self.mode = policy, mode
+        self.fused_lm_head_outputs = ("log_probs",)
+        # the full-model size of the initial copy: DPOTrainer's PEFT model holds it as a second adapter, which the
+        # Trainer's flop count (6 x tokens x parameters) includes
+        self.copied_parameters = 0
+        if mode == "initial":
+            keep_initial_adapter(policy.tsp)
+            self.copied_parameters = sum(p.numel() if cut is None else p.numel() // p.shape[cut[0]] *
+                                         (max(cut[1]) + p.shape[cut[0]]) for _, p, cut in policy.tsp.lora_tensors())
+
+    def __call__(self, *args, **kwargs):
+        from ds_tsp.model.peft.lora import adapter_mode
+
+        policy = self.policy
+        own = policy.__dict__.get("fused_lm_head_outputs")
+        policy.fused_lm_head_outputs = self.fused_lm_head_outputs
+        try:
+            with adapter_mode(policy.tsp, self.mode):
+                return policy(*args, **kwargs)
+        finally:
+            if own is None:
+                del policy.fused_lm_head_outputs
+            else:
+                policy.fused_lm_head_outputs = own
+
+    def __getattr__(self, name):  # what TRL reads of a reference (modules() for dropout, config, device, ...)
+        if name == "policy":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.policy, name)
+
+    def to(self, *args, **kwargs):  # the policy moves with the trainer
+        return self
+
+    def eval(self):
+        return self
+
+
+def reference_adapter_flops(trainer, inputs) -> int:
+    """What the Trainer's flop count adds for DPOTrainer's "ref" adapter (a PEFT model's initial copy), as the
+    plain trainer counts it; 0 otherwise."""
+    ref = trainer.ref_model
+    if not isinstance(ref, AdapterReference) or "input_ids" not in inputs:
+        return 0
+    return 6 * inputs["input_ids"].numel() * ref.copied_parameters
+
+
+def adapter_reference(model, ref_model, adapter: str | None):
+    """The reference TRL gets: `ref_model`, or with an adapter reference (peft_policy) an AdapterReference on the
+    converted policy."""
+    return ref_model if adapter is None else AdapterReference(model, adapter)
+
+
 @contextlib.contextmanager
 def dpo_init(ref_model):
     """During DPOTrainer.__init__: its reference model is `ref_model` (TRL would reload the policy by name), TRL's
@@ -126,7 +222,8 @@ def dpo_init(ref_model):
 
     dpo = importlib.import_module(_DPO_MODULE)
     originals = {name: getattr(dpo, name) for name in
-                 ("create_model_from_path", "add_fused_lm_head", "prepare_deepspeed", "prepare_fsdp")}
+                 ("create_model_from_path", "add_fused_lm_head", "prepare_deepspeed", "prepare_fsdp", "hash_module")}
+    ours = (TSPForCausalLM, AdapterReference)
 
     def create_model_from_path(*args, **kwargs):
         if ref_model is None:
@@ -134,17 +231,23 @@ def dpo_init(ref_model):
         return ref_model
 
     def add_fused_lm_head(model, *args, outputs=("log_probs",), **kwargs):
-        if not isinstance(model, TSPForCausalLM):
+        if not isinstance(model, ours):
             return originals["add_fused_lm_head"](model, *args, outputs=outputs, **kwargs)
         model.fused_lm_head_outputs = tuple(outputs)
         return None
 
     def skip_tsp(name):
         def wrapper(model, *args, **kwargs):
-            return model if isinstance(model, TSPForCausalLM) else originals[name](model, *args, **kwargs)
+            return model if isinstance(model, ours) else originals[name](model, *args, **kwargs)
         return wrapper
 
+    def hash_module(module):  # precompute's cache key: an adapter reference is not the policy's own scores
+        if not isinstance(module, AdapterReference):
+            return originals["hash_module"](module)
+        return hashlib.sha256(f"{originals['hash_module'](module.policy)}/adapter {module.mode}".encode()).hexdigest()
+
     dpo.create_model_from_path, dpo.add_fused_lm_head = create_model_from_path, add_fused_lm_head
+    dpo.hash_module = hash_module
     for name in ("prepare_deepspeed", "prepare_fsdp"):
         setattr(dpo, name, skip_tsp(name))
     try:
@@ -156,7 +259,7 @@ def dpo_init(ref_model):
 
 def after_init(trainer) -> None:
     """The reference beside the policy, in the engine's half dtype under DeepSpeed (as TRL's prepare_deepspeed)."""
-    if trainer.ref_model is not None:
+    if trainer.ref_model is not None and not isinstance(trainer.ref_model, AdapterReference):
         half = (torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else None) \
             if trainer.is_deepspeed_enabled else None
         trainer.ref_model.to(trainer.args.device, dtype=half)

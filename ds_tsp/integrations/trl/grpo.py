@@ -72,9 +72,9 @@ def check_grpo_arguments(model, args, given: dict, kind: str = "grpo") -> None:
     options of the same names (kind "rloo") are refused alike, naming TSPRLOOTrainer."""
     refuse = functools.partial(_refuse, kind=kind)
     if given.get("peft_config") is not None or hasattr(model, "peft_config"):
-        refuse("peft_config= / a PEFT model", "TRL's reference is the model with its adapter disabled (or a "
-               "frozen copy of the adapter), which a LoRA-folded TSP model does not keep apart, and its generation "
-               "would need the merged weights; train full weights, or merge the adapter (merge_and_unload) first")
+        refuse("peft_config= / a PEFT model", "generation without vLLM would need the adapter merged into a "
+               "gathered copy of the weights, which the generation path does not build; train full weights, or "
+               "merge the adapter (merge_and_unload) first (TSPDPOTrainer trains adapters)")
     for key in ("tools", "environment_factory", "rollout_func"):
         if given.get(key):
             refuse(f"{key}=", "multi-turn and custom rollouts generate outside TSP's group-consistent sampling "
@@ -389,7 +389,8 @@ def broadcast_vllm_completions(trainer, completion_ids, logprobs):
 
 def unsharded(loader):
     """GRPO's loaders yield lists of prompt rows (strings), never token batches: keep the data-axis sampling of
-    TSPAccelerator.prepare, drop the zigzag cut (completions are scored whole-batch through the TSP model)."""
-    from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader
+    TSPAccelerator.prepare, drop the zigzag cut (completions are scored whole-batch through the TSP model); each
+    batch fetch stays bounded by timeout_s (Accelerate's RNG-state and batch broadcasts)."""
+    from ds_tsp.integrations.accelerate.dataloaders import TSPShardedLoader, WholeBatchLoader
 
-    return loader.loader if isinstance(loader, TSPShardedLoader) else loader
+    return WholeBatchLoader(loader.loader, loader.comm) if isinstance(loader, TSPShardedLoader) else loader

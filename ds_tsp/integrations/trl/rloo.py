@@ -23,8 +23,9 @@ Refused with a TSPConfigError naming them (checked before anything is built): GR
 shares (RLOOTrainer listed first, peft_config and PEFT models, vLLM colocate mode, transformers continuous batching,
 use_liger_kernel, MoE router aux loss, multimodal processors, sync_ref_model under ZeRO-3), tsp.cp_size > 1, and
 the two ways RLOOTrainer would load the model itself: a model given by name (TSP converts the model you pass; TRL's
-model_init_kwargs would not apply) and quantization_config, and DeepSpeed ZeRO-3 (ZeRO-1 / ZeRO-2 on the data axis
-are what the tests check).
+model_init_kwargs would not apply) and quantization_config. DeepSpeed ZeRO-1 / 2 / 3 run on the data axis; under
+ZeRO-3 load the model before creating the RLOOConfig (a model loaded while a ZeRO-3 config is alive is partitioned,
+refused by name when converted).
 """
 from __future__ import annotations
 
@@ -35,11 +36,6 @@ from ds_tsp.core.errors import TSPConfigError
 
 def check_rloo_arguments(model, args, given: dict) -> None:
     """RLOOTrainer options beyond GRPO's that TSP cannot honour, named (given: the other arguments, by name)."""
-    plugin = getattr(args, "deepspeed_plugin", None)
-    if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-        raise TSPConfigError("zero_optimization.stage=3 (DeepSpeed ZeRO-3) with TSP (TSPRLOOTrainer): not verified "
-                             "exact with the TSP layers' recomputation in backward (a ZeRO-3 run stops there); use "
-                             "ZeRO-1 or ZeRO-2 (each TSP rank already holds 1/D of the weights)")
     if isinstance(model, (str, Path)):
         raise TSPConfigError(f"model={str(model)!r} (a name) with TSP (TSPRLOOTrainer): RLOOTrainer would load it "
                              "with RLOOConfig.model_init_kwargs (float32 unless a dtype is given), TSP converts the "

@@ -11,6 +11,7 @@ from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.primitives import replicated_param
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.grads.clip import mark_sharded
+from ds_tsp.core.layers.attention.cp_all_to_all import check_all_to_all_heads
 from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, tsp_attention
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.positions import RopeTables
@@ -52,11 +53,15 @@ class TSPAttention(ShardedPiece):
                                   softmax_scale=shape.attention_scale, projection_norm=shape.projection_qk_norm,
                                   value_norm_eps=shape.rms_norm_eps if shape.value_norm else None,
                                   values_from_keys=shape.layer_values_from_keys(layer), sinks=shape.attention_sinks,
+                                  cp_comm=options.cp_comm,
                                   kv_role=("import" if shape.kv_source(layer) is not None else
                                            "export" if shape.exports_kv(layer) else "own"))
         if self.spec.kv_role != "own" and comm.cp is not None:
             raise TSPConfigError(f"kv_shared_layers={shape.kv_shared_layers} with tsp.cp_size={comm.cp.size}: Gemma "
                                  "4's shared K/V are not carried around the cp ring; use cp_size 1")
+        if comm.cp is not None and options.cp_comm == "all_to_all":  # the block's heads split evenly over cp
+            check_all_to_all_heads(self.spec.heads_per_block, self.spec.kv_heads_per_block, comm.cp.size,
+                                   f" (layer {layer})")
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's attention

@@ -74,12 +74,24 @@ class LoRAFactors(nn.Module):
         if self.sharded is not None:
             mark_sharded(getattr(self, self.sharded))
 
-    def forward(self, comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def keep_initial(self) -> None:
+        """Frozen copies of the factors as they are now, what initial=True reads (DPO's reference adapter: TRL's
+        "ref" copy of a PEFT model's adapter). Non-persistent buffers: outside the state dict, the optimizer and
+        the saved adapter, but moved and cast with the module."""
+        self.register_buffer("initial_A", self.lora_A.detach().clone(), persistent=False)
+        self.register_buffer("initial_B", self.lora_B.detach().clone(), persistent=False)
+
+    def forward(self, comm, initial: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(this rank's slice of the delta s * B @ A, and detached A, B as it used them). A module call, so ZeRO-3
         gathers the factors; the detached aliases keep the values backward rebuilds the shard from even after
-        ZeRO-3 releases the parameters (factor-sized; without ZeRO-3 they share the parameters' storage)."""
-        a = self.lora_A if self.sharded == "lora_A" else replicated_param(self.lora_A, comm)
-        b = self.lora_B if self.sharded == "lora_B" else replicated_param(self.lora_B, comm)
+        ZeRO-3 releases the parameters (factor-sized; without ZeRO-3 they share the parameters' storage).
+        initial=True: the frozen copies of keep_initial instead (no gradient; a replicated one is the same on every
+        rank, as the factor was when copied)."""
+        if initial:
+            a, b = self.initial_A, self.initial_B
+        else:
+            a = self.lora_A if self.sharded == "lora_A" else replicated_param(self.lora_A, comm)
+            b = self.lora_B if self.sharded == "lora_B" else replicated_param(self.lora_B, comm)
         if self.rows is not None:  # this rank's rows of the whole B, in the packed shard's order
             b = torch.cat([b.narrow(0, start, length) for start, length in self.rows])
         return _delta(a, b, self.scaling), a.detach(), b.detach()
@@ -98,18 +110,23 @@ class ShardLoRA(nn.Module):
         self.layout, self.comm = piece.spec.layout, piece.comm
         self.targets = {key: name[:-len(".weight")] for key, name in piece.PIECES.items()
                         if name.endswith(".weight") and name[:-len(".weight")] in factors}
+        self.mode = "on"  # ADAPTER_MODES; set by adapter_mode()
 
     def forward(self, base: torch.Tensor) -> torch.Tensor:
         """base + this rank's packed LoRA deltas (differentiable in the factors; in base's dtype). The result is a
         fresh shard-sized tensor: it carries a rebuild recipe (ds_tsp.core.layers.shard_rebuild), so the
         attention / MLP Function saves the base parameter and the factors, not this second copy of the shard, and
-        merges again in backward (the same ops on the same values: bit for bit the forward's shard)."""
+        merges again in backward (the same ops on the same values: bit for bit the forward's shard).
+        mode "off": the base parameter itself (PEFT's disable_adapter); "initial": the deltas of the factors'
+        frozen copies (LoRAFactors.keep_initial)."""
+        if self.mode == "off":
+            return base
         deltas, factors, plan = {}, [], []
         for key, _ in self.layout.pieces:
             proj = self.targets.get(key)
             if proj is not None:
                 f = getattr(self, proj)
-                deltas[key], a, b = f(self.comm)
+                deltas[key], a, b = f(self.comm, initial=self.mode == "initial")
                 factors += [a, b]
                 plan.append((key, f.scaling))
         merged = _merge(self.layout, base, deltas)
@@ -118,6 +135,40 @@ class ShardLoRA(nn.Module):
             if torch.amp.is_autocast_available(device) else None
         rebuild = functools.partial(_rebuild, self.layout, tuple(plan), autocast)
         return attach_rebuild(merged, rebuild, base, *factors)
+
+
+ADAPTER_MODES = ("on", "off", "initial")
+
+
+def lora_pieces(core: nn.Module) -> list[ShardLoRA]:
+    """Every ShardLoRA of `core` (a ShardedCausalLM), in module order; [] without LoRA."""
+    return [piece.lora for _, piece, _ in core.sharded_modules() if getattr(piece, "lora", None) is not None]
+
+
+def keep_initial_adapter(core: nn.Module) -> None:
+    """Frozen copies of every LoRA factor of `core` as it is now, for adapter_mode(core, "initial")."""
+    for lora in lora_pieces(core):
+        for f in lora.children():
+            f.keep_initial()
+
+
+@contextlib.contextmanager
+def adapter_mode(core: nn.Module, mode: str):
+    """Within: every LoRA adapter of `core` off (the frozen base weights, as PEFT's disable_adapter computes) or
+    at its keep_initial copy ("initial"); back on after. The same forward otherwise: nothing is rebuilt, and the
+    base shards stay shared with the trained model."""
+    if mode not in ADAPTER_MODES:
+        raise TSPConfigError(f"adapter_mode({mode!r}): one of {ADAPTER_MODES}")
+    pieces = lora_pieces(core)
+    if mode == "initial" and any(not hasattr(f, "initial_A") for lora in pieces for f in lora.children()):
+        raise TSPConfigError("adapter_mode('initial') before keep_initial_adapter(): no copy of the initial adapter")
+    for lora in pieces:
+        lora.mode = mode
+    try:
+        yield
+    finally:
+        for lora in pieces:
+            lora.mode = "on"
 
 
 def _delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:

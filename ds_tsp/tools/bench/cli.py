@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degree C (1): layout tsp_cp runs C TSP groups of --tsp D ranks sharing each "
                         "sequence (a cp ring between them), against its peers on the same C x D ranks (default: "
                         "tsp and ulysses_zero3; ds_tsp.tools.bench.cp_flags); S a multiple of 2*D*C")
+    p.add_argument("--cp-comm", default="ring", metavar="LIST",
+                   help="with --cp: comma list of tsp_cp's cp schedules to measure, ring and / or all_to_all (ring); "
+                        "one tsp_cp row each")
     p.add_argument("--batch", type=_count, default=1, help="micro-batch size B (1)")
     p.add_argument("--layers", type=_count, default=None,
                    help=f"decoder layers ({DEFAULT_SHAPE.num_layers}; --quick: {QUICK['layers']})")
@@ -182,9 +185,9 @@ def configs_from_args(args: argparse.Namespace):
         unknown = [name for name in layouts if name not in LAYOUTS]
         if unknown or not layouts:
             raise ValueError(f"--layouts: unknown {unknown or '(empty)'}; choose from {', '.join(LAYOUTS)} or all")
-    from ds_tsp.tools.bench.cp_flags import cp_configs, cp_degree, cp_layouts
+    from ds_tsp.tools.bench.cp_flags import cp_comms, cp_configs, cp_degree, cp_layouts
 
-    layouts, cp = cp_layouts(args, layouts), cp_degree(args)
+    layouts, cp, comms = cp_layouts(args, layouts), cp_degree(args), cp_comms(args)
     seqs = tuple(sorted({s for group in args.seq for s in group})) if args.seq else \
         (QUICK["seqs"] if args.quick else DEFAULT_SEQS)
     bad = [s for s in seqs if s % (2 * args.tsp * cp)]
@@ -218,7 +221,7 @@ def configs_from_args(args: argparse.Namespace):
                            warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
                            ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False),
                            moe_dispatch=dispatch, vision=vision) for name in layouts for dispatch in dispatches]
-    return cp_configs(configs, cp)  # tsp_cp on C groups of D, its peers on C x D ranks (cp = 1: unchanged)
+    return cp_configs(configs, cp, tuple(comms))  # tsp_cp on C groups of D (per cp schedule), its peers on C x D
 
 
 def _vision_bench(args: argparse.Namespace, layouts: list[str], cp: int, seqs: tuple[int, ...]):

@@ -74,6 +74,7 @@ class BenchConfig:
     profile: bool = False  # --profile: one extra profiled step per S (ds_tsp.tools.bench.profile), every layout
     moe_dispatch: str = "auto"  # TSP layouts on an MoE shape: TSPOptions.moe_dispatch ("auto", "ring", "all_to_all")
     cp: int = 1  # layout tsp_cp: C TSP groups of D = tsp ranks (world C x D); 1 for every other layout
+    cp_comm: str = "ring"  # layout tsp_cp: tsp.cp_comm, the cp ring or the all-to-all ("ring" for the others)
     vision: object | None = None  # --images / --videos: ds_tsp.tools.bench.vision.VisionBench (a VLM's step)
 
     def checkpointing(self) -> bool:
@@ -85,7 +86,8 @@ class BenchConfig:
     @property
     def label(self) -> str:
         """The layout's name in tables: an MoE run adds its schedule (one layout, several schedules per run)."""
-        return f"{self.layout}[{self.moe_dispatch}]" if self.shape.num_experts else self.layout
+        label = f"{self.layout}[{self.moe_dispatch}]" if self.shape.num_experts else self.layout
+        return label if self.cp_comm == "ring" else f"{label}[{self.cp_comm}]"  # the cp schedule, where not the ring
 
     @property
     def spec(self) -> LayoutSpec:

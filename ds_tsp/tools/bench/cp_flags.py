@@ -55,9 +55,22 @@ def cp_layouts(args: argparse.Namespace, layouts: list[str]) -> list[str]:
     return layouts
 
 
-def cp_configs(configs: list[BenchConfig], cp: int) -> list[BenchConfig]:
-    """tsp_cp gets cp = C (its tsp stays D); every other multi-rank layout runs on C x D ranks (tsp = C x D).
-    Checks the shape against both degrees and against what the cp ring runs (ValueError naming --cp)."""
+def cp_comms(args: argparse.Namespace) -> list[str]:
+    """--cp-comm's schedules of layout tsp_cp (a comma list of ring, all_to_all); ValueError naming the flag."""
+    names = list(dict.fromkeys(n.strip() for n in str(getattr(args, "cp_comm", None) or "ring").split(",")
+                               if n.strip()))
+    bad = [n for n in names if n not in ("ring", "all_to_all")]
+    if bad or not names:
+        raise ValueError(f"--cp-comm: unknown {bad or '(empty)'}; a comma list of ring, all_to_all")
+    if names != ["ring"] and cp_degree(args) == 1:
+        raise ValueError("--cp-comm: the cp schedules of layout tsp_cp; add --cp C (C >= 2)")
+    return names
+
+
+def cp_configs(configs: list[BenchConfig], cp: int, comms: tuple[str, ...] = ("ring",)) -> list[BenchConfig]:
+    """tsp_cp gets cp = C (its tsp stays D), one config per cp schedule in `comms`; every other multi-rank layout
+    runs on C x D ranks (tsp = C x D). Checks the shape against both degrees and against what the cp schedules run
+    (ValueError naming --cp)."""
     if cp == 1:
         return configs
     from ds_tsp.core.errors import TSPConfigError
@@ -65,7 +78,7 @@ def cp_configs(configs: list[BenchConfig], cp: int) -> list[BenchConfig]:
     out = []
     for cfg in configs:
         if cfg.layout == CP_LAYOUT:
-            out.append(replace(cfg, cp=cp))
+            out += [replace(cfg, cp=cp, cp_comm=comm) for comm in comms]
         else:
             out.append(replace(cfg, tsp=cfg.tsp * cp))
     shape = configs[0].shape
@@ -77,6 +90,15 @@ def cp_configs(configs: list[BenchConfig], cp: int) -> list[BenchConfig]:
         raise ValueError(str(exc)) from None
     # always: --cp asks for the cp comparison, even where "all" was narrowed to the TSP layouts (hybrid, MoE)
     check_cp_shape(shape, configs[0].tsp, cp)
+    if "all_to_all" in comms:
+        from ds_tsp.tools.plan import PlanInput
+        from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all
+
+        try:
+            plan_tsp_cp_all_to_all(PlanInput(model=shape, seq=2 * configs[0].tsp * cp, degree=configs[0].tsp,
+                                             dtype="fp32"), cp)
+        except TSPConfigError as exc:
+            raise ValueError(f"--cp {cp} --cp-comm all_to_all: {exc}") from None
     return out
 
 

@@ -4,6 +4,7 @@
   comm_group_bytes          bytes per step and rank inside the layout's own group: tsp_cp's TSP group of D ranks
                             (intra-node in a real run), a peer's one group of C x D ranks
   comm_cp_ring_bytes        tsp_cp only: the layers' bytes on the cp communicator (inter-node in a real run): the
+                            all-to-alls of tsp.cp_comm "all_to_all" (a tsp_cp[all_to_all] row), or the
                             ring's K/V and dK/dV hops, and a hybrid model's Gated DeltaNet halo and transition
                             all-gathers / reduce-scatters over cp (ds_tsp.core.layers.linear_attention.scan)
   comm_cp_grad_sync_bytes   tsp_cp only: the gradient all-reduce over cp (weights are replicated over cp)
@@ -44,7 +45,7 @@ def _split(row: dict) -> dict:
     check = min(gathered, input_check_cp_bytes(row["tsp"], row["cp"]))
     return {"comm_group_bytes": sum(v for k, v in by_kind.items() if not k.startswith(CP_PREFIX)),
             "comm_cp_ring_bytes": by_kind.get(CP_PREFIX + "ring", 0) + by_kind.get(CP_PREFIX + "reduce_scatter", 0)
-            + gathered - check,
+            + by_kind.get(CP_PREFIX + "all_to_all", 0) + gathered - check,
             "comm_cp_grad_sync_bytes": by_kind.get(CP_PREFIX + "grad_sync", 0),
             "comm_cp_input_check_bytes": check}
 
@@ -52,8 +53,10 @@ def _split(row: dict) -> dict:
 def _planned(row: dict, shape) -> dict:
     from ds_tsp.tools.plan import PlanInput
     from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
+    from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all
 
-    plan = plan_tsp_cp(PlanInput(model=shape, seq=row["seq"], batch=row["batch"], degree=row["tsp"], dtype="fp32",
+    schedule = plan_tsp_cp_all_to_all if row.get("cp_comm") == "all_to_all" else plan_tsp_cp
+    plan = schedule(PlanInput(model=shape, seq=row["seq"], batch=row["batch"], degree=row["tsp"], dtype="fp32",
                                  activation_checkpointing=bool(row.get("activation_checkpointing")),
                                  moe_dispatch=row.get("moe_dispatch") or "auto"), row["cp"])
     cp = plan.cp
@@ -76,14 +79,15 @@ def with_cp_fields(rows: Sequence[dict], shape) -> list[dict]:
     def key(r):  # an MoE run measures each schedule: compare like with like
         return r["seq"], bool(r.get("activation_checkpointing")), r.get("moe_dispatch")
 
-    base = {key(r): r for r in ok if r["layout"] == CP_LAYOUT}
+    base = {key(r): r for r in ok if r["layout"] == CP_LAYOUT and r.get("cp_comm", "ring") == "ring"}
     for r in ok:
         ref = base.get(key(r))
         if ref is not None and r.get("max_seq") is None:
             r["step_s_vs_tsp_cp"] = r["step_s"] / ref["step_s"]
             if r.get("cpu_s_per_step") and ref.get("cpu_s_per_step"):
                 r["cpu_s_vs_tsp_cp"] = r["cpu_s_per_step"] / ref["cpu_s_per_step"]
-    max_base = {key(r)[1:]: r for r in out if r["layout"] == CP_LAYOUT and r.get("max_seq")}
+    max_base = {key(r)[1:]: r for r in out if r["layout"] == CP_LAYOUT and r.get("max_seq")
+                and r.get("cp_comm", "ring") == "ring"}
     for r in out:
         ref = max_base.get(key(r)[1:])
         if ref is not None and r.get("max_seq"):

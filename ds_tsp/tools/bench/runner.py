@@ -122,7 +122,7 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         "max_rss_bytes": max(r["max_rss_bytes"] for r in ranks),
         "steps": cfg.steps, "warmup": cfg.warmup,
         "shape": cfg.shape.to_dict(), "setup": ranks[0].get("setup", ""),
-        **ranks[0].get("info", {}), **_moe_fields(cfg),
+        **ranks[0].get("info", {}), **_moe_fields(cfg), **_cp_comm_fields(cfg),
     }
     if "vision_tower" in peak_rank:  # the peak rank's, and every rank's (the ranks encode different items)
         result["vision_tower"] = peak_rank["vision_tower"]
@@ -146,7 +146,7 @@ def failure(cfg: BenchConfig, seq: int, error: str) -> dict:
             "peak_bytes_per_rank": None, "comm_bytes": None, "step_s": None, "tokens_per_s": None,
             "exposed_comm_fraction": None,
             "activation_checkpointing": cfg.checkpointing(),
-            "shape": cfg.shape.to_dict(), **_moe_fields(cfg)}
+            "shape": cfg.shape.to_dict(), **_moe_fields(cfg), **_cp_comm_fields(cfg)}
 
 
 def _moe_fields(cfg: BenchConfig) -> dict:
@@ -154,6 +154,13 @@ def _moe_fields(cfg: BenchConfig) -> dict:
     if not cfg.shape.num_experts:
         return {}
     return {"moe_dispatch": cfg.moe_dispatch, "label": cfg.label, "title": f"{cfg.spec.title} ({cfg.moe_dispatch})"}
+
+
+def _cp_comm_fields(cfg: BenchConfig) -> dict:
+    """Layout tsp_cp's cp schedule (tsp.cp_comm), and its label where one run measures both."""
+    if cfg.cp == 1:
+        return {}
+    return {"cp_comm": cfg.cp_comm, "label": cfg.label}
 
 
 def _short(error: str, limit: int = 4000) -> str:

@@ -55,11 +55,11 @@ class Session:
     def __init__(self, cfg: BenchConfig, options: dict):
         self.cfg = cfg
         checkpointing = cfg.activation_checkpointing == "all"
-        runtime = build_runtime(parse_tsp_config({"size": cfg.tsp, "cp_size": cfg.cp,
+        runtime = build_runtime(parse_tsp_config({"size": cfg.tsp, "cp_size": cfg.cp, "cp_comm": cfg.cp_comm,
                                                   "activation_checkpointing": checkpointing}))
         self.groups, self.comm = runtime.groups, runtime.comm
         # the `tsp` layout's options exactly (memory-optimal), so tsp_cp and tsp run the same schedule per group
-        self.options = tsp_options(options["mode"], checkpointing, cfg.moe_dispatch)
+        self.options = tsp_options(options["mode"], checkpointing, cfg.moe_dispatch).replace(cp_comm=cfg.cp_comm)
         self.model = ShardedCausalLM(cfg.shape, self.comm, options=self.options, data_group=runtime.data_group)
         # weights keyed by (seed, piece, owner block): every cp group holds the same 1/D shards
         self.model.init_weights_(cfg.seed)

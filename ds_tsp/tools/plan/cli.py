@@ -115,6 +115,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--cp", type=_cp_degree, default=None, metavar="C",
                    help="context-parallel degree: C TSP groups of --tsp D (one per node) share each sequence, K/V "
                         "passed around a ring across nodes (layout tsp_cp); with --recommend, 'auto' picks D and C")
+    p.add_argument("--cp-comm", choices=("ring", "all_to_all"), default="ring",
+                   help="with --cp C: the cp schedule planned, K/V around the ring or each head block's heads "
+                        "scattered over the cp groups by all-to-all (tsp.cp_comm; default ring)")
     p.add_argument("--inter-node-gbps", type=positive(float), default=400.0, metavar="G",
                    help="with --cp: inter-node bandwidth per GPU in Gb/s for the cp ring's time (default 400)")
     p.add_argument("--images", type=non_negative(integer), default=0, metavar="N",
@@ -251,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         mode = "--cp" if args.cp is not None else "--recommend" if args.recommend else "--max-seq"
         return _error(f"--images: {mode} does not plan the vision tower yet; plan the layouts (no {mode}) for its "
                       "bytes per rank")
+    if args.cp is None and getattr(args, "cp_comm", "ring") != "ring":
+        return _error(f"--cp-comm {args.cp_comm}: it plans the cp schedule; give --cp C")
     if args.cp is not None:  # TSP x a cp ring (ds_tsp.tools.plan.tsp_cp)
         return _run_cp(args)
     if args.recommend:
@@ -415,6 +420,9 @@ def _run_cp(args: argparse.Namespace) -> int:
         inp, model_name = _plan_input(args)
         rates = {"inter_node_gbps": args.inter_node_gbps, "gpu_tflops": args.gpu_tflops}
         if args.recommend:
+            if args.cp_comm != "ring":
+                raise _UsageError("--cp-comm", "--recommend --cp auto picks D and C for the cp ring; plan "
+                                               "--cp-comm all_to_all with a given --cp C")
             if args.gpu_mem_gib is None or args.devices is None:
                 raise _UsageError("--gpu-mem-gib" if args.gpu_mem_gib is None else "--devices",
                                   "--recommend --cp auto needs --gpu-mem-gib G and --devices N")
@@ -423,6 +431,10 @@ def _run_cp(args: argparse.Namespace) -> int:
             return (choice, tried), inp, model_name
         if args.cp == "auto":
             raise _UsageError("--cp", "--cp auto picks D and C with --recommend; otherwise give --cp C")
+        if args.cp_comm == "all_to_all":  # ds_tsp.tools.plan.tsp_cp_all_to_all
+            from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all
+
+            return plan_tsp_cp_all_to_all(inp, args.cp, gpus_per_node=args.gpus_per_node, **rates), inp, model_name
         return plan_tsp_cp(inp, args.cp, gpus_per_node=args.gpus_per_node, **rates), inp, model_name
 
     built, failed = _or_usage_error(build)
@@ -549,6 +561,10 @@ def _offload_lines(plan) -> list[str]:
 def _cp_lines(plan) -> list[str]:
     """The cp ring's lines: memory per rank, inter- vs intra-node bytes, ring seconds vs the attention they hide."""
     cp = plan.cp
+    if cp.get("cp_comm") == "all_to_all":
+        from ds_tsp.tools.plan.tsp_cp_all_to_all import all_to_all_lines
+
+        return all_to_all_lines(plan)
     hidden = cp["cp_ring_seconds_per_step"] <= cp["overlapped_attention_seconds_per_step"]
     return [
         f"D={cp['tsp']} (TSP inside a node) x C={cp['cp']} (cp ring across nodes): seq {cp['seq_padded']}, "
@@ -556,7 +572,8 @@ def _cp_lines(plan) -> list[str]:
         + (f", host {plan.host_bytes_per_rank / GIB:.2f} GiB per rank (offloaded layer inputs)"
            if plan.host_bytes_per_rank else ""),
         f"per step and rank: inter-node (cp axis) {cp['inter_node_bytes_per_step'] / GIB:.1f} GiB, intra-node (TSP) "
-        f"{cp['intra_node_bytes_per_step'] / GIB:.1f} GiB, grad sync over dp x cp "
+        f"{cp['intra_node_bytes_per_step'] / GIB:.1f} GiB (cp blocks reassembled over TSP "
+        f"{cp.get('intra_node_cp_bytes_per_step', 0) / GIB:.1f} GiB of it), grad sync over dp x cp "
         f"{cp['grad_sync_bytes_per_step'] / GIB:.2f} GiB",
         f"cp ring at {cp['inter_node_gbps']:g} Gb/s per GPU: {cp['cp_ring_seconds_per_step']:.1f} s per step vs "
         f"{cp['overlapped_attention_seconds_per_step']:.1f} s of the attention it overlaps at {cp['gpu_tflops']:g} "

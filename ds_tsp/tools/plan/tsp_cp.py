@@ -5,10 +5,15 @@ ds_tsp.core.tokens.zigzag) and 1/D of every weight; weights are replicated over 
 states go with the data axis (ZeRO over data x cp). So one rank is planned as TSP (plan_tsp) at seq S_pad / C with
 dp x C data ranks, plus the cp ring (ds_tsp.core.layers.attention.cp_ring):
 
-- inter-node bytes: per decoder layer and head block, C-1 hops of the group's gathered K/V of that block
-  (B x S/C x 2 nkv_b x d elements) forward; backward the same K/V hops again plus C-1 hops of its dK/dV (float32
-  accumulators under bf16/fp16); activation checkpointing replays the forward hops. Every TSP rank sends its
-  block's hops on its own NIC (TSP rank p of each group talks to TSP rank p of the next). Sliding-window layers
+- inter-node bytes: per decoder layer and head block, C-1 hops of this rank's 1/D share of its group's K/V of that
+  block (B x S/(CD) x 2 nkv_b x d elements: each token's K/V crosses nodes once) forward; backward the same K/V
+  hops again plus C-1 hops of the share's dK/dV (float32 accumulators under bf16/fp16); activation checkpointing
+  replays the forward hops. Every TSP rank sends its hops on its own NIC (TSP rank p of each group talks to TSP
+  rank p of the next);
+- intra-node bytes the ring adds: each received block reassembled over the TSP group (two all-gathers of the
+  block, per zigzag half), in backward again, plus its dK/dV reduce-scattered to the shares the ring carries back
+  (`intra_node_cp_bytes_per_step`, by kind in `intra_node_cp_bytes_by_kind`; layer terms, or step terms where not
+  every layer takes the full ring). Sliding-window layers
   send only the keys their window reaches (ds_tsp.core.layers.attention.cp_window; tsp_cp_window): their bytes differ
   between cp ranks, so the step's bytes are the busiest rank's (`inter_node_bytes_per_rank` gives each, cp-major);
 - the input check: its fixed-size payloads all-gathered over cp once per step (ds_tsp.core.tokens.input_check.over_cp;
@@ -17,7 +22,8 @@ dp x C data ranks, plus the cp ring (ds_tsp.core.layers.attention.cp_ring):
 - memory: the ring's buffers on top of the TSP peak (conservatively, at the peak phase): two received K/V blocks
   forward; backward also two dK/dV accumulators and one contribution buffer (float32 under bf16);
 - hybrid models (Gated DeltaNet layers): the full-attention layers take the ring above; each Gated DeltaNet layer
-  all-gathers its conv halo and chunk transitions over cp too, O(1) in S (ds_tsp.tools.plan.hybrid_cp); the
+  all-gathers its conv halo and chunk transitions over cp too (each rank its own pieces, then the TSP group
+  gathers the [C, ...] pieces: more intra-node bytes), O(1) in S (ds_tsp.tools.plan.hybrid_cp); the
   layer terms describe the most numerous Gated DeltaNet kind, the other kinds' cp terms come in the step terms;
 - overlap: each hop's transfer runs behind the attention of the previous block: per hop and head block
   c = S/(2CD) queries x S/C keys (zigzag: the same on every rank), 4 c (S/C) nq_b d FLOPs forward, 2.5x that in
@@ -29,8 +35,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ds_tsp.tools.cli_types import GIB, MIB
-from ds_tsp.tools.plan.comm_terms import recompute, term
-from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, hybrid_cp_rows
+from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
+from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, gdn_cp_tsp_terms, hybrid_cp_rows
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
 from ds_tsp.tools.plan.offload import with_offload
@@ -70,17 +76,30 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
     D, C, B, b = inp.degree, cp, inp.batch, inp.dtype_bytes
     acc_b = max(b, 4)  # dK/dV accumulators are float32 under bf16 / fp16
     group_tokens = group.seq  # S_pad / C
-    kv_hop = B * group_tokens * 2 * g.nkv_b * g.dims.d * b
+    kv_hop = B * group_tokens * 2 * g.nkv_b * g.dims.d * b  # one head block's K/V of a whole group
     grad_hop = kv_hop // b * acc_b
+    kv_share, grad_share = kv_hop // D, grad_hop // D  # what a hop carries: one TSP rank's share of the block
     hops = D * (C - 1)  # per layer: every head block's K/V goes around once
-    fwd = [term("cp ring K/V hops", "cp_ring", kv_hop, hops, hops * kv_hop)] if C > 1 else []
-    bwd = ([term("cp ring K/V hops (backward)", "cp_ring", kv_hop, hops, hops * kv_hop),
-            term("cp ring dK/dV hops", "cp_ring", grad_hop, hops, hops * grad_hop)] if C > 1 else [])
+    fwd = [term("cp ring K/V hops (1/D share each)", "cp_ring", kv_share, hops, hops * kv_share)] if C > 1 else []
+    bwd = ([term("cp ring K/V hops (backward, 1/D share each)", "cp_ring", kv_share, hops, hops * kv_share),
+            term("cp ring dK/dV hops (1/D share each)", "cp_ring", grad_share, hops, hops * grad_share)]
+           if C > 1 else [])
+    # intra-node: each received block reassembled over the TSP group (two all-gathers, one per zigzag half), its
+    # dK/dV reduce-scattered to the shares the ring carries back (cp_ring._KVRing, _scatter_grad)
+    half_gather, half_scatter = gather_bytes(kv_hop // 2, D), gather_bytes(grad_hop // 2, D)
+    tsp_fwd = ([term("cp block K/V reassembly all-gather over TSP", "all_gather", kv_hop // 2, 2 * hops,
+                     2 * hops * half_gather)] if C > 1 and D > 1 else [])
+    tsp_bwd = ([term("cp block K/V reassembly all-gather over TSP (backward)", "all_gather", kv_hop // 2, 2 * hops,
+                     2 * hops * half_gather),
+                term("cp block dK/dV reduce-scatter over TSP", "reduce_scatter", grad_hop // 2, 2 * hops,
+                     2 * hops * half_scatter)] if C > 1 and D > 1 else [])
     if inp.activation_checkpointing:
         bwd += recompute(fwd)
-    ring_buffers = min(C - 1, 2)
-    extra_fwd = ring_buffers * kv_hop
-    extra_bwd = ring_buffers * kv_hop + (3 * grad_hop if C > 1 else 0)
+        tsp_bwd += recompute(tsp_fwd)
+    ring_buffers = min(C - 1, 2)  # gathered blocks: one attended, one in flight; plus two shares
+    extra_fwd = ring_buffers * kv_hop + (2 * kv_share if C > 1 else 0)
+    # backward: two dK/dV blocks (one computed, one reduce-scattered) + the second half's reversed copy, two shares
+    extra_bwd = extra_fwd + (5 * grad_hop // 2 + 2 * grad_share if C > 1 else 0)
     extra = max(extra_fwd, extra_bwd, gdn_cp_buffers(group, C) if hybrid else 0)
     layers = base.layers_per_stage
     cp_fwd, cp_bwd = sum(t.bytes for t in fwd), sum(t.bytes for t in bwd)
@@ -113,6 +132,32 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
                           win_bwd // max(calls, 1), 2 * calls, win_bwd)]
         cp_fwd = (full_layers * cp_fwd + win.fwd_bytes[busiest]) // layers
         cp_bwd = (full_layers * cp_bwd + win.bwd_bytes[busiest]) // layers
+    # the intra-node reassembly of the full-attention layers' blocks: layer terms when every layer takes that ring,
+    # else step terms (x the full-attention layers), as hybrid_cp_rows lays out the other kinds
+    intra_cp, intra_by_kind = 0, {}
+    for t in tsp_fwd + tsp_bwd:
+        intra_cp += full_layers * t.bytes
+        intra_by_kind[t.kind] = intra_by_kind.get(t.kind, 0) + full_layers * t.bytes
+    tsp_steps = []
+    if hybrid or win.layers:
+        tsp_steps = [replace(t, name=f"full-attention layers x{full_layers}: {t.name}", calls=t.calls * full_layers,
+                             bytes=t.bytes * full_layers) for t in tsp_fwd + tsp_bwd if full_layers]
+        tsp_fwd, tsp_bwd = [], []
+    if hybrid:  # the Gated DeltaNet layers' TSP stage gathers every cp group's pieces (hybrid_cp.gdn_cp_tsp_terms)
+        n_gdn = sum(t == "linear_attention" for t in inp.model.layer_types)
+        for t in (t for terms in gdn_cp_tsp_terms(group, C) for t in terms):
+            intra_cp += n_gdn * t.bytes
+            intra_by_kind[t.kind] = intra_by_kind.get(t.kind, 0) + n_gdn * t.bytes
+            tsp_steps.append(replace(t, name=f"Gated DeltaNet layers x{n_gdn}: {t.name}", bytes=t.bytes * n_gdn))
+    intra_per_rank = [intra_cp] * (C * D)
+    if win.layers:  # the windowed layers' slices gathered and their dK/dV reduce-scattered over TSP (per rank)
+        intra_per_rank = [intra_cp + g + r for g, r in zip(win.intra_gather, win.intra_scatter)]
+        for kind, n in (("all_gather", win.intra_gather[busiest]), ("reduce_scatter", win.intra_scatter[busiest])):
+            if n:
+                intra_by_kind[kind] = intra_by_kind.get(kind, 0) + n
+                tsp_steps.append(term(f"windowed layers x{win.layers}: cp window slices {kind} over TSP "
+                                      f"(cp rank {busiest // D})", kind, 0, 0, n))
+        intra_cp = intra_per_rank[busiest]
     # attention FLOPs the hops overlap: per hop and block c = S/(2CD) queries x S/C keys x nq_b heads
     c = group_tokens // (2 * D)
     hop_flops = 4 * B * c * group_tokens * g.nq_b * g.dims.d
@@ -125,20 +170,24 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         "inter_node_bytes_per_step": ring_bytes + check, "inter_node_bytes_per_rank": [b + check for b in per_rank],
         "input_check_cp_bytes_per_step": check,
         "windowed_layers": win.layers,
-        "intra_node_bytes_per_step": layers * (base.comm_bytes_per_layer_fwd + base.comm_bytes_per_layer_bwd),
+        "intra_node_bytes_per_step": layers * (base.comm_bytes_per_layer_fwd + base.comm_bytes_per_layer_bwd)
+        + intra_cp,
+        "intra_node_cp_bytes_per_step": intra_cp, "intra_node_cp_bytes_by_kind": intra_by_kind,
+        "intra_node_cp_bytes_per_rank": intra_per_rank,
         "grad_sync_bytes_per_step": base.comm_bytes_per_step - layers * (base.comm_bytes_per_layer_fwd
                                                                          + base.comm_bytes_per_layer_bwd),
-        "ring_buffer_bytes": extra, "kv_hop_bytes": kv_hop,
+        "ring_buffer_bytes": extra, "kv_hop_bytes": kv_share, "kv_block_bytes": kv_hop,
         "inter_node_gbps": inter_node_gbps, "gpu_tflops": gpu_tflops,
         "cp_ring_seconds_per_step": ring_bytes / bytes_per_s,
         "overlapped_attention_seconds_per_step": (full_layers * per_layer_flops + window_flops) / (gpu_tflops * 1e12),
-        "hop_seconds": kv_hop / bytes_per_s, "hop_attention_seconds": hop_flops / (gpu_tflops * 1e12),
+        "hop_seconds": kv_share / bytes_per_s, "hop_attention_seconds": hop_flops / (gpu_tflops * 1e12),
     }
     transients = {phase: size + extra for phase, size in base.transients.items()}
     notes = tuple(n for n in base.notes if not n.startswith("zigzag:")) + (
         f"cp: {C} TSP groups of {D} share each sequence (seq padded to {group_tokens * C}, multiple of 2CD); "
         f"ZeRO / grad sync over dp x cp = {group.dp} ranks",
-        f"cp ring: {hops} K/V hops of {kv_hop / MIB:.1f} MiB per layer forward, twice that (+ dK/dV) backward; "
+        f"cp ring: {hops} K/V hops of {kv_share / MIB:.1f} MiB (1/{D} of a block: each token's K/V crosses "
+        f"nodes once, reassembled over TSP) per layer forward, twice that (+ dK/dV) backward; "
         f"ring buffers {extra / GIB:.2f} GiB added at the peak phase (conservative)",
     ) + ((f"cp: the Gated DeltaNet layers' conv halo and chunk transitions are all-gathered over cp too "
           f"({sum(t.bytes for t in gdn_cp_terms(group, C)[0])} B per layer forward; O(1) in S; "
@@ -151,11 +200,13 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         base, layout="tsp_cp" if C > 1 else base.layout,
         transients_bytes=base.transients_bytes + extra, peak_bytes_per_rank=base.peak_bytes_per_rank + extra,
         transients=transients, phase_bytes={k: v + extra for k, v in base.phase_bytes.items()},
-        comm_bytes_per_layer_fwd=base.comm_bytes_per_layer_fwd + cp_fwd,
-        comm_bytes_per_layer_bwd=base.comm_bytes_per_layer_bwd + cp_bwd,
-        comm_bytes_per_step=base.comm_bytes_per_step + ring_bytes + check,
-        layer_fwd_terms=base.layer_fwd_terms + tuple(fwd), layer_bwd_terms=base.layer_bwd_terms + tuple(bwd),
-        step_terms=base.step_terms + tuple(hybrid_steps) + check_terms, notes=notes, cp=summary), inp, C)
+        comm_bytes_per_layer_fwd=base.comm_bytes_per_layer_fwd + cp_fwd + sum(t.bytes for t in tsp_fwd),
+        comm_bytes_per_layer_bwd=base.comm_bytes_per_layer_bwd + cp_bwd + sum(t.bytes for t in tsp_bwd),
+        comm_bytes_per_step=base.comm_bytes_per_step + ring_bytes + check + intra_cp,
+        layer_fwd_terms=base.layer_fwd_terms + tuple(fwd) + tuple(tsp_fwd),
+        layer_bwd_terms=base.layer_bwd_terms + tuple(bwd) + tuple(tsp_bwd),
+        step_terms=base.step_terms + tuple(hybrid_steps) + tuple(tsp_steps) + check_terms, notes=notes, cp=summary),
+        inp, C)
 
 
 def recommend_tsp_cp(inp: PlanInput, *, devices: int, gpu_mem_bytes: int, gpus_per_node: int = 8,

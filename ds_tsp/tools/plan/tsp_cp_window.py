@@ -2,10 +2,12 @@
 (ds_tsp.core.layers.attention.cp_window).
 
 A layer whose window hides some key of the padded sequence posts, per head block, only the ring distances some
-rank needs (cp_window.window_hops), each carrying the range its receiver needs: forward the K/V each cp rank sends;
-backward the same K/V again plus the dK/dV of the range it received, sent back (accumulation dtype). The ranges
-differ between ranks (the first and last cp groups have fewer neighbours; under a window below one TSP chunk only
-TSP ranks 0 and D-1 reach another group), so the bytes are given per rank; the plan reports the busiest. The
+group needs (cp_window.group_hops), each carrying the hull its receiving group's windows reach, split in D slices
+(one per TSP rank: each key crosses nodes once) and all-gathered over TSP on arrival: forward the K/V slice each
+rank sends; backward the same K/V again plus the dK/dV of the slice it received (reduce-scattered over TSP first),
+sent back (accumulation dtype). The hulls differ between cp groups (the first and last have fewer neighbours), so
+the bytes are given per rank; the plan reports the busiest. Intra-node (TSP) bytes per rank: the slices' gathers
+(forward, backward, the replay) and the dK/dV reduce-scatters (`intra_gather`, `intra_scatter`). The
 attention a windowed layer's hops run behind is the exact count of (query, key) pairs of that rank's own blocks and
 received ranges (window rule, no documents).
 """
@@ -27,6 +29,8 @@ class WindowRing:
     bwd_bytes: tuple[int, ...]  # K/V again + dK/dV back; activation checkpointing's replayed forward included
     hop_calls: tuple[int, ...]  # exchanges per rank and step (forward), over the windowed layers and head blocks
     pairs: tuple[int, ...]  # (query, key) pairs per rank and step the hops run behind (forward, per head block)
+    intra_gather: tuple[int, ...] = ()  # per rank: TSP all-gather bytes of the received slices (all passes)
+    intra_scatter: tuple[int, ...] = ()  # per rank: TSP reduce-scatter bytes of their dK/dV
 
 
 def window_ring(model: ModelShape, seq_padded: int, cp: int, tsp: int, kv_token_bytes: int, grad_token_bytes: int,
@@ -36,22 +40,24 @@ def window_ring(model: ModelShape, seq_padded: int, cp: int, tsp: int, kv_token_
     chunk = seq_padded // (2 * cp * tsp)
     ranks = cp * tsp
     fwd, bwd, calls, pairs, layers = [0] * ranks, [0] * ranks, [0] * ranks, [0] * ranks, 0
+    gathers, scatters = [0] * ranks, [0] * ranks
     for layer in range(model.num_layers if cp > 1 else 0):  # cp = 1: TSP alone, no ring
         window = model.layer_window(layer)
         if not uses_window_path(window, seq_padded):
             continue
         layers += 1
-        for p in range(tsp):
-            n_hops, sent, received = hop_elements(window, cp, tsp, p, chunk)
-            hops = window_hops(window, cp, tsp, p, chunk)
-            for i in range(cp):
-                k = i * tsp + p
-                fwd[k] += tsp * sent[i] * kv_token_bytes  # every head block of the layer
-                kv_sends = sent[i] * kv_token_bytes * (2 if checkpointing else 1)  # backward (+ the replay)
-                bwd[k] += tsp * (kv_sends + received[i] * grad_token_bytes)
-                calls[k] += tsp * sum(1 for s, ranges in hops if _size(ranges[(i + s) % cp]) or _size(ranges[i]))
-                pairs[k] += _overlapped_pairs(window, cp, tsp, chunk, i, p, hops)
-    return WindowRing(layers, tuple(fwd), tuple(bwd), tuple(calls), tuple(pairs))
+        n_calls, sent, gathered = hop_elements(window, cp, tsp, chunk)
+        passes = 2 if checkpointing else 1  # backward's K/V again (+ the replayed forward)
+        for i, p in ((i, p) for i in range(cp) for p in range(tsp)):
+            k = i * tsp + p
+            received = gathered[i] // tsp  # the slice this rank received: its dK/dV go back
+            fwd[k] += tsp * sent[i] * kv_token_bytes  # every head block of the layer
+            bwd[k] += tsp * (passes * sent[i] * kv_token_bytes + received * grad_token_bytes)
+            calls[k] += tsp * n_calls[i]
+            pairs[k] += _overlapped_pairs(window, cp, tsp, chunk, i, p, window_hops(window, cp, tsp, p, chunk))
+            gathers[k] += tsp * (1 + passes) * (tsp - 1) * received * kv_token_bytes
+            scatters[k] += tsp * (tsp - 1) * received * grad_token_bytes
+    return WindowRing(layers, tuple(fwd), tuple(bwd), tuple(calls), tuple(pairs), tuple(gathers), tuple(scatters))
 
 
 def _size(r: tuple[int, int]) -> int:

@@ -1,4 +1,4 @@
-"""Attention across the context-parallel (cp) axis: each TSP group's gathered K/V travels the cp ring (pass-KV).
+"""Attention across the context-parallel (cp) axis: K/V travel the cp ring in 1/D shares, reassembled over TSP.
 
 A sequence is split over C TSP groups (tsp.cp_size; layout in ds_tsp.core.tokens.zigzag): cp group i holds cp chunks
 i and 2C-1-i of the 2C cp chunks (Ccp = S_pad / (2C) tokens each). Inside the group TSP works as alone: every
@@ -9,9 +9,15 @@ per head block, TSP rank p of group i:
 1. own block: attends its two query chunks to its own group's K/V with the kernels TSP uses alone
    (ds_tsp.core.layers.attention.masked), the document starts mapped to cp-local coordinates (`local_layout`);
 2. ring: C-1 hops over the cp group (TSP rank p of every group; one `batch_isend_irecv` per hop and
-   direction, TSPComm.ring_exchange). Hop s brings the K/V of group r = (i - s) mod C and is posted before the
-   previous block's attention runs, so the transfer overlaps it; the received block's partial (out, lse) is merged
-   by log-sum-exp (kernels._merge) into the queries it is visible to.
+   direction, TSPComm.ring_exchange), each carrying only this rank's 1/D SHARE of a group's block: its two zigzag
+   chunks' K/V (`own_share`, local_kv's layout). Hop s brings group r = (i - s) mod C's rank-p share (forwarded at
+   hop s+1), and the TSP group reassembles r's whole block over the fast intra-node link with TSP's own K/V gather
+   (GlobalKVGather: two all-gathers, one per zigzag half, into cp-local order). So each token's K/V crosses the
+   inter-node link once per hop, not once per TSP rank. `_KVRing` keeps two stages in flight: when block s's
+   attention starts, block s+1's gather and the hop bringing block s+2's share are already posted, so both travel
+   behind it (the own block's second query chunk, the larger, runs first, behind hop 1; the first, behind block
+   1's gather and hop 2); the received block's partial (out, lse) is merged by log-sum-exp (kernels._merge) into
+   the queries it is visible to.
 
 Causal skipping, and why zigzag balances the ring: every key of group r != i lies strictly before or strictly
 after each local query chunk (the chunks are whole cp chunks apart), so a foreign block is either unmasked (one
@@ -29,23 +35,27 @@ suffix of the buffer, since r's two chunks are in global order), so each run of 
 unmasked kernel call over a buffer suffix: no [S, S] mask. Linear-attention (Gated DeltaNet) layers do not take
 this ring: their conv halo and chunk transitions are all-gathered over cp (ds_tsp.core.layers.linear_attention.scan).
 Sliding-window layers (a window that hides some key of S_pad) do not take this ring:
-ds_tsp.core.layers.attention.cp_window fetches, per ring distance that some rank needs (a static fact of window, C and
-Ccp, the same on every rank), only the key range each receiver's window reaches, straight from its owner (one exchange
-per distance; distances no rank needs are not posted; dK/dV go back the same way); its module doc has that schedule and
-its bytes. Full layers of the same model keep this ring. MoE layers need nothing here: their experts stay inside the TSP
-group and the aux loss's counts are reduced over cp (functions/moe_aux).
+ds_tsp.core.layers.attention.cp_window fetches, per ring distance that some group needs (a static fact of window, C
+and Ccp, the same on every rank), only the hull of the keys its ranks' windows reach, in D slices gathered over TSP
+(one exchange per distance; distances no group needs are not posted; dK/dV go back the same way); its module doc has
+that schedule and its bytes. Full layers of the same model keep this ring. MoE layers need nothing here: their
+experts stay inside the TSP group and the aux loss's counts are reduced over cp (functions/moe_aux).
 
-Backward (same hops, plus the way back): K/V hops as in forward (posted one block ahead); each rank computes the
-received block's dK/dV contribution with the kernels' backward from the MERGED out / lse (exact partial grads,
-kernels module doc) and adds it to the accumulator that arrived with the previous hop; the accumulator of group
-r's K/V goes around the ring behind the K/V (posted at the start of the next block, so it overlaps that block's
-attention backward) and one last hop brings every group its own K/V's grads from all the others, which are added
-to the TSP group's dK/dV before its reduce-scatter (kv_layout.RankOrderedKVGrad). Accumulators are float32 for
-half-precision K/V (the sum of up to C-1 contributions).
+Backward (same hops, plus the way back): K/V hops and gathers as in forward; each rank computes the received
+block's dK/dV contribution with the kernels' backward from the MERGED out / lse (exact partial grads, kernels
+module doc) into a whole-block buffer, which the TSP group reduce-scatters (`_scatter_grad`, one per zigzag half)
+to each rank's share: the sum over the group's queries of the grads of rank p's share of group r's K/V. That share
+is added to the accumulator that arrived from the previous group and passed on around the ring at 1/D (posted
+after the next block's backward is queued, so the reduce-scatter and the hop travel behind it), and one last hop
+brings every rank its own share's grads from every other group, which are added to the TSP group's dK/dV before
+its reduce-scatter (kv_gather.RankOrderedKVGrad.add_share). Accumulators are float32 for half-precision K/V (the
+sum of up to C-1 contributions).
 
-Traffic per head block (kv group) and rank: forward (C-1) x S_loc x B x 2 nkv d elements, backward twice that
-(K/V again, dK/dV back). Live buffers: two received K/V blocks (one computed on, one in flight), in backward also
-two accumulators and one contribution.
+Traffic per head block (kv group) and rank, with E = S_loc x B x 2 nkv d elements (one group's block):
+inter-node (cp) forward (C-1) x E / D, backward twice that (K/V again, dK/dV back); intra-node (TSP) forward
+(C-1) x (D-1)/D x E (the reassembly gathers), backward that again plus (C-1) x (D-1)/D x E of dK/dV reduce-scatters.
+Live buffers: two gathered blocks (one attended, one in flight) and two shares; in backward also two dK/dV blocks
+(one computed, one being reduce-scattered), the second half's reversed copy and two accumulator shares.
 """
 from __future__ import annotations
 
@@ -55,16 +65,17 @@ import functools
 import torch
 
 from ds_tsp.core.comm.communicator import TSPComm
-from ds_tsp.core.comm.kv_gather import RankOrderedKVGrad, kv_prefix
+from ds_tsp.core.comm.kv_gather import GlobalKVGather, RankOrderedKVGrad, kv_prefix
 from ds_tsp.core.layers.attention import kernels
 from ds_tsp.core.layers.attention.cp_window import uses_window_path, window_attention_backward, window_attention_forward
 from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
 from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.zigzag import zigzag_chunks
 
-__all__ = ["cp_attention_forward", "cp_attention_backward", "local_layout"]
+__all__ = ["cp_attention_forward", "cp_attention_backward", "local_layout", "own_share"]
 
 KV_TAG, GRAD_TAG = 31, 32  # gloo matches p2p by tag (NCCL by post order, the same on every rank)
+OWN_ORDER = (1, 0)  # the own block's larger query chunk (the second: more keys) first, so hop 1 hides behind it
 
 
 def _buffer_offset(a: int, cp_rank: int, cp: int, cp_chunk: int) -> int:
@@ -164,30 +175,74 @@ def _single(layout: DocumentLayout) -> DocumentLayout | None:
 
 
 class _KVRing:
-    """The K/V of every other group of the cp ring, one hop ahead: next() waits for hop s and posts hop s+1."""
+    """The K/V of every other group of the cp ring, each carried across nodes once.
 
-    def __init__(self, cp: TSPComm, kv_all: torch.Tensor, what: str):
-        self.cp, self.what, self.step = cp, what, 0
-        self.buffers = [torch.empty_like(kv_all), torch.empty_like(kv_all)] if cp.size > 2 else [
-            torch.empty_like(kv_all)]
-        self.current = kv_all
-        self.handle = self._post()
+    TSP rank p of group i holds 1/D of its group's K/V: its own two zigzag chunks (`share`, local_kv's
+    [2, c, B, 2, nkv, d]). The cp ring of TSP rank p passes only these shares (pass-KV: hop s brings group
+    (i - s) mod C's rank p share, forwarded at hop s+1), and the TSP group reassembles each received block with
+    the K/V gather TSP uses alone (GlobalKVGather, on the TSP communicator, intra-node). Two stages in flight: at
+    `next()` for block s the gather of block s+1 and the hop bringing block s+2 are posted before block s's
+    attention runs, so both travel behind it; `advance()` (called once between the own group's two query chunks)
+    starts that pipeline."""
 
-    def _post(self):
-        if self.step >= self.cp.size - 1:
+    def __init__(self, comm: TSPComm, cp: TSPComm, kv_all: torch.Tensor, what: str):
+        self.comm, self.cp, self.what = comm, cp, what
+        self.hops_posted, self.gathers = 0, []
+        self.hop = self._post_hop(own_share(kv_all, comm.size, comm.rank))
+
+    def _post_hop(self, send: torch.Tensor):
+        if self.hops_posted >= self.cp.size - 1:
             return None
-        recv = self.buffers[self.step % len(self.buffers)]
-        handle = self.cp.ring_exchange(self.current, recv, KV_TAG,
-                                       what=f"{self.what} cp hop {self.step + 1}/{self.cp.size - 1}")
-        self.pending = recv
-        return handle
+        self.hops_posted += 1
+        recv = torch.empty_like(send)
+        handle = self.cp.ring_exchange(send, recv, KV_TAG,
+                                       what=f"{self.what} cp hop {self.hops_posted}/{self.cp.size - 1}")
+        return handle, recv
+
+    def advance(self) -> None:
+        """Wait for the hop in flight, post the TSP gather of the share it brought and the hop forwarding it."""
+        if self.hop is None:
+            return
+        handle, share = self.hop
+        handle.wait()
+        self.gathers.append(GlobalKVGather(self.comm, share, what=f"{self.what} cp block {self.hops_posted}"))
+        self.hop = self._post_hop(share)
 
     def next(self) -> torch.Tensor:
-        """The K/V of group (i - s) mod C at the s-th call; posts the hop of the (s+1)-th."""
-        self.handle.wait()
-        self.current, self.step = self.pending, self.step + 1
-        self.handle = self._post()
-        return self.current
+        """Group (i - s) mod C's gathered K/V [S_loc, B, 2, nkv, d] at the s-th call; posts the next stages."""
+        if not self.gathers:
+            self.advance()
+        self.advance()
+        return self.gathers.pop(0).wait()
+
+
+def own_share(kv_all: torch.Tensor, tsp: int, tsp_rank: int) -> torch.Tensor:
+    """This TSP rank's two zigzag chunks of its group's gathered K/V [S_loc, ...], as local_kv lays them out:
+    [2, c, ...] (a copy of 1/D of the buffer)."""
+    chunks = kv_all.view(2 * tsp, kv_all.shape[0] // (2 * tsp), *kv_all.shape[1:])
+    return torch.stack((chunks[tsp_rank], chunks[2 * tsp - 1 - tsp_rank]))
+
+
+def _scatter_grad(comm: TSPComm, grad: torch.Tensor, what: str):
+    """Post the reduce-scatter over the TSP group of a group's dK/dV [S_loc, ...] (global order): returns (this
+    rank's share of the sum, [2, c, ...] as own_share lays it out, handle). One reduce-scatter per zigzag half,
+    as GlobalKVGather gathers them: the first half is in rank order already, the second reversed."""
+    D = comm.size
+    half = grad.shape[0] // 2
+    out = grad.new_empty((2, half // D, *grad.shape[1:]))
+    second = grad[half:].view(D, half // D, *grad.shape[1:]).flip(0)
+    handles = [comm.reduce_scatter(out[0], grad[:half], what=f"{what}, first zigzag half"),
+               comm.reduce_scatter(out[1], second, what=f"{what}, second zigzag half")]
+    return out, _Handles(handles)
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
 
 
 def cp_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, *, doc_starts: DocumentLayout,
@@ -202,19 +257,20 @@ def cp_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, *
         return window_attention_forward(q, kv_all, comm, cp, doc_starts=doc_starts, window=window, scale=scale,
                                         backend=backend)
     geo = _Geometry(cp, comm.rank, comm.size, L)
-    ring = _KVRing(cp, kv_all, "K/V")
+    ring = _KVRing(comm, cp, kv_all, "K/V")
     own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)
-    outs, lses = [], []
-    for local, start, _ in geo.queries:  # own block, while hop 1 is in flight
+    outs, lses = [None, None], [None, None]
+    for chunk in OWN_ORDER:  # own block, while hop 1 (then block 1's gather and hop 2) are in flight
+        local, start, _ = geo.queries[chunk]
         k_all, v_all = kv_prefix(kv_all, start + geo.c)
-        o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=own, window=None,
-                                          scale=scale, backend=backend)
-        outs.append(o)
-        lses.append(lse)
+        outs[chunk], lses[chunk] = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=own,
+                                                            window=None, scale=scale, backend=backend)
+        if chunk == OWN_ORDER[0]:
+            ring.advance()
     impl = kernels._backend_impl(backend, q)
     layout = _single(doc_starts)
     for s in range(1, cp.size):
-        buffer, r = ring.next(), (cp.rank - s) % cp.size  # next hop posted: it runs behind this block
+        buffer, r = ring.next(), (cp.rank - s) % cp.size  # the next stages posted: they run behind this block
         for chunk, n_keys in geo.visible(r):
             local, _, t0 = geo.queries[chunk]
             qc, oc, lc = q[:, local], outs[chunk], lses[chunk]
@@ -239,28 +295,27 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Ten
         return window_attention_backward(dout, q, kv_all, out, lses, kv_grad, comm, cp, doc_starts=doc_starts,
                                          window=window, scale=scale, backend=backend)
     geo = _Geometry(cp, comm.rank, comm.size, L)
-    ring = _KVRing(cp, kv_all, "K/V (backward)")
+    ring = _KVRing(comm, cp, kv_all, "K/V (backward)")
     own = local_layout(doc_starts, cp.size, cp.rank, geo.cp_chunk)
     acc = kernels.accumulation_dtype(q.dtype)
-    dq_chunks = []
-    for (local, start, _), lse in zip(geo.queries, lses):
+    dq_chunks = [None, None]
+    for chunk in OWN_ORDER:
+        local, start, _ = geo.queries[chunk]
         k_all, v_all = kv_prefix(kv_all, start + geo.c)
-        dq_c, dk_c, dv_c = masked_attention_backward(dout[:, local], q[:, local], k_all, v_all, out[:, local], lse,
-                                                     q_start=start, doc_starts=own, window=None, scale=scale,
-                                                     backend=backend)
-        dq_chunks.append(dq_c.to(acc))
+        dq_c, dk_c, dv_c = masked_attention_backward(dout[:, local], q[:, local], k_all, v_all, out[:, local],
+                                                     lses[chunk], q_start=start, doc_starts=own, window=None,
+                                                     scale=scale, backend=backend)
+        dq_chunks[chunk] = dq_c.to(acc)
         kv_grad.add(dk_c, dv_c)
+        if chunk == OWN_ORDER[0]:
+            ring.advance()
     impl = kernels._backend_impl(backend, q)
     layout = _single(doc_starts)
-    grad_shape, grad_dtype = kv_all.shape, acc
-    inbox = [torch.empty(grad_shape, dtype=grad_dtype, device=kv_all.device) for _ in range(2)]
-    carried, grad_hop = None, None  # the accumulator this rank passes on, and the hop bringing the next one
+    scattered = None  # (share of block s-1's dK/dV, its reduce-scatter): summed and sent on behind block s
+    carried_hop = None  # (handle, inbox): the accumulator of block s-1's group arriving from the previous group
     for s in range(1, cp.size):
         buffer, r = ring.next(), (cp.rank - s) % cp.size
-        if carried is not None:  # the previous block's accumulator travels while this block's backward runs
-            received = inbox[s % 2]
-            grad_hop = cp.ring_exchange(carried, received, GRAD_TAG, what=f"dK/dV cp hop {s - 1}/{cp.size - 1}")
-        mine = torch.zeros(grad_shape, dtype=grad_dtype, device=kv_all.device)  # this rank's part for group r
+        mine = torch.zeros(kv_all.shape, dtype=acc, device=kv_all.device)  # this rank's part for group r
         for chunk, n_keys in geo.visible(r):
             local, _, t0 = geo.queries[chunk]
             for rows, runs in _runs(layout, B, t0, geo.c, r, geo, n_keys):
@@ -274,13 +329,25 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Ten
                         dk, dv = _kv_keys(mine[:, row], k0, n_keys)
                         dk += gk
                         dv += gv
-        if grad_hop is not None:
-            grad_hop.wait()
-            mine += received
-        carried = mine
-    if carried is not None:  # the last hop brings each group the grads of its own K/V from every other group
-        home = inbox[cp.size % 2]
-        cp.ring_exchange(carried, home, GRAD_TAG, what=f"dK/dV cp hop {cp.size - 1}/{cp.size - 1}").wait()
-        dk, dv = kv_prefix(home.to(kv_all.dtype), home.shape[0])
-        kv_grad.add(dk, dv)
+        if scattered is not None:  # block s-1's accumulator moves on while block s+1's backward runs
+            carried_hop = _pass_on(cp, scattered, carried_hop, s)
+        scattered = _scatter_grad(comm, mine, f"dK/dV cp block {s}")  # behind block s+1's backward
+    if scattered is not None:  # the last hop brings each group its own K/V's grads from every other group
+        inbox, handle = _pass_on(cp, scattered, carried_hop, cp.size)
+        handle.wait()
+        kv_grad.add_share(comm.rank, inbox.to(kv_all.dtype))
     return [d.to(q.dtype) for d in dq_chunks]
+
+
+def _pass_on(cp: TSPComm, scattered, carried_hop, s: int):
+    """This rank's share of a group's dK/dV summed over this group's TSP ranks (the reduce-scatter) and over the
+    groups before it on the ring (the accumulator arriving with `carried_hop`), posted to the next group; returns
+    (the inbox receiving the previous group's accumulator, the hop's handle)."""
+    share, scatter = scattered
+    scatter.wait()
+    if carried_hop is not None:
+        inbox, handle = carried_hop
+        handle.wait()
+        share += inbox
+    inbox = torch.empty_like(share)
+    return inbox, cp.ring_exchange(share, inbox, GRAD_TAG, what=f"dK/dV cp hop {s - 1}/{cp.size - 1}")

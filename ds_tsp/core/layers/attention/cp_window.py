@@ -8,18 +8,23 @@ the keys some window of this rank's queries reaches. Zigzag puts those neighbour
 chunk 1 (in cp chunk i) reaches back into cp chunk i-1 (group i-1's first half), query chunk 2 (in cp chunk
 2C-1-i) into cp chunk 2C-2-i (group i+1's second half). Pass-KV would forward every block C-1 hops to bring group
 i+1 round; instead hop s is one exchange at ring distance s (TSPComm.shift_exchange: send to i+s, receive from
-i-s, one batch_isend_irecv) carrying exactly the range the receiver needs of the sender's own buffer:
+i-s, one batch_isend_irecv) carrying, of the sender's own buffer, a slice of what the receiving group needs. A
+rank's own need is
 
     needed(i, p <- r) = the hull, in r's buffer coordinates, of r's keys in [q0 - w + 1, q0 + c - 1] for the
                         global starts q0 of rank (i, p)'s two query chunks (keys of r after a query chunk are
                         after all of it: cp chunks are whole chunks apart).
 
-It is a static fact of (w, C, D, p, c), computed once per ring (`window_hops`) and the same on every rank of that
-ring, so they post the same hops in the same order in forward and backward: hop s is posted at all iff some pair
-of the ring at distance s needs a key, and a pair whose range is empty posts nothing on either side. A window below
-one TSP chunk reaches another group only from the query chunks that start a cp chunk (TSP ranks 0 and D-1): the
-other TSP ranks' rings post nothing, and those two move w - 1 keys per neighbour. Windows spanning several chunks
-reach further, up to the full causal ranges (then half of a past group's buffer, not all of it as pass-KV sends).
+It is a static fact of (w, C, D, p, c), computed once per ring (`window_hops`). What crosses nodes is decided
+per GROUP (`group_hops`): the hull of its D ranks' ranges from sender r, padded to D slices of m keys inside r's
+buffer; TSP rank p of the sender sends slice p to TSP rank p of the receiver (one exchange at distance s), which
+all-gathers the D slices over TSP (intra-node) and reads its own range from the hull. So a key that several TSP
+ranks' windows reach crosses nodes once, not once per rank. Every rank of a ring and of a group computes the same
+lists, so they post the same hops and gathers in the same order in forward and backward: hop s is posted at all
+iff some group needs a key at distance s, and a pair of groups whose hull is empty posts nothing on either side.
+A window below one TSP chunk reaches another group only from the query chunks that start a cp chunk (TSP ranks 0
+and D-1): w - 1 keys per neighbour, in D slices. Windows spanning several chunks reach further, up to the full
+causal ranges (then half of a past group's buffer, not all of it as pass-KV sends).
 Full-attention layers (window None, or >= S_pad) take cp_ring's pass-KV ring.
 
 Per query chunk the own group's keys come first: the keys of its own cp chunk with
@@ -32,13 +37,15 @@ document run (queries [u0, u1) of the document starting at a; lo = max(a, g0)) i
                           (t < g1 + w - 1; later queries see none of the segment)   (document_attention's trick)
 
 merged into the chunk's (out, lse) by log-sum-exp. No [S, S] mask; blocks are host ints, cached per layout.
-Backward runs the same blocks with the merged (out, lse) (exact partial grads, kernels module doc); a received
-range's dK/dV go straight back to their owner by the reverse exchange (distance -s, posted after the block, so it
-runs behind the next block's backward), and are added with the own blocks' grads into the TSP group's dK/dV.
+Backward runs the same blocks with the merged (out, lse) (exact partial grads, kernels module doc) into a hull-
+shaped dK/dV buffer, which the group reduce-scatters over TSP to the slices; slice p's grads go straight back to
+TSP rank p of their owner group by the reverse exchange (distance -s, posted after the block, so it runs behind
+the next block's backward), and are added with the own blocks' grads into the TSP group's dK/dV.
 
-Traffic per head block (kv group) and rank: forward sum over hops of the range this rank sends, x B x 2 nkv d
-elements; backward the same K/V again plus the same number of dK/dV elements back (in the accumulation dtype:
-float32 for half precision). `hop_elements` gives these counts for ds-tsp plan.
+Traffic per head block (kv group) and rank: inter-node forward sum over hops of the slice this rank sends (m
+tokens) x B x 2 nkv d elements; backward the same K/V again plus its received slice's dK/dV back (in the
+accumulation dtype: float32 for half precision); intra-node the received slices' all-gathers ((D-1) m tokens each,
+forward and backward) and their dK/dV reduce-scatters. `hop_elements` gives these counts for ds-tsp plan.
 """
 from __future__ import annotations
 
@@ -79,6 +86,31 @@ def window_hops(window: int, cp: int, tsp: int, tsp_rank: int, chunk: int
     return tuple(hops)
 
 
+@functools.lru_cache(maxsize=256)
+def group_hops(window: int, cp: int, tsp: int, chunk: int) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """What crosses nodes per ring distance: (distance s, per receiving cp rank i (start, m)): its TSP group needs,
+    of sender (i - s) mod C's buffer, the hull of what its D ranks' windows reach (window_hops of each), padded to
+    D slices of m keys, [start, start + D m) inside the buffer (the padding is real keys nobody reads); TSP rank p
+    of each side moves slice p, and the receiving group all-gathers the slices over TSP. (0, 0): nothing. The same
+    list on every rank; distances no group needs are left out."""
+    cp_chunk, hops = tsp * chunk, []
+    for s in range(1, cp):
+        spans = []
+        for i in range(cp):
+            ranges = [_needed(window, cp, tsp, chunk, query_starts(cp, i, tsp, p, chunk), (i - s) % cp)
+                      for p in range(tsp)]
+            ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+            if not ranges:
+                spans.append((0, 0))
+                continue
+            lo, hi = min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
+            m = -(-(hi - lo) // tsp)
+            spans.append((min(lo, 2 * cp_chunk - tsp * m), m))
+        if any(m for _, m in spans):
+            hops.append((s, tuple(spans)))
+    return tuple(hops)
+
+
 def query_starts(cp: int, i: int, tsp: int, tsp_rank: int, chunk: int) -> tuple[int, int]:
     """Global starts of the two query chunks (`chunk` tokens each) of TSP rank tsp_rank of cp group i."""
     first, second = zigzag_chunks(tsp, tsp_rank)
@@ -103,13 +135,14 @@ def _halves(cp: int, cp_chunk: int, r: int) -> tuple[tuple[int, int], tuple[int,
     return (0, r * cp_chunk), (cp_chunk, (2 * cp - 1 - r) * cp_chunk)
 
 
-def hop_elements(window: int, cp: int, tsp: int, tsp_rank: int, chunk: int) -> tuple[int, list[int], list[int]]:
-    """(hops posted, tokens each cp rank sends, tokens it receives) per head block in forward, on TSP rank
-    tsp_rank's ring: what ds-tsp plan counts."""
-    hops = window_hops(window, cp, tsp, tsp_rank, chunk)
-    sent = [sum(_size(ranges[(i + s) % cp]) for s, ranges in hops) for i in range(cp)]
-    received = [sum(_size(ranges[i]) for _, ranges in hops) for i in range(cp)]
-    return len(hops), sent, received
+def hop_elements(window: int, cp: int, tsp: int, chunk: int) -> tuple[list[int], list[int], list[int]]:
+    """Per cp rank (every TSP rank of a group the same), per head block in forward: (exchanges posted, tokens it
+    sends across nodes, tokens its group gathers over TSP (D m per received slice m)): what ds-tsp plan counts."""
+    hops = group_hops(window, cp, tsp, chunk)
+    calls = [sum(1 for s, spans in hops if spans[(i + s) % cp][1] or spans[i][1]) for i in range(cp)]
+    sent = [sum(spans[(i + s) % cp][1] for s, spans in hops) for i in range(cp)]
+    gathered = [sum(tsp * spans[i][1] for _, spans in hops) for i in range(cp)]
+    return calls, sent, gathered
 
 
 def _size(r: tuple[int, int]) -> int:
@@ -240,32 +273,43 @@ def _segment_backward(dout, q, out, lses, dq_chunks, chunks: _Chunks, kv: torch.
 
 
 class _Fetch:
-    """The received ranges of every posted hop, one hop ahead: next() waits for hop h and posts hop h+1."""
+    """The hull each group_hops hop brings this rank's group, one hop ahead: next() waits for hop h's slice, posts
+    hop h+1, and gathers the group's slices over TSP into the hull [D m, B, 2, nkv, d] (None when this group
+    receives nothing at that distance)."""
 
-    def __init__(self, cp: TSPComm, kv_all: torch.Tensor, hops, what: str):
-        self.cp, self.kv_all, self.hops, self.what, self.step = cp, kv_all, hops, what, 0
+    def __init__(self, comm: TSPComm, cp: TSPComm, kv_all: torch.Tensor, hops, what: str):
+        self.comm, self.cp, self.kv_all, self.hops, self.what, self.step = comm, cp, kv_all, hops, what, 0
         self.pending = self._post(0)
 
     def _post(self, h: int):
         if h >= len(self.hops):
             return None
-        s, ranges = self.hops[h]
-        i, C = self.cp.rank, self.cp.size
-        lo, hi = ranges[(i + s) % C]  # what the rank at distance s needs of this rank's buffer
-        send = self.kv_all[lo:hi].contiguous() if hi > lo else None
-        lo, hi = ranges[i]
-        recv = self.kv_all.new_empty((hi - lo, *self.kv_all.shape[1:])) if hi > lo else None
+        s, spans = self.hops[h]
+        i, C, p = self.cp.rank, self.cp.size, self.comm.rank
+        start, m = spans[(i + s) % C]  # what the group at distance s needs of this group's buffer: slice p of it
+        send = self.kv_all[start + p * m:start + (p + 1) * m].contiguous() if m else None
+        m = spans[i][1]
+        recv = self.kv_all.new_empty((m, *self.kv_all.shape[1:])) if m else None
         handle = self.cp.shift_exchange(send, recv, s, KV_TAG,
                                         what=f"{self.what} cp hop {h + 1}/{len(self.hops)} (window, distance {s})")
         return handle, recv
 
     def next(self) -> torch.Tensor | None:
-        """The range received at hop h (None when this rank needs none of it); posts hop h+1."""
         handle, recv = self.pending
         handle.wait()
         self.step += 1
         self.pending = self._post(self.step)
-        return recv
+        if recv is None:
+            return None
+        hull = recv.new_empty((self.comm.size * recv.shape[0], *recv.shape[1:]))
+        self.comm.all_gather(hull, recv, what=f"{self.what} cp window slices (hop {self.step})").wait()
+        return hull
+
+
+def _my_range(own_hops: dict, s: int, i: int) -> tuple[int, int]:
+    """This rank's range of the sender's buffer at distance s (window_hops), (0, 0) when it needs none."""
+    ranges = own_hops.get(s)
+    return ranges[i] if ranges is not None else (0, 0)
 
 
 def window_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPComm, cp: TSPComm, *,
@@ -274,8 +318,9 @@ def window_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPCom
     """cp_ring.cp_attention_forward for a windowed layer (same arguments and results; cp: comm's cp ring)."""
     chunks = _Chunks(cp.size, cp.rank, comm.size, comm.rank, q.shape[1])
     C, i, Ccp = cp.size, cp.rank, chunks.cp_chunk
-    hops = window_hops(window, C, comm.size, comm.rank, chunks.c)
-    fetch = _Fetch(cp, kv_all, hops, "K/V")
+    hops = group_hops(window, C, comm.size, chunks.c)
+    own_hops = dict(window_hops(window, C, comm.size, comm.rank, chunks.c))
+    fetch = _Fetch(comm, cp, kv_all, hops, "K/V")
     outs, lses = [], []
     for local, t0, g, base in chunks.queries:  # the own cp chunk of each query chunk, while hop 1 is in flight
         k_own, v_own = kv_prefix(kv_all[base:], t0 - g + chunks.c)
@@ -288,10 +333,11 @@ def window_attention_forward(q: torch.Tensor, kv_all: torch.Tensor, comm: TSPCom
     own_past = kv_all[:Ccp]  # cp chunk i, past of query chunk 2
     _segment_forward(q, outs, lses, chunks, own_past, i * Ccp, (i + 1) * Ccp, doc_starts, window, scale, impl,
                      backend)
-    for s, ranges in hops:
-        received, (lo, hi) = fetch.next(), ranges[i]
-        if received is None:
+    for s, spans in hops:
+        hull, (lo, hi) = fetch.next(), _my_range(own_hops, s, i)
+        if hull is None or hi <= lo:
             continue
+        received = hull[lo - spans[i][0]:hi - spans[i][0]]
         for offset, g0, g1 in _segments(C, Ccp, (i - s) % C, lo, hi):
             _segment_forward(q, outs, lses, chunks, received[offset:offset + g1 - g0], g0, g1, doc_starts, window,
                              scale, impl, backend)
@@ -305,9 +351,10 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch
     """cp_ring.cp_attention_backward for a windowed layer: dq of the two query chunks; this group's dK/dV (its
     own blocks' and the other groups', sent back) added into kv_grad."""
     chunks = _Chunks(cp.size, cp.rank, comm.size, comm.rank, q.shape[1])
-    C, i, Ccp = cp.size, cp.rank, chunks.cp_chunk
-    hops = window_hops(window, C, comm.size, comm.rank, chunks.c)
-    fetch = _Fetch(cp, kv_all, hops, "K/V (backward)")
+    C, i, Ccp, p = cp.size, cp.rank, chunks.cp_chunk, comm.rank
+    hops = group_hops(window, C, comm.size, chunks.c)
+    own_hops = dict(window_hops(window, C, comm.size, comm.rank, chunks.c))
+    fetch = _Fetch(comm, cp, kv_all, hops, "K/V (backward)")
     acc = kernels.accumulation_dtype(q.dtype)
     own_grad = torch.zeros(kv_all.shape, dtype=acc, device=kv_all.device)  # dK/dV of this group's buffer
     dq_chunks = []
@@ -325,19 +372,25 @@ def window_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch
     _segment_backward(dout, q, out, lses, dq_chunks, chunks, kv_all[:Ccp], own_grad[:Ccp], i * Ccp, (i + 1) * Ccp,
                       doc_starts, window, scale, impl, backend)
     returning = None  # (handle, inbox, lo, hi): the previous hop's grads coming home, behind this block
-    for h, (s, ranges) in enumerate(hops):
-        received, (lo, hi) = fetch.next(), ranges[i]
-        grad = None
-        if received is not None:
-            grad = torch.zeros(received.shape, dtype=acc, device=kv_all.device)
-            for offset, g0, g1 in _segments(C, Ccp, (i - s) % C, lo, hi):
-                _segment_backward(dout, q, out, lses, dq_chunks, chunks, received[offset:offset + g1 - g0],
-                                  grad[offset:offset + g1 - g0], g0, g1, doc_starts, window, scale, impl, backend)
+    for h, (s, spans) in enumerate(hops):
+        hull, (lo, hi) = fetch.next(), _my_range(own_hops, s, i)
+        share = None
+        if hull is not None:  # this rank's grads of the hull, summed over the group onto slice p (reduce-scatter)
+            grad = torch.zeros(hull.shape, dtype=acc, device=kv_all.device)
+            if hi > lo:
+                start = spans[i][0]
+                for offset, g0, g1 in _segments(C, Ccp, (i - s) % C, lo, hi):
+                    k0 = lo - start + offset
+                    _segment_backward(dout, q, out, lses, dq_chunks, chunks, hull[k0:k0 + g1 - g0],
+                                      grad[k0:k0 + g1 - g0], g0, g1, doc_starts, window, scale, impl, backend)
+            share = grad.new_empty((spans[i][1], *grad.shape[1:]))
+            comm.reduce_scatter(share, grad, what=f"dK/dV cp window slices (hop {h + 1})").wait()
         if returning is not None:
             _add_returned(own_grad, *returning)
-        sent_lo, sent_hi = ranges[(i + s) % C]  # the range this rank sent at this hop: its grads come back
-        inbox = own_grad.new_empty((sent_hi - sent_lo, *own_grad.shape[1:])) if sent_hi > sent_lo else None
-        handle = cp.shift_exchange(grad, inbox, -s, GRAD_TAG,
+        sent_start, m = spans[(i + s) % C]  # the slice this rank sent at this hop: its grads come back
+        sent_lo, sent_hi = sent_start + p * m, sent_start + (p + 1) * m
+        inbox = own_grad.new_empty((m, *own_grad.shape[1:])) if m else None
+        handle = cp.shift_exchange(share, inbox, -s, GRAD_TAG,
                                    what=f"dK/dV cp hop {h + 1}/{len(hops)} (window, distance {s})")
         returning = (handle, inbox, sent_lo, sent_hi)
     if returning is not None:

@@ -77,7 +77,10 @@ With a context-parallel axis (comm.cp, tsp.cp_size > 1) the kernel calls on a bl
 ds_tsp.core.layers.attention.cp_ring's: the same own-group attention plus the other cp groups' K/V around the cp ring
 (its hops on comm.cp, posted one block ahead inside the call; backward also returns their dK/dV into this group's
 rank-ordered buffer before its reduce-scatter). The table above is unchanged; doc_starts is then the whole sequence's
-layout.
+layout. With spec.cp_comm "all_to_all" a kv group's K/V source is instead cp_all_to_all.A2AKVGather (its local K/V
+all-to-all over cp posted where the gather is, the TSP all-gather of this rank's cp heads when the group starts), the
+kernel calls are cp_all_to_all's (q / out all-to-alls around the whole sequence's attention of its cp heads) and the
+group's dK/dV go back through A2AKVGrad (reduce-scatter over TSP, then the inverse all-to-all over cp).
 """
 from __future__ import annotations
 
@@ -91,6 +94,13 @@ from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.kv_gather import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
 from ds_tsp.core.comm.primitives import ShardGradReducer, ShardStream
 from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
+from ds_tsp.core.layers.attention.cp_all_to_all import (
+    A2AKVGather,
+    A2AKVGrad,
+    HeadSplit,
+    a2a_attention_backward,
+    a2a_attention_forward,
+)
 from ds_tsp.core.layers.attention.cp_ring import cp_attention_backward, cp_attention_forward
 from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
 from ds_tsp.core.layers.attention.projection_norm import (
@@ -148,6 +158,7 @@ class AttentionSpec:
     # (ds_tsp.core.layers.attention.projection_norm)
     projection_norm: bool = False
     sinks: bool = False  # GPT-OSS: a learned logit per query head in the softmax's denominator (attention.sinks)
+    cp_comm: str = "ring"  # with a cp axis: K/V around the cp ring, or "all_to_all" (heads scattered over cp)
 
     @property
     def scale(self) -> float:
@@ -259,6 +270,23 @@ def _kv_group(j: int, spec: AttentionSpec) -> tuple[bool, bool]:
     return j % r == 0, j % r == r - 1
 
 
+def _all_to_all(comm: TSPComm, spec: AttentionSpec) -> bool:
+    """A cp axis with the all-to-all schedule (ds_tsp.core.layers.attention.cp_all_to_all)."""
+    return comm.cp is not None and spec.cp_comm == "all_to_all"
+
+
+def _head_split(spec: AttentionSpec, comm: TSPComm) -> HeadSplit:
+    return HeadSplit(spec.heads_per_block, spec.kv_heads_per_block, comm.cp.size)
+
+
+def _kv_gather(comm: TSPComm, kv_local: torch.Tensor, spec: AttentionSpec):
+    """A kv group's K/V source (wait() gives the buffer): over the TSP group in global order, or under the cp
+    all-to-all the whole sequence's K/V of this rank's cp heads."""
+    if _all_to_all(comm, spec):
+        return A2AKVGather(comm, kv_local, _head_split(spec, comm))
+    return GlobalKVGather(comm, kv_local)
+
+
 def _kv_weights(w: dict) -> dict:
     """A copy of the kv projection weights of a block: kept past the block (for its deferred dK/dV), not the shard."""
     return {n: w[n].clone() for n in ("wk", "wv", "bk", "bv") if n in w}
@@ -287,7 +315,7 @@ class _TSPAttention(torch.autograd.Function):
                                                                          sin, k_norm_of(g))
 
         kv_local = group_kv(0, lambda: shards.take(0))
-        gather = GlobalKVGather(comm, kv_local)
+        gather = _kv_gather(comm, kv_local, spec)
         kv_all, exported = None, []
         for j in range(D):
             shards.next_block(j)
@@ -295,7 +323,7 @@ class _TSPAttention(torch.autograd.Function):
             first, last = _kv_group(j, spec)
             if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
                 next_local = group_kv(j // spec.kv_replicas + 1, lambda: shards.take(j + 1))
-                next_gather = GlobalKVGather(comm, next_local)
+                next_gather = _kv_gather(comm, next_local, spec)
             q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
             if first:
                 kv_all = gather.wait()
@@ -303,7 +331,10 @@ class _TSPAttention(torch.autograd.Function):
                     exported.append(kv_local)
                 group = {"kv_all": kv_all, "kv_local": kv_local}
                 saved_groups += [group[name] for name in spec.saved_per_kv_group()]
-            if comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
+            if _all_to_all(comm, spec):  # this rank's cp heads over the whole sequence (cp_all_to_all)
+                out, lses = a2a_attention_forward(q, kv_all, comm, _head_split(spec, comm), doc_starts=doc_starts,
+                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+            elif comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
                 out, lses = cp_attention_forward(q, kv_all, comm, doc_starts=doc_starts, window=spec.window,
                                                  scale=spec.scale, backend=spec.kernel_backend)
             else:
@@ -375,8 +406,8 @@ class _TSPAttention(torch.autograd.Function):
             if spec.keep_gathered_kv:
                 return group["kv_all"]
             kv_local = kv_in[g] if kv_in is not None else group.get("kv_local")
-            return GlobalKVGather(comm, kv_local if kv_local is not None
-                                  else _project_kv(x, w, spec, cos, sin, k_norm_of(g)))
+            return _kv_gather(comm, kv_local if kv_local is not None
+                              else _project_kv(x, w, spec, cos, sin, k_norm_of(g)), spec)
 
         def finish_group(pending):
             """A kv group's reduce-scattered dK/dV -> dx, its kv weight grads (into its last block's grad, which
@@ -447,8 +478,14 @@ class _TSPAttention(torch.autograd.Function):
             if first:
                 kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()
                 kv_source = None
-                dkv = RankOrderedKVGrad(kv_all, D)  # summed over the group's blocks, scattered once
-            if comm.cp is not None:  # and the other cp groups' dK/dV of this group's K/V come back around it
+                # summed over the group's blocks, scattered once (all-to-all: the whole sequence's of its cp heads)
+                dkv = (A2AKVGrad(kv_all, comm, _head_split(spec, comm), spec.kv_heads_per_block)
+                       if _all_to_all(comm, spec) else RankOrderedKVGrad(kv_all, D))
+            if _all_to_all(comm, spec):
+                dq_chunks = a2a_attention_backward(dout, q, kv_all, out, lses, dkv, comm, _head_split(spec, comm),
+                                                   doc_starts=doc_starts, window=spec.window, scale=spec.scale,
+                                                   backend=spec.kernel_backend)
+            elif comm.cp is not None:  # and the other cp groups' dK/dV of this group's K/V come back around it
                 dq_chunks = cp_attention_backward(dout, q, kv_all, out, lses, dkv, comm, doc_starts=doc_starts,
                                                   window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
             else:

@@ -21,9 +21,9 @@ Schedule (like TSP attention: the weights travel, every rank computes its own to
         per local chunk (every row at once, document starts cut inside the kernel): chunked delta rule from a zero
             state -> o_local, q_eff (o = o_local + q_eff S_in) and the chunk's transition (M, U)
             (ds_tsp.core.layers.linear_attention.delta_rule)
-        all-gather the transitions (with cp: then over cp too), posted at once and waited only after block j+1's
-            chunks above have run (TransitionGather: the gather travels behind them; the cp stage is posted as
-            soon as the TSP stage is in); compose all 2D (2CD) in sequence order -> S_in of both local chunks
+        all-gather the transitions (with cp: over cp first, then over TSP), posted at once and waited only after
+            block j+1's chunks above have run (TransitionGather: the gather travels behind them; the TSP stage is
+            posted as soon as the cp stage is in); compose all 2D (2CD) in sequence order -> S_in of both local chunks
         o = o_local + q_eff @ S_in (q_eff is 0 from a chunk's first document start on); gated RMSNorm;
         y += o @ Wout_j^T
 The chunk kernel: on CUDA in fp16 / bf16 flash-linear-attention's chunk_gated_delta_rule when installed (one call

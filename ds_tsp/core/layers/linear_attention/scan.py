@@ -11,12 +11,14 @@ in several chunks when c < K-1); the recurrent state entering chunk g is a funct
 Every rank then composes the 2D transitions in sequence order itself (2D small GEMMs): no ring, no second round.
 
 With a cp axis (C TSP groups share the sequence, `comm.cp`; layout in ds_tsp.core.tokens.zigzag) the sequence is 2CD
-chunks and rank (i, p) holds global chunks `cp_global_chunks(D, p, C, i)`. Both gathers then take a second stage:
-the TSP group's gathered [D, 2, ...] is all-gathered over the cp group into [C, D, 2, ...] (`cp_chunk_slot` says
-where each global chunk lies in it), so a halo or a state from a chunk of another cp group arrives; the autograd
-dual reduce-scatters over cp, then over TSP (posted on every rank, same order). Every rank composes all 2CD
-transitions itself. cp bytes per rank: (C-1) D 2 B min(c, K-1) h for the halo (once a layer) and
-(C-1) D 2 B H_block dk (dk + dv) for the transitions (per block): O(1) in S. Without a cp axis nothing changes.
+chunks and rank (i, p) holds global chunks `cp_global_chunks(D, p, C, i)`. Both gathers then take two stages:
+this rank's own piece is all-gathered over the cp group first ([C, 2, ...]: each piece crosses nodes once, not
+once per TSP rank), then that over the TSP group ([D, C, 2, ...], used as its [C, D, 2, ...] view:
+`cp_chunk_slot` says where each global chunk lies in it), so a halo or a state from a chunk of another cp group
+arrives; the autograd dual reduce-scatters over TSP, then over cp (posted on every rank, same order). Every rank
+composes all 2CD transitions itself. cp bytes per rank: (C-1) 2 B min(c, K-1) h for the halo (once a layer) and
+(C-1) 2 B H_block dk (dk + dv) for the transitions (per block); the TSP stage moves (D-1) C x those, intra-node:
+O(1) in S. Without a cp axis nothing changes.
 
 Packed documents (`ChunkPlan`): a document start resets the state (`reset`: the chunk kernel cuts it exactly, see
 ds_tsp.core.layers.linear_attention.delta_rule) and the conv (taps never read a token of an earlier document:
@@ -55,10 +57,13 @@ class _GatherAll(torch.autograd.Function):
 
 def gather_all(local: torch.Tensor, comm: TSPComm, what: str) -> torch.Tensor:
     """forward: all-gather over the TSP group into [D, *local.shape]; backward: reduce-scatter (sum).
-    With a cp axis (comm.cp) a second stage gathers that over the cp group: [C, D, *local.shape] (backward:
-    reduce-scatter over cp, then over TSP)."""
-    group = _GatherAll.apply(local, comm, what, False)
-    return group if comm.cp is None else _GatherAll.apply(group, comm, f"{what} over cp", True)
+    With a cp axis (comm.cp) every cp group's: [C, D, *local.shape], gathered over cp FIRST (this rank's own
+    `local`: each piece crosses nodes once) and then over the TSP group ([D, C, ...], returned as its [C, D, ...]
+    view); backward: reduce-scatter over TSP, then over cp."""
+    if comm.cp is None:
+        return _GatherAll.apply(local, comm, what, False)
+    ring = _GatherAll.apply(local, comm, f"{what} over cp", True)
+    return _GatherAll.apply(ring, comm, what, False).transpose(0, 1)
 
 
 def global_chunk_slot(chunk: int, tsp: int) -> tuple[int, int]:
@@ -150,12 +155,14 @@ def chunk_plans(doc_rows: tuple[tuple[int, ...], ...], rank: int, tsp: int, loca
 
 class TransitionGather:
     """Every rank's [2, B, H, dk, dk + dv] chunk transitions (M | U), rank order: [D, 2, B, H, dk, dk + dv]; with a
-    cp axis then gathered over cp too: [C, D, 2, B, H, dk, dk + dv] (cp rank order).
+    cp axis every cp group's: [C, D, 2, B, H, dk, dk + dv] (cp rank order), gathered over cp first (this rank's
+    own transitions: each crosses nodes once, not D times) and then over the TSP group ([D, C, ...], waited as its
+    [C, D, ...] view).
 
     Posted on construction and waited when the states are needed (`wait`), so the gather travels while the caller
-    computes (the next head block's chunks); with cp, `advance` moves it on to the cp stage as soon as the TSP stage
+    computes (the next head block's chunks); with cp, `advance` moves it on to the TSP stage as soon as the cp stage
     is in (call it before the overlapped compute, so both stages travel behind it). Every rank posts the same
-    stages in the same order: construction, then the cp stage at its first advance or wait.
+    stages in the same order: construction, then the TSP stage at its first advance or wait.
     Not differentiable by itself: the layer's backward posts the dual (`TransitionGradScatter`) on every rank
     unconditionally, also where its own chunks do not depend on the state (a rank whose chunks all start
     documents), so every rank posts the same collectives."""
@@ -163,24 +170,28 @@ class TransitionGather:
     WHAT = "gated delta rule chunk transitions"
 
     def __init__(self, local_transitions: torch.Tensor, comm: TSPComm):
-        self.comm = comm
-        self.everyone = local_transitions.new_empty((comm.size, *local_transitions.shape))
-        self.handle = comm.all_gather(self.everyone, local_transitions.detach().contiguous(), what=self.WHAT)
-        self.sequence = None
+        self.comm, self.ring = comm, None
+        local = local_transitions.detach().contiguous()
+        if comm.cp is None:
+            self.everyone = local.new_empty((comm.size, *local.shape))
+            self.handle = comm.all_gather(self.everyone, local, what=self.WHAT)
+        else:
+            cp = comm.cp_axis()
+            self.ring = local.new_empty((cp.size, *local.shape))
+            self.handle = cp.all_gather(self.ring, local, what=f"{self.WHAT} over cp")
 
     def advance(self) -> None:
-        """With cp: wait for the TSP stage and post the cp stage (once); without cp nothing to do."""
-        if self.comm.cp is None or self.sequence is not None:
+        """With cp: wait for the cp stage and post the TSP stage (once); without cp nothing to do."""
+        if self.ring is None:
             return
         self.handle.wait()
-        cp = self.comm.cp_axis()
-        self.sequence = self.everyone.new_empty((cp.size, *self.everyone.shape))
-        self.handle = cp.all_gather(self.sequence, self.everyone, what=f"{self.WHAT} over cp")
+        self.everyone = self.ring.new_empty((self.comm.size, *self.ring.shape))
+        self.handle, self.ring = self.comm.all_gather(self.everyone, self.ring, what=self.WHAT), None
 
     def wait(self) -> torch.Tensor:
         self.advance()
         self.handle.wait()
-        return self.everyone if self.sequence is None else self.sequence
+        return self.everyone if self.comm.cp is None else self.everyone.transpose(0, 1)
 
 
 def gather_transitions(local_transitions: torch.Tensor, comm: TSPComm) -> torch.Tensor:
@@ -190,28 +201,25 @@ def gather_transitions(local_transitions: torch.Tensor, comm: TSPComm) -> torch.
 
 class TransitionGradScatter:
     """Backward of TransitionGather: the sum over ranks (of the TSP group and, with cp, of every cp group) of the
-    grads of this rank's transitions: reduce-scatter over cp first, then over TSP. Posted on construction (the
-    first stage), waited by `wait` (with cp the TSP stage is posted there), so it travels behind the caller's work."""
+    grads of this rank's transitions: reduce-scatter over TSP first ([C, D, ...] grads taken as [D, C, ...]), then
+    over cp (the dual of the gather's order: each rank's share crosses nodes once). Posted on construction (the
+    first stage), waited by `wait` (with cp the cp stage is posted there), so it travels behind the caller's work."""
 
     WHAT = "grad of gated delta rule chunk transitions"
 
     def __init__(self, grad_everyone: torch.Tensor, comm: TSPComm):
-        self.comm, self.cp_stage = comm, None
+        self.comm, self.cp_pending = comm, comm.cp is not None
         if comm.cp is not None:
-            cp = comm.cp_axis()
-            self.cp_stage = grad_everyone.new_empty(grad_everyone.shape[1:])
-            self.handle = cp.reduce_scatter(self.cp_stage, grad_everyone.contiguous(), what=f"{self.WHAT} over cp")
-        else:
-            self.handle = self._post(grad_everyone)
-
-    def _post(self, grad_group: torch.Tensor):
-        self.out = grad_group.new_empty(grad_group.shape[1:])
-        return self.comm.reduce_scatter(self.out, grad_group.contiguous(), what=self.WHAT)
+            grad_everyone = grad_everyone.transpose(0, 1)  # [D, C, ...]: rank order over TSP
+        self.out = grad_everyone.new_empty(grad_everyone.shape[1:])
+        self.handle = comm.reduce_scatter(self.out, grad_everyone.contiguous(), what=self.WHAT)
 
     def wait(self) -> torch.Tensor:
         self.handle.wait()
-        if self.cp_stage is not None:
-            self.handle, self.cp_stage = self._post(self.cp_stage), None
+        if self.cp_pending:  # [C, ...] summed over the TSP group: the sum over cp of this rank's piece
+            self.cp_pending, tsp_stage = False, self.out
+            self.out = tsp_stage.new_empty(tsp_stage.shape[1:])
+            self.handle = self.comm.cp_axis().reduce_scatter(self.out, tsp_stage, what=f"{self.WHAT} over cp")
             self.handle.wait()
         return self.out
 
