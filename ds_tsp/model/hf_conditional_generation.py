@@ -15,6 +15,8 @@ What runs where (D = TSP degree):
 * the vision tower is transformers' own module, replicated on the TSP group; each rank encodes a contiguous 1/D of
   the images (balanced by patch count) and an all-to-all brings each vision token's embedding to the rank holding
   that token (ds_tsp.core.layers.vision); the tower's weight grads are summed over the group inside backward;
+  under DeepSpeed ZeRO-3 the tower is partitioned over the data group like the language model's shards, gathered by
+  ZeRO-3's hooks, and every rank runs it twice per step (images, videos: a placeholder item where it has none);
 * positions: the 3-D mrope positions of the whole batch by transformers' get_rope_index rule
   (ds_tsp.core.tokens.mrope), computed once per step and sharded with the tokens; a batch with no grid takes
   transformers' text positions (0..S-1 on all three rows).
@@ -26,8 +28,10 @@ The loss is the one a single device computes (token mean over labels != -100, la
 backward gives every rank its share of every gradient, the vision tower's (summed, whole) included, so a plain
 torch optimizer over model.parameters() trains it exactly.
 
-Videos (pixel_values_videos, video_grid_thw) take the same path as images: whole videos are the items each rank
-encodes, their frames' positions restart h and w per frame (the timestamps between frames are text).
+Videos (pixel_values_videos, video_grid_thw) take the same path as images: their frames (temporal patches) are
+the items each rank encodes, so one long video is shared by the ranks (the tower attends within a frame and repeats
+a video's patch positions per frame, so a (t, h, w) video encodes exactly as t (1, h, w) items); the frames'
+language-model positions restart h and w per frame (the timestamps between frames are text).
 
 Packed documents: position_ids [B, S] counting from 0 per document (DataCollatorWithFlattening's); attention and
 the Gated DeltaNet state stay inside each document and the multimodal positions restart per document, so the
@@ -46,6 +50,7 @@ TSPDataLoader shards (tsp_shard), TRL's fused head, frozen tower weights of an i
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -59,7 +64,7 @@ from ds_tsp.core.shape.hf_config import import_transformers, language_model_conf
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.mrope import mrope_cos_sin, mrope_positions
 from ds_tsp.core.tokens.positions import RopeTables, StepRope
-from ds_tsp.core.tokens.vision_route import plan_vision_route
+from ds_tsp.core.tokens.vision_route import frame_items, plan_vision_route
 from ds_tsp.core.tokens.zigzag import pad_to, shard, shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.model.hf_causal_lm import _HARMLESS_KWARGS, TSPForCausalLM, _resolve_dtype, as_comm
@@ -166,7 +171,13 @@ class TSPForConditionalGeneration(nn.Module):
         if self.tsp.comm.cp is not None:
             raise TSPConfigError(f"tsp.cp_size={self.tsp.comm.cp.size} with TSPForConditionalGeneration: a cp axis "
                                  "is not supported for multimodal models yet; use cp_size 1")
-        vision = import_transformers().AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
+        # built whole, as the language model's shards are, also under a live HF ZeRO-3 config (TrainingArguments(
+        # deepspeed=<stage 3>)), whose zero.Init would partition it at construction: DeepSpeed partitions it over
+        # the data group at deepspeed.initialize, after the checkpoint's weights are in
+        transformers = import_transformers()
+        whole = getattr(transformers.modeling_utils, "set_zero3_state", contextlib.nullcontext)
+        with whole():
+            vision = transformers.AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
         self.visual = vision.to(device=device, dtype=dtype)
         if options.activation_checkpointing:
             self._checkpoint_tower(True)
@@ -306,7 +317,8 @@ class TSPForConditionalGeneration(nn.Module):
         local = shard(pad_to(positions, padded, 0, dim=2), comm.size, comm.rank, dim=2).to(input_ids.device)
         cos, sin = mrope_cos_sin(local, shape.full_rotary_dim, shape.rope_theta, self.dtype, self.mrope_section,
                                  shape.rope_scaling)
-        embeds, after_layer = self._vision_embeds(modalities, padded) if modalities else (None, None)
+        zero3 = any(hasattr(p, "ds_id") for p in self.visual.parameters())  # every step runs the tower (below)
+        embeds, after_layer = self._vision_embeds(modalities, padded, zero3) if modalities or zero3 else (None, None)
         shift_labels = full["shift_labels"] if labels is not None else None
         mask = full.get("attention_mask")
         # Qwen3.5-MoE: transformers' load-balancing loss over the whole batch when the config asks for it
@@ -337,15 +349,30 @@ class TSPForConditionalGeneration(nn.Module):
         return outputs.MoeCausalLMOutputWithPast(loss=loss, logits=logits,
                                                  aux_loss=sequence_aux_loss(aux_share, self.tsp.comm))
 
-    def _vision_embeds(self, modalities, padded_len):
+    def _vision_embeds(self, modalities, padded_len, zero3: bool = False):
         """The embedding hook: per modality (images, then videos, as transformers scatters them), this rank encodes
         its run of items, the all-to-all routes every vision token's embedding to the rank holding it, and they
         replace the placeholders' text embeddings. Every route is planned and copied to the device here, at the
-        model's entry, before the layers run."""
+        model's entry, before the layers run.
+
+        zero3 (the tower partitioned by DeepSpeed ZeRO-3 over the data group): ZeRO-3's gathers are collectives
+        over ranks holding other batches, so every rank runs the tower exactly twice per step, once per modality
+        (images, videos), whatever its batch holds: a rank with nothing of a modality to encode runs one smallest
+        item, a (1, m, m) grid of zero pixels, and keeps none of it (zero grads)."""
         comm, device = self.tsp.comm, self.device
         vision_dtype = next(self.visual.parameters()).dtype
-        plans = []
+        m = self.spatial_merge_size
+        unit = torch.tensor([[1, m, m]])
+        v = self.config.vision_config
+        width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        placeholder = (torch.zeros((m * m, width), dtype=vision_dtype, device=device), unit.to(device),
+                       self._tower_inputs(unit, device)) if zero3 else None
+        plans, absent = [], []
+        if zero3:
+            present = {field for *_, field in modalities}
+            absent = [field for field in ("image_grid_thw", "video_grid_thw") if field not in present]
         for pixels, grid, tokens, field in modalities:
+            grid = frame_items(grid)  # video frames are the items: one long video is shared by the ranks
             route = plan_vision_route(tokens, grid, self.spatial_merge_size, padded_len, comm.size, comm.rank,
                                       field=field)
             (first, end), (lo, hi) = route.items, route.patches
@@ -368,8 +395,11 @@ class TSPForConditionalGeneration(nn.Module):
         def embeds(h):
             hidden = h.shape[-1]
             empty = torch.zeros((0, hidden * (1 + self.deepstack)), dtype=vision_dtype, device=device)
+            stand_in = None if placeholder is None else encoder(placeholder)
+            for _ in absent:  # ZeRO-3: the modality the batch lacks still runs the tower once (docstring)
+                h = h + encode_replicated(self.visual, encoder(None), empty, comm, placeholder=stand_in).sum()
             for part, send_order, local_index, route in plans:
-                encoded = encode_replicated(self.visual, encoder(part), empty, comm)
+                encoded = encode_replicated(self.visual, encoder(part), empty, comm, placeholder=stand_in)
                 rows = all_to_all_rows(encoded[send_order], comm, route.in_splits, route.out_splits)
                 h = scatter_vision_rows(h, rows[:, :hidden], local_index)
                 if self.deepstack:

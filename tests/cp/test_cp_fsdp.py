@@ -20,7 +20,7 @@
 - resolve_setup: the FSDP2 launcher's parallelism_config_cp_size is tsp.cp_size; the plain setup's cp_size keyword;
   a cp_size keyword beside a DeepSpeed / FSDP2 launch config is refused by name.
 One 4-rank spawn runs all of it (module fixture), one 1-rank spawn the references. The data 2 x cp 2 x tsp 2 (8
-ranks) FSDP2 run is marked slow.
+ranks) FSDP2 run is marked slow; data 2 x cp 2 x tsp 1 runs in the 4-rank spawn.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def _reference_run(data_size: int) -> dict:
 
 
 # --- FSDP2 beside cp, ShardedCausalLM on raw shards --------------------------------------------------------------
-def _fsdp_cp_run(data: int = 1) -> dict:
+def _fsdp_cp_run(data: int = 1, tsp: int = 2) -> dict:
     import torch.distributed as dist
 
     from ds_tsp.core.comm.communicator import TSPComm
@@ -99,7 +99,7 @@ def _fsdp_cp_run(data: int = 1) -> dict:
     from ds_tsp.integrations.fsdp import shard_with_fsdp2
     from ds_tsp.model.causal_lm import ShardedCausalLM
 
-    runtime = build_runtime(parse_tsp_config({"size": 2, "cp_size": 2}))
+    runtime = build_runtime(parse_tsp_config({"size": tsp, "cp_size": 2}))
     groups = runtime.groups
     assert groups.data_size == data, groups
     out = {}
@@ -167,7 +167,8 @@ def _four_ranks(model_dir: str, workdir: str) -> dict:
 
     from ds_tsp.accelerate import TSPAccelerator
 
-    result = {"fsdp": _fsdp_cp_run()}
+    # data 2 x cp 2 at tsp 1 on the same 4 ranks: FSDP2's mesh spans data x cp with two replicas
+    result = {"fsdp": _fsdp_cp_run(), "fsdp_data2": _fsdp_cp_run(2, tsp=1)}
     # plain: two micro-batches per step, so the gradients are averaged over cp once, at the accumulation boundary;
     # save_state after step 1, then resumed by a fresh TSPAccelerator, and refused at tsp 4 x cp 1
     result["plain"] = _accelerate_loop(model_dir, f"{workdir}/plain", functools.partial(TSPAccelerator, cp_size=2),
@@ -243,7 +244,8 @@ def _deepspeed_state(model_dir: str, workdir: str) -> dict:
 
 
 def _references(model_dir: str, workdir: str) -> dict:
-    return {"fsdp": _reference_run(1), "fsdp2_accelerator": _accelerate_loop(model_dir, f"{workdir}/reference"),
+    return {"fsdp": _reference_run(1), "fsdp_data2": _reference_run(2),
+            "fsdp2_accelerator": _accelerate_loop(model_dir, f"{workdir}/reference"),
             "plain": _accelerate_loop(model_dir, f"{workdir}/reference_acc2", accumulation=2)}
 
 
@@ -280,6 +282,13 @@ def _assert_fsdp_matches(want: dict, got: list[dict], mesh_size: int) -> None:
 def test_fsdp2_beside_cp_matches_one_device_in_float64(runs):
     reference, cp, _ = runs
     _assert_fsdp_matches(reference["fsdp"], [r["fsdp"] for r in cp], mesh_size=2)  # data 1 x cp 2
+
+
+def test_fsdp2_over_data2_x_cp2_matches_one_device_in_float64(runs):
+    """The slow 8-rank test below at tsp 1: FSDP2 shards over data x cp (4 ranks), two data replicas of MICRO
+    samples each, against one device on both replicas' samples."""
+    reference, cp, _ = runs
+    _assert_fsdp_matches(reference["fsdp_data2"], [r["fsdp_data2"] for r in cp], mesh_size=4)
 
 
 def test_fsdp2_refuses_a_model_without_the_cp_ring(runs):

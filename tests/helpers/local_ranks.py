@@ -36,7 +36,8 @@ from ds_tsp.core.parallel import launch
 PRELOAD = ["torch", "torch.distributed", "pytest", "numpy", "ds_tsp", "ds_tsp.hf", "ds_tsp.testing",
            "ds_tsp.model.causal_lm", "deepspeed", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.qwen3_moe.modeling_qwen3_moe",
-           "transformers.models.mixtral.modeling_mixtral", "safetensors.torch"]
+           "transformers.models.mixtral.modeling_mixtral", "safetensors.torch",
+           "transformers.trainer", "accelerate", "peft"]  # the rank functions that build a Trainer or a PEFT model
 
 
 def _in_caller_environ(caller_environ: dict[str, str], target: Callable[..., Any], *args: Any) -> Any:

@@ -3,13 +3,12 @@ Qwen3_5ForCausalLM, float64; and the hybrid config parsing.
 
 The gated full-attention layer (q_proj emits [q, gate] per head, output * sigmoid(gate) before o_proj; partial
 rotary on the first half of every head; zero-centred (1 + w) q/k norms and decoder norms) runs through the TSP
-attention. Default suite: D=1 (loss and every gradient within 1e-10, measured ~1e-15), config parsing and its
-errors, mrope = plain RoPE for text positions (bit for bit), a multimodal checkpoint loaded as its language model.
-Under --runslow, one 4-rank spawn: D=2 (both halves, different cases) and D=4 for a plain batch, packed documents
-and left/right padding, the D=4 save reloaded by transformers, per-rank parameter counts; and TSPTrainer at TSP=2
-against the plain Trainer (examples/hf_trainer.py, fp32, 1e-5). (The default suite's
-multi-rank proof of this layer runs inside the hybrid models of tests/hybrid/test_hybrid_gdn.py, whose second layer is
-this gated attention, at D=2 and D=4.)
+attention: D=1 (loss and every gradient within 1e-10, measured ~1e-15), config parsing and its errors, mrope = plain
+RoPE for text positions (bit for bit), a multimodal checkpoint loaded as its language model; one 4-rank spawn: D=2
+(both halves, different cases) and D=4 for a plain batch, packed documents and left/right padding, the D=4 save
+reloaded by transformers, per-rank parameter counts; and TSPTrainer at TSP=2 against the plain Trainer
+(examples/hf_trainer.py, fp32, 1e-5). (The hybrid models of tests/hybrid/test_hybrid_gdn.py, whose second layer is
+this gated attention, run it at D=2 and D=4 too.)
 """
 from __future__ import annotations
 
@@ -144,7 +143,6 @@ def test_d1_matches_transformers(checkpoint, reference):
     assert_matches(got, hf_loss_and_grads(reference, inputs["input_ids"], shift(inputs["labels"])), "D=1")
 
 
-@pytest.mark.slow
 def test_d2_and_d4_match_transformers(runs, reference):
     results, _ = runs
     inputs = plain_inputs()
@@ -153,7 +151,6 @@ def test_d2_and_d4_match_transformers(runs, reference):
         assert_matches(results[("plain", degree)], ref, ("plain", degree))
 
 
-@pytest.mark.slow
 def test_packed_documents_equal_each_document_alone(runs, reference):
     results, _ = runs
     data = packed_inputs()
@@ -164,14 +161,12 @@ def test_packed_documents_equal_each_document_alone(runs, reference):
     assert rel(crossing[0], per_document[0]) > 1e-4  # attention across documents would not pass above
 
 
-@pytest.mark.slow
 def test_left_and_right_padding_equal_the_unpadded_run(runs, reference):
     results, _ = runs
     ids, _ = padding_inputs()
     assert_matches(results[("padding", 2)], hf_loss_and_grads(reference, ids, shift(ids.clone())), "padding")
 
 
-@pytest.mark.slow
 def test_per_rank_parameters_are_one_dth_of_the_sharded_tensors(runs, reference):
     """Counted from transformers' own tensors (hybrid_tiny.expected_per_rank_parameters): q_proj with its gate rows,
     o, MLP 1/D; k/v 1/min(D, kv heads); vocab tables ceil(V/D) rows; norms whole."""
@@ -180,7 +175,6 @@ def test_per_rank_parameters_are_one_dth_of_the_sharded_tensors(runs, reference)
         assert results[key][2] == expected_per_rank_parameters(reference, degree), degree
 
 
-@pytest.mark.slow
 def test_save_pretrained_reloads_in_transformers_with_identical_logits(runs, reference, checkpoint):
     _, saved = runs
     config = json.loads(open(f"{saved}/config.json").read())
@@ -257,10 +251,9 @@ def test_in_memory_model_and_lora_on_the_gated_attention(tmp_path):
         to_tsp_model(gdn_lora, TSPComm.single(), dtype=torch.float64)
 
 
-@pytest.mark.slow
 def test_tsp_trainer_equals_the_plain_trainer_on_a_hybrid_model(tmp_path):
     """examples/hf_trainer.py on a tiny Qwen3.5 (a Gated DeltaNet layer, then gated attention), fp32: TSPTrainer at
-    TSP=2 (torchrun, tsp.json) logs the plain single-process Trainer's losses per step (1e-5; measured ~1e-7).
+    TSP=2 (torchrun's ranks, tsp.json) logs the plain single-process Trainer's losses per step (1e-5; measured ~1e-7).
     Unpacked rows: transformers' pure-torch Gated DeltaNet ignores packed-document boundaries (only
     flash-linear-attention honours cu_seq_lens), so a packed plain Trainer on CPU is not the reference TSP matches."""
     pytest.importorskip("deepspeed")

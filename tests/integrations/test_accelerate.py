@@ -20,6 +20,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
+from warm_python import python_command, python_exec  # noqa: E402
+
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
 from ds_tsp.integrations.accelerate.launch_config import resolve_setup  # noqa: E402
 
@@ -30,7 +32,8 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OF
 
 def _run(launch: list[str], out: Path, *extra: str) -> list[dict]:
     cmd = [*launch, *SCRIPT, "--output_dir", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    # the Accelerate launcher runs as itself; its workers (and the references) fork from the warm interpreter
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**ENV, **python_exec()}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -47,7 +50,7 @@ def _steps(lines):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("acc") / "reference"
-    return out, _run([sys.executable], out, "--checkpoint_at", "2")
+    return out, _run(python_command(0), out, "--checkpoint_at", "2")
 
 
 def _close(a: float, b: float, tol: float = 1e-5) -> bool:
@@ -104,7 +107,7 @@ def test_frozen_layers_with_an_optimizer_on_the_trainable_parameters(tmp_path):
     """requires_grad set on the HF model carries to the TSP shards; the optimizer built on the trainable parameters
     only is accepted; exactly the unfrozen tensors move, as in the single-process run (DeepSpeed ZeRO-2, TSP=2)."""
     extra = ["--max_steps", "3", "--trainable", "model.layers.1.,model.norm."]  # its embedding and head are tied
-    reference = _run([sys.executable], tmp_path / "ref", *extra)
+    reference = _run(python_command(0), tmp_path / "ref", *extra)
     lines = _run(_accelerate("accelerate_tsp.yaml", 2), tmp_path / "tsp", *extra)
     for g, w in zip(_steps(lines), _steps(reference), strict=True):
         assert _close(g["loss"], w["loss"]) and _close(g["grad_norm"], w["grad_norm"], 1e-4), (g, w)

@@ -185,8 +185,9 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
 # --- the tests -------------------------------------------------------------------------------------------------
 def _launch(out: Path, model: Path, tokenizer: Path, ds_config: Path | None, nproc: int,
             cases: str) -> subprocess.Popen:
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  "--nproc_per_node", str(nproc)]
+    from warm_python import python_command
+
+    launch = python_command(0 if nproc == 1 else nproc)  # plain python, or torchrun's ranks (warm_python.py)
     argv = [str(out), str(model), str(tokenizer), str(ds_config) if ds_config else "", cases]
     return subprocess.Popen([*launch, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ENV, cwd=ROOT)

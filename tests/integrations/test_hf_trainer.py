@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +31,10 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OF
 
 def _run(out: Path, *args: str, processes: int = 1, trace: Path | None = None) -> list[dict]:
     """trace: record every rank's collectives there (tests/helpers/traced_run.py) for the NCCL-rules replay."""
-    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node", str(processes)]
+    from warm_python import python_command
+
+    # python, or torchrun's ranks (warm_python.py); a traced run starts fresh interpreters (see python_command)
+    launch = python_command(0 if processes == 1 else processes, fresh=trace is not None)
     traced = [str(ROOT / "tests" / "helpers" / "traced_run.py"), str(trace)] if trace is not None else []
     proc = subprocess.run([*launch, *traced, SCRIPT, "--output_dir", str(out), *args], capture_output=True,
                           text=True, timeout=600, env=ENV, cwd=ROOT)

@@ -119,8 +119,10 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
 def _launch(out: Path, model: Path, tokenizer: Path, ds_config: Path | None = None,
             nproc: int = 1, trace: Path | None = None) -> subprocess.Popen:
     """trace: record every rank's collectives there (tests/helpers/traced_run.py) for the NCCL-rules replay."""
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  "--nproc_per_node", str(nproc)]
+    from warm_python import python_command
+
+    # plain python, or torchrun's ranks (warm_python.py); a traced run starts fresh interpreters (python_command)
+    launch = python_command(0 if nproc == 1 else nproc, fresh=trace is not None)
     argv = [str(out), str(model), str(tokenizer)] + ([str(ds_config)] if ds_config else [])
     traced = [str(ROOT / "tests" / "helpers" / "traced_run.py"), str(trace)] if trace is not None else []
     return subprocess.Popen([*launch, *traced, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

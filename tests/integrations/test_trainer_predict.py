@@ -114,8 +114,9 @@ def main(out: str, model_dir: str, ds_config: str | None = None) -> None:
 
 # --- the test ----------------------------------------------------------------------------------------------------
 def _launch(out: Path, model: Path, ds_config: Path | None = None) -> subprocess.Popen:
-    launch = [sys.executable] if ds_config is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                         "--nproc_per_node", "2"]
+    from warm_python import python_command
+
+    launch = python_command(0 if ds_config is None else 2)  # plain python, or torchrun's ranks (warm_python.py)
     argv = [str(out), str(model)] + ([str(ds_config)] if ds_config else [])
     return subprocess.Popen([*launch, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ENV, cwd=ROOT)

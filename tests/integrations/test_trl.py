@@ -169,9 +169,10 @@ def fused_call(directory: str) -> dict:
 # --- the tests -------------------------------------------------------------------------------------------------
 def _launch(out: Path, model: Path, tokenizer: Path, ds_config: Path | None = None,
             fused: Path | None = None, processes: int | None = None, cases: str = "") -> subprocess.Popen:
+    from warm_python import python_command
+
     processes = processes or (1 if ds_config is None else 2)
-    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node", str(processes)]
+    launch = python_command(0 if processes == 1 else processes)  # plain python, or torchrun's ranks
     argv = [str(out), str(model), str(tokenizer)] + ([str(ds_config or ""), str(fused or "")] if ds_config or cases
                                                      else [])
     argv += [cases] if cases else []

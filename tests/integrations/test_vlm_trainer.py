@@ -9,6 +9,9 @@ placeholder span (vision start, n image tokens, vision end) is built from its gr
 concatenated in batch order, image_grid_thw, mm_token_type_ids, and labels with -100 on the image tokens and the
 padding (as transformers' Qwen-VL recipes mask them).
 A VLM under TRL's trainers is refused by name (what to use instead in the message).
+Under --runslow: TSP=2 x data 2 (ZeRO-2) against the plain Trainer on 2 processes; DeepSpeed ZeRO-3 with every
+weight partitioned (the tower's gathered by ZeRO-3's hooks) at TSP=2 x data 2 against the plain Trainer under the
+same ZeRO-3; and TSPAccelerator.prepare on the VLM in a hand-written loop against the same loop on one process.
 
 Run as a script, this file is the worker: `python tests/integrations/test_vlm_trainer.py OUT.json MODEL [DS_CONFIG]`
 (the reference and TSP=2 launches run at the same time).
@@ -73,7 +76,7 @@ def collate(rows: list[dict]) -> dict:
     return batch
 
 
-def main(out: str, model_dir: str, ds_config: str | None = None) -> None:
+def main(out: str, model_dir: str, ds_config: str | None = None, trainer: str = "tsp") -> None:
     import transformers
 
     out_dir = str(Path(out).with_suffix(""))
@@ -84,13 +87,16 @@ def main(out: str, model_dir: str, ds_config: str | None = None) -> None:
         max_grad_norm=1.0, dataloader_drop_last=True, per_device_train_batch_size=BATCH, per_device_eval_batch_size=2,
         gradient_accumulation_steps=ACCUMULATION, remove_unused_columns=False, gradient_checkpointing=True,
         deepspeed=ds_config)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
-                                                                     attn_implementation="sdpa")
-    if ds_config is None:
+    tsp = ds_config is not None and trainer == "tsp"
+    zero3 = ds_config is not None and json.loads(Path(ds_config).read_text())["zero_optimization"]["stage"] == 3
+    # under a live ZeRO-3 config from_pretrained partitions the weights (zero.Init): TSPTrainer reads the directory
+    model = model_dir if tsp and zero3 else transformers.AutoModelForImageTextToText.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if not tsp:
         trainer_class = transformers.Trainer
     else:
         from ds_tsp.hf import TSPTrainer as trainer_class
-    replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
+    replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if tsp else 1)  # TSP=2 in the DeepSpeed config
     trainer = trainer_class(model=model, args=args,
                             train_dataset=examples(STEPS * BATCH * ACCUMULATION * replicas, seed=1),
                             eval_dataset=examples(4, seed=2), data_collator=collate)
@@ -104,11 +110,53 @@ def main(out: str, model_dir: str, ds_config: str | None = None) -> None:
         Path(out).write_text(json.dumps({"log": trainer.state.log_history}))
 
 
+def loop_main(out: str, model_dir: str, mode: str) -> None:
+    """A hand-written training loop (SGD, fp32, STEPS batches of BATCH, grad clipping): mode "loop" on one process
+    with the plain transformers model, "accelerate" under TSPAccelerator(tsp_size=WORLD_SIZE) (prepare converts the
+    model, rebinds the optimizer and keeps the loader's batches whole). Writes the losses, the clipped norms and,
+    on rank 0, the final weights (save_model / save_pretrained)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                                     attn_implementation="sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(examples(STEPS * BATCH, seed=1), batch_size=BATCH, collate_fn=collate)
+    accelerator = None
+    if mode == "accelerate":
+        from ds_tsp.accelerate import TSPAccelerator
+
+        accelerator = TSPAccelerator(tsp_size=int(os.environ.get("WORLD_SIZE", "1")))
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    log = []
+    for batch in loader:
+        loss = model(**batch).loss
+        if accelerator is None:
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            accelerator.backward(loss)
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        log.append({"step": len(log) + 1, "loss": float(loss), "grad_norm": float(norm)})
+    final = str(Path(out).with_suffix("")) + "/final"
+    if accelerator is None:
+        model.save_pretrained(final)
+    else:
+        accelerator.save_model(model, final)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps({"log": log}))
+
+
 # --- the tests -------------------------------------------------------------------------------------------------
-def _launch(out: Path, model: Path, ds_config: Path | None = None, nproc: int = 1) -> subprocess.Popen:
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  "--nproc_per_node", str(nproc)]
-    argv = [str(out), str(model)] + ([str(ds_config)] if ds_config else [])
+def _launch(out: Path, model: Path, ds_config: Path | None = None, nproc: int = 1,
+            trainer: str = "tsp") -> subprocess.Popen:
+    from warm_python import python_command
+
+    # plain python, or torchrun's ranks (warm_python.py); a DeepSpeed run starts under torchrun even on one rank
+    launch = python_command(0 if nproc == 1 and ds_config is None else nproc)
+    argv = [str(out), str(model)] + ([str(ds_config), trainer] if ds_config else [])
     return subprocess.Popen([*launch, __file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=ENV, cwd=ROOT)
 
@@ -133,7 +181,48 @@ def test_tsp2_x_data2_zero2_vlm_equals_plain_two_process_trainer(tmp_path):
     _assert_same_run(tmp_path, 2)
 
 
-def _assert_same_run(tmp_path, replicas: int) -> None:
+@pytest.mark.slow
+def test_tsp2_x_data2_zero3_vlm_equals_plain_zero3_trainer(tmp_path):
+    """DeepSpeed ZeRO-3 on the data axis with the tower partitioned over it (persistence threshold 0: every
+    weight, the tower's included, gathered by ZeRO-3's hooks): TSP=2 x data 2 against the plain Trainer under the
+    same ZeRO-3 config on 2 processes."""
+    _assert_same_run(tmp_path, 2, stage=3)
+
+
+@pytest.mark.slow
+def test_tsp2_accelerate_loop_with_a_vlm_equals_single_process_loop(tmp_path):
+    """TSPAccelerator.prepare on the VLM (plain launch, TSP=2): a hand-written loop over pixel_values batches (one
+    batch with one image, so one rank encodes nothing) equals the same loop on one process with the plain model:
+    loss and clipped grad norm per step, and the saved weights (the tower trained)."""
+    from safetensors.torch import load_file
+    from vlm_tiny import save_vlm_checkpoint
+
+    model_dir = tmp_path / "model"
+    save_vlm_checkpoint(model_dir)
+
+    def launch(out, mode, nproc):
+        launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc_per_node", str(nproc)]
+        return subprocess.Popen([*launch, __file__, str(out), str(model_dir), mode], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+
+    procs = launch(tmp_path / "loop.json", "loop", 1), launch(tmp_path / "acc.json", "accelerate", 2)
+    want, got = _finish(procs[0], tmp_path / "loop.json"), _finish(procs[1], tmp_path / "acc.json")
+    assert [s["step"] for s in got] == [s["step"] for s in want] == list(range(1, STEPS + 1))
+    assert len({s["loss"] for s in want}) == STEPS
+    for w, g in zip(want, got):
+        assert _close(g["loss"], w["loss"]) and _close(g["grad_norm"], w["grad_norm"], 1e-4), (g, w)
+    want_w = load_file(tmp_path / "loop" / "final" / "model.safetensors")
+    got_w = {k: v for f in (tmp_path / "acc" / "final").glob("*.safetensors") for k, v in load_file(f).items()}
+    initial = load_file(model_dir / "model.safetensors")
+    assert set(got_w) == set(want_w) == set(initial)
+    for name, tensor in want_w.items():
+        assert (got_w[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
+    tower = "model.visual.merger.linear_fc2.weight"
+    assert (want_w[tower] - initial[tower].float()).norm() > 1e-4 * initial[tower].norm(), "the tower trains"
+
+
+def _assert_same_run(tmp_path, replicas: int, stage: int = 2) -> None:
     pytest.importorskip("deepspeed")
     import transformers
     from safetensors.torch import load_file
@@ -141,11 +230,19 @@ def _assert_same_run(tmp_path, replicas: int) -> None:
 
     model_dir = tmp_path / "model"
     save_vlm_checkpoint(model_dir)  # float64 on disk: both runs load it as float32
-    (tmp_path / "ds.json").write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
-        "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
-    reference = _launch(tmp_path / "ref.json", model_dir, nproc=replicas)
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": zero,
+              "zero_allow_untested_optimizer": True}
+    (tmp_path / "ds.json").write_text(json.dumps({**config, "tsp": {"size": 2}}))
+    if stage == 3:  # the reference: the plain Trainer under the same ZeRO-3
+        # (the plain Trainer saves a ZeRO-3 model's weights whole only when asked to gather them)
+        plain = {**config, "zero_optimization": {**zero, "stage3_gather_16bit_weights_on_model_save": True}}
+        (tmp_path / "ds_plain.json").write_text(json.dumps(plain))
+        reference = _launch(tmp_path / "ref.json", model_dir, tmp_path / "ds_plain.json", nproc=replicas,
+                            trainer="plain")
+    else:
+        reference = _launch(tmp_path / "ref.json", model_dir, nproc=replicas)
     tsp = _launch(tmp_path / "tsp.json", model_dir, tmp_path / "ds.json", nproc=2 * replicas)
     want, got = _finish(reference, tmp_path / "ref.json"), _finish(tsp, tmp_path / "tsp.json")
     steps = [[line for line in log if "grad_norm" in line] for log in (want, got)]
@@ -158,6 +255,10 @@ def _assert_same_run(tmp_path, replicas: int) -> None:
     saved = json.loads((tmp_path / "tsp" / "final" / "config.json").read_text())
     assert saved["architectures"] == ["Qwen3_5ForConditionalGeneration"], saved["architectures"]
     want_w, got_w = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("ref", "tsp"))
+    # the plain Trainer's ZeRO-3 save (transformers 5.25, weights gathered on save) writes the language model
+    # under a doubled prefix; the tensors are the same
+    doubled = "model.language_model.model.language_model."
+    want_w = {k.replace(doubled, "model.language_model."): v for k, v in want_w.items()}
     initial = load_file(model_dir / "model.safetensors")
     assert set(got_w) == set(want_w) == set(initial)
     for name, tensor in want_w.items():
@@ -193,10 +294,20 @@ def test_vlm_under_trl_trainers_and_full_logit_options_are_refused_by_name():
         TSPTrainer(model=model, args=args, compute_loss_func=lambda *a, **k: None)
     with pytest.raises(TSPConfigError, match="label_smoothing_factor=0.1 with a vision-language model"):
         TSPTrainer(model=model, args=SimpleNamespace(label_smoothing_factor=0.1))
+    pytest.importorskip("accelerate")
+    from ds_tsp.integrations.accelerate.accelerator import _vlm_names
+
+    with pytest.raises(TSPConfigError, match="vision-language model with TSPAccelerator under FSDP2"):
+        _vlm_names({0: "model.visual.merger.linear_fc2.weight"}, "fsdp2")
+    assert _vlm_names({0: "model.visual.merger.norm.weight", 1: "model.language_model.norm.weight"}, "plain") == \
+        {0: "visual.merger.norm.weight", 1: "model.norm.weight"}
 
 
 if __name__ == "__main__":
     from ds_tsp.core.parallel.launch import exit_rank
 
-    main(*sys.argv[1:])
+    if sys.argv[3:] and sys.argv[3] in ("loop", "accelerate"):
+        loop_main(*sys.argv[1:4])
+    else:
+        main(*sys.argv[1:])
     exit_rank()  # a torchrun worker: skip interpreter finalization, where gloo can abort

@@ -43,7 +43,7 @@ from vlm_tiny import (  # noqa: E402
 )
 
 from ds_tsp.core.errors import TSPConfigError  # noqa: E402
-from ds_tsp.core.tokens.vision_route import plan_vision_route  # noqa: E402
+from ds_tsp.core.tokens.vision_route import frame_items, plan_vision_route  # noqa: E402
 from ds_tsp.core.tokens.mrope import mrope_cos_sin, mrope_positions  # noqa: E402
 from ds_tsp.tools.hf_reference import load_hf_reference  # noqa: E402
 
@@ -65,13 +65,15 @@ def _spawned(directory: str, save_root: str, moe_directory: str, vl_directory: s
     results["syncs", rank], results["ops", rank] = [], []
     _, results["mixed", 4] = tsp_vlm_step(directory, image_batch(**MIXED), syncs=results["syncs", rank],
                                           ops=results["ops", rank])
-    results["encodes", rank] = [plan_vision_route(batch["input_ids"] == token, batch[grid], 2, 32, 4, rank).encodes
+    results["encodes", rank] = [plan_vision_route(batch["input_ids"] == token, frame_items(batch[grid]), 2, 32, 4,
+                                                  rank).encodes
                                 for batch in [image_batch(**MIXED)]
                                 for token, grid in ((IMAGE, "image_grid_thw"), (VIDEO, "video_grid_thw"))]
     _, results["packed", 4] = tsp_vlm_step(directory, packed_batch(packed_documents()))
     _, results["moe", 4] = tsp_vlm_step(moe_directory, image_batch())
     _, results["vl mixed", 4] = tsp_vlm_step(vl_directory, image_batch(**MIXED))
     _, results["vl moe", 4] = tsp_vlm_step(vl_moe_directory, image_batch())
+    results["zero3 path", 4], results["tower calls", rank] = _zero3_marked_step(directory, image_batch())
     if rank < 2:
         _, results[2] = tsp_vlm_step(directory, image_batch(), halves[0])
         _, results["mixed", 2] = tsp_vlm_step(directory, image_batch(**MIXED), halves[0])
@@ -84,6 +86,23 @@ def _spawned(directory: str, save_root: str, moe_directory: str, vl_directory: s
     gathered = [None] * 4
     dist.all_gather_object(gathered, results)
     return {**gathered[3], **gathered[1], **gathered[2], **gathered[0]} if rank == 0 else None
+
+
+def _zero3_marked_step(directory: str, batch: dict):
+    """((loss, grads), tower calls) of a step whose tower parameters carry ds_id as DeepSpeed ZeRO-3 marks them
+    (whole here: no engine gathers them): the ZeRO-3 path runs (the tower in the step's graph, its grads summed over
+    the TSP group by per-parameter hooks, a placeholder item through it for the absent videos and on the rank with
+    no image to encode), so its sums and zeros are checked exactly against transformers."""
+    from ds_tsp.hf import TSPForConditionalGeneration
+
+    model = TSPForConditionalGeneration.from_pretrained(directory, None, dtype=torch.float64)
+    for i, p in enumerate(model.visual.parameters()):
+        p.ds_id = i
+    calls = []
+    model.visual.register_forward_hook(lambda module, args, out: calls.append(int(args[0].shape[0])))
+    out = model(**batch)
+    out.loss.backward()
+    return (out.loss.detach(), model.full_state_dict(grads=True)), calls
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +328,11 @@ def test_d2_and_d4_match_transformers(runs, reference):
         assert_matches(results[degree], ref, ("images", degree))
     assert_matches(results["padded", 2], reference_loss_and_grads(reference, image_batch(pad_right=PADDED)),
                    ("padded", 2))
+    # the tower as DeepSpeed ZeRO-3 marks it (test _zero3_marked_step): exact too; every rank ran it twice, once
+    # per modality, the rank with no image and the absent videos through a placeholder of m x m = 4 patches
+    assert_matches(results["zero3 path", 4], ref, ("ZeRO-3 path", 4))
+    assert [len(results["tower calls", r]) for r in range(4)] == [2] * 4
+    assert sum(calls.count(4) for calls in (results["tower calls", r] for r in range(4))) == 5
     mixed = reference_loss_and_grads(reference, image_batch(**MIXED))
     for degree in (4, 2):
         assert_matches(results["mixed", degree], mixed, ("images and videos", degree))
@@ -406,11 +430,15 @@ def test_bad_input_is_refused_by_name(checkpoint):
     with pytest.raises(TSPConfigError, match="gemma3"):  # a multimodal family this face does not take
         TSPForConditionalGeneration(transformers.Gemma3Config())
     assert vlm_config().model_type == "qwen3_5"
-    # an outer engine that shards the tower's weights (ZeRO-3 marks them with ds_id) is refused, not summed wrongly
-    first = next(model.visual.parameters())
-    first.ds_id = 0
+    # FSDP2's sharded parameters (not plain tensors) on the tower are refused, not summed wrongly
+    class ShardedParameter(torch.nn.Parameter):
+        pass
+
+    proj = model.visual.patch_embed.proj
+    whole = proj.weight
+    proj.weight = ShardedParameter(whole.detach())
     try:
-        with pytest.raises(TSPConfigError, match="ZeRO-3"):
+        with pytest.raises(TSPConfigError, match="sharded by FSDP2 .*use DeepSpeed ZeRO-3"):
             model(**batch)
     finally:
-        del first.ds_id
+        proj.weight = whole

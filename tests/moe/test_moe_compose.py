@@ -192,7 +192,9 @@ def moe_checkpoint(tmp_path_factory) -> str:
 
 
 def _json_lines(cmd: list[str]) -> list[dict]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    from warm_python import python_exec  # the Accelerate launcher's workers fork from the warm interpreter
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**ENV, **python_exec()}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -209,8 +211,10 @@ def _steps_match(got: list[dict], want: list[dict], steps: int, with_norm: bool)
 def test_hf_trainer_example_tsp2_trains_a_local_moe_checkpoint_like_the_plain_trainer(moe_checkpoint, tmp_path):
     script = [str(ROOT / "examples" / "hf_trainer.py"), "--model_name_or_path", moe_checkpoint, "--max_steps", "2",
               "--global_batch", "2", "--seq_len", "32"]
-    reference = _json_lines([sys.executable, *script, "--output_dir", str(tmp_path / "ref")])
-    tsp = _json_lines([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    from warm_python import python_command  # python, torchrun's ranks: forks of a pre-imported interpreter
+
+    reference = _json_lines([*python_command(0), *script, "--output_dir", str(tmp_path / "ref")])
+    tsp = _json_lines([*python_command(2),
                        *script, "--output_dir", str(tmp_path / "tsp"), "--ds_config",
                        str(ROOT / "ds_configs" / "tsp.json")])
     _steps_match(tsp, reference, 2, with_norm=False)  # ZeRO-0 (tsp.json): the Trainer logs no grad norm

@@ -3,7 +3,7 @@ embedding to the rank whose zigzag chunks hold that token.
 
 Schedule (one modality, one step; D = TSP degree, p = this rank):
     plan  (host, once per step, identical on every rank: ds_tsp.core.tokens.vision_route): rank p encodes a
-          contiguous run p of the items (images or whole videos), balanced by patch count; vision token k is
+          contiguous run p of the items (images or video frames), balanced by patch count; vision token k is
           encoded by rank e(k) and lands on rank z(k), the owner of its zigzag chunk, at local row l(k).
     fwd   E_p = tower(pixels of run p)                    [tokens of run p, h]      replicated tower, local images
           R_p = all_to_all(E_p sorted by z)               [vision tokens in p's chunks, h]
@@ -14,6 +14,10 @@ Bytes per rank: the rows it encodes out plus the rows it holds in, ~ (vision tok
 all-gather's whole set. Memory: the tower's weights are replicated (small next to the language model), its
 activations are those of run p only (~1/D). Every rank runs the same Functions (an empty run included), so the
 collectives are posted in the same order everywhere.
+Under DeepSpeed ZeRO-3 on the data axis (the tower's weights partitioned over the data group, ds_id) the tower runs
+in the step's graph instead, so that ZeRO-3's own hooks gather its weights around its forward and backward and
+reduce-scatter its grads; its grads are summed over the TSP group by a hook per parameter before that (encode_zero3).
+FSDP2 over the tower is refused by name.
 
 The plan reads token ids and grids on the host: a loader hands them there (TSPForConditionalGeneration copies
 device tensors to the host once at its entry); nothing inside the layers reads device values.
@@ -89,21 +93,69 @@ class _ReplicatedEncode(torch.autograd.Function):
 
 
 def encode_replicated(module: torch.nn.Module, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor,
-                      comm: TSPComm, what: str = "vision tower weight grads") -> torch.Tensor:
+                      comm: TSPComm, what: str = "vision tower weight grads",
+                      placeholder: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
     """encode() (this rank's part, or None for nothing: then `empty`) with the module's trainable weights' grads
-    summed over the TSP group in backward. Collective in backward on every rank, an empty part included."""
+    summed over the TSP group in backward. Collective in backward on every rank, an empty part included.
+
+    A tower partitioned by DeepSpeed ZeRO-3 over the data group (its parameters carry ds_id) runs in the step's
+    graph instead (encode_zero3): placeholder() is what a rank with nothing to encode runs through it."""
     params = [p for p in module.parameters() if p.requires_grad]
-    sharded = [p for p in params if hasattr(p, "ds_id") or type(p) not in (torch.Tensor, torch.nn.Parameter)]
-    if sharded:  # ZeRO-3 partitions (ds_id) or FSDP2 DTensors: the grads taken here would not be the full ones
-        raise TSPConfigError(f"the vision tower's weights are sharded by the outer engine ({type(sharded[0]).__name__}"
-                             f"{' with ds_id' if hasattr(sharded[0], 'ds_id') else ''}): TSP replicates the tower on "
-                             "the TSP group; DeepSpeed ZeRO-3 and FSDP2 over a multimodal model are not supported yet "
-                             "(ZeRO-1/2 and plain data parallel keep the tower whole)")
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        return encode_zero3(module, encode, empty, comm, placeholder, what)
+    sharded = [p for p in params if type(p) not in (torch.Tensor, torch.nn.Parameter)]
+    if sharded:  # FSDP2 DTensors: FSDP2 swaps in unsharded parameters inside the forward, grads taken here miss them
+        raise TSPConfigError(f"the vision tower's weights are sharded by FSDP2 ({type(sharded[0]).__name__}): "
+                             "FSDP2 over a multimodal model is not supported yet; use DeepSpeed ZeRO-3 (the tower "
+                             "partitioned over the data axis), ZeRO-1/2 or plain data parallel")
     if not params or not torch.is_grad_enabled():
         with torch.no_grad():
             out = encode()
         return empty if out is None else out
     return _ReplicatedEncode.apply(encode, empty, comm, what, *params)
+
+
+def encode_zero3(module: torch.nn.Module, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor,
+                 comm: TSPComm, placeholder: Callable[[], torch.Tensor] | None,
+                 what: str = "vision tower weight grads") -> torch.Tensor:
+    """The tower under DeepSpeed ZeRO-3 (its parameters partitioned over the data group, gathered by ZeRO-3's own
+    hooks around the module's forward and backward, its grads reduce-scattered by ZeRO-3's accumulation hooks).
+
+    - Every rank runs the tower once per call: ZeRO-3's gathers are collectives over the data group, whose ranks
+      hold other batches; a rank with nothing to encode runs placeholder() (one smallest item) and keeps none of
+      it (its rows are multiplied by zero into `empty`: exact zeros in every grad, the graph the same).
+    - The grads are summed over the TSP group by a hook on each parameter (sum_grads_over_tsp), which runs before
+      its AccumulateGrad and so before ZeRO-3's reduction: one blocking all-reduce per parameter, in the order
+      autograd finishes them, which is the same on every TSP rank (the same modules, in the same order).
+    """
+    sum_grads_over_tsp(module, comm, what)
+    out = encode()
+    if out is not None:
+        return out
+    if placeholder is None:
+        raise TSPConfigError("a vision tower under DeepSpeed ZeRO-3 with nothing to encode on this rank and no "
+                             "placeholder item: every rank of the data group must run the tower")
+    unused = placeholder()
+    return empty + 0 * unused.sum().to(empty.dtype)
+
+
+def sum_grads_over_tsp(module: torch.nn.Module, comm: TSPComm, what: str) -> None:
+    """Once per module: a hook on each trainable parameter summing its grad over the TSP group (size 1: none)."""
+    if comm.size == 1 or getattr(module, "_tsp_grad_sum_comm", None) is comm:
+        return
+    if getattr(module, "_tsp_grad_sum_comm", None) is not None:
+        raise TSPConfigError("the vision tower is already summing its grads over another TSP group: build one "
+                             "TSPForConditionalGeneration per tower")
+    module._tsp_grad_sum_comm = comm
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, kind="replicated_grad", what=what).wait()
+        return grad
+
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_hook(summed)
 
 
 def scatter_vision_rows(h: torch.Tensor, rows: torch.Tensor, local_index: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 for one step, built on the host from the full batch's token ids and grids before the layers run (identical on every
 rank). ds_tsp.core.layers.vision moves the rows by it.
 
-Items (images, or whole videos) are cut into D contiguous runs balanced by patch count; rank p encodes run p.
+Items (images, or video frames: TSPForConditionalGeneration hands a (t, h, w) video over as t (1, h, w) items) are
+cut into D contiguous runs balanced by patch count; rank p encodes run p.
 Vision token k (k-th in row-major order of the batch, the order in which transformers' masked_scatter fills them)
 belongs to item i(k), is encoded by rank e(k) and lands on rank z(k), the owner of its zigzag chunk, at local row
 l(k) of z(k)'s shard [B, S_pad / D].
@@ -12,6 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def frame_items(grid: torch.Tensor) -> torch.Tensor:
+    """The items a grid [n, 3] of (t, h, w) rows encodes as: each (t, h, w) row as t (1, h, w) rows, in order (on the
+    host). Exact for Qwen3.5 / Qwen3-VL's tower: it attends within a frame and repeats a video's patch positions per
+    frame; its pixel rows are frame-major, so the frames' patches stay contiguous."""
+    grid = grid.cpu()
+    return grid.repeat_interleave(grid[:, 0], dim=0).index_fill(1, torch.tensor([0]), 1)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ Accelerate has no plug-in point for another sequence-parallel engine (its DeepSp
 deepspeed.initialize call itself and passes an mpu only for its own Ulysses), so `prepare` does the TSP part and
 hands the rest back to Accelerate:
 - the model becomes a ds_tsp.hf.TSPForCausalLM on this rank's TSP group (an HF Llama-family model is converted, a
-  checkpoint path loaded by slices), and the optimizer built on the HF model is rebound to the shards;
+  checkpoint path loaded by slices), and the optimizer built on the HF model is rebound to the shards; a
+  vision-language model (Qwen3.5 / Qwen3-VL ...ForConditionalGeneration) becomes a TSPForConditionalGeneration,
+  whose loaders yield the collator's full batch (pixels whole) on every TSP rank (FSDP2 refused by name);
 - dataloaders are sampled over the data axis only and cut to zigzag shards (ds_tsp.integrations.accelerate.dataloaders);
 - DeepSpeed: Accelerate's own _prepare_deepspeed runs, and its (call-time) deepspeed.initialize receives the TSP
   mpu and a train_batch_size counted over the mpu's data-parallel ranks (data x cp; the TSP group counted once);
@@ -141,6 +143,30 @@ class DataAxisScheduler(_accelerate.scheduler.AcceleratedScheduler):
         return None
 
 
+def _is_vlm(model) -> bool:
+    from ds_tsp.integrations.multimodal import is_vision_language
+
+    return is_vision_language(model)
+
+
+def _vlm_names(names: dict[int, str], mode: str) -> dict[int, str]:
+    """A transformers VLM's parameter names as the optimizer rebinding reads them: the language model's under the
+    causal LM's names (model.language_model.X -> model.X), the tower's as TSPForConditionalGeneration names it
+    (model.visual.Y -> visual.Y). FSDP2 over a VLM: refused by name (the tower's grads would miss its shards)."""
+    if mode == "fsdp2":
+        raise TSPConfigError("a vision-language model with TSPAccelerator under FSDP2: the vision tower under FSDP2 "
+                             "is not supported yet; use the DeepSpeed config (accelerate_tsp.yaml, ZeRO-1/2/3) or "
+                             "a plain launch")
+    renamed = {}
+    for key, name in names.items():
+        for prefix, to in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+            if name.startswith(prefix):
+                name = to + name[len(prefix):]
+                break
+        renamed[key] = name
+    return renamed
+
+
 class TSPAccelerator(_accelerate.Accelerator):
     """Accelerate's Accelerator with TSP on the innermost axis: `prepare` converts the model to this rank's TSP
     shards and cuts the dataloaders to zigzag shards, DeepSpeed or FSDP2 runs on the data axis. tsp_size / cp_size:
@@ -200,6 +226,8 @@ class TSPAccelerator(_accelerate.Accelerator):
         if models:
             original = args[models[0]]
             names = parameter_names(original)  # before conversion / FSDP2 re-create the parameters
+            if _is_vlm(original):
+                names = _vlm_names(names, self.tsp_setup.mode)
             model = self._convert_model(original)
             if self.tsp_setup.mode != "deepspeed":
                 with self._setup_guard(f"{self.tsp_setup.mode} sharding of the model (fully_shard)"):
@@ -230,8 +258,13 @@ class TSPAccelerator(_accelerate.Accelerator):
         return guarded(getattr(self, "tsp_comm", None), what, context="setup", comm_errors_only=True)
 
     def _convert_model(self, model) -> TSPForCausalLM:
-        converted = to_tsp_model(model, self.tsp_comm, options=self.tsp_runtime.options, data_group=self._data_group,
-                                 hf_face=True)
+        if _is_vlm(model):  # full batches on every TSP rank, per-replica means (ds_tsp.integrations.multimodal)
+            from ds_tsp.integrations.multimodal import to_vlm_model
+
+            converted = to_vlm_model(model, self.tsp_runtime)
+        else:
+            converted = to_tsp_model(model, self.tsp_comm, options=self.tsp_runtime.options,
+                                     data_group=self._data_group, hf_face=True)
         if self.tsp_setup.activation_checkpointing:
             converted.gradient_checkpointing_enable()
         converted.to(self.device)
@@ -269,7 +302,14 @@ class TSPAccelerator(_accelerate.Accelerator):
             data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
             use_stateful_dataloader=self.use_stateful_dataloader)
         self._dataloaders.append(prepared)
-        return TSPShardedLoader(prepared, self.tsp_comm, batch_size=loader.batch_size)
+        return TSPShardedLoader(prepared, self.tsp_comm, batch_size=loader.batch_size, whole=self._holds_vlm)
+
+    def _holds_vlm(self) -> bool:
+        """Whether the prepared model is a vision-language model (read when a loader is iterated): it takes the
+        collator's full batch on every TSP rank and shards the tokens itself, pixels whole."""
+        from ds_tsp.model.hf_conditional_generation import TSPForConditionalGeneration
+
+        return isinstance(self.tsp_model, TSPForConditionalGeneration)
 
     @contextlib.contextmanager
     def _tsp_deepspeed_initialize(self, objects: list):
@@ -399,7 +439,7 @@ class TSPAccelerator(_accelerate.Accelerator):
             return WholeBatchLoader(super().skip_first_batches(dataloader.loader, num_batches), self.tsp_comm)
         if isinstance(dataloader, TSPShardedLoader):
             return TSPShardedLoader(super().skip_first_batches(dataloader.loader, num_batches), self.tsp_comm,
-                                    batch_size=dataloader.batch_size)
+                                    batch_size=dataloader.batch_size, whole=dataloader.whole)
         return super().skip_first_batches(dataloader, num_batches)
 
     def save_model(self, model, save_directory, max_shard_size="5GB", safe_serialization=True):

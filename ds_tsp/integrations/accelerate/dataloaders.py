@@ -157,13 +157,16 @@ class WholeBatchLoader:
 class TSPShardedLoader:
     """Wraps an Accelerate-prepared loader (data-axis sampling) and yields this rank's zigzag shard of each batch."""
 
-    def __init__(self, loader, comm: TSPComm, batch_size: int | None = None):
+    def __init__(self, loader, comm: TSPComm, batch_size: int | None = None, whole=None):
         self.loader, self.comm = loader, comm
         self.batch_size = batch_size  # per data replica (the prepared loader reports None: it has a batch sampler)
+        # whole() True: the batches stay whole (a vision-language model shards its tokens itself); read per epoch
+        self.whole = whole
 
     def __iter__(self):
+        whole = self.whole is not None and self.whole()
         for batch in guarded_batches(self.loader, self.comm):
-            yield shard_hf_batch(batch, self.comm)
+            yield batch if whole else shard_hf_batch(batch, self.comm)
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -113,6 +113,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-config", default=None, metavar="PATH",
                    help="take the model shape from an HF config.json (or its directory): Llama, Mistral, Qwen2/3, "
                         "Qwen3-MoE, Mixtral; --layers still shortens it, the other shape flags are refused")
+    vision = p.add_argument_group(
+        "a vision-language model (--hf-config of a multimodal Qwen3.5 / Qwen3-VL; ds_tsp.tools.bench.vision)",
+        "A step with images and / or videos in the batch, on tsp, hf_zero3_dp and hf_fsdp2_dp; results.json gives "
+        "each rank's vision tower share (MemTracker) under vision_tower.")
+    vision.add_argument("--images", type=non_negative(integer), default=0, metavar="N", help="images in the batch")
+    vision.add_argument("--image-tokens", type=non_negative(integer), default=0, metavar="T",
+                        help="vision tokens per image (after the spatial merge)")
+    vision.add_argument("--videos", type=non_negative(integer), default=0, metavar="M", help="videos in the batch")
+    vision.add_argument("--video-tokens", type=non_negative(integer), default=0, metavar="F",
+                        help="vision tokens per video (frames of up to 256 tokens each)")
     layer = p.add_argument_group(
         "one decoder layer's memory (--layer-memory; ds_tsp.tools.bench.layer_memory)",
         "ONE TSPDecoderLayer (memory-optimal) forward + backward on D ranks: its saved tensors one by one "
@@ -206,11 +216,37 @@ def configs_from_args(args: argparse.Namespace):
             shape.check_tsp_degree(args.tsp)
     except TSPConfigError as exc:
         raise ValueError(str(exc)) from None
+    vision = _vision_bench(args, layouts, cp, seqs)
     configs = [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
                            warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
                            ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False),
-                           moe_dispatch=dispatch) for name in layouts for dispatch in dispatches]
+                           moe_dispatch=dispatch, vision=vision) for name in layouts for dispatch in dispatches]
     return cp_configs(configs, cp, tuple(comms))  # tsp_cp on C groups of D (per cp schedule), its peers on C x D
+
+
+def _vision_bench(args: argparse.Namespace, layouts: list[str], cp: int, seqs: tuple[int, ...]):
+    """--images / --videos: the VisionBench of the run (None without them); ValueError naming the flag."""
+    if not (getattr(args, "images", 0) or getattr(args, "videos", 0) or getattr(args, "image_tokens", 0)
+            or getattr(args, "video_tokens", 0)):
+        return None
+    import json
+    from pathlib import Path
+
+    from ds_tsp.tools.bench.vision import check_layouts, vision_bench
+
+    if not getattr(args, "hf_config", None):
+        raise ValueError("--images / --videos: give --hf-config with a multimodal config.json")
+    if cp > 1 or getattr(args, "max_seq", False) or getattr(args, "profile", False):
+        raise ValueError("--images / --videos: not with --cp, --max-seq or --profile (a fixed-S step of the VLM)")
+    path = Path(args.hf_config)
+    config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    vision = vision_bench(config, args.layers, args.images, args.image_tokens, args.videos, args.video_tokens)
+    check_layouts(layouts)
+    short = [s for s in seqs if s < vision.tokens_needed(args.batch)]
+    if short:
+        raise ValueError(f"--seq {short}: the images and videos over --batch {args.batch} rows need S >= "
+                         f"{vision.tokens_needed(args.batch)}")
+    return vision
 
 
 def _check_hf_config_flags(args: argparse.Namespace) -> None:

@@ -75,6 +75,7 @@ class BenchConfig:
     moe_dispatch: str = "auto"  # TSP layouts on an MoE shape: TSPOptions.moe_dispatch ("auto", "ring", "all_to_all")
     cp: int = 1  # layout tsp_cp: C TSP groups of D = tsp ranks (world C x D); 1 for every other layout
     cp_comm: str = "ring"  # layout tsp_cp: tsp.cp_comm, the cp ring or the all-to-all ("ring" for the others)
+    vision: object | None = None  # --images / --videos: ds_tsp.tools.bench.vision.VisionBench (a VLM's step)
 
     def checkpointing(self) -> bool:
         """Whether this run uses activation checkpointing (peers with "peers"/"all", TSP only with "all")."""

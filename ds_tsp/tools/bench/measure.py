@@ -46,6 +46,7 @@ class Workload:
     before_tracked: Callable[[], None] | None = None  # e.g. make sure no mask is first built inside MemTracker
     loss_reduce: str = "mean"  # how ranks' step() losses combine into the model's loss: "mean" or "sum" (shares)
     info: dict = field(default_factory=dict)  # layout settings worth recording in results.json
+    tower: nn.Module | None = None  # a vision-language model's vision tower: its share of the peak (tower_share)
 
 
 def _barrier() -> None:
@@ -150,8 +151,45 @@ def tracked_step(workload: Workload) -> dict:
             workload.step()
         state_total, state_parts = _breakdown(tracker.get_tracker_snapshot("current"))
     peak_total, peak_parts = _breakdown(tracker.get_tracker_snapshot("peak"))
-    return {"peak_bytes": peak_total, "peak_breakdown": peak_parts, "state_bytes": state_total,
-            "state_breakdown": state_parts, "c10d": comm.snapshot()}
+    out = {"peak_bytes": peak_total, "peak_breakdown": peak_parts, "state_bytes": state_total,
+           "state_breakdown": state_parts, "c10d": comm.snapshot()}
+    if workload.tower is not None:
+        out["vision_tower"] = tower_share(tracker, workload.tower)
+    return out
+
+
+def local_param_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters held on this rank: a ZeRO-3 partition, an FSDP2 shard, or the whole."""
+    total = 0
+    for p in module.parameters():
+        local = getattr(p, "ds_tensor", None)
+        if local is None:
+            local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def tower_share(tracker, tower: nn.Module) -> dict:
+    """The vision tower's part of the tracked step, from MemTracker's statistics of the tower module: the rank's
+    total when the tower's (first) forward starts and ends, and the rank's peak inside the tower (forward and
+    backward, recomputation included); activation_bytes = what its forward leaves alive for backward (saved
+    tensors and output), peak_rise_bytes = how far inside it the rank climbs above the forward's entry."""
+    stats = tracker.memory_tracking.get(tower)
+    if stats is None or not stats.snapshots:  # a TSP rank with no item to encode (fewer items than ranks)
+        return {"params_bytes": local_param_bytes(tower), "ran": False, "entry_bytes": None,
+                "after_forward_bytes": None, "peak_bytes": None, "activation_bytes": 0, "peak_rise_bytes": 0}
+
+    def total(state):
+        from torch.distributed._tools.mem_tracker import _ModState
+
+        snaps = stats.snapshots.get(getattr(_ModState, state), [])
+        return _breakdown(snaps[0])[0] if snaps else None
+
+    pre, post = total("PRE_FW"), total("POST_FW")
+    peak = max(sum(int(v) for v in stats.local_peak.values()), post or 0)
+    return {"params_bytes": local_param_bytes(tower), "ran": True, "entry_bytes": pre, "after_forward_bytes": post,
+            "peak_bytes": peak, "activation_bytes": None if pre is None or post is None else post - pre,
+            "peak_rise_bytes": None if pre is None else peak - pre}
 
 
 def measure_workload(workload: Workload, *, steps: int, warmup: int,

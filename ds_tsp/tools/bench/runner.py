@@ -62,7 +62,8 @@ def rank_main(cfg: BenchConfig, progress_queue=None) -> list[dict]:
         if cfg.profile:  # after the timed steps, so their timings are undisturbed
             from ds_tsp.tools.bench.profile import profile_step
             result["profile"] = profile_step(workload)
-        result["setup"] = getattr(layout_module, "SETUP", "").format(stage=spec.option_dict.get("zero_stage"))
+        setup = getattr(session, "SETUP", None) or getattr(layout_module, "SETUP", "")  # a VLM session's own
+        result["setup"] = setup.format(stage=spec.option_dict.get("zero_stage"))
         out.append(result)
         del workload
     return out
@@ -123,6 +124,9 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         "shape": cfg.shape.to_dict(), "setup": ranks[0].get("setup", ""),
         **ranks[0].get("info", {}), **_moe_fields(cfg), **_cp_comm_fields(cfg),
     }
+    if "vision_tower" in peak_rank:  # the peak rank's, and every rank's (the ranks encode different items)
+        result["vision_tower"] = peak_rank["vision_tower"]
+        result["vision_tower_ranks"] = [r["vision_tower"] for r in ranks]
     if "profile" in ranks[0]:  # the slowest rank's profile: a step takes as long as its slowest rank
         result["profile"] = max((r["profile"] for r in ranks), key=lambda p: p["wall_s"])
     if "tsp_comm_bytes" in ranks[0]:

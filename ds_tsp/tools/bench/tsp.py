@@ -60,4 +60,8 @@ class Session:
 
 
 def build(cfg: BenchConfig, options: dict) -> Session:
+    if cfg.vision is not None:  # a vision-language model (ds_tsp.tools.bench.vision)
+        from ds_tsp.tools.bench.vision import TSPSession
+
+        return TSPSession(cfg, options)
     return Session(cfg, options)

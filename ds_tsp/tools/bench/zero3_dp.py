@@ -58,4 +58,8 @@ class Session:
 
 
 def build(cfg: BenchConfig, options: dict) -> Session:
+    if cfg.vision is not None:  # a vision-language model (ds_tsp.tools.bench.vision)
+        from ds_tsp.tools.bench.vision import HFSession
+
+        return HFSession(cfg, options, "zero3")
     return Session(cfg, options)
