@@ -76,7 +76,8 @@ class ShardedStateDict:
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full shape of every HF tensor of this model (tied models list no lm_head.weight, like HF's files)."""
         shapes = {prefix + k: v for prefix, module, _ in self.sharded_modules() for k, v in module.hf_shapes().items()}
-        shapes.update({name: tuple(p.shape) for name, p in self.replicated_params().items()})
+        # ZeRO-3 empties a partitioned parameter's .data and keeps its whole shape aside (ds_shape)
+        shapes.update({name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.replicated_params().items()})
         shapes.update({name: tuple(b.shape) for name, b in self.replicated_buffers().items()})
         return shapes
 

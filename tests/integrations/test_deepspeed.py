@@ -187,3 +187,17 @@ def test_zero3_gathers_what_a_layer_reads_with_the_layer(family):
     head = model.tsp.lm_head
     if head.tied:
         assert [p for _, p in head.ds_external_parameters()] == [model.tsp.model.embed_tokens.vocab_shard]
+
+
+def test_zero3_gathers_a_sequence_classifiers_score_head_with_the_classifier():
+    """The classifier's forward reads its core's score head (the core's own forward never runs): it is registered
+    with the classifier. (tests/integrations/test_reward_trainer.py runs TSPRewardTrainer under real ZeRO-3.)"""
+    import deepspeed
+    from hf_tiny import tiny_config
+
+    from ds_tsp.hf import TSPForSequenceClassification
+    from ds_tsp.integrations.deepspeed.zero3_fetch import register_zero3_fetches
+
+    model = TSPForSequenceClassification.from_config(tiny_config("llama", num_labels=1, pad_token_id=0), seed=0)
+    assert register_zero3_fetches(model, deepspeed) > 0
+    assert [p for _, p in model.ds_external_parameters()] == [model.tsp.score]

@@ -1,8 +1,8 @@
 """TRL's RewardTrainer on TSP: ds_tsp.hf.TSPRewardTrainer (`class R(TSPTrainer, RewardTrainer)`) at TSP=2 (ZeRO-2,
 SGD, fp32) equals a plain RewardTrainer in one process with the same seed and preference data, per logged step
 (1e-5 relative; the reward statistics relative to the step's largest |reward|): loss, grad_norm, TRL's min / mean /
-max reward, accuracy, margin, and num_tokens (exact); evaluate() likewise, predict()'s rewards, and the saved
-weights after 3 steps.
+max reward, accuracy, margin, and num_tokens (exact); evaluate() likewise, predict()'s rewards, the saved
+weights after 3 steps, and the trained model's scores when it is called directly (outside DeepSpeed's engine).
 The tiny Llama ...ForSequenceClassification (num_labels=1) is built with pad_token_id 2 while the tokenizer pads
 with 0, so the run also checks that the TSP model pools where RewardTrainer's pad token (set on the config after
 the model is built) says. One run covers a text dataset with an explicit prompt and margins,
@@ -10,7 +10,9 @@ center_rewards_coefficient, gradient accumulation 2, gradient checkpointing, and
 dataset (chosen_ids / rejected_ids). The composition users write is checked by its class; options TSP cannot honour
 are refused by name.
 Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (4 processes, no checkpointing) equals a plain 2-process RewardTrainer
-(the data axis is TRL's process axis: its gathered rewards and token counts).
+(the data axis is TRL's process axis: its gathered rewards and token counts); TSP=2 under ZeRO-3 with nothing kept
+whole (test_grpo.py's zero(3)) equals the one-process RewardTrainer with the same assertions (total_flos included:
+the parameter count reads a partitioned parameter's whole shape).
 
 Run as a script, this file is the worker: `python tests/integrations/test_reward_trainer.py OUT.json MODEL TOKENIZER
 [DS_CONFIG]` (one launch runs every case; the reference and TSP=2 launches run at the same time).
@@ -50,12 +52,12 @@ def save_tokenizer(directory: Path) -> None:
                             unk_token="<unk>").save_pretrained(directory)
 
 
-def save_reward_model(directory: Path) -> None:
-    """A tiny Llama ...ForSequenceClassification, one label, vocab 43 (a padded vocab shard at D=2)."""
+def save_reward_model(directory: Path, family: str = "llama") -> None:
+    """A tiny ...ForSequenceClassification of `family`, one label, vocab 43 (a padded vocab shard at D=2)."""
     import transformers
     from hf_tiny import init_tiny_weights_, tiny_config
 
-    config = tiny_config("llama", num_labels=1, pad_token_id=MODEL_PAD, vocab_size=len(WORDS) + 3)
+    config = tiny_config(family, num_labels=1, pad_token_id=MODEL_PAD, vocab_size=len(WORDS) + 3)
     model = transformers.AutoModelForSequenceClassification.from_config(config)
     init_tiny_weights_(model.to(torch.float64)).to(torch.float32).save_pretrained(directory)
 
@@ -81,6 +83,8 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
 
     out_dir = str(Path(out).with_suffix(""))
     replicas = int(os.environ.get("WORLD_SIZE", "1")) // (2 if ds_config else 1)  # TSP=2 in the DeepSpeed config
+    # loaded before the config: under a ZeRO-3 config transformers would load it partitioned (zero.Init)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
     args = RewardConfig(output_dir=out_dir, max_steps=STEPS, optim="sgd", learning_rate=0.5,
                         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
                         report_to=[], save_strategy="no", train_sampling_strategy="sequential", disable_tqdm=True,
@@ -88,7 +92,6 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
                         dataloader_drop_last=True, per_device_train_batch_size=BATCH, per_device_eval_batch_size=2,
                         gradient_accumulation_steps=ACCUMULATION, center_rewards_coefficient=0.01,
                         gradient_checkpointing=replicas == 1, deepspeed=ds_config)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     if ds_config is None:
         trainer_class = RewardTrainer
@@ -102,8 +105,14 @@ def main(out: str, model_dir: str, tokenizer_dir: str, ds_config: str | None = N
     trainer.evaluate()
     rewards = trainer.predict(trainer.eval_dataset).predictions  # [chosen; rejected] of each batch, gathered
     trainer.save_model(f"{out_dir}/final")
+    chosen = [row["chosen_ids"] for row in rows("ids", 4, seed=2)]
+    width = max(map(len, chosen))
+    ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in chosen], device=args.device)
+    with torch.no_grad():  # the trained model called directly, not through DeepSpeed's engine (a user scoring)
+        direct = trainer.model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(out).write_text(json.dumps({"log": trainer.state.log_history, "predictions": rewards.tolist()}))
+        Path(out).write_text(json.dumps({"log": trainer.state.log_history, "predictions": rewards.tolist(),
+                                         "direct": direct.tolist()}))
 
 
 # --- the tests -------------------------------------------------------------------------------------------------
@@ -136,16 +145,18 @@ def _reward_scale(line: dict, prefix: str = "") -> float:
     return max(abs(line[f"{prefix}min_reward"]), abs(line[f"{prefix}max_reward"]))
 
 
-def _runs(tmp: Path, data_replicas: int) -> dict:
-    """The plain RewardTrainer on `data_replicas` processes and TSP=2 on 2 x data_replicas, launched together."""
+def _runs(tmp: Path, data_replicas: int, stage: int = 2, family: str = "llama") -> dict:
+    """The plain RewardTrainer on `data_replicas` processes and TSP=2 on 2 x data_replicas under ZeRO `stage`,
+    launched together, on a tiny `family` reward model."""
+    from test_grpo import zero
     pytest.importorskip("trl")
     pytest.importorskip("deepspeed")
     pytest.importorskip("datasets")
-    save_reward_model(tmp / "model")
+    save_reward_model(tmp / "model", family)
     save_tokenizer(tmp / "tokenizer")
     (tmp / "ds.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": {"stage": 2},
+        "gradient_clipping": "auto", "steps_per_print": 1000000, "zero_optimization": zero(stage),
         "zero_allow_untested_optimizer": True, "tsp": {"size": 2}}))
     # both at once: the plain reference (one process) and TSP=2 share the two cores while each starts up
     reference = _launch(tmp / "ref.json", tmp / "model", tmp / "tokenizer", nproc=data_replicas)
@@ -164,6 +175,15 @@ def test_tsp_reward_trainer_equals_plain_reward_trainer(tmp_path):
 
 
 @pytest.mark.slow
+def test_tsp_reward_trainer_under_zero3_equals_plain_reward_trainer(tmp_path):
+    """ZeRO-3 partitions every parameter again as soon as the module that fetched it is done (tests/integrations/
+    test_grpo.py's zero(3)): what a layer reads outside its children's hooks (Qwen3's q/k norms) and the score head,
+    read by the classifier's pooling outside its core's forward, are whole in the forward and in the backward
+    (gradient checkpointing's recompute included)."""
+    _assert_same_run(_runs(tmp_path, 1, stage=3, family="qwen3"))
+
+
+@pytest.mark.slow
 def test_tsp2_x_data2_zero2_equals_plain_two_process_reward_trainer(tmp_path):
     _assert_same_run(_runs(tmp_path, 2))
 
@@ -175,6 +195,9 @@ def _assert_same_run(reward_runs: dict) -> None:
                                      [torch.tensor(run["predictions"]) for run in reward_runs["runs"]])
     assert predictions[0].shape == predictions[1].shape == (8, 1), predictions
     assert (predictions[1] - predictions[0]).abs().max() <= 1e-5 * predictions[0].abs().max(), predictions
+    direct = [torch.tensor(run["direct"]) for run in reward_runs["runs"]]
+    assert direct[0].shape == direct[1].shape == (4, 1), direct
+    assert (direct[1] - direct[0]).abs().max() <= 1e-5 * direct[0].abs().max(), direct
     want = [line for line in reference if "loss" in line and "train_runtime" not in line]
     got = [line for line in tsp if "loss" in line and "train_runtime" not in line]
     assert len(want) == STEPS and [g["step"] for g in got] == [w["step"] for w in want], (got, want)

@@ -12,7 +12,9 @@ backward, where activation checkpointing recomputes a layer and the layers' auto
 parameters. So each decoder layer is ZeRO-3's unit here: every parameter of its subtree is registered with it, whole
 from the layer's forward pre-hook (its checkpointed recompute included) and from its backward pre-hook until its
 post-hooks; the layer's own children keep their hooks. A layer's parameters are 1/D of the layer on each TSP rank,
-so the unit gathered over the data axis is 1/D of one layer.
+so the unit gathered over the data axis is 1/D of one layer. The sequence classifier's forward scores the pooled
+token with its core's score head (a parameter of the core, whose own forward it never calls): the head is
+registered with the classifier, whose hooks see its logits, so it is whole there also through the unwrapped model.
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ from torch import nn
 
 
 def register_zero3_fetches(model: nn.Module, deepspeed) -> int:
-    """Register, for ZeRO-3, every parameter a TSP decoder layer reads with that layer, and a tied LM head's weight
-    (the embedding's vocab shard) with the head; call before deepspeed.initialize. Returns how many were registered
-    (the same parameter registered twice with a module counts once in DeepSpeed)."""
+    """Register, for ZeRO-3, every parameter a TSP decoder layer reads with that layer, a tied LM head's weight
+    (the embedding's vocab shard) with the head, and a sequence classifier's score head with the classifier; call
+    before deepspeed.initialize. Returns how many were registered (the same parameter registered twice with a module
+    counts once in DeepSpeed)."""
+    from ds_tsp.model.hf_sequence_classification import TSPForSequenceClassification
     from ds_tsp.model.modules.decoder import TSPDecoderLayer
     from ds_tsp.model.modules.vocab import TSPLMHeadLoss
 
@@ -34,6 +38,9 @@ def register_zero3_fetches(model: nn.Module, deepspeed) -> int:
                 if id(param) not in own:
                     deepspeed.zero.register_external_parameter(module, param)
                     registered += 1
+        elif isinstance(module, TSPForSequenceClassification):
+            deepspeed.zero.register_external_parameter(module, module.tsp.score)
+            registered += 1
         elif isinstance(module, TSPLMHeadLoss) and module.tied:
             deepspeed.zero.register_external_parameter(module, module.weight)
             registered += 1
