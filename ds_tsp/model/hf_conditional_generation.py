@@ -362,7 +362,7 @@ class TSPForConditionalGeneration(nn.Module):
         comm, device = self.tsp.comm, self.device
         vision_dtype = next(self.visual.parameters()).dtype
         m = self.spatial_merge_size
-        unit = torch.tensor([[1, m, m]])
+        unit = torch.tensor([[1, m, m]], device="cpu")  # a host grid, like the ones routes are planned from
         v = self.config.vision_config
         width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
         placeholder = (torch.zeros((m * m, width), dtype=vision_dtype, device=device), unit.to(device),

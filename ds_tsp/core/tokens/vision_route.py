@@ -20,7 +20,7 @@ def frame_items(grid: torch.Tensor) -> torch.Tensor:
     host). Exact for Qwen3.5 / Qwen3-VL's tower: it attends within a frame and repeats a video's patch positions per
     frame; its pixel rows are frame-major, so the frames' patches stay contiguous."""
     grid = grid.cpu()
-    return grid.repeat_interleave(grid[:, 0], dim=0).index_fill(1, torch.tensor([0]), 1)
+    return grid.repeat_interleave(grid[:, 0], dim=0).index_fill(1, torch.tensor([0], device=grid.device), 1)
 
 
 @dataclass(frozen=True)
