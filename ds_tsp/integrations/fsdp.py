@@ -33,6 +33,12 @@ Frozen parameters (requires_grad=False on the HF model converted) and a PEFT LoR
 from_pretrained(peft_model, ...)) shard like any other: build the optimizer on the trainable parameters; frozen
 ones get no gradient and stay as loaded (tests/model/test_frozen_lora_compose.py: against single-device PEFT).
 
+A vision-language model (ds_tsp.hf.TSPForConditionalGeneration): the language model shards as above; the vision
+tower stays whole on every rank (FSDP2 ignores its parameters: replicated, small next to the language model), its
+grads summed over the TSP group and averaged over the data group in its own backward (model.tower_data_group,
+ds_tsp.core.layers.vision), so they arrive as plain tensors averaged like FSDP2's. Its weights stay in their own
+dtype: a MixedPrecisionPolicy whose param_dtype differs from the tower's is refused by name.
+
 Not covered: the core model's `full_state_dict` / `load_full_state_dict` / `init_weights_` expect local tensors, so
 load weights before sharding (or use torch.distributed.checkpoint on the DTensor state dict).
 """
@@ -89,14 +95,35 @@ def shard_with_fsdp2(model: nn.Module, groups: ProcessGroups, *, mp_policy=None,
     mesh = groups.device_mesh(core.device.type)["data"]
     kwargs = {"mesh": mesh, "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
               "offload_policy": offload_policy if offload_policy is not None else OffloadPolicy()}
+    tower = _replicated_tower(model, kwargs["mp_policy"], offload_policy)
     for layer in core.model.layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     # Root: embed_tokens, the final norm and lm_head (whose tied weight IS embed_tokens.vocab_shard).
-    fully_shard(model, **kwargs)
+    fully_shard(model, ignored_params=set(tower.parameters()) if tower is not None else None, **kwargs)
     core.set_data_parallel_group(groups.data_group)
+    if tower is not None:
+        model.tower_data_group = groups.data_group
     params = dict(model.named_parameters())
     for name, attrs in marks.items():
         for attr, value in attrs.items():
             setattr(params[name], attr, value)
     model.tsp_sharded_param_names = frozenset(marks)
     return model
+
+
+def _replicated_tower(model: nn.Module, mp_policy, offload_policy) -> nn.Module | None:
+    """A TSPForConditionalGeneration's vision tower, which FSDP2 must leave whole (module docstring); None for a
+    language model."""
+    if not hasattr(model, "tower_data_group"):
+        return None
+    tower = model.visual
+    dtypes = {p.dtype for p in tower.parameters()}
+    if mp_policy.param_dtype is not None and dtypes != {mp_policy.param_dtype}:
+        raise TSPConfigError(f"MixedPrecisionPolicy(param_dtype={mp_policy.param_dtype}) with a vision-language "
+                             f"model under FSDP2: the vision tower stays whole in {sorted(map(str, dtypes))}, outside "
+                             "FSDP2's casts; use no MixedPrecisionPolicy (mixed_precision 'no'), or DeepSpeed")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise TSPConfigError(f"offload_policy={type(offload_policy).__name__} with a vision-language model under "
+                             "FSDP2: the vision tower stays whole on the device, outside FSDP2's offload; use no "
+                             "offload_policy")
+    return tower

@@ -179,6 +179,9 @@ class TSPForConditionalGeneration(nn.Module):
         with whole():
             vision = transformers.AutoModel.from_config(config.vision_config, attn_implementation="sdpa")
         self.visual = vision.to(device=device, dtype=dtype)
+        # the data group a replicated tower's grads are averaged over in backward (set by shard_with_fsdp2, whose
+        # FSDP2 averages the language model's and leaves the tower whole); None: an engine (DeepSpeed) or nothing
+        self.tower_data_group = None
         if options.activation_checkpointing:
             self._checkpoint_tower(True)
         rope = dict(getattr(text, "rope_parameters", None) or {})
@@ -318,7 +321,10 @@ class TSPForConditionalGeneration(nn.Module):
         cos, sin = mrope_cos_sin(local, shape.full_rotary_dim, shape.rope_theta, self.dtype, self.mrope_section,
                                  shape.rope_scaling)
         zero3 = any(hasattr(p, "ds_id") for p in self.visual.parameters())  # every step runs the tower (below)
-        embeds, after_layer = self._vision_embeds(modalities, padded, zero3) if modalities or zero3 else (None, None)
+        # a tower under ZeRO-3 or averaged over the data group runs every step: its collectives span other batches
+        every_step = zero3 or self.tower_data_group is not None
+        embeds, after_layer = (self._vision_embeds(modalities, padded, zero3, every_step) if modalities or every_step
+                               else (None, None))
         shift_labels = full["shift_labels"] if labels is not None else None
         mask = full.get("attention_mask")
         # Qwen3.5-MoE: transformers' load-balancing loss over the whole batch when the config asks for it
@@ -349,7 +355,7 @@ class TSPForConditionalGeneration(nn.Module):
         return outputs.MoeCausalLMOutputWithPast(loss=loss, logits=logits,
                                                  aux_loss=sequence_aux_loss(aux_share, self.tsp.comm))
 
-    def _vision_embeds(self, modalities, padded_len, zero3: bool = False):
+    def _vision_embeds(self, modalities, padded_len, zero3: bool = False, every_step: bool = False):
         """The embedding hook: per modality (images, then videos, as transformers scatters them), this rank encodes
         its run of items, the all-to-all routes every vision token's embedding to the rank holding it, and they
         replace the placeholders' text embeddings. Every route is planned and copied to the device here, at the
@@ -358,7 +364,11 @@ class TSPForConditionalGeneration(nn.Module):
         zero3 (the tower partitioned by DeepSpeed ZeRO-3 over the data group): ZeRO-3's gathers are collectives
         over ranks holding other batches, so every rank runs the tower exactly twice per step, once per modality
         (images, videos), whatever its batch holds: a rank with nothing of a modality to encode runs one smallest
-        item, a (1, m, m) grid of zero pixels, and keeps none of it (zero grads)."""
+        item, a (1, m, m) grid of zero pixels, and keeps none of it (zero grads).
+
+        every_step (ZeRO-3, or a replicated tower averaged over the data group beside FSDP2): the tower's backward
+        collectives span the data group, so every rank runs encode_replicated once per modality whatever its batch
+        holds (a missing one with nothing to encode: zero grads, the same all-reduces)."""
         comm, device = self.tsp.comm, self.device
         vision_dtype = next(self.visual.parameters()).dtype
         m = self.spatial_merge_size
@@ -368,7 +378,7 @@ class TSPForConditionalGeneration(nn.Module):
         placeholder = (torch.zeros((m * m, width), dtype=vision_dtype, device=device), unit.to(device),
                        self._tower_inputs(unit, device)) if zero3 else None
         plans, absent = [], []
-        if zero3:
+        if every_step:
             present = {field for *_, field in modalities}
             absent = [field for field in ("image_grid_thw", "video_grid_thw") if field not in present]
         for pixels, grid, tokens, field in modalities:
@@ -396,10 +406,12 @@ class TSPForConditionalGeneration(nn.Module):
             hidden = h.shape[-1]
             empty = torch.zeros((0, hidden * (1 + self.deepstack)), dtype=vision_dtype, device=device)
             stand_in = None if placeholder is None else encoder(placeholder)
-            for _ in absent:  # ZeRO-3: the modality the batch lacks still runs the tower once (docstring)
-                h = h + encode_replicated(self.visual, encoder(None), empty, comm, placeholder=stand_in).sum()
+            for _ in absent:  # the modality the batch lacks still runs encode_replicated once (docstring)
+                h = h + encode_replicated(self.visual, encoder(None), empty, comm, placeholder=stand_in,
+                                          data_group=self.tower_data_group).sum()
             for part, send_order, local_index, route in plans:
-                encoded = encode_replicated(self.visual, encoder(part), empty, comm, placeholder=stand_in)
+                encoded = encode_replicated(self.visual, encoder(part), empty, comm, placeholder=stand_in,
+                                            data_group=self.tower_data_group)
                 rows = all_to_all_rows(encoded[send_order], comm, route.in_splits, route.out_splits)
                 h = scatter_vision_rows(h, rows[:, :hidden], local_index)
                 if self.deepstack:

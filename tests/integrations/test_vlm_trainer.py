@@ -11,7 +11,9 @@ padding (as transformers' Qwen-VL recipes mask them).
 A VLM under TRL's trainers is refused by name (what to use instead in the message).
 Under --runslow: TSP=2 x data 2 (ZeRO-2) against the plain Trainer on 2 processes; DeepSpeed ZeRO-3 with every
 weight partitioned (the tower's gathered by ZeRO-3's hooks) at TSP=2 x data 2 against the plain Trainer under the
-same ZeRO-3; and TSPAccelerator.prepare on the VLM in a hand-written loop against the same loop on one process.
+same ZeRO-3; TSPAccelerator.prepare on the VLM in a hand-written loop against the same loop on one process; and the
+same loop under the FSDP2 config at TSP=2 x data 2 (the tower kept whole) against one process taking both replicas'
+batches per step.
 
 Run as a script, this file is the worker: `python tests/integrations/test_vlm_trainer.py OUT.json MODEL [DS_CONFIG]`
 (the reference and TSP=2 launches run at the same time).
@@ -113,30 +115,38 @@ def main(out: str, model_dir: str, ds_config: str | None = None, trainer: str = 
 def loop_main(out: str, model_dir: str, mode: str) -> None:
     """A hand-written training loop (SGD, fp32, STEPS batches of BATCH, grad clipping): mode "loop" on one process
     with the plain transformers model, "accelerate" under TSPAccelerator(tsp_size=WORLD_SIZE) (prepare converts the
-    model, rebinds the optimizer and keeps the loader's batches whole). Writes the losses, the clipped norms and,
-    on rank 0, the final weights (save_model / save_pretrained)."""
+    model, rebinds the optimizer and keeps the loader's batches whole). Two data replicas: "loop-data2" on one
+    process takes 2 batches per step and averages their mean losses (what DDP computes), "accelerate-fsdp2" under
+    the FSDP2 config TSP=2 x data 2 (the environment `accelerate launch` exports; the tower kept whole) logs the
+    replicas' mean. Writes the losses, the clipped norms and, on rank 0, the final weights (save_model /
+    save_pretrained)."""
     import transformers
 
     torch.manual_seed(0)
     model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
                                                                      attn_implementation="sdpa")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = torch.utils.data.DataLoader(examples(STEPS * BATCH, seed=1), batch_size=BATCH, collate_fn=collate)
+    replicas = 2 if mode in ("loop-data2", "accelerate-fsdp2") else 1
+    loader = torch.utils.data.DataLoader(examples(STEPS * BATCH * replicas, seed=1), batch_size=BATCH,
+                                         collate_fn=collate)
     accelerator = None
-    if mode == "accelerate":
+    if mode.startswith("accelerate"):
         from ds_tsp.accelerate import TSPAccelerator
 
-        accelerator = TSPAccelerator(tsp_size=int(os.environ.get("WORLD_SIZE", "1")))
+        accelerator = TSPAccelerator(tsp_size=None if replicas > 1 else int(os.environ.get("WORLD_SIZE", "1")))
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    batches = iter(loader)
     log = []
-    for batch in loader:
-        loss = model(**batch).loss
+    for batch in batches:
         if accelerator is None:
+            loss = sum(model(**b).loss for b in [batch, *(next(batches) for _ in range(replicas - 1))]) / replicas
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         else:
+            loss = model(**batch).loss
             accelerator.backward(loss)
             norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            loss = accelerator.gather(loss.detach()).mean()
         optimizer.step()
         optimizer.zero_grad()
         log.append({"step": len(log) + 1, "loss": float(loss), "grad_norm": float(norm)})
@@ -207,6 +217,49 @@ def test_tsp2_accelerate_loop_with_a_vlm_equals_single_process_loop(tmp_path):
                                 stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
 
     procs = launch(tmp_path / "loop.json", "loop", 1), launch(tmp_path / "acc.json", "accelerate", 2)
+    want, got = _finish(procs[0], tmp_path / "loop.json"), _finish(procs[1], tmp_path / "acc.json")
+    assert [s["step"] for s in got] == [s["step"] for s in want] == list(range(1, STEPS + 1))
+    assert len({s["loss"] for s in want}) == STEPS
+    for w, g in zip(want, got):
+        assert _close(g["loss"], w["loss"]) and _close(g["grad_norm"], w["grad_norm"], 1e-4), (g, w)
+    want_w = load_file(tmp_path / "loop" / "final" / "model.safetensors")
+    got_w = {k: v for f in (tmp_path / "acc" / "final").glob("*.safetensors") for k, v in load_file(f).items()}
+    initial = load_file(model_dir / "model.safetensors")
+    assert set(got_w) == set(want_w) == set(initial)
+    for name, tensor in want_w.items():
+        assert (got_w[name] - tensor).norm() <= 1e-5 * tensor.norm() + 1e-7, name
+    tower = "model.visual.merger.linear_fc2.weight"
+    assert (want_w[tower] - initial[tower].float()).norm() > 1e-4 * initial[tower].norm(), "the tower trains"
+
+
+@pytest.mark.slow
+def test_tsp2_x_data2_fsdp2_accelerate_loop_with_a_vlm_equals_single_process_loop(tmp_path):
+    """TSPAccelerator under the FSDP2 config at TSP=2 x data 2 (the language model fully_shard'ed over the data
+    axis, the vision tower whole: its grads summed over TSP and averaged over data in its backward): the loop's
+    losses, clipped grad norms (the tower's grads counted once) and saved weights equal one process taking both
+    replicas' batches per step."""
+    _assert_same_loop(tmp_path, ("loop-data2", 1, {}), ("accelerate-fsdp2", 4, _FSDP2_ENV))
+
+
+_FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+              "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+              "FSDP_RESHARD_AFTER_FORWARD": "true", "ACCELERATE_MIXED_PRECISION": "no"}
+
+
+def _assert_same_loop(tmp_path, reference: tuple, tsp: tuple) -> None:
+    from safetensors.torch import load_file
+    from vlm_tiny import save_vlm_checkpoint
+
+    model_dir = tmp_path / "model"
+    save_vlm_checkpoint(model_dir)
+
+    def launch(out, mode, nproc, env):
+        launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                      "--nproc_per_node", str(nproc)]
+        return subprocess.Popen([*launch, __file__, str(out), str(model_dir), mode], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**ENV, **env}, cwd=ROOT)
+
+    procs = launch(tmp_path / "loop.json", *reference), launch(tmp_path / "acc.json", *tsp)
     want, got = _finish(procs[0], tmp_path / "loop.json"), _finish(procs[1], tmp_path / "acc.json")
     assert [s["step"] for s in got] == [s["step"] for s in want] == list(range(1, STEPS + 1))
     assert len({s["loss"] for s in want}) == STEPS
@@ -297,16 +350,14 @@ def test_vlm_under_trl_trainers_and_full_logit_options_are_refused_by_name():
     pytest.importorskip("accelerate")
     from ds_tsp.integrations.accelerate.accelerator import _vlm_names
 
-    with pytest.raises(TSPConfigError, match="vision-language model with TSPAccelerator under FSDP2"):
-        _vlm_names({0: "model.visual.merger.linear_fc2.weight"}, "fsdp2")
-    assert _vlm_names({0: "model.visual.merger.norm.weight", 1: "model.language_model.norm.weight"}, "plain") == \
+    assert _vlm_names({0: "model.visual.merger.norm.weight", 1: "model.language_model.norm.weight"}) == \
         {0: "visual.merger.norm.weight", 1: "model.norm.weight"}
 
 
 if __name__ == "__main__":
     from ds_tsp.core.parallel.launch import exit_rank
 
-    if sys.argv[3:] and sys.argv[3] in ("loop", "accelerate"):
+    if sys.argv[3:] and sys.argv[3] in ("loop", "accelerate", "loop-data2", "accelerate-fsdp2"):
         loop_main(*sys.argv[1:4])
     else:
         main(*sys.argv[1:])

@@ -25,7 +25,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_tiny import rel  # noqa: E402,I001
+from hf_tiny import shift  # noqa: E402,I001
+from hybrid_tiny import rel  # noqa: E402
 from local_ranks import run_on_local_ranks  # noqa: E402
 from vlm_tiny import (  # noqa: E402
     IMAGE,
@@ -74,6 +75,7 @@ def _spawned(directory: str, save_root: str, moe_directory: str, vl_directory: s
     _, results["vl mixed", 4] = tsp_vlm_step(vl_directory, image_batch(**MIXED))
     _, results["vl moe", 4] = tsp_vlm_step(vl_moe_directory, image_batch())
     results["zero3 path", 4], results["tower calls", rank] = _zero3_marked_step(directory, image_batch())
+    results["fsdp2", rank] = _fsdp2_step(directory, image_batch(), image_batch(**MIXED))
     if rank < 2:
         _, results[2] = tsp_vlm_step(directory, image_batch(), halves[0])
         _, results["mixed", 2] = tsp_vlm_step(directory, image_batch(**MIXED), halves[0])
@@ -103,6 +105,28 @@ def _zero3_marked_step(directory: str, batch: dict):
     out = model(**batch)
     out.loss.backward()
     return (out.loss.detach(), model.full_state_dict(grads=True)), calls
+
+
+def _fsdp2_step(directory: str, *batches: dict) -> dict:
+    """One step under shard_with_fsdp2 at D = 2 x data 2 (data replica r takes batches[r]: the images, then images
+    and videos, so replica 0 runs the tower for its absent videos): the language model fully_shard'ed over the data
+    axis, the tower kept whole. {loss, the tower's grads (plain tensors), the full grad norm (clip_grad_norm_,
+    the tower counted once), whether the language model's parameters are DTensors and the tower's are not}."""
+    from ds_tsp.core.config import parse_tsp_config
+    from ds_tsp.core.grads.clip import clip_grad_norm_
+    from ds_tsp.core.parallel.runtime import build_runtime
+    from ds_tsp.hf import TSPForConditionalGeneration
+    from ds_tsp.integrations.fsdp import shard_with_fsdp2
+
+    groups = build_runtime(parse_tsp_config({"size": 2})).groups
+    model = TSPForConditionalGeneration.from_pretrained(directory, groups.tsp_group, dtype=torch.float64)
+    shard_with_fsdp2(model, groups)
+    out = model(**batches[groups.data_rank])
+    out.loss.backward()
+    tower = {"model.visual." + n: p.grad.clone() for n, p in model.visual.named_parameters()}
+    norm = clip_grad_norm_(model, 1e9, groups)
+    kinds = {type(p).__name__ for p in model.tsp.parameters()}, {type(p).__name__ for p in model.visual.parameters()}
+    return {"loss": out.loss.detach(), "tower": tower, "norm": norm, "kinds": kinds}
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +360,7 @@ def test_d2_and_d4_match_transformers(runs, reference):
     mixed = reference_loss_and_grads(reference, image_batch(**MIXED))
     for degree in (4, 2):
         assert_matches(results["mixed", degree], mixed, ("images and videos", degree))
+    _assert_fsdp2_matches(results, ref, mixed)
     alone = reference_packed(reference, packed_documents())
     for degree in (4, 2):
         assert_matches(results["packed", degree], alone, ("packed documents", degree))
@@ -348,6 +373,25 @@ def test_d2_and_d4_match_transformers(runs, reference):
         moved = sum(route.in_splits) - route.in_splits[r] + sum(route.out_splits) - route.out_splits[r]
         assert results["a2a_bytes", r] == moved * row_bytes, r
     assert sum(results["a2a_bytes", r] for r in range(4)) > 0
+
+
+def _assert_fsdp2_matches(results: dict, *refs) -> None:
+    """FSDP2 at D = 2 x data 2 (_fsdp2_step) against transformers on both replicas' batches: the token-weighted
+    mean loss, every tower grad on every rank (summed over TSP, averaged over data in the tower's backward), the
+    full grad norm (the language model's DTensor grads and the tower's plain ones counted once)."""
+    counts = [int((shift(batch["labels"]) != -100).sum()) for batch in (image_batch(), image_batch(**MIXED))]
+    weights = [n / sum(counts) for n in counts]
+    loss = sum(w * ref[0] for w, ref in zip(weights, refs))
+    grads = {name: sum(w * ref[1][name] for w, ref in zip(weights, refs)) for name in refs[0][1]}
+    norm = torch.stack([g.norm() for g in grads.values()]).norm()
+    for rank in range(4):
+        got = results["fsdp2", rank]
+        assert got["kinds"] == ({"DTensor"}, {"Parameter"}), got["kinds"]
+        assert rel(got["loss"], loss) < 1e-10 and rel(got["norm"], norm) < 1e-10, (rank, got["loss"], got["norm"])
+        tower = {name: g for name, g in grads.items() if name.startswith("model.visual.")}
+        assert set(got["tower"]) == set(tower)
+        errors = {name: rel(got["tower"][name], g) for name, g in tower.items()}
+        assert max(errors.values()) < 1e-10, (rank, max(errors, key=errors.get), max(errors.values()))
 
 
 # where the step may read values on the host: the model's entry (the batch is read once there to plan the routes, the
@@ -442,3 +486,11 @@ def test_bad_input_is_refused_by_name(checkpoint):
             model(**batch)
     finally:
         proj.weight = whole
+    # shard_with_fsdp2 keeps the tower whole, outside FSDP2's casts: a param_dtype other than the tower's is refused
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ds_tsp.integrations.fsdp import _replicated_tower
+
+    with pytest.raises(TSPConfigError, match=r"MixedPrecisionPolicy\(param_dtype=torch.bfloat16\) with a vision-lang"):
+        _replicated_tower(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16), None)
+    assert _replicated_tower(model, MixedPrecisionPolicy(param_dtype=torch.float64), None) is model.visual

@@ -17,7 +17,9 @@ collectives are posted in the same order everywhere.
 Under DeepSpeed ZeRO-3 on the data axis (the tower's weights partitioned over the data group, ds_id) the tower runs
 in the step's graph instead, so that ZeRO-3's own hooks gather its weights around its forward and backward and
 reduce-scatter its grads; its grads are summed over the TSP group by a hook per parameter before that (encode_zero3).
-FSDP2 over the tower is refused by name.
+Under FSDP2 on the data axis (ds_tsp.integrations.fsdp.shard_with_fsdp2) the tower stays whole, replicated on
+every rank: the same backward then also averages its grads over the data group (data_group below), so they arrive
+as FSDP2 leaves the language model's, averaged over the replicas. A tower FSDP2 shards itself is refused by name.
 
 The plan reads token ids and grids on the host: a loader hands them there (TSPForConditionalGeneration copies
 device tensors to the host once at its entry); nothing inside the layers reads device values.
@@ -27,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.errors import TSPConfigError
@@ -63,10 +66,10 @@ class _ReplicatedEncode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor, comm: TSPComm, what: str,
-                *params):
+                data_group, *params):
         with torch.enable_grad():
             out = encode()
-        ctx.out, ctx.comm, ctx.what = out, comm, what
+        ctx.out, ctx.comm, ctx.what, ctx.data_group = out, comm, what, data_group
         ctx.save_for_backward(*params)
         return empty.clone() if out is None else out.detach()
 
@@ -84,19 +87,25 @@ class _ReplicatedEncode(torch.autograd.Function):
             flat = torch.cat([(grads[i] if grads[i] is not None else torch.zeros_like(params[i])).reshape(-1)
                               for i in slots])
             ctx.comm.all_reduce(flat, kind="replicated_grad", what=ctx.what).wait()
+            if ctx.data_group is not None:  # a replicated tower beside FSDP2: averaged as FSDP2 averages the rest
+                with ctx.comm.guard(f"{ctx.what}: all_reduce over data", group=ctx.data_group, poll=flat.device):
+                    dist.all_reduce(flat, group=ctx.data_group)
+                flat.div_(dist.get_world_size(ctx.data_group))
             offset = 0
             for i in slots:
                 n = params[i].numel()
                 summed[i] = flat[offset:offset + n].view_as(params[i])
                 offset += n
-        return (None, None, None, None, *summed)
+        return (None, None, None, None, None, *summed)
 
 
 def encode_replicated(module: torch.nn.Module, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor,
                       comm: TSPComm, what: str = "vision tower weight grads",
-                      placeholder: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+                      placeholder: Callable[[], torch.Tensor] | None = None, data_group=None) -> torch.Tensor:
     """encode() (this rank's part, or None for nothing: then `empty`) with the module's trainable weights' grads
     summed over the TSP group in backward. Collective in backward on every rank, an empty part included.
+    data_group (a replicated tower beside FSDP2 on the data axis): the grads are then also averaged over it, in the
+    same backward (a group of one rank: nothing to do).
 
     A tower partitioned by DeepSpeed ZeRO-3 over the data group (its parameters carry ds_id) runs in the step's
     graph instead (encode_zero3): placeholder() is what a rank with nothing to encode runs through it."""
@@ -106,13 +115,15 @@ def encode_replicated(module: torch.nn.Module, encode: Callable[[], torch.Tensor
     sharded = [p for p in params if type(p) not in (torch.Tensor, torch.nn.Parameter)]
     if sharded:  # FSDP2 DTensors: FSDP2 swaps in unsharded parameters inside the forward, grads taken here miss them
         raise TSPConfigError(f"the vision tower's weights are sharded by FSDP2 ({type(sharded[0]).__name__}): "
-                             "FSDP2 over a multimodal model is not supported yet; use DeepSpeed ZeRO-3 (the tower "
-                             "partitioned over the data axis), ZeRO-1/2 or plain data parallel")
+                             "fully_shard the model with ds_tsp.integrations.fsdp.shard_with_fsdp2, which keeps the "
+                             "tower whole, or use DeepSpeed ZeRO-3 (the tower partitioned over the data axis)")
     if not params or not torch.is_grad_enabled():
         with torch.no_grad():
             out = encode()
         return empty if out is None else out
-    return _ReplicatedEncode.apply(encode, empty, comm, what, *params)
+    if data_group is not None and dist.get_world_size(data_group) == 1:
+        data_group = None
+    return _ReplicatedEncode.apply(encode, empty, comm, what, data_group, *params)
 
 
 def encode_zero3(module: torch.nn.Module, encode: Callable[[], torch.Tensor | None], empty: torch.Tensor,

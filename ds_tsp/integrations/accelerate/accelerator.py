@@ -11,7 +11,8 @@ hands the rest back to Accelerate:
 - the model becomes a ds_tsp.hf.TSPForCausalLM on this rank's TSP group (an HF Llama-family model is converted, a
   checkpoint path loaded by slices), and the optimizer built on the HF model is rebound to the shards; a
   vision-language model (Qwen3.5 / Qwen3-VL ...ForConditionalGeneration) becomes a TSPForConditionalGeneration,
-  whose loaders yield the collator's full batch (pixels whole) on every TSP rank (FSDP2 refused by name);
+  whose loaders yield the collator's full batch (pixels whole) on every TSP rank (under FSDP2 its vision tower
+  stays whole, fp32 only: ds_tsp.integrations.fsdp);
 - dataloaders are sampled over the data axis only and cut to zigzag shards (ds_tsp.integrations.accelerate.dataloaders);
 - DeepSpeed: Accelerate's own _prepare_deepspeed runs, and its (call-time) deepspeed.initialize receives the TSP
   mpu and a train_batch_size counted over the mpu's data-parallel ranks (data x cp; the TSP group counted once);
@@ -149,14 +150,10 @@ def _is_vlm(model) -> bool:
     return is_vision_language(model)
 
 
-def _vlm_names(names: dict[int, str], mode: str) -> dict[int, str]:
+def _vlm_names(names: dict[int, str]) -> dict[int, str]:
     """A transformers VLM's parameter names as the optimizer rebinding reads them: the language model's under the
     causal LM's names (model.language_model.X -> model.X), the tower's as TSPForConditionalGeneration names it
-    (model.visual.Y -> visual.Y). FSDP2 over a VLM: refused by name (the tower's grads would miss its shards)."""
-    if mode == "fsdp2":
-        raise TSPConfigError("a vision-language model with TSPAccelerator under FSDP2: the vision tower under FSDP2 "
-                             "is not supported yet; use the DeepSpeed config (accelerate_tsp.yaml, ZeRO-1/2/3) or "
-                             "a plain launch")
+    (model.visual.Y -> visual.Y); under FSDP2 too (shard_with_fsdp2 keeps the tower whole, under the same names)."""
     renamed = {}
     for key, name in names.items():
         for prefix, to in (("model.language_model.", "model."), ("model.visual.", "visual.")):
@@ -227,7 +224,7 @@ class TSPAccelerator(_accelerate.Accelerator):
             original = args[models[0]]
             names = parameter_names(original)  # before conversion / FSDP2 re-create the parameters
             if _is_vlm(original):
-                names = _vlm_names(names, self.tsp_setup.mode)
+                names = _vlm_names(names)
             model = self._convert_model(original)
             if self.tsp_setup.mode != "deepspeed":
                 with self._setup_guard(f"{self.tsp_setup.mode} sharding of the model (fully_shard)"):
@@ -277,6 +274,8 @@ class TSPAccelerator(_accelerate.Accelerator):
 
             shard_with_fsdp2(model, self.tsp_groups, mp_policy=self._fsdp2_policy(),
                              reshard_after_forward=self.tsp_setup.reshard_after_forward)
+            if _is_vlm(model):  # per-replica means, as under DeepSpeed (to_vlm_model); the tower stays averaged
+                model.tsp.set_data_parallel_group(None)
         self._models.append(model)
         return model
 
