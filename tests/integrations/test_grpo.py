@@ -11,8 +11,9 @@ same completions were sampled), for
 The reference model's per-token log-probs through TSP's streaming head equal transformers' logits path (1e-5) on a
 left-padded prompt + right-padded completion batch; the vLLM server-mode weight sync streams, to a recording fake
 client, every tensor of the HF checkpoint exactly, one module's tensors alive at a time. Options TSP cannot honour
-are refused by name. Slow (opt-in): TSP=2 x data 2 with ZeRO-2 (both cases) and with ZeRO-3 (grpo) (4 processes)
-equals a plain 2-process GRPOTrainer.
+are refused by name. TSP=2 x data 2 (4 processes) equals a plain 2-process GRPOTrainer: in the default run at the
+tiniest data-axis case (dapo, 2 steps, ZeRO-2, every group of completions spanning both replicas); slow (opt-in)
+with ZeRO-2 (both cases) and with ZeRO-3 (grpo).
 
 Run as a script, this file is the worker: `python tests/integrations/test_grpo.py OUT.json MODEL TOKENIZER CASES
 [DS_CONFIG]` (a case named "grpo@3" runs under the ds_zero3.json beside DS_CONFIG).
@@ -45,6 +46,15 @@ CASES = {
              "sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5,
              "gradient_checkpointing": False},
 }
+# The default-run data-axis case (TSP=2 x data 2 against 2 plain processes): 2 completions per process of one
+# 4-completion group, so every group spans both data replicas (rewards gathered, advantages normalised over the
+# group and sliced per process); dapo divides by num_items over the data axis; the second step reuses the first
+# generation (importance ratio != 1).
+DATA_CASES = {
+    "dapo_dp": {"loss_type": "dapo", "beta": 0.02, "num_iterations": 2, "per_device_train_batch_size": 2,
+                "max_steps": 2, "gradient_checkpointing": False},
+}
+OPTIONS = {**CASES, **DATA_CASES}
 # the cases the TSP=2 run trains under ZeRO-3 (the rest under ZeRO-2: dapo's sync_ref_model is refused under ZeRO-3)
 ZERO3 = {"grpo"}
 STEPS = 3
@@ -87,13 +97,14 @@ def run_case(name: str, model_dir: str, tokenizer_dir: str, ds_config: str | Non
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # loaded before the config: under a ZeRO-3 config transformers would load it partitioned (zero.Init)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    options = {"per_device_train_batch_size": 4, "max_steps": STEPS, **OPTIONS[name]}
     # SGD: AdamW turns last-bit differences of near-zero gradients into +-lr steps (at data 2 the third step's grad
     # norm drifted 1.8e-5 relative under AdamW at 3e-2, ZeRO-2 and ZeRO-3 alike)
-    args = GRPOConfig(output_dir=f"{out_dir}/{name}", max_steps=STEPS, optim="sgd", learning_rate=0.1,
+    args = GRPOConfig(output_dir=f"{out_dir}/{name}", optim="sgd", learning_rate=0.1,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, logging_steps=1,
                       report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
-                      bf16=False, max_grad_norm=1.0, per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=6, deepspeed=ds_config, **CASES[name])
+                      bf16=False, max_grad_norm=1.0, num_generations=4, max_completion_length=6,
+                      deepspeed=ds_config, **options)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, padding_side="left")
     if ds_config is None:
         trainer_class = GRPOTrainer
@@ -256,12 +267,12 @@ def _logged_steps(history: list[dict]) -> list[dict]:
     return [line for line in history if "loss" in line and "train_runtime" not in line]
 
 
-def _assert_same_steps(reference: list[dict], tsp: list[dict], case: str) -> None:
+def _assert_same_steps(reference: list[dict], tsp: list[dict], case: str, steps: int = STEPS) -> None:
     """Every logged step: the sampled metrics (EQUAL) identical; the loss and KL within 5e-6 absolute (differences of
     fp32 log-probs of magnitude ~5, each rounded to ~5e-7; 1.3e-6 seen), the entropy and the grad norm within 1e-5
     relative (1e-7 / 1.5e-6 seen). Every metric compared must be logged: a name TRL changed fails here, never skips."""
     want, got = _logged_steps(reference), _logged_steps(tsp)
-    assert len(want) == STEPS and [g["step"] for g in got] == [w["step"] for w in want], (got, want)
+    assert len(want) == steps and [g["step"] for g in got] == [w["step"] for w in want], (got, want)
     for key in EQUAL:  # logged on generation steps (the first at least)
         assert key in want[0], f"{case}: TRL logs no {key!r} (renamed?): update EQUAL"
     for g, w in zip(got, want):
@@ -323,6 +334,21 @@ def test_vllm_weight_sync_streams_the_hf_checkpoint_one_module_at_a_time(grpo_ru
     stream = next(c["stream"] for c in grpo_runs["runs"][1]["checks"] if c["rank"] == 0)
     assert stream["names_equal"] and stream["all_equal"] and stream["metadata_ok"], stream
     assert stream["max_modules_alive"] == 1 and stream["resets"] == 2 and stream["tensors"] > 10, stream
+
+
+def test_grpo_tsp2_x_data2_equals_plain_two_process_grpo(tmp_path):
+    """The data axis at its tiniest (DATA_CASES, ZeRO-2): 4 processes (TSP=2 x data 2) against a plain GRPOTrainer on
+    2 processes, each step as in _assert_same_steps. Each group of completions spans both data replicas, so a
+    reward gather, an advantage normalisation or slice, or a dapo normaliser over the wrong axis changes the logged
+    rewards or the grad norm (advantages from one replica's rewards: grad norm 1.47 vs 1.97; num_items divided by
+    the world size: 3.93 vs 1.97)."""
+    _requirements()
+    _setup(tmp_path, {"size": 2})
+    (case, options), = DATA_CASES.items()
+    reference = _launch(tmp_path / "ref.json", tmp_path, case, 2)
+    tsp = _launch(tmp_path / "tsp.json", tmp_path, case, 4, tmp_path / "ds_zero2.json")
+    runs = _finish(reference, tmp_path / "ref.json"), _finish(tsp, tmp_path / "tsp.json")
+    _assert_same_steps(runs[0][case], runs[1][case], case, options["max_steps"])
 
 
 @pytest.mark.slow
