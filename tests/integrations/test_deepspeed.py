@@ -194,19 +194,22 @@ WINDOWED = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp_comm, shape", [("ring", SHAPE), ("all_to_all", SHAPE), ("ring", WINDOWED)],
-                         ids=["ring", "all_to_all", "ring_sliding_window"])
-def test_pipeline_stages_times_data_times_cp_match_single_rank(cp_comm, shape):
+@pytest.mark.parametrize("cp_comm, shape, tsp", [("ring", SHAPE, 1), ("all_to_all", SHAPE, 1), ("ring", WINDOWED, 1),
+                                                 ("ring", SHAPE, 2)],
+                         ids=["ring", "all_to_all", "ring_sliding_window", "ring_tsp2_data1"])
+def test_pipeline_stages_times_data_times_cp_match_single_rank(cp_comm, shape, tsp):
     """(PP, D, C) = (2, 2, 2) on 8 ranks (tsp 1): each stage's layers pass K/V over the cp groups (the ring, or the
     all-to-all schedule; a sliding-window layer on stage 0), each cp group of a replica holds its zigzag chunks of
     the replica's micro-batch, and DeepSpeed's data axis (data x cp) averages the gradients; equal to one rank on the
     same global batches of 4 (_pipeline_differences: losses 1e-5, clip norms 1e-4, final weights 1e-5). Without the
     stage's position_ids gathered over cp (a document break read between a cp group's two chunks) the losses are
-    6e-5 off: caught."""
-    reference = run_on_local_ranks(_train, 1, [ds_config(1, 1, micro_batch=4)], STEPS, True, shape, timeout_s=300,
-                                   env=ENV)[0][0]
+    6e-5 off: caught. ring_tsp2_data1: (PP, D, C, TSP) = (2, 1, 2, 2), TSP groups of 2 inside each stage and cp
+    group, against one rank at micro-batch 2."""
+    data = 2 // tsp
+    reference = run_on_local_ranks(_train, 1, [ds_config(1, 1, micro_batch=2 * data)], STEPS, True, shape,
+                                   timeout_s=300, env=ENV)[0][0]
     assert (torch.tensor(reference["grad_norms"]) > 0.5).any(), "clipping must be active, or the norms prove nothing"
-    cfg = ds_config(1, 1, pipeline_stages=2)
+    cfg = ds_config(tsp, 1, pipeline_stages=2)
     cfg["tsp"].update(cp_size=2, cp_comm=cp_comm)
     got = run_on_local_ranks(_train_pipeline, 8, cfg, STEPS, shape, timeout_s=600, env=ENV)
     assert _pipeline_differences(got, reference) == []
