@@ -84,12 +84,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     check_deepspeed_compatible(ds_config, tsp)
     pipeline_shape = None
     if tsp.pipeline_stages > 1:  # checked before any process group is built: a config error needs no launch
-        from ds_tsp.integrations.deepspeed.pipeline import check_pipeline_cp, check_pipeline_moe, check_pipeline_source
+        from ds_tsp.integrations.deepspeed.pipeline import check_pipeline_moe, check_pipeline_source
         check_pipeline_source(model)  # LoRA: refused by name
         pipeline_shape = model if isinstance(model, ModelShape) else ModelShape.from_hf_config(
             getattr(model, "config", model))
         check_pipeline_moe(pipeline_shape)
-        check_pipeline_cp(pipeline_shape, tsp.cp_size)
     device = local_device()  # cuda:LOCAL_RANK made current before anything (DeepSpeed's groups included) is built
     if not _launched():  # a plain `python script.py`: one local rank, not DeepSpeed's MPI discovery (mpi4py)
         _single_process_env()

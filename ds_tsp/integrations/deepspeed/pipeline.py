@@ -10,7 +10,8 @@ With a cp axis (pipe, data, cp, tsp) DeepSpeed's data axis is data x cp: the ran
 groups are ds_tsp's data groups (data x cp), over which it averages gradients and the reported loss. The stages'
 TSP layers get the cp ring through `comm` (TSPComm.cp), the loader cuts each micro-batch into the cp group's zigzag
 chunks (shard_batch with cp), position_ids carry the global positions, and the loss denominator counts labelled
-tokens over data x cp (count_valid_tokens over groups.data_group), so averaging over data x cp is exact.
+tokens over data x cp (count_valid_tokens over groups.data_group), so averaging over data x cp is exact. Every layer
+kind takes the cp axis as on one stage (attention, sliding windows, Gated DeltaNet, experts without the aux loss).
 
 Mixture-of-experts layers run as on one stage, but the stage-to-stage activations carry no router logits, so the
 load-balancing loss (output_router_logits) cannot reach the last stage: refused (check_pipeline_moe) rather than
@@ -128,21 +129,6 @@ def check_pipeline_moe(shape: ModelShape) -> None:
             "to train without the aux loss")
 
 
-def check_pipeline_cp(shape: ModelShape, cp_size: int) -> None:
-    """Pipeline stages with a cp axis are proven exact on attention layers (full and sliding-window, ring and
-    all-to-all); Gated DeltaNet and mixture-of-experts layers under both are not yet: refused by name."""
-    if cp_size == 1:
-        return
-    kinds = [name for name, present in (("Gated DeltaNet (layer_types)", shape.layer_types is not None),
-                                        (f"mixture-of-experts (num_experts={shape.num_experts})", shape.num_experts))
-             if present]
-    if kinds:
-        raise TSPConfigError(
-            f"tsp.cp_size={cp_size} with tsp.pipeline_stages > 1 on a {' and '.join(kinds)} model is not supported: "
-            "those layers are not verified under pipeline stages and cp together; set tsp.cp_size to 1 (pipeline "
-            "stages x TSP) or tsp.pipeline_stages to 1 (TSP x cp)")
-
-
 def check_pipeline_source(model) -> None:
     """A PEFT (LoRA) model cannot be split into stages: refused by name before any process group is built."""
     if hasattr(model, "peft_config"):
@@ -206,7 +192,6 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
         raise TSPConfigError("tie_word_embeddings=True with tsp.pipeline_stages > 1 is not supported: the tied "
                              "embedding and LM head live on different stages; untie them or use one stage")
     check_pipeline_moe(shape)
-    check_pipeline_cp(shape, groups.cp_size)
     if shape.per_layer_input_size or shape.layer_scalars or shape.kv_shared_layers:
         raise TSPConfigError("Gemma 4 (per_layer_input_size / layer_scalars / kv_shared_layers) with "
                              "tsp.pipeline_stages > 1 is not supported: every layer reads the token ids' per-layer "
