@@ -184,14 +184,6 @@ class TSPConfig(ScheduleOptions):
         return self
 
     @model_validator(mode="after")
-    def _cp_with_pipeline(self) -> "TSPConfig":
-        if self.cp_size > 1 and self.pipeline_stages > 1:
-            raise TSPConfigError(f"tsp.cp_size={self.cp_size} with tsp.pipeline_stages={self.pipeline_stages}: the "
-                                 "pipeline engine does not split a sequence over cp groups; set cp_size or "
-                                 "pipeline_stages to 1")
-        return self
-
-    @model_validator(mode="after")
     def _gpu_timeout_floor(self) -> "TSPConfig":
         """On a CUDA machine a timeout_s under GPU_TIMEOUT_FLOOR_S warns: NCCL collectives are timed from when they
         are queued, the host queues several layers ahead, and the first step sets up the communicators, so a few

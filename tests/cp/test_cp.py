@@ -96,12 +96,12 @@ def test_layout_with_cp_axis():
 @pytest.mark.parametrize("block, match", [
     ({"cp_size": 0}, r"tsp.cp_size=0: .*>= 1"),
     ({"cp_size": "2"}, r"tsp.cp_size='2': .*valid integer"),
-    ({"cp_size": 2, "pipeline_stages": 2}, r"tsp.cp_size=2 with tsp.pipeline_stages=2"),
 ])
 def test_cp_size_errors_name_the_field(block, match):
     with pytest.raises(TSPConfigError, match=match):
         parse_tsp_config(block)
     assert parse_tsp_config({"size": 2, "cp_size": 4}).cp_size == 4
+    assert parse_tsp_config({"cp_size": 2, "pipeline_stages": 2}).cp_size == 2  # pipeline stages take the cp axis
 
 
 def _doc_of(starts, t):
@@ -485,3 +485,64 @@ def test_cp_step_creates_nothing_off_device():
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "done" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+
+
+# --- a pipeline stage's positions under cp (what StepPositions finds documents in) ------------------------------------
+def test_global_positions_gather_over_tsp_and_cp():
+    """A pipeline stage sees only position_ids: global_positions must put the whole sequence back in order, over the
+    TSP group and then the cp ring. Gathered over the TSP group alone, a cp group's two chunks sit side by side and
+    their jump reads as a document start (the (PP, D, C) = (2, 2, 2) pipeline's losses were 6e-5 off)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from thread_comm import ThreadComm, _World
+
+    from ds_tsp.core.tokens.documents import document_starts
+    from ds_tsp.core.tokens.positions import global_positions
+
+    C, D, S = 2, 2, 24
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None].repeat(2, 1)
+    pos[1] = torch.arange(S)
+    tsp_worlds, cp_worlds = [_World(D, 60) for _ in range(C)], [_World(C, 60) for _ in range(D)]
+
+    def rank(i, p):
+        comm = ThreadComm(tsp_worlds[i], p)
+        comm.cp = ThreadComm(cp_worlds[p], i)
+        comm.cp_axis = lambda: comm.cp
+        shard = shard_batch(torch.zeros_like(pos), tsp=D, rank=p, cp=C, cp_rank=i, position_ids=pos)
+        return global_positions(shard["position_ids"], comm)
+
+    with ThreadPoolExecutor(max_workers=C * D) as pool:
+        got = [f.result() for f in [pool.submit(rank, i, p) for i in range(C) for p in range(D)]]
+    for out in got:
+        assert torch.equal(out, pos)
+    assert document_starts(got[0]) == document_starts(pos) is not None
+
+
+def test_plan_pipeline_stages_with_cp():
+    """pp x cp: one stage's layers take the cp ring (half the K/V hops of pp 1 at 2 stages), and the step gathers
+    each stage's position_ids over cp instead of the input check's payload; hybrid and sliding-window models,
+    whose cp terms are counted over the whole model, are refused naming cp and pp."""
+    from dataclasses import replace
+
+    from ds_tsp.tools.cli import main
+    from ds_tsp.tools.plan import PRESETS, PlanInput
+    from ds_tsp.tools.plan.inputs import PlanInputError
+    from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
+    from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all
+
+    inp = PlanInput(model=PRESETS["8b"], seq=65536, degree=8, zero_stage=1)
+    one, two = plan_tsp_cp(inp, 4), plan_tsp_cp(replace(inp, pp=2), 4)
+    assert two.layers_per_stage * 2 == one.layers_per_stage == PRESETS["8b"].num_layers
+    ring = [p.cp["inter_node_bytes_per_step"] - p.cp["input_check_cp_bytes_per_step"] for p in (one, two)]
+    assert ring[1] * 2 == ring[0] > 0
+    positions = 1 * 65536 * 8  # [C, D, B, S / (C D)] int64, 3/4 of it from the other cp groups
+    assert two.cp["input_check_cp_bytes_per_step"] == positions * 3 // 4
+    assert [t.name for t in two.step_terms if "over cp" in t.name] == [
+        "position_ids all-gather over cp (each stage's document layout)"]
+    assert plan_tsp_cp_all_to_all(replace(inp, pp=2), 4).cp["input_check_cp_bytes_per_step"] == positions * 3 // 4
+    windowed = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, attention_windows=(8, None))
+    with pytest.raises(PlanInputError, match=r"cp=2 with pp=2 on a hybrid .* or sliding-window model"):
+        plan_tsp_cp(PlanInput(model=windowed, seq=64, degree=2, pp=2), 2)
+    assert main(["plan", "--model", "8b", "--tsp", "8", "--cp", "4", "--pp", "2", "--seq", "64k"]) == 0
+

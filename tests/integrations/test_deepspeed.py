@@ -32,9 +32,9 @@ def ds_config(tsp: int, stage: int, pipeline_stages: int = 1, micro_batch: int =
             "gradient_clipping": 0.5, "tsp": {"size": tsp, "pipeline_stages": pipeline_stages}, **extra}
 
 
-def _train(configs: list[dict], steps: int = STEPS, final: bool = False) -> list[dict]:
+def _train(configs: list[dict], steps: int = STEPS, final: bool = False, shape: ModelShape = SHAPE) -> list[dict]:
     """Train once per config in this process group; per-step global losses and grad norms (and final weights)."""
-    return train_from_shape(SHAPE, configs, steps, num_samples=64, final=final)
+    return train_from_shape(shape, configs, steps, num_samples=64, final=final)
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +82,16 @@ def test_incompatible_or_bad_config_fails_clearly(extra, match):
         ds_tsp.initialize(model=SHAPE, config=cfg)
 
 
-def _train_pipeline(cfg: dict, steps: int = STEPS) -> dict:
+def _train_pipeline(cfg: dict, steps: int = STEPS, shape: ModelShape = SHAPE) -> dict:
     import torch.distributed as dist
 
     import ds_tsp
     from ds_tsp.core.tokens.loader import pipeline_batches
 
-    ref = ReferenceCausalLM(SHAPE)
+    ref = ReferenceCausalLM(shape)
     init_weights_(ref, 0)
-    data = MaskedPatterns(vocab_size=SHAPE.vocab_size, seq_len=30, num_samples=64)
-    engine, _, loader, _ = ds_tsp.initialize(model=SHAPE, config=cfg, training_data=data,
+    data = MaskedPatterns(vocab_size=shape.vocab_size, seq_len=30, num_samples=64)
+    engine, _, loader, _ = ds_tsp.initialize(model=shape, config=cfg, training_data=data,
                                              state_dict=full_state_dict(ref))
     batches = pipeline_batches(loader)
     losses, norms = [], []
@@ -201,3 +201,87 @@ def test_zero3_gathers_a_sequence_classifiers_score_head_with_the_classifier():
     model = TSPForSequenceClassification.from_config(tiny_config("llama", num_labels=1, pad_token_id=0), seed=0)
     assert register_zero3_fetches(model, deepspeed) > 0
     assert [p for _, p in model.ds_external_parameters()] == [model.tsp.score]
+
+
+WINDOWED = ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      attention_windows=(8, None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp_comm, shape, tsp", [("ring", SHAPE, 1), ("all_to_all", SHAPE, 1), ("ring", WINDOWED, 1),
+                                                 ("ring", SHAPE, 2)],
+                         ids=["ring", "all_to_all", "ring_sliding_window", "ring_tsp2_data1"])
+def test_pipeline_stages_times_data_times_cp_match_single_rank(cp_comm, shape, tsp):
+    """(PP, D, C) = (2, 2, 2) on 8 ranks (tsp 1): each stage's layers pass K/V over the cp groups (the ring, or the
+    all-to-all schedule; a sliding-window layer on stage 0), each cp group of a replica holds its zigzag chunks of
+    the replica's micro-batch, and DeepSpeed's data axis (data x cp) averages the gradients; equal to one rank on the
+    same global batches of 4 (_pipeline_differences: losses 1e-5, clip norms 1e-4, final weights 1e-5). Without the
+    stage's position_ids gathered over cp (a document break read between a cp group's two chunks) the losses are
+    6e-5 off: caught. ring_tsp2_data1: (PP, D, C, TSP) = (2, 1, 2, 2), TSP groups of 2 inside each stage and cp
+    group, against one rank at micro-batch 2."""
+    data = 2 // tsp
+    reference = run_on_local_ranks(_train, 1, [ds_config(1, 1, micro_batch=2 * data)], STEPS, True, shape,
+                                   timeout_s=300, env=ENV)[0][0]
+    assert (torch.tensor(reference["grad_norms"]) > 0.5).any(), "clipping must be active, or the norms prove nothing"
+    cfg = ds_config(tsp, 1, pipeline_stages=2)
+    cfg["tsp"].update(cp_size=2, cp_comm=cp_comm)
+    got = run_on_local_ranks(_train_pipeline, 8, cfg, STEPS, shape, timeout_s=600, env=ENV)
+    assert _pipeline_differences(got, reference) == []
+
+
+def _train_family(cfg: dict, family: str, steps: int = STEPS) -> dict:
+    """A tiny transformers model of `family` (MoE without the aux loss, or the Qwen3.5 hybrid), trained by
+    ds_tsp.initialize from its weights: the pipeline engine when cfg has stages, else the plain engine."""
+    import torch.distributed as dist
+    import transformers
+    from hf_tiny import init_tiny_weights_, tiny_config
+    from hybrid_tiny import hybrid_config
+
+    import ds_tsp
+    from ds_tsp.core.tokens.loader import pipeline_batches
+
+    config = (hybrid_config(family, tie_word_embeddings=False) if family.startswith("qwen3_5") else
+              tiny_config(family, output_router_logits=False, tie_word_embeddings=False))
+    model = init_tiny_weights_(transformers.AutoModelForCausalLM.from_config(config).float(), 0)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = MaskedPatterns(vocab_size=config.vocab_size, seq_len=30, num_samples=64)
+    engine, _, loader, _ = ds_tsp.initialize(model=config, config=cfg, training_data=data, state_dict=state)
+    losses, norms = [], []
+    if cfg["tsp"].get("pipeline_stages", 1) > 1:
+        batches = pipeline_batches(loader)
+        for _ in range(steps):
+            share = engine.train_batch(batches)
+            dist.all_reduce(share, group=engine.tsp_groups.tsp_group)
+            losses.append(float(share))
+            norms.append(float(engine.get_global_grad_norm()))
+    else:
+        batches = iter(loader)
+        for _ in range(steps):
+            b = next(batches)
+            loss = engine(b["input_ids"], b["shift_labels"], b["position_ids"])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(engine.tsp_model.loss_for_logging(loss)))
+            norms.append(float(engine.get_global_grad_norm()))
+    out = {"losses": losses, "grad_norms": norms, "final": full_weights(engine)}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5"])
+def test_pipeline_stages_times_cp_on_moe_and_hybrid(family):
+    """(PP, C) = (2, 2) on 4 ranks against the plain engine on one rank (itself checked against transformers in
+    tests/moe and tests/hybrid), same weights and batches: MoE without the aux loss (qwen3_moe) and the Qwen3.5 hybrid
+    (a Gated DeltaNet layer on stage 0, gated attention on stage 1). SGD, clipping active: per-step loss 1e-5, clip
+    norm 1e-4, final weights 1e-5 (_pipeline_differences). (Under AdamW the hybrid's final weights differ up to 6e-5:
+    its cp chunk-state sums reorder float32 rounding, which AdamW turns into +-lr steps on near-zero gradients;
+    losses and norms agree there too.)"""
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_allow_untested_optimizer": True}
+    reference = run_on_local_ranks(_train_family, 1, {**ds_config(1, 1), **sgd}, family, timeout_s=300, env=ENV)[0]
+    assert reference["losses"][-1] < reference["losses"][0] and max(reference["grad_norms"]) > 0.5, reference
+    cfg = {**ds_config(1, 1, pipeline_stages=2), **sgd}
+    cfg["tsp"]["cp_size"] = 2
+    got = run_on_local_ranks(_train_family, 4, cfg, family, timeout_s=600, env=ENV)
+    diffs = _pipeline_differences(got, reference)
+    assert diffs == [], "\n".join(map(str, diffs))

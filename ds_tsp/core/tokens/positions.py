@@ -3,8 +3,9 @@ where the family scales queries by position) and packed-document starts.
 
 position_ids are GLOBAL positions of this rank's zigzag tokens (restarting at 0 where a packed document starts).
 RoPE needs only the local ones; finding the documents needs the whole sequence, so it costs one all-gather over the
-TSP group. The causal LM does both once in its forward; a pipeline stage, which receives position_ids as an
-activation, asks a `StepPositions` shared by its layers, which pays once per micro-batch, not once per layer.
+TSP group (and one more over the cp ring with a cp axis). The causal LM does both once in its forward; a pipeline
+stage, which receives position_ids as an activation, asks a `StepPositions` shared by its layers, which pays once
+per micro-batch, not once per layer.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.shape.model_shape import ModelShape, RopeScaling
 from ds_tsp.core.tokens.documents import DocumentLayout, document_layout, document_starts
 from ds_tsp.core.tokens.rope import query_scale, rope_cos_sin
-from ds_tsp.core.tokens.zigzag import unshard
+from ds_tsp.core.tokens.zigzag import cp_unshard, unshard
 
 
 class RopeTables(NamedTuple):
@@ -105,12 +106,23 @@ def longest_position(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
 
 
 def global_positions(position_ids: torch.Tensor, comm: TSPComm) -> torch.Tensor:
-    """[B, S] positions in sequence order from every rank's zigzag shard [B, S/D] (collective over the group)."""
-    if comm.size == 1:
+    """[B, S] positions in sequence order from every rank's zigzag shard [B, S/D] (collective over the group). With a
+    cp axis the shard is [B, S/(C D)] and the TSP group's gather is gathered once more over the cp ring: a cp group's
+    two chunks are not adjacent, so the TSP group's positions alone would show a document break between them."""
+    if comm.size == 1 and comm.cp is None:
         return position_ids
-    gathered = torch.empty((comm.size, *position_ids.shape), dtype=position_ids.dtype, device=position_ids.device)
-    comm.all_gather(gathered, position_ids.contiguous()).wait()
-    return unshard(list(gathered.unbind(0)), dim=1)
+    if comm.size > 1:
+        gathered = torch.empty((comm.size, *position_ids.shape), dtype=position_ids.dtype,
+                               device=position_ids.device)
+        comm.all_gather(gathered, position_ids.contiguous()).wait()
+    else:
+        gathered = position_ids[None]
+    if comm.cp is None:
+        return unshard(list(gathered.unbind(0)), dim=1)
+    cp = comm.cp_axis()
+    everyone = torch.empty((cp.size, *gathered.shape), dtype=gathered.dtype, device=gathered.device)
+    cp.all_gather(everyone, gathered.contiguous(), what="positions over cp").wait()
+    return cp_unshard([list(group.unbind(0)) for group in everyone.unbind(0)], dim=1)
 
 
 class StepPositions:

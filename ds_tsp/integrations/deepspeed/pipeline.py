@@ -6,6 +6,13 @@ positions for RoPE and the last one the targets. DeepSpeed's PipeModelDataParall
 (pipe, data, model) with model innermost, which is exactly ds_tsp's (pipe, data, tsp), so its model-parallel
 slice of each stage is the TSP group.
 
+With a cp axis (pipe, data, cp, tsp) DeepSpeed's data axis is data x cp: the rank order is the same, so its data
+groups are ds_tsp's data groups (data x cp), over which it averages gradients and the reported loss. The stages'
+TSP layers get the cp ring through `comm` (TSPComm.cp), the loader cuts each micro-batch into the cp group's zigzag
+chunks (shard_batch with cp), position_ids carry the global positions, and the loss denominator counts labelled
+tokens over data x cp (count_valid_tokens over groups.data_group), so averaging over data x cp is exact. Every layer
+kind takes the cp axis as on one stage (attention, sliding windows, Gated DeltaNet, experts without the aux loss).
+
 Mixture-of-experts layers run as on one stage, but the stage-to-stage activations carry no router logits, so the
 load-balancing loss (output_router_logits) cannot reach the last stage: refused (check_pipeline_moe) rather than
 trained without it. An in-memory MoE model's state dict (fused experts) is read under its checkpoint names.
@@ -197,8 +204,10 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
               for i in range(shape.num_layers)]
     specs.append(LayerSpec(NormHeadLossPipe, shape, comm, dtype, device, groups.data_group,
                            options.lm_head_chunk_tokens))
+    # DeepSpeed's data axis is ds_tsp's data x cp (data-major, cp next to tsp: the same rank order), so the engine
+    # reduces gradients, the loss it reports and the clip norm's data part over both
     topology = PipeModelDataParallelTopology(num_pp=groups.pipe_size, num_mp=groups.tsp_size,
-                                             num_dp=groups.data_size)
+                                             num_dp=groups.data_size * groups.cp_size)
     module = PipelineModule(layers=specs, topology=topology, loss_fn=_loss_passthrough,
                             partition_method="type:DecoderPipe",
                             activation_checkpoint_interval=1 if options.activation_checkpointing else 0)

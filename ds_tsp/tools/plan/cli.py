@@ -445,7 +445,8 @@ def _run_cp(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({**result.to_dict(), "model": model_name, "input": inp.to_dict()}), flush=True)
         else:
-            print(f"{model_name}: seq={inp.seq} batch={inp.batch} D={inp.degree} dp={inp.dp} {inp.dtype}"
+            stages = f" pp={inp.pp} (stage {result.stage}: {result.layers_per_stage} layers)" if inp.pp > 1 else ""
+            print(f"{model_name}: seq={inp.seq} batch={inp.batch} D={inp.degree} dp={inp.dp}{stages} {inp.dtype}"
                   f"{' +AC' if inp.activation_checkpointing else ''}{' +offload' if inp.offload_activations else ''}")
             for line in _cp_lines(result) + [f"  {n}" for n in result.notes]:
                 print(line, flush=True)

@@ -54,8 +54,11 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
     """What one TSP group of the cp ring is planned as: TSP at S_pad / C tokens, ZeRO over dp x C ranks."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise PlanInputError("cp", f"cp={cp!r}: must be an integer >= 1")
-    if cp > 1 and inp.pp > 1:
-        raise PlanInputError("cp", f"cp={cp} with pp={inp.pp}: tsp.cp_size runs without pipeline stages")
+    windows = any(w is not None for w in inp.model.attention_windows or ())
+    if cp > 1 and inp.pp > 1 and (inp.model.layer_types is not None or windows):
+        raise PlanInputError("cp", f"cp={cp} with pp={inp.pp} on a hybrid (Gated DeltaNet) or sliding-window model: "
+                                   "the cp terms of those layers are counted over the whole model, not per stage; "
+                                   "plan pp with cp 1, or cp with pp 1")
     if cp > 1 and mixed_attention_shapes(inp.model):
         raise PlanInputError("cp", f"cp={cp} with full_head_dim / full_num_kv_heads / full_values_from_keys / "
                                    "kv_shared_layers (Gemma 4's full layers' own attention shape, KV sharing): the "
@@ -63,6 +66,24 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
                                    "ds-tsp bench")
     S = round_up(inp.seq, 2 * inp.degree * cp)
     return replace(inp, seq=S // cp, dp=inp.dp * cp)
+
+
+def cp_check_terms(group: PlanInput, cp: int) -> tuple[int, tuple]:
+    """(bytes, step terms) of what a step gathers over cp to find the documents (group: group_input's): the input
+    check's fixed payload (ds_tsp.core.tokens.input_check.over_cp), or with pipeline stages, where every stage
+    finds them in the position_ids it receives, those of the TSP group gathered over cp once per stage and
+    micro-batch (ds_tsp.core.tokens.positions.global_positions)."""
+    D = group.degree
+    if cp == 1:
+        return 0, ()
+    if group.pp > 1:
+        positions = group.batch * group.seq * cp * 8  # [C, D, B, S_pad / (C D)] int64
+        check = gather_bytes(positions, cp)
+        return check, (term("position_ids all-gather over cp (each stage's document layout)", "all_gather",
+                            positions, 1, check),)
+    check = input_check_cp_bytes(D, cp)
+    return check, (term("input check + document layout all-gather over cp", "all_gather",
+                        input_check_cp_payload(D, cp), 1, check),)
 
 
 def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_GBPS, gpu_tflops: float = 400.0,
@@ -119,9 +140,7 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         per_rank = [hybrid_bytes] * (C * D)
     busiest = max(range(C * D), key=per_rank.__getitem__)  # cp-major: cp rank busiest // D, TSP rank busiest % D
     ring_bytes = per_rank[busiest]
-    check = input_check_cp_bytes(D, C)  # the same on every rank: the busiest stays the busiest
-    check_terms = ((term("input check + document layout all-gather over cp", "all_gather",
-                         input_check_cp_payload(D, C), 1, check),) if C > 1 else ())
+    check, check_terms = cp_check_terms(group, C)  # the same on every rank: the busiest stays the busiest
     if win.layers:  # per-layer figures: the mean over the layers (their terms: per layer of their kind)
         calls = win.hop_calls[busiest] // win.layers
         win_fwd, win_bwd = win.fwd_bytes[busiest] // win.layers, win.bwd_bytes[busiest] // win.layers

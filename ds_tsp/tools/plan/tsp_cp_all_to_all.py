@@ -34,12 +34,10 @@ from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.tsp_comm import (
     TSPGeometry,
-    input_check_cp_bytes,
-    input_check_cp_payload,
     tsp_counter_bytes,
     tsp_layer_terms,
 )
-from ds_tsp.tools.plan.tsp_cp import ATTENTION_BACKWARD_FLOPS, INTER_NODE_GBPS, group_input, plan_tsp_cp
+from ds_tsp.tools.plan.tsp_cp import ATTENTION_BACKWARD_FLOPS, INTER_NODE_GBPS, cp_check_terms, group_input, plan_tsp_cp
 
 __all__ = ["plan_tsp_cp_all_to_all", "all_to_all_lines", "tsp_counter_bytes_all_to_all", "CP_COMMS"]
 
@@ -136,9 +134,7 @@ def plan_tsp_cp_all_to_all(inp: PlanInput, cp: int, *, inter_node_gbps: float = 
         extra = max(extra, gdn_cp_buffers(group, C))
     else:
         a2a_bytes = layers * sum(t.bytes for t in (*fwd, *bwd))
-    check = input_check_cp_bytes(D, C)
-    check_terms = (term("input check + document layout all-gather over cp", "all_gather",
-                        input_check_cp_payload(D, C), 1, check),)
+    check, check_terms = cp_check_terms(group, C)
     S = group.seq * C
     passes = 1 + ATTENTION_BACKWARD_FLOPS + (1 if inp.activation_checkpointing else 0)
     # causal attention of the whole sequence, every head, shared by the C D ranks
