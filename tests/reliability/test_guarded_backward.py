@@ -128,16 +128,6 @@ def test_a_stall_in_the_evaluation_loops_size_gather_ends_the_peer(tmp_path):
 
 
 # --- in process, on the fake group ----------------------------------------------------------------------------
-@pytest.fixture
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -153,7 +143,7 @@ def _raise(error):
     raise error
 
 
-def test_deepspeed_backward_reports_a_collectives_failure_and_lets_other_errors_through(fake_world, reports):
+def test_deepspeed_backward_reports_a_collectives_failure_and_lets_other_errors_through(fake_pair_of_ranks, reports):
     from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.reliability.stall_message import MESSAGE_PREFIX
     from ds_tsp.integrations.deepspeed.engine import _guard_backward
@@ -176,7 +166,7 @@ def test_deepspeed_backward_reports_a_collectives_failure_and_lets_other_errors_
     assert "waiting for rank 1" in message and "layer: backward" in message
 
 
-def test_nested_guards_keep_the_outer_deadline(fake_world):
+def test_nested_guards_keep_the_outer_deadline(fake_pair_of_ranks):
     """A layer's wait inside a guarded backward arms its own deadline and restores the backward's when it ends:
     the backward stays bounded from its own start; after it nothing is armed."""
     from ds_tsp.core.comm.communicator import TSPComm
@@ -191,7 +181,7 @@ def test_nested_guards_keep_the_outer_deadline(fake_world):
     assert me not in WATCHDOG._armed
 
 
-def test_accelerator_backward_and_the_evaluation_size_gather_are_guarded(fake_world, reports, monkeypatch):
+def test_accelerator_backward_and_the_evaluation_size_gather_are_guarded(fake_pair_of_ranks, reports, monkeypatch):
     """TSPAccelerator.backward (under DeepSpeed: Accelerate's engine.backward + engine.step) and
     pad_across_processes (the evaluation loop's size gather over every process); Accelerate's methods mocked."""
     import accelerate
@@ -221,7 +211,7 @@ def test_accelerator_backward_and_the_evaluation_size_gather_are_guarded(fake_wo
     assert second.startswith(f"{MESSAGE_PREFIX} pad_across_processes size gather timed out on rank 0"), second
 
 
-def test_on_a_device_the_backward_guards_watch_an_event_and_do_not_sync(fake_world, monkeypatch):
+def test_on_a_device_the_backward_guards_watch_an_event_and_do_not_sync(fake_pair_of_ranks, monkeypatch):
     """NCCL: the reduction in a backward does not block the host, so after the block the guard hands an event on
     the engine's (the loss's) device to the watchdog thread; nothing waits on the host. Watchdog.watch mocked."""
     import accelerate
@@ -247,7 +237,7 @@ def test_on_a_device_the_backward_guards_watch_an_event_and_do_not_sync(fake_wor
                        (torch.device("cuda", 0), "fsdp2 backward", 20)], watched
 
 
-def test_the_loaders_batch_fetch_and_the_flos_broadcast_are_guarded(fake_world, reports, monkeypatch):
+def test_the_loaders_batch_fetch_and_the_flos_broadcast_are_guarded(fake_pair_of_ranks, reports, monkeypatch):
     """Accelerate's loader posts world collectives when a batch is fetched (the generator's RNG broadcast at an
     epoch's start, the dispatcher's batch broadcast): each fetch is guarded, errors of the data pipeline propagate,
     a complete or abandoned iteration leaves nothing armed. The Trainer's flos broadcast is guarded too."""

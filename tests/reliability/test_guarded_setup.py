@@ -153,20 +153,8 @@ def test_a_stall_in_setup_resume_or_a_trl_loader_ends_the_peer(tmp_path, case):
         assert " timed out " in message and took >= TIMEOUT_S - 0.5, message
 
 
-# --- in process, on the fake group ----------------------------------------------------------------------------
-@pytest.fixture
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_the_setup_and_resume_blocks_are_armed_and_let_their_own_errors_through(fake_world, monkeypatch):
+# --- in process, on the fake group (conftest.py) ---------------------------------------------------------------
+def test_the_setup_and_resume_blocks_are_armed_and_let_their_own_errors_through(fake_pair_of_ranks, monkeypatch):
     """While Accelerate's prepare, the Trainer's setup / resume load
     and a whole-batch loader's fetch run, this thread's wait is armed; a bad checkpoint file's error (not a
     collective's) propagates as it is; after each block nothing is armed."""
@@ -226,7 +214,7 @@ def test_the_setup_and_resume_blocks_are_armed_and_let_their_own_errors_through(
     assert me not in WATCHDOG._armed
 
 
-def test_the_pipeline_engines_train_batch_and_eval_batch_are_bounded(fake_world, monkeypatch):
+def test_the_pipeline_engines_train_batch_and_eval_batch_are_bounded(fake_pair_of_ranks, monkeypatch):
     """Under tsp.pipeline_stages > 1 the stages' sends / receives run inside DeepSpeed's train_batch / eval_batch:
     each call is one guarded block (armed while it runs); a collective's failure is reported with the one line, an
     error of the computation propagates as it is."""

@@ -135,7 +135,20 @@ def guarded_batches(loader, comm: TSPComm | None):
         yield batch
 
 
-class WholeBatchLoader:
+class _PreparedLoaderView:
+    """A view of an Accelerate-prepared loader: its length and attributes (batch_size, dataset, sampler, set_epoch,
+    ...) are the wrapped loader's; subclasses say what each batch becomes."""
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class WholeBatchLoader(_PreparedLoaderView):
     """An Accelerate-prepared loader whose batches stay whole (data-axis sampled, never cut: GRPO / RLOO prompt
     rows, reward / DPO / VLM batches), each fetch bounded like TSPShardedLoader's (guarded_batches)."""
 
@@ -145,16 +158,8 @@ class WholeBatchLoader:
     def __iter__(self):
         yield from guarded_batches(self.loader, self.comm)
 
-    def __len__(self) -> int:
-        return len(self.loader)
 
-    def __getattr__(self, name):  # batch_size, dataset, sampler, set_epoch, ... of the wrapped loader
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
-
-
-class TSPShardedLoader:
+class TSPShardedLoader(_PreparedLoaderView):
     """Wraps an Accelerate-prepared loader (data-axis sampling) and yields this rank's zigzag shard of each batch."""
 
     def __init__(self, loader, comm: TSPComm, batch_size: int | None = None, whole=None):
@@ -167,11 +172,3 @@ class TSPShardedLoader:
         whole = self.whole is not None and self.whole()
         for batch in guarded_batches(self.loader, self.comm):
             yield batch if whole else shard_hf_batch(batch, self.comm)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name):  # batch_size, dataset, sampler, set_epoch, ... of the wrapped loader
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
