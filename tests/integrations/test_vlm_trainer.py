@@ -214,27 +214,7 @@ def test_tsp2_accelerate_loop_with_a_vlm_equals_single_process_loop(tmp_path):
     """TSPAccelerator.prepare on the VLM (plain launch, TSP=2): a hand-written loop over pixel_values batches (one
     batch with one image, so one rank encodes nothing) equals the same loop on one process with the plain model:
     loss and clipped grad norm per step, and the saved weights (the tower trained)."""
-    from safetensors.torch import load_file
-    from vlm_tiny import save_vlm_checkpoint
-
-    model_dir = tmp_path / "model"
-    save_vlm_checkpoint(model_dir)
-
-    def launch(out, mode, nproc):
-        launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node", str(nproc)]
-        return subprocess.Popen([*launch, __file__, str(out), str(model_dir), mode], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-
-    procs = launch(tmp_path / "loop.json", "loop", 1), launch(tmp_path / "acc.json", "accelerate", 2)
-    want, got = _finish(procs[0], tmp_path / "loop.json"), _finish(procs[1], tmp_path / "acc.json")
-    assert [s["step"] for s in got] == [s["step"] for s in want] == list(range(1, STEPS + 1))
-    assert len({s["loss"] for s in want}) == STEPS
-    for w, g in zip(want, got):
-        assert _close(g["loss"], w["loss"]) and _close(g["grad_norm"], w["grad_norm"], 1e-4), (g, w)
-    want_w = load_file(tmp_path / "loop" / "final" / "model.safetensors")
-    got_w = {k: v for f in (tmp_path / "acc" / "final").glob("*.safetensors") for k, v in load_file(f).items()}
-    _assert_same_weights(want_w, got_w, load_file(model_dir / "model.safetensors"))
+    _assert_same_loop(tmp_path, ("loop", 1, {}), ("accelerate", 2, {}))
 
 
 @pytest.mark.slow
