@@ -153,7 +153,7 @@ def test_a_stall_in_setup_resume_or_a_trl_loader_ends_the_peer(tmp_path, case):
         assert " timed out " in message and took >= TIMEOUT_S - 0.5, message
 
 
-# --- in process, on the fake group (conftest.py) ---------------------------------------------------------------
+# --- in process, on the fake group (tests/conftest.py) ---------------------------------------------------------
 def test_the_setup_and_resume_blocks_are_armed_and_let_their_own_errors_through(fake_pair_of_ranks, monkeypatch):
     """While Accelerate's prepare, the Trainer's setup / resume load
     and a whole-batch loader's fetch run, this thread's wait is armed; a bad checkpoint file's error (not a
