@@ -388,9 +388,9 @@ class _Probe(torch.autograd.Function):
 
 
 def test_backward_runs_the_delta_rule_and_the_projections_once_per_head_block(monkeypatch):
-    """Per head block the backward pulls its grads through each chunk's delta rule and through the q/k/v/a/b
-    projections ONCE (the state hand-off's cotangents and the output's in one pass), at D=2 with packed documents;
-    the result still matches transformers."""
+    """Per head block the torch delta rule runs both local chunks in one call, and the backward pulls its grads
+    through it and through the q/k/v/a/b projections ONCE (the state hand-off's cotangents and the output's in one
+    pass), at D=2 with packed documents; the result still matches transformers."""
     from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
 
     calls = []
@@ -409,10 +409,10 @@ def test_backward_runs_the_delta_rule_and_the_projections_once_per_head_block(mo
     case = dict(D=2, fmt="qwen3_5", nk=2, nv=4, kernel=4, S=12, docs=((0, 5), (0,)), seed=7)
     errors = _case_errors(**case)
     assert max(errors.values()) < TOL, errors
-    D, ranks, chunks = 2, 2, 2
-    # forward and its recompute in backward: 2 D blocks x 2 chunks per rank
-    assert calls.count("delta rule forward") == 2 * D * chunks * ranks
-    assert calls.count("delta rule backward") == D * chunks * ranks, calls
+    D, ranks = 2, 2
+    # forward and its recompute in backward: 2 D blocks per rank, both local chunks in one call
+    assert calls.count("delta rule forward") == 2 * D * ranks  # both local chunks in one call
+    assert calls.count("delta rule backward") == D * ranks, calls
     assert calls.count("qkv projection backward") == D * ranks, calls
 
 

@@ -85,13 +85,22 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     m_sub = gamma[..., None, None] * eye - k_end_t @ w  # [N, H, n, dk, dk]
     u_sub = k_end_t @ u_wy  # [N, H, n, dk, dv]
 
-    outs, q_effs = [o_sub[:, :, 0]], [q_sub[:, :, 0]]
-    state, product = u_sub[:, :, 0], m_sub[:, :, 0]  # S from zero and the transition so far
+    # The sub-chunks' transitions (M | U) composed in order, from sub-chunk 0's: T_i = M_i T_{i-1} + (0 | U_i),
+    # one GEMM per step; then every sub-chunk's read of the state it starts from (q_sub_i T_{i-1} = its q_eff | its
+    # output's correction) in ONE batched GEMM after the loop.
+    m_and_u = torch.cat([m_sub, u_sub], dim=-1)  # [N, H, n, dk, dk + dv]
+    zero_and_u = torch.nn.functional.pad(u_sub, (dk, 0))
+    transition = m_and_u[:, :, 0]
+    before = []  # T_0 .. T_{n-2}: what sub-chunks 1 .. n-1 start from
     for i in range(1, n):
-        outs.append(o_sub[:, :, i] + q_sub[:, :, i] @ state)
-        q_effs.append(q_sub[:, :, i] @ product)
-        state = m_sub[:, :, i] @ state + u_sub[:, :, i]
-        product = m_sub[:, :, i] @ product
-    o_local = torch.stack(outs, dim=2).reshape(N, H, n * C, dv)[:, :, :T]
-    q_eff = torch.stack(q_effs, dim=2).reshape(N, H, n * C, dk)[:, :, :T]
-    return o_local, q_eff, product, state
+        before.append(transition)
+        transition = m_sub[:, :, i] @ transition + zero_and_u[:, :, i]
+    if before:
+        reads = q_sub[:, :, 1:] @ torch.stack(before, dim=2)  # [N, H, n-1, C, dk + dv]
+        q_eff = torch.cat([q_sub[:, :, :1], reads[..., :dk]], dim=2)
+        o_sub = torch.cat([o_sub[:, :, :1], o_sub[:, :, 1:] + reads[..., dk:]], dim=2)
+    else:
+        q_eff = q_sub
+    o_local = o_sub.reshape(N, H, n * C, dv)[:, :, :T]
+    q_eff = q_eff.reshape(N, H, n * C, dk)[:, :, :T]
+    return o_local, q_eff, transition[..., :dk], transition[..., dk:]

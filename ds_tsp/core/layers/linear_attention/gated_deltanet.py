@@ -171,39 +171,60 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _causal_conv(pre: torch.Tensor, pre_halo: torch.Tensor, conv: torch.Tensor, plan: ChunkPlan, i: int, c: int):
-    """silu(depthwise causal conv) of local chunk i: [B, c, C]. pre: [B, L, C], pre_halo: [B, 2, K-1, C]."""
-    K = conv.shape[-1]
-    ext = torch.cat([pre_halo[:, i], pre[:, i * c:(i + 1) * c]], dim=1) if K > 1 else pre[:, i * c:(i + 1) * c]
-    weight = conv.reshape(conv.shape[0], K)
+def _causal_conv(pre: torch.Tensor, pre_halo: torch.Tensor | None, conv: torch.Tensor, tap_mask: torch.Tensor | None):
+    """silu(depthwise causal conv) of both local chunks at once: [B, L, C]. pre: [B, L, C], pre_halo: [B, 2, K-1, C]
+    (the K-1 tokens before each chunk), tap_mask: [B, 2, c, K] (1 where tap s is in the token's document) or None."""
+    B, L, C = pre.shape
+    c, K = L // 2, conv.shape[-1]
+    chunks = pre.view(B, 2, c, C)
+    ext = torch.cat([pre_halo, chunks], dim=2) if K > 1 else chunks  # [B, 2, K-1+c, C]
+    weight = conv.reshape(C, K)
     acc = None
     for s in range(K):  # tap s reads the token s steps back (transformers' conv1d weight index K-1-s)
-        term = ext[:, K - 1 - s:K - 1 - s + c] * weight[:, K - 1 - s]
-        if plan.tap_mask is not None and s > 0:
-            term = term * plan.tap_mask[:, :, s, None].to(term.dtype)
+        term = ext[:, :, K - 1 - s:K - 1 - s + c] * weight[:, K - 1 - s]
+        if tap_mask is not None and s > 0:
+            term = term * tap_mask[..., s, None].to(term.dtype)
         acc = term if acc is None else acc + term
-    return F.silu(acc)
+    return F.silu(acc).view(B, L, C)
+
+
+def _both_chunks(plans: tuple[ChunkPlan, ...], B: int, c: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(reset [2B, c] with row b*2 + i the chunk i of batch row b, tap_mask [B, 2, c, K]) of both local chunks, each
+    None where neither chunk has a document start (a chunk without one fills in zeros / ones)."""
+    resets, masks = [p.reset for p in plans], [p.tap_mask for p in plans]
+    reset = mask = None
+    if any(r is not None for r in resets):
+        like = next(r for r in resets if r is not None)
+        reset = torch.stack([like.new_zeros(B, c) if r is None else r for r in resets], dim=1).view(2 * B, c)
+    if any(m is not None for m in masks):
+        like = next(m for m in masks if m is not None)
+        mask = torch.stack([torch.ones_like(like) if m is None else m for m in masks], dim=1)
+    return reset, mask
 
 
 @dataclass
 class _LocalBlock:
     """What one head block computes from the local tokens alone (before the state hand-off)."""
 
-    outputs: list  # per local chunk: (o_local [B, vb, c, dv] from a zero state, q_eff [B, vb, c, dk])
+    o_local: torch.Tensor  # [B, 2, vb, c, dv] each local chunk's output from a zero state
+    q_eff: torch.Tensor  # [B, 2, vb, c, dk] its read of the chunk's start state
     transitions: torch.Tensor  # [2, B, vb, dk, dk + dv]: (M | U) of both local chunks
     z: torch.Tensor  # [B, L, vb, dv] the output gate
 
 
 def _block_local(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPlan, ...]) -> _LocalBlock:
     """Projections, conv, and the chunked delta rule of both local chunks from a zero state (documents reset inside
-    the kernel, every row in one batch)."""
+    the kernel). The torch kernel runs both chunks of every row as ONE batch of 2B rows (half the ops of a call
+    per chunk: at small local lengths the step is bound by op count, not FLOPs); FLA takes one call per chunk (its
+    varlen plan is per chunk)."""
     B, L, h = x.shape
     c, cd = L // 2, _compute_dtype(x.dtype)
     kb, vb, dk, dv = spec.key_heads_per_block, spec.value_heads_per_block, spec.key_head_dim, spec.value_head_dim
     w_qkv, w_z, w_b, w_a = _projections(w, spec)
+    reset, tap_mask = _both_chunks(plans, B, c)
     pre = F.linear(x, w_qkv)
     pre_halo = F.linear(halo, w_qkv) if spec.conv_kernel > 1 else None
-    mixed = torch.cat([_causal_conv(pre, pre_halo, w["conv"], plan, i, c) for i, plan in enumerate(plans)], dim=1)
+    mixed = _causal_conv(pre, pre_halo, w["conv"], tap_mask)
     q, k, v = mixed.split([kb * dk, kb * dk, vb * dv], dim=-1)
     q = l2_normalize(q.reshape(B, L, kb, dk).to(cd)) * dk ** -0.5
     k = l2_normalize(k.reshape(B, L, kb, dk).to(cd))
@@ -212,20 +233,23 @@ def _block_local(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPl
     v = v.reshape(B, L, vb, dv).to(cd)
     beta = torch.sigmoid(F.linear(x, w_b)).to(cd)
     g = -w["A_log"].to(cd).exp() * F.softplus(F.linear(x, w_a).to(cd) + w["dt_bias"].to(cd))
-    q, k, v, beta, g = (t.transpose(1, 2) for t in (q, k, v, beta, g))  # [B, vb, L, ...]
 
     backend = spec.delta_rule_backend or select_delta_rule_backend(x.device, x.dtype)
-    outputs, transitions = [], []
-    for i, plan in enumerate(plans):
-        local = slice(i * c, (i + 1) * c)
-        args = (q[:, :, local], k[:, :, local], v[:, :, local], g[:, :, local], beta[:, :, local])
-        if backend == "fla":
-            o_local, q_eff, m, u = fla_chunk_transition(fla_kernel(), *args, plan.starts_in_chunk, x.dtype)
-        else:
-            o_local, q_eff, m, u = chunk_gated_delta_rule(*args, spec.chunk_size, plan.reset)
-        outputs.append((o_local, q_eff))
-        transitions.append(torch.cat([m, u], dim=-1))
-    return _LocalBlock(outputs, torch.stack(transitions), F.linear(x, w_z).view(B, L, vb, dv))
+    if backend == "fla":
+        q, k, v, beta, g = (t.transpose(1, 2) for t in (q, k, v, beta, g))  # [B, vb, L, ...]
+        outs = []
+        for i, plan in enumerate(plans):
+            local = slice(i * c, (i + 1) * c)
+            args = (q[:, :, local], k[:, :, local], v[:, :, local], g[:, :, local], beta[:, :, local])
+            outs.append(fla_chunk_transition(fla_kernel(), *args, plan.starts_in_chunk, x.dtype))
+        o_local, q_eff, m, u = (torch.stack(parts, dim=1) for parts in zip(*outs))  # [B, 2, ...]
+    else:
+        rows = lambda t: t.reshape(2 * B, c, *t.shape[2:]).transpose(1, 2)  # noqa: E731 [B, L, ..] -> [2B, vb, c, ..]
+        o_local, q_eff, m, u = chunk_gated_delta_rule(rows(q), rows(k), rows(v), rows(g), rows(beta),
+                                                      spec.chunk_size, reset)
+        o_local, q_eff, m, u = (t.reshape(B, 2, *t.shape[1:]) for t in (o_local, q_eff, m, u))
+    transitions = torch.cat([m, u], dim=-1).transpose(0, 1).contiguous()  # [2, B, vb, dk, dk + dv]
+    return _LocalBlock(o_local, q_eff, transitions, F.linear(x, w_z).view(B, L, vb, dv))
 
 
 def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm):
@@ -233,8 +257,8 @@ def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: G
     axis every cp group's: [C, D, 2, ...])."""
     B, L, h = x.shape
     s_in = start_states(everyone, comm.rank, spec.key_head_dim, None if comm.cp is None else comm.cp.rank)
-    o = torch.cat([o_local + q_eff @ s for (o_local, q_eff), s in zip(local.outputs, s_in)], dim=2)
-    o = o.transpose(1, 2).to(x.dtype)  # [B, L, vb, dv]
+    o = local.o_local + local.q_eff @ torch.stack(s_in, dim=1)  # [B, 2, vb, c, dv]
+    o = o.transpose(2, 3).reshape(B, L, -1, spec.value_head_dim).to(x.dtype)  # [B, L, vb, dv]
 
     # Qwen3_5RMSNormGated: normalise in float32 (float64 stays), weight in the input dtype, times silu(z)
     nd = _compute_dtype(x.dtype)
@@ -248,12 +272,12 @@ def _cut(local: _LocalBlock) -> _LocalBlock:
     """The block's local results as fresh autograd leaves: the output side's backward then runs apart from (and
     before) the chunk kernels', whose one pass takes both of its cotangents."""
     leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
-    return _LocalBlock([(leaf(o), leaf(q)) for o, q in local.outputs], local.transitions, leaf(local.z))
+    return _LocalBlock(leaf(local.o_local), leaf(local.q_eff), local.transitions, leaf(local.z))
 
 
 def _ends(local: _LocalBlock) -> list:
-    """What the chunk kernels and projections hand the output side: o_local, q_eff of each chunk, then z."""
-    return [t for pair in local.outputs for t in pair] + [local.z]
+    """What the chunk kernels and projections hand the output side: o_local, q_eff (both chunks), then z."""
+    return [local.o_local, local.q_eff, local.z]
 
 
 class _TSPGatedDeltaNet(torch.autograd.Function):
