@@ -70,8 +70,9 @@ class ScheduleOptions(_Checked):
         "auto", description="attention kernel: \"auto\" takes flash-attn (else torch's fused attention) on CUDA "
                             "and the CPU flash kernel on the CPU")
     keep_gathered_kv: bool = Field(False, description="keep gathered K/V for backward: O(S) memory, no re-gather")
-    recompute_projections: bool = Field(True, description="recompute local q/k/v and MLP gate/up in backward "
-                                                          "instead of saving them")
+    recompute_projections: bool = Field(True, description="recompute local q/k/v and MLP gate/up (and each Gated "
+                                                          "DeltaNet head block's forward) in backward instead of "
+                                                          "saving them")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
     lm_head_chunk_tokens: int = Field(4096, ge=1, description="tokens per logits tile of the LM head loss: "
                                                               "bounds its largest transient to [tokens, V/D]")

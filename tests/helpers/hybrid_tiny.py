@@ -86,14 +86,16 @@ def padding_inputs(pads=((0, 0), (5, 0), (0, 7)), seq: int = 14) -> tuple[torch.
     return ids, {"input_ids": torch.stack(rows), "attention_mask": torch.stack(masks), "labels": torch.stack(labels)}
 
 
-def tsp_step(directory: str, inputs: dict, group=None, syncs: list | None = None):
+def tsp_step(directory: str, inputs: dict, group=None, syncs: list | None = None, options=None):
     """(model, (loss, HF-named grads, this rank's parameter count)) of one float64 TSP step on `group`; `syncs` (a
-    list) receives the step's host syncs as (kind, op, region, where) (tests/helpers/sync_counter.py)."""
+    list) receives the step's host syncs as (kind, op, region, where) (tests/helpers/sync_counter.py); options: the
+    TSPOptions (default TSPOptions())."""
     from sync_counter import SyncCounter
 
     from ds_tsp.hf import TSPForCausalLM
 
-    model = TSPForCausalLM.from_pretrained(directory, group, dtype=torch.float64)
+    extra = {} if options is None else {"options": options}
+    model = TSPForCausalLM.from_pretrained(directory, group, dtype=torch.float64, **extra)
     batch = {k: v for k, v in inputs.items() if k != "documents"}
     with SyncCounter() as counter:
         out = model(**batch)

@@ -32,6 +32,8 @@ def measure_step(shape: ModelShape, seq: int, batch: int, dtype: torch.dtype = t
     comm.counter.reset()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(b["input_ids"], b["shift_labels"], b["position_ids"])
+    for t in _kept_by_functions(loss):  # what a Function holds on its ctx (speed mode's kept Gated DeltaNet blocks)
+        pack(t)
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     by_storage = {}  # one count per storage (views of one buffer saved several times)
     for (ptr, _, _), t in saved.items():
@@ -42,3 +44,20 @@ def measure_step(shape: ModelShape, seq: int, batch: int, dtype: torch.dtype = t
             "params": sum(p.numel() * p.element_size() for p in model.parameters()),
             "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()),
             "offload_host_bytes": model.activation_offload.host_bytes}  # the offload pool (0 without offload)
+
+
+def _kept_by_functions(loss: torch.Tensor) -> list:
+    """The tensors the Gated DeltaNet Functions of loss's graph keep on their ctx in speed mode (not saved tensors,
+    so the pack hook does not see them): each kept block's leaves, results and gathered transitions."""
+    found, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for block in getattr(node, "kept", None) or ():
+            local = block.local
+            found += [t for t in (*block.leaves, *block.small, local.o_local, local.q_eff, local.transitions, local.z,
+                                  block.everyone) if t is not None]
+        stack += [next_node for next_node, _ in node.next_functions]
+    return found

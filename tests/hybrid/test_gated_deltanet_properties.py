@@ -32,9 +32,10 @@ from ds_tsp.tools.gdn_reference import _widened, reference_with_documents
 H, DK, DV = 8, 2, 3  # tiny dims: the drawn cases are about lengths, documents and degrees
 
 
-def _case_errors(D, fmt, nk, nv, kernel, S, docs, seed, backend=None) -> dict:
+def _case_errors(D, fmt, nk, nv, kernel, S, docs, seed, backend=None, keep=False, frozen=False) -> dict:
     """max |TSP - transformers| over y, dx and every weight grad for one drawn case (D threads); backend: force
-    the delta-rule backend ("fla": through the FLA adapter, with the stand-in installed by the caller)."""
+    the delta-rule backend ("fla": through the FLA adapter, with the stand-in installed by the caller); keep: the
+    speed mode (every block's forward kept for backward); frozen: the shard frozen (y and dx only)."""
     ref, config = hf_layer(fmt, nk, nv, seed, kernel=kernel, hidden=H, dk=DK, dv=DV)
     g = torch.Generator().manual_seed(seed)
     B = len(docs)
@@ -45,6 +46,8 @@ def _case_errors(D, fmt, nk, nv, kernel, S, docs, seed, backend=None) -> dict:
         layer = tsp_layer(ref, config, fmt, comm, kernel=kernel, hidden=H, dk=DK, dv=DV)
         if backend is not None:
             layer.spec = dataclasses.replace(layer.spec, delta_rule_backend=backend)
+        layer.spec = dataclasses.replace(layer.spec, keep_activations=keep)
+        layer.packed_shard.requires_grad_(not frozen)
         x_local = shard(x, D, comm.rank).requires_grad_()
         y = layer(x_local, docs)
         y.backward(shard(dy, D, comm.rank))
@@ -56,10 +59,13 @@ def _case_errors(D, fmt, nk, nv, kernel, S, docs, seed, backend=None) -> dict:
     y_ref = reference_with_documents(ref, xr, docs)
     names, params = zip(*ref.named_parameters())
     grads = torch.autograd.grad(y_ref, (xr, *params), dy)
-    full = layer.unshard([o[3] for o in out])
-    full["norm.weight"] = out[0][4]
     errors = {"y": (unshard([o[1] for o in out]) - y_ref).abs().max().item(),
               "dx": (unshard([o[2] for o in out]) - grads[0]).abs().max().item()}
+    assert all(o[5] == out[0][5] for o in out), "ranks posted different collectives"
+    if frozen:
+        return errors
+    full = layer.unshard([o[3] for o in out])
+    full["norm.weight"] = out[0][4]
     errors.update({n: (full[n] - gr).abs().max().item() for n, gr in zip(names, grads[1:])})
     assert all(o[5] == out[0][5] for o in out), "ranks posted different collectives"
     return errors
@@ -98,6 +104,20 @@ def test_drawn_cases_match_transformers(case):
     assert max(errors.values()) < TOL, (case, errors)
 
 
+@pytest.mark.parametrize("case", DRAWN[::3] + [BROKEN := dict(D=2, fmt="qwen3_5", nk=2, nv=4, kernel=4, S=12,
+                                                              docs=((0, 5), (0,)), seed=7)], ids=_case_id)
+def test_speed_mode_keeps_every_block_and_still_matches_transformers(case):
+    """TSPOptions.speed() (recompute_projections off): each head block's projections and chunk graph are kept from
+    forward, backward recomputes nothing and re-gathers nothing; y, dx and every weight grad as transformers'."""
+    errors = _case_errors(**case, keep=True)
+    assert max(errors.values()) < TOL, (case, errors)
+
+
+def test_speed_mode_with_a_frozen_shard():
+    errors = _case_errors(**BROKEN, keep=True, frozen=True)
+    assert max(errors.values()) < TOL, errors
+
+
 def test_the_draw_covers_degrees_formats_short_chunks_and_document_starts():
     assert {1, 2, 3, 4} <= {c["D"] for c in DRAWN}
     assert {"qwen3_5", "qwen3_next"} <= {c["fmt"] for c in DRAWN}
@@ -105,8 +125,6 @@ def test_the_draw_covers_degrees_formats_short_chunks_and_document_starts():
     assert any(c["nv"] > c["nk"] for c in DRAWN) and any(c["nk"] > c["D"] for c in DRAWN)
     assert any(len(row) > 2 for c in DRAWN for row in c["docs"])
 
-
-BROKEN = dict(D=2, fmt="qwen3_5", nk=2, nv=4, kernel=4, S=12, docs=((0, 5), (0,)), seed=7)
 
 
 def test_the_reference_comparison_catches_a_missing_halo(monkeypatch):

@@ -120,6 +120,18 @@ def test_d1_matches_transformers(checkpoints, references):
     _assert_sync_budget(syncs, steps=2)
 
 
+def test_speed_mode_matches_transformers(checkpoints, references):
+    """TSPOptions.speed(): the Gated DeltaNet layers keep every block's forward for backward; same loss and grads,
+    no host sync added."""
+    from ds_tsp.core.config import TSPOptions
+
+    syncs = []
+    for family, batch in (("qwen3_5", "packed"), ("qwen3_next_moe", "plain")):
+        _, got = tsp_step(checkpoints[family], _inputs(batch), syncs=syncs, options=TSPOptions.speed())
+        assert_matches(got, _reference(references[family], batch), (family, batch, "speed"))
+    _assert_sync_budget(syncs, steps=2)
+
+
 def _assert_sync_budget(syncs: list, steps: int) -> None:
     """tests/reliability/test_host_syncs.py's budgets: one read per step in the input check; inside the layers only the MoE
     dispatch's count read (one per sparse layer forward, none in backward); nothing in attention or Gated DeltaNet."""

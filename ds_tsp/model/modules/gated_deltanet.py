@@ -46,6 +46,13 @@ def check_linear_heads(shape: ModelShape, tsp: int) -> None:
                              f"that fit: {fits}")
 
 
+def _keeps_blocks(options) -> bool:
+    """Speed mode (recompute_projections off) keeps every head block's forward for backward; not under activation
+    checkpointing, whose recompute would keep a second copy while the first one (held by the graph, not by
+    checkpoint's saved tensors) stays alive anyway."""
+    return not options.recompute_projections and not options.activation_checkpointing
+
+
 class GatedNorm(nn.Module):
     """Qwen3_5RMSNormGated's weight [head_v_dim], shared by every value head: replicated on every rank."""
 
@@ -69,7 +76,8 @@ class TSPGatedDeltaNet(nn.Module):
                                       key_head_dim=shape.linear_key_head_dim,
                                       value_head_dim=shape.linear_value_head_dim,
                                       conv_kernel=shape.linear_conv_kernel_dim, norm_eps=shape.rms_norm_eps,
-                                      hf_format=hf_format)
+                                      hf_format=hf_format,
+                                      keep_activations=_keeps_blocks(options))
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.norm = GatedNorm(shape.linear_value_head_dim, dtype, device)

@@ -141,6 +141,12 @@ def mlp_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool) -> tuple[list[Co
                         (2 * D - 1) * shared)])
 
 
+def keeps_gdn_blocks(inp: PlanInput) -> bool:
+    """Speed mode without activation checkpointing: every Gated DeltaNet head block's forward is kept for backward
+    (its gathered transitions too: no re-gather). ds_tsp.model.modules.gated_deltanet decides it the same way."""
+    return not inp.recompute_projections and not inp.activation_checkpointing
+
+
 def gdn_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool = False) -> tuple[list[CommTerm],
                                                                                        list[CommTerm]]:
     """One Gated DeltaNet decoder layer's CommCounter terms (module docstring), its MLP's included (and, under
@@ -161,7 +167,8 @@ def gdn_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool = False) ->
            *mlp_fwd]
     bwd = [term("Gated DeltaNet shard re-broadcast", "broadcast", shard, D - 1, (D - 1) * shard),
            term("Gated DeltaNet grad reduce to owner", "reduce", shard, D - 1, (D - 1) * shard),
-           term("chunk transition re-gather (per head block)", "all_gather", trans, D, D * gather_bytes(trans, D)),
+           *([] if keeps_gdn_blocks(inp) else [term("chunk transition re-gather (per head block)", "all_gather",
+                                                     trans, D, D * gather_bytes(trans, D))]),
            term("transition grad reduce-scatter (per head block)", "reduce_scatter", trans, D,
                 D * gather_bytes(trans, D)),
            term("conv halo grad reduce-scatter", "reduce_scatter", halo, halo_calls,
@@ -226,11 +233,22 @@ def hybrid_counter_bytes(inp: PlanInput) -> dict[str, int]:
 
 def gdn_layer_saved(inp: PlanInput, hg: HybridGeometry) -> int:
     """Saved for backward by one Gated DeltaNet decoder layer with a dense MLP: the two norms (input, rstd), the
-    layer's x and conv halo [B, 2, K-1, h], the MLP's input (and its gate / up with recompute_projections off)."""
+    layer's x and conv halo [B, 2, K-1, h], the MLP's input; with recompute_projections off also the MLP's gate /
+    up and (keeps_gdn_blocks: not under activation checkpointing) every head block's kept forward (its graph,
+    traced: ds_tsp.tools.plan.gdn_kept) and gathered transitions [D, 2, B, vb, dk, dk + dv] (with a cp axis C
+    times that: not counted here)."""
     dims, b, T = hg.tsp.dims, inp.dtype_bytes, inp.batch * hg.tsp.L
-    kept_mlp = 0 if inp.recompute_projections else 2 * T * dims.F * b
+    kept = 0 if inp.recompute_projections else 2 * T * dims.F * b
+    if keeps_gdn_blocks(inp):
+        from ds_tsp.tools.plan.gdn_kept import kept_block_bytes
+
+        D, m = hg.tsp.D, inp.model
+        block = kept_block_bytes(inp.batch, hg.tsp.L, dims.h, m.linear_num_key_heads // D, hg.vb, hg.dk, hg.dv, hg.K,
+                                 inp.dtype)
+        transitions = D * 2 * inp.batch * hg.vb * hg.dk * (hg.dk + hg.dv) * hg.transition_bytes
+        kept += D * (block + transitions)
     return (2 * tsp_norm_saved(T, dims, b) + 2 * T * dims.h * b + inp.batch * 2 * max(hg.K - 1, 0) * dims.h * b
-            + kept_mlp)
+            + kept)
 
 
 def gated_attention_layer_saved(inp: PlanInput, hg: HybridGeometry, tsp_layer_saved) -> int:

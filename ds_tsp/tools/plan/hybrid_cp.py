@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
-from ds_tsp.tools.plan.hybrid import HybridGeometry, described_kind, layer_kinds
+from ds_tsp.tools.plan.hybrid import HybridGeometry, described_kind, keeps_gdn_blocks, layer_kinds
 from ds_tsp.tools.plan.inputs import PlanInput
 from ds_tsp.tools.plan.result import CommTerm
 
@@ -37,9 +37,10 @@ def _payloads(group: PlanInput, cp: int) -> tuple[HybridGeometry, int, int]:
     return hg, halo, trans
 
 
-def _terms(hg: HybridGeometry, halo: int, trans: int, n: int, where: str, checkpointing: bool, calls: bool = True
-           ) -> tuple[list[CommTerm], list[CommTerm]]:
-    """The halo's and one layer's transitions' gathers / reduce-scatters over n ranks of the given payloads."""
+def _terms(hg: HybridGeometry, halo: int, trans: int, n: int, where: str, checkpointing: bool, calls: bool = True,
+           regather: bool = True) -> tuple[list[CommTerm], list[CommTerm]]:
+    """The halo's and one layer's transitions' gathers / reduce-scatters over n ranks of the given payloads;
+    regather False: speed mode (recompute_projections off) keeps the forward's gathered transitions."""
     halo_calls, blocks = (1 if hg.K > 1 else 0), hg.tsp.D
 
     def t(name, kind, payload, k):
@@ -47,7 +48,7 @@ def _terms(hg: HybridGeometry, halo: int, trans: int, n: int, where: str, checkp
 
     fwd = [t(f"conv halo all-gather {where}", "all_gather", halo, halo_calls),
            t(f"chunk transition all-gather {where} (per head block)", "all_gather", trans, blocks)]
-    bwd = [t(f"chunk transition re-gather {where} (per head block)", "all_gather", trans, blocks),
+    bwd = [t(f"chunk transition re-gather {where} (per head block)", "all_gather", trans if regather else 0, blocks),
            t(f"transition grad reduce-scatter {where} (per head block)", "reduce_scatter", trans, blocks),
            t(f"conv halo grad reduce-scatter {where}", "reduce_scatter", halo, halo_calls)]
     fwd, bwd = [x for x in fwd if x.bytes], [x for x in bwd if x.bytes]
@@ -59,7 +60,8 @@ def gdn_cp_terms(group: PlanInput, cp: int) -> tuple[list[CommTerm], list[CommTe
     if cp == 1:
         return [], []
     hg, halo, trans = _payloads(group, cp)
-    return _terms(hg, halo, trans, cp, "over cp", group.activation_checkpointing)
+    return _terms(hg, halo, trans, cp, "over cp", group.activation_checkpointing,
+                  regather=not keeps_gdn_blocks(group))
 
 
 def gdn_cp_tsp_terms(group: PlanInput, cp: int) -> tuple[list[CommTerm], list[CommTerm]]:
@@ -72,7 +74,7 @@ def gdn_cp_tsp_terms(group: PlanInput, cp: int) -> tuple[list[CommTerm], list[Co
     _, halo, trans = _payloads(group, cp)
     extra_halo, extra_trans = (cp - 1) * D * halo // cp, (cp - 1) * D * trans // cp  # gathered: (D-1)/D of these
     return _terms(hg, extra_halo, extra_trans, D, "over TSP (the other cp groups' pieces)",
-                  group.activation_checkpointing, calls=False)
+                  group.activation_checkpointing, calls=False, regather=not keeps_gdn_blocks(group))
 
 
 def gdn_cp_buffers(group: PlanInput, cp: int) -> int:

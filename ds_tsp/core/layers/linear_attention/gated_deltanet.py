@@ -45,6 +45,12 @@ so every op's backward runs ONCE per block, in three stages around the one expli
     3. one autograd pass through the chunk kernels (the torch kernel's graph or FLA's backward), conv and the
        q/k/v/z/a/b projections with both cotangents at once: the chunk results' (stage 1) and the transitions'
        (stage 2) -> the grads of x, the halo and the shard.
+Speed mode (spec.keep_activations: TSPOptions.speed() without activation checkpointing) keeps each block's
+forward instead: its projections cut off as graph leaves (the weights are not kept: the shard is broadcast again),
+the graph of its conv and chunk kernels, and its gathered transitions. Backward then recomputes nothing and
+re-gathers nothing: stages 1 and 2 as above, and stage 3 walks the kept graph once to the projections, whose GEMMs'
+backward runs by hand (dx and the weight grads from the re-broadcast shard). Memory: O(B L) per block, every block
+(ds_tsp.tools.plan.gdn_kept traces it for the planner).
 The block's packed weight grad is reduced to its owner (ShardGradReducer). The halo's grad returns to the ranks
 holding those tokens once, after the blocks (conv_halo's autograd dual: a reduce-scatter). Saved for backward: x,
 the halo and the parameters (a LoRA-merged shard as its base and factors, rebuilt in backward: shard_rebuild; no
@@ -124,6 +130,9 @@ class GatedDeltaNetSpec:
     hf_format: str = "qwen3_5"  # "qwen3_5": in_proj_qkv / _z / _b / _a; "qwen3_next": in_proj_qkvz / _ba per key head
     chunk_size: int = 64  # sub-chunk of the pure-torch kernel
     delta_rule_backend: str | None = None  # "fla" / "torch"; None: select_delta_rule_backend by device and dtype
+    # True (TSPOptions.speed(), recompute_projections off): every head block's projections and chunk graph are kept
+    # from forward for backward, O(B L) per block, instead of recomputed
+    keep_activations: bool = False
 
     def __post_init__(self):
         if self.hf_format not in HF_FORMATS:
@@ -212,36 +221,45 @@ class _LocalBlock:
     z: torch.Tensor  # [B, L, vb, dv] the output gate
 
 
-def _block_local(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPlan, ...]) -> _LocalBlock:
-    """Projections, conv, and the chunked delta rule of both local chunks from a zero state (documents reset inside
-    the kernel). The torch kernel runs both chunks of every row as ONE batch of 2B rows (half the ops of a call
-    per chunk: at small local lengths the step is bound by op count, not FLOPs); FLA takes one call per chunk (its
-    varlen plan is per chunk)."""
+def _project(x, halo, w: dict, spec: GatedDeltaNetSpec):
+    """The block's projections: (pre [B, L, C] in conv channel order, pre_halo [B, 2, K-1, C] or None for a kernel-1
+    conv, z [B, L, vb, dv], b [B, L, vb], a [B, L, vb])."""
     B, L, h = x.shape
-    c, cd = L // 2, _compute_dtype(x.dtype)
-    kb, vb, dk, dv = spec.key_heads_per_block, spec.value_heads_per_block, spec.key_head_dim, spec.value_head_dim
     w_qkv, w_z, w_b, w_a = _projections(w, spec)
-    reset, tap_mask = _both_chunks(plans, B, c)
-    pre = F.linear(x, w_qkv)
     pre_halo = F.linear(halo, w_qkv) if spec.conv_kernel > 1 else None
-    mixed = _causal_conv(pre, pre_halo, w["conv"], tap_mask)
+    z = F.linear(x, w_z).view(B, L, spec.value_heads_per_block, spec.value_head_dim)
+    return F.linear(x, w_qkv), pre_halo, z, F.linear(x, w_b), F.linear(x, w_a)
+
+
+def _block_chunks(pre, pre_halo, b, a, conv, A_log, dt_bias, spec: GatedDeltaNetSpec, plans: tuple[ChunkPlan, ...],
+                  dtype: torch.dtype):
+    """(o_local [B, 2, vb, c, dv], q_eff [B, 2, vb, c, dk], transitions [2, B, vb, dk, dk + dv]) of both local chunks
+    from the block's projections: conv, and the chunked delta rule from a zero state (documents reset inside the
+    kernel). The torch kernel runs both chunks of every row as ONE batch of 2B rows (half the ops of a call per
+    chunk: at small local lengths the layer is bound by op count); FLA takes one call per chunk (its varlen plan
+    is per chunk). dtype: the layer's (the compute dtype and the kernel follow from it)."""
+    B, L, _ = pre.shape
+    c, cd = L // 2, _compute_dtype(dtype)
+    kb, vb, dk, dv = spec.key_heads_per_block, spec.value_heads_per_block, spec.key_head_dim, spec.value_head_dim
+    reset, tap_mask = _both_chunks(plans, B, c)
+    mixed = _causal_conv(pre, pre_halo, conv, tap_mask)
     q, k, v = mixed.split([kb * dk, kb * dk, vb * dv], dim=-1)
     q = l2_normalize(q.reshape(B, L, kb, dk).to(cd)) * dk ** -0.5
     k = l2_normalize(k.reshape(B, L, kb, dk).to(cd))
     if vb != kb:
         q, k = q.repeat_interleave(vb // kb, dim=2), k.repeat_interleave(vb // kb, dim=2)
     v = v.reshape(B, L, vb, dv).to(cd)
-    beta = torch.sigmoid(F.linear(x, w_b)).to(cd)
-    g = -w["A_log"].to(cd).exp() * F.softplus(F.linear(x, w_a).to(cd) + w["dt_bias"].to(cd))
+    beta = torch.sigmoid(b).to(cd)
+    g = -A_log.to(cd).exp() * F.softplus(a.to(cd) + dt_bias.to(cd))
 
-    backend = spec.delta_rule_backend or select_delta_rule_backend(x.device, x.dtype)
+    backend = spec.delta_rule_backend or select_delta_rule_backend(pre.device, dtype)
     if backend == "fla":
         q, k, v, beta, g = (t.transpose(1, 2) for t in (q, k, v, beta, g))  # [B, vb, L, ...]
         outs = []
         for i, plan in enumerate(plans):
             local = slice(i * c, (i + 1) * c)
             args = (q[:, :, local], k[:, :, local], v[:, :, local], g[:, :, local], beta[:, :, local])
-            outs.append(fla_chunk_transition(fla_kernel(), *args, plan.starts_in_chunk, x.dtype))
+            outs.append(fla_chunk_transition(fla_kernel(), *args, plan.starts_in_chunk, dtype))
         o_local, q_eff, m, u = (torch.stack(parts, dim=1) for parts in zip(*outs))  # [B, 2, ...]
     else:
         rows = lambda t: t.reshape(2 * B, c, *t.shape[2:]).transpose(1, 2)  # noqa: E731 [B, L, ..] -> [2B, vb, c, ..]
@@ -249,7 +267,88 @@ def _block_local(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPl
                                                       spec.chunk_size, reset)
         o_local, q_eff, m, u = (t.reshape(B, 2, *t.shape[1:]) for t in (o_local, q_eff, m, u))
     transitions = torch.cat([m, u], dim=-1).transpose(0, 1).contiguous()  # [2, B, vb, dk, dk + dv]
-    return _LocalBlock(o_local, q_eff, transitions, F.linear(x, w_z).view(B, L, vb, dv))
+    return o_local, q_eff, transitions
+
+
+def _block_local(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPlan, ...]) -> _LocalBlock:
+    """Projections, conv, and the chunked delta rule of both local chunks from a zero state."""
+    pre, pre_halo, z, b, a = _project(x, halo, w, spec)
+    return _LocalBlock(*_block_chunks(pre, pre_halo, b, a, w["conv"], w["A_log"], w["dt_bias"], spec, plans,
+                                      x.dtype), z)
+
+
+_SMALL = ("conv", "A_log", "dt_bias")  # the block's per-channel / per-head weights the chunk graph reads
+
+
+@dataclass
+class _KeptBlock:
+    """Speed mode (spec.keep_activations): one head block's forward, kept for backward (no recompute, no
+    re-gather): its chunk results with their graph back to the projections (cut off as leaves: the weights are
+    not kept, the shard is broadcast again) and to copies of its small weights, the gathered transitions."""
+
+    local: _LocalBlock
+    leaves: tuple  # (pre, pre_halo or None, b, a): the projections, graph leaves
+    small: tuple  # copies of the block's conv, A_log, dt_bias, graph leaves
+    everyone: torch.Tensor
+
+
+def _keep_block(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPlan, ...]) -> _KeptBlock:
+    pre, pre_halo, z, b, a = _project(x, halo, w, spec)
+    leaves = tuple(None if t is None else t.detach().requires_grad_() for t in (pre, pre_halo, b, a))
+    # copies: the shard's buffer is reused for a later block once this one is done
+    small = tuple(w[name].detach().clone().requires_grad_() for name in _SMALL)
+    with torch.enable_grad():
+        pre_, pre_halo_, b_, a_ = leaves
+        chunks = _block_chunks(pre_, pre_halo_, b_, a_, *small, spec, plans, x.dtype)
+    return _KeptBlock(_LocalBlock(*chunks, z), leaves, small, None)
+
+
+def kept_tensors(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPlan, ...]) -> list:
+    """The tensors one speed-mode block holds besides its graph's saved ones (its leaves and results): for the
+    planner, which traces _keep_block under FakeTensorMode (ds_tsp.tools.plan.gdn_kept)."""
+    kept = _keep_block(x, halo, w, spec, plans)
+    local = kept.local
+    return [t for t in (*kept.leaves, *kept.small, local.o_local, local.q_eff, local.transitions, local.z)
+            if t is not None]
+
+
+def _kept_block_grads(kept: _KeptBlock, d_outputs: list, d_local, x, halo, spec: GatedDeltaNetSpec, shard,
+                      need_w: bool):
+    """(dx, dhalo, the block's packed weight grad but the out projection's, or None) of a kept block: ONE pass
+    through its kept chunk graph to the projections, then their GEMMs' backward by hand (no forward recompute)."""
+    d_o, d_q, d_z = d_outputs
+    local = kept.local
+    pairs = [(t, g) for t, g in ((local.o_local, d_o), (local.q_eff, d_q), (local.transitions, d_local))
+             if g is not None]
+    inputs = [t for t in (*kept.leaves, *kept.small) if t is not None]
+    with torch.enable_grad():
+        found = iter(torch.autograd.grad([t for t, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True))
+    grads = [None if t is None else next(found) for t in (*kept.leaves, *kept.small)]
+    grads = [torch.zeros_like(t) if g is None and t is not None else g for t, g in zip((*kept.leaves, *kept.small),
+                                                                                        grads)]
+    d_pre, d_pre_halo, d_b, d_a, *d_small = grads
+    B, L, h = x.shape
+    d_z = torch.zeros_like(local.z) if d_z is None else d_z
+    w_qkv, w_z, w_b, w_a = _projections(spec.layout.unpack(shard), spec)
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    d_rows = [flat(d_pre), flat(d_z.reshape(B, L, -1)), flat(d_b), flat(d_a)]
+    dx = torch.zeros_like(x)
+    for d, weight in zip(d_rows, (w_qkv, w_z, w_b, w_a)):
+        dx.view(-1, h).addmm_(d, weight)
+    dhalo = None if d_pre_halo is None else (d_pre_halo @ w_qkv)
+    if not need_w:
+        return dx, dhalo, None
+    x2d = x.reshape(-1, h)
+    d_weights = [d.t() @ x2d for d in d_rows]
+    if d_pre_halo is not None:
+        d_weights[0] = d_weights[0] + flat(d_pre_halo).t() @ halo.reshape(-1, h)
+    # the projections' rows and the small weights back into the packed layout: the backward of _projections' views
+    with torch.enable_grad():
+        leaf = shard.detach().requires_grad_()
+        pieces = spec.layout.unpack(leaf)
+        ws = (*_projections(pieces, spec), *(pieces[name] for name in _SMALL))
+        block = torch.autograd.grad(ws, leaf, (*d_weights, *d_small))[0]
+    return dx, dhalo, block
 
 
 def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm):
@@ -287,12 +386,18 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
     def forward(ctx, x, halo, packed_shard, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm, plans):
         y = torch.zeros_like(x)
         shards = ShardStream(comm, packed_shard)
+        keep = spec.keep_activations and any(ctx.needs_input_grad[:4])
+        kept = []
 
         def start(j):
             """Block j's chunks from the local tokens, and its transitions' gather posted."""
             w = spec.layout.unpack(shards.take(j))
-            local = _block_local(x, halo, w, spec, plans)
-            return w, local, TransitionGather(local.transitions, comm)
+            if keep:
+                kept.append(_keep_block(x, halo, w, spec, plans))
+                local = kept[-1].local
+            else:
+                local = _block_local(x, halo, w, spec, plans)
+            return w, local, TransitionGather(local.transitions.detach(), comm)
 
         pending = None
         for j in range(comm.size):
@@ -301,9 +406,13 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
             gather.advance()
             # block j's transitions travel while block j+1's chunks run (its shard is already posted)
             pending = start(j + 1) if j + 1 < comm.size else None
-            y.add_(_block_output(local, gather.wait(), x, w, norm_weight, spec, comm))
-            del w, local, gather
+            everyone = gather.wait()
+            if keep:
+                kept[j].everyone = everyone
+            y.add_(_block_output(local, everyone, x, w, norm_weight, spec, comm))
+            del w, local, gather, everyone
         ctx.spec, ctx.comm, ctx.plans = spec, comm, plans
+        ctx.kept = kept if keep else None
         # a LoRA-merged shard is saved as its base and factors and rebuilt in backward (shard_rebuild)
         save_with_shard(ctx, packed_shard, x, halo, norm_weight)
         return y
@@ -317,16 +426,20 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
         dx, dhalo, dnorm = torch.zeros_like(x), torch.zeros_like(halo), torch.zeros_like(norm_weight)
         shards = ShardStream(comm, packed_shard)
         reducer = ShardGradReducer(comm)
+        kept, ctx.kept = ctx.kept, None
         for j in range(comm.size):
             shards.next_block(j)
             with torch.enable_grad():
                 x_, halo_, nw_ = (t.detach().requires_grad_() for t in (x, halo, norm_weight))
                 shard = shards.take(j).detach().requires_grad_(need_w)
                 w = spec.layout.unpack(shard)
-                local = _block_local(x_, halo_, w, spec, plans)
-                gather = TransitionGather(local.transitions, comm)
+                if kept is None:
+                    local = _block_local(x_, halo_, w, spec, plans)
+                    everyone = TransitionGather(local.transitions, comm).wait()
+                else:  # speed mode: the forward's chunk graph and gathered transitions
+                    local, everyone = kept[j].local, kept[j].everyone
                 cut = _cut(local)
-                everyone = gather.wait().requires_grad_()
+                everyone = everyone.detach().requires_grad_()
                 y = _block_output(cut, everyone, x_, w, nw_, spec, comm)
                 # 1. the output side (norm, gate, the start states' GEMMs): grads of every rank's transitions,
                 # of this rank's chunk results and of the norm weight; no chunk kernel, no projection
@@ -339,12 +452,16 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 d_out = torch.autograd.grad(y, shard, dy)[0] if need_w else None
                 del y, cut, everyone
                 d_local = scatter.wait()
-                # 3. ONE pass through the chunk kernels, conv and projections with both cotangents
-                pairs = [(t, g) for t, g in zip(_ends(local) + [local.transitions], [*first[2:], d_local])
-                         if g is not None and t.requires_grad]
-                leaves = (x_, halo_) + ((shard,) if need_w else ())
-                second = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
-                                             allow_unused=True)
+                if kept is None:
+                    # 3. ONE pass through the chunk kernels, conv and projections with both cotangents
+                    pairs = [(t, g) for t, g in zip(_ends(local) + [local.transitions], [*first[2:], d_local])
+                             if g is not None and t.requires_grad]
+                    leaves = (x_, halo_) + ((shard,) if need_w else ())
+                    second = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
+                                                 allow_unused=True)
+            if kept is not None:  # 3. ONE pass through the kept chunk graph, then the projections by hand
+                second = _kept_block_grads(kept[j], list(first[2:]), d_local, x, halo, spec, shard.detach(), need_w)
+                kept[j] = None
             for acc, grad in zip((dx, dhalo, dnorm), (second[0], second[1], first[1])):
                 if grad is not None:  # None: unused (the empty halo of a kernel-1 conv)
                     acc.add_(grad)
