@@ -16,6 +16,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -352,6 +354,30 @@ def test_plan_cli_cp_comm(capsys):
     assert main(["plan", "--model", "8b", "--seq", "1m", "--recommend", "--cp", "auto", "--devices", "32",
                  "--gpu-mem-gib", "141", "--cp-comm", "all_to_all"]) == 2
     assert main(["plan", "--model", "8b", "--tsp", "8", "--cp", "3", "--cp-comm", "all_to_all"]) == 2  # 4 heads / 3
+
+
+def test_plan_exposes_only_the_pipeline_fill_and_drain():
+    """The plan's exposed all-to-all time: with attention long enough, only the fill / drain calls of each pass
+    (first K/V, block 0's q, the last out / lse / dq, every dK/dV); with no attention to hide behind, all of it."""
+    from ds_tsp.tools.plan import PlanInput
+    from ds_tsp.tools.plan.tsp_cp import group_input
+    from ds_tsp.tools.plan.tsp_cp_all_to_all import all_to_all_terms, exposed_seconds, plan_tsp_cp_all_to_all
+
+    inp = PlanInput(model=_shape(8, 4), seq=4096, batch=1, degree=4, dtype="bf16")
+    fwd, bwd, _ = all_to_all_terms(group_input(inp, 2), 2)
+    D, per_call = 4, {t.name: t.bytes // t.calls for t in (*fwd, *bwd) if t.calls}
+    everything = sum(t.bytes for t in (*fwd, *bwd))
+    assert exposed_seconds(fwd, 0.0, D, 1.0) + exposed_seconds(bwd, 0.0, D, 1.0) == everything
+    q_out = per_call["cp all-to-all q + out (per head block)"]
+    fill = (per_call["cp all-to-all K/V (per kv group)"] + 2 * q_out  # block 0's q in, block D-1's out back
+            + per_call["cp all-to-all lse (per head block)"])
+    assert exposed_seconds(fwd, 1e30, D, 1.0) == fill
+    kv_groups = D // 1  # 4 kv heads over D = 4: a kv head per block, a kv group per block
+    drain = sum(per_call[f"cp all-to-all {n}"] for n in ("K/V re-gather (per kv group)", "q / out / dout (per head "
+                "block)", "lse (backward, per head block)", "dq (per head block)"))
+    assert exposed_seconds(bwd, 1e30, D, 1.0) == drain + kv_groups * per_call["cp all-to-all dK/dV (per kv group)"]
+    cp = plan_tsp_cp_all_to_all(replace(inp, seq=1 << 16), 2).cp
+    assert 0 < cp["cp_all_to_all_exposed_seconds_per_step"] < cp["cp_all_to_all_seconds_per_step"] / 2
 
 
 def test_verify_cli_cp_comm_usage_errors(capsys):
