@@ -13,13 +13,14 @@ kv heads per cp rank, r = C nkv' / nkv_b the kv replication, b the dtype's bytes
 - intra-node (TSP group): the K/V gathered per kv group is the whole sequence's of nkv' heads: r times the ring's
   gather of S/C tokens of nkv_b heads (and the re-gather, the dK/dV reduce-scatter alike);
 - memory: the whole sequence's K/V of nkv' heads per kv group (two live: this group's, the next in flight) instead
-  of the group's, the all-to-all buffers (send and receive of q / out / dout and the local K/V), and in backward the
-  whole-sequence dK/dV accumulator and its rank-ordered copy: an estimate added at the peak phase;
+  of the group's, the all-to-all buffers (send and receive of q / out / dout and the local K/V, one block ahead and
+  one behind the block computing), and in backward the whole-sequence dK/dV accumulator and its rank-ordered copy:
+  an estimate added at the peak phase;
 - time: the exchanges are pipelined a block deep (block j+1's q / out / dout posted before block j's attention,
   block j's output / dq waited after block j+1's, the next kv group's K/V a block ahead), so per layer and pass
   only the fill and drain are exposed (the first kv group's K/V and block 0's q in, the last block's out / lse or
-  dq back; in backward also each kv group's dK/dV, sent after its TSP reduce-scatter and waited at once); the rest
-  hides behind D-1 of the D blocks' attention and is exposed only where it outlasts it
+  dq back, the last kv group's dK/dV; a group's dK/dV otherwise goes back behind the next block's attention
+  backward); the rest hides behind D-1 of the D blocks' attention and is exposed only where it outlasts it
   (`exposed_seconds`). `cp` gives the seconds at `inter_node_gbps` (all, and exposed) beside the step's attention
   seconds at `gpu_tflops`, and the ring's inter-node bytes for the same input (`ring_inter_node_bytes_per_step`) to
   choose between them.
@@ -109,8 +110,12 @@ def all_to_all_terms(group: PlanInput, C: int) -> tuple[list, list, int]:
     full_kv = C * D * B * L * 2 * nkv * d * b  # the whole sequence's K/V of nkv' heads
     group_kv = D * B * L * 2 * g.nkv_b * d * b  # what TSP's own plan holds per kv group
     acc_b = max(b, 4)
-    extra_fwd = 2 * max(full_kv - group_kv, 0) + 2 * kv + 2 * q + 2 * lse
-    extra_bwd = extra_fwd + full_kv * acc_b // b + full_kv + 6 * q
+    kv_part = 2 * max(full_kv - group_kv, 0) + 2 * kv
+    # pipelined a block deep (cp_all_to_all's module doc): forward block j+1's q (local, sent, received), block j's
+    # received q and output, block j-1's output and lse on their way back; backward block j+1's q / out / dout sent
+    # and received, block j's received and its dq, block j-1's dq on its way back, two kv groups' dK/dV in flight
+    extra_fwd = kv_part + 6 * q + 4 * lse
+    extra_bwd = kv_part + full_kv * acc_b // b + full_kv + 2 * kv + 14 * q + 4 * lse
     return fwd, bwd, max(extra_fwd, extra_bwd)
 
 
@@ -118,12 +123,13 @@ def all_to_all_terms(group: PlanInput, C: int) -> tuple[list, list, int]:
 _EXPOSED_CALLS = {"cp all-to-all K/V (per kv group)": 1, "cp all-to-all q + out (per head block)": 2,
                   "cp all-to-all lse (per head block)": 1, "cp all-to-all K/V re-gather (per kv group)": 1,
                   "cp all-to-all q / out / dout (per head block)": 1,
-                  "cp all-to-all lse (backward, per head block)": 1, "cp all-to-all dq (per head block)": 1}
+                  "cp all-to-all lse (backward, per head block)": 1, "cp all-to-all dq (per head block)": 1,
+                  "cp all-to-all dK/dV (per kv group)": 1}
 
 
 def exposed_seconds(terms, attention_s: float, D: int, bytes_per_s: float) -> float:
     """Seconds of one layer pass's all-to-all terms not hidden behind its attention (attention_s for the pass):
-    the fill / drain calls (_EXPOSED_CALLS; dK/dV: every call) in full, the rest where it outlasts D-1 of the D
+    the fill / drain calls (_EXPOSED_CALLS) in full, the rest where it outlasts D-1 of the D
     blocks' attention (what the pipelined exchanges travel behind)."""
     exposed = hidden = 0
     for t in terms:

@@ -163,21 +163,30 @@ class A2AKVGather:
 
 
 class _ScatterBack:
-    """Handle of A2AKVGrad.scatter: wait() waits the TSP reduce-scatter, then posts and waits the inverse cp
-    all-to-all and writes this rank's dK/dV of all its kv heads into `out` (the replicas of a kv head summed)."""
+    """Handle of A2AKVGrad.scatter: post() waits the TSP reduce-scatter and posts the inverse cp all-to-all; wait()
+    (posting first if post() was not called) waits that and writes this rank's dK/dV of all its kv heads into
+    `out` (the replicas of a kv head summed)."""
 
     def __init__(self, scatter: Handle, part: torch.Tensor, out: torch.Tensor, cp: TSPComm, heads: HeadSplit):
         self.scatter, self.part, self.out, self.cp, self.heads = scatter, part, out, cp, heads
+        self.sent: _Exchange | None = None
+        self.done = False
 
-    def wait(self) -> None:
-        if self.part is None:
+    def post(self) -> None:
+        if self.sent is not None or self.done:
             return
         self.scatter.wait()
-        recv = _exchange(self.cp, self.part, "dK/dV cp all-to-all")  # [C (head holder), 2, c, B, 2, nkv', d]
+        self.sent, self.part = _Exchange(self.cp, self.part, "dK/dV cp all-to-all"), None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.post()
+        recv = self.sent.wait()  # [C (head holder), 2, c, B, 2, nkv', d]
         r, C = self.heads.replicas, self.cp.size
         summed = recv.view(C // r, r, *recv.shape[1:]).sum(1)  # [kv head blocks, 2, c, B, 2, nkv', d]
         self.out.copy_(summed.permute(1, 2, 3, 4, 0, 5, 6).reshape(self.out.shape))
-        self.part = None
+        self.sent, self.done = None, True
 
 
 class A2AKVGrad:

@@ -531,6 +531,7 @@ class _TSPAttention(torch.autograd.Function):
         kv_source = start_group(0, spec.layout.unpack(shards.take(0)))
         ahead = post_prepared(0, spec.layout.unpack(shards.take(0))) if a2a else None
         behind = None  # all-to-all: the previous block's dq on its way back, and what its tail reads
+        sent_kv = None  # all-to-all: a kv group whose dK/dV cp all-to-all is in flight (finish_group's tuple)
         kv_all = dkv = w_kv = pending = None
         for j in range(D):
             shards.next_block(j)
@@ -558,9 +559,11 @@ class _TSPAttention(torch.autograd.Function):
                 if behind is not None:  # the previous block's dq came back while this attention backward ran
                     j_prev, w_prev, sent_prev, dgate_prev, grads_prev, last_prev = behind
                     dq_tail(j_prev, w_prev, sent_prev.wait(), dgate_prev, grads_prev, last_prev)
-                if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
-                    finish_group(pending)
-                    pending = None
+                if pending is not None:  # the previous group's dK/dV: its TSP reduce-scatter ran behind this
+                    pending[1].post()  # attention backward, its cp all-to-all goes behind the next one
+                    if sent_kv is not None:
+                        finish_group(sent_kv)
+                    sent_kv, pending = pending, None
                 behind = j, w, sent_dq, dgate, grads, last
             else:
                 if comm.cp is not None:  # and the other cp groups' dK/dV of this group's K/V come back around it
@@ -590,6 +593,9 @@ class _TSPAttention(torch.autograd.Function):
         if behind is not None:  # the last block's dq
             j_prev, w_prev, sent_prev, dgate_prev, grads_prev, last_prev = behind
             dq_tail(j_prev, w_prev, sent_prev.wait(), dgate_prev, grads_prev, last_prev)
+        if sent_kv is not None:  # the last group's dK/dV set off before the one ahead of it is finished
+            pending[1].post()
+            finish_group(sent_kv)
         finish_group(pending)
         grad_shard = reducer.finish() if need_w else None
         if deferred is not None:
