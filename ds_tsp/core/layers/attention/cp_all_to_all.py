@@ -10,7 +10,8 @@ block's heads over the C cp ranks:
    chunks of every group) of its kv heads, and one all-gather over the TSP group (the fast link; every TSP rank of
    a group has the same cp rank, so the same heads) gives the whole sequence's K/V of those heads, reordered into
    global order (`_global_order`: views plus one cat).
-2. q (per block): each rank sends each peer that peer's nq / C query heads of its own tokens (one all-to-all);
+2. q (per block, posted a block ahead: Pipelining below): each rank sends each peer that peer's nq / C query heads
+   of its own tokens (one all-to-all);
    every rank then attends the 2C query chunks it holds (global positions known: `query_chunks`) to the whole
    sequence's keys with the kernels TSP uses alone (masked: causal, packed documents and sliding windows exact at
    global positions; no ring merge, no window path).
@@ -21,6 +22,19 @@ Backward: q, out and dout go out again (one all-to-all; lse beside them), the ke
 comes back by the inverse all-to-all; the whole-sequence dK/dV of the kv group (summed over its blocks) are put
 back in rank order, reduce-scattered over the TSP group and returned to their tokens' owners by the inverse K/V
 all-to-all, where the replicas of a kv head are summed (A2AKVGrad).
+
+Pipelining (tsp_attention's head-block loop; one in-order stream per communicator, so what is posted first on cp
+arrives first). Forward: block j+1's q is projected and its all-to-all posted (post_queries) before block j's
+attention (a2a_attention_forward waits block j's, attends, posts its out and lse back: SentOutputs), and block j's
+output is waited, for its wo, after block j+1's attention. Backward alike: block j+1's dout (through wo, the gate
+and the sinks) and q / out / dout / lse all-to-alls posted (post_grad_inputs) before block j's attention backward,
+block j's dq (SentDq) waited after block j+1's; a kv group's dK/dV all-to-all is posted once its TSP reduce-scatter
+is in (after the next block's attention backward) and waited after the block after that. The K/V all-to-all of
+the next kv group is posted a block ahead (A2AKVGather, with the ring's and TSP's gathers). Exposed per layer and
+pass: the pipeline's fill and drain only (block 0's q and the first K/V, the last block's output or dq, the last
+group's dK/dV). In flight beside the block computing: one block ahead (its q, or q / out / dout, sent and received)
+and one behind (its output and lse, or dq, on the way back), plus a second kv group's dK/dV: a few [B, L, nq, d]
+of one block, never more.
 
 Heads (`HeadSplit`): the block's nq query heads must split evenly over C. Its nkv kv heads either split too (nkv a
 multiple of C: each peer gets nkv / C of them, GQA groups intact) or are replicated (C a multiple of nkv, GQA and

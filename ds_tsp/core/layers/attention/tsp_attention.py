@@ -80,7 +80,12 @@ rank-ordered buffer before its reduce-scatter). The table above is unchanged; do
 layout. With spec.cp_comm "all_to_all" a kv group's K/V source is instead cp_all_to_all.A2AKVGather (its local K/V
 all-to-all over cp posted where the gather is, the TSP all-gather of this rank's cp heads when the group starts), the
 kernel calls are cp_all_to_all's (q / out all-to-alls around the whole sequence's attention of its cp heads) and the
-group's dK/dV go back through A2AKVGrad (reduce-scatter over TSP, then the inverse all-to-all over cp).
+group's dK/dV go back through A2AKVGrad (reduce-scatter over TSP, then the inverse all-to-all over cp). Those
+exchanges are pipelined a block deep (cp_all_to_all's "Pipelining"): block j+1's q is projected, and in backward
+its dout computed, and sent before block j's attention; block j's sinks / gate / wo (forward) or dq tail
+(backward: dx, wq grads, its reduce to the owner) run after block j+1's attention, when its output or dq is back;
+a kv group's finish (its dK/dV into dx and the kv weight grads) one block later than the table's row says. So
+block j-1's packed shard (its wo, or wq) stays live through block j: 4 shards instead of 3.
 """
 from __future__ import annotations
 
