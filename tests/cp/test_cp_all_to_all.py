@@ -16,6 +16,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,8 +126,105 @@ def _recorded_step(D: int, C: int) -> dict:
         loss = model(batch["input_ids"], batch["shift_labels"], batch["position_ids"])
         loss.backward()
     average_grads_over_data(model, runtime.data_group)
-    return {"ops": rec.ops, "cp_bytes": dict(comm.cp.counter.bytes), "tsp_bytes": dict(comm.counter.bytes),
-            "syncs": [(e.kind, e.op, e.region, e.where) for e in syncs.events]}
+    out = {"ops": rec.ops, "cp_bytes": dict(comm.cp.counter.bytes), "tsp_bytes": dict(comm.counter.bytes),
+           "syncs": [(e.kind, e.op, e.region, e.where) for e in syncs.events]}
+    return {**out, "overlap": {r: _overlap_events(comm, r) for r in (1, 2)}}
+
+
+class _CpEvents:
+    """A CommRecorder stand-in that keeps ("post", what) of the cp communicator's ops only."""
+
+    def __init__(self, cp_ranks: tuple, events: list):
+        self.cp_ranks, self.events = cp_ranks, events
+
+    def add(self, kind, group, t, what, layer, **extra):
+        if group == self.cp_ranks:
+            self.events.append(("post", what))
+
+
+def _overlap_events(comm, replicas: int) -> list[tuple[str, str]]:
+    """One tsp_attention forward + backward under the all-to-all schedule (D blocks of C query heads, kv groups of
+    `replicas` blocks): the cp communicator's posts and waits and the attention kernels' runs, in order."""
+    from ds_tsp.core.comm.communicator import Handle
+    from ds_tsp.core.layers.attention import cp_all_to_all as a2a
+    from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, tsp_attention
+    from ds_tsp.core.tokens.rope import rope_cos_sin
+
+    events: list[tuple[str, str]] = []
+    real_wait, real_fwd, real_bwd = Handle.wait, a2a.masked_attention_forward, a2a.masked_attention_backward
+
+    def wait(self):
+        if self._works and self._blocked is not None and self._blocked.comm is comm.cp:
+            events.append(("wait", self._blocked.what))
+        return real_wait(self)
+
+    def kernel(real, what):
+        def run(*args, **kwargs):
+            if events[-1] != ("attention", what):  # one entry per block (its 2C chunks)
+                events.append(("attention", what))
+            return real(*args, **kwargs)
+        return run
+
+    C = comm.cp_size
+    spec = AttentionSpec(hidden=8, heads_per_block=C, kv_heads_per_block=1, head_dim=4, qkv_bias=False,
+                         kv_replicas=replicas, cp_comm="all_to_all")
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    shard = torch.randn(spec.layout.numel, generator=gen, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(4)[None], 4, 10000.0, torch.float64)  # any positions: only order matters
+    Handle.wait, a2a.masked_attention_forward = wait, kernel(real_fwd, "forward")
+    a2a.masked_attention_backward = kernel(real_bwd, "backward")
+    try:
+        with comm.recording(_CpEvents(tuple(comm.cp._ranks), events)):
+            tsp_attention(x, shard, cos, sin, spec, comm).pow(2).sum().backward()
+    finally:
+        Handle.wait, a2a.masked_attention_forward, a2a.masked_attention_backward = real_wait, real_fwd, real_bwd
+    return events
+
+
+def expected_overlap(D: int, replicas: int) -> list[tuple[str, str]]:
+    """The cp events of _overlap_events, written from the schedule (cp_all_to_all's module doc), not the code:
+    block j+1's q (forward) or q / out / dout (backward) is posted before block j's attention, block j's output
+    (forward) or dq (backward) is waited after block j+1's."""
+    def post(what):
+        return ("post", what)
+
+    def wait(what):
+        return ("wait", what)
+
+    kv, q, out = "K/V cp all-to-all", "q cp all-to-all", "attention output cp all-to-all"
+    lse = "log-sum-exp cp all-to-all"
+    three, lse_b, dq, dkv = ("q / out / dout cp all-to-all", "log-sum-exp cp all-to-all (backward)", "dq cp all-to-all",
+                             "dK/dV cp all-to-all")
+    ev = [post(kv), post(q)]
+    for j in range(D):
+        if j % replicas == replicas - 1 and j + 1 < D:  # the next kv group's K/V
+            ev.append(post(kv))
+        if j + 1 < D:
+            ev.append(post(q))
+        if j % replicas == 0:
+            ev.append(wait(kv))
+        ev += [wait(q), ("attention", "forward"), post(out), post(lse)]
+        if j > 0:
+            ev += [wait(out), wait(lse)]
+    ev += [wait(out), wait(lse)]
+    ev += [post(kv), post(three), post(lse_b)]
+    in_flight = False  # a kv group's dK/dV all-to-all posted, not yet waited
+    for j in range(D):
+        if j % replicas == replicas - 1 and j + 1 < D:
+            ev.append(post(kv))
+        if j + 1 < D:
+            ev += [post(three), post(lse_b)]
+        if j % replicas == 0:
+            ev.append(wait(kv))
+        ev += [wait(three), wait(lse_b), ("attention", "backward"), post(dq)]
+        if j > 0:
+            ev.append(wait(dq))
+        if j > 0 and j % replicas == 0:  # the previous group's dK/dV set off; the one before it waited
+            ev += [post(dkv)] + ([wait(dkv)] if in_flight else [])
+            in_flight = True
+    ev.append(wait(dq))
+    return ev + ([post(dkv), wait(dkv), wait(dkv)] if in_flight else [post(dkv), wait(dkv)])
 
 
 def _all_at(D: int, C: int, cases, directories: dict | None = None) -> dict:
@@ -180,6 +279,16 @@ def test_all_to_all_step_obeys_nccl_rules(at_2x2):
     assert {o["kind"] for o in cp_ops} == {"all_to_all", "all_gather"}  # + the input check's gather over cp
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_all_to_all_exchanges_travel_behind_attention(at_2x2, replicas):
+    """Overlap by order on the cp communicator: block j+1's q (and in backward its q / out / dout) all-to-all is
+    posted before block j's attention runs, block j's output (and lse; in backward its dq) is waited only after
+    block j+1's attention, the next kv group's K/V all-to-all is posted a block ahead, a kv group's dK/dV
+    all-to-all waited after the next group's is posted."""
+    for r in at_2x2:
+        assert r["overlap"][replicas] == expected_overlap(2, replicas), (r["rank"], r["overlap"][replicas])
+
+
 def test_all_to_all_step_reads_the_host_once(at_2x2):
     for r in at_2x2:
         assert [e[:2] for e in r["syncs"]] == [("read", "tolist")] and r["syncs"][0][2] == "input_checks", r["syncs"]
@@ -220,6 +329,7 @@ def test_all_to_all_2x3_is_exact_and_obeys_nccl_rules(tmp_path):
         assert report["loss_rel_err"] < TOL and report["grad_rel_err"] < TOL, (name, report)
     report = check([r["ops"] for r in runs])
     assert report.ok and report.completed == report.total, report
+    assert all(r["overlap"][k] == expected_overlap(2, k) for r in runs for k in (1, 2))
 
 
 
@@ -248,6 +358,29 @@ def test_plan_cli_cp_comm(capsys):
     assert main(["plan", "--model", "8b", "--seq", "1m", "--recommend", "--cp", "auto", "--devices", "32",
                  "--gpu-mem-gib", "141", "--cp-comm", "all_to_all"]) == 2
     assert main(["plan", "--model", "8b", "--tsp", "8", "--cp", "3", "--cp-comm", "all_to_all"]) == 2  # 4 heads / 3
+
+
+def test_plan_exposes_only_the_pipeline_fill_and_drain():
+    """The plan's exposed all-to-all time: with attention long enough, only the fill / drain calls of each pass
+    (first K/V, block 0's q, the last out / lse / dq / dK/dV); with no attention to hide behind, all of it."""
+    from ds_tsp.tools.plan import PlanInput
+    from ds_tsp.tools.plan.tsp_cp import group_input
+    from ds_tsp.tools.plan.tsp_cp_all_to_all import all_to_all_terms, exposed_seconds, plan_tsp_cp_all_to_all
+
+    inp = PlanInput(model=_shape(8, 4), seq=4096, batch=1, degree=4, dtype="bf16")
+    fwd, bwd, _ = all_to_all_terms(group_input(inp, 2), 2)
+    D, per_call = 4, {t.name: t.bytes // t.calls for t in (*fwd, *bwd) if t.calls}
+    everything = sum(t.bytes for t in (*fwd, *bwd))
+    assert exposed_seconds(fwd, 0.0, D, 1.0) + exposed_seconds(bwd, 0.0, D, 1.0) == everything
+    q_out = per_call["cp all-to-all q + out (per head block)"]
+    fill = (per_call["cp all-to-all K/V (per kv group)"] + 2 * q_out  # block 0's q in, block D-1's out back
+            + per_call["cp all-to-all lse (per head block)"])
+    assert exposed_seconds(fwd, 1e30, D, 1.0) == fill
+    drain = sum(per_call[f"cp all-to-all {n}"] for n in ("K/V re-gather (per kv group)", "q / out / dout (per head "
+                "block)", "lse (backward, per head block)", "dq (per head block)", "dK/dV (per kv group)"))
+    assert exposed_seconds(bwd, 1e30, D, 1.0) == drain
+    cp = plan_tsp_cp_all_to_all(replace(inp, seq=1 << 16), 2).cp
+    assert 0 < cp["cp_all_to_all_exposed_seconds_per_step"] < cp["cp_all_to_all_seconds_per_step"] / 2
 
 
 def test_verify_cli_cp_comm_usage_errors(capsys):

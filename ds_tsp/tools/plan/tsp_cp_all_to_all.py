@@ -13,11 +13,17 @@ kv heads per cp rank, r = C nkv' / nkv_b the kv replication, b the dtype's bytes
 - intra-node (TSP group): the K/V gathered per kv group is the whole sequence's of nkv' heads: r times the ring's
   gather of S/C tokens of nkv_b heads (and the re-gather, the dK/dV reduce-scatter alike);
 - memory: the whole sequence's K/V of nkv' heads per kv group (two live: this group's, the next in flight) instead
-  of the group's, the all-to-all buffers (send and receive of q / out / dout and the local K/V), and in backward the
-  whole-sequence dK/dV accumulator and its rank-ordered copy: an estimate added at the peak phase;
-- time: nothing of it hides behind a ring hop; the q / out / dq all-to-alls wait, the K/V one overlaps the previous
-  block. `cp` gives the seconds at `inter_node_gbps` beside the step's attention seconds at `gpu_tflops`, and the
-  ring's inter-node bytes for the same input (`ring_inter_node_bytes_per_step`) to choose between them.
+  of the group's, the all-to-all buffers (send and receive of q / out / dout and the local K/V, one block ahead and
+  one behind the block computing), and in backward the whole-sequence dK/dV accumulator and its rank-ordered copy:
+  an estimate added at the peak phase;
+- time: the exchanges are pipelined a block deep (block j+1's q / out / dout posted before block j's attention,
+  block j's output / dq waited after block j+1's, the next kv group's K/V a block ahead), so per layer and pass
+  only the fill and drain are exposed (the first kv group's K/V and block 0's q in, the last block's out / lse or
+  dq back, the last kv group's dK/dV; a group's dK/dV otherwise goes back behind the next block's attention
+  backward); the rest hides behind D-1 of the D blocks' attention and is exposed only where it outlasts it
+  (`exposed_seconds`). `cp` gives the seconds at `inter_node_gbps` (all, and exposed) beside the step's attention
+  seconds at `gpu_tflops`, and the ring's inter-node bytes for the same input (`ring_inter_node_bytes_per_step`) to
+  choose between them.
 Hybrid models: Gated DeltaNet layers keep their cp gathers (hybrid_cp); MoE: the aux counts' all-reduce (moe_cp).
 """
 from __future__ import annotations
@@ -104,9 +110,35 @@ def all_to_all_terms(group: PlanInput, C: int) -> tuple[list, list, int]:
     full_kv = C * D * B * L * 2 * nkv * d * b  # the whole sequence's K/V of nkv' heads
     group_kv = D * B * L * 2 * g.nkv_b * d * b  # what TSP's own plan holds per kv group
     acc_b = max(b, 4)
-    extra_fwd = 2 * max(full_kv - group_kv, 0) + 2 * kv + 2 * q + 2 * lse
-    extra_bwd = extra_fwd + full_kv * acc_b // b + full_kv + 6 * q
+    kv_part = 2 * max(full_kv - group_kv, 0) + 2 * kv
+    # pipelined a block deep (cp_all_to_all's module doc): forward block j+1's q (local, sent, received), block j's
+    # received q and output, block j-1's output and lse on their way back; backward block j+1's q / out / dout sent
+    # and received, block j's received and its dq, block j-1's dq on its way back, two kv groups' dK/dV in flight
+    extra_fwd = kv_part + 6 * q + 4 * lse
+    extra_bwd = kv_part + full_kv * acc_b // b + full_kv + 2 * kv + 14 * q + 4 * lse
     return fwd, bwd, max(extra_fwd, extra_bwd)
+
+
+# per term, the calls a layer's pass cannot hide (pipeline fill and drain); the others travel behind attention
+_EXPOSED_CALLS = {"cp all-to-all K/V (per kv group)": 1, "cp all-to-all q + out (per head block)": 2,
+                  "cp all-to-all lse (per head block)": 1, "cp all-to-all K/V re-gather (per kv group)": 1,
+                  "cp all-to-all q / out / dout (per head block)": 1,
+                  "cp all-to-all lse (backward, per head block)": 1, "cp all-to-all dq (per head block)": 1,
+                  "cp all-to-all dK/dV (per kv group)": 1}
+
+
+def exposed_seconds(terms, attention_s: float, D: int, bytes_per_s: float) -> float:
+    """Seconds of one layer pass's all-to-all terms not hidden behind its attention (attention_s for the pass):
+    the fill / drain calls (_EXPOSED_CALLS) in full, the rest where it outlasts D-1 of the D
+    blocks' attention (what the pipelined exchanges travel behind)."""
+    exposed = hidden = 0
+    for t in terms:
+        name = t.name.removeprefix("recompute: ")
+        calls = min(_EXPOSED_CALLS.get(name, t.calls), t.calls)
+        per_call = t.bytes / t.calls if t.calls else 0
+        exposed += calls * per_call
+        hidden += (t.calls - calls) * per_call
+    return exposed / bytes_per_s + max(hidden / bytes_per_s - attention_s * (D - 1) / D, 0.0)
 
 
 def plan_tsp_cp_all_to_all(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_GBPS,
@@ -126,6 +158,7 @@ def plan_tsp_cp_all_to_all(inp: PlanInput, cp: int, *, inter_node_gbps: float = 
     tsp_fwd, tsp_bwd = sum(t.bytes for t in base.layer_fwd_terms), sum(t.bytes for t in base.layer_bwd_terms)
     layers = base.layers_per_stage
     fwd, bwd, extra = all_to_all_terms(group, C)
+    attention_fwd, attention_bwd = fwd, bwd  # one attention layer's, before a hybrid's rows replace them
     attention_layers = layers
     hybrid_steps = []
     if inp.model.layer_types is not None:  # Gated DeltaNet layers: their own cp gathers (hybrid_cp)
@@ -140,6 +173,13 @@ def plan_tsp_cp_all_to_all(inp: PlanInput, cp: int, *, inter_node_gbps: float = 
     # causal attention of the whole sequence, every head, shared by the C D ranks
     attention_flops = attention_layers * 4 * inp.batch * (S * S // 2) * g.dims.nq * g.dims.d * passes // (C * D)
     bytes_per_s = inter_node_gbps * 1e9 / 8
+    forward_s = attention_flops / passes / attention_layers / (gpu_tflops * 1e12) if attention_layers else 0.0
+    recomputed = [t for t in attention_bwd if t.name.startswith("recompute: ")]
+    exposed = attention_layers * (
+        exposed_seconds(attention_fwd, forward_s, D, bytes_per_s)
+        + exposed_seconds([t for t in attention_bwd if t not in recomputed], forward_s * ATTENTION_BACKWARD_FLOPS, D,
+                          bytes_per_s)
+        + exposed_seconds(recomputed, forward_s, D, bytes_per_s))
     try:  # the ring's figure for the same input, to choose between the schedules
         ring = plan_tsp_cp(inp, cp, inter_node_gbps=inter_node_gbps, gpu_tflops=gpu_tflops,
                            gpus_per_node=gpus_per_node).cp["inter_node_bytes_per_step"]
@@ -156,6 +196,8 @@ def plan_tsp_cp_all_to_all(inp: PlanInput, cp: int, *, inter_node_gbps: float = 
                                                                          + base.comm_bytes_per_layer_bwd),
         "all_to_all_buffer_bytes": extra, "inter_node_gbps": inter_node_gbps, "gpu_tflops": gpu_tflops,
         "cp_all_to_all_seconds_per_step": (a2a_bytes + check) / bytes_per_s,
+        # the attention layers' all-to-alls not hidden behind attention (exposed_seconds), plus the input check's
+        "cp_all_to_all_exposed_seconds_per_step": exposed + check / bytes_per_s,
         "attention_seconds_per_step": attention_flops / (gpu_tflops * 1e12),
     }
     grad_sync = summary["grad_sync_bytes_per_step"]
@@ -192,6 +234,7 @@ def all_to_all_lines(plan: LayoutPlan) -> list[str]:
         + f", intra-node (TSP) {cp['intra_node_bytes_per_step'] / GIB:.1f} GiB, grad sync over dp x cp "
         f"{cp['grad_sync_bytes_per_step'] / GIB:.2f} GiB",
         f"cp all-to-all at {cp['inter_node_gbps']:g} Gb/s per GPU: {cp['cp_all_to_all_seconds_per_step']:.2f} s per "
-        f"step (mostly not overlapped) beside {cp['attention_seconds_per_step']:.2f} s of attention at "
+        f"step ({cp['cp_all_to_all_exposed_seconds_per_step']:.2f} s not hidden behind attention) beside "
+        f"{cp['attention_seconds_per_step']:.2f} s of attention at "
         f"{cp['gpu_tflops']:g} TFLOP/s",
     ]

@@ -10,7 +10,8 @@ block's heads over the C cp ranks:
    chunks of every group) of its kv heads, and one all-gather over the TSP group (the fast link; every TSP rank of
    a group has the same cp rank, so the same heads) gives the whole sequence's K/V of those heads, reordered into
    global order (`_global_order`: views plus one cat).
-2. q (per block): each rank sends each peer that peer's nq / C query heads of its own tokens (one all-to-all);
+2. q (per block, posted a block ahead: Pipelining below): each rank sends each peer that peer's nq / C query heads
+   of its own tokens (one all-to-all);
    every rank then attends the 2C query chunks it holds (global positions known: `query_chunks`) to the whole
    sequence's keys with the kernels TSP uses alone (masked: causal, packed documents and sliding windows exact at
    global positions; no ring merge, no window path).
@@ -21,6 +22,19 @@ Backward: q, out and dout go out again (one all-to-all; lse beside them), the ke
 comes back by the inverse all-to-all; the whole-sequence dK/dV of the kv group (summed over its blocks) are put
 back in rank order, reduce-scattered over the TSP group and returned to their tokens' owners by the inverse K/V
 all-to-all, where the replicas of a kv head are summed (A2AKVGrad).
+
+Pipelining (tsp_attention's head-block loop; one in-order stream per communicator, so what is posted first on cp
+arrives first). Forward: block j+1's q is projected and its all-to-all posted (post_queries) before block j's
+attention (a2a_attention_forward waits block j's, attends, posts its out and lse back: SentOutputs), and block j's
+output is waited, for its wo, after block j+1's attention. Backward alike: block j+1's dout (through wo, the gate
+and the sinks) and q / out / dout / lse all-to-alls posted (post_grad_inputs) before block j's attention backward,
+block j's dq (SentDq) waited after block j+1's; a kv group's dK/dV all-to-all is posted once its TSP reduce-scatter
+is in (after the next block's attention backward) and waited after the block after that. The K/V all-to-all of
+the next kv group is posted a block ahead (A2AKVGather, with the ring's and TSP's gathers). Exposed per layer and
+pass: the pipeline's fill and drain only (block 0's q and the first K/V, the last block's output or dq, the last
+group's dK/dV). In flight beside the block computing: one block ahead (its q, or q / out / dout, sent and received)
+and one behind (its output and lse, or dq, on the way back), plus a second kv group's dK/dV: a few [B, L, nq, d]
+of one block, never more.
 
 Heads (`HeadSplit`): the block's nq query heads must split evenly over C. Its nkv kv heads either split too (nkv a
 multiple of C: each peer gets nkv / C of them, GQA groups intact) or are replicated (C a multiple of nkv, GQA and
@@ -47,7 +61,8 @@ from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.zigzag import zigzag_chunks
 
 __all__ = ["HeadSplit", "A2AKVGather", "A2AKVGrad", "a2a_attention_forward", "a2a_attention_backward",
-           "check_all_to_all_heads"]
+           "check_all_to_all_heads", "post_queries", "post_grad_inputs", "SentQueries", "SentOutputs",
+           "SentGradInputs", "SentDq"]
 
 
 class HeadSplit:
@@ -97,12 +112,24 @@ def _from_peers(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 2, 0, 3, 4).reshape(B, L, C * H, d)
 
 
+class _Exchange:
+    """One all-to-all posted on the cp communicator: row c of `send` to cp rank c; wait() gives the rows received
+    (row i from cp rank i). The send buffer lives until then (the handle keeps it)."""
+
+    def __init__(self, cp: TSPComm, send: torch.Tensor, what: str):
+        self.recv = torch.empty_like(send)
+        rows = [1] * cp.size
+        self.handle = cp.all_to_all(self.recv, send, rows, rows, what=what)
+
+    def wait(self) -> torch.Tensor:
+        self.handle.wait()
+        recv, self.recv = self.recv, None
+        return recv
+
+
 def _exchange(cp: TSPComm, send: torch.Tensor, what: str) -> torch.Tensor:
-    """One all-to-all on the cp communicator: row c of `send` to cp rank c; row i of the result from cp rank i."""
-    recv = torch.empty_like(send)
-    rows = [1] * cp.size
-    cp.all_to_all(recv, send, rows, rows, what=what).wait()
-    return recv
+    """One all-to-all on the cp communicator, waited at once."""
+    return _Exchange(cp, send, what).wait()
 
 
 def _global_order(gathered: torch.Tensor) -> torch.Tensor:
@@ -150,21 +177,30 @@ class A2AKVGather:
 
 
 class _ScatterBack:
-    """Handle of A2AKVGrad.scatter: wait() waits the TSP reduce-scatter, then posts and waits the inverse cp
-    all-to-all and writes this rank's dK/dV of all its kv heads into `out` (the replicas of a kv head summed)."""
+    """Handle of A2AKVGrad.scatter: post() waits the TSP reduce-scatter and posts the inverse cp all-to-all; wait()
+    (posting first if post() was not called) waits that and writes this rank's dK/dV of all its kv heads into
+    `out` (the replicas of a kv head summed)."""
 
     def __init__(self, scatter: Handle, part: torch.Tensor, out: torch.Tensor, cp: TSPComm, heads: HeadSplit):
         self.scatter, self.part, self.out, self.cp, self.heads = scatter, part, out, cp, heads
+        self.sent: _Exchange | None = None
+        self.done = False
 
-    def wait(self) -> None:
-        if self.part is None:
+    def post(self) -> None:
+        if self.sent is not None or self.done:
             return
         self.scatter.wait()
-        recv = _exchange(self.cp, self.part, "dK/dV cp all-to-all")  # [C (head holder), 2, c, B, 2, nkv', d]
+        self.sent, self.part = _Exchange(self.cp, self.part, "dK/dV cp all-to-all"), None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.post()
+        recv = self.sent.wait()  # [C (head holder), 2, c, B, 2, nkv', d]
         r, C = self.heads.replicas, self.cp.size
         summed = recv.view(C // r, r, *recv.shape[1:]).sum(1)  # [kv head blocks, 2, c, B, 2, nkv', d]
         self.out.copy_(summed.permute(1, 2, 3, 4, 0, 5, 6).reshape(self.out.shape))
-        self.part = None
+        self.sent, self.done = None, True
 
 
 class A2AKVGrad:
@@ -196,16 +232,44 @@ class A2AKVGrad:
         return out, _ScatterBack(handle, part, out, cp, self.heads)
 
 
-def a2a_attention_forward(q: torch.Tensor, kv_full: torch.Tensor, comm: TSPComm, heads: HeadSplit, *,
+class SentQueries:
+    """A block's q on its way to the cp ranks (posted by post_queries, a block ahead of its attention)."""
+
+    def __init__(self, q: torch.Tensor, comm: TSPComm):
+        self.exchange = _Exchange(comm.cp_axis(), _to_peers(q, comm.cp_size), "q cp all-to-all")
+
+
+def post_queries(q: torch.Tensor, comm: TSPComm) -> SentQueries:
+    """Post the all-to-all of q [B, L, nq, d]: each cp peer gets its nq / C heads of this rank's tokens."""
+    return SentQueries(q, comm)
+
+
+class SentOutputs:
+    """A block's attention output and lse on their way back (posted by a2a_attention_forward); wait() gives what
+    the caller's wo reads: (out [B, L, nq, d], [lse of chunk 1, lse of chunk 2])."""
+
+    def __init__(self, cp: TSPComm, out: torch.Tensor, lse: torch.Tensor):
+        self.out = _Exchange(cp, out, "attention output cp all-to-all")
+        self.lse = _Exchange(cp, lse, "log-sum-exp cp all-to-all")
+
+    def wait(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out = _from_peers(self.out.wait())
+        B, L = out.shape[:2]
+        lse = self.lse.wait().transpose(0, 1).reshape(B, -1, L)
+        return out, [lse[..., :L // 2], lse[..., L // 2:]]
+
+
+def a2a_attention_forward(sent: SentQueries, kv_full: torch.Tensor, comm: TSPComm, heads: HeadSplit, *,
                           doc_starts: DocumentLayout, window: int | None, scale: float, backend: str | None
-                          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Attention of this rank's queries q [B, L, nq, d] over the whole sequence, the heads scattered over the cp
-    ranks: kv_full is A2AKVGather's. Returns (out [B, L, nq, d], [lse of chunk 1, lse of chunk 2]) like
+                          ) -> SentOutputs:
+    """Attention of this rank's queries (sent by post_queries) over the whole sequence, the heads scattered over
+    the cp ranks: kv_full is A2AKVGather's. Waits the q all-to-all, attends, and posts the output's way back: the
+    returned SentOutputs' wait() gives (out [B, L, nq, d], [lse of chunk 1, lse of chunk 2]) like
     cp_ring.cp_attention_forward."""
     cp = comm.cp_axis()
-    B, L = q.shape[:2]
+    qs = sent.exchange.wait()  # [C (source group), B, L, nq', d]
+    B, L = qs.shape[1:3]
     c = L // 2
-    qs = _exchange(cp, _to_peers(q, cp.size), "q cp all-to-all")  # [C (source group), B, L, nq', d]
     out = torch.empty_like(qs)
     lse = None
     for i, half, g in query_chunks(cp.size, comm.size, comm.rank):
@@ -217,26 +281,56 @@ def a2a_attention_forward(q: torch.Tensor, kv_full: torch.Tensor, comm: TSPComm,
             lse = lse_c.new_empty((cp.size, B, heads.heads, L))
         out[i][:, local] = o
         lse[i][:, :, local] = lse_c
-    out = _from_peers(_exchange(cp, out, "attention output cp all-to-all"))
-    lse = _exchange(cp, lse, "log-sum-exp cp all-to-all").transpose(0, 1).reshape(B, -1, L)
-    return out, [lse[..., :c], lse[..., c:]]
+    return SentOutputs(cp, out, lse)
 
 
-def a2a_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_full: torch.Tensor, out: torch.Tensor,
-                           lses: list[torch.Tensor], kv_grad: A2AKVGrad, comm: TSPComm, heads: HeadSplit, *,
+class SentGradInputs:
+    """A block's q, out, dout (one all-to-all) and lse (a second) on their way to the cp ranks (posted by
+    post_grad_inputs, a block ahead of its attention backward)."""
+
+    def __init__(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lses: list[torch.Tensor],
+                 comm: TSPComm, heads: HeadSplit):
+        cp = comm.cp_axis()
+        B, L = q.shape[:2]
+        self.q_dtype = q.dtype
+        dtype = torch.promote_types(torch.promote_types(q.dtype, out.dtype), dout.dtype)
+        three = torch.stack([_to_peers(t.to(dtype), cp.size) for t in (q, out, dout)], dim=1)  # [C, 3, B, L, nq', d]
+        self.three = _Exchange(cp, three, "q / out / dout cp all-to-all")
+        lse = torch.cat(lses, dim=2)  # [B, nq, L]
+        self.lse = _Exchange(cp, lse.view(B, cp.size, heads.heads, L).transpose(0, 1).contiguous(),
+                             "log-sum-exp cp all-to-all (backward)")
+
+
+def post_grad_inputs(dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lses: list[torch.Tensor],
+                     comm: TSPComm, heads: HeadSplit) -> SentGradInputs:
+    """Post the all-to-alls a2a_attention_backward reads: q, out, dout [B, L, nq, d] and the lse per chunk."""
+    return SentGradInputs(dout, q, out, lses, comm, heads)
+
+
+class SentDq:
+    """A block's dq on its way back to its tokens' owners (posted by a2a_attention_backward); wait() gives dq of
+    the two query chunks."""
+
+    def __init__(self, cp: TSPComm, dq: torch.Tensor, dtype: torch.dtype):
+        self.exchange, self.dtype = _Exchange(cp, dq, "dq cp all-to-all"), dtype
+
+    def wait(self) -> list[torch.Tensor]:
+        dq = _from_peers(self.exchange.wait()).to(self.dtype)
+        c = dq.shape[1] // 2
+        return [dq[:, :c], dq[:, c:]]
+
+
+def a2a_attention_backward(sent: SentGradInputs, kv_full: torch.Tensor, kv_grad: A2AKVGrad, comm: TSPComm, *,
                            doc_starts: DocumentLayout, window: int | None, scale: float, backend: str | None
-                           ) -> list[torch.Tensor]:
-    """Backward of a2a_attention_forward: returns dq of the two query chunks and adds the whole sequence's dK/dV
-    of this rank's kv heads into kv_grad (A2AKVGrad, scattered back by the caller)."""
+                           ) -> SentDq:
+    """Backward of a2a_attention_forward: waits the block's q / out / dout / lse (post_grad_inputs), adds the whole
+    sequence's dK/dV of this rank's kv heads into kv_grad (A2AKVGrad, scattered back by the caller) and posts dq's
+    way back (the returned SentDq's wait() gives dq of the two query chunks)."""
     cp = comm.cp_axis()
-    B, L = q.shape[:2]
+    qs, outs, douts = sent.three.wait().unbind(1)
+    lse = sent.lse.wait()
+    L = qs.shape[2]
     c = L // 2
-    dtype = torch.promote_types(torch.promote_types(q.dtype, out.dtype), dout.dtype)
-    three = torch.stack([_to_peers(t.to(dtype), cp.size) for t in (q, out, dout)], dim=1)  # [C, 3, B, L, nq', d]
-    qs, outs, douts = _exchange(cp, three, "q / out / dout cp all-to-all").unbind(1)
-    lse = torch.cat(lses, dim=2)  # [B, nq, L]
-    lse = _exchange(cp, lse.view(B, cp.size, heads.heads, L).transpose(0, 1).contiguous(),
-                    "log-sum-exp cp all-to-all (backward)")
     dq = torch.empty_like(qs)
     for i, half, g in query_chunks(cp.size, comm.size, comm.rank):
         local = slice(half * c, (half + 1) * c)
@@ -246,5 +340,4 @@ def a2a_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_full: torch.T
                                                  window=window, scale=scale, backend=backend)
         dq[i][:, local] = dq_c
         kv_grad.add(dk, dv)
-    dq = _from_peers(_exchange(cp, dq, "dq cp all-to-all")).to(q.dtype)
-    return [dq[:, :c], dq[:, c:]]
+    return SentDq(cp, dq, sent.q_dtype)

@@ -80,7 +80,12 @@ rank-ordered buffer before its reduce-scatter). The table above is unchanged; do
 layout. With spec.cp_comm "all_to_all" a kv group's K/V source is instead cp_all_to_all.A2AKVGather (its local K/V
 all-to-all over cp posted where the gather is, the TSP all-gather of this rank's cp heads when the group starts), the
 kernel calls are cp_all_to_all's (q / out all-to-alls around the whole sequence's attention of its cp heads) and the
-group's dK/dV go back through A2AKVGrad (reduce-scatter over TSP, then the inverse all-to-all over cp).
+group's dK/dV go back through A2AKVGrad (reduce-scatter over TSP, then the inverse all-to-all over cp). Those
+exchanges are pipelined a block deep (cp_all_to_all's "Pipelining"): block j+1's q is projected, and in backward
+its dout computed, and sent before block j's attention; block j's sinks / gate / wo (forward) or dq tail
+(backward: dx, wq grads, its reduce to the owner) run after block j+1's attention, when its output or dq is back;
+a kv group's finish (its dK/dV into dx and the kv weight grads) one block later than the table's row says. So
+block j-1's packed shard (its wo, or wq) stays live through block j: 4 shards instead of 3.
 """
 from __future__ import annotations
 
@@ -100,6 +105,8 @@ from ds_tsp.core.layers.attention.cp_all_to_all import (
     HeadSplit,
     a2a_attention_backward,
     a2a_attention_forward,
+    post_grad_inputs,
+    post_queries,
 )
 from ds_tsp.core.layers.attention.cp_ring import cp_attention_backward, cp_attention_forward
 from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
@@ -314,8 +321,25 @@ class _TSPAttention(torch.autograd.Function):
             return kv_in[g] if spec.kv_role == "import" else _project_kv(x, spec.layout.unpack(take()), spec, cos,
                                                                          sin, k_norm_of(g))
 
+        a2a = _all_to_all(comm, spec)
+
+        def post_q(j: int, w):
+            """(q, gate, q's cp all-to-all posted) of block j: under the all-to-all schedule a block ahead."""
+            q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
+            return q, gate, post_queries(q, comm)
+
+        def finish(w, out, lses, q, gate):
+            """The block's sinks, gate and wo into y; what backward reads of it saved."""
+            if spec.sinks:  # on the merged (out, lse) of every path (attention.sinks)
+                out = sinks_forward(out, torch.cat(lses, dim=2), w["sinks"])
+            y.add_(F.linear(_gate_forward(out, gate).reshape(B, L, -1), w["wo"]))
+            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q, "gate": gate}
+            saved_blocks.extend(block[name] for name in spec.saved_per_block())
+
         kv_local = group_kv(0, lambda: shards.take(0))
         gather = _kv_gather(comm, kv_local, spec)
+        ahead = post_q(0, spec.layout.unpack(shards.take(0))) if a2a else None
+        behind = None  # all-to-all: the previous block's output on its way back, and what its wo reads
         kv_all, exported = None, []
         for j in range(D):
             shards.next_block(j)
@@ -324,38 +348,47 @@ class _TSPAttention(torch.autograd.Function):
             if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
                 next_local = group_kv(j // spec.kv_replicas + 1, lambda: shards.take(j + 1))
                 next_gather = _kv_gather(comm, next_local, spec)
-            q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
+            if a2a:  # block j+1's q travels to the cp ranks while this block's attention runs
+                q, gate, sent_q = ahead
+                ahead = post_q(j + 1, spec.layout.unpack(shards.take(j + 1))) if j + 1 < D else None
+            else:
+                q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
             if first:
                 kv_all = gather.wait()
                 if spec.kv_role == "export":
                     exported.append(kv_local)
                 group = {"kv_all": kv_all, "kv_local": kv_local}
                 saved_groups += [group[name] for name in spec.saved_per_kv_group()]
-            if _all_to_all(comm, spec):  # this rank's cp heads over the whole sequence (cp_all_to_all)
-                out, lses = a2a_attention_forward(q, kv_all, comm, _head_split(spec, comm), doc_starts=doc_starts,
-                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
-            elif comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
-                out, lses = cp_attention_forward(q, kv_all, comm, doc_starts=doc_starts, window=spec.window,
-                                                 scale=spec.scale, backend=spec.kernel_backend)
+            if a2a:  # this rank's cp heads over the whole sequence (cp_all_to_all); the output goes back behind
+                sent_out = a2a_attention_forward(sent_q, kv_all, comm, _head_split(spec, comm), doc_starts=doc_starts,
+                                                 window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+                if behind is not None:  # the previous block's output came back while this attention ran
+                    w_prev, sent_prev, q_prev, gate_prev = behind
+                    finish(w_prev, *sent_prev.wait(), q_prev, gate_prev)
+                behind = w, sent_out, (None if spec.recompute_projections else q), gate
             else:
-                outs, lses = [], []
-                for local, start in _chunks(p, D, L):
-                    end = start + local.stop - local.start
-                    k_all, v_all = kv_prefix(kv_all, end)
-                    o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start, doc_starts=doc_starts,
-                                                      window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
-                    outs.append(o)
-                    lses.append(lse)
-                out = torch.cat(outs, dim=1)
-            if spec.sinks:  # on the merged (out, lse) of every path (attention.sinks)
-                out = sinks_forward(out, torch.cat(lses, dim=2), w["sinks"])
-            y.add_(F.linear(_gate_forward(out, gate).reshape(B, L, -1), w["wo"]))
-            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q, "gate": gate}
-            saved_blocks += [block[name] for name in spec.saved_per_block()]
+                if comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
+                    out, lses = cp_attention_forward(q, kv_all, comm, doc_starts=doc_starts, window=spec.window,
+                                                     scale=spec.scale, backend=spec.kernel_backend)
+                else:
+                    outs, lses = [], []
+                    for local, start in _chunks(p, D, L):
+                        end = start + local.stop - local.start
+                        k_all, v_all = kv_prefix(kv_all, end)
+                        o, lse = masked_attention_forward(q[:, local], k_all, v_all, q_start=start,
+                                                          doc_starts=doc_starts, window=spec.window,
+                                                          scale=spec.scale, backend=spec.kernel_backend)
+                        outs.append(o)
+                        lses.append(lse)
+                    out = torch.cat(outs, dim=1)
+                finish(w, out, lses, q, gate)
             if last:  # memory-optimal: this group's gathered K/V is dropped; at most the next one is in flight
                 kv_all = kv_local = gather = None
                 if j + 1 < D:
                     kv_local, gather = next_local, next_gather
+        if behind is not None:  # the last block's output
+            w_prev, sent_prev, q_prev, gate_prev = behind
+            finish(w_prev, *sent_prev.wait(), q_prev, gate_prev)
         ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
         ctx.has_qk_norm, ctx.has_q_scale = q_norm is not None, q_scale is not None
         ctx.n_block_saved = len(saved_blocks)
@@ -453,16 +486,9 @@ class _TSPAttention(torch.autograd.Function):
             """Block j's packed grad for its owner (whole-projection norms: all but the [wq, wk] prefix)."""
             return suffix_grad(spec.layout, grads) if deferred is not None else spec.layout.pack(grads)
 
-        kv_source = start_group(0, spec.layout.unpack(shards.take(0)))
-        kv_all = dkv = w_kv = pending = None
-        for j in range(D):
-            shards.next_block(j)
-            w = spec.layout.unpack(shards.take(j))
-            first, last = _kv_group(j, spec)
-            if first:  # the group's live kv weights (the other blocks' copies are stale: see the module docstring)
-                w_kv = _kv_weights(w)
-            if last and j + 1 < D:  # the next group's K/V travel while this block's attention backward runs
-                next_source = start_group(j // spec.kv_replicas + 1, spec.layout.unpack(shards.take(j + 1)))
+        def prepare(j: int, w):
+            """Block j's (q, out, lses, dout, dgate, grads): dout through wo, the gate and the sinks, and the wo /
+            sinks grads."""
             block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
             out, lses = block["out"], (block["lse0"], block["lse1"])
             q, gate = ((block["q"], block.get("gate")) if "q" in block
@@ -474,33 +500,16 @@ class _TSPAttention(torch.autograd.Function):
             grads = {"wo": dy2d.t() @ gated.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
             if need_w and spec.sinks:
                 grads["sinks"] = dsinks
-            del gated
-            if first:
-                kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()
-                kv_source = None
-                # summed over the group's blocks, scattered once (all-to-all: the whole sequence's of its cp heads)
-                dkv = (A2AKVGrad(kv_all, comm, _head_split(spec, comm), spec.kv_heads_per_block)
-                       if _all_to_all(comm, spec) else RankOrderedKVGrad(kv_all, D))
-            if _all_to_all(comm, spec):
-                dq_chunks = a2a_attention_backward(dout, q, kv_all, out, lses, dkv, comm, _head_split(spec, comm),
-                                                   doc_starts=doc_starts, window=spec.window, scale=spec.scale,
-                                                   backend=spec.kernel_backend)
-            elif comm.cp is not None:  # and the other cp groups' dK/dV of this group's K/V come back around it
-                dq_chunks = cp_attention_backward(dout, q, kv_all, out, lses, dkv, comm, doc_starts=doc_starts,
-                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
-            else:
-                dq_chunks = []
-                for (local, start), lse in zip(_chunks(p, D, L), lses):
-                    end = start + local.stop - local.start
-                    k_all, v_all = kv_prefix(kv_all, end)
-                    dq_c, dk_c, dv_c = masked_attention_backward(
-                        dout[:, local], q[:, local], k_all, v_all, out[:, local], lse, q_start=start,
-                        doc_starts=doc_starts, window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
-                    dq_chunks.append(dq_c)
-                    dkv.add(dk_c, dv_c)
-            if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
-                finish_group(pending)
-                pending = None
+            return q, out, lses, dout, dgate, grads
+
+        def post_prepared(j: int, w):
+            """All-to-all schedule: block j prepared and its q / out / dout / lse posted to the cp ranks."""
+            q, out, lses, dout, dgate, grads = prepare(j, w)
+            return post_grad_inputs(dout, q, out, lses, comm, _head_split(spec, comm)), dgate, grads
+
+        def dq_tail(j: int, w, dq_chunks, dgate, grads, last: bool):
+            """Block j's dq -> dx and its wq grads; a block that is not its kv group's last is reduced to its owner
+            (the last one is when its group's dK/dV are: finish_group)."""
             dq = torch.cat(dq_chunks, dim=1)
             if q_scale is not None:
                 dq = dq * q_scale
@@ -517,17 +526,81 @@ class _TSPAttention(torch.autograd.Function):
                     grads["wq"] = dq.t() @ x2d
                     if spec.qkv_bias:
                         grads["bq"] = dq.sum(0)
+            if not last and need_w:  # the group's kv weight grad lands in its last block (see finish_group)
+                for name in ("wk", "wv", "bk", "bv"):
+                    if name in w:
+                        grads[name] = torch.zeros_like(w[name])
+                reducer.reduce(j, block_grad(grads))
+
+        a2a = _all_to_all(comm, spec)
+        kv_source = start_group(0, spec.layout.unpack(shards.take(0)))
+        ahead = post_prepared(0, spec.layout.unpack(shards.take(0))) if a2a else None
+        behind = None  # all-to-all: the previous block's dq on its way back, and what its tail reads
+        sent_kv = None  # all-to-all: a kv group whose dK/dV cp all-to-all is in flight (finish_group's tuple)
+        kv_all = dkv = w_kv = pending = None
+        for j in range(D):
+            shards.next_block(j)
+            w = spec.layout.unpack(shards.take(j))
+            first, last = _kv_group(j, spec)
+            if first:  # the group's live kv weights (the other blocks' copies are stale: see the module docstring)
+                w_kv = _kv_weights(w)
+            if last and j + 1 < D:  # the next group's K/V travel while this block's attention backward runs
+                next_source = start_group(j // spec.kv_replicas + 1, spec.layout.unpack(shards.take(j + 1)))
+            if a2a:  # block j+1's q / out / dout travel to the cp ranks while this block's attention backward runs
+                sent, dgate, grads = ahead
+                ahead = post_prepared(j + 1, spec.layout.unpack(shards.take(j + 1))) if j + 1 < D else None
+            else:
+                q, out, lses, dout, dgate, grads = prepare(j, w)
+            if first:
+                kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()
+                kv_source = None
+                # summed over the group's blocks, scattered once (all-to-all: the whole sequence's of its cp heads)
+                dkv = (A2AKVGrad(kv_all, comm, _head_split(spec, comm), spec.kv_heads_per_block)
+                       if a2a else RankOrderedKVGrad(kv_all, D))
+            if a2a:  # dq goes back behind the next block's attention backward
+                sent_dq = a2a_attention_backward(sent, kv_all, dkv, comm, doc_starts=doc_starts, window=spec.window,
+                                                 scale=spec.scale, backend=spec.kernel_backend)
+                del sent
+                if behind is not None:  # the previous block's dq came back while this attention backward ran
+                    j_prev, w_prev, sent_prev, dgate_prev, grads_prev, last_prev = behind
+                    dq_tail(j_prev, w_prev, sent_prev.wait(), dgate_prev, grads_prev, last_prev)
+                if pending is not None:  # the previous group's dK/dV: its TSP reduce-scatter ran behind this
+                    pending[1].post()  # attention backward, its cp all-to-all goes behind the next one
+                    if sent_kv is not None:
+                        finish_group(sent_kv)
+                    sent_kv, pending = pending, None
+                behind = j, w, sent_dq, dgate, grads, last
+            else:
+                if comm.cp is not None:  # and the other cp groups' dK/dV of this group's K/V come back around it
+                    dq_chunks = cp_attention_backward(dout, q, kv_all, out, lses, dkv, comm, doc_starts=doc_starts,
+                                                      window=spec.window, scale=spec.scale,
+                                                      backend=spec.kernel_backend)
+                else:
+                    dq_chunks = []
+                    for (local, start), lse in zip(_chunks(p, D, L), lses):
+                        end = start + local.stop - local.start
+                        k_all, v_all = kv_prefix(kv_all, end)
+                        dq_c, dk_c, dv_c = masked_attention_backward(
+                            dout[:, local], q[:, local], k_all, v_all, out[:, local], lse, q_start=start,
+                            doc_starts=doc_starts, window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
+                        dq_chunks.append(dq_c)
+                        dkv.add(dk_c, dv_c)
+                if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
+                    finish_group(pending)
+                    pending = None
+                dq_tail(j, w, dq_chunks, dgate, grads, last)
             if last:
                 kv_all = None
                 dkv_local, scatter = dkv.scatter(comm)
                 pending, dkv = (dkv_local, scatter, w_kv, grads, j), None
                 if j + 1 < D:
                     kv_source = next_source
-            elif need_w:  # the group's kv weight grad lands in its last block (see finish_group)
-                for name in ("wk", "wv", "bk", "bv"):
-                    if name in w:
-                        grads[name] = torch.zeros_like(w[name])
-                reducer.reduce(j, block_grad(grads))
+        if behind is not None:  # the last block's dq
+            j_prev, w_prev, sent_prev, dgate_prev, grads_prev, last_prev = behind
+            dq_tail(j_prev, w_prev, sent_prev.wait(), dgate_prev, grads_prev, last_prev)
+        if sent_kv is not None:  # the last group's dK/dV set off before the one ahead of it is finished
+            pending[1].post()
+            finish_group(sent_kv)
         finish_group(pending)
         grad_shard = reducer.finish() if need_w else None
         if deferred is not None:
