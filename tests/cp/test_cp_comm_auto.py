@@ -231,3 +231,39 @@ def test_auto_runs_the_schedule_the_function_names(at_2x2, name, heads, kv, want
     for r in at_2x2:
         assert r[name]["chosen"] == {want: [0, 1]}
         assert r[name]["cp_bytes"] == {want: 2 * cost[want], "all_gather": input_check_cp_bytes(2, 2)}, r[name]
+
+
+@pytest.mark.slow
+def test_verify_cli_auto_float64(capsys):
+    """`ds-tsp verify --cp-comm auto`: MHA over C = 4 groups (D = 1) runs the all-to-all, exact; its report names the
+    schedule each layer ran."""
+    from ds_tsp.tools.cli import main
+
+    assert main(["verify", "--tsp", "1", "--cp", "4", "--cp-comm", "auto", "--dtype", "float64", "--documents", "3",
+                 "--kv-heads", "4", "--seq", "50", "--timeout", "300"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (report["cp"], report["cp_comm"], report["ok"]) == (4, "auto", True), report
+    assert report["cp_comm_chosen"] == {"all_to_all": [0, 1]} and report["grad_rel_err"] < TOL, report
+
+
+@pytest.mark.slow
+def test_bench_auto_row_names_the_schedule_and_its_plan(tmp_path, capsys):
+    """`ds-tsp bench --tsp 2 --cp 2 --cp-comm all_to_all,auto --layouts tsp_cp`: the auto row names the schedule the
+    model ran (cp_comm_chosen, the function's choice for the bench's float32 shape) and its cp bytes are that
+    schedule's plan."""
+    from ds_tsp.tools.bench.cli import build_parser
+
+    tiny = ["--layers", "1", "--hidden", "32", "--heads", "4", "--ffn", "64", "--vocab", "64"]  # test_bench_cp's
+
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(["--tsp", "2", "--cp", "2", "--cp-comm", "all_to_all,auto", "--layouts",
+                                      "tsp_cp", "--quick", "--seq", "32", "--steps", "1", "--quiet", "--out", str(out),
+                                      *tiny])
+    assert args.run(args) == 0, capsys.readouterr().err[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["cp_comm"] for r in rows] == ["all_to_all", "auto"]
+    auto = rows[1]
+    options = auto["tsp_options"]
+    shape = CPLayerShape(2, 2, 1, 8, 2, 2, 4, bool(auto["activation_checkpointing"]), options["keep_gathered_kv"])
+    assert auto["cp_comm_chosen"] == choose_cp_comm("auto", shape, 32)
+    assert auto["ok"] and auto["comm_cp_ring_bytes"] == auto["plan_cp_ring_bytes"] > 0, auto
