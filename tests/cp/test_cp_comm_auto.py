@@ -225,7 +225,7 @@ def test_auto_runs_the_schedule_the_function_names(at_2x2, name, heads, kv, want
                          keep_gathered_kv=name == "mha")
     assert choose_cp_comm("auto", shape, 40) == want
     cost = {"ring": ring_bytes_per_layer(shape, 40, 2), "all_to_all": all_to_all_bytes_per_layer(shape, 40, 2)}
-    line = f"cp schedule (tsp.cp_comm): layers 0-1: {describe_choice('auto', shape)}"
+    line = f"cp schedule (tsp.cp_comm, K/V in float64): layers 0-1: {describe_choice('auto', shape)}"
     assert at_2x2[0][name]["logged"] == [line]  # once, at build, on global rank 0 only
     assert all(r[name]["logged"] == [] for r in at_2x2[1:])
     for r in at_2x2:

@@ -224,8 +224,10 @@ def log_cp_choices(layers, dtype: torch.dtype) -> None:
     INFO."""
     choices = cp_choices(layers, dtype)
     if choices and (not dist.is_initialized() or dist.get_rank() == 0):
-        logging.getLogger("ds_tsp").info("cp schedule (tsp.cp_comm): %s", "; ".join(
-            f"layers {_ranges(idx)}: {what}" for what, idx in choices.items()))
+        # the weights' dtype: under autocast the forward decides on the autocast dtype's bytes (spec_for)
+        layers_line = "; ".join(f"layers {_ranges(idx)}: {what}" for what, idx in choices.items())
+        logging.getLogger("ds_tsp").info("cp schedule (tsp.cp_comm, K/V in %s): %s",
+                                         str(dtype).removeprefix("torch."), layers_line)
 
 
 def _ranges(indices: list[int]) -> str:
