@@ -79,9 +79,11 @@ class ScheduleOptions(_Checked):
     moe_dispatch: Literal["auto", "all_to_all", "ring"] = Field(
         "auto", description="mixture-of-experts layers: experts travel the ring (\"ring\"), routed tokens travel "
                             "(\"all_to_all\"), or per batch shape the one sending fewer bytes (\"auto\")")
-    cp_comm: Literal["ring", "all_to_all"] = Field(
-        "ring", description="with tsp.cp_size > 1: each head block's K/V pass around the cp ring (\"ring\"), or "
-                            "its heads are scattered over the cp groups by all-to-all (\"all_to_all\")")
+    cp_comm: Literal["auto", "ring", "all_to_all"] = Field(
+        "auto", description="with tsp.cp_size > 1: each head block's K/V pass around the cp ring (\"ring\"), "
+                            "its heads are scattered over the cp groups by all-to-all (\"all_to_all\"), or per "
+                            "attention layer and sequence length the one with less exposed inter-node time "
+                            "(\"auto\", ds_tsp.core.layers.attention.cp_cost)")
     offload_activations: bool = Field(False, description="with activation_checkpointing: each checkpointed layer's "
                                                          "input waits in pinned host memory until its recompute")
 

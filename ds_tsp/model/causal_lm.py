@@ -39,6 +39,7 @@ from ds_tsp.core.tokens.input_check import check_inputs, input_check_payload
 from ds_tsp.core.tokens.positions import RopeTables, StepRope, StepRopes
 from ds_tsp.core.tokens.zigzag import cp_zigzag_positions, zigzag_chunks, zigzag_positions
 from ds_tsp.model.loss import count_valid_tokens, global_loss, loss_for_logging, normalise_over_data, tsp_group_loss
+from ds_tsp.model.modules.attention import log_cp_choices
 from ds_tsp.model.modules.decoder import TSPDecoderLayer
 from ds_tsp.model.modules.per_layer_input import PerLayerInputs
 from ds_tsp.model.modules.vocab import TSPLMHeadLoss, TSPVocabEmbedding
@@ -60,6 +61,7 @@ class _Backbone(nn.Module):
                                               padding_idx=shape.pad_token_id, scale=shape.embedding_scale)
         self.layers = nn.ModuleList(TSPDecoderLayer(shape, comm, options, dtype, device, layer=i)
                                     for i in range(shape.num_layers))
+        log_cp_choices(self.layers, dtype)  # tsp.cp_comm: which schedule each attention layer runs, and why
         self.norm = TSPRMSNorm(shape.hidden_size, shape.rms_norm_eps, comm, dtype, device, shape.zero_centred_norms)
         # Gemma 4: every layer's per-layer input, from the token ids and the embeddings
         self.per_layer_inputs = PerLayerInputs(shape, comm, dtype, device) if shape.per_layer_input_size else None

@@ -42,9 +42,10 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tsp", type=positive(integer), default=2, help="TSP degree D (default 2)")
     p.add_argument("--cp", type=positive(integer), default=1,
                    help="context-parallel degree C: C TSP groups share each sequence, C x D ranks (default 1)")
-    p.add_argument("--cp-comm", choices=("ring", "all_to_all"), default="ring",
-                   help="with --cp C > 1: K/V around the cp ring, or each head block's heads scattered over the cp "
-                        "groups by all-to-all (tsp.cp_comm; default ring)")
+    p.add_argument("--cp-comm", choices=("auto", "ring", "all_to_all"), default="auto",
+                   help="with --cp C > 1: K/V around the cp ring, each head block's heads scattered over the cp "
+                        "groups by all-to-all, or per attention layer the one with less exposed inter-node time "
+                        "(tsp.cp_comm; default auto: the report names the schedule run)")
     p.add_argument("--layers", type=positive(integer), default=2, help="decoder layers (default 2)")
     p.add_argument("--hidden", type=positive(integer), default=64, help="hidden size (default 64)")
     p.add_argument("--heads", type=positive(integer), default=4, help="query heads (default 4)")
@@ -83,7 +84,7 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
 
 
 def _verify_under_launcher(case, tsp: int, timeout_s: float, cp: int = 1,
-                           cp_comm: str = "ring") -> tuple[dict | None, bool]:
+                           cp_comm: str = "auto") -> tuple[dict | None, bool]:
     """torchrun / deepspeed started us: the whole world is the TSP group (cp > 1: C TSP groups sharing the
     sequence). Returns (report on rank 0, ok)."""
     import torch.distributed as dist

@@ -230,6 +230,11 @@ def run_cp_case(case: VerifyCase, tsp: int, cp: int, options: dict | None = None
     report = _step_and_compare(case, model, full, batch, reporter, runtime.data_group, tsp=tsp, cp=cp)
     if report is not None and runtime.config.cp_comm != "ring":
         report["cp_comm"] = runtime.config.cp_comm
+    if report is not None and runtime.config.cp_comm == "auto":  # the schedule each attention layer ran
+        from ds_tsp.model.modules.attention import cp_schedules_at
+
+        report["cp_comm_chosen"] = cp_schedules_at(model.model.layers, batch["input_ids"].shape[1] * tsp * cp,
+                                                   DTYPES[case.dtype])
     return report
 
 

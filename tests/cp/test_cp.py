@@ -219,13 +219,15 @@ def _hf_face_loss(case: VerifyCase) -> float:
 
 def _all_at_2x2():
     from test_cp_all_to_all import all_to_all_at_2x2
+    from test_cp_comm_auto import cp_auto_at_2x2
 
     from ds_tsp.tools.verify import run_cp_case
 
     reports = [run_cp_case(case, 2, 2, options) for _, case, options in EXACT_CASES]
     return {"reports": reports, **_nccl_step(NCCL_DOCUMENTS), "rank": dist.get_rank(),
             "hf_face_loss": _hf_face_loss(EXACT_CASES[1][1]),
-            "all_to_all": all_to_all_at_2x2()}  # tests/cp/test_cp_all_to_all.py's, in the same spawn
+            "all_to_all": all_to_all_at_2x2(),  # tests/cp/test_cp_all_to_all.py's, in the same spawn
+            "cp_auto": cp_auto_at_2x2()}  # tests/cp/test_cp_comm_auto.py's
 
 
 @functools.cache

@@ -79,7 +79,7 @@ def test_uneven_heads_are_refused_by_name(heads, kv, cp):
 
 
 def test_cp_comm_is_validated():
-    assert parse_tsp_config({"cp_size": 2}).cp_comm == "ring"
+    assert parse_tsp_config({"cp_size": 2}).cp_comm == "auto"  # the default: tests/cp/test_cp_comm_auto.py
     assert parse_tsp_config({"cp_size": 2, "cp_comm": "all_to_all"}).options().cp_comm == "all_to_all"
     with pytest.raises(TSPConfigError, match=r"tsp.cp_comm='ulysses'"):
         parse_tsp_config({"cp_size": 2, "cp_comm": "ulysses"})

@@ -4,7 +4,11 @@ over the whole projection) and GPT-OSS's o_proj bias (a replicated [h] vector, a
 locally accumulated output projection)."""
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ds_tsp.core.comm.communicator import TSPComm
@@ -12,7 +16,8 @@ from ds_tsp.core.comm.primitives import replicated_param
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.grads.clip import mark_sharded
 from ds_tsp.core.layers.attention.cp_all_to_all import check_all_to_all_heads
-from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, tsp_attention
+from ds_tsp.core.layers.attention.cp_cost import CPLayerShape, choose_cp_comm, describe_choice
+from ds_tsp.core.layers.attention.tsp_attention import AttentionSpec, attention_compute_dtype, tsp_attention
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.positions import RopeTables
 from ds_tsp.model.modules.piece import ShardedPiece
@@ -53,7 +58,7 @@ class TSPAttention(ShardedPiece):
                                   softmax_scale=shape.attention_scale, projection_norm=shape.projection_qk_norm,
                                   value_norm_eps=shape.rms_norm_eps if shape.value_norm else None,
                                   values_from_keys=shape.layer_values_from_keys(layer), sinks=shape.attention_sinks,
-                                  cp_comm=options.cp_comm,
+                                  cp_comm="all_to_all" if options.cp_comm == "all_to_all" else "ring",
                                   kv_role=("import" if shape.kv_source(layer) is not None else
                                            "export" if shape.exports_kv(layer) else "own"))
         if self.spec.kv_role != "own" and comm.cp is not None:
@@ -62,6 +67,12 @@ class TSPAttention(ShardedPiece):
         if comm.cp is not None and options.cp_comm == "all_to_all":  # the block's heads split evenly over cp
             check_all_to_all_heads(self.spec.heads_per_block, self.spec.kv_heads_per_block, comm.cp.size,
                                    f" (layer {layer})")
+        # cp_comm "auto": the schedule chosen per forward from the sequence length (cp_cost.choose_cp_comm)
+        self.cp_comm = options.cp_comm if comm.cp is not None else "ring"
+        self._checkpointed = options.activation_checkpointing
+        self._a2a_spec = None  # the same layer's spec under the all-to-all, where "auto" may choose it
+        if self.cp_comm == "auto" and self.spec.window is None and self.cp_shape(dtype).splits_over_cp():
+            self._a2a_spec = replace(self.spec, cp_comm="all_to_all")
         self.packed_shard = mark_sharded(nn.Parameter(
             torch.zeros(self.spec.layout.numel, dtype=dtype, device=device)))
         self.lora = None  # a ds_tsp.model.peft.lora.ShardLoRA when PEFT LoRA targets this layer's attention
@@ -75,6 +86,35 @@ class TSPAttention(ShardedPiece):
         self.o_proj_bias = (nn.Parameter(torch.zeros(shape.hidden_size, dtype=dtype, device=device))
                             if shape.attention_out_bias else None)
 
+    def cp_shape(self, dtype: torch.dtype) -> CPLayerShape:
+        """This layer's cp traffic shape (cp_cost) with K/V sent in `dtype`."""
+        s = self.spec
+        return CPLayerShape(s.heads_per_block, s.kv_heads_per_block, s.kv_replicas, s.head_dim, self.comm.size,
+                            self.comm.cp.size, torch.finfo(dtype).bits // 8, self._checkpointed, s.keep_gathered_kv)
+
+    def cp_choice(self, dtype: torch.dtype) -> str:
+        """Which schedule this layer runs, as one line (cp_cost.describe_choice; "ring" without a cp axis)."""
+        if self.comm.cp is None:
+            return "ring"
+        return describe_choice(self.cp_comm, self.cp_shape(dtype), window=self.spec.window)
+
+    def schedule_at(self, seq: int, dtype: torch.dtype) -> str:
+        """The cp schedule this layer runs for a padded sequence of `seq` tokens whose K/V travel in `dtype`:
+        "all_to_all" or "ring" (also without a cp axis)."""
+        if self._a2a_spec is None:
+            return self.spec.cp_comm
+        return choose_cp_comm("auto", self.cp_shape(dtype), seq, window=self.spec.window)
+
+    def spec_for(self, x: torch.Tensor) -> AttentionSpec:
+        """The spec this input runs: under cp_comm "auto" the schedule choose_cp_comm names for its sequence length
+        (the global padded one: local tokens x D x C) in the dtype its K/V travel in. Shapes only: every rank
+        alike."""
+        if self._a2a_spec is None:
+            return self.spec
+        seq = x.shape[1] * self.comm.size * self.comm.cp.size
+        chosen = self.schedule_at(seq, attention_compute_dtype(x.device.type, x.dtype))
+        return self._a2a_spec if chosen == "all_to_all" else self.spec
+
     def forward(self, x, rope: RopeTables, doc_starts=None, kv_in=None):
         """The attention output; kv_role "export": (output, its K/V for the KV-sharing layers), "import": kv_in
         is such an export."""
@@ -82,7 +122,7 @@ class TSPAttention(ShardedPiece):
         if self.spec.qk_norm_eps is not None:
             k_norm = None if self.spec.kv_role == "import" else replicated_param(self.k_norm.weight, self.comm)
             qk = (replicated_param(self.q_norm.weight, self.comm), k_norm)
-        y = tsp_attention(x, self.weight_shard(), rope.cos, rope.sin, self.spec, self.comm, qk_norm=qk,
+        y = tsp_attention(x, self.weight_shard(), rope.cos, rope.sin, self.spec_for(x), self.comm, qk_norm=qk,
                           doc_starts=doc_starts, q_scale=rope.q_scale, kv_in=kv_in)
         y, kv = y if self.spec.kv_role == "export" else (y, None)
         y = y if self.o_proj_bias is None else y + replicated_param(self.o_proj_bias, self.comm)
@@ -155,3 +195,47 @@ def _without_values(per_name: dict, spec: AttentionSpec) -> dict:
     """Gemma 4's key-equals-value layers have no v_proj in their checkpoint, its KV-sharing layers neither k_proj."""
     gone = ("k_proj.", "v_proj.") if spec.kv_role == "import" else ("v_proj.",) if spec.values_from_keys else ()
     return {n: v for n, v in per_name.items() if not n.startswith(gone)} if gone else per_name
+
+
+def cp_choices(layers, dtype: torch.dtype) -> dict[str, list[int]]:
+    """{which schedule and why (cp_cost.describe_choice): the decoder layer indices that run it} for the attention
+    layers among `layers` (TSPDecoderLayers) with a cp axis; {} without one."""
+    out: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if isinstance(attn, TSPAttention) and attn.comm.cp is not None:
+            out.setdefault(attn.cp_choice(dtype), []).append(getattr(layer, "index", i))
+    return out
+
+
+def cp_schedules_at(layers, seq: int, dtype: torch.dtype) -> dict[str, list[int]]:
+    """{"ring" / "all_to_all": the decoder layer indices whose attention runs it} for a padded sequence of `seq`
+    tokens sent in `dtype` (cp_comm "auto" resolved); {} without a cp axis."""
+    out: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if isinstance(attn, TSPAttention) and attn.comm.cp is not None:
+            out.setdefault(attn.schedule_at(seq, dtype), []).append(getattr(layer, "index", i))
+    return out
+
+
+def log_cp_choices(layers, dtype: torch.dtype) -> None:
+    """The cp schedule of every attention layer, logged once (global rank 0) at model build: "ds_tsp" logger,
+    INFO."""
+    choices = cp_choices(layers, dtype)
+    if choices and (not dist.is_initialized() or dist.get_rank() == 0):
+        # the weights' dtype: under autocast the forward decides on the autocast dtype's bytes (spec_for)
+        layers_line = "; ".join(f"layers {_ranges(idx)}: {what}" for what, idx in choices.items())
+        logging.getLogger("ds_tsp").info("cp schedule (tsp.cp_comm, K/V in %s): %s",
+                                         str(dtype).removeprefix("torch."), layers_line)
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -57,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sequence (a cp ring between them), against its peers on the same C x D ranks (default: "
                         "tsp and ulysses_zero3; ds_tsp.tools.bench.cp_flags); S a multiple of 2*D*C")
     p.add_argument("--cp-comm", default="ring", metavar="LIST",
-                   help="with --cp: comma list of tsp_cp's cp schedules to measure, ring and / or all_to_all (ring); "
-                        "one tsp_cp row each")
+                   help="with --cp: comma list of tsp_cp's cp schedules to measure, ring, all_to_all and / or auto "
+                        "(the model's choice per length, named in the row's cp_comm_chosen) (ring); one tsp_cp row "
+                        "each")
     p.add_argument("--batch", type=_count, default=1, help="micro-batch size B (1)")
     p.add_argument("--layers", type=_count, default=None,
                    help=f"decoder layers ({DEFAULT_SHAPE.num_layers}; --quick: {QUICK['layers']})")

@@ -56,12 +56,13 @@ def cp_layouts(args: argparse.Namespace, layouts: list[str]) -> list[str]:
 
 
 def cp_comms(args: argparse.Namespace) -> list[str]:
-    """--cp-comm's schedules of layout tsp_cp (a comma list of ring, all_to_all); ValueError naming the flag."""
+    """--cp-comm's schedules of layout tsp_cp (a comma list of ring, all_to_all, auto: the model's choice per
+    length, its row naming the schedule run); ValueError naming the flag."""
     names = list(dict.fromkeys(n.strip() for n in str(getattr(args, "cp_comm", None) or "ring").split(",")
                                if n.strip()))
-    bad = [n for n in names if n not in ("ring", "all_to_all")]
+    bad = [n for n in names if n not in ("ring", "all_to_all", "auto")]
     if bad or not names:
-        raise ValueError(f"--cp-comm: unknown {bad or '(empty)'}; a comma list of ring, all_to_all")
+        raise ValueError(f"--cp-comm: unknown {bad or '(empty)'}; a comma list of ring, all_to_all, auto")
     if names != ["ring"] and cp_degree(args) == 1:
         raise ValueError("--cp-comm: the cp schedules of layout tsp_cp; add --cp C (C >= 2)")
     return names

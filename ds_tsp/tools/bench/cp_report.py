@@ -55,7 +55,11 @@ def _planned(row: dict, shape) -> dict:
     from ds_tsp.tools.plan.tsp_cp import plan_tsp_cp
     from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all
 
-    schedule = plan_tsp_cp_all_to_all if row.get("cp_comm") == "all_to_all" else plan_tsp_cp
+    # cp_comm auto: the plan of the schedule the row ran
+    comm = row.get("cp_comm_chosen") if row.get("cp_comm") == "auto" else row.get("cp_comm")
+    if isinstance(comm, dict):  # layers on both schedules (windowed on the ring): no plan models that mix
+        return {}
+    schedule = plan_tsp_cp_all_to_all if comm == "all_to_all" else plan_tsp_cp
     plan = schedule(PlanInput(model=shape, seq=row["seq"], batch=row["batch"], degree=row["tsp"], dtype="fp32",
                                  activation_checkpointing=bool(row.get("activation_checkpointing")),
                                  moe_dispatch=row.get("moe_dispatch") or "auto"), row["cp"])

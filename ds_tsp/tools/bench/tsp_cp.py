@@ -90,7 +90,18 @@ class Session:
 
         return Workload(step=step, tokens_per_step=ids.numel(), modules=[self.model], optimizers=[self.optimizer],
                         tsp_counter=self.counters, loss_reduce="sum",
-                        info={"tsp_options": options_record(self.options)})
+                        info={"tsp_options": options_record(self.options), **self._cp_comm_chosen(args[0])})
+
+    def _cp_comm_chosen(self, ids) -> dict:
+        """cp_comm "auto": {"cp_comm_chosen": the schedule every attention layer runs at this row's length} (one
+        name where all agree, else {schedule: layers})."""
+        if self.cfg.cp_comm != "auto":
+            return {}
+        from ds_tsp.model.modules.attention import cp_schedules_at
+
+        chosen = cp_schedules_at(self.model.model.layers, ids.shape[1] * self.cfg.tsp * self.cfg.cp,
+                                 next(self.model.parameters()).dtype)
+        return {"cp_comm_chosen": next(iter(chosen)) if len(chosen) == 1 else chosen}
 
 
 def build(cfg: BenchConfig, options: dict) -> Session:

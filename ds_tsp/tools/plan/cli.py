@@ -115,9 +115,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--cp", type=_cp_degree, default=None, metavar="C",
                    help="context-parallel degree: C TSP groups of --tsp D (one per node) share each sequence, K/V "
                         "passed around a ring across nodes (layout tsp_cp); with --recommend, 'auto' picks D and C")
-    p.add_argument("--cp-comm", choices=("ring", "all_to_all"), default="ring",
-                   help="with --cp C: the cp schedule planned, K/V around the ring or each head block's heads "
-                        "scattered over the cp groups by all-to-all (tsp.cp_comm; default ring)")
+    p.add_argument("--cp-comm", choices=("auto", "ring", "all_to_all"), default="auto",
+                   help="with --cp C: the cp schedule planned, K/V around the ring, each head block's heads "
+                        "scattered over the cp groups by all-to-all, or the one the model's tsp.cp_comm 'auto' "
+                        "picks for these shapes, shown with both schedules' figures (default auto)")
     p.add_argument("--inter-node-gbps", type=positive(float), default=400.0, metavar="G",
                    help="with --cp: inter-node bandwidth per GPU in Gb/s for the cp ring's time (default 400)")
     p.add_argument("--images", type=non_negative(integer), default=0, metavar="N",
@@ -254,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         mode = "--cp" if args.cp is not None else "--recommend" if args.recommend else "--max-seq"
         return _error(f"--images: {mode} does not plan the vision tower yet; plan the layouts (no {mode}) for its "
                       "bytes per rank")
-    if args.cp is None and getattr(args, "cp_comm", "ring") != "ring":
+    if args.cp is None and getattr(args, "cp_comm", "auto") not in ("ring", "auto"):
         return _error(f"--cp-comm {args.cp_comm}: it plans the cp schedule; give --cp C")
     if args.cp is not None:  # TSP x a cp ring (ds_tsp.tools.plan.tsp_cp)
         return _run_cp(args)
@@ -420,7 +421,7 @@ def _run_cp(args: argparse.Namespace) -> int:
         inp, model_name = _plan_input(args)
         rates = {"inter_node_gbps": args.inter_node_gbps, "gpu_tflops": args.gpu_tflops}
         if args.recommend:
-            if args.cp_comm != "ring":
+            if args.cp_comm == "all_to_all":
                 raise _UsageError("--cp-comm", "--recommend --cp auto picks D and C for the cp ring; plan "
                                                "--cp-comm all_to_all with a given --cp C")
             if args.gpu_mem_gib is None or args.devices is None:
@@ -435,6 +436,10 @@ def _run_cp(args: argparse.Namespace) -> int:
             from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all
 
             return plan_tsp_cp_all_to_all(inp, args.cp, gpus_per_node=args.gpus_per_node, **rates), inp, model_name
+        if args.cp_comm == "auto":  # the schedule the model's tsp.cp_comm "auto" runs (tsp_cp_auto)
+            from ds_tsp.tools.plan.tsp_cp_auto import plan_tsp_cp_auto
+
+            return plan_tsp_cp_auto(inp, args.cp, gpus_per_node=args.gpus_per_node, **rates), inp, model_name
         return plan_tsp_cp(inp, args.cp, gpus_per_node=args.gpus_per_node, **rates), inp, model_name
 
     built, failed = _or_usage_error(build)
@@ -562,6 +567,12 @@ def _offload_lines(plan) -> list[str]:
 def _cp_lines(plan) -> list[str]:
     """The cp ring's lines: memory per rank, inter- vs intra-node bytes, ring seconds vs the attention they hide."""
     cp = plan.cp
+    if "cp_comm_auto" in cp:  # cp_comm auto: the chosen schedule's lines, then which and why
+        from dataclasses import replace
+
+        from ds_tsp.tools.plan.tsp_cp_auto import auto_lines
+
+        return _cp_lines(replace(plan, cp={k: v for k, v in cp.items() if k != "cp_comm_auto"})) + auto_lines(plan)
     if cp.get("cp_comm") == "all_to_all":
         from ds_tsp.tools.plan.tsp_cp_all_to_all import all_to_all_lines
 

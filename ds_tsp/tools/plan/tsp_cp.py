@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ds_tsp.core.layers.attention.cp_cost import ATTENTION_BACKWARD_FLOPS, INTER_NODE_GBPS  # the model's too
 from ds_tsp.tools.cli_types import GIB, MIB
 from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
 from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, gdn_cp_tsp_terms, hybrid_cp_rows
@@ -45,9 +46,6 @@ from ds_tsp.tools.plan.shape_terms import mixed_attention_shapes, round_up
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, input_check_cp_bytes, input_check_cp_payload
 from ds_tsp.tools.plan.tsp_cp_window import window_ring
-
-INTER_NODE_GBPS = 400.0  # per GPU (one 400 Gb/s NIC per H100/H200, e.g. ConnectX-7 / InfiniBand NDR)
-ATTENTION_BACKWARD_FLOPS = 2.5  # flash backward: 5 matmuls of the forward's 2
 
 
 def group_input(inp: PlanInput, cp: int) -> PlanInput:

@@ -47,7 +47,7 @@ from ds_tsp.tools.plan.tsp_cp import ATTENTION_BACKWARD_FLOPS, INTER_NODE_GBPS, 
 
 __all__ = ["plan_tsp_cp_all_to_all", "all_to_all_lines", "tsp_counter_bytes_all_to_all", "CP_COMMS"]
 
-CP_COMMS = ("ring", "all_to_all")  # tsp.cp_comm's values (ds_tsp.core.config.ScheduleOptions.cp_comm)
+CP_COMMS = ("ring", "all_to_all")  # the schedules a plan models (tsp.cp_comm also takes "auto": tsp_cp_auto)
 _KV_TERMS = ("K/V all-gather (per kv group)", "K/V re-gather (per kv group)", "dK/dV reduce-scatter (per kv group)")
 
 

@@ -98,7 +98,8 @@ import torch.nn.functional as F
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.kv_gather import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
 from ds_tsp.core.comm.primitives import ShardGradReducer, ShardStream
-from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
+from ds_tsp.core.errors import TSPConfigError
+from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast, dtype_inside
 from ds_tsp.core.layers.attention.cp_all_to_all import (
     A2AKVGather,
     A2AKVGrad,
@@ -632,6 +633,12 @@ def _kv_grads_to_group_leaders(grad_shard: torch.Tensor, spec: AttentionSpec, co
         offset += numel
 
 
+def attention_compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tsp_attention computes and sends K/V in for an input of `dtype`: the autocast dtype when autocast is
+    on for `device_type`, else `dtype` (what the cp schedule's cost counts)."""
+    return dtype_inside(_TSPAttention, device_type, dtype)
+
+
 def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   spec: AttentionSpec, comm: TSPComm, *, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
                   doc_starts: tuple[tuple[int, ...], ...] | None = None,
@@ -654,5 +661,8 @@ def tsp_attention(x: torch.Tensor, packed_shard: torch.Tensor, cos: torch.Tensor
                          "q/k/v bias: its grads are split at the [wq, wk] prefix of the packed shard")
     if (kv_in is not None) != (spec.kv_role == "import"):
         raise ValueError("kv_in is given exactly when spec.kv_role is 'import'")
+    if spec.cp_comm not in ("ring", "all_to_all"):
+        raise TSPConfigError(f"AttentionSpec(cp_comm={spec.cp_comm!r}): tsp_attention takes 'ring' or 'all_to_all' "
+                             "(resolve 'auto' per sequence length with cp_cost.choose_cp_comm first)")
     return apply_autocast(_TSPAttention, x.device.type, x, packed_shard, q_norm, k_norm, cos, sin, q_scale, kv_in,
                           spec, comm, doc_starts)
