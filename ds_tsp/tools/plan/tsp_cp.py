@@ -40,9 +40,9 @@ from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
 from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, gdn_cp_tsp_terms, hybrid_cp_rows
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
+from ds_tsp.tools.plan.moe_terms import stage_layer_ids
 from ds_tsp.tools.plan.offload import with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
-from ds_tsp.tools.plan.moe_terms import stage_layer_ids
 from ds_tsp.tools.plan.shape_terms import mixed_attention_shapes, round_up, stages
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, input_check_cp_bytes, input_check_cp_payload
