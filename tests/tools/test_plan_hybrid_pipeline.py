@@ -38,6 +38,9 @@ CP_LAYERS = ("linear_attention", "full_attention", "full_attention", "linear_att
 
 
 def _shape(name: str) -> ModelShape:
+    if name == "windowed_cp":  # a dense model with sliding-window layers: [window, full] | [window, full]
+        return ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                          num_kv_heads=2, attention_windows=(12, None, 12, None))
     if name == "qwen3_5":
         cfg = hybrid_config("qwen3_5", layer_types=LAYERS, num_hidden_layers=3)
     elif name == "qwen3_next_moe":  # layer 0 dense (mlp_only_layers), 1 and 2 sparse; no aux loss (pp refuses it);
@@ -94,6 +97,7 @@ def _stage_step(shape: ModelShape, runtime, layers, embed: bool, head: bool) -> 
     else:
         out[0].backward(torch.randn(out[0].shape, generator=gen))
     return {"tsp": dict(comm.counter.bytes), "cp": dict(comm.cp.counter.bytes) if comm.cp is not None else {},
+            "ranks": (groups.cp_rank, groups.tsp_rank),
             "params": sum(p.numel() * p.element_size() for p in params),
             "grads": sum(p.grad.numel() * p.grad.element_size() for p in params),
             "saved": sum(n for ptr, n in saved.items() if ptr not in own)}
@@ -107,7 +111,7 @@ def _measure(shapes: dict) -> dict:
     for C, cp_comm in ((1, "ring"), (2, "ring"), (2, "all_to_all")):
         runtime = build_runtime(parse_tsp_config({"size": 2, "cp_size": C, "cp_comm": cp_comm}))
         for name, shape in shapes.items():
-            if (name == "qwen3_5_cp") != (C == 2):
+            if name.endswith("_cp") != (C == 2) or (name == "windowed_cp" and cp_comm == "all_to_all"):
                 continue
             inp = PlanInput(model=shape, seq=SEQ, batch=BATCH, degree=2, dtype="fp32", pp=PP)
             for stage in stages(inp):
@@ -118,7 +122,7 @@ def _measure(shapes: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def measured() -> list[dict]:
-    names = ("qwen3_5", "qwen3_next_moe", "qwen3_5_cp")
+    names = ("qwen3_5", "qwen3_next_moe", "qwen3_5_cp", "windowed_cp")
     return run_on_local_ranks(_measure, 4, {n: _shape(n) for n in names}, timeout_s=300)
 
 
@@ -245,3 +249,19 @@ def test_cp_all_to_all_stage_bytes_equal_the_cp_counter(measured):
     for rank in measured:
         assert rank[("qwen3_5_cp", "all_to_all", plan.stage)]["cp"] == rows, (rank[("qwen3_5_cp", "all_to_all",
                                                                                plan.stage)]["cp"], rows)
+
+
+def test_cp_windowed_stage_bytes_equal_the_cp_counter_on_every_rank(measured):
+    """A sliding-window model under pp x cp: the windowed layers send only the keys their windows reach, so each
+    rank's cp bytes differ; plan_tsp_cp's inter_node_bytes_per_rank (the reported stage's layers, cp-major) equals
+    every rank's cp counter. Both stages hold one windowed and one full layer, so both match the reported one."""
+    inp = PlanInput(model=_shape("windowed_cp"), seq=SEQ, batch=BATCH, degree=2, dtype="fp32", pp=PP)
+    plan = plan_tsp_cp(inp, 2)
+    assert plan.cp["windowed_layers"] == 1 and plan.layers_per_stage == 2
+    per_rank = plan.cp["inter_node_bytes_per_rank"]
+    assert len(set(per_rank)) > 1  # the windows' hops differ between cp ranks
+    for rank in measured:
+        for stage in ("first", "last"):
+            got = rank[("windowed_cp", stage)]
+            i, p = got["ranks"]
+            assert sum(got["cp"].values()) == per_rank[i * 2 + p], (stage, got["ranks"], got["cp"], per_rank)

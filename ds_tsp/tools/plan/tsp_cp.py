@@ -24,8 +24,11 @@ dp x C data ranks, plus the cp ring (ds_tsp.core.layers.attention.cp_ring):
 - hybrid models (Gated DeltaNet layers): the full-attention layers take the ring above; each Gated DeltaNet layer
   all-gathers its conv halo and chunk transitions over cp too (each rank its own pieces, then the TSP group
   gathers the [C, ...] pieces: more intra-node bytes), O(1) in S (ds_tsp.tools.plan.hybrid_cp); the
-  layer terms describe the most numerous Gated DeltaNet kind, the other kinds' cp terms come in the step terms;
-  with pipeline stages, the layers of the stage the plan reports (its highest peak);
+  layer terms describe the most numerous Gated DeltaNet kind, the other kinds' cp terms come in the step terms.
+  Sliding-window hybrids do not exist (ModelShape refuses sliding windows with layer_types: neither Qwen3.5 nor
+  Qwen3-Next has them), so neither does their plan;
+- pipeline stages (pp > 1): the cp rows (K/V ring, windowed layers, Gated DeltaNet gathers) count the layers of the
+  stage the plan reports (its highest peak), and each stage gathers its position_ids over cp (cp_check_terms);
 - overlap: each hop's transfer runs behind the attention of the previous block: per hop and head block
   c = S/(2CD) queries x S/C keys (zigzag: the same on every rank), 4 c (S/C) nq_b d FLOPs forward, 2.5x that in
   backward. `cp` in the result gives both per step: ring seconds at `inter_node_gbps` per GPU against the attention
@@ -56,11 +59,6 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
     """What one TSP group of the cp ring is planned as: TSP at S_pad / C tokens, ZeRO over dp x C ranks."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise PlanInputError("cp", f"cp={cp!r}: must be an integer >= 1")
-    windows = any(w is not None for w in inp.model.attention_windows or ())
-    if cp > 1 and inp.pp > 1 and windows:
-        raise PlanInputError("cp", f"cp={cp} with pp={inp.pp} on a sliding-window model: the windowed layers' cp "
-                                   "terms are counted over the whole model, not per stage; plan pp with cp 1, or cp "
-                                   "with pp 1")
     if cp > 1 and mixed_attention_shapes(inp.model):
         raise PlanInputError("cp", f"cp={cp} with full_head_dim / full_num_kv_heads / full_values_from_keys / "
                                    "kv_shared_layers (Gemma 4's full layers' own attention shape, KV sharing): the "
@@ -126,13 +124,13 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
     extra = max(extra_fwd, extra_bwd, gdn_cp_buffers(group, C) if hybrid else 0)
     layers = base.layers_per_stage
     cp_fwd, cp_bwd = sum(t.bytes for t in fwd), sum(t.bytes for t in bwd)
+    stage = next(s for s in stages(group) if s.name == base.stage)  # the reported stage (pp > 1: first or last)
     # sliding-window layers send only the keys their window reaches (tsp_cp_window); the rest take the full ring
     win = window_ring(inp.model, group_tokens * C, C, D, kv_hop // group_tokens, grad_hop // group_tokens,
-                      checkpointing=inp.activation_checkpointing)
+                      checkpointing=inp.activation_checkpointing, layer_ids=stage_layer_ids(group, stage))
     full_layers = layers - win.layers
     per_rank = [full_layers * (cp_fwd + cp_bwd) + win.fwd_bytes[k] + win.bwd_bytes[k] for k in range(C * D)]
     hybrid_steps = []
-    stage = next(s for s in stages(group) if s.name == base.stage)  # the reported stage (pp > 1: first or last)
     stage_types = [inp.model.layer_types[i] for i in stage_layer_ids(group, stage)] if hybrid else []
     if hybrid:  # every rank the same: the K/V ring of the full-attention layers, the Gated DeltaNet's gathers
         if win.layers:  # unreachable today: ModelShape refuses sliding windows with layer_types (no such family)
