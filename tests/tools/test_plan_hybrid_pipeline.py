@@ -1,4 +1,4 @@
-"""`ds-tsp plan --pp P` (and `--pp P --cp C`) for hybrid (Gated DeltaNet) models against real pipeline stages.
+"""`ds-tsp plan --pp P` (and `--pp P --cp C`) for hybrid (Gated DeltaNet) and dense models against real pipeline stages.
 
 Each stage is run as the pipeline builds it (ds_tsp.integrations.deepspeed.pipeline: EmbeddingPipe, DecoderPipe,
 NormHeadLossPipe over one shared StepPositions) for one micro-batch, forward and backward (the first stage's output
@@ -29,6 +29,7 @@ from ds_tsp.tools.plan import cli as plan_cli  # noqa: E402
 from ds_tsp.tools.plan.hybrid import hybrid_counter_bytes  # noqa: E402
 from ds_tsp.tools.plan.moe_terms import stage_layer_ids  # noqa: E402
 from ds_tsp.tools.plan.shape_terms import stages  # noqa: E402
+from ds_tsp.tools.plan.tsp_comm import tsp_counter_bytes  # noqa: E402
 from ds_tsp.tools.plan.tsp_cp import group_input, plan_tsp_cp  # noqa: E402
 from ds_tsp.tools.plan.tsp_cp_all_to_all import plan_tsp_cp_all_to_all  # noqa: E402
 
@@ -41,6 +42,9 @@ def _shape(name: str) -> ModelShape:
     if name == "windowed_cp":  # a dense model with sliding-window layers: [window, full] | [window, full]
         return ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
                           num_kv_heads=2, attention_windows=(12, None, 12, None))
+    if name == "qwen3_dense":  # a dense model with q/k norms: the same stage rows without Gated DeltaNet layers
+        return ModelShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                          num_kv_heads=2, qk_norm=True)
     if name == "qwen3_5":
         cfg = hybrid_config("qwen3_5", layer_types=LAYERS, num_hidden_layers=3)
     elif name == "qwen3_next_moe":  # layer 0 dense (mlp_only_layers), 1 and 2 sparse; no aux loss (pp refuses it);
@@ -122,7 +126,7 @@ def _measure(shapes: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def measured() -> list[dict]:
-    names = ("qwen3_5", "qwen3_next_moe", "qwen3_5_cp", "windowed_cp")
+    names = ("qwen3_5", "qwen3_next_moe", "qwen3_dense", "qwen3_5_cp", "windowed_cp")
     return run_on_local_ranks(_measure, 4, {n: _shape(n) for n in names}, timeout_s=300)
 
 
@@ -146,6 +150,17 @@ def test_every_stage_bytes_equal_its_counter_and_the_reported_stage_its_memory(m
         per_micro_batch = plan.activations_bytes / stage.in_flight
         assert abs(per_micro_batch - got["saved"]) <= 0.10 * got["saved"], (per_micro_batch, got["saved"])
 
+
+def test_dense_stage_bytes_equal_its_counter(measured):
+    """The dense rows under pp (tsp_counter_bytes per stage): each stage's position_ids gather instead of an input
+    check, the q/k norms' and the last stage's loss denominator all-reduces."""
+    inp = PlanInput(model=_shape("qwen3_dense"), seq=SEQ, batch=BATCH, degree=2, dtype="fp32", pp=PP)
+    for stage in stages(inp):
+        predicted = tsp_counter_bytes(inp, stage)
+        assert all(rank[("qwen3_dense", stage.name)]["tsp"] == predicted for rank in measured), (
+            stage.name, measured[0][("qwen3_dense", stage.name)]["tsp"], predicted)
+    with pytest.raises(PlanInputError, match="per stage"):
+        tsp_counter_bytes(inp)
 
 def test_cp_stage_bytes_equal_both_counters(measured):
     """plan_tsp_cp under pp: the reported stage's cp communicator bytes are its rows (Gated DeltaNet gathers, the

@@ -210,9 +210,6 @@ def gated_attention_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool
     mlp_fwd, mlp_bwd = mlp_terms(inp, hg, sparse)
     fwd = [gated(t) for t in _without_mlp_ring(fwd)]
     bwd = [gated(t) for t in _without_mlp_ring(bwd)]
-    if inp.pp > 1 and inp.model.qk_norm:  # a pipeline stage: q_norm and k_norm [d] reduce their own grads
-        qk = hg.tsp.dims.d * b
-        bwd.append(term("q/k norm grad all-reduce", "replicated_grad", qk, 2, 2 * all_reduce_bytes(qk, hg.tsp.D)))
     return fwd + mlp_fwd, bwd + mlp_bwd + (recompute(mlp_fwd) if inp.activation_checkpointing else [])
 
 
@@ -227,8 +224,8 @@ def hybrid_extra_terms(inp: PlanInput, hg: HybridGeometry, stage: Stage) -> list
     norms of the full-attention layers, the gated-norm weight [dv] of the Gated DeltaNet layers, and per sparse
     layer its router [E, h] and shared-expert gate [1, h]."""
     dims, b, D = hg.tsp.dims, inp.dtype_bytes, hg.tsp.D
-    if inp.pp > 1:
-        return stage_extra_terms(inp, hg, stage)
+    if inp.pp > 1:  # a pipeline stage: no bucket (every replicated grad in its layer's terms), no input check
+        return tsp_extra_terms(inp, stage)
     flat = (2 * stage.layers + 1) * dims.h + (2 * hg.n_full * dims.d if inp.model.qk_norm else 0) \
         + hg.n_linear * hg.dv
     if hg.moe is not None:
@@ -238,21 +235,6 @@ def hybrid_extra_terms(inp: PlanInput, hg: HybridGeometry, stage: Stage) -> list
         if t.kind == "replicated_grad":
             t = replace(t, payload_bytes=flat * b, bytes=all_reduce_bytes(flat * b, D))
         out.append(t)
-    return out
-
-
-def stage_extra_terms(inp: PlanInput, hg: HybridGeometry, stage: Stage) -> list[CommTerm]:
-    """A pipeline stage's terms outside its layers (module docstring): tsp_extra_terms without the input check
-    (the stages run none), the position_ids gather every stage posts once per micro-batch
-    (ds_tsp.core.tokens.positions.StepPositions), and on the last stage the loss denominator's all-reduce
-    (ds_tsp.model.loss.count_valid_tokens)."""
-    g, D = hg.tsp, hg.tsp.D
-    positions = D * inp.batch * g.L * 8  # [D, B, L] int64
-    out = [t for t in tsp_extra_terms(inp, stage) if not t.name.startswith("input check")]
-    out.append(term("position_ids all-gather over TSP (the stage's document layout)", "all_gather", positions, 1,
-                    gather_bytes(positions, D)))
-    if stage.head:
-        out.append(term("loss denominator all-reduce (int64)", "all_reduce", 8, 1, all_reduce_bytes(8, D)))
     return out
 
 
