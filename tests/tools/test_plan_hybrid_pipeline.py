@@ -60,8 +60,11 @@ def _input(name: str, **kw) -> PlanInput:
     return PlanInput(model=_shape(name), seq=SEQ, batch=BATCH, degree=2, dtype="fp32", pp=PP, **kw)
 
 
-def _stage_step(shape: ModelShape, runtime, layers, embed: bool, head: bool) -> dict:
-    """One micro-batch through the pipeline modules of one stage: counters, params, grads, saved bytes."""
+def _stage_step(shape: ModelShape, runtime, layers, embed: bool, head: bool, checkpointing: bool = False) -> dict:
+    """One micro-batch through the pipeline modules of one stage: counters, params, grads, saved bytes. With
+    checkpointing each decoder layer runs under DeepSpeed's checkpoint as PipelineModule calls it."""
+    from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint  # PipelineModule's default
+
     from ds_tsp.core.tokens.positions import StepPositions
     from ds_tsp.core.tokens.zigzag import shard_batch
     from ds_tsp.integrations.deepspeed.pipeline import DecoderPipe, EmbeddingPipe, NormHeadLossPipe
@@ -69,7 +72,8 @@ def _stage_step(shape: ModelShape, runtime, layers, embed: bool, head: bool) -> 
     comm, groups, C = runtime.comm, runtime.groups, runtime.layout.cp
     positions = StepPositions(shape, comm)
     modules = ([EmbeddingPipe(shape, comm, torch.float32, None)] if embed else []) + \
-        [DecoderPipe(shape, comm, runtime.options, torch.float32, None, i, positions) for i in layers] + \
+        [DecoderPipe(shape, comm, runtime.options.replace(activation_checkpointing=checkpointing), torch.float32,
+                     None, i, positions) for i in layers] + \
         ([NormHeadLossPipe(shape, comm, torch.float32, None, None)] if head else [])
     gen = torch.Generator().manual_seed(groups.tsp_rank)
     with torch.no_grad():
@@ -93,7 +97,10 @@ def _stage_step(shape: ModelShape, runtime, layers, embed: bool, head: bool) -> 
     out = (x, b["position_ids"], b["shift_labels"])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for m in modules:
-            out = m(out)
+            if checkpointing and isinstance(m, DecoderPipe):
+                out = checkpoint(lambda *xs, m=m: m(xs), *out)
+            else:
+                out = m(out)
     params = [p for m in modules for p in m.parameters()]
     own = {p.untyped_storage().data_ptr() for p in params}
     if head:
@@ -121,6 +128,9 @@ def _measure(shapes: dict) -> dict:
             for stage in stages(inp):
                 key = (name, stage.name) if cp_comm == "ring" else (name, cp_comm, stage.name)
                 out[key] = _stage_step(shape, runtime, stage_layer_ids(inp, stage), stage.embed, stage.head)
+                if name in ("qwen3_5", "qwen3_5_cp") and cp_comm == "ring":
+                    out[(name, "checkpointing", stage.name)] = _stage_step(
+                        shape, runtime, stage_layer_ids(inp, stage), stage.embed, stage.head, checkpointing=True)
     return out
 
 
@@ -143,6 +153,12 @@ def test_every_stage_bytes_equal_its_counter_and_the_reported_stage_its_memory(m
     busiest = max(sum(hybrid_counter_bytes(inp, s).values()) + sum(t.bytes for t in plan_tsp(inp).step_terms
                                                                      if t.kind == "p2p") for s in stages(inp))
     assert plan.comm_bytes_per_step == busiest
+    if name == "qwen3_5":  # activation checkpointing: each layer's forward again, its position_ids gathered again
+        checkpointed = _input(name, activation_checkpointing=True)
+        for stage in stages(checkpointed):
+            predicted = hybrid_counter_bytes(checkpointed, stage)
+            assert all(rank[(name, "checkpointing", stage.name)]["tsp"] == predicted for rank in measured), (
+                stage.name, measured[0][(name, "checkpointing", stage.name)]["tsp"], predicted)
     stage = next(s for s in stages(inp) if s.name == plan.stage)
     for rank in measured:
         got = rank[(name, stage.name)]
@@ -162,12 +178,13 @@ def test_dense_stage_bytes_equal_its_counter(measured):
     with pytest.raises(PlanInputError, match="per stage"):
         tsp_counter_bytes(inp)
 
-def test_cp_stage_bytes_equal_both_counters(measured):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_cp_stage_bytes_equal_both_counters(measured, checkpointing):
     """plan_tsp_cp under pp: the reported stage's cp communicator bytes are its rows (Gated DeltaNet gathers, the
-    full-attention layers' K/V ring, the stage's position_ids over cp) exactly; its TSP bytes hybrid_counter_bytes
-    at the group's tokens plus the cp pieces reassembled over TSP. The other stage: the same per-layer rows times
-    its own layers."""
-    inp = _input("qwen3_5_cp")
+    full-attention layers' K/V ring, the stage's position_ids over cp, under checkpointing once more per layer)
+    exactly; its TSP bytes hybrid_counter_bytes at the group's tokens plus the cp pieces reassembled over TSP. The
+    other stage: the same per-layer rows times its own layers."""
+    inp = _input("qwen3_5_cp", activation_checkpointing=checkpointing)
     plan = plan_tsp_cp(inp, 2)
     assert plan.layout == "tsp_cp" and plan.stage in ("first", "last")
     group = group_input(inp, 2)
@@ -192,12 +209,14 @@ def test_cp_stage_bytes_equal_both_counters(measured):
                         and "other cp groups" in t.name) for k in ("all_gather", "reduce_scatter")}
     n_gdn = [types[i] for i in stage_layer_ids(group, reported)].count("linear_attention")
     positions = sum(t.bytes for t in plan.step_terms if t.name.startswith("position_ids all-gather over cp"))
-    assert positions > 0 and n_full and n_gdn
+    again = sum(t.bytes for t in plan.step_terms if t.name.startswith("recompute: position_ids re-gather over cp"))
+    assert positions > 0 and n_full and n_gdn and (again > 0) == checkpointing
     for stage in stages(group):
         kinds = [types[i] for i in stage_layer_ids(group, stage)]
         f, n = kinds.count("full_attention"), kinds.count("linear_attention")
         cp = {"ring": f * full_cp // n_full,
-              "all_gather": n * gdn["all_gather"] + positions, "reduce_scatter": n * gdn["reduce_scatter"]}
+              "all_gather": n * gdn["all_gather"] + positions + (f + n) * again // (n_full + n_gdn),
+              "reduce_scatter": n * gdn["reduce_scatter"]}
         tsp = hybrid_counter_bytes(group, stage)
         for k in ("all_gather", "reduce_scatter"):
             tsp[k] += f * full_intra[k] // n_full + n * gdn_intra[k] // n_gdn
@@ -207,7 +226,7 @@ def test_cp_stage_bytes_equal_both_counters(measured):
             assert plan.cp["intra_node_cp_bytes_by_kind"] == {
                 k: f * full_intra[k] // n_full + n * gdn_intra[k] // n_gdn for k in ("all_gather", "reduce_scatter")}
         for rank in measured:
-            got = rank[("qwen3_5_cp", stage.name)]
+            got = rank[("qwen3_5_cp", "checkpointing", stage.name) if checkpointing else ("qwen3_5_cp", stage.name)]
             assert got["cp"] == cp, (stage.name, got["cp"], cp)
             assert got["tsp"] == tsp, (stage.name, got["tsp"], tsp)
 

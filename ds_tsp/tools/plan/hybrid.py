@@ -65,7 +65,7 @@ from ds_tsp.tools.plan.moe_terms import (
 from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_offload
 from ds_tsp.tools.plan.result import CommTerm, LayoutPlan
 from ds_tsp.tools.plan.shape_terms import Stage
-from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
+from ds_tsp.tools.plan.tsp_comm import TSPGeometry, stage_positions_regather, tsp_extra_terms, tsp_layer_terms
 
 
 def check_hybrid_input(inp: PlanInput) -> None:
@@ -194,7 +194,7 @@ def gdn_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool = False) ->
                      2 * all_reduce_bytes(h * b, D)),
                 term("gated-norm weight grad all-reduce", "replicated_grad", hg.dv * b, 1,
                      all_reduce_bytes(hg.dv * b, D))]
-    return fwd, bwd + (recompute(fwd) if inp.activation_checkpointing else [])
+    return fwd, bwd + (recompute(fwd) + stage_positions_regather(inp, g) if inp.activation_checkpointing else [])
 
 
 def gated_attention_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool = False) -> tuple[list[CommTerm],

@@ -133,8 +133,19 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
         bwd.append(term("kv weight grad all-gather (replica sum)", "all_gather", D * kv_grad, 1,
                         gather_bytes(D * kv_grad, D)))
     if inp.activation_checkpointing:
-        bwd += recompute(fwd)
+        bwd += recompute(fwd) + stage_positions_regather(inp, g)
     return fwd, bwd
+
+
+def stage_positions_regather(inp: PlanInput, g: TSPGeometry) -> list[CommTerm]:
+    """On a pipeline stage under activation checkpointing: DeepSpeed's checkpoint hands each recomputed layer
+    detached copies of its inputs, so the stage's StepPositions sees new position_ids and gathers them over TSP once
+    more per layer ([D, B, L] int64; under cp over cp too: tsp_cp.cp_check_terms)."""
+    if inp.pp == 1 or not inp.activation_checkpointing or g.D == 1:
+        return []
+    positions = g.D * inp.batch * g.L * 8
+    return [term("recompute: position_ids re-gather over TSP (the layer's detached inputs)", "all_gather", positions,
+                 1, gather_bytes(positions, g.D))]
 
 
 # The input check (ds_tsp.core.tokens.input_check) gathers a fixed payload: its PayloadHead's 7 counts +

@@ -68,19 +68,23 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
     return replace(inp, seq=S // cp, dp=inp.dp * cp)
 
 
-def cp_check_terms(group: PlanInput, cp: int) -> tuple[int, tuple]:
+def cp_check_terms(group: PlanInput, cp: int, layers: int = 0) -> tuple[int, tuple]:
     """(bytes, step terms) of what a step gathers over cp to find the documents (group: group_input's): the input
     check's fixed payload (ds_tsp.core.tokens.input_check.over_cp), or with pipeline stages, where every stage
     finds them in the position_ids it receives, those of the TSP group gathered over cp once per stage and
-    micro-batch (ds_tsp.core.tokens.positions.global_positions)."""
+    micro-batch (ds_tsp.core.tokens.positions.global_positions), and under activation checkpointing once more per
+    recomputed layer of the stage (`layers`: DeepSpeed's checkpoint hands each its detached inputs)."""
     D = group.degree
     if cp == 1:
         return 0, ()
     if group.pp > 1:
         positions = group.batch * group.seq * cp * 8  # [C, D, B, S_pad / (C D)] int64
         check = gather_bytes(positions, cp)
-        return check, (term("position_ids all-gather over cp (each stage's document layout)", "all_gather",
-                            positions, 1, check),)
+        again = layers if group.activation_checkpointing else 0
+        return (1 + again) * check, (
+            term("position_ids all-gather over cp (each stage's document layout)", "all_gather", positions, 1, check),
+            *([term("recompute: position_ids re-gather over cp (per checkpointed layer)", "all_gather", positions,
+                    again, again * check)] if again else []))
     check = input_check_cp_bytes(D, cp)
     return check, (term("input check + document layout all-gather over cp", "all_gather",
                         input_check_cp_payload(D, cp), 1, check),)
@@ -142,7 +146,7 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
         per_rank = [hybrid_bytes] * (C * D)
     busiest = max(range(C * D), key=per_rank.__getitem__)  # cp-major: cp rank busiest // D, TSP rank busiest % D
     ring_bytes = per_rank[busiest]
-    check, check_terms = cp_check_terms(group, C)  # the same on every rank: the busiest stays the busiest
+    check, check_terms = cp_check_terms(group, C, layers)  # the same on every rank: the busiest stays the busiest
     if win.layers:  # per-layer figures: the mean over the layers (their terms: per layer of their kind)
         calls = win.hop_calls[busiest] // win.layers
         win_fwd, win_bwd = win.fwd_bytes[busiest] // win.layers, win.bwd_bytes[busiest] // win.layers

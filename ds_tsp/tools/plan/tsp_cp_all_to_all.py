@@ -137,7 +137,7 @@ def plan_tsp_cp_all_to_all(inp: PlanInput, cp: int, *, inter_node_gbps: float = 
         extra = max(extra, gdn_cp_buffers(group, C))
     else:
         a2a_bytes = layers * sum(t.bytes for t in (*fwd, *bwd))
-    check, check_terms = cp_check_terms(group, C)
+    check, check_terms = cp_check_terms(group, C, layers)
     S = group.seq * C
     passes = 1 + ATTENTION_BACKWARD_FLOPS + (1 if inp.activation_checkpointing else 0)
     # causal attention of the whole sequence, every head, shared by the C D ranks
