@@ -32,10 +32,13 @@ keeps the activations of its micro-batches in flight (1F1B: pp on the first stag
 bucket: every replicated weight reduces its own grad per use (the two norms of each layer, each Gated DeltaNet
 layer's gated-norm weight [dv], the q / k norms of each full-attention layer, each sparse layer's router and
 shared-expert gate, the final norm); no input check: each stage gathers the position_ids over TSP ([D, B, L]
-int64) to find the documents, and the last one all-reduces the loss denominator (one int64). The layer terms
+int64) to find the documents (under activation checkpointing once more per recomputed layer: DeepSpeed's checkpoint
+hands it detached inputs), and the last one all-reduces the loss denominator (one int64). The layer terms
 describe the most numerous Gated DeltaNet kind of the whole model, the stage's other kinds come in its step terms;
 the plan reports the stage with the highest peak. tests/tools/test_plan_hybrid_pipeline.py checks every stage's
-bytes against the CommCounter of that stage's modules, exactly, and its params, grads and saved bytes.
+bytes against the CommCounter of that stage's modules, exactly (with and without checkpointing), and its params,
+grads and saved bytes (without checkpointing); tests/integrations/test_pipeline_checkpointing.py against a real
+DeepSpeed pipeline step.
 Refused with pp, as the runtime refuses them: tied embeddings, and an MoE hybrid with output_router_logits.
 
 Not modelled (refused by name): the peers' layouts (their plans count Llama layers). Context parallelism adds its
