@@ -208,8 +208,11 @@ def build_pipeline_module(shape: ModelShape, groups: ProcessGroups, comm: TSPCom
     # reduces gradients, the loss it reports and the clip norm's data part over both
     topology = PipeModelDataParallelTopology(num_pp=groups.pipe_size, num_mp=groups.tsp_size,
                                              num_dp=groups.data_size * groups.cp_size)
+    # checkpointing: the decoder layers only (as ShardedCausalLM); DeepSpeed's default, every module with parameters,
+    # would run its reentrant checkpoint over the embedding, whose integer inputs need no grad: its output would
+    # have no grad_fn and the first stage's backward would fail
     module = PipelineModule(layers=specs, topology=topology, loss_fn=_loss_passthrough,
-                            partition_method="type:DecoderPipe",
+                            partition_method="type:DecoderPipe", checkpointable_layers=["DecoderPipe"],
                             activation_checkpoint_interval=1 if options.activation_checkpointing else 0)
     if state_dict is None:
         raise TSPConfigError("pipeline stages need the initial weights: pass state_dict= (HF-named full weights)")

@@ -26,8 +26,23 @@ tests/tools/test_plan_hybrid_moe.py check every comm kind against CommCounter ex
 bytes against saved-tensor hooks, the host pool of offload against the model's, and the peak against bench's
 MemTracker (10%).
 
-Not modelled (refused by name): pipeline stages; the peers' layouts (their plans count Llama layers). Context
-parallelism adds its cp terms on top of these rows (ds_tsp.tools.plan.hybrid_cp, through plan_tsp_cp).
+Pipeline stages (pp > 1; ds_tsp.integrations.deepspeed.pipeline): each stage holds its own layers (shape_terms.stages:
+the first ceil(n / pp), the last the rest), the embedding on the first, the final norm and LM head on the last, and
+keeps the activations of its micro-batches in flight (1F1B: pp on the first stage). A stage has no replicated-grad
+bucket: every replicated weight reduces its own grad per use (the two norms of each layer, each Gated DeltaNet
+layer's gated-norm weight [dv], the q / k norms of each full-attention layer, each sparse layer's router and
+shared-expert gate, the final norm); no input check: each stage gathers the position_ids over TSP ([D, B, L]
+int64) to find the documents (under activation checkpointing once more per recomputed layer: DeepSpeed's checkpoint
+hands it detached inputs), and the last one all-reduces the loss denominator (one int64). The layer terms
+describe the most numerous Gated DeltaNet kind of the whole model, the stage's other kinds come in its step terms;
+the plan reports the stage with the highest peak. tests/tools/test_plan_hybrid_pipeline.py checks every stage's
+bytes against the CommCounter of that stage's modules, exactly (with and without checkpointing), and its params,
+grads and saved bytes (without checkpointing); tests/integrations/test_pipeline_checkpointing.py against a real
+DeepSpeed pipeline step.
+Refused with pp, as the runtime refuses them: tied embeddings, and an MoE hybrid with output_router_logits.
+
+Not modelled (refused by name): the peers' layouts (their plans count Llama layers). Context parallelism adds its
+cp terms on top of these rows (ds_tsp.tools.plan.hybrid_cp, through plan_tsp_cp), per stage under pp.
 """
 from __future__ import annotations
 
@@ -35,7 +50,7 @@ from dataclasses import dataclass, replace
 
 from ds_tsp.tools.plan.activation_terms import compute_bytes, tsp_norm_saved
 from ds_tsp.tools.plan.assemble import layout_plan
-from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, dp_sync, gather_bytes, recompute, term
+from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, dp_sync, gather_bytes, pipeline_hops, recompute, term
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.memory import Phase, StageMemory, state, zero_divs
 from ds_tsp.tools.plan.moe_terms import (
@@ -48,17 +63,25 @@ from ds_tsp.tools.plan.moe_terms import (
     moe_transients,
     sparse_count,
     sparse_layer_params,
+    stage_layer_ids,
 )
 from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_offload
 from ds_tsp.tools.plan.result import CommTerm, LayoutPlan
 from ds_tsp.tools.plan.shape_terms import Stage
-from ds_tsp.tools.plan.tsp_comm import TSPGeometry, tsp_extra_terms, tsp_layer_terms
+from ds_tsp.tools.plan.tsp_comm import TSPGeometry, stage_positions_regather, tsp_extra_terms, tsp_layer_terms
 
 
 def check_hybrid_input(inp: PlanInput) -> None:
-    """One PlanInputError naming the field for what the hybrid plan does not model."""
-    if inp.pp > 1:
-        raise PlanInputError("pp", "pp: not modelled for hybrid (Gated DeltaNet) models; plan without it")
+    """One PlanInputError naming the field for what the runtime refuses with pipeline stages
+    (ds_tsp.integrations.deepspeed.pipeline.build_pipeline_module)."""
+    m = inp.model
+    if inp.pp > 1 and m.tie_word_embeddings:
+        raise PlanInputError("pp", f"pp={inp.pp} with tie_word_embeddings=True: the tied embedding and LM head live "
+                                   "on different stages (tsp.pipeline_stages refuses it); untie them or plan pp 1")
+    if inp.pp > 1 and m.num_experts and m.output_router_logits:
+        raise PlanInputError("pp", f"pp={inp.pp} with output_router_logits=True on an MoE hybrid: the stages pass "
+                                   "only hidden states, so the aux loss would be dropped (tsp.pipeline_stages "
+                                   "refuses it); set output_router_logits=False or plan pp 1")
 
 
 @dataclass(frozen=True)
@@ -135,10 +158,12 @@ def mlp_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool) -> tuple[list[Co
         return ([term("MLP weight ring (D-1 hops)", "ring", mlp, D - 1, (D - 1) * mlp)],
                 [term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp)])
     fwd, bwd = moe_mlp_terms(hg.moe)
-    shared = hg.Ms * b
+    shared, h = hg.Ms * b, hg.tsp.dims.h
+    # on a pipeline stage the shared expert's gate [1, h] reduces its own grad (the router's: moe_step_terms)
+    gate = [term("shared expert gate grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D))]
     return (fwd + [term("shared expert weight ring (D-1 hops)", "ring", shared, D - 1, (D - 1) * shared)],
             bwd + [term("shared expert ring (D-1 weight + D grad hops)", "ring", shared, 2 * D - 1,
-                        (2 * D - 1) * shared)])
+                        (2 * D - 1) * shared)] + (gate if inp.pp > 1 else []))
 
 
 def keeps_gdn_blocks(inp: PlanInput) -> bool:
@@ -174,7 +199,12 @@ def gdn_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool = False) ->
            term("conv halo grad reduce-scatter", "reduce_scatter", halo, halo_calls,
                 halo_calls * gather_bytes(halo, D)),
            *mlp_bwd]
-    return fwd, bwd + (recompute(fwd) if inp.activation_checkpointing else [])
+    if inp.pp > 1:  # a pipeline stage has no replicated-grad bucket: each use reduces its own grad
+        bwd += [term("norm weight grad all-reduce (2 norms)", "replicated_grad", h * b, 2,
+                     2 * all_reduce_bytes(h * b, D)),
+                term("gated-norm weight grad all-reduce", "replicated_grad", hg.dv * b, 1,
+                     all_reduce_bytes(hg.dv * b, D))]
+    return fwd, bwd + (recompute(fwd) + stage_positions_regather(inp, g) if inp.activation_checkpointing else [])
 
 
 def gated_attention_layer_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool = False) -> tuple[list[CommTerm],
@@ -204,6 +234,8 @@ def hybrid_extra_terms(inp: PlanInput, hg: HybridGeometry, stage: Stage) -> list
     norms of the full-attention layers, the gated-norm weight [dv] of the Gated DeltaNet layers, and per sparse
     layer its router [E, h] and shared-expert gate [1, h]."""
     dims, b, D = hg.tsp.dims, inp.dtype_bytes, hg.tsp.D
+    if inp.pp > 1:  # a pipeline stage: no bucket (every replicated grad in its layer's terms), no input check
+        return tsp_extra_terms(inp, stage)
     flat = (2 * stage.layers + 1) * dims.h + (2 * hg.n_full * dims.d if inp.model.qk_norm else 0) \
         + hg.n_linear * hg.dv
     if hg.moe is not None:
@@ -216,15 +248,19 @@ def hybrid_extra_terms(inp: PlanInput, hg: HybridGeometry, stage: Stage) -> list
     return out
 
 
-def hybrid_counter_bytes(inp: PlanInput) -> dict[str, int]:
-    """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of a hybrid model (pp = 1)."""
+def hybrid_counter_bytes(inp: PlanInput, stage: Stage | None = None) -> dict[str, int]:
+    """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of a hybrid model: the whole model
+    (pp = 1), or with pipeline stages one micro-batch through `stage` (one of shape_terms.stages(inp))."""
     check_hybrid_input(inp)
+    if stage is None and inp.pp > 1:
+        raise PlanInputError("pp", f"pp={inp.pp}: the counter bytes are per stage; pass one of stages(inp)")
     hg = HybridGeometry.of(inp)
-    stage = Stage("only", True, True, inp.model.num_layers, 1)
+    stage = stage or Stage("only", True, True, inp.model.num_layers, 1)
     out: dict[str, int] = {}
     if hg.tsp.D == 1:
         return out
-    terms = [t for kind in layer_kinds(inp) for t in (lambda f, b: [*f, *b])(*layer_terms(inp, hg, kind))]
+    kinds = layer_kinds(inp)
+    terms = [t for i in stage_layer_ids(inp, stage) for t in (lambda f, b: [*f, *b])(*layer_terms(inp, hg, kinds[i]))]
     for t in terms + hybrid_extra_terms(inp, hg, stage):
         if t.bytes:
             out[t.kind] = out.get(t.kind, 0) + t.bytes
@@ -368,47 +404,55 @@ def plan_tsp_hybrid(inp: PlanInput, *, layer_saved, attention_mlp_transients, ri
     transients = {**attention_mlp_transients(inp, gated_g), **gdn_transients(inp, hg)}
     if hg.moe is not None:
         transients.update(sparse_mlp_transients(inp, hg, attention_mlp_transients, ring_buffers))
-    top = kinds[-1]  # the top layer: its backward runs first, with every other layer's saved tensors alive
+
+    def on_stage(stage: Stage) -> list[LayerKind]:
+        return [kinds[i] for i in stage_layer_ids(inp, stage)]
 
     def stage_fn(stage: Stage) -> StageMemory:
-        params = sum(counts[k] * params_of[k] for k in counts) + g.Vd * dims.h
-        head_params = dims.h + (0 if dims.tied else g.Vd * dims.h)
+        mine = on_stage(stage)
+        here = {k: mine.count(k) for k in counts if k in mine}
+        top = mine[-1]  # the stage's top layer: its backward runs first, with the others' saved tensors alive
+        params = sum(here[k] * params_of[k] for k in here) + (g.Vd * dims.h if stage.embed else 0)
+        head_params = dims.h + (0 if (dims.tied and stage.embed) else g.Vd * dims.h) if stage.head else 0
         params += head_params
-        all_saved = sum(counts[k] * saved[k] for k in counts)
-        kept = (device_held_inputs(len(kinds)) if inp.offload_activations else len(kinds)) * x \
+        all_saved = sum(here[k] * saved[k] for k in here)
+        kept = (device_held_inputs(len(mine)) if inp.offload_activations else len(mine)) * x \
             + checkpointed_aux_loss_saved(inp, hg) if ac else all_saved
-        head_act = tsp_norm_saved(T, dims, b) + x + T * compute_bytes(b) + T * 8 + b
-        acts = kept + 2 * T * inp.model.rotary_dim * b + T * 8 + head_act  # cos, sin: the rotated dims only
+        head_act = tsp_norm_saved(T, dims, b) + x + T * compute_bytes(b) + T * 8 + b if stage.head else 0
+        # cos, sin (the rotated dims only), the input ids on the first stage
+        acts = (kept + 2 * T * inp.model.rotary_dim * b + (T * 8 if stage.embed else 0) + head_act) \
+            * stage.in_flight
         below_head = acts - head_act
         head_grads = head_params * b
         # each mixer's and MLP's phases as if its layer were the top layer (its backward then has the most saved
         # bytes alive; a lower layer's backward holds more grads but fewer saved bytes -- same order of magnitude
         # either way); under checkpointing that layer's saved tensors are back (the recompute) during its backward
         phases = {}
-        for mlp_phase, present, sparse in (("mlp", any(not k.sparse for k in counts), False),
-                                           ("moe", any(k.sparse for k in counts), True)):
+        for mlp_phase, present, sparse in (("mlp", any(not k.sparse for k in here), False),
+                                           ("moe", any(k.sparse for k in here), True)):
             if present:
-                layer_saved_top = max(saved[k] for k in counts if k.sparse == sparse)
+                layer_saved_top = max(saved[k] for k in here if k.sparse == sparse)
                 recomputing = layer_saved_top if ac else 0
                 phases[f"{mlp_phase}_fwd"] = Phase(transients[f"{mlp_phase}_fwd"], below_head, 0)
                 phases[f"{mlp_phase}_bwd"] = Phase(transients[f"{mlp_phase}_bwd"], below_head + recomputing,
                                                    head_grads)
         for mixer, name in (("gdn", "linear_attention"), ("attention", "full_attention")):
-            mine = [k for k in counts if k.mixer == name]
-            if not mine:
+            of_mixer = [k for k in here if k.mixer == name]
+            if not of_mixer:
                 continue
-            k = top if top in mine else max(mine, key=lambda k: saved[k])
+            k = top if top in of_mixer else max(of_mixer, key=lambda k: saved[k])
             recomputing = saved[k] if ac else 0
             phases[f"{mixer}_fwd"] = Phase(transients[f"{mixer}_fwd"], below_head - (0 if ac else saved[k])
                                            + tsp_norm_saved(T, dims, b) + x, 0)
             phases[f"{mixer}_bwd"] = Phase(transients[f"{mixer}_bwd"], below_head + recomputing - x,
                                            head_grads + (kind_mlp_params(hg, k) + dims.h) * b)
-        phases.update({"lm_head_fwd": Phase(transients["lm_head_fwd"], below_head, 0),
-                       "lm_head_bwd": Phase(transients["lm_head_bwd"], acts, 0),
-                       "end_of_backward": Phase(0, 0, params * b)})
+        if stage.head:
+            phases.update({"lm_head_fwd": Phase(transients["lm_head_fwd"], below_head, 0),
+                           "lm_head_bwd": Phase(transients["lm_head_bwd"], acts, 0)})
+        phases["end_of_backward"] = Phase(0, 0, params * b)
         other_terms = []
         if g.D > 1:
-            for k, n in counts.items():
+            for k, n in here.items():
                 if k != described:
                     k_fwd, k_bwd = layer_terms(inp, hg, k)
                     other_terms += [replace(t, name=f"{k.title(hg.moe is not None)} x{n}: {t.name}",
@@ -416,7 +460,7 @@ def plan_tsp_hybrid(inp: PlanInput, *, layer_saved, attention_mlp_transients, ri
         s = state(inp, params, **zero_divs(inp))
         return StageMemory(params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=acts,
                            phases=phases, step_terms=(hybrid_extra_terms(inp, hg, stage) if g.D > 1 else [])
-                           + dp_sync(inp, params, inp.dp) + other_terms)
+                           + dp_sync(inp, params, inp.dp) + pipeline_hops(inp, stage, T) + other_terms)
 
     notes = [f"zigzag: seq padded to {g.S_pad} (multiple of 2D)",
              f"hybrid: {hg.n_linear} Gated DeltaNet layers and {hg.n_full} gated full-attention layers; the layer "
@@ -441,5 +485,5 @@ def plan_tsp_hybrid(inp: PlanInput, *, layer_saved, attention_mlp_transients, ri
                      for s in ("ring", "all_to_all")}
         moe = moe_summary(hg.moe, peaks)
     plan = layout_plan("tsp", inp, stage_fn, d_fwd, d_bwd, saved[described], tuple(notes),
-                       layers_of=lambda stage: counts[described], moe=moe)
+                       layers_of=lambda stage: on_stage(stage).count(described), moe=moe)
     return with_offload(plan, inp, g)

@@ -12,7 +12,8 @@ piece is gathered over cp first, then the TSP group gathers the [C, ...] pieces)
 The TSP stage then moves C times TSP's own pieces: (C-1) (D-1) x each piece more than TSP alone, intra-node
 (gdn_cp_tsp_terms). Nothing grows with S. Full-attention layers take the K/V ring (ds_tsp.tools.plan.tsp_cp's
 terms). As in plan_tsp_hybrid, the plan's layer terms describe the most numerous Gated DeltaNet kind and every
-other kind's cp terms come in the step terms ("full-attention layers xN: cp ring K/V hops").
+other kind's cp terms come in the step terms ("full-attention layers xN: cp ring K/V hops"); with pipeline stages,
+over the layers of the stage the plan reports.
 tests/cp/test_cp_hybrid.py checks the bytes against both communicators' CommCounters of a real step.
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import replace
 from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
 from ds_tsp.tools.plan.hybrid import HybridGeometry, described_kind, keeps_gdn_blocks, layer_kinds
 from ds_tsp.tools.plan.inputs import PlanInput
+from ds_tsp.tools.plan.moe_terms import stage_layer_ids
 from ds_tsp.tools.plan.result import CommTerm
+from ds_tsp.tools.plan.shape_terms import Stage
 
 __all__ = ["gdn_cp_terms", "gdn_cp_tsp_terms", "gdn_cp_buffers", "hybrid_cp_rows"]
 
@@ -86,12 +89,14 @@ def gdn_cp_buffers(group: PlanInput, cp: int) -> int:
     return 2 * (halo + trans) * (cp - 1) // cp
 
 
-def hybrid_cp_rows(group: PlanInput, cp: int, attention_fwd: list[CommTerm], attention_bwd: list[CommTerm]
-                   ) -> tuple[list[CommTerm], list[CommTerm], list[CommTerm], int]:
+def hybrid_cp_rows(group: PlanInput, cp: int, attention_fwd: list[CommTerm], attention_bwd: list[CommTerm],
+                   stage: Stage | None = None) -> tuple[list[CommTerm], list[CommTerm], list[CommTerm], int]:
     """(layer forward terms, layer backward terms, step terms, cp bytes per step) of a hybrid model's cp
-    communicator: each layer kind's cp terms (Gated DeltaNet: gdn_cp_terms; full attention: the K/V ring's
-    attention_fwd / attention_bwd), the described kind's as layer terms, the others' x their count as step terms."""
-    kinds = layer_kinds(group)
+    communicator over the layers of `stage` (default: every layer, pp = 1): each layer kind's cp terms (Gated
+    DeltaNet: gdn_cp_terms; full attention: the K/V ring's attention_fwd / attention_bwd), the described kind's as
+    layer terms, the others' x their count on the stage as step terms."""
+    all_kinds = layer_kinds(group)
+    kinds = all_kinds if stage is None else [all_kinds[i] for i in stage_layer_ids(group, stage)]
     counts = {k: kinds.count(k) for k in kinds}
     described = described_kind(group)
     moe_model = bool(group.model.num_experts)
@@ -103,5 +108,5 @@ def hybrid_cp_rows(group: PlanInput, cp: int, attention_fwd: list[CommTerm], att
     steps = [replace(t, name=f"{k.title(moe_model)} x{n}: {t.name}", calls=t.calls * n, bytes=t.bytes * n)
              for k, n in counts.items() if k != described for t in (*of(k)[0], *of(k)[1])]
     fwd, bwd = of(described)
-    per_step = counts[described] * sum(t.bytes for t in (*fwd, *bwd)) + sum(t.bytes for t in steps)
+    per_step = counts.get(described, 0) * sum(t.bytes for t in (*fwd, *bwd)) + sum(t.bytes for t in steps)
     return list(fwd), list(bwd), steps, per_step

@@ -119,6 +119,11 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
         norms = 4 if inp.model.sandwich_norms else 2
         bwd.append(term(f"norm weight grad all-reduce ({norms} norms)", "replicated_grad", dims.h * b, norms,
                         norms * all_reduce_bytes(dims.h * b, D)))
+        qk_elems = qk_norm_elems(inp.model, layer or 0)
+        if qk_elems:  # q_norm and k_norm (OLMo's over the whole projection), each reduced on its own
+            q_elems = (dims.nq if inp.model.projection_qk_norm else 1) * dims.d
+            bwd.append(term("q/k norm grad all-reduce", "replicated_grad", qk_elems * b, 2,
+                            all_reduce_bytes(q_elems * b, D) + all_reduce_bytes((qk_elems - q_elems) * b, D)))
         if dims.out_bias:  # GPT-OSS's o_proj bias, replicated like a norm
             bwd.append(term("o_proj bias grad all-reduce", "replicated_grad", dims.h * b, 1,
                             all_reduce_bytes(dims.h * b, D)))
@@ -128,8 +133,19 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
         bwd.append(term("kv weight grad all-gather (replica sum)", "all_gather", D * kv_grad, 1,
                         gather_bytes(D * kv_grad, D)))
     if inp.activation_checkpointing:
-        bwd += recompute(fwd)
+        bwd += recompute(fwd) + stage_positions_regather(inp, g)
     return fwd, bwd
+
+
+def stage_positions_regather(inp: PlanInput, g: TSPGeometry) -> list[CommTerm]:
+    """On a pipeline stage under activation checkpointing: DeepSpeed's checkpoint hands each recomputed layer
+    detached copies of its inputs, so the stage's StepPositions sees new position_ids and gathers them over TSP once
+    more per layer ([D, B, L] int64; under cp over cp too: tsp_cp.cp_check_terms)."""
+    if inp.pp == 1 or not inp.activation_checkpointing or g.D == 1:
+        return []
+    positions = g.D * inp.batch * g.L * 8
+    return [term("recompute: position_ids re-gather over TSP (the layer's detached inputs)", "all_gather", positions,
+                 1, gather_bytes(positions, g.D))]
 
 
 # The input check (ds_tsp.core.tokens.input_check) gathers a fixed payload: its PayloadHead's 7 counts +
@@ -165,11 +181,17 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
         return []
     table = g.Vd * h * b
     terms = []
-    if stage.embed:
+    if inp.pp > 1:  # a pipeline stage runs no input check: it finds the documents in the position_ids it gathers
+        # (ds_tsp.core.tokens.positions.StepPositions: [D, B, L] int64, once per micro-batch)
+        positions = D * inp.batch * g.L * 8
+        terms.append(term("position_ids all-gather over TSP (the stage's document layout)", "all_gather", positions,
+                          1, gather_bytes(positions, D)))
+    if stage.embed and inp.pp == 1:
         check = D * (INPUT_CHECK_COUNTS + DOCUMENT_LAYOUT_SLOTS) * 8  # fixed size, whatever the batch
-        terms += [term(f"input check + document layout all-gather ({INPUT_CHECK_COUNTS} + "
-                       f"{DOCUMENT_LAYOUT_SLOTS} int64 per rank)", "all_gather", check, 1, gather_bytes(check, D)),
-                  term("embedding ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
+        terms.append(term(f"input check + document layout all-gather ({INPUT_CHECK_COUNTS} + "
+                          f"{DOCUMENT_LAYOUT_SLOTS} int64 per rank)", "all_gather", check, 1, gather_bytes(check, D)))
+    if stage.embed:
+        terms += [term("embedding ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
                   term("embedding ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
                        (2 * D - 1) * table)]
         if inp.model.per_layer_input_size:  # Gemma 4: the per-layer input table and projection rings
@@ -183,8 +205,9 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
                   term("LM head ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
                        (2 * D - 1) * table)]
     if inp.pp > 1:
-        if stage.head:
-            terms.append(term("final norm grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D)))
+        if stage.head:  # + the loss denominator (ds_tsp.model.loss.count_valid_tokens: one int64)
+            terms += [term("final norm grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D)),
+                      term("loss denominator all-reduce (int64)", "all_reduce", 8, 1, all_reduce_bytes(8, D))]
     else:  # ds_tsp.core.grads.replicated: every replicated weight's grad in ONE all-reduce per backward
         norms = 4 if inp.model.sandwich_norms else 2  # per layer (Gemma 3 norms each sublayer's output too)
         # q/k norms per layer: Gemma 4's full layers norm their own head_dim
@@ -198,15 +221,18 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
     return terms + moe_step_terms(inp, stage)
 
 
-def tsp_counter_bytes(inp: PlanInput) -> dict[str, int]:
-    """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of the whole model (pp = 1)."""
+def tsp_counter_bytes(inp: PlanInput, stage: Stage | None = None) -> dict[str, int]:
+    """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of the whole model (pp = 1), or
+    with pipeline stages of one micro-batch through `stage` (one of shape_terms.stages(inp))."""
     if inp.model.layer_types is not None:  # counting Llama layers would be silently wrong
         raise PlanInputError("model", "a hybrid model (layer_types): its TSP counter bytes are "
                                       "ds_tsp.tools.plan.hybrid.hybrid_counter_bytes")
+    if stage is None and inp.pp > 1:
+        raise PlanInputError("pp", f"pp={inp.pp}: the counter bytes are per stage; pass one of stages(inp)")
     fwd, bwd = tsp_layer_terms(inp)
     out: dict[str, int] = {}
-    stage = Stage("only", True, True, inp.model.num_layers, 1)
-    layer_terms = [*fwd, *bwd] * inp.model.num_layers
+    stage = stage or Stage("only", True, True, inp.model.num_layers, 1)
+    layer_terms = [*fwd, *bwd] * stage.layers
     if mixed_attention_shapes(inp.model):  # Gemma 4: each layer's own attention shard and K/V
         layer_terms = [t for i in range(inp.model.num_layers) for terms in tsp_layer_terms(inp, i) for t in terms]
     if inp.model.num_experts:  # sparse layers: the MoE schedule's terms instead of the MLP ring
@@ -219,7 +245,7 @@ def tsp_counter_bytes(inp: PlanInput) -> dict[str, int]:
         g = TSPGeometry.of(inp)
         sparse = sparse_count(inp, stage)
         s_fwd, s_bwd = sparse_layer_terms(inp, fwd, bwd, moe_geometry(inp, inp.batch * g.L))
-        layer_terms = [*fwd, *bwd] * (inp.model.num_layers - sparse) + [*s_fwd, *s_bwd] * sparse
+        layer_terms = [*fwd, *bwd] * (stage.layers - sparse) + [*s_fwd, *s_bwd] * sparse
     for t in layer_terms + tsp_extra_terms(inp, stage):
         if t.bytes:
             out[t.kind] = out.get(t.kind, 0) + t.bytes

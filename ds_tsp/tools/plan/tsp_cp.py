@@ -24,7 +24,11 @@ dp x C data ranks, plus the cp ring (ds_tsp.core.layers.attention.cp_ring):
 - hybrid models (Gated DeltaNet layers): the full-attention layers take the ring above; each Gated DeltaNet layer
   all-gathers its conv halo and chunk transitions over cp too (each rank its own pieces, then the TSP group
   gathers the [C, ...] pieces: more intra-node bytes), O(1) in S (ds_tsp.tools.plan.hybrid_cp); the
-  layer terms describe the most numerous Gated DeltaNet kind, the other kinds' cp terms come in the step terms;
+  layer terms describe the most numerous Gated DeltaNet kind, the other kinds' cp terms come in the step terms.
+  Sliding-window hybrids do not exist (ModelShape refuses sliding windows with layer_types: neither Qwen3.5 nor
+  Qwen3-Next has them), so neither does their plan;
+- pipeline stages (pp > 1): the cp rows (K/V ring, windowed layers, Gated DeltaNet gathers) count the layers of the
+  stage the plan reports (its highest peak), and each stage gathers its position_ids over cp (cp_check_terms);
 - overlap: each hop's transfer runs behind the attention of the previous block: per hop and head block
   c = S/(2CD) queries x S/C keys (zigzag: the same on every rank), 4 c (S/C) nq_b d FLOPs forward, 2.5x that in
   backward. `cp` in the result gives both per step: ring seconds at `inter_node_gbps` per GPU against the attention
@@ -40,9 +44,10 @@ from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
 from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, gdn_cp_terms, gdn_cp_tsp_terms, hybrid_cp_rows
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
+from ds_tsp.tools.plan.moe_terms import stage_layer_ids
 from ds_tsp.tools.plan.offload import with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
-from ds_tsp.tools.plan.shape_terms import mixed_attention_shapes, round_up
+from ds_tsp.tools.plan.shape_terms import mixed_attention_shapes, round_up, stages
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.tsp_comm import TSPGeometry, input_check_cp_bytes, input_check_cp_payload
 from ds_tsp.tools.plan.tsp_cp_window import window_ring
@@ -52,11 +57,6 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
     """What one TSP group of the cp ring is planned as: TSP at S_pad / C tokens, ZeRO over dp x C ranks."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise PlanInputError("cp", f"cp={cp!r}: must be an integer >= 1")
-    windows = any(w is not None for w in inp.model.attention_windows or ())
-    if cp > 1 and inp.pp > 1 and (inp.model.layer_types is not None or windows):
-        raise PlanInputError("cp", f"cp={cp} with pp={inp.pp} on a hybrid (Gated DeltaNet) or sliding-window model: "
-                                   "the cp terms of those layers are counted over the whole model, not per stage; "
-                                   "plan pp with cp 1, or cp with pp 1")
     if cp > 1 and mixed_attention_shapes(inp.model):
         raise PlanInputError("cp", f"cp={cp} with full_head_dim / full_num_kv_heads / full_values_from_keys / "
                                    "kv_shared_layers (Gemma 4's full layers' own attention shape, KV sharing): the "
@@ -66,19 +66,23 @@ def group_input(inp: PlanInput, cp: int) -> PlanInput:
     return replace(inp, seq=S // cp, dp=inp.dp * cp)
 
 
-def cp_check_terms(group: PlanInput, cp: int) -> tuple[int, tuple]:
+def cp_check_terms(group: PlanInput, cp: int, layers: int = 0) -> tuple[int, tuple]:
     """(bytes, step terms) of what a step gathers over cp to find the documents (group: group_input's): the input
     check's fixed payload (ds_tsp.core.tokens.input_check.over_cp), or with pipeline stages, where every stage
     finds them in the position_ids it receives, those of the TSP group gathered over cp once per stage and
-    micro-batch (ds_tsp.core.tokens.positions.global_positions)."""
+    micro-batch (ds_tsp.core.tokens.positions.global_positions), and under activation checkpointing once more per
+    recomputed layer of the stage (`layers`: DeepSpeed's checkpoint hands each its detached inputs)."""
     D = group.degree
     if cp == 1:
         return 0, ()
     if group.pp > 1:
         positions = group.batch * group.seq * cp * 8  # [C, D, B, S_pad / (C D)] int64
         check = gather_bytes(positions, cp)
-        return check, (term("position_ids all-gather over cp (each stage's document layout)", "all_gather",
-                            positions, 1, check),)
+        again = layers if group.activation_checkpointing else 0
+        return (1 + again) * check, (
+            term("position_ids all-gather over cp (each stage's document layout)", "all_gather", positions, 1, check),
+            *([term("recompute: position_ids re-gather over cp (per checkpointed layer)", "all_gather", positions,
+                    again, again * check)] if again else []))
     check = input_check_cp_bytes(D, cp)
     return check, (term("input check + document layout all-gather over cp", "all_gather",
                         input_check_cp_payload(D, cp), 1, check),)
@@ -122,23 +126,25 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
     extra = max(extra_fwd, extra_bwd, gdn_cp_buffers(group, C) if hybrid else 0)
     layers = base.layers_per_stage
     cp_fwd, cp_bwd = sum(t.bytes for t in fwd), sum(t.bytes for t in bwd)
+    stage = next(s for s in stages(group) if s.name == base.stage)  # the reported stage (pp > 1: first or last)
     # sliding-window layers send only the keys their window reaches (tsp_cp_window); the rest take the full ring
     win = window_ring(inp.model, group_tokens * C, C, D, kv_hop // group_tokens, grad_hop // group_tokens,
-                      checkpointing=inp.activation_checkpointing)
+                      checkpointing=inp.activation_checkpointing, layer_ids=stage_layer_ids(group, stage))
     full_layers = layers - win.layers
     per_rank = [full_layers * (cp_fwd + cp_bwd) + win.fwd_bytes[k] + win.bwd_bytes[k] for k in range(C * D)]
     hybrid_steps = []
+    stage_types = [inp.model.layer_types[i] for i in stage_layer_ids(group, stage)] if hybrid else []
     if hybrid:  # every rank the same: the K/V ring of the full-attention layers, the Gated DeltaNet's gathers
-        if win.layers:
+        if win.layers:  # unreachable today: ModelShape refuses sliding windows with layer_types (no such family)
             raise PlanInputError("cp", f"cp={C}: sliding-window layers in a hybrid (Gated DeltaNet) model are not "
                                        "modelled under cp; plan TSP alone (--cp 1)")
-        full_layers = sum(t == "full_attention" for t in inp.model.layer_types)
-        fwd, bwd, hybrid_steps, hybrid_bytes = hybrid_cp_rows(group, C, fwd, bwd)
+        full_layers = stage_types.count("full_attention")
+        fwd, bwd, hybrid_steps, hybrid_bytes = hybrid_cp_rows(group, C, fwd, bwd, stage)
         cp_fwd, cp_bwd = sum(t.bytes for t in fwd), sum(t.bytes for t in bwd)
         per_rank = [hybrid_bytes] * (C * D)
     busiest = max(range(C * D), key=per_rank.__getitem__)  # cp-major: cp rank busiest // D, TSP rank busiest % D
     ring_bytes = per_rank[busiest]
-    check, check_terms = cp_check_terms(group, C)  # the same on every rank: the busiest stays the busiest
+    check, check_terms = cp_check_terms(group, C, layers)  # the same on every rank: the busiest stays the busiest
     if win.layers:  # per-layer figures: the mean over the layers (their terms: per layer of their kind)
         calls = win.hop_calls[busiest] // win.layers
         win_fwd, win_bwd = win.fwd_bytes[busiest] // win.layers, win.bwd_bytes[busiest] // win.layers
@@ -161,7 +167,7 @@ def plan_tsp_cp(inp: PlanInput, cp: int, *, inter_node_gbps: float = INTER_NODE_
                              bytes=t.bytes * full_layers) for t in tsp_fwd + tsp_bwd if full_layers]
         tsp_fwd, tsp_bwd = [], []
     if hybrid:  # the Gated DeltaNet layers' TSP stage gathers every cp group's pieces (hybrid_cp.gdn_cp_tsp_terms)
-        n_gdn = sum(t == "linear_attention" for t in inp.model.layer_types)
+        n_gdn = stage_types.count("linear_attention")
         for t in (t for terms in gdn_cp_tsp_terms(group, C) for t in terms):
             intra_cp += n_gdn * t.bytes
             intra_by_kind[t.kind] = intra_by_kind.get(t.kind, 0) + n_gdn * t.bytes

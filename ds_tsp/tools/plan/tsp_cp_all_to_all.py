@@ -35,8 +35,10 @@ from ds_tsp.tools.plan.comm_terms import gather_bytes, recompute, term
 from ds_tsp.tools.plan.hybrid_cp import gdn_cp_buffers, hybrid_cp_rows
 from ds_tsp.tools.plan.inputs import PlanInput, PlanInputError
 from ds_tsp.tools.plan.moe_cp import with_moe_cp_terms
+from ds_tsp.tools.plan.moe_terms import stage_layer_ids
 from ds_tsp.tools.plan.offload import with_offload
 from ds_tsp.tools.plan.result import LayoutPlan
+from ds_tsp.tools.plan.shape_terms import stages
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.tsp_comm import (
     TSPGeometry,
@@ -162,12 +164,13 @@ def plan_tsp_cp_all_to_all(inp: PlanInput, cp: int, *, inter_node_gbps: float = 
     attention_layers = layers
     hybrid_steps = []
     if inp.model.layer_types is not None:  # Gated DeltaNet layers: their own cp gathers (hybrid_cp)
-        attention_layers = sum(t == "full_attention" for t in inp.model.layer_types)
-        fwd, bwd, hybrid_steps, a2a_bytes = hybrid_cp_rows(group, C, fwd, bwd)
+        stage = next(s for s in stages(group) if s.name == base.stage)  # the reported stage's layers (pp > 1)
+        attention_layers = [inp.model.layer_types[i] for i in stage_layer_ids(group, stage)].count("full_attention")
+        fwd, bwd, hybrid_steps, a2a_bytes = hybrid_cp_rows(group, C, fwd, bwd, stage)
         extra = max(extra, gdn_cp_buffers(group, C))
     else:
         a2a_bytes = layers * sum(t.bytes for t in (*fwd, *bwd))
-    check, check_terms = cp_check_terms(group, C)
+    check, check_terms = cp_check_terms(group, C, layers)
     S = group.seq * C
     passes = 1 + ATTENTION_BACKWARD_FLOPS + (1 if inp.activation_checkpointing else 0)
     # causal attention of the whole sequence, every head, shared by the C D ranks

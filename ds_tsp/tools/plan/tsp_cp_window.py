@@ -34,14 +34,14 @@ class WindowRing:
 
 
 def window_ring(model: ModelShape, seq_padded: int, cp: int, tsp: int, kv_token_bytes: int, grad_token_bytes: int,
-                *, checkpointing: bool) -> WindowRing:
+                *, checkpointing: bool, layer_ids: range | None = None) -> WindowRing:
     """kv_token_bytes / grad_token_bytes: one token of a head block's K/V (B x 2 nkv_b x d) in the K/V and the
-    accumulation dtype."""
+    accumulation dtype; layer_ids: the decoder layers counted (a pipeline stage's; default every layer)."""
     chunk = seq_padded // (2 * cp * tsp)
     ranks = cp * tsp
     fwd, bwd, calls, pairs, layers = [0] * ranks, [0] * ranks, [0] * ranks, [0] * ranks, 0
     gathers, scatters = [0] * ranks, [0] * ranks
-    for layer in range(model.num_layers if cp > 1 else 0):  # cp = 1: TSP alone, no ring
+    for layer in (range(model.num_layers) if layer_ids is None else layer_ids) if cp > 1 else ():  # cp 1: no ring
         window = model.layer_window(layer)
         if not uses_window_path(window, seq_padded):
             continue
