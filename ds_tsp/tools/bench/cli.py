@@ -200,8 +200,6 @@ def configs_from_args(args: argparse.Namespace):
     layers = args.layers if args.layers is not None else (QUICK["layers"] if args.quick else DEFAULT_SHAPE.num_layers)
     from ds_tsp.tools.bench.moe_report import moe_dispatches, moe_fields, moe_layouts
 
-    dispatches = moe_dispatches(args)
-    layouts = moe_layouts(args, layouts)
     try:
         if getattr(args, "hf_config", None):
             shape = _shape_from_hf_config(args.hf_config, args.layers)
@@ -212,6 +210,9 @@ def configs_from_args(args: argparse.Namespace):
         from ds_tsp.tools.bench.hybrid import hybrid_layouts
 
         layouts = hybrid_layouts(shape, args.layouts, layouts)
+        if shape.layer_types is None:  # a hybrid MoE's layouts are hybrid_layouts'
+            layouts = moe_layouts(args, layouts, shape)
+        dispatches = moe_dispatches(args, shape)
         if cp == 1 and any(LAYOUTS[name].module == "tsp" for name in layouts):
             shape.check_tsp_degree(args.tsp)
     except TSPConfigError as exc:
@@ -220,7 +221,8 @@ def configs_from_args(args: argparse.Namespace):
     configs = [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
                            warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
                            ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False),
-                           moe_dispatch=dispatch, vision=vision) for name in layouts for dispatch in dispatches]
+                           moe_dispatch=dispatch, vision=vision) for name in layouts
+               for dispatch in (dispatches if LAYOUTS[name].module in ("tsp", "tsp_cp") else ["auto"])]
     return cp_configs(configs, cp, tuple(comms))  # tsp_cp on C groups of D (per cp schedule), its peers on C x D
 
 
@@ -399,9 +401,10 @@ def run(args: argparse.Namespace) -> int:
         from ds_tsp.tools.bench.moe_report import write_moe_report
         print(write_moe_report(results, args.out, paths["md"]), flush=True)
     if getattr(args, "profile", False):
-        from ds_tsp.tools.bench.profile import append_profile, profile_table
+        from ds_tsp.tools.bench.profile import append_profile, profile_table, work_table
         append_profile(paths["md"], results)
         print(profile_table(results), flush=True)
+        print(work_table(results), flush=True)
     print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
           + f" in {time.monotonic() - start:.0f} s", flush=True)
     return EXIT_OK if all(r.get("ok") for r in results) else EXIT_FAILED

@@ -100,8 +100,10 @@ class MoEAllToAll(torch.autograd.Function):
         del got  # nothing views it any more: the received rows are freed before the expert GEMMs
         need_w = ctx.needs_input_grad[3]
         w = spec.layout.unpack(experts_shard)
-        drows, dw, grads = experts_backward(rows, dy_rows, w_rows, w, ctx.groups, spec.glu, projections=gu,
-                                            need_weight_grad=need_w)
+        grad_shard = experts_shard.new_empty(experts_shard.shape) if need_w else None  # written whole, in place
+        drows, dw, _ = experts_backward(rows, dy_rows, w_rows, w, ctx.groups, spec.glu, projections=gu,
+                                        need_weight_grad=need_w,
+                                        grad_into=spec.layout.unpack(grad_shard) if need_w else None)
         del rows, dy_rows
         ret = torch.cat([drows, dw[:, None]], dim=1)
         ret_arrived = torch.empty_like(ret).index_copy_(0, perm, ret)
@@ -111,5 +113,4 @@ class MoEAllToAll(torch.autograd.Function):
         del ret_arrived
         dx = torch.zeros_like(x2d).index_add_(0, tok, back[:, :h])
         dw_flat = torch.zeros_like(w_sorted).index_copy_(0, order, back[:, h])
-        grad_shard = spec.layout.pack(grads) if need_w else None
         return dx, dw_flat.view_as(top_w), None, grad_shard, None, None, None
