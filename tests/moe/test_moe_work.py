@@ -5,9 +5,10 @@
   and are exactly 22/18 of ds_tsp.tools.bench.work's minimum (18 n k h F: forward + backward, nothing recomputed;
   the memory-optimal backward recomputes the gate/up GEMM, 4 n k h F more), 18/18 when the projections are kept.
 - Copies: the loop path's expert GEMMs write their rows of the outputs, d rows and d gu, and the expert grads, in
-  place (out=): no zero-filled buffer, no per-expert result copied into one, no packed grad concatenated. Counted by
-  a TorchDispatchMode over the copy / fill ops; a defect that brings one back (torch.zeros_like + a slice copy, or
-  PackedLayout.pack of the grads) writes a weight-slab-sized tensor and fails here.
+  place (out=): no zero-filled buffer, no per-expert result copied into one, no packed grad concatenated; the
+  all-to-all's travelling rows are gathered into their buffers, not concatenated. Counted by a TorchDispatchMode
+  over the copy / fill ops; a defect that brings one back (torch.zeros_like + a slice copy, PackedLayout.pack of
+  the grads, a torch.cat of gathered rows) fails here.
 """
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ def test_expert_work_is_written_in_place(dispatch):
     # the layer's own buffers: y, dx, the routing-weight grads (N-sized) and the all-to-all's row buffers; nothing
     # proportional to the experts' width F (the per-expert outputs and gate/up grads are GEMM outputs in place)
     assert all(n < N * K * 2 * F for _, n in spy.copies), spy.copies
+    # rows are gathered straight into the buffers that travel or are returned (all_to_all's send and return rows,
+    # the experts' d gu): nothing row-sized is assembled by concatenation (all_to_all's two count vectors are, for
+    # their one host read)
+    assert [(name, n) for name, n in spy.copies if name.startswith(("aten.cat", "aten.stack")) and n >= N * K] == []
 
 
 def test_experts_loop_path_runs_copy_free():
