@@ -12,6 +12,12 @@ to the step's wall time:
 - layer type: the nearest enclosing TSP autograd Function (its forward range or its backward node), or the
   optimizer's step/zero_grad; everything outside them (norms, residuals, RoPE tables, the loop itself) is "rest".
 The profiled step runs under the profiler, so it is slower than a timed step: read the shares, not the seconds.
+
+Work (TSP): the same step also counts, per layer type, the GEMM FLOPs of its aten mm-family ops (FlopCounterMode's
+formulas over the shapes the profiler records) and the bytes of TSP's CommCounter, the cp axis's bytes and waits
+apart (tsp_cp: attention's cp ring / all-to-all, the Gated DeltaNet's cp gathers), each charged like the time to
+the enclosing layer type (the counters leave zero-length marks, _MarkedCounter); the runner sums them over the
+ranks and sets them against the least the layer type needs (ds_tsp.tools.bench.work) under "work".
 """
 from __future__ import annotations
 
