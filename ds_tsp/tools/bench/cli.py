@@ -97,8 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="one extra profiled step per layout and S after the timed ones; per-phase seconds "
                         "(GEMM, attention, comm wait, copies, elementwise, other) under 'profile' in results.json, "
-                        "split by layer type (attention, gdn, mlp, moe, vocab, optimizer, rest) for TSP, with each layer "
-                        "type's counted GEMM FLOPs and bytes against its minimum ('work')")
+                        "split by layer type (attention, gdn, mlp, moe, vocab, optimizer, rest) for TSP, with each "
+                        "layer type's counted GEMM FLOPs and bytes against its minimum ('work')")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (neither the lines nor, on a terminal, the bar)")
     moe = p.add_argument_group(
