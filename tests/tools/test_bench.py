@@ -230,9 +230,18 @@ def test_moe_cell_per_schedule_runs_and_reports_the_auto_choice(tmp_path, capsys
     out = tmp_path / "moe"
     args = build_parser().parse_args([*MOE_TINY, "--layouts", "tsp", "--moe-dispatch", "ring,all_to_all", "--tsp",
                                       "2", "--seq", "32", "--steps", "1", "--warmup", "0", "--out", str(out),
-                                      "--quiet"])
+                                      "--quiet", "--profile"])
     assert args.run(args) == 0, capsys.readouterr().err[-3000:]
     results = json.loads((out / "results.json").read_text())
+    for r in results:  # --profile's work against the minimum (ds_tsp.tools.bench.work), the whole group's
+        moe = r["profile"]["work"]["moe"]
+        # expert GEMMs: forward + backward + the memory-optimal gate/up recompute (22/18), exactly
+        assert moe["gemm_flops"] * 18 == moe["min_gemm_flops"] * 22 == 22 * 18 * 2 * 32 * 2 * 32 * 16
+    # the ring moves exactly (3D - 2) packed expert shards per layer and rank; all_to_all its real rows (the
+    # minimum takes them at even routing)
+    assert results[0]["profile"]["work"]["moe"]["bytes_over_min"] == 1.0
+    assert 0.5 < results[1]["profile"]["work"]["moe"]["bytes_over_min"] < 1.5
+    assert "work per layer type against the minimum" in (out / "results.md").read_text()
     assert [(r["label"], r["moe_dispatch"], r["ok"]) for r in results] == [("tsp[ring]", "ring", True),
                                                                            ("tsp[all_to_all]", "all_to_all", True)]
     assert results[0]["tsp_options"]["moe_dispatch"] == "ring"

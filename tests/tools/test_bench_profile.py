@@ -81,3 +81,48 @@ def test_bench_profile_tiny(tmp_path):
     assert tsp["comm_wait_s"] >= tsp["blocked_s"] * 0.99
     assert "step_s" in by_layout["tsp"] and "comm_bytes" in by_layout["tsp"]  # existing keys kept
     assert "| layer type |" in (tmp_path / "results.md").read_text()
+
+
+def test_counted_work_charges_gemm_flops_and_the_counters_marks_to_layer_types():
+    """GEMM FLOPs from the recorded shapes (FlopCounterMode's formulas, in-place addmm_ too) and the counters'
+    zero-length marks (bytes of the TSP group and of the cp axis, cp waits), each to its enclosing layer type."""
+    from ds_tsp.tools.bench.profile import counted_work
+
+    def op(name, start, end, shapes=None):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), input_shapes=shapes)
+
+    events = [op("MoERingBackward", 0, 100), op("aten::mm", 10, 20, [[4, 8], [8, 16]]),
+              op("ds_tsp::counted_bytes[tsp]=1000", 30, 30), op("ds_tsp::counted_wait[tsp]=0.5", 31, 31),
+              op("_TSPAttention", 100, 200), op("aten::addmm_", 110, 120, [[4, 16], [4, 8], [8, 16]]),
+              op("ds_tsp::counted_bytes[cp]=24", 130, 130), op("ds_tsp::counted_wait[cp]=0.25", 131, 131),
+              op("aten::linear", 140, 160, [[4, 8], [16, 8], []]), op("aten::mm", 141, 159, [[4, 8], [8, 16]])]
+    work = counted_work(nest(events))
+    assert work["moe"] == {"gemm_flops": 2 * 4 * 8 * 16, "comm_bytes": 1000, "cp_bytes": 0, "cp_wait_s": 0.0}
+    assert work["attention"] == {"gemm_flops": 2 * 2 * 4 * 8 * 16, "comm_bytes": 0, "cp_bytes": 24,
+                                 "cp_wait_s": 0.25}  # the linear is counted once, at its mm
+
+
+def test_marked_counters_count_as_before_and_mark_inside_the_open_layer():
+    """_marked_counters leaves the counters' own figures unchanged and restores their class; in between every add
+    and wait shows as a mark nested in the range open at the time (a cp counter's under its own axis)."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds_tsp.core.comm.communicator import CommCounter
+    from ds_tsp.tools.bench.profile import _marked_counters, counted_work
+
+    counters = SimpleNamespace(tsp=CommCounter(), cp=CommCounter())
+    with _marked_counters(counters), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("MoEAllToAll"):
+            counters.tsp.add("all_to_all", 4096)
+            counters.tsp.wait_s += 0.125
+        with record_function("_TSPGatedDeltaNet"):
+            counters.cp.add("all_gather", 512)
+            counters.cp.wait_s += 0.25
+    assert type(counters.tsp) is type(counters.cp) is CommCounter
+    assert counters.tsp.snapshot() == {"bytes": {"all_to_all": 4096}, "calls": {"all_to_all": 1},
+                                       "total_bytes": 4096, "wait_s": 0.125}
+    assert counters.cp.total_bytes == 512 and counters.cp.wait_s == 0.25
+    work = counted_work(nest(prof.events()))
+    assert (work["moe"]["comm_bytes"], work["moe"]["cp_wait_s"]) == (4096, 0.0)
+    assert (work["gdn"]["cp_bytes"], work["gdn"]["cp_wait_s"]) == (512, 0.25)

@@ -98,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="one extra profiled step per layout and S after the timed ones; per-phase seconds "
                         "(GEMM, attention, comm wait, copies, elementwise, other) under 'profile' in results.json, "
-                        "split by layer type (attention, mlp, vocab, optimizer, rest) for TSP")
+                        "split by layer type (attention, gdn, mlp, moe, vocab, optimizer, rest) for TSP, with each "
+                        "layer type's counted GEMM FLOPs and bytes against its minimum ('work')")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (neither the lines nor, on a terminal, the bar)")
     moe = p.add_argument_group(
@@ -201,8 +202,6 @@ def configs_from_args(args: argparse.Namespace):
     layers = args.layers if args.layers is not None else (QUICK["layers"] if args.quick else DEFAULT_SHAPE.num_layers)
     from ds_tsp.tools.bench.moe_report import moe_dispatches, moe_fields, moe_layouts
 
-    dispatches = moe_dispatches(args)
-    layouts = moe_layouts(args, layouts)
     try:
         if getattr(args, "hf_config", None):
             shape = _shape_from_hf_config(args.hf_config, args.layers)
@@ -213,6 +212,9 @@ def configs_from_args(args: argparse.Namespace):
         from ds_tsp.tools.bench.hybrid import hybrid_layouts
 
         layouts = hybrid_layouts(shape, args.layouts, layouts)
+        if shape.layer_types is None:  # a hybrid MoE's layouts are hybrid_layouts'
+            layouts = moe_layouts(args, layouts, shape)
+        dispatches = moe_dispatches(args, shape)
         if cp == 1 and any(LAYOUTS[name].module == "tsp" for name in layouts):
             shape.check_tsp_degree(args.tsp)
     except TSPConfigError as exc:
@@ -221,7 +223,8 @@ def configs_from_args(args: argparse.Namespace):
     configs = [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
                            warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
                            ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False),
-                           moe_dispatch=dispatch, vision=vision) for name in layouts for dispatch in dispatches]
+                           moe_dispatch=dispatch, vision=vision) for name in layouts
+               for dispatch in (dispatches if LAYOUTS[name].module in ("tsp", "tsp_cp") else ["auto"])]
     return cp_configs(configs, cp, tuple(comms))  # tsp_cp on C groups of D (per cp schedule), its peers on C x D
 
 
@@ -400,9 +403,10 @@ def run(args: argparse.Namespace) -> int:
         from ds_tsp.tools.bench.moe_report import write_moe_report
         print(write_moe_report(results, args.out, paths["md"]), flush=True)
     if getattr(args, "profile", False):
-        from ds_tsp.tools.bench.profile import append_profile, profile_table
+        from ds_tsp.tools.bench.profile import append_profile, profile_table, work_table
         append_profile(paths["md"], results)
         print(profile_table(results), flush=True)
+        print(work_table(results), flush=True)
     print(f"wrote {paths['json']}, {paths['md']}" + "".join(f", {p}" for p in paths["plots"])
           + f" in {time.monotonic() - start:.0f} s", flush=True)
     return EXIT_OK if all(r.get("ok") for r in results) else EXIT_FAILED

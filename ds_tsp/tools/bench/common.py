@@ -36,10 +36,10 @@ def global_batch(cfg: BenchConfig, seq: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def hf_config(shape: ModelShape, max_seq: int):
-    """transformers config of the same model (Llama; Qwen2 when the shape has q/k/v bias; a hybrid shape's own
-    Qwen3.5 / Qwen3-Next family), SDPA attention."""
+    """transformers config of the same model (Llama; Qwen2 when the shape has q/k/v bias; a hybrid or
+    mixture-of-experts shape's own family: Qwen3.5 / Qwen3-Next, Qwen3-MoE / Mixtral), SDPA attention."""
     transformers = require("transformers")
-    if shape.layer_types is not None:  # a hybrid (Qwen3.5 / Qwen3-Next): transformers' own family, same fields
+    if shape.layer_types is not None or shape.num_experts:  # transformers' own family of the shape, same fields
         from ds_tsp.core.shape.hf_config import config_dict_from_shape, config_from_dict
 
         values = {**config_dict_from_shape(shape, torch.float32), "use_cache": False}

@@ -86,8 +86,13 @@ class BenchConfig:
     @property
     def label(self) -> str:
         """The layout's name in tables: an MoE run adds its schedule (one layout, several schedules per run)."""
-        label = f"{self.layout}[{self.moe_dispatch}]" if self.shape.num_experts else self.layout
+        label = f"{self.layout}[{self.moe_dispatch}]" if self.runs_moe_dispatch else self.layout
         return label if self.cp_comm == "ring" else f"{label}[{self.cp_comm}]"  # the cp schedule, where not the ring
+
+    @property
+    def runs_moe_dispatch(self) -> bool:
+        """A TSP layout on an MoE shape: it runs moe_dispatch's schedule (transformers' own model runs its own)."""
+        return bool(self.shape.num_experts) and self.spec.module in ("tsp", "tsp_cp")
 
     @property
     def spec(self) -> LayoutSpec:

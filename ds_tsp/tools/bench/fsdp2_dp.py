@@ -7,7 +7,8 @@ are 1/D per rank; a layer's params are all-gathered when it runs (forward and ag
 reduce-scattered (averaged over the ranks' samples). Activations are the full sequence's on every rank (O(S) per
 rank against TSP's O(S/D)). It runs any model the bench builds from the shape (ds_tsp.tools.bench.common.
 build_hf_model: HF Llama / Qwen2, or a hybrid --hf-config's Qwen3.5 / Qwen3-Next with its Gated DeltaNet torch
-kernels). tokens_per_step = D x B x S: compare tokens/s, and per-rank peak at the same S.
+kernels, or an MoE one's Qwen3-MoE / Mixtral). tokens_per_step = D x B x S: compare tokens/s, and per-rank peak
+at the same S.
 Comm bytes: CollectiveBytes during the tracked step (FSDP2's c10d all-gathers and reduce-scatters).
 """
 from __future__ import annotations

@@ -2,8 +2,10 @@
 plan's "auto" choice.
 
 Flags: --num-experts E (every layer sparse; Mixtral-like routing, top-k probabilities renormalised), --top-k (2),
---moe-ffn (--ffn), --moe-dispatch LIST (auto, ring, all_to_all; one row per schedule). MoE runs only on the TSP
-layouts (the peers run HF Llama, which has no experts).
+--moe-ffn (--ffn), --moe-dispatch LIST (auto, ring, all_to_all; one row per schedule); or an --hf-config with
+experts (Qwen3-MoE, Mixtral). MoE runs on the TSP layouts and on transformers' own model of the shape under
+hf_zero3_dp / hf_fsdp2_dp / single (named: "all" is the TSP layouts); the other peers build HF Llama, which has no
+experts, and are refused.
 
 The MoE table (appended to results.md, written as moe.json): per (layout, D, S) and schedule the measured peak per
 rank (MemTracker), comm per rank per step (CommCounter) and step time, the plan's peak and comm for that schedule
@@ -23,16 +25,20 @@ from ds_tsp.tools.cli_types import MIB
 
 SCHEDULES = ("auto", "ring", "all_to_all")
 TARGET = 0.10  # auto's step time may exceed the measured faster one by this fraction
+# layout modules that build transformers' own model of the shape (ds_tsp.tools.bench.common.hf_config): Qwen3-MoE
+# or Mixtral for an MoE shape
+HF_MOE_MODULES = ("zero3_dp", "fsdp2_dp", "single")
 
 
-def moe_dispatches(args: argparse.Namespace) -> list[str]:
-    """The schedules to measure (["auto"] for a dense shape); ValueError naming the flag."""
+def moe_dispatches(args: argparse.Namespace, shape=None) -> list[str]:
+    """The schedules to measure (["auto"] for a dense shape; `shape`: the run's, whose experts may come from
+    --hf-config); ValueError naming the flag."""
     text = getattr(args, "moe_dispatch", None) or "auto"
     names = list(dict.fromkeys(n.strip() for n in str(text).split(",") if n.strip()))
     bad = [n for n in names if n not in SCHEDULES]
     if bad or not names:
         raise ValueError(f"--moe-dispatch: unknown {bad or '(empty)'}; a comma list of {', '.join(SCHEDULES)}")
-    if getattr(args, "num_experts", None) is None:
+    if getattr(args, "num_experts", None) is None and not (shape is not None and shape.num_experts):
         given = [flag for flag, key in (("--top-k", "top_k"), ("--moe-ffn", "moe_ffn"))
                  if getattr(args, key, None) is not None]
         if given or names != ["auto"]:
@@ -49,19 +55,23 @@ def moe_fields(args: argparse.Namespace) -> dict:
             "moe_intermediate_size": args.moe_ffn or args.ffn, "norm_topk_prob": True}
 
 
-def moe_layouts(args: argparse.Namespace, layouts: list[str]) -> list[str]:
-    """An MoE shape runs on the TSP layouts only: "all" means those, a peer named explicitly is an error."""
+def moe_layouts(args: argparse.Namespace, layouts: list[str], shape=None) -> list[str]:
+    """An MoE shape (--num-experts, or an --hf-config with experts: `shape`) runs on the TSP layouts and, named, on
+    transformers' own MoE model (hf_zero3_dp, hf_fsdp2_dp, single): "all" means the TSP layouts, another peer named
+    explicitly is an error (its session builds an HF Llama, a dense model)."""
     from ds_tsp.tools.bench.config import LAYOUTS
 
-    if getattr(args, "num_experts", None) is None:
+    if not (getattr(args, "num_experts", None) or (shape is not None and shape.num_experts)):
         return layouts
     tsp_modules = ("tsp", "tsp_cp")  # tsp_cp: C TSP groups under --cp (ds_tsp.tools.bench.cp_flags)
     if args.layouts.strip() == "all":
         return [name for name in layouts if LAYOUTS[name].module in tsp_modules]
-    peers = [name for name in layouts if LAYOUTS[name].module not in tsp_modules]
+    peers = [name for name in layouts if LAYOUTS[name].module not in (*tsp_modules, *HF_MOE_MODULES)]
     if peers:
-        raise ValueError(f"--layouts {peers}: a mixture-of-experts shape (--num-experts) runs on the TSP layouts "
-                         "only (the peers' HF Llama has no experts); use --layouts tsp or tsp_speed")
+        raise ValueError(f"--layouts {peers}: a mixture-of-experts shape runs on the TSP layouts only among the "
+                         "sequence-parallel ones, and on transformers' own MoE model under hf_zero3_dp, hf_fsdp2_dp "
+                         "and single (the other peers' sessions build an HF Llama, which has no experts); use "
+                         "--layouts tsp,hf_zero3_dp")
     return layouts
 
 

@@ -12,13 +12,22 @@ to the step's wall time:
 - layer type: the nearest enclosing TSP autograd Function (its forward range or its backward node), or the
   optimizer's step/zero_grad; everything outside them (norms, residuals, RoPE tables, the loop itself) is "rest".
 The profiled step runs under the profiler, so it is slower than a timed step: read the shares, not the seconds.
+
+Work (TSP): the same step also counts, per layer type, the GEMM FLOPs of its aten mm-family ops (FlopCounterMode's
+formulas over the shapes the profiler records) and the bytes of TSP's CommCounter, the cp axis's bytes and waits
+apart (tsp_cp: attention's cp ring / all-to-all, the Gated DeltaNet's cp gathers), each charged like the time to
+the enclosing layer type (the counters leave zero-length marks, _MarkedCounter); the runner sums them over the
+ranks and sets them against the least the layer type needs (ds_tsp.tools.bench.work) under "work".
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-from ds_tsp.core.comm.communicator import COMM_WAIT_RANGE
+from torch.autograd.profiler import record_function
+
+from ds_tsp.core.comm.communicator import COMM_WAIT_RANGE, CommCounter
 
 # op-name substrings per phase; first match wins, so the order matters (attention before the generic copies)
 PHASES = {
@@ -35,6 +44,7 @@ LAYERS = {
     "attention": ("_TSPAttention",),
     "gdn": ("_TSPGatedDeltaNet",),  # a hybrid model's Gated DeltaNet (linear attention) layers
     "mlp": ("_TSPGatedMLP",),
+    "moe": ("MoERing", "MoEAllToAll"),  # the experts of a mixture-of-experts layer, either dispatch schedule
     "vocab": ("_TSPEmbedding", "_TSPLMHeadLoss", "_SelectedLogits"),
     "optimizer": ("Optimizer.step", "Optimizer.zero_grad"),
 }
@@ -60,10 +70,37 @@ class _Node:
     seconds: float
     parent: "_Node | None"
     children_s: float = 0.0
+    shapes: list | None = None  # the op's input shapes (profiler record_shapes), for its GEMM FLOPs
 
     @property
     def self_s(self) -> float:
         return max(0.0, self.seconds - self.children_s)
+
+
+def _gemm_formulas() -> dict:
+    """aten GEMM op name -> FlopCounterMode's own formula (torch.utils.flop_counter) over input shapes."""
+    from torch.utils import flop_counter as fc
+
+    return {"aten::mm": lambda a, b, *_: fc.mm_flop(a, b), "aten::addmm": lambda c, a, b, *_: fc.addmm_flop(c, a, b),
+            "aten::addmm_": lambda c, a, b, *_: fc.addmm_flop(c, a, b), "aten::bmm": lambda a, b, *_: fc.bmm_flop(a, b),
+            "aten::baddbmm": lambda c, a, b, *_: fc.baddbmm_flop(c, a, b),
+            "aten::baddbmm_": lambda c, a, b, *_: fc.baddbmm_flop(c, a, b)}
+
+
+# the GEMM ops whose FLOPs are counted; composites (aten::linear, aten::matmul) reach one of them
+# (and their in-place forms, which FlopCounterMode's registry leaves out: the vocab ring accumulates with addmm_)
+GEMM_FLOPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::baddbmm_")
+
+# Zero-length marker ranges the profiled step emits for each counted transfer and each wait of the TSP group's and
+# the cp axis's CommCounter (see _MarkedCounter), so bytes and cp waits are charged to the enclosing layer type too.
+BYTES_MARK, WAIT_MARK = "ds_tsp::counted_bytes", "ds_tsp::counted_wait"
+
+
+def gemm_flops(node) -> int:
+    """FLOPs of one profiled GEMM op from its recorded input shapes (FlopCounterMode's formulas); 0 otherwise."""
+    if node.name not in GEMM_FLOPS or not node.shapes:
+        return 0
+    return int(_gemm_formulas()[node.name](*node.shapes))
 
 
 def layer_of(node) -> str:
@@ -78,14 +115,14 @@ def layer_of(node) -> str:
 
 def nest(events) -> list[_Node]:
     """Events of one thread -> nodes with parents by interval containment (profiler time_range, microseconds)."""
-    spans = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events
+    spans = sorted(((e.time_range.start, e.time_range.end, e.name, getattr(e, "input_shapes", None)) for e in events
                     if not e.name.startswith(ASYNC_SPANS)), key=lambda t: (t[0], -t[1]))
     nodes, stack = [], []
-    for start, end, name in spans:
+    for start, end, name, shapes in spans:
         while stack and stack[-1][1] <= start:
             stack.pop()
         parent = stack[-1][0] if stack else None
-        node = _Node(name, (end - start) / 1e6, parent)
+        node = _Node(name, (end - start) / 1e6, parent, shapes=shapes if name in GEMM_FLOPS else None)
         if parent is not None:
             parent.children_s += node.seconds
         stack.append((node, end))
@@ -107,6 +144,71 @@ def attribute(nodes: list[_Node], wall_s: float) -> tuple[dict, dict]:
     return totals, cells
 
 
+def _marker(name: str) -> None:
+    with record_function(name):
+        pass
+
+
+class _MarkedCounter(CommCounter):
+    """A CommCounter that also leaves a zero-length profiler range for every transfer it counts and every wait it
+    times ("ds_tsp::counted_bytes[axis]=N", "ds_tsp::counted_wait[axis]=S"), inside whatever layer's range is open:
+    the profile charges the counter's own figures to layer types. Installed on the counter objects for one profiled
+    step only (_marked_counters), so what the counter counts is unchanged."""
+
+    axis = "tsp"
+
+    def add(self, kind: str, nbytes: int) -> None:
+        super().add(kind, nbytes)
+        _marker(f"{BYTES_MARK}[{self.axis}]={int(nbytes)}")
+
+    @property
+    def wait_s(self) -> float:
+        return self.__dict__["wait_s"]
+
+    @wait_s.setter
+    def wait_s(self, value: float) -> None:
+        delta = value - self.__dict__.get("wait_s", 0.0)
+        self.__dict__["wait_s"] = value
+        if delta > 0:
+            _marker(f"{WAIT_MARK}[{self.axis}]={delta:.9f}")
+
+
+class _MarkedCpCounter(_MarkedCounter):
+    axis = "cp"
+
+
+@contextmanager
+def _marked_counters(counter):
+    """The TSP counter (and a tsp_cp session's cp counter: TSPAndCpCounters) as _MarkedCounters while inside."""
+    pairs = [(getattr(counter, "tsp", counter), _MarkedCounter)]
+    if getattr(counter, "cp", None) is not None:
+        pairs.append((counter.cp, _MarkedCpCounter))
+    pairs = [(c, cls) for c, cls in pairs if type(c) is CommCounter]
+    for c, cls in pairs:
+        c.__class__ = cls
+    try:
+        yield
+    finally:
+        for c, _ in pairs:
+            c.__class__ = CommCounter
+
+
+def counted_work(nodes: list[_Node]) -> dict:
+    """layer type -> {"gemm_flops", "comm_bytes" (TSP group), "cp_bytes", "cp_wait_s"} of a profiled step: the GEMM
+    ops' FLOPs (FlopCounterMode's formulas over the recorded shapes) and the counters' markers, each charged to the
+    layer type of its nearest enclosing range."""
+    work = {layer: {"gemm_flops": 0, "comm_bytes": 0, "cp_bytes": 0, "cp_wait_s": 0.0} for layer in LAYER_TYPES}
+    for node in nodes:
+        if node.name in GEMM_FLOPS:
+            work[layer_of(node)]["gemm_flops"] += gemm_flops(node)
+        elif node.name.startswith(BYTES_MARK):
+            axis, value = node.name.split("[", 1)[1].split("]=")
+            work[layer_of(node)]["comm_bytes" if axis == "tsp" else "cp_bytes"] += int(value)
+        elif node.name.startswith(f"{WAIT_MARK}[cp]="):  # the TSP group's waits are the comm_wait phase already
+            work[layer_of(node)]["cp_wait_s"] += float(node.name.split("=", 1)[1])
+    return work
+
+
 def _main_thread_events(prof):
     """Events of the thread that ran the step (gloo's worker threads record their own spans)."""
     events = list(prof.events())
@@ -121,14 +223,16 @@ def _main_thread_events(prof):
 
 def profile_step(workload) -> dict:
     """Seconds per phase (and per layer type x phase) of one step of `workload` on this rank, its wall time and
-    the top ops by self time."""
+    the top ops by self time; for TSP also this rank's work per layer type ("work": counted_work, which the runner
+    sums over the ranks and sets against the minimum: ds_tsp.tools.bench.work.group_work)."""
     from torch.profiler import ProfilerActivity, profile
 
     counter = workload.tsp_counter
     if counter is not None:
         counter.reset()
+    marked = _marked_counters(counter) if counter is not None else nullcontext()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as prof:
+    with marked, profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=False) as prof:
         workload.step()
     wall = time.perf_counter() - start  # includes profiler overhead: the phases are shares of THIS step
     nodes = nest(_main_thread_events(prof))
@@ -145,6 +249,7 @@ def profile_step(workload) -> dict:
            "top_ops": [[name, round(s, 6)] for name, s in sorted(ops.items(), key=lambda kv: -kv[1])[:10]]}
     if counter is not None:
         out["counter_wait_s"] = float(counter.snapshot()["wait_s"])  # cross-check of blocked_s (TSP only)
+        out["work"] = counted_work(nodes)
     return out
 
 
@@ -171,8 +276,31 @@ def profile_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def work_table(results: list[dict]) -> str:
+    """Markdown: per profiled TSP (layout, S) and layer type, the counted GEMM FLOPs and bytes against the least
+    the layer type needs (ds_tsp.tools.bench.work), and the cp axis's bytes and waits."""
+    rows = [r for r in results if r.get("profile", {}).get("work")]
+    if not rows:
+        return ""
+
+    def num(v, scale, fmt):
+        return "-" if v is None else format(v / scale, fmt)
+
+    lines = ["| layout | S | D | layer type | GFLOP | min GFLOP | FLOPs / min | MiB | min MiB | bytes / min | "
+             "cp MiB | cp wait s |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        label = r.get("label") or r["layout"]
+        for layer, w in r["profile"]["work"].items():
+            lines.append(f"| {label} | {r['seq']} | {r.get('tsp')} | {layer} | {num(w['gemm_flops'], 1e9, '.3f')} | "
+                         f"{num(w['min_gemm_flops'], 1e9, '.3f')} | {num(w['flops_over_min'], 1, '.3f')} | "
+                         f"{num(w['comm_bytes'], 2 ** 20, '.2f')} | {num(w['min_comm_bytes'], 2 ** 20, '.2f')} | "
+                         f"{num(w['bytes_over_min'], 1, '.3f')} | {num(w['cp_bytes'], 2 ** 20, '.2f')} | "
+                         f"{w['cp_wait_s']:.3f} |")
+    return "\n".join(lines)
+
+
 def append_profile(md_path: str, results: list[dict]) -> None:
-    """Add the profile table to a run's results.md."""
+    """Add the profile table (and TSP's work against the minimum) to a run's results.md."""
     table = profile_table(results)
     if table:
         with open(md_path, "a") as f:
@@ -180,3 +308,16 @@ def append_profile(md_path: str, results: list[dict]) -> None:
                     "One extra step per layout and S under torch.profiler, the slowest rank's; TSP rows are also "
                     "split by layer type. See ds_tsp/tools/bench/profile.py for what each phase counts.\n\n"
                     + table + "\n")
+    work = work_table(results)
+    if work:
+        with open(md_path, "a") as f:
+            f.write("\n## Profile: work per layer type against the minimum (TSP, all ranks summed)\n\n"
+                    "Counted in the profiled step on every rank: GEMM FLOPs of every aten mm / addmm / bmm / baddbmm "
+                    "(and their in-place forms; FlopCounterMode's formulas over the recorded shapes) and the "
+                    "CommCounter's bytes (TSP group; cp axis apart, with its waits), each charged to the enclosing "
+                    "layer type. min: the least forward + backward with nothing recomputed, and the bytes the "
+                    "schedule needs (ds_tsp/tools/bench/work.py); '-' where no closed form is given. The memory-"
+                    "optimal mode's documented recomputes show as FLOPs / min = 22/18 = 1.222 for the gated MLP and "
+                    "the experts (gate/up again), above 1 for attention (q/k/v again: 1.25 with as many kv heads as "
+                    "heads) and 8/6 = 1.333 for the vocab "
+                    "(the logits rebuilt per tile).\n\n" + work + "\n")

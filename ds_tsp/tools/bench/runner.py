@@ -128,7 +128,12 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         result["vision_tower"] = peak_rank["vision_tower"]
         result["vision_tower_ranks"] = [r["vision_tower"] for r in ranks]
     if "profile" in ranks[0]:  # the slowest rank's profile: a step takes as long as its slowest rank
-        result["profile"] = max((r["profile"] for r in ranks), key=lambda p: p["wall_s"])
+        result["profile"] = dict(max((r["profile"] for r in ranks), key=lambda p: p["wall_s"]))
+        if "work" in ranks[0]["profile"]:  # the whole group's counted work (the rows an owner runs vary by rank)
+            from ds_tsp.tools.bench.work import group_work
+
+            result["profile"]["work"] = group_work(cfg, seq, [r["profile"]["work"] for r in ranks],
+                                                   result.get("tsp_options") or {})
     if "tsp_comm_bytes" in ranks[0]:
         # TSP's own counter: the same logical convention, counted on every timed step (deterministic per step).
         result["comm_bytes"] = max(r["tsp_comm_bytes"][-1] for r in ranks)
@@ -151,7 +156,7 @@ def failure(cfg: BenchConfig, seq: int, error: str) -> dict:
 
 def _moe_fields(cfg: BenchConfig) -> dict:
     """An MoE run's schedule, and its label and title naming it (one layout measured under several schedules)."""
-    if not cfg.shape.num_experts:
+    if not cfg.runs_moe_dispatch:
         return {}
     return {"moe_dispatch": cfg.moe_dispatch, "label": cfg.label, "title": f"{cfg.spec.title} ({cfg.moe_dispatch})"}
 

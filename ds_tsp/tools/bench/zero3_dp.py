@@ -2,8 +2,9 @@
 running a WHOLE sequence of S tokens (its own sample), no sequence parallelism.
 
 It runs any model the bench builds from the shape (ds_tsp.tools.bench.common.build_hf_model: HF Llama / Qwen2, or,
-for a hybrid --hf-config, transformers' Qwen3.5 / Qwen3-Next with its Gated DeltaNet layers), which is why it is the
-hybrid models' peer: DeepSpeed's Ulysses wraps the attention function only (ds_tsp.tools.bench.hybrid says why it
+for a hybrid --hf-config, transformers' Qwen3.5 / Qwen3-Next with its Gated DeltaNet layers; for a mixture-of-experts
+one, transformers' Qwen3-MoE / Mixtral with its own experts), which is why it is the hybrid and MoE models' peer:
+DeepSpeed's Ulysses wraps the attention function only (ds_tsp.tools.bench.hybrid says why it
 cannot run a Gated DeltaNet layer). ZeRO-3 partitions params, grads and optimizer state 1/D and gathers each layer's
 weights when used; activations are the full sequence's on every rank (O(S) per rank against TSP's O(S/D)).
 tokens_per_step = D x B x S (every rank its own sample): compare tokens/s, and per-rank peak at the same S.

@@ -82,34 +82,40 @@ class MoEAllToAll(torch.autograd.Function):
         in_splits, out_splits = ctx.splits
         h, k = spec.hidden, spec.top_k
         tok = torch.div(order, k, rounding_mode="floor")
-        w_sorted = top_w.reshape(-1)[order]
-        parts = ([] if kept else [x2d[tok]]) + [dy[tok], w_sorted[:, None]]
-        send = torch.cat(parts, dim=1)
-        del parts  # the row gathers: only the send buffer travels
+        # the rows gathered straight into their columns of the send buffer (x rows unless kept, dy rows, the
+        # routing weight): one pass, no gathered parts concatenated
+        send = dy.new_empty((order.numel(), (h if kept else 2 * h) + 1))
+        if not kept:
+            torch.index_select(x2d, 0, tok, out=send[:, :h])
+        torch.index_select(dy, 0, tok, out=send[:, -1 - h:-1])
+        torch.index_select(top_w.reshape(-1), 0, order, out=send[:, -1])
         recv = send.new_empty((perm.numel(), send.shape[1]))
         comm.all_to_all(recv, send, out_splits, in_splits, what="moe backward rows").wait()
         del send
         got = recv[perm]
         del recv
+        # contiguous operands: the grouped kernels need aligned row strides, and both paths then run the same
+        # GEMMs on the same layout (their results agree to the bit, tests/moe/test_moe_core.py)
         if kept:
             rows, gu = kept
-            dy_rows, w_rows = got[:, :h].contiguous(), got[:, h].contiguous()
         else:
             rows, gu = got[:, :h].contiguous(), None
-            dy_rows, w_rows = got[:, h:2 * h].contiguous(), got[:, 2 * h].contiguous()
+        dy_rows, w_rows = got[:, -1 - h:-1].contiguous(), got[:, -1].contiguous()
         del got  # nothing views it any more: the received rows are freed before the expert GEMMs
         need_w = ctx.needs_input_grad[3]
         w = spec.layout.unpack(experts_shard)
-        drows, dw, grads = experts_backward(rows, dy_rows, w_rows, w, ctx.groups, spec.glu, projections=gu,
-                                            need_weight_grad=need_w)
+        grad_shard = experts_shard.new_empty(experts_shard.shape) if need_w else None  # written whole, in place
+        drows, dw, _ = experts_backward(rows, dy_rows, w_rows, w, ctx.groups, spec.glu, projections=gu,
+                                        need_weight_grad=need_w,
+                                        grad_into=spec.layout.unpack(grad_shard) if need_w else None)
         del rows, dy_rows
-        ret = torch.cat([drows, dw[:, None]], dim=1)
-        ret_arrived = torch.empty_like(ret).index_copy_(0, perm, ret)
-        del ret
+        ret_arrived = drows.new_empty((perm.numel(), h + 1))  # d rows and d weights back in arrival order
+        ret_arrived[:, :h].index_copy_(0, perm, drows)
+        ret_arrived[:, h].index_copy_(0, perm, dw)
+        del drows, dw
         back = ret_arrived.new_empty((order.numel(), h + 1))
         comm.all_to_all(back, ret_arrived, in_splits, out_splits, what="moe backward row grads").wait()
         del ret_arrived
         dx = torch.zeros_like(x2d).index_add_(0, tok, back[:, :h])
-        dw_flat = torch.zeros_like(w_sorted).index_copy_(0, order, back[:, h])
-        grad_shard = spec.layout.pack(grads) if need_w else None
+        dw_flat = torch.empty_like(top_w.reshape(-1)).index_copy_(0, order, back[:, h])  # order: a permutation
         return dx, dw_flat.view_as(top_w), None, grad_shard, None, None, None

@@ -97,8 +97,12 @@ class ExpertGLU:
         gate, up = self.split(gu)
         if self.activation == "silu":
             silu_gate = F.silu(gate)
-            # aten's fused silu_backward, as in the dense MLP
-            return silu_gate * up, torch.cat([torch.ops.aten.silu_backward(dact * up, gate), dact * silu_gate], 1)
+            # aten's fused silu_backward, as in the dense MLP; both halves written straight into d gu (no cat)
+            dgu = gu.new_empty(gu.shape)
+            f = gate.shape[1]
+            torch.ops.aten.silu_backward.grad_input(dact * up, gate, grad_input=dgu[:, :f])
+            torch.mul(dact, silu_gate, out=dgu[:, f:])
+            return silu_gate * up, dgu
         gc, uc = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         sig = torch.sigmoid(gc * self.alpha)
         glu = gc * sig
@@ -132,23 +136,38 @@ def experts_forward(rows: torch.Tensor, w: dict, groups: Groups, glu: ExpertGLU 
         if b_down is not None:
             out = out + b_down[experts]
         return out, (gu if keep_projections else None)
-    out = torch.zeros_like(rows)
-    gu_all = rows.new_zeros((rows.shape[0], 2 * f)) if keep_projections else None
+    _check_covered(groups, rows)
+    # every row belongs to one expert, so each GEMM writes its rows' slice of the outputs in place (out=): no
+    # zero-filled buffer, no per-expert result copied into it
+    out = rows.new_empty(rows.shape)
+    gu_all = rows.new_empty((rows.shape[0], 2 * f)) if keep_projections else None
     for j, a, b in _bounds(groups):
-        gu = F.linear(rows[a:b], gate_up[j], None if b_gu is None else b_gu[j])
-        out[a:b] = F.linear(glu.forward(gu), down[j], None if b_down is None else b_down[j])
-        if keep_projections:
-            gu_all[a:b] = gu
+        gu = torch.mm(rows[a:b], gate_up[j].t(), out=gu_all[a:b] if keep_projections else None)
+        if b_gu is not None:
+            gu += b_gu[j]
+        torch.mm(glu.forward(gu), down[j].t(), out=out[a:b])
+        if b_down is not None:
+            out[a:b] += b_down[j]
     return out, gu_all
+
+
+def _check_covered(groups: list, rows: torch.Tensor) -> None:
+    """The loop path writes each expert's rows in place: the host counts must cover the rows exactly (no row left
+    unwritten), as the callers size them."""
+    if sum(groups) != rows.shape[0]:
+        raise ValueError(f"expert row counts sum to {sum(groups)}, rows are {rows.shape[0]}: each row must belong to "
+                         "exactly one expert")
 
 
 def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.Tensor, w: dict, groups: Groups,
                      glu: ExpertGLU = ExpertGLU(), *, projections: torch.Tensor | None = None,
-                     need_weight_grad: bool = True):
+                     need_weight_grad: bool = True, grad_into: dict | None = None):
     """Backward of out_row * weight_row, recomputing the activations (unless `projections` kept them).
 
     rows [M, h], dy_rows [M, h] (the layer's output grad at each row's token), weights [M] (routing weights), w as
     experts_forward's. Returns (d rows [M, h], d weights [M], {name of w: its grad} or None if not need_weight_grad).
+    grad_into: {name of w: a tensor of its shape} (the views of a packed grad buffer, PackedLayout.unpack) that the
+    weight grads are written into, every element (the loop path's GEMMs write there directly), and returned.
     """
     gate_up, down = w["gate_up"], w["down"]
     b_gu, b_down = w.get("gate_up_bias"), w.get("down_bias")
@@ -175,22 +194,38 @@ def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.T
         if biased:
             grads["gate_up_bias"] = torch.zeros_like(b_gu).index_add_(0, experts, dgu)
             grads["down_bias"] = torch.zeros_like(b_down).index_add_(0, experts, dy_w)
+        if grad_into is not None:
+            for name, g_w in grads.items():
+                grad_into[name].copy_(g_w)
+            grads = grad_into
         return drows, dw, grads
-    drows = torch.zeros_like(rows)
-    dw = rows.new_zeros(rows.shape[0])
-    grads = {name: torch.zeros_like(t) for name, t in w.items()} if need_weight_grad else None
+    _check_covered(groups, rows)
+    # in place, like experts_forward: each expert's GEMMs write its rows of d rows and its slice of the weight grads
+    drows = rows.new_empty(rows.shape)
+    dw = rows.new_empty(rows.shape[0])
+    grads = None
+    if need_weight_grad:
+        grads = grad_into if grad_into is not None else {name: torch.empty_like(t) for name, t in w.items()}
+        hit = {j for j, _, _ in _bounds(groups)}
+        for j in range(len(groups)):
+            if j not in hit:  # no row met expert j: its grads are zero
+                for g_w in grads.values():
+                    g_w[j].zero_()
     for j, a, b in _bounds(groups):
         x_j, dy_j, w_j = rows[a:b], dy_rows[a:b], weights[a:b, None]
         gu = (projections[a:b] if projections is not None
               else F.linear(x_j, gate_up[j], b_gu[j] if biased else None))
         g = dy_j @ down[j]
         act, dgu = glu.backward(g * w_j, gu)
-        dw[a:b] = (g * act).sum(-1) if not biased else (g * act).sum(-1) + dy_j @ b_down[j]
-        drows[a:b] = dgu @ gate_up[j]
+        torch.sum(g * act, -1, out=dw[a:b])
+        if biased:
+            dw[a:b] += dy_j @ b_down[j]
+        torch.mm(dgu, gate_up[j], out=drows[a:b])
         if need_weight_grad:
-            grads["gate_up"][j] = dgu.t() @ x_j
-            grads["down"][j] = (dy_j * w_j).t() @ act
+            dy_wj = dy_j * w_j
+            torch.mm(dgu.t(), x_j, out=grads["gate_up"][j])
+            torch.mm(dy_wj.t(), act, out=grads["down"][j])
             if biased:
-                grads["gate_up_bias"][j] = dgu.sum(0)
-                grads["down_bias"][j] = (dy_j * w_j).sum(0)
+                torch.sum(dgu, 0, out=grads["gate_up_bias"][j])
+                torch.sum(dy_wj, 0, out=grads["down_bias"][j])
     return drows, dw, grads

@@ -119,12 +119,14 @@ class MoERing(torch.autograd.Function):
             if not rows.numel():  # as in forward: nothing routed to owner's experts, a zero grad contribution
                 return torch.zeros_like(shard) if need_w else None
             tok = plan.tokens(rows)
-            drows, dw, grads = experts_backward(
+            grad = shard.new_empty(shard.shape) if need_w else None  # the expert GEMMs write it, every element
+            drows, dw, _ = experts_backward(
                 x2d[tok], dy[tok], w_flat[rows], w, groups, spec.glu,
-                projections=None if spec.recompute_projections else next(kept), need_weight_grad=need_w)
+                projections=None if spec.recompute_projections else next(kept), need_weight_grad=need_w,
+                grad_into=spec.layout.unpack(grad) if need_w else None)
             dx.index_add_(0, tok, drows)
             dw_flat.index_add_(0, rows, dw)
-            return spec.layout.pack(grads) if need_w else None
+            return grad
 
         if need_w:
             grad_shard = ring_backward(ctx.comm, experts_shard, step)
