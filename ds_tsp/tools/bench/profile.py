@@ -301,23 +301,21 @@ def work_table(results: list[dict]) -> str:
 
 def append_profile(md_path: str, results: list[dict]) -> None:
     """Add the profile table (and TSP's work against the minimum) to a run's results.md."""
-    table = profile_table(results)
-    if table:
-        with open(md_path, "a") as f:
-            f.write("\n## Profile: seconds (share of the profiled step) per phase\n\n"
-                    "One extra step per layout and S under torch.profiler, the slowest rank's; TSP rows are also "
-                    "split by layer type. See ds_tsp/tools/bench/profile.py for what each phase counts.\n\n"
-                    + table + "\n")
-    work = work_table(results)
-    if work:
-        with open(md_path, "a") as f:
-            f.write("\n## Profile: work per layer type against the minimum (TSP, all ranks summed)\n\n"
-                    "Counted in the profiled step on every rank: GEMM FLOPs of every aten mm / addmm / bmm / baddbmm "
-                    "(and their in-place forms; FlopCounterMode's formulas over the recorded shapes) and the "
-                    "CommCounter's bytes (TSP group; cp axis apart, with its waits), each charged to the enclosing "
-                    "layer type. min: the least forward + backward with nothing recomputed, and the bytes the "
-                    "schedule needs (ds_tsp/tools/bench/work.py); '-' where no closed form is given. The memory-"
-                    "optimal mode's documented recomputes show as FLOPs / min = 22/18 = 1.222 for the gated MLP and "
-                    "the experts (gate/up again), above 1 for attention (q/k/v again: 1.25 with as many kv heads as "
-                    "heads) and 8/6 = 1.333 for the vocab "
-                    "(the logits rebuilt per tile).\n\n" + work + "\n")
+    def section(title: str, intro: str, table: str) -> None:
+        if table:
+            with open(md_path, "a") as f:
+                f.write(f"\n## Profile: {title}\n\n{intro}\n\n{table}\n")
+
+    section("seconds (share of the profiled step) per phase",
+            "One extra step per layout and S under torch.profiler, the slowest rank's; TSP rows are also split by "
+            "layer type. See ds_tsp/tools/bench/profile.py for what each phase counts.", profile_table(results))
+    section("work per layer type against the minimum (TSP, all ranks summed)",
+            "Counted in the profiled step on every rank: GEMM FLOPs of every aten mm / addmm / bmm / baddbmm "
+            "(and their in-place forms; FlopCounterMode's formulas over the recorded shapes) and the "
+            "CommCounter's bytes (TSP group; cp axis apart, with its waits), each charged to the enclosing "
+            "layer type. min: the least forward + backward with nothing recomputed, and the bytes the "
+            "schedule needs (ds_tsp/tools/bench/work.py); '-' where no closed form is given. The memory-"
+            "optimal mode's documented recomputes show as FLOPs / min = 22/18 = 1.222 for the gated MLP and "
+            "the experts (gate/up again), above 1 for attention (q/k/v again: 1.25 with as many kv heads as "
+            "heads) and 8/6 = 1.333 for the vocab "
+            "(the logits rebuilt per tile).", work_table(results))
