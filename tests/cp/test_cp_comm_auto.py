@@ -125,6 +125,13 @@ def test_cost_is_the_plans_inter_node_bytes(index):
         assert auto.cp["inter_node_bytes_per_step"] == plans[want].cp["inter_node_bytes_per_step"]
         assert auto.cp["cp_comm_auto"]["per_layer"]["ring"]["bytes"] * layers + check == \
             plans["ring"].cp["inter_node_bytes_per_step"]
+        # the decision weighs the all-to-all's exposed time as the plan reports it (its exchanges pipelined)
+        exposed = auto.cp["cp_comm_auto"]["per_layer"]["all_to_all"]
+        if exposed is not None:
+            assert exposed["exposed_seconds"] < exposed["seconds"]
+            check_s = check / (plans["all_to_all"].cp["inter_node_gbps"] * 1e9 / 8)  # the input check waits too
+            assert exposed["exposed_seconds"] * layers + check_s == pytest.approx(
+                plans["all_to_all"].cp["cp_all_to_all_exposed_seconds_per_step"], rel=1e-2)
 
 
 def test_plan_cli_auto(capsys):

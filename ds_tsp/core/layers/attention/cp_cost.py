@@ -15,8 +15,10 @@ check's fixed gather, which both schedules pay alike):
 The cost "auto" minimises is the EXPOSED inter-node time per layer at the plan's hardware defaults (INTER_NODE_GBPS
 per GPU, GPU_TFLOPS of attention; ds-tsp plan uses the same): the ring's hops run behind the attention of the block
 before them (D (C-1) hops of c = S/(2CD) queries x S/C keys x nq_b heads, 4 c (S/C) nq_b d FLOPs each forward, 2.5x
-that backward, once more recomputed), so only its transfer time beyond that attention shows; the all-to-alls wait
-(each block's q / out exchange brackets its attention), so all their time shows. Ties take the ring. Bytes grow with
+that backward, once more recomputed), so only its transfer time beyond that attention shows; the all-to-alls are
+pipelined one block ahead (cp_all_to_all), so per pass their fill and drain show in full and the rest only where it
+outlasts D-1 of the D blocks' attention (ds-tsp plan's cp_all_to_all_exposed_seconds_per_step alike). Ties take
+the ring. Bytes grow with
 B S for both schedules and the ring's cover with B S^2, so the batch cancels and the answer depends on the sequence
 length: "auto" is resolved per forward from the batch's shape (the same on every rank, shapes and config only),
 and `ring_from_seq` gives the length from which the ring is chosen (the model logs it once at build).
@@ -96,6 +98,41 @@ def all_to_all_bytes_per_layer(s: CPLayerShape, seq: int, batch: int = 1) -> int
     return fwd * (2 if s.activation_checkpointing else 1) + bwd
 
 
+def all_to_all_exposed_seconds_per_layer(s: CPLayerShape, seq: int, batch: int = 1, *,
+                                         inter_node_gbps: float = INTER_NODE_GBPS,
+                                         gpu_tflops: float = GPU_TFLOPS) -> float | None:
+    """One rank's cp all-to-all seconds per layer not hidden behind attention (forward + backward, the forward
+    again under activation checkpointing); None where the heads do not split over cp. Per pass, each exchange's
+    first call (the q + out exchange's first two: the pipeline's fill and drain) waits in full; the others travel
+    behind the blocks' attention and show only where they outlast D-1 of its D blocks."""
+    D, C, b, d = s.tsp, s.cp, s.dtype_bytes, s.head_dim
+    if C == 1:
+        return 0.0
+    if not s.splits_over_cp():
+        return None
+    nq, nkv = s.heads_per_block // C, max(s.kv_heads_per_block // C, 1)
+    L, groups = seq // (C * D), D // s.kv_replicas
+    kv = _gather(C * batch * L * 2 * nkv * d * b, C)  # one call's bytes, as all_to_all_bytes_per_layer counts
+    q = _gather(C * batch * L * nq * d * b, C)
+    q3 = _gather(3 * C * batch * L * nq * d * b, C)
+    lse = _gather(C * batch * nq * L * (8 if b == 8 else 4), C)
+    regather = 0 if s.keep_gathered_kv else groups
+    # (bytes per call, calls, calls that wait in full)
+    forward = ((kv, groups, 1), (q, 2 * D, 2), (lse, D, 1))
+    backward = ((kv, regather, 1), (q3, D, 1), (lse, D, 1), (q, D, 1), (kv, groups, 1))
+    per_s = inter_node_gbps * 1e9 / 8
+    forward_attention = 2 * batch * seq * seq * s.heads_per_block * d / C / (gpu_tflops * 1e12)
+
+    def exposed(terms, attention: float) -> float:
+        waiting = sum(size * min(k, calls) for size, calls, k in terms)
+        behind = sum(size * (calls - min(k, calls)) for size, calls, k in terms)
+        return waiting / per_s + max(behind / per_s - attention * (D - 1) / D, 0.0)
+
+    once = exposed(forward, forward_attention)
+    return (once * (2 if s.activation_checkpointing else 1)
+            + exposed(backward, forward_attention * ATTENTION_BACKWARD_FLOPS))
+
+
 def ring_cover_flops_per_layer(s: CPLayerShape, seq: int, batch: int = 1) -> int:
     """Attention FLOPs per layer (forward + backward) the ring's hops run behind: D (C-1) hops, each behind one
     block's c = S/(2CD) queries x S/C keys."""
@@ -114,9 +151,11 @@ def cp_costs(s: CPLayerShape, seq: int, batch: int = 1, *, inter_node_gbps: floa
     per_s = inter_node_gbps * 1e9 / 8
     ring, a2a = ring_bytes_per_layer(s, seq, batch), all_to_all_bytes_per_layer(s, seq, batch)
     cover = ring_cover_flops_per_layer(s, seq, batch) / (gpu_tflops * 1e12)
+    a2a_exposed = all_to_all_exposed_seconds_per_layer(s, seq, batch, inter_node_gbps=inter_node_gbps,
+                                                       gpu_tflops=gpu_tflops)
     return {"ring": {"bytes": ring, "seconds": ring / per_s, "exposed_seconds": max(ring / per_s - cover, 0.0)},
             "all_to_all": (None if a2a is None else
-                           {"bytes": a2a, "seconds": a2a / per_s, "exposed_seconds": a2a / per_s}),
+                           {"bytes": a2a, "seconds": a2a / per_s, "exposed_seconds": a2a_exposed}),
             "attention_seconds": cover, "inter_node_gbps": inter_node_gbps, "gpu_tflops": gpu_tflops}
 
 
