@@ -226,12 +226,17 @@ def _block_norms(norms: ProjectionNorms | None, q_norm, k_norm):
     return (lambda j: norms.block("q", j)), (lambda g: norms.block("k", g))
 
 
+def _finish_q(raw, cos, sin, q_norm, q_scale, spec: AttentionSpec):
+    """q normed, roped and scaled per position (q_scale [B, L, 1, 1] or None) from its raw projection."""
+    q = apply_rope(_norm(raw, q_norm, spec), cos, sin)
+    return q if q_scale is None else q * q_scale
+
+
 def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None, q_scale=None):
-    """(q normed, roped and scaled per position (q_scale [B, L, 1, 1] or None) [B, L, nq, d], the output gate or
-    None)."""
-    q, gate = _raw_q_and_gate(x, w, spec)
-    q = apply_rope(_norm(q, q_norm, spec), cos, sin)
-    return (q if q_scale is None else q * q_scale), gate
+    """(q normed, roped and scaled per position [B, L, nq, d], the output gate or None, the raw projection when a
+    q norm reads it in backward or None)."""
+    raw, gate = _raw_q_and_gate(x, w, spec)
+    return _finish_q(raw, cos, sin, q_norm, q_scale, spec), gate, (raw if q_norm is not None else None)
 
 
 def _gate_forward(out, gate):
@@ -254,14 +259,21 @@ def _raw_v(x, w, spec: AttentionSpec):
     return F.linear(x, w["wv"], w.get("bv")).view(B, L, spec.kv_heads_per_block, spec.head_dim)
 
 
-def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
+def _project_kv_and_raw(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
     """This rank's K (normed, roped) and V (normed without a weight under value_norm_eps) of one kv head block,
-    chunk-major for the gather: [2, c, B, 2, nkv, d]."""
-    k = apply_rope(_norm(_raw_k(x, w, spec), k_norm, spec), cos, sin)
-    v = _raw_v(x, w, spec)
+    chunk-major for the gather: [2, c, B, 2, nkv, d]; and the raw (k, v) projections that a k norm / the v norm
+    read in backward (None where no norm reads them)."""
+    raw_k = _raw_k(x, w, spec)
+    k = apply_rope(_norm(raw_k, k_norm, spec), cos, sin)
+    raw_v = v = raw_k if spec.values_from_keys else _raw_v(x, w, spec)
     if spec.value_norm_eps is not None:
         v = rms_norm(v, None, spec.value_norm_eps)
-    return local_kv(k, v)
+    return local_kv(k, v), (raw_k if k_norm is not None else None,
+                            raw_v if spec.value_norm_eps is not None else None)
+
+
+def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
+    return _project_kv_and_raw(x, w, spec, cos, sin, k_norm)[0]
 
 
 def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
@@ -326,15 +338,16 @@ class _TSPAttention(torch.autograd.Function):
 
         def post_q(j: int, w):
             """(q, gate, q's cp all-to-all posted) of block j: under the all-to-all schedule a block ahead."""
-            q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
-            return q, gate, post_queries(q, comm)
+            q, gate, raw = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
+            return q, gate, raw, post_queries(q, comm)
 
-        def finish(w, out, lses, q, gate):
-            """The block's sinks, gate and wo into y; what backward reads of it saved."""
+        def finish(w, out, lses, q, gate, raw_q):
+            """The block's sinks, gate and wo into y; what backward reads of it saved (the speed mode's q: the raw
+            projection when a q norm reads that in backward, normed and roped again there without a GEMM)."""
             if spec.sinks:  # on the merged (out, lse) of every path (attention.sinks)
                 out = sinks_forward(out, torch.cat(lses, dim=2), w["sinks"])
             y.add_(F.linear(_gate_forward(out, gate).reshape(B, L, -1), w["wo"]))
-            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q, "gate": gate}
+            block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q if raw_q is None else raw_q, "gate": gate}
             saved_blocks.extend(block[name] for name in spec.saved_per_block())
 
         kv_local = group_kv(0, lambda: shards.take(0))
@@ -350,10 +363,10 @@ class _TSPAttention(torch.autograd.Function):
                 next_local = group_kv(j // spec.kv_replicas + 1, lambda: shards.take(j + 1))
                 next_gather = _kv_gather(comm, next_local, spec)
             if a2a:  # block j+1's q travels to the cp ranks while this block's attention runs
-                q, gate, sent_q = ahead
+                q, gate, raw_q, sent_q = ahead
                 ahead = post_q(j + 1, spec.layout.unpack(shards.take(j + 1))) if j + 1 < D else None
             else:
-                q, gate = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
+                q, gate, raw_q = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
             if first:
                 kv_all = gather.wait()
                 if spec.kv_role == "export":
@@ -364,9 +377,9 @@ class _TSPAttention(torch.autograd.Function):
                 sent_out = a2a_attention_forward(sent_q, kv_all, comm, _head_split(spec, comm), doc_starts=doc_starts,
                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
                 if behind is not None:  # the previous block's output came back while this attention ran
-                    w_prev, sent_prev, q_prev, gate_prev = behind
-                    finish(w_prev, *sent_prev.wait(), q_prev, gate_prev)
-                behind = w, sent_out, (None if spec.recompute_projections else q), gate
+                    w_prev, sent_prev, q_prev, gate_prev, raw_prev = behind
+                    finish(w_prev, *sent_prev.wait(), q_prev, gate_prev, raw_prev)
+                behind = w, sent_out, *((None, gate, None) if spec.recompute_projections else (q, gate, raw_q))
             else:
                 if comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
                     out, lses = cp_attention_forward(q, kv_all, comm, doc_starts=doc_starts, window=spec.window,
@@ -382,14 +395,14 @@ class _TSPAttention(torch.autograd.Function):
                         outs.append(o)
                         lses.append(lse)
                     out = torch.cat(outs, dim=1)
-                finish(w, out, lses, q, gate)
+                finish(w, out, lses, q, gate, raw_q)
             if last:  # memory-optimal: this group's gathered K/V is dropped; at most the next one is in flight
                 kv_all = kv_local = gather = None
                 if j + 1 < D:
                     kv_local, gather = next_local, next_gather
         if behind is not None:  # the last block's output
-            w_prev, sent_prev, q_prev, gate_prev = behind
-            finish(w_prev, *sent_prev.wait(), q_prev, gate_prev)
+            w_prev, sent_prev, q_prev, gate_prev, raw_prev = behind
+            finish(w_prev, *sent_prev.wait(), q_prev, gate_prev, raw_prev)
         ctx.spec, ctx.comm, ctx.doc_starts = spec, comm, doc_starts
         ctx.has_qk_norm, ctx.has_q_scale = q_norm is not None, q_scale is not None
         ctx.n_block_saved = len(saved_blocks)
@@ -435,18 +448,22 @@ class _TSPAttention(torch.autograd.Function):
                 norm_grads[key] = grad if norm_grads[key] is None else norm_grads[key] + grad
 
         def start_group(g: int, w):
-            """The kv group's gathered K/V: kept from forward, or re-gathered (posted now, waited on first use)."""
+            """(The kv group's gathered K/V: kept from forward, or re-gathered (posted now, waited on first use);
+            the raw (k, v) projections its norms' backward reads when they were projected again here, else
+            (None, None))."""
             group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
             if spec.keep_gathered_kv:
-                return group["kv_all"]
+                return group["kv_all"], (None, None)
             kv_local = kv_in[g] if kv_in is not None else group.get("kv_local")
-            return _kv_gather(comm, kv_local if kv_local is not None
-                              else _project_kv(x, w, spec, cos, sin, k_norm_of(g)), spec)
+            raws = (None, None)
+            if kv_local is None:
+                kv_local, raws = _project_kv_and_raw(x, w, spec, cos, sin, k_norm_of(g))
+            return _kv_gather(comm, kv_local, spec), raws
 
         def finish_group(pending):
             """A kv group's reduce-scattered dK/dV -> dx, its kv weight grads (into its last block's grad, which
             _kv_grads_to_group_leaders moves to the leader) and that block's reduce to its owner."""
-            dkv_local, scatter, w_kv, grads, j = pending
+            dkv_local, scatter, w_kv, grads, j, (raw_k, raw_v) = pending
             scatter.wait()
             if kv_in is not None:  # KV sharing: dK/dV go back to the layer that made them
                 dkv_in[j // spec.kv_replicas] = dkv_local
@@ -456,14 +473,22 @@ class _TSPAttention(torch.autograd.Function):
             if dkv_out is not None:  # the later layers' dK/dV of the K/V this layer exported
                 dkv_local = dkv_local + dkv_out[j // spec.kv_replicas]
             dv = local_from_chunks(dkv_local, 1)
-            if spec.value_norm_eps is not None:  # through the weightless v norm, from the recomputed raw v
-                dv = rms_norm_backward(dv, _raw_v(x, w_kv, spec), None, spec.value_norm_eps)[0]
+            # the raw projections the norms read: from start_group, or projected again, once (K/V saved)
+            raws = {"k": raw_k, "v": raw_k if spec.values_from_keys else raw_v}
+
+            def raw(name):
+                name = "k" if spec.values_from_keys else name
+                if raws[name] is None:
+                    raws[name] = (_raw_k if name == "k" else _raw_v)(x, w_kv, spec)
+                return raws[name]
+
+            if spec.value_norm_eps is not None:  # through the weightless v norm
+                dv = rms_norm_backward(dv, raw("v"), None, spec.value_norm_eps)[0]
             if deferred is not None:  # dk waits for every kv group's (projection_norm)
                 dk_normed = apply_rope_backward(local_from_chunks(dkv_local, 0), cos, sin)
-                deferred.add("k", j // spec.kv_replicas, dk_normed, _raw_k(x, w_kv, spec))
+                deferred.add("k", j // spec.kv_replicas, dk_normed, raw("k"))
             else:
-                dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm,
-                                     lambda: _raw_k(x, w_kv, spec), spec)
+                dk, dkn = _unproject(local_from_chunks(dkv_local, 0), cos, sin, k_norm, lambda: raw("k"), spec)
                 if spec.values_from_keys:  # v is k's raw projection: its grad joins k's
                     dk, dv = dk + dv, None
                 dk = dk.reshape(-1, w_kv["wk"].shape[0])
@@ -488,12 +513,17 @@ class _TSPAttention(torch.autograd.Function):
             return suffix_grad(spec.layout, grads) if deferred is not None else spec.layout.pack(grads)
 
         def prepare(j: int, w):
-            """Block j's (q, out, lses, dout, dgate, grads): dout through wo, the gate and the sinks, and the wo /
-            sinks grads."""
+            """Block j's (q, out, lses, dout, dgate, grads, raw q or None): dout through wo, the gate and the sinks,
+            the wo / sinks grads, and the raw q projection a q norm's backward reads (dq_tail)."""
             block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
             out, lses = block["out"], (block["lse0"], block["lse1"])
-            q, gate = ((block["q"], block.get("gate")) if "q" in block
-                       else _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale))
+            if "q" not in block:
+                q, gate, raw_q = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
+            elif q_norm_of(j) is not None:  # the raw projection was saved (finish in forward)
+                raw_q, gate = block["q"], block.get("gate")
+                q = _finish_q(raw_q, cos, sin, q_norm_of(j), q_scale, spec)
+            else:
+                q, gate, raw_q = block["q"], block.get("gate"), None
             dout, dgate = _gate_backward((dy2d @ w["wo"]).view_as(out), out, gate)
             if spec.sinks:  # out is the sinked output: the kernels take dout * g with it (attention.sinks)
                 dout, dsinks = sinks_backward(dout, out, torch.cat(lses, dim=2), w["sinks"])
@@ -501,23 +531,24 @@ class _TSPAttention(torch.autograd.Function):
             grads = {"wo": dy2d.t() @ gated.reshape(-1, out.shape[2] * out.shape[3])} if need_w else {}
             if need_w and spec.sinks:
                 grads["sinks"] = dsinks
-            return q, out, lses, dout, dgate, grads
+            return q, out, lses, dout, dgate, grads, raw_q
 
         def post_prepared(j: int, w):
             """All-to-all schedule: block j prepared and its q / out / dout / lse posted to the cp ranks."""
-            q, out, lses, dout, dgate, grads = prepare(j, w)
-            return post_grad_inputs(dout, q, out, lses, comm, _head_split(spec, comm)), dgate, grads
+            q, out, lses, dout, dgate, grads, raw_q = prepare(j, w)
+            return post_grad_inputs(dout, q, out, lses, comm, _head_split(spec, comm)), dgate, grads, raw_q
 
-        def dq_tail(j: int, w, dq_chunks, dgate, grads, last: bool):
+        def dq_tail(j: int, w, dq_chunks, dgate, grads, raw_q, last: bool):
             """Block j's dq -> dx and its wq grads; a block that is not its kv group's last is reduced to its owner
             (the last one is when its group's dK/dV are: finish_group)."""
             dq = torch.cat(dq_chunks, dim=1)
             if q_scale is not None:
                 dq = dq * q_scale
             if deferred is not None:  # dq waits for every block's (projection_norm)
-                deferred.add("q", j, apply_rope_backward(dq, cos, sin), _raw_q(x, w, spec))
+                deferred.add("q", j, apply_rope_backward(dq, cos, sin), _raw_q(x, w, spec) if raw_q is None else raw_q)
             else:
-                dq, dqn = _unproject(dq, cos, sin, q_norm, lambda: _raw_q(x, w, spec), spec)
+                dq, dqn = _unproject(dq, cos, sin, q_norm, lambda: _raw_q(x, w, spec) if raw_q is None else raw_q,
+                                     spec)
                 if dgate is not None:  # back to q_proj's [q, gate] rows per head
                     dq = torch.cat((dq, dgate), dim=-1)
                 dq = dq.reshape(-1, w["wq"].shape[0])
@@ -548,12 +579,13 @@ class _TSPAttention(torch.autograd.Function):
             if last and j + 1 < D:  # the next group's K/V travel while this block's attention backward runs
                 next_source = start_group(j // spec.kv_replicas + 1, spec.layout.unpack(shards.take(j + 1)))
             if a2a:  # block j+1's q / out / dout travel to the cp ranks while this block's attention backward runs
-                sent, dgate, grads = ahead
+                sent, dgate, grads, raw_q = ahead
                 ahead = post_prepared(j + 1, spec.layout.unpack(shards.take(j + 1))) if j + 1 < D else None
             else:
-                q, out, lses, dout, dgate, grads = prepare(j, w)
+                q, out, lses, dout, dgate, grads, raw_q = prepare(j, w)
             if first:
-                kv_all = kv_source if spec.keep_gathered_kv else kv_source.wait()
+                kv_all, group_raws = kv_source
+                kv_all = kv_all if spec.keep_gathered_kv else kv_all.wait()
                 kv_source = None
                 # summed over the group's blocks, scattered once (all-to-all: the whole sequence's of its cp heads)
                 dkv = (A2AKVGrad(kv_all, comm, _head_split(spec, comm), spec.kv_heads_per_block)
@@ -563,14 +595,14 @@ class _TSPAttention(torch.autograd.Function):
                                                  scale=spec.scale, backend=spec.kernel_backend)
                 del sent
                 if behind is not None:  # the previous block's dq came back while this attention backward ran
-                    j_prev, w_prev, sent_prev, dgate_prev, grads_prev, last_prev = behind
-                    dq_tail(j_prev, w_prev, sent_prev.wait(), dgate_prev, grads_prev, last_prev)
+                    j_prev, w_prev, sent_prev, dgate_prev, grads_prev, raw_prev, last_prev = behind
+                    dq_tail(j_prev, w_prev, sent_prev.wait(), dgate_prev, grads_prev, raw_prev, last_prev)
                 if pending is not None:  # the previous group's dK/dV: its TSP reduce-scatter ran behind this
                     pending[1].post()  # attention backward, its cp all-to-all goes behind the next one
                     if sent_kv is not None:
                         finish_group(sent_kv)
                     sent_kv, pending = pending, None
-                behind = j, w, sent_dq, dgate, grads, last
+                behind = j, w, sent_dq, dgate, grads, raw_q, last
             else:
                 if comm.cp is not None:  # and the other cp groups' dK/dV of this group's K/V come back around it
                     dq_chunks = cp_attention_backward(dout, q, kv_all, out, lses, dkv, comm, doc_starts=doc_starts,
@@ -589,16 +621,17 @@ class _TSPAttention(torch.autograd.Function):
                 if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
                     finish_group(pending)
                     pending = None
-                dq_tail(j, w, dq_chunks, dgate, grads, last)
+                dq_tail(j, w, dq_chunks, dgate, grads, raw_q, last)
             if last:
                 kv_all = None
                 dkv_local, scatter = dkv.scatter(comm)
-                pending, dkv = (dkv_local, scatter, w_kv, grads, j), None
+                pending, dkv = (dkv_local, scatter, w_kv, grads, j, group_raws), None
+                group_raws = None
                 if j + 1 < D:
                     kv_source = next_source
         if behind is not None:  # the last block's dq
-            j_prev, w_prev, sent_prev, dgate_prev, grads_prev, last_prev = behind
-            dq_tail(j_prev, w_prev, sent_prev.wait(), dgate_prev, grads_prev, last_prev)
+            j_prev, w_prev, sent_prev, dgate_prev, grads_prev, raw_prev, last_prev = behind
+            dq_tail(j_prev, w_prev, sent_prev.wait(), dgate_prev, grads_prev, raw_prev, last_prev)
         if sent_kv is not None:  # the last group's dK/dV set off before the one ahead of it is finished
             pending[1].post()
             finish_group(sent_kv)
