@@ -1,6 +1,7 @@
 """The attention's overlap schedule (the table in ds_tsp.core.layers.attention.tsp_attention's docstring) as posted: the
 recorded op order of one forward + backward equals the order the table gives, weights ride their own channel,
-and the replay under NCCL's rules (tests/helpers/nccl_rules.py) finds no deadlock and one launch order on every rank.
+and the replay under NCCL's rules (tests/helpers/nccl_rules.py) finds no deadlock and one launch order on every rank;
+a kv group's dK/dV reduce-scatter is out before its last block's dq tail runs.
 Also the checker's cross-channel rule on hand-written ops. One 4-rank run covers D=2 (ranks 0, 1) and D=4."""
 from __future__ import annotations
 
@@ -66,9 +67,22 @@ def _run_case(D, replicas, weights, group, weight_group):
     x = torch.randn(1, L, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     positions = torch.arange(comm.rank * L, (comm.rank + 1) * L)[None]  # any positions: only the order matters here
     cos, sin = rope_cos_sin(positions, 4, 10000.0, torch.float64)
-    with comm.recording() as rec:
-        tsp_attention(x, shard, cos, sin, spec, comm).pow(2).sum().backward()
-    return rec.ops
+    import ds_tsp.core.layers.attention.tsp_attention as attention
+
+    real, tails = attention._unproject, []
+
+    def spy(d_roped, *args):  # backward's q grads (heads_per_block heads; k's have kv_heads_per_block)
+        if d_roped.shape[2] == spec.heads_per_block:
+            tails.append(len(rec.ops))  # how many ops were posted when block len(tails)'s dq tail ran
+        return real(d_roped, *args)
+
+    attention._unproject = spy
+    try:
+        with comm.recording() as rec:
+            tsp_attention(x, shard, cos, sin, spec, comm).pow(2).sum().backward()
+    finally:
+        attention._unproject = real
+    return rec.ops, tails
 
 
 def _record_all():
@@ -87,7 +101,7 @@ def recorded():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"D{c[0]}-kvrep{c[1]}-{'weights' if c[2] else 'one_channel'}")
 def test_post_order_matches_the_schedule_table(recorded, case):
     D, replicas, weights = case
-    per_rank = {r: recorded[r][case] for r in GROUPS[D]}
+    per_rank = {r: recorded[r][case][0] for r in GROUPS[D]}
     want = expected_order(D, replicas)
     if not weights:
         want = [(kind, "tsp", what) for kind, _, what in want]
@@ -95,6 +109,21 @@ def test_post_order_matches_the_schedule_table(recorded, case):
         assert [(o["kind"], o["channel"], o["what"]) for o in ops] == want, r
     report = check(per_rank)
     assert report.ok and report.completed == report.total, str(report)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"D{c[0]}-kvrep{c[1]}-{'weights' if c[2] else 'one_channel'}")
+def test_a_groups_dkdv_scatter_travels_behind_its_last_blocks_dq_tail(recorded, case):
+    """The last block of a kv group posts the group's dK/dV reduce-scatter as soon as its attention backward is
+    done, before its dq tail (dx and the wq grad) runs, and no block's tail runs before its group's scatter."""
+    D, replicas, _ = case
+    ops, tails = recorded[GROUPS[D][0]][case]
+    scatters = [i for i, o in enumerate(ops) if o["kind"] == "reduce_scatter"]
+    assert len(tails) == D and len(scatters) == D // replicas
+    for j, posted_before_tail in enumerate(tails):
+        if j % replicas == replicas - 1:  # the group's last block: its scatter is already out
+            assert scatters[j // replicas] < posted_before_tail, (j, scatters, tails)
+        else:
+            assert posted_before_tail <= scatters[j // replicas], (j, scatters, tails)
 
 
 def test_a_different_channel_interleaving_is_reported():

@@ -61,9 +61,10 @@ g(j) is block j's kv group; "next group" is g(j)+1, whose first block is j+1 whe
 |                                       | j+1, taken early)                         |         | its q projection   |
 | backward: same three rows (re-broadcast, re-gather unless keep_gathered_kv)  | | | |
 | backward: j last of its group, after  | dK/dV reduce-scatter of group g(j)        | tsp     | block j+1 after    |
-| its attention backward                |                                           |         | ITS attention      |
-|                                       |                                           |         | backward (end of   |
-|                                       |                                           |         | loop for the last) |
+| its attention backward, before its dq |                                           |         | ITS attention      |
+| tail (dx, wq grad)                    |                                           |         | backward (after    |
+|                                       |                                           |         | the loop for the   |
+|                                       |                                           |         | last)              |
 | backward: once block j's grads        | reduce of block j's packed grad to owner  | weights | 2 reduces later,   |
 | are whole                             | j (last block of a group: when the        |         | or at the end      |
 |                                       | scatter is consumed)                      |         |                    |
@@ -621,10 +622,12 @@ class _TSPAttention(torch.autograd.Function):
                 if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
                     finish_group(pending)
                     pending = None
+                if last:  # the group's dK/dV are whole: their reduce-scatter travels behind this block's dq tail
+                    scattered = dkv.scatter(comm)
                 dq_tail(j, w, dq_chunks, dgate, grads, raw_q, last)
             if last:
                 kv_all = None
-                dkv_local, scatter = dkv.scatter(comm)
+                dkv_local, scatter = dkv.scatter(comm) if a2a else scattered
                 pending, dkv = (dkv_local, scatter, w_kv, grads, j, group_raws), None
                 group_raws = None
                 if j + 1 < D:
