@@ -74,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=_count, default=DEFAULT_SHAPE.vocab_size)
     p.add_argument("--steps", type=_count, default=None, help="timed steps per run (3; --quick: 2)")
     p.add_argument("--warmup", type=non_negative(integer), default=None, help="untimed warm-up steps (1)")
+    p.add_argument("--rounds", type=_count, default=1,
+                   help="run the layouts this many times in turn (A B, A B, ...): step s is the median over every "
+                        "round's timed steps, and results.md shows each round's tokens/s and the first layout's "
+                        "over each one's, round by round, so a machine whose speed drifts slows every layout alike "
+                        "(1)")
     p.add_argument("--activation-checkpointing", nargs="?", const="peers", default="none",
                    choices=("none", "peers", "all"),
                    help="bare flag or 'peers': HF gradient checkpointing for every peer (TSP's schedule already "
@@ -376,6 +381,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "dtype", None) or getattr(args, "fake", False):
         return _error("--dtype / --fake: only with --layer-memory (the model benchmark runs fp32, for real)")
     _model_defaults(args)
+    rounds = getattr(args, "rounds", 1)
+    if rounds > 1 and getattr(args, "max_seq", False):
+        return _error("--rounds: not with --max-seq (its probes are memory measurements, not timed steps)")
     if getattr(args, "max_seq", False):
         return run_max_seq_cli(args)
     try:
@@ -383,19 +391,25 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _error(str(exc))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    printer = None if args.quiet else ProgressPrinter(sum(len(c.seqs) for c in configs))
+    printer = None if args.quiet else ProgressPrinter(rounds * sum(len(c.seqs) for c in configs))
     start = time.monotonic()
     with printer or contextlib.nullcontext():
-        results = run_layouts(configs, timeout_s=args.timeout, on_event=printer)
+        results = run_layouts(configs, timeout_s=args.timeout, on_event=printer, rounds=rounds)
     first = configs[0]
     if cp_degree(args) > 1:
         from ds_tsp.tools.bench.cp_report import with_cp_fields
         results = with_cp_fields(results, first.shape)
     meta = {"tsp": ", ".join(str(d) for d in dict.fromkeys(c.tsp for c in configs)), "batch": first.batch,
             "shape": first.shape.to_dict(), "steps": first.steps,
-            "warmup": first.warmup, "activation_checkpointing": first.activation_checkpointing}
+            "warmup": first.warmup, "activation_checkpointing": first.activation_checkpointing, "rounds": rounds}
     paths = write_report(results, args.out, meta)
     print(markdown_table(results), flush=True)
+    if rounds > 1:
+        from ds_tsp.tools.bench.rounds import rounds_table
+        table = rounds_table(results)
+        with open(paths["md"], "a") as f:
+            f.write(table)
+        print(table, flush=True)
     if cp_degree(args) > 1:
         from ds_tsp.tools.bench.cp_report import append_cp_table
         print(append_cp_table(results, paths["md"]), flush=True)

@@ -50,7 +50,8 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
                   f"{shape.get('num_layers')} layers, hidden {shape.get('hidden_size')}, heads "
                   f"{shape.get('num_heads')}/{shape.get('num_kv_heads')} kv, MLP {shape.get('intermediate_size')}, "
                   f"vocab {shape.get('vocab_size')}; {meta.get('warmup')} warm-up + {meta.get('steps')} timed steps "
-                  f"(median of the slowest rank); activation checkpointing: "
+                  + (f"in each of {meta['rounds']} rounds " if meta.get("rounds", 1) > 1 else "")
+                  + f"(median of the slowest rank); activation checkpointing: "
                   f"{meta.get('activation_checkpointing', 'none')}.", ""]
     header = ["layout", "S", "D", "peak MiB/rank", *BREAKDOWN_KEYS, "comm MiB/step/rank", "step s", "tokens/s",
               "CPU s/step", "exposed comm"]

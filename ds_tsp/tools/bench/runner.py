@@ -205,25 +205,31 @@ def _loadavg() -> float | None:
 
 
 def run_layouts(configs: list[BenchConfig], *, timeout_s: float,
-                on_event: Callable[[object], None] | None = None) -> list[dict]:
-    """Run each layout's group in turn. on_event receives ds_tsp.tools.bench.progress's events: GroupStart before
-    a group starts, Step from its rank 0 as it runs, RunDone per result."""
+                on_event: Callable[[object], None] | None = None, rounds: int = 1) -> list[dict]:
+    """Run each layout's group in turn, `rounds` times over (ds_tsp.tools.bench.rounds merges them). on_event
+    receives ds_tsp.tools.bench.progress's events: GroupStart before a group starts, Step from its rank 0 as it
+    runs, RunDone per result."""
     from ds_tsp.tools.bench.progress import GroupStart, RunDone
+    from ds_tsp.tools.bench.rounds import merge_rounds
 
-    results = []
+    per_round = []
     with progress_pump(on_event) as queue:
-        for cfg in configs:
-            start, load_before = time.monotonic(), _loadavg()
-            if on_event is not None:
-                on_event(GroupStart(cfg.label, tuple(cfg.seqs), cfg.world))
-            for result in run_layout(cfg, timeout_s=timeout_s, progress_queue=queue):
-                result["group_wall_s"] = round(time.monotonic() - start, 1)
-                # other processes on the machine skew step times: record the 1-minute load around the group
-                result["loadavg_before_after"] = [load_before, _loadavg()]
-                results.append(result)
+        for _ in range(rounds):
+            results = []
+            for index, cfg in enumerate(configs):
+                start, load_before = time.monotonic(), _loadavg()
                 if on_event is not None:
-                    on_event(RunDone(result))
-    return results
+                    on_event(GroupStart(cfg.label, tuple(cfg.seqs), cfg.world))
+                for result in run_layout(cfg, timeout_s=timeout_s, progress_queue=queue):
+                    result["group_wall_s"] = round(time.monotonic() - start, 1)
+                    # other processes on the machine skew step times: record the 1-minute load around the group
+                    result["loadavg_before_after"] = [load_before, _loadavg()]
+                    result["config_index"] = index
+                    results.append(result)
+                    if on_event is not None:
+                        on_event(RunDone(result))
+            per_round.append(results)
+    return merge_rounds(per_round)
 
 
 @contextlib.contextmanager
