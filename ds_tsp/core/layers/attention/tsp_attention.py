@@ -233,11 +233,11 @@ def _finish_q(raw, cos, sin, q_norm, q_scale, spec: AttentionSpec):
     return q if q_scale is None else q * q_scale
 
 
-def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None, q_scale=None):
-    """(q normed, roped and scaled per position [B, L, nq, d], the output gate or None, the raw projection when a
-    q norm reads it in backward or None)."""
+def _project_q(x, w, spec: AttentionSpec, cos, sin, q_norm=None, q_scale=None, keep_raw: bool = False):
+    """(q normed, roped and scaled per position [B, L, nq, d], the output gate or None, the raw projection when
+    keep_raw and a q norm reads it in backward, else None)."""
     raw, gate = _raw_q_and_gate(x, w, spec)
-    return _finish_q(raw, cos, sin, q_norm, q_scale, spec), gate, (raw if q_norm is not None else None)
+    return _finish_q(raw, cos, sin, q_norm, q_scale, spec), gate, (raw if keep_raw and q_norm is not None else None)
 
 
 def _gate_forward(out, gate):
@@ -336,10 +336,11 @@ class _TSPAttention(torch.autograd.Function):
                                                                          sin, k_norm_of(g))
 
         a2a = _all_to_all(comm, spec)
+        keep_raw_q = not spec.recompute_projections  # speed mode saves the raw q (finish); memory mode nothing
 
         def post_q(j: int, w):
             """(q, gate, q's cp all-to-all posted) of block j: under the all-to-all schedule a block ahead."""
-            q, gate, raw = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
+            q, gate, raw = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale, keep_raw=keep_raw_q)
             return q, gate, raw, post_queries(q, comm)
 
         def finish(w, out, lses, q, gate, raw_q):
@@ -367,7 +368,7 @@ class _TSPAttention(torch.autograd.Function):
                 q, gate, raw_q, sent_q = ahead
                 ahead = post_q(j + 1, spec.layout.unpack(shards.take(j + 1))) if j + 1 < D else None
             else:
-                q, gate, raw_q = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
+                q, gate, raw_q = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale, keep_raw=keep_raw_q)
             if first:
                 kv_all = gather.wait()
                 if spec.kv_role == "export":
@@ -380,7 +381,7 @@ class _TSPAttention(torch.autograd.Function):
                 if behind is not None:  # the previous block's output came back while this attention ran
                     w_prev, sent_prev, q_prev, gate_prev, raw_prev = behind
                     finish(w_prev, *sent_prev.wait(), q_prev, gate_prev, raw_prev)
-                behind = w, sent_out, *((None, gate, None) if spec.recompute_projections else (q, gate, raw_q))
+                behind = w, sent_out, (None if spec.recompute_projections else q), gate, raw_q
             else:
                 if comm.cp is not None:  # the sequence's other cp groups' K/V come around the cp ring
                     out, lses = cp_attention_forward(q, kv_all, comm, doc_starts=doc_starts, window=spec.window,
@@ -518,8 +519,8 @@ class _TSPAttention(torch.autograd.Function):
             the wo / sinks grads, and the raw q projection a q norm's backward reads (dq_tail)."""
             block = dict(zip(names, saved_blocks[len(names) * j:len(names) * (j + 1)]))
             out, lses = block["out"], (block["lse0"], block["lse1"])
-            if "q" not in block:
-                q, gate, raw_q = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale)
+            if "q" not in block:  # the raw q lives to the block's dq tail, which reads it instead of projecting again
+                q, gate, raw_q = _project_q(x, w, spec, cos, sin, q_norm_of(j), q_scale, keep_raw=True)
             elif q_norm_of(j) is not None:  # the raw projection was saved (finish in forward)
                 raw_q, gate = block["q"], block.get("gate")
                 q = _finish_q(raw_q, cos, sin, q_norm_of(j), q_scale, spec)
