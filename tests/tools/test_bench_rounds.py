@@ -77,7 +77,8 @@ def test_layouts_run_in_turn_each_round(monkeypatch):
     assert [len(r["rounds"]) for r in results] == [3, 3]
 
 
-def test_rounds_are_refused_with_max_seq(capsys):
-    args = build_parser().parse_args(["--max-seq", "--budget-mib", "64", "--rounds", "2", "--layouts", "tsp"])
+@pytest.mark.parametrize("flags", [["--max-seq", "--budget-mib", "64", "--layouts", "tsp"], ["--layer-memory"]])
+def test_rounds_are_refused_where_nothing_is_timed(capsys, flags):
+    args = build_parser().parse_args([*flags, "--rounds", "2"])
     assert args.run(args) == 2
     assert "--rounds" in capsys.readouterr().err

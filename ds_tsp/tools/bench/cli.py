@@ -374,6 +374,8 @@ def run(args: argparse.Namespace) -> int:
         check_cp_flags(args)
     except ValueError as exc:
         return _error(str(exc))
+    if getattr(args, "rounds", 1) > 1 and getattr(args, "layer_memory", False):
+        return _error("--rounds: not with --layer-memory (it measures one layer's memory, not timed steps)")
     if getattr(args, "layer_memory", False):
         return run_layer_memory_cli(args)
     if getattr(args, "offload_activations", False):
