@@ -78,23 +78,30 @@ def ring_bytes_per_layer(s: CPLayerShape, seq: int, batch: int = 1) -> int:
     return fwd * (2 if s.activation_checkpointing else 1) + hops * (share + grad_share)
 
 
+def _all_to_all_calls(s: CPLayerShape, seq: int, batch: int) -> tuple[tuple, tuple]:
+    """(forward, backward) of one layer's cp all-to-alls as (bytes one rank sends per call, calls, calls of them
+    that wait in full: the pipeline's fill and drain) per exchange; the heads must split over cp."""
+    D, C, b, d = s.tsp, s.cp, s.dtype_bytes, s.head_dim
+    nq, nkv = s.heads_per_block // C, max(s.kv_heads_per_block // C, 1)
+    L, groups = seq // (C * D), D // s.kv_replicas  # L: tokens per rank
+    kv = _gather(C * batch * L * 2 * nkv * d * b, C)  # the K/V all-to-all's input [C, 2, c, B, 2, nkv', d]
+    q = _gather(C * batch * L * nq * d * b, C)  # one [C, B, L, nq', d] all-to-all (q, out or dq)
+    q3 = _gather(3 * C * batch * L * nq * d * b, C)  # backward's q, out and dout in one
+    lse = _gather(C * batch * nq * L * (8 if b == 8 else 4), C)  # the kernels' lse: float32 (float64 in float64)
+    regather = 0 if s.keep_gathered_kv else groups
+    forward = ((kv, groups, 1), (q, 2 * D, 2), (lse, D, 1))
+    backward = ((kv, regather, 1), (q3, D, 1), (lse, D, 1), (q, D, 1), (kv, groups, 1))
+    return forward, backward
+
+
 def all_to_all_bytes_per_layer(s: CPLayerShape, seq: int, batch: int = 1) -> int | None:
     """One rank's cp all-to-all bytes per layer, forward + backward; None where the heads do not split over cp."""
-    D, C, b, d = s.tsp, s.cp, s.dtype_bytes, s.head_dim
-    if C == 1:
+    if s.cp == 1:
         return 0
     if not s.splits_over_cp():
         return None
-    nq, nkv = s.heads_per_block // C, max(s.kv_heads_per_block // C, 1)
-    L = seq // (C * D)  # tokens per rank
-    groups = D // s.kv_replicas
-    kv = C * batch * L * 2 * nkv * d * b  # the K/V all-to-all's input [C, 2, c, B, 2, nkv', d]
-    q = C * batch * L * nq * d * b  # one [C, B, L, nq', d] all-to-all (q, out or dq)
-    lse = C * batch * nq * L * (8 if b == 8 else 4)  # the kernels' lse: float32, float64 in a float64 run
-    fwd = groups * _gather(kv, C) + 2 * D * _gather(q, C) + D * _gather(lse, C)
-    regather = 0 if s.keep_gathered_kv else groups
-    bwd = (regather * _gather(kv, C) + D * _gather(3 * q, C) + D * _gather(lse, C) + D * _gather(q, C)
-           + groups * _gather(kv, C))
+    forward, backward = _all_to_all_calls(s, seq, batch)
+    fwd, bwd = (sum(size * calls for size, calls, _ in terms) for terms in (forward, backward))
     return fwd * (2 if s.activation_checkpointing else 1) + bwd
 
 
@@ -105,23 +112,14 @@ def all_to_all_exposed_seconds_per_layer(s: CPLayerShape, seq: int, batch: int =
     again under activation checkpointing); None where the heads do not split over cp. Per pass, each exchange's
     first call (the q + out exchange's first two: the pipeline's fill and drain) waits in full; the others travel
     behind the blocks' attention and show only where they outlast D-1 of its D blocks."""
-    D, C, b, d = s.tsp, s.cp, s.dtype_bytes, s.head_dim
+    D, C = s.tsp, s.cp
     if C == 1:
         return 0.0
     if not s.splits_over_cp():
         return None
-    nq, nkv = s.heads_per_block // C, max(s.kv_heads_per_block // C, 1)
-    L, groups = seq // (C * D), D // s.kv_replicas
-    kv = _gather(C * batch * L * 2 * nkv * d * b, C)  # one call's bytes, as all_to_all_bytes_per_layer counts
-    q = _gather(C * batch * L * nq * d * b, C)
-    q3 = _gather(3 * C * batch * L * nq * d * b, C)
-    lse = _gather(C * batch * nq * L * (8 if b == 8 else 4), C)
-    regather = 0 if s.keep_gathered_kv else groups
-    # (bytes per call, calls, calls that wait in full)
-    forward = ((kv, groups, 1), (q, 2 * D, 2), (lse, D, 1))
-    backward = ((kv, regather, 1), (q3, D, 1), (lse, D, 1), (q, D, 1), (kv, groups, 1))
+    forward, backward = _all_to_all_calls(s, seq, batch)
     per_s = inter_node_gbps * 1e9 / 8
-    forward_attention = 2 * batch * seq * seq * s.heads_per_block * d / C / (gpu_tflops * 1e12)
+    forward_attention = 2 * batch * seq * seq * s.heads_per_block * s.head_dim / C / (gpu_tflops * 1e12)
 
     def exposed(terms, attention: float) -> float:
         waiting = sum(size * min(k, calls) for size, calls, k in terms)
