@@ -8,7 +8,7 @@ from comm_autograd import all_gather_sequence, broadcast_shard
 from local_ranks import run_on_local_ranks
 
 from ds_tsp.core.comm.communicator import TSPComm
-from ds_tsp.core.comm.primitives import ShardStream, replicated_param, ring_backward, ring_forward
+from ds_tsp.core.comm.primitives import GradStep, ShardStream, replicated_param, ring_backward, ring_forward
 
 N = 6  # elements per shard
 
@@ -67,6 +67,19 @@ def _primitives():
     (replicated_param(w, comm) * (p + 1)).sum().backward()
     out["replicated_grad"] = w.grad.clone()
     out["counter"] = comm.counter.snapshot()
+
+    # ring_backward with GradStep: each step's `after` runs once that step's grad hop is posted (the last one's
+    # too, so it hides the final hop), before the next step; the grads are the same as with bare contributions
+    events = []
+
+    def step(o, s):
+        events.append(("step", len(rec.ops)))
+        return GradStep(torch.full_like(s, 1000.0 * (p + 1) + o), lambda: events.append(("after", len(rec.ops))))
+
+    with comm.recording() as rec:
+        out["ring_grad_after"] = ring_backward(comm, _coded(p), step).clone()
+    out["ring_after_events"] = events
+    out["ring_after_ops"] = [o["what"] for o in rec.ops]
     return out
 
 
@@ -99,6 +112,14 @@ def test_primitives_exact(tsp, primitives_on):
         assert r["ring_owners"] == [(p - k) % tsp for k in range(tsp)] and r["ring_exact"]
         assert torch.equal(r["ring_grad"], torch.full((N,), 1000.0 * total + tsp * p, dtype=torch.float64))
         assert torch.equal(r["replicated_grad"], torch.full((3,), float(total), dtype=torch.float64))
+        assert torch.equal(r["ring_grad_after"], r["ring_grad"])
+        ops = r["ring_after_ops"]
+        assert len(r["ring_after_events"]) == 2 * tsp
+        for k in range(tsp):  # step k, then its grad hop, then its `after`: the hop is out when `after` runs
+            hop = ops.index(f"grad hop {k + 1}/{tsp}")
+            step_at, after_at = r["ring_after_events"][2 * k][1], r["ring_after_events"][2 * k + 1][1]
+            assert r["ring_after_events"][2 * k][0] == "step" and r["ring_after_events"][2 * k + 1][0] == "after"
+            assert step_at <= hop < after_at, (k, ops, r["ring_after_events"])
 
 
 def test_byte_counters_follow_the_formula(primitives_on):

@@ -16,7 +16,7 @@ by the comm's timeout_s (ds_tsp.core.reliability.watchdog).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -108,16 +108,27 @@ def ring_forward(comm: TSPComm, own_shard: torch.Tensor, step: Callable[[int, to
             shard = nxt
 
 
+class GradStep(NamedTuple):
+    """What a ring_backward step may return instead of its bare grad contribution: the contribution, and `after`,
+    the step's work that the grad does not read (the layer's dx GEMM). ring_backward runs `after` once the
+    contribution's grad hop is posted, so the hop travels behind it; on the last step that hides the final hop to
+    the owner, which has nothing else to overlap."""
+    contribution: torch.Tensor
+    after: Callable[[], None]
+
+
 def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
-                  step: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Run the ring again; step(owner, shard) returns this rank's grad contribution for that owner's shard.
+                  step: Callable[[int, torch.Tensor], torch.Tensor | GradStep]) -> torch.Tensor:
+    """Run the ring again; step(owner, shard) returns this rank's grad contribution for that owner's shard (or a
+    GradStep: the contribution and the work to run once it is on its way).
 
     The grad buffer travels with the shard and every rank adds its part, so after D hops it lands on the owner
     holding the sum: a reduce-scatter folded into the ring. Returns the summed grad of `own_shard`.
-    The grad hop of step k overlaps the GEMMs of step k+1 (it is only awaited when the next sum is formed).
+    The grad hop of step k overlaps the GEMMs of step k+1 (it is only awaited when the next sum is formed), and a
+    GradStep's `after` (the last hop's only cover).
     """
     if comm.size == 1:
-        return step(comm.rank, own_shard.detach())
+        return _run_after(step(comm.rank, own_shard.detach()))
     shard = own_shard.detach()
     grad_in: torch.Tensor | None = None
     grad_hop: Handle | None = None
@@ -125,19 +136,32 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
     for k in range(comm.size):
         owner = (comm.rank - k) % comm.size
         nxt, weight_hop = _post_weight_hop(comm, shard, k)
-        contribution = step(owner, shard)
+        result = step(owner, shard)
+        contribution, after = result if isinstance(result, GradStep) else (result, None)
         if grad_hop is not None:
             grad_hop.wait()
-            contribution = contribution + grad_in
+            contribution = contribution.add_(grad_in)  # a fresh buffer of the step's: summed in place
         grad_in = torch.empty_like(contribution)
         grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG, what=f"grad hop {k + 1}/{comm.size}")
         sent.append(grad_hop)
+        del contribution, result
+        if after is not None:
+            after()
+            after = None  # its closure (the step's token-sized grads) must not live through the next step
         if weight_hop is not None:
             weight_hop.wait()
             shard = nxt
     for handle in sent:
         handle.wait()
     return grad_in
+
+
+def _run_after(result: torch.Tensor | GradStep | None) -> torch.Tensor | None:
+    """A step's contribution, its `after` run first (no hop to hide it behind)."""
+    if not isinstance(result, GradStep):
+        return result
+    result.after()
+    return result.contribution
 
 
 # --- replicated parameters ----------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ By default only x_p is saved; backward recomputes the gate/up activations per sh
 keeping [B, L, F] of them (recompute_projections=False keeps them), and the weight grad rides the ring home.
 Gate and up are adjacent rows of the packed shard, so each is ONE GEMM with both (x [Wg; Wu]^T forward, and in
 backward dx += [dgate | dup] [Wg; Wu] and the weight grad [dgate | dup]^T x, written straight into the packed grad):
-twice the columns per GEMM and half the calls, which is what small shards (large D) are short of.
+twice the columns per GEMM and half the calls, which is what small shards (large D) are short of. In backward each
+ring step computes its weight grad first and its dx GEMM once that grad is on its way (ring_backward's GradStep), so
+the last grad hop to the owner travels behind a GEMM instead of being waited bare.
 A frozen shard (requires_grad False, the same on every rank) computes no weight grad and sends no grad hop.
 
 Under autocast (ds_tsp.core.layers.amp, AUTOCAST_LOW_PRECISION) x and the packed shard are cast to the autocast
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.core.comm.communicator import TSPComm
-from ds_tsp.core.comm.primitives import ring_backward, ring_forward
+from ds_tsp.core.comm.primitives import GradStep, ring_backward, ring_forward
 from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 from ds_tsp.core.layers.shard_rebuild import save_with_shard, saved_with_shard
 from ds_tsp.core.layers.weight_packing import PackedLayout
@@ -83,14 +85,16 @@ class _TSPGatedMLP(torch.autograd.Function):
             d_gate_up = torch.empty_like(gate_up)  # [dgate | dup], so dx and the weight grad are one GEMM each
             _act_backward(dact * up, gate, spec, out=d_gate_up[:, :f])
             torch.mul(dact, act_gate, out=d_gate_up[:, f:])
-            dx2d.addmm_(d_gate_up, w_gate_up)
+            del act_gate, dact
             if not need_w:
+                dx2d.addmm_(d_gate_up, w_gate_up)
                 return None
             grad = torch.empty_like(shard)  # packed in the shard's layout: gate | up rows, then down
             grad_gate_up, grad_down = _gate_up_and_down(grad, spec)
             torch.mm(d_gate_up.t(), x2d, out=grad_gate_up)
             torch.mm(dy2d.t(), act, out=grad_down)
-            return grad
+            # dx after the grad is sent: the grad hop (the last one to the owner too) travels behind its GEMM
+            return GradStep(grad, lambda: dx2d.addmm_(d_gate_up, w_gate_up))
 
         need_w = ctx.needs_input_grad[1]
         if not need_w:  # a frozen shard: the weights ride the ring for dx, no grad buffer travels with them

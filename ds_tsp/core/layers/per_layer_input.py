@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tsp.core.comm.communicator import TSPComm
-from ds_tsp.core.comm.primitives import ring_backward, ring_forward
+from ds_tsp.core.comm.primitives import GradStep, ring_backward, ring_forward
 from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast
 from ds_tsp.core.layers.weight_packing import PackedLayout
 
@@ -77,8 +77,12 @@ class _TSPColumnLinear(torch.autograd.Function):
 
         def step(owner, shard):
             d_own = dy2d[:, owner * n:(owner + 1) * n]
-            dx2d.addmm_(d_own, spec.layout.unpack(shard)["w"])
-            return spec.layout.pack({"w": d_own.t() @ x2d}) if need_w else None
+            if not need_w:
+                dx2d.addmm_(d_own, spec.layout.unpack(shard)["w"])
+                return None
+            # dx once the grad is on its way (ring_backward's GradStep: the grad hop travels behind its GEMM)
+            return GradStep(spec.layout.pack({"w": d_own.t() @ x2d}),
+                            lambda: dx2d.addmm_(d_own, spec.layout.unpack(shard)["w"]))
 
         if not need_w:  # a frozen shard: the weights ride the ring for dx only
             ring_forward(ctx.comm, packed_shard, step)
@@ -122,10 +126,11 @@ class _TSPPerLayerGate(torch.autograd.Function):
             dgated = dy2d @ w["proj"]
             de2d[:, cols] = dgated * act
             dgate = torch.ops.aten.gelu_backward(dgated * e2d[:, cols], gate, approximate="tanh")
-            dx2d.addmm_(dgate, w["gate"])
             if not need_w:
+                dx2d.addmm_(dgate, w["gate"])
                 return None
-            return spec.layout.pack({"gate": dgate.t() @ x2d, "proj": dy2d.t() @ (act * e2d[:, cols])})
+            grad = spec.layout.pack({"gate": dgate.t() @ x2d, "proj": dy2d.t() @ (act * e2d[:, cols])})
+            return GradStep(grad, lambda: dx2d.addmm_(dgate, w["gate"]))  # dx behind the grad hop
 
         if not need_w:
             ring_forward(ctx.comm, packed_shard, step)
