@@ -146,6 +146,18 @@ def test_the_reference_comparison_catches_ignored_document_starts(monkeypatch):
     assert max(_case_errors(**BROKEN).values()) > 1e-3
 
 
+def test_the_sequence_start_is_no_cut():
+    """Global token 0 starts the state from zero and its conv taps read the zero halo, so its chunk takes the
+    plain path: no reset, no tap mask, no document offset for FLA; a later start in the same chunk still cuts.
+    (Exactness of both paths: the drawn cases against transformers, whose rows all start documents at 0.)"""
+    plain = linear_attention_scan.chunk_plans(((0,),), 0, 2, 16, 4, torch.float64, torch.device("cpu"))
+    assert [(p.reset, p.tap_mask, p.starts_in_chunk) for p in plain] == [(None, None, ((),))] * 2
+    first, _ = linear_attention_scan.chunk_plans(((0, 5),), 0, 2, 16, 4, torch.float64, torch.device("cpu"))
+    assert first.starts_in_chunk == ((5,),) and first.reset.nonzero().tolist() == [[0, 5]]
+    cut_taps = [(t, s) for t, s in first.tap_mask[0].eq(0).nonzero().tolist()]  # (token, tap) reading before 5
+    assert cut_taps == [(5, 1), (5, 2), (5, 3), (6, 2), (6, 3), (7, 3)]
+
+
 def test_kernel_matches_transformers_recurrence_from_any_start_state():
     """o = o_local + q_eff S0 and S_end = M S0 + U against transformers' torch_recurrent_gated_delta_rule (float64)
     for sub-chunk sizes that divide T, do not, and exceed it."""

@@ -342,13 +342,29 @@ def _kept_block_grads(kept: _KeptBlock, d_outputs: list, d_local, x, halo, spec:
     d_weights = [d.t() @ x2d for d in d_rows]
     if d_pre_halo is not None:
         d_weights[0] = d_weights[0] + flat(d_pre_halo).t() @ halo.reshape(-1, h)
-    # the projections' rows and the small weights back into the packed layout: the backward of _projections' views
+    # the projections' rows and the small weights back to the packed layout's pieces: the backward of
+    # _projections' views (Qwen3-Next's per-key-head regrouping), one grad per piece
     with torch.enable_grad():
-        leaf = shard.detach().requires_grad_()
-        pieces = spec.layout.unpack(leaf)
+        pieces = _piece_leaves(shard, spec, True)
         ws = (*_projections(pieces, spec), *(pieces[name] for name in _SMALL))
-        block = torch.autograd.grad(ws, leaf, (*d_weights, *d_small))[0]
-    return dx, dhalo, block
+        names = [name for name in pieces if name != "out"]
+        grads = torch.autograd.grad(ws, [pieces[name] for name in names], (*d_weights, *d_small),
+                                    allow_unused=True)
+    return dx, dhalo, dict(zip(names, grads))
+
+
+def _piece_leaves(shard: torch.Tensor, spec: GatedDeltaNetSpec, need_w: bool) -> dict:
+    """The packed shard's pieces as separate autograd leaves, so each grad lands in a buffer of its piece's size
+    (with the whole shard as the leaf, every piece's view backward fills a shard-sized zero buffer and autograd
+    sums them all)."""
+    return {name: t.detach().requires_grad_(need_w) for name, t in spec.layout.unpack(shard.detach()).items()}
+
+
+def _packed_grad(grads: dict, spec: GatedDeltaNetSpec, like: torch.Tensor) -> torch.Tensor:
+    """The block's packed weight grad from its pieces' (a piece that got none, e.g. the conv of a kernel-1 conv
+    with no halo: zeros), in the layout's order: one copy."""
+    return torch.cat([(grads.get(name) if grads.get(name) is not None
+                       else like.new_zeros(shape)).reshape(-1) for name, shape in spec.layout.pieces])
 
 
 def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm):
@@ -431,8 +447,8 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
             shards.next_block(j)
             with torch.enable_grad():
                 x_, halo_, nw_ = (t.detach().requires_grad_() for t in (x, halo, norm_weight))
-                shard = shards.take(j).detach().requires_grad_(need_w)
-                w = spec.layout.unpack(shard)
+                shard = shards.take(j)
+                w = _piece_leaves(shard, spec, need_w)
                 if kept is None:
                     local = _block_local(x_, halo_, w, spec, plans)
                     everyone = TransitionGather(local.transitions, comm).wait()
@@ -449,25 +465,25 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 # 2. the sum over ranks of the grads of OUR transitions (posted on every rank) travels while the
                 # out projection's weight grad is computed
                 scatter = TransitionGradScatter(d_everyone, comm)
-                d_out = torch.autograd.grad(y, shard, dy)[0] if need_w else None
+                d_out = torch.autograd.grad(y, w["out"], dy)[0] if need_w else None
                 del y, cut, everyone
                 d_local = scatter.wait()
                 if kept is None:
                     # 3. ONE pass through the chunk kernels, conv and projections with both cotangents
                     pairs = [(t, g) for t, g in zip(_ends(local) + [local.transitions], [*first[2:], d_local])
                              if g is not None and t.requires_grad]
-                    leaves = (x_, halo_) + ((shard,) if need_w else ())
-                    second = torch.autograd.grad([t for t, _ in pairs], leaves, [g for _, g in pairs],
-                                                 allow_unused=True)
+                    names = [name for name in w if name != "out"] if need_w else []
+                    found = torch.autograd.grad([t for t, _ in pairs], [x_, halo_] + [w[name] for name in names],
+                                                [g for _, g in pairs], allow_unused=True)
+                    second = (*found[:2], dict(zip(names, found[2:])))
             if kept is not None:  # 3. ONE pass through the kept chunk graph, then the projections by hand
-                second = _kept_block_grads(kept[j], list(first[2:]), d_local, x, halo, spec, shard.detach(), need_w)
+                second = _kept_block_grads(kept[j], list(first[2:]), d_local, x, halo, spec, shard, need_w)
                 kept[j] = None
             for acc, grad in zip((dx, dhalo, dnorm), (second[0], second[1], first[1])):
                 if grad is not None:  # None: unused (the empty halo of a kernel-1 conv)
                     acc.add_(grad)
             if need_w:
-                block = d_out if second[2] is None else second[2] + d_out
-                reducer.reduce(j, block.contiguous())
+                reducer.reduce(j, _packed_grad({**second[2], "out": d_out}, spec, shard))
         grad_shard = reducer.finish() if need_w else None
         return dx, dhalo, grad_shard, dnorm, None, None, None
 

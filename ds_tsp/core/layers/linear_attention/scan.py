@@ -22,8 +22,9 @@ O(1) in S. Without a cp axis nothing changes.
 
 Packed documents (`ChunkPlan`): a document start resets the state (`reset`: the chunk kernel cuts it exactly, see
 ds_tsp.core.layers.linear_attention.delta_rule) and the conv (taps never read a token of an earlier document:
-`tap_mask`). Everything here is shapes and host ints from the DocumentLayout; the masks are built by fills on the
-input's device (no host-to-device copy, no sync).
+`tap_mask`). The sequence's own start (global token 0) is no cut: the state there is zero and the taps before it
+read the zero halo. Everything here is shapes and host ints from the DocumentLayout; the masks are built by fills on
+the input's device (no host-to-device copy, no sync).
 """
 from __future__ import annotations
 
@@ -136,6 +137,10 @@ def chunk_plans(doc_rows: tuple[tuple[int, ...], ...], rank: int, tsp: int, loca
             reset = mask = None
             offsets = []
             for b, starts in enumerate(doc_rows):
+                # the sequence's own start needs no cut: the state entering it is zero and the conv taps before it
+                # read the zero halo (no bias anywhere before the conv), so both are exact without a reset or a
+                # mask, and the chunk holding it runs the kernels' plain path (as fast as every other chunk)
+                starts = [s for s in starts if s > 0]
                 inside = [s for s in starts if lo <= s < hi]
                 offsets.append(tuple(s - lo for s in inside))
                 for s in inside:
