@@ -132,3 +132,28 @@ def test_zero3_and_fsdp2_peers_and_tsp_step_the_same_hybrid_in_one_run(hybrid_di
     # reduce-scattered
     assert {"all_gather", "reduce_scatter"} <= {op.split(".")[-1].removeprefix("_").removesuffix("_base")
                                                  .removesuffix("_tensor") for op in rows["hf_fsdp2_dp"]["comm_by_op"]}
+
+
+def test_global_batch_gives_every_layout_the_same_sequences_per_step(hybrid_dir, tmp_path, capsys):
+    """--global-batch N: TSP (its ranks share each sequence) runs N rows, ZeRO-3 data parallel N / D per rank, so
+    both step the same tokens and move their weights once for them; bad N and the flags it excludes are refused
+    naming the flag."""
+    argv = ["--hf-config", str(hybrid_dir), "--tsp", "2", "--seq", "32", "--layouts", "tsp,hf_zero3_dp"]
+    got = configs_from_args(build_parser().parse_args([*argv, "--global-batch", "4"]))
+    assert [(c.layout, c.batch) for c in got] == [("tsp", 4), ("hf_zero3_dp", 2)]
+    for bad, words in ((["--global-batch", "3"], "give a multiple of 2"), (["--global-batch", "2", "--batch", "2"],
+                                                                        "give one")):
+        with pytest.raises(ValueError, match=words):
+            configs_from_args(build_parser().parse_args([*argv, *bad]))
+    for flags in (["--max-seq", "--budget-mib", "64"], ["--layer-memory"]):
+        args = build_parser().parse_args([*flags, "--global-batch", "2"])
+        assert args.run(args) == 2 and "--global-batch: not with" in capsys.readouterr().err
+    out = tmp_path / "bench"
+    args = build_parser().parse_args([*argv, "--global-batch", "2", "--steps", "1", "--timeout", "300", "--quiet",
+                                      "--out", str(out)])
+    with forked_ranks():
+        assert args.run(args) == 0, capsys.readouterr().err[-3000:]
+    rows = {r["layout"]: r for r in json.loads((out / "results.json").read_text())}
+    assert rows["tsp"]["batch"] == 2 and rows["hf_zero3_dp"]["batch"] == 1
+    assert rows["tsp"]["tokens_per_step"] == rows["hf_zero3_dp"]["tokens_per_step"] == 2 * 32
+    assert "global batch 2 sequences per step" in (out / "results.md").read_text()

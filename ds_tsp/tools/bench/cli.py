@@ -60,7 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cp: comma list of tsp_cp's cp schedules to measure, ring, all_to_all and / or auto "
                         "(the model's choice per length, named in the row's cp_comm_chosen) (ring); one tsp_cp row "
                         "each")
-    p.add_argument("--batch", type=_count, default=1, help="micro-batch size B (1)")
+    p.add_argument("--batch", type=_count, default=None, help="micro-batch size B of every layout (1)")
+    p.add_argument("--global-batch", type=_count, default=None, metavar="N",
+                   help="instead of --batch: N sequences per optimizer step under every layout, so each moves its "
+                        "weights for the same tokens; a data-parallel layout (hf_zero3_dp, hf_fsdp2_dp) runs "
+                        "N / ranks per rank, every other layout N (its ranks share each sequence)")
     p.add_argument("--layers", type=_count, default=None,
                    help=f"decoder layers ({DEFAULT_SHAPE.num_layers}; --quick: {QUICK['layers']})")
     p.add_argument("--hidden", type=_count, default=None,
@@ -176,6 +180,10 @@ def configs_from_args(args: argparse.Namespace):
     from ds_tsp.core.errors import TSPConfigError
 
     _model_defaults(args)
+    if getattr(args, "global_batch", None) and args.batch:
+        raise ValueError(f"--batch {args.batch} and --global-batch {args.global_batch}: give one (--batch: the same "
+                         "micro-batch under every layout; --global-batch: the same sequences per step)")
+    args.global_batch = getattr(args, "global_batch", None)
     from ds_tsp.core.shape.model_shape import ModelShape
     from ds_tsp.tools.bench.config import BenchConfig
 
@@ -225,12 +233,27 @@ def configs_from_args(args: argparse.Namespace):
     except TSPConfigError as exc:
         raise ValueError(str(exc)) from None
     vision = _vision_bench(args, layouts, cp, seqs)
-    configs = [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch, shape=shape, steps=steps,
+    configs = [BenchConfig(layout=name, seqs=seqs, tsp=args.tsp, batch=args.batch or 1, shape=shape, steps=steps,
                            warmup=warmup, activation_checkpointing=args.activation_checkpointing, seed=args.seed,
                            ds_bucket_elements=args.ds_bucket, profile=getattr(args, "profile", False),
                            moe_dispatch=dispatch, vision=vision) for name in layouts
                for dispatch in (dispatches if LAYOUTS[name].module in ("tsp", "tsp_cp") else ["auto"])]
-    return cp_configs(configs, cp, tuple(comms))  # tsp_cp on C groups of D (per cp schedule), its peers on C x D
+    configs = cp_configs(configs, cp, tuple(comms))  # tsp_cp on C groups of D (per cp schedule), its peers on C x D
+    return _with_global_batch(configs, args.global_batch) if args.global_batch else configs
+
+
+def _with_global_batch(configs: list, n: int) -> list:
+    """Each layout's micro-batch for N sequences per step (--global-batch): N / ranks for a data-parallel layout,
+    N for one whose ranks share each sequence; ValueError naming the flag where N does not split."""
+    from dataclasses import replace
+
+    out = []
+    for cfg in configs:
+        if cfg.spec.data_parallel and n % cfg.world:
+            raise ValueError(f"--global-batch {n}: {cfg.layout} runs its own sequences on each of its {cfg.world} "
+                             f"ranks; give a multiple of {cfg.world}")
+        out.append(replace(cfg, batch=n // cfg.world if cfg.spec.data_parallel else n))
+    return out
 
 
 def _vision_bench(args: argparse.Namespace, layouts: list[str], cp: int, seqs: tuple[int, ...]):
@@ -251,10 +274,14 @@ def _vision_bench(args: argparse.Namespace, layouts: list[str], cp: int, seqs: t
     config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
     vision = vision_bench(config, args.layers, args.images, args.image_tokens, args.videos, args.video_tokens)
     check_layouts(layouts)
-    short = [s for s in seqs if s < vision.tokens_needed(args.batch)]
+    if args.global_batch:
+        raise ValueError("--global-batch: not with --images / --videos (give --batch: every layout runs the same "
+                         "rows)")
+    batch = args.batch or 1
+    short = [s for s in seqs if s < vision.tokens_needed(batch)]
     if short:
-        raise ValueError(f"--seq {short}: the images and videos over --batch {args.batch} rows need S >= "
-                         f"{vision.tokens_needed(args.batch)}")
+        raise ValueError(f"--seq {short}: the images and videos over --batch {batch} rows need S >= "
+                         f"{vision.tokens_needed(batch)}")
     return vision
 
 
@@ -317,8 +344,8 @@ def layer_memory_config(args: argparse.Namespace):
         raise ValueError("--seq / --tsp: --layer-memory takes one sequence length and one degree")
     cfg = LayerMemoryConfig(hidden=args.hidden or LAYER_MEMORY_DEFAULTS["hidden"],
                             heads=args.heads or LAYER_MEMORY_DEFAULTS["heads"], kv_heads=args.kv_heads,
-                            ffn=args.ffn or LAYER_MEMORY_DEFAULTS["ffn"], seq=seqs[0], tsp=tsp[0], batch=args.batch,
-                            dtype=args.dtype or LAYER_MEMORY_DEFAULTS["dtype"], fake=args.fake, seed=args.seed)
+                            ffn=args.ffn or LAYER_MEMORY_DEFAULTS["ffn"], seq=seqs[0], tsp=tsp[0],
+                            batch=args.batch or 1, dtype=args.dtype or LAYER_MEMORY_DEFAULTS["dtype"], fake=args.fake, seed=args.seed)
     cfg.check()
     return cfg
 
@@ -376,6 +403,9 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(exc))
     if getattr(args, "rounds", 1) > 1 and getattr(args, "layer_memory", False):
         return _error("--rounds: not with --layer-memory (it measures one layer's memory, not timed steps)")
+    for flag, name in (("--layer-memory", "layer_memory"), ("--max-seq", "max_seq")):
+        if getattr(args, "global_batch", None) and getattr(args, name, False):
+            return _error(f"--global-batch: not with {flag} (give --batch: the micro-batch it measures)")
     if getattr(args, "layer_memory", False):
         return run_layer_memory_cli(args)
     if getattr(args, "offload_activations", False):
@@ -402,6 +432,7 @@ def run(args: argparse.Namespace) -> int:
         from ds_tsp.tools.bench.cp_report import with_cp_fields
         results = with_cp_fields(results, first.shape)
     meta = {"tsp": ", ".join(str(d) for d in dict.fromkeys(c.tsp for c in configs)), "batch": first.batch,
+            **({"global_batch": args.global_batch} if args.global_batch else {}),
             "shape": first.shape.to_dict(), "steps": first.steps,
             "warmup": first.warmup, "activation_checkpointing": first.activation_checkpointing, "rounds": rounds}
     paths = write_report(results, args.out, meta)

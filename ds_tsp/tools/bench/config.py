@@ -21,6 +21,7 @@ class LayoutSpec:
     options: tuple[tuple[str, object], ...] = ()
     single_rank: bool = False  # runs on one process instead of D
     requires: tuple[str, ...] = ()  # importable packages the layout needs
+    data_parallel: bool = False  # every rank runs its own sequences (tokens per step: ranks x batch x S)
 
     @property
     def option_dict(self) -> dict:
@@ -41,12 +42,14 @@ LAYOUTS: dict[str, LayoutSpec] = {spec.name: spec for spec in (
     # transformers' own model, ZeRO-3 data parallel, a whole sequence per rank: the hybrid models' peer (not in
     # "all" for other models; ds_tsp.tools.bench.hybrid)
     LayoutSpec("hf_zero3_dp", "zero3_dp", "HF model + ZeRO-3 DP (whole S per rank)", options=(("zero_stage", 3),),
+               data_parallel=True,
                requires=("deepspeed", "transformers")),
     LayoutSpec("autotp_zero1", "autotp", "AutoTP + ZeRO-1", options=(("zero_stage", 1),),
                requires=("deepspeed", "transformers")),
     # transformers' own model, torch FSDP2 data parallel, a whole sequence per rank: the hybrid models' second
     # peer; runs when named (not in "all")
-    LayoutSpec("hf_fsdp2_dp", "fsdp2_dp", "HF model + FSDP2 DP (whole S per rank)", requires=("transformers",)),
+    LayoutSpec("hf_fsdp2_dp", "fsdp2_dp", "HF model + FSDP2 DP (whole S per rank)", requires=("transformers",),
+               data_parallel=True),
 )}
 
 INSTALL_HINT = {

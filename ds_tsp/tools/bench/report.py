@@ -40,13 +40,20 @@ def _series(results: Sequence[dict]) -> dict[tuple[str, int], str]:
     return {(layout, d): f"{titles[layout]} D={d}" if several else titles[layout] for layout, d in keys}
 
 
+def _batch_words(meta: dict) -> str:
+    if meta.get("global_batch"):
+        return (f"global batch {meta['global_batch']} sequences per step (a data-parallel layout's ranks run "
+                "their share each, every other layout all of them)")
+    return f"batch {meta.get('batch')}"
+
+
 def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
     """One row per (layout, seq). Sizes in MiB per rank; comm in MiB per rank per step."""
     lines = []
     if meta:
         shape = meta.get("shape", {})
         lines += ["# ds-tsp bench", "",
-                  f"D={meta.get('tsp')} ranks (gloo, CPU, 1 thread each), batch {meta.get('batch')}, fp32, "
+                  f"D={meta.get('tsp')} ranks (gloo, CPU, 1 thread each), {_batch_words(meta)}, fp32, "
                   f"{shape.get('num_layers')} layers, hidden {shape.get('hidden_size')}, heads "
                   f"{shape.get('num_heads')}/{shape.get('num_kv_heads')} kv, MLP {shape.get('intermediate_size')}, "
                   f"vocab {shape.get('vocab_size')}; {meta.get('warmup')} warm-up + {meta.get('steps')} timed steps "
