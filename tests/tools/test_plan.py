@@ -452,6 +452,28 @@ def test_recommend_prefers_less_comm_when_memory_is_plentiful(capsys):
     assert all(c["verdict"].startswith("fits but more comm") for c in obj["rejected"] if c["fits"])
 
 
+def test_recommend_takes_tsp_speed_mode_where_it_fits(capsys):
+    """Speed mode re-gathers nothing in backward, so where its peak fits it moves less than the memory-optimal
+    mode and is recommended, with the "tsp" block keys that turn it on; a plan already in speed mode is not offered
+    twice."""
+    hybrid = str(__import__("pathlib").Path(__file__).parents[2] / "docs" / "bench" / "hybrid" / "config.json")
+    argv = ["--hf-config", hybrid, "--seq", "16k", "--gpu-mem-gib", "2", "--devices", "4"]
+    rc, obj = _recommend(capsys, argv)
+    best = obj["recommended"]
+    assert rc == 0 and (best["layout"], best["degree"], best["speed_mode"]) == ("tsp", 2, True)
+    memory = [c for c in obj["rejected"] if c["degree"] == 2 and not c["speed_mode"]
+              and not c["activation_checkpointing"]]
+    assert memory[0]["fits"] and memory[0]["comm_bytes_per_step"] > best["comm_bytes_per_step"]
+    assert {(c["degree"], c["speed_mode"]) for c in obj["rejected"]} >= {(2, False), (4, False), (4, True)}
+    assert _run_cli(["plan", "--recommend", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: tsp D=2 dp=2 +speed mode" in out
+    assert '"tsp" block: {"keep_gathered_kv": true, "recompute_projections": false}' in out
+    rc, obj = _recommend(capsys, [*argv, "--keep-gathered-kv", "--save-projections"])
+    labels = [(c["degree"], c["activation_checkpointing"]) for c in [obj["recommended"], *obj["rejected"]]]
+    assert len(labels) == len(set(labels)) and obj["recommended"]["speed_mode"]
+
+
 def test_recommend_text_and_errors(capsys):
     assert _run_cli(["plan", "--recommend", "--model", "8b", "--seq", "128k", "--gpu-mem-gib", "80",
                      "--devices", "8"]) == 0

@@ -608,6 +608,8 @@ def _print_recommendation(rec, inp, model_name: str) -> None:
               + (f", host {b.host_bytes_per_rank / GIB:.2f} GiB per rank (offloaded layer inputs)"
                  if b.offload_activations else ""))
         print(f"  why: {rec.why}")
+        if b.layout == "tsp" and b.tsp_settings:
+            print(f"  \"tsp\" block: {json.dumps(b.tsp_settings)}")
     print("rejected:")
     for c in rec.rejected:
         print(f"  {c.label}: {c.verdict}")

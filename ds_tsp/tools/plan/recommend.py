@@ -2,7 +2,9 @@
 
 Candidates: every layout of RECOMMEND_LAYOUTS, every degree D > 1 dividing N that the model's shape allows (the
 rest of the devices data-parallel, dp = N/D; D = 1 would be plain data parallelism, the same for every layout,
-so it is a candidate only when N = 1), with and without activation checkpointing. A candidate fits when its
+so it is a candidate only when N = 1), with and without activation checkpointing, and for TSP its speed mode too
+(TSPOptions.speed(): gathered K/V and local projections kept for backward, no re-gather, no recompute; it moves
+fewer bytes than the memory-optimal mode, so it is recommended wherever it fits). A candidate fits when its
 planned peak per rank is at most G GiB (the plan has no CUDA context / allocator slack: leave some).
 
 Equal work: every candidate trains the same global batch per step, `N / D_min` micro-batches of `batch`
@@ -40,12 +42,21 @@ class Candidate:
     verdict: str = ""  # "recommended", or why not
     offload_activations: bool = False
     host_bytes_per_rank: int = 0
+    speed_mode: bool = False  # TSPOptions.speed(): gathered K/V and local projections kept for backward
 
     @property
     def label(self) -> str:
         return (f"{self.layout} D={self.degree} dp={self.dp}"
+                f"{' +speed mode' if self.speed_mode else ''}"
                 f"{' +activation checkpointing' if self.activation_checkpointing else ''}"
                 f"{' +offload' if self.offload_activations else ''}")
+
+    @property
+    def tsp_settings(self) -> dict:
+        """The "tsp" block's schedule keys this candidate runs with (TSP layouts; {} for the defaults)."""
+        return {**({"keep_gathered_kv": True, "recompute_projections": False} if self.speed_mode else {}),
+                **({"activation_checkpointing": True} if self.activation_checkpointing else {}),
+                **({"offload_activations": True} if self.offload_activations else {})}
 
 
 @dataclass(frozen=True)
@@ -69,12 +80,17 @@ def _sync_bytes(plan) -> int:
 def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS, offload: bool = False) -> list[Candidate]:
     degrees = [d for d in range(2 if devices > 1 else 1, devices + 1) if devices % d == 0]
     planned = []
+    memory_optimal = inp.recompute_projections and not inp.keep_gathered_kv
     for name in layouts:
-        variants = [(False, False), (True, False)] + ([(True, True)] if offload and name == "tsp" else [])
+        variants = [(False, False, False), (True, False, False)] + \
+            ([(True, True, False)] if offload and name == "tsp" else []) + \
+            ([(False, False, True)] if name == "tsp" and memory_optimal else [])
         for degree in degrees:
-            for ac, off in variants:
+            for ac, off, speed in variants:
                 trial = replace(inp, degree=degree, dp=devices // degree, pp=1, activation_checkpointing=ac,
                                 offload_activations=off)
+                if speed:
+                    trial = replace(trial, keep_gathered_kv=True, recompute_projections=False)
                 try:
                     planned.append((trial, LAYOUTS[name](trial)))
                 except PlanInputError:
@@ -90,7 +106,8 @@ def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS, offload:
         out.append(Candidate(plan.layout, trial.degree, trial.dp, trial.activation_checkpointing,
                              plan.peak_bytes_per_rank, comm, micro, False,
                              offload_activations=trial.offload_activations,
-                             host_bytes_per_rank=plan.host_bytes_per_rank))
+                             host_bytes_per_rank=plan.host_bytes_per_rank,
+                             speed_mode=not trial.recompute_projections and trial.keep_gathered_kv))
     return out
 
 
