@@ -1,7 +1,7 @@
-"""The weight ring's backward hides its last grad hop: each ring step of the gated MLP and of Gemma's per-layer
-input projections posts its weight grad's hop BEFORE its dx GEMM runs (ring_backward's GradStep), so the final hop
-to the owner travels behind a GEMM. Recorded on a one-process ring stand-in (D=2, the hops loop back): only the
-order is checked here; the numerics are the layers' exactness tests'."""
+"""The weight ring's backward hides its last grad hop: each ring step of the gated MLP, of Gemma's per-layer input
+projections and of the MoE expert ring posts its weight grad's hop BEFORE its dx GEMM runs (ring_backward's
+GradStep), so the final hop to the owner travels behind a GEMM. Recorded on a one-process ring stand-in (D=2, the
+hops loop back): only the order is checked here; the numerics are the layers' exactness tests'."""
 from __future__ import annotations
 
 import torch
@@ -78,3 +78,34 @@ def test_per_layer_gate_backward_sends_each_grad_before_its_dx():
     e = torch.randn(1, 5, 6, dtype=torch.float64, requires_grad=True)
     shard = torch.randn(spec.layout.numel, dtype=torch.float64, requires_grad=True)
     _assert_each_dx_after_its_grad_hop(_backward_events(lambda comm: tsp_per_layer_gate(x, e, shard, spec, comm)))
+
+
+def test_moe_expert_ring_backward_sends_each_grad_before_its_rows_dx(monkeypatch):
+    """The expert ring: each step's expert weight grads are sent before its rows' dx GEMMs run
+    (experts_backward(rows_later=True) hands them back as a callable), on both expert-GEMM paths."""
+    import ds_tsp.core.layers.moe.layer as moe
+    import ds_tsp.core.layers.moe.ring as ring
+    from ds_tsp.core.layers.moe.layer import MoESpec, tsp_moe_mlp
+
+    spec = MoESpec(hidden=8, moe_ffn=4, num_experts=4, experts_per_rank=2, top_k=4, norm_topk_prob=True)
+    real = ring.experts_backward
+    for path in ("loop", "grouped"):
+        events = []
+
+        def logged(*args, **kwargs):
+            drows, dw, grads = real(*args, **kwargs)
+            if not kwargs.get("rows_later"):
+                return drows, dw, grads
+            return (lambda: events.append("dx") or drows()), dw, grads
+
+        monkeypatch.setattr(ring, "experts_backward", logged)
+        monkeypatch.setattr(moe, "select_expert_gemm", lambda *_: path)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 5, 8, generator=g, requires_grad=True)  # top_k = all 4 experts: both owners get rows
+        router = torch.randn(4, 8, generator=g, requires_grad=True)
+        experts = torch.randn(spec.layout.numel, generator=g, requires_grad=True)
+        comm = _LoopRing(events)
+        y, _ = tsp_moe_mlp(x, router, experts, spec, comm, dispatch="ring")
+        events.clear()
+        y.pow(2).sum().backward()
+        _assert_each_dx_after_its_grad_hop([e for e in events if e == "dx" or e.startswith("grad hop")])

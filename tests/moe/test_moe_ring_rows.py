@@ -89,6 +89,7 @@ def _layer(rank: int, comm, path: str, preferences: dict = PREFERENCES) -> tuple
 
     import ds_tsp.core.layers.moe.layer as moe
     import ds_tsp.core.layers.moe.ring as ring
+    from ds_tsp.core.comm.primitives import GradStep
     from ds_tsp.core.layers.moe.layer import tsp_moe_mlp
 
     spec = _spec(len(preferences[rank][0]), D)
@@ -109,7 +110,14 @@ def _layer(rank: int, comm, path: str, preferences: dict = PREFERENCES) -> tuple
         def run(owner, shard):
             steps.append({"phase": phase, "owner": owner, "rows": [], "ops": [], "gemm": []})
             with Spy():
-                return step_fn(owner, shard)
+                result = step_fn(owner, shard)
+            if not isinstance(result, GradStep):
+                return result
+
+            def after():  # the step's dx, run once its grad is sent (before the next step): the same record
+                with Spy():
+                    result.after()
+            return GradStep(result.contribution, after)
         return run
 
     saved = (ring.ring_forward, ring.ring_backward, moe.select_expert_gemm)

@@ -17,6 +17,7 @@ routing weight), so the routing-weight gradient is dot(dy_row, out_row) = dot(dy
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Union
 
@@ -161,13 +162,16 @@ def _check_covered(groups: list, rows: torch.Tensor) -> None:
 
 def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.Tensor, w: dict, groups: Groups,
                      glu: ExpertGLU = ExpertGLU(), *, projections: torch.Tensor | None = None,
-                     need_weight_grad: bool = True, grad_into: dict | None = None):
+                     need_weight_grad: bool = True, grad_into: dict | None = None, rows_later: bool = False):
     """Backward of out_row * weight_row, recomputing the activations (unless `projections` kept them).
 
     rows [M, h], dy_rows [M, h] (the layer's output grad at each row's token), weights [M] (routing weights), w as
     experts_forward's. Returns (d rows [M, h], d weights [M], {name of w: its grad} or None if not need_weight_grad).
     grad_into: {name of w: a tensor of its shape} (the views of a packed grad buffer, PackedLayout.unpack) that the
     weight grads are written into, every element (the loop path's GEMMs write there directly), and returned.
+    rows_later: d rows comes back as a callable that runs its GEMMs (dgu W_gate_up) when called, after the weight
+    grads are done: the weight ring sends those first and computes d rows while they travel (each expert's dgu
+    is kept until then: [M, 2F] in all, as the grouped path holds anyway).
     """
     gate_up, down = w["gate_up"], w["down"]
     b_gu, b_down = w.get("gate_up_bias"), w.get("down_bias")
@@ -185,7 +189,10 @@ def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.T
         dw = (g * act).sum(-1)
         if biased:  # out = act @ W_down^T + b_down: the routing weight multiplies the bias too
             dw = dw + (dy_rows * b_down[experts]).sum(-1)
-        drows = _gmm(dgu, gate_up, groups)
+        if rows_later:
+            drows = functools.partial(_gmm, dgu, gate_up, groups)
+        else:
+            drows = _gmm(dgu, gate_up, groups)
         if not need_weight_grad:
             return drows, dw, None
         dy_w = dy_rows * weights[:, None]
@@ -202,6 +209,7 @@ def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.T
     _check_covered(groups, rows)
     # in place, like experts_forward: each expert's GEMMs write its rows of d rows and its slice of the weight grads
     drows = rows.new_empty(rows.shape)
+    kept_dgu = []  # rows_later: (expert, first row, last row, its dgu)
     dw = rows.new_empty(rows.shape[0])
     grads = None
     if need_weight_grad:
@@ -220,7 +228,10 @@ def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.T
         torch.sum(g * act, -1, out=dw[a:b])
         if biased:
             dw[a:b] += dy_j @ b_down[j]
-        torch.mm(dgu, gate_up[j], out=drows[a:b])
+        if rows_later:
+            kept_dgu.append((j, a, b, dgu))
+        else:
+            torch.mm(dgu, gate_up[j], out=drows[a:b])
         if need_weight_grad:
             dy_wj = dy_j * w_j
             torch.mm(dgu.t(), x_j, out=grads["gate_up"][j])
@@ -228,4 +239,11 @@ def experts_backward(rows: torch.Tensor, dy_rows: torch.Tensor, weights: torch.T
             if biased:
                 torch.sum(dgu, 0, out=grads["gate_up_bias"][j])
                 torch.sum(dy_wj, 0, out=grads["down_bias"][j])
+    if rows_later:
+        def later() -> torch.Tensor:
+            for j, a, b, dgu in kept_dgu:
+                torch.mm(dgu, gate_up[j], out=drows[a:b])
+            return drows
+
+        return later, dw, grads
     return drows, dw, grads

@@ -8,7 +8,8 @@ parameters, independent of the sequence length.
 Saved for backward: x, the routing weights, the sorted row order and per-expert counts (and the own shard, a
 parameter). Foreign shards are dropped after their step; backward runs the ring again, recomputing the expert
 activations (spec.recompute_projections; False keeps each step's gate/up pre-activations), and the expert grads
-ride the ring home (ring_backward), as in the dense MLP.
+ride the ring home (ring_backward), as in the dense MLP: each step's weight grads first, its rows' dx GEMMs while
+they travel (experts_backward's rows_later), so the last hop to the owner is not waited bare.
 
 Row work per step: the rows are sorted by expert (so by owner) once per layer, one device argsort
 (ExpertOrder), and each step slices exactly its owner's segment with host bounds: the row gathers, the expert
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_tsp.core.comm.primitives import ring_backward, ring_forward
+from ds_tsp.core.comm.primitives import GradStep, ring_backward, ring_forward
 from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION
 from ds_tsp.core.layers.moe.experts import experts_backward, experts_forward
 from ds_tsp.core.layers.moe.routing import ExpertOrder
@@ -123,10 +124,13 @@ class MoERing(torch.autograd.Function):
             drows, dw, _ = experts_backward(
                 x2d[tok], dy[tok], w_flat[rows], w, groups, spec.glu,
                 projections=None if spec.recompute_projections else next(kept), need_weight_grad=need_w,
-                grad_into=spec.layout.unpack(grad) if need_w else None)
-            dx.index_add_(0, tok, drows)
+                grad_into=spec.layout.unpack(grad) if need_w else None, rows_later=need_w)
             dw_flat.index_add_(0, rows, dw)
-            return grad
+            if not need_w:
+                dx.index_add_(0, tok, drows)
+                return None
+            # the rows' dx GEMMs once the weight grads are on their way (the last hop to the owner hides behind them)
+            return GradStep(grad, lambda: dx.index_add_(0, tok, drows()))
 
         if need_w:
             grad_shard = ring_backward(ctx.comm, experts_shard, step)
