@@ -345,7 +345,8 @@ def layer_memory_config(args: argparse.Namespace):
     cfg = LayerMemoryConfig(hidden=args.hidden or LAYER_MEMORY_DEFAULTS["hidden"],
                             heads=args.heads or LAYER_MEMORY_DEFAULTS["heads"], kv_heads=args.kv_heads,
                             ffn=args.ffn or LAYER_MEMORY_DEFAULTS["ffn"], seq=seqs[0], tsp=tsp[0],
-                            batch=args.batch or 1, dtype=args.dtype or LAYER_MEMORY_DEFAULTS["dtype"], fake=args.fake, seed=args.seed)
+                            batch=args.batch or 1, dtype=args.dtype or LAYER_MEMORY_DEFAULTS["dtype"], fake=args.fake,
+                            seed=args.seed)
     cfg.check()
     return cfg
 

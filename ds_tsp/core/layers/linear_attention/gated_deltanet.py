@@ -361,10 +361,11 @@ def _piece_leaves(shard: torch.Tensor, spec: GatedDeltaNetSpec, need_w: bool) ->
 
 
 def _packed_grad(grads: dict, spec: GatedDeltaNetSpec, like: torch.Tensor) -> torch.Tensor:
-    """The block's packed weight grad from its pieces' (a piece that got none, e.g. the conv of a kernel-1 conv
-    with no halo: zeros), in the layout's order: one copy."""
-    return torch.cat([(grads.get(name) if grads.get(name) is not None
-                       else like.new_zeros(shape)).reshape(-1) for name, shape in spec.layout.pieces])
+    """The block's packed weight grad from its pieces' (zeros for a piece autograd reports unused), in the
+    layout's order: one copy."""
+    pieces = [grads.get(name) for name, _ in spec.layout.pieces]
+    return torch.cat([(like.new_zeros(shape) if g is None else g).reshape(-1)
+                      for g, (_, shape) in zip(pieces, spec.layout.pieces)])
 
 
 def _block_output(local: _LocalBlock, everyone, x, w: dict, norm_weight, spec: GatedDeltaNetSpec, comm: TSPComm):

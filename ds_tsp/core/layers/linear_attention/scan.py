@@ -139,7 +139,7 @@ def chunk_plans(doc_rows: tuple[tuple[int, ...], ...], rank: int, tsp: int, loca
             for b, starts in enumerate(doc_rows):
                 # the sequence's own start needs no cut: the state entering it is zero and the conv taps before it
                 # read the zero halo (no bias anywhere before the conv), so both are exact without a reset or a
-                # mask, and the chunk holding it runs the kernels' plain path (as fast as every other chunk)
+                # mask: the chunk holding it runs the kernels' plain path (no tap mask; FLA without cu_seqlens)
                 starts = [s for s in starts if s > 0]
                 inside = [s for s in starts if lo <= s < hi]
                 offsets.append(tuple(s - lo for s in inside))
