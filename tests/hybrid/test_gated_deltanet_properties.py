@@ -453,7 +453,8 @@ def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypat
     from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
 
     events = {}
-    real_local, real_gather, real_scatter = gdn._block_local, gdn.TransitionGather, gdn.TransitionGradScatter
+    real_local, real_keep = gdn._block_local, gdn._keep_block
+    real_gather, real_scatter = gdn.TransitionGather, gdn.TransitionGradScatter
     real_grad = torch.autograd.grad
     log = lambda what: events.setdefault(threading.get_ident(), []).append(what)  # noqa: E731
 
@@ -471,12 +472,17 @@ def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypat
         log("chunks")
         return real_local(*args)
 
+    def keep_block(*args):  # the backward's recompute of a block
+        log("chunks")
+        return real_keep(*args)
+
     def grad(outputs, inputs, *args, **kwargs):
         if isinstance(inputs, torch.Tensor):  # the one call with a single input: the out projection's weight grad
             log("out weight grad")
         return real_grad(outputs, inputs, *args, **kwargs)
 
     monkeypatch.setattr(gdn, "_block_local", block_local)
+    monkeypatch.setattr(gdn, "_keep_block", keep_block)
     monkeypatch.setattr(gdn, "TransitionGather", Gather)
     monkeypatch.setattr(gdn, "TransitionGradScatter", Scatter)
     monkeypatch.setattr(gdn.torch.autograd, "grad", grad)

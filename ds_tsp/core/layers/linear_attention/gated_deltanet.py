@@ -34,22 +34,24 @@ Document starts reset the state (M = 0 from there) and the conv (masked taps), a
 cu_seq_lens.
 
 Backward (hand-written loop, autograd inside each block): for j in 0..D-1 the shard is broadcast again and the
-block recomputed from x and the halo under autograd, its chunk results (o_local, q_eff, z) cut off as fresh leaves,
-so every op's backward runs ONCE per block, in three stages around the one explicit collective:
+block's forward recomputed from x and the halo the way speed mode keeps it (below: the projections cut off as graph
+leaves, the conv and chunk kernels under autograd) and its transitions gathered again; its chunk results (o_local,
+q_eff, z) are cut off as fresh leaves, so every op's backward runs ONCE per block, in three stages around the one
+explicit collective:
     1. the output side (out projection's dX, gated norm, the start-state GEMMs and their composition): grads of
        this rank's chunk results, of the norm weight and of EVERY rank's gathered (M, U); no chunk kernel, no
        projection
     2. reduce-scatter of the (M, U) grads, posted by EVERY rank (also one whose chunks all start documents and so
        read no state: autograd alone would skip it there and the other ranks would wait); the out projection's
        weight grad is computed while it travels
-    3. one autograd pass through the chunk kernels (the torch kernel's graph or FLA's backward), conv and the
-       q/k/v/z/a/b projections with both cotangents at once: the chunk results' (stage 1) and the transitions'
-       (stage 2) -> the grads of x, the halo and the shard.
+    3. one autograd pass through the chunk kernels (the torch kernel's graph or FLA's backward) and the conv to the
+       projections with both cotangents at once: the chunk results' (stage 1) and the transitions' (stage 2); then
+       the q/k/v/z/a/b projections' GEMMs' backward by hand (dx accumulated in place, the weight grads from the
+       re-broadcast shard) -> the grads of x, the halo and the shard.
 Speed mode (spec.keep_activations: TSPOptions.speed() without activation checkpointing) keeps each block's
 forward instead: its projections cut off as graph leaves (the weights are not kept: the shard is broadcast again),
 the graph of its conv and chunk kernels, and its gathered transitions. Backward then recomputes nothing and
-re-gathers nothing: stages 1 and 2 as above, and stage 3 walks the kept graph once to the projections, whose GEMMs'
-backward runs by hand (dx and the weight grads from the re-broadcast shard). Memory: O(B L) per block, every block
+re-gathers nothing: the same three stages on the kept block. Memory: O(B L) per block, every block
 (ds_tsp.tools.plan.gdn_kept traces it for the planner).
 The block's packed weight grad is reduced to its owner (ShardGradReducer). The halo's grad returns to the ranks
 holding those tokens once, after the blocks (conv_halo's autograd dual: a reduce-scatter). Saved for backward: x,
@@ -96,6 +98,7 @@ import torch.nn.functional as F
 from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.primitives import ShardGradReducer, ShardStream
 from ds_tsp.core.layers.amp import AUTOCAST_LOW_PRECISION, apply_autocast, dtype_inside
+from ds_tsp.core.layers.linear_attention.causal_conv import causal_conv
 from ds_tsp.core.layers.linear_attention.delta_rule import chunk_gated_delta_rule, l2_normalize
 from ds_tsp.core.layers.linear_attention.delta_rule_fla import BACKENDS as DELTA_RULE_BACKENDS
 from ds_tsp.core.layers.linear_attention.delta_rule_fla import (
@@ -182,18 +185,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _causal_conv(pre: torch.Tensor, pre_halo: torch.Tensor | None, conv: torch.Tensor, tap_mask: torch.Tensor | None):
     """silu(depthwise causal conv) of both local chunks at once: [B, L, C]. pre: [B, L, C], pre_halo: [B, 2, K-1, C]
-    (the K-1 tokens before each chunk), tap_mask: [B, 2, c, K] (1 where tap s is in the token's document) or None."""
+    (the K-1 tokens before each chunk) or None for a kernel-1 conv, tap_mask: [B, 2, c, K] (1 where tap s is in the
+    token's document) or None."""
     B, L, C = pre.shape
     c, K = L // 2, conv.shape[-1]
-    chunks = pre.view(B, 2, c, C)
-    ext = torch.cat([pre_halo, chunks], dim=2) if K > 1 else chunks  # [B, 2, K-1+c, C]
-    weight = conv.reshape(C, K)
-    acc = None
-    for s in range(K):  # tap s reads the token s steps back (transformers' conv1d weight index K-1-s)
-        term = ext[:, :, K - 1 - s:K - 1 - s + c] * weight[:, K - 1 - s]
-        if tap_mask is not None and s > 0:
-            term = term * tap_mask[..., s, None].to(term.dtype)
-        acc = term if acc is None else acc + term
+    chunks, weight = pre.view(B, 2, c, C), conv.reshape(C, K)
+    acc = chunks * weight[:, 0] if K == 1 else causal_conv(chunks, pre_halo, weight, tap_mask)
     return F.silu(acc).view(B, L, C)
 
 
@@ -446,17 +443,18 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None
         for j in range(comm.size):
             shards.next_block(j)
+            shard = shards.take(j)
+            if kept is None:  # the block's forward again, kept the way speed mode keeps it; its transitions again
+                with torch.no_grad():
+                    block = _keep_block(x, halo, spec.layout.unpack(shard), spec, plans)
+                block.everyone = TransitionGather(block.local.transitions.detach(), comm).wait()
+            else:  # speed mode: the forward's chunk graph and gathered transitions
+                block, kept[j] = kept[j], None
             with torch.enable_grad():
-                x_, halo_, nw_ = (t.detach().requires_grad_() for t in (x, halo, norm_weight))
-                shard = shards.take(j)
+                x_, nw_ = (t.detach().requires_grad_() for t in (x, norm_weight))
                 w = _piece_leaves(shard, spec, need_w)
-                if kept is None:
-                    local = _block_local(x_, halo_, w, spec, plans)
-                    everyone = TransitionGather(local.transitions, comm).wait()
-                else:  # speed mode: the forward's chunk graph and gathered transitions
-                    local, everyone = kept[j].local, kept[j].everyone
-                cut = _cut(local)
-                everyone = everyone.detach().requires_grad_()
+                cut = _cut(block.local)
+                everyone = block.everyone.detach().requires_grad_()
                 y = _block_output(cut, everyone, x_, w, nw_, spec, comm)
                 # 1. the output side (norm, gate, the start states' GEMMs): grads of every rank's transitions,
                 # of this rank's chunk results and of the norm weight; no chunk kernel, no projection
@@ -469,17 +467,9 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 d_out = torch.autograd.grad(y, w["out"], dy)[0] if need_w else None
                 del y, cut, everyone
                 d_local = scatter.wait()
-                if kept is None:
-                    # 3. ONE pass through the chunk kernels, conv and projections with both cotangents
-                    pairs = [(t, g) for t, g in zip(_ends(local) + [local.transitions], [*first[2:], d_local])
-                             if g is not None and t.requires_grad]
-                    names = [name for name in w if name != "out"] if need_w else []
-                    found = torch.autograd.grad([t for t, _ in pairs], [x_, halo_] + [w[name] for name in names],
-                                                [g for _, g in pairs], allow_unused=True)
-                    second = (*found[:2], dict(zip(names, found[2:])))
-            if kept is not None:  # 3. ONE pass through the kept chunk graph, then the projections by hand
-                second = _kept_block_grads(kept[j], list(first[2:]), d_local, x, halo, spec, shard, need_w)
-                kept[j] = None
+            # 3. ONE pass through the block's chunk graph to its projections, then their GEMMs' backward by hand
+            second = _kept_block_grads(block, list(first[2:]), d_local, x, halo, spec, shard, need_w)
+            del block
             for acc, grad in zip((dx, dhalo, dnorm), (second[0], second[1], first[1])):
                 if grad is not None:  # None: unused (the empty halo of a kernel-1 conv)
                     acc.add_(grad)
