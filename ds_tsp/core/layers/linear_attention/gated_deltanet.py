@@ -451,11 +451,11 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
             else:  # speed mode: the forward's chunk graph and gathered transitions
                 block, kept[j] = kept[j], None
             with torch.enable_grad():
-                x_, nw_ = (t.detach().requires_grad_() for t in (x, norm_weight))
+                nw_ = norm_weight.detach().requires_grad_()  # x: only its shape and dtype are read here
                 w = _piece_leaves(shard, spec, need_w)
                 cut = _cut(block.local)
                 everyone = block.everyone.detach().requires_grad_()
-                y = _block_output(cut, everyone, x_, w, nw_, spec, comm)
+                y = _block_output(cut, everyone, x, w, nw_, spec, comm)
                 # 1. the output side (norm, gate, the start states' GEMMs): grads of every rank's transitions,
                 # of this rank's chunk results and of the norm weight; no chunk kernel, no projection
                 first = torch.autograd.grad(y, (everyone, nw_, *_ends(cut)), dy, retain_graph=need_w,
