@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,12 +193,22 @@ def test_single_shard_writes_model_safetensors_without_index(tmp_path):
 def test_writer_holds_about_one_shard_plus_one_tensor(tmp_path):
     # 40 MB tensors: above glibc's largest dynamic mmap threshold (32 MB), so a freed one leaves RSS at once.
     tensor_bytes, shard_bytes = 40 * MB, 80 * MB
-    with HostMemoryPeak() as m:
-        with StreamingCheckpointWriter(tmp_path / "ckpt", max_shard_size=shard_bytes) as w:
-            for i in range(6):  # 240 MB streamed, produced one at a time
-                w.add(f"t{i}", torch.full((tensor_bytes // 4,), float(i)))
-    print(f"\nwriter peak {m.peak_bytes / MB:.0f} MB for 240 MB streamed in 80 MB shards")
-    assert m.peak_bytes < shard_bytes + tensor_bytes + 10 * MB, m
+    bound = shard_bytes + tensor_bytes + 10 * MB
+    # The process's peak RSS also counts what any other thread allocates meanwhile (a full suite run leaves
+    # some), which can only add: the least of up to three writes is the writer's own. A writer that held more
+    # than the bound would exceed it every time.
+    peaks = []
+    for attempt in range(3):
+        with HostMemoryPeak() as m:
+            with StreamingCheckpointWriter(tmp_path / f"ckpt{attempt}", max_shard_size=shard_bytes) as w:
+                for i in range(6):  # 240 MB streamed, produced one at a time
+                    w.add(f"t{i}", torch.full((tensor_bytes // 4,), float(i)))
+        peaks.append(m)
+        if m.peak_bytes < bound:
+            break
+    print(f"\nwriter peaks {[round(p.peak_bytes / MB) for p in peaks]} MB for 240 MB streamed in 80 MB shards")
+    assert min(p.peak_bytes for p in peaks) < bound, peaks
+    shutil.move(tmp_path / f"ckpt{attempt}", tmp_path / "ckpt")
     assert len(list((tmp_path / "ckpt").glob("model-*-of-00003.safetensors"))) == 3
     mode = (tmp_path / "ckpt" / "model-00001-of-00003.safetensors").stat().st_mode & 0o777
     assert mode == (tmp_path / "ckpt").stat().st_mode & 0o666  # umask-respecting, not safetensors' 0600
