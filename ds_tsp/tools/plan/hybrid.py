@@ -349,10 +349,16 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     halo, one block's projections (q, k repeated to value heads, v, z; compute dtype), its gathered transitions,
     the chunk kernel's [C, C] sub-chunk matrices (ds_tsp.core.layers.linear_attention.delta_rule, C = min(64, L/2):
     decay, k_beta k^T, the triangular system, q k^T, intra: 5 per value head and token), y, and the next block's
-    chunk results (its transitions' gather overlaps them); backward the block recomputed under autograd, so its
-    graph (the 5 matrices + their grads and the solves' temporaries, walked once by the one-pass backward: 7.5 per
-    value head and token, a count FITTED to MemTracker: peaks within 1% at S = 256, 512, 1024 at D = 2,
-    tests/tools/test_plan_hybrid.py checks one) and twice the token-sized tensors, the grad reducer's shards and dx.
+    chunk results (its transitions' gather overlaps them); backward the block recomputed under autograd, its graph
+    walked once by the one-pass backward (the [C, C] matrices, the per-head [dk] / [dv] rows the kernel
+    derives from q, k, v (k_beta, the solves' results, the sub-chunks' reads), the sub-chunks' [dk, dk + dv]
+    transitions (one per C tokens), more of the gathered transitions' size: their grads, the composed prefixes),
+    twice the token-sized tensors, the grad reducer's shards and dx. The backward's four counts (6.75 [C, C]
+    matrices, 9.5 [dk + dv] rows and 3.5 / C transitions per value head and token, 6 times the gathered
+    transitions) are FITTED to MemTracker over head sizes dk = dv = 4 .. 128, S = 256 .. 1024 and D = 2, 4: peaks
+    within -2% / +4% at 20 points (tests/tools/test_plan_hybrid.py checks two head sizes). At real head sizes the
+    rows and transitions dominate, so a fit at one small head size cannot stand for them (the count fitted at
+    dk = 4 alone, 7.5 [C, C] matrices, planned 20% short at dk = 16 and 60% short at dk = 128).
     This is the pure-torch kernel (CPU, or without flash-linear-attention); fla's fused kernel holds less, so the
     plan is an upper bound there."""
     g, b, B = hg.tsp, inp.dtype_bytes, inp.batch
@@ -362,11 +368,14 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     x = T * h * b
     halo = B * 2 * max(hg.K - 1, 0) * h * b
     block = T * hg.vb * (2 * hg.dk + 3 * hg.dv) * cb
-    square = T * hg.vb * min(GDN_CHUNK, g.L // 2) * cb  # one [C, C] matrix per value head, every local token
+    C = max(1, min(GDN_CHUNK, g.L // 2))
+    square = T * hg.vb * C * cb  # one [C, C] matrix per value head, every local token
+    rows = T * hg.vb * (hg.dk + hg.dv) * cb  # one [dk] and one [dv] row per value head, every local token
+    states = T * hg.vb * hg.dk * (hg.dk + hg.dv) // C * cb  # one [dk, dk + dv] transition per value head, C tokens
     trans = D * 2 * B * hg.vb * hg.dk * (hg.dk + hg.dv) * cb
     return {"gdn_fwd": 2 * shard_in + halo + 2 * block + 5 * square + trans + x,
-            "gdn_bwd": 2 * shard_in + min(D - 1, 3) * hg.G * b + halo + 2 * (block + trans) + 15 * square // 2
-            + 2 * x}
+            "gdn_bwd": 2 * shard_in + min(D - 1, 3) * hg.G * b + halo + 2 * block + 6 * trans
+            + 27 * square // 4 + 19 * rows // 2 + 7 * states // 2 + 2 * x}
 
 
 def sparse_mlp_transients(inp: PlanInput, hg: HybridGeometry, attention_mlp_transients, ring_buffers
