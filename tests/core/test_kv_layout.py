@@ -1,6 +1,7 @@
 """ds_tsp.core.comm.kv_gather moves data only: checked exactly with coordinate-encoded values (each element says which
 token, batch row, k/v slot, head and dim it is) at D = 1, 2, 3, 4 -- the gathered buffer is the global-order K/V,
-and the rank-ordered dK/dV reduce-scatter hands every rank the sum of all ranks' grads for its own tokens."""
+and the rank-ordered dK/dV reduce-scatter hands every rank the sum of all ranks' grads for its own tokens, whether
+each key prefix's grads come whole (add) or in the kernels' key blocks (take)."""
 from __future__ import annotations
 
 import torch
@@ -26,7 +27,7 @@ def _local(full: torch.Tensor, D: int, rank: int) -> torch.Tensor:
     return torch.cat([full[:, g * C:(g + 1) * C] for g in zigzag_chunks(D, rank)], dim=1)
 
 
-def _check(D: int, group) -> None:
+def _check(D: int, group, pieces: bool) -> None:
     from ds_tsp.core.comm.communicator import TSPComm
     from ds_tsp.core.comm.kv_gather import GlobalKVGather, RankOrderedKVGrad, kv_prefix, local_from_chunks, local_kv
     from ds_tsp.core.tokens.zigzag import zigzag_chunks
@@ -45,7 +46,13 @@ def _check(D: int, group) -> None:
     acc = RankOrderedKVGrad(buffer, D)
     ends = [(g + 1) * C for g in zigzag_chunks(D, p)]
     for end in ends:
-        acc.add(_coded(S, 0, p + 1)[:, :end], _coded(S, 1, p + 1)[:, :end])
+        dk, dv = _coded(S, 0, p + 1)[:, :end], _coded(S, 1, p + 1)[:, :end]
+        if pieces:  # as the kernels hand them over: the keys before the query chunk, then its own
+            start = end - C
+            acc.take(0, dk[:, :start], dv[:, :start])
+            acc.take(start, dk[:, start:], dv[:, start:])
+        else:
+            acc.add(dk, dv)
     mine, handle = acc.scatter(comm)
     handle.wait()
     want_k, want_v = torch.zeros_like(k_full), torch.zeros_like(v_full)
@@ -60,13 +67,30 @@ def _check(D: int, group) -> None:
 def _all():
     groups = {D: dist.new_group(r) for D, r in GROUPS.items()}
     me = dist.get_rank()
-    if me == 0:
-        _check(1, None)
-    for D, ranks in GROUPS.items():
-        if me in ranks:
-            _check(D, groups[D])
+    for pieces in (False, True):
+        if me == 0:
+            _check(1, None, pieces)
+        for D, ranks in GROUPS.items():
+            if me in ranks:
+                _check(D, groups[D], pieces)
     return True
 
 
 def test_global_order_gather_and_rank_order_scatter_are_exact():
     assert all(run_on_local_ranks(_all, 4, timeout_s=180))
+
+
+def test_rank_ordered_grad_takes_whole_chunks_in_key_order_only():
+    from ds_tsp.core.comm.kv_gather import RankOrderedKVGrad
+
+    acc = RankOrderedKVGrad(torch.zeros(2 * 2 * C, B, 2, N, E, dtype=torch.float64), 2)
+    grad = _coded(4 * C, 0)
+    for start, n in ((C, C), (0, C - 1), (1, C)):  # a gap before the first key added; part of a chunk; unaligned
+        try:
+            acc.take(start, grad[:, :n], grad[:, :n])
+        except ValueError as err:
+            assert "whole chunks" in str(err)
+        else:
+            raise AssertionError(f"take({start}, {n} keys) was accepted")
+    acc.take(0, grad[:, :C], grad[:, :C])
+    acc.take(C, grad[:, C:3 * C], grad[:, C:3 * C])  # from the first key not added yet: accepted

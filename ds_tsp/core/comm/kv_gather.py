@@ -84,17 +84,27 @@ class RankOrderedKVGrad:
 
     def add(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """dk, dv [B, end, nkv, d]: grads of the keys 0 .. end-1 (end a multiple of the chunk length)."""
+        self.take(0, dk, dv)
+
+    def take(self, start: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """dk, dv [B, n, nkv, d]: grads of the keys start .. start+n-1, both multiples of the chunk length, and no
+        key after the ones added so far (the kernels hand their key blocks over in order: a take_kv of
+        kernels.attention_backward_pieces)."""
         c = self.chunk
-        for g in range(dk.shape[1] // c):
+        if start % c or dk.shape[1] % c or start > self._written * c:
+            raise ValueError(f"RankOrderedKVGrad.take(start={start}, {dk.shape[1]} keys): whole chunks of {c} keys "
+                             f"from at most key {self._written * c} (the keys added so far)")
+        first = start // c
+        for g in range(first, first + dk.shape[1] // c):
             r, half = _owner(g, self.tsp)
             dst = self.buffer[r, half]
             for slot, grad in enumerate((dk, dv)):
-                src = grad[:, g * c:(g + 1) * c].transpose(0, 1)
+                src = grad[:, (g - first) * c:(g - first + 1) * c].transpose(0, 1)
                 if g < self._written:
                     dst[:, :, slot].add_(src)
                 else:
                     dst[:, :, slot].copy_(src)
-        self._written = max(self._written, dk.shape[1] // c)
+        self._written = max(self._written, first + dk.shape[1] // c)
 
     def scatter(self, comm: TSPComm) -> tuple[torch.Tensor, Handle]:
         """Post the reduce-scatter: returns (this rank's summed [2, c, B, 2, nkv, d], handle)."""

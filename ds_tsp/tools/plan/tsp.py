@@ -21,7 +21,8 @@ against MemTracker per module, tests/fixtures/plan_bench.json):
 - attention backward: the re-broadcast shard (+ prefetch), the grad contributions in flight to their owners,
   the re-gathered K/V (+ the next group's in flight), dK/dV accumulated in place in the rank-ordered buffer the
   reduce-scatter sends (no zeros / reorder / cat copies) and the previous group's scatter still in flight, the
-  recomputed local k/v and their grads, q / dout / dq, dx and the incoming dy.
+  kernel's dK/dV of one key block (the largest: every key before the last zigzag chunk) until it is added there,
+  the recomputed local k/v and their grads, q / dout / dq, dx and the incoming dy.
 - MLP: the shards of the weight ring in flight; gate, up, silu(gate), their product ([L, F/D] each), y.
   Backward adds the grad shards travelling with the ring, the packed grad being formed and the SwiGLU
   derivative's temporaries (9 [L, F/D] tensors at once).
@@ -115,11 +116,14 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
     # backward, per kv group: its re-gathered K/V (+ the next group's in flight), its dK/dV accumulator, and the
     # previous group's reduce-scatter still running behind it; a middle group (3+ groups) sees all four
     kv_bufs_bwd = 1 + min(groups - 1, 1) if inp.keep_gathered_kv else 2 + min(groups - 1, 2)
+    # the kernel's dK/dV of its largest key block (every key before the last zigzag chunk), until added in place
+    kernel_dkv = kvb * (2 * D - 1) // (2 * D)
     Tc = min(T, inp.lm_head_chunk_tokens)
     logits = Tc * g.Vd * cb + (Tc * g.Vd * b if b < cb else 0)
     return {
         "attention_fwd": 2 * shard_in + in_flight * (kvb + kv_local) + 3 * qb + x,
-        "attention_bwd": (2 * shard_in + g.A * b + reducer + kv_bufs_bwd * kvb + 2 * kv_local + 4 * qb + 2 * x
+        "attention_bwd": (2 * shard_in + g.A * b + reducer + kv_bufs_bwd * kvb + kernel_dkv + 2 * kv_local + 4 * qb
+                          + 2 * x
                           # OLMo's whole-projection q/k norms: every block's dn kept through the loop
                           + (T * (dims.nq + dims.nkv) * dims.d * b if inp.model.projection_qk_norm else 0)),
         "mlp_fwd": min(D - 1, 2) * g.M * b + 4 * T * f * b + x,

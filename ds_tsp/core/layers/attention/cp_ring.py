@@ -68,7 +68,7 @@ from ds_tsp.core.comm.communicator import TSPComm
 from ds_tsp.core.comm.kv_gather import GlobalKVGather, RankOrderedKVGrad, kv_prefix
 from ds_tsp.core.layers.attention import kernels
 from ds_tsp.core.layers.attention.cp_window import uses_window_path, window_attention_backward, window_attention_forward
-from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.layers.attention.masked import masked_attention_backward_pieces, masked_attention_forward
 from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.zigzag import zigzag_chunks
 
@@ -302,11 +302,10 @@ def cp_attention_backward(dout: torch.Tensor, q: torch.Tensor, kv_all: torch.Ten
     for chunk in OWN_ORDER:
         local, start, _ = geo.queries[chunk]
         k_all, v_all = kv_prefix(kv_all, start + geo.c)
-        dq_c, dk_c, dv_c = masked_attention_backward(dout[:, local], q[:, local], k_all, v_all, out[:, local],
-                                                     lses[chunk], q_start=start, doc_starts=own, window=None,
-                                                     scale=scale, backend=backend)
+        dq_c = masked_attention_backward_pieces(dout[:, local], q[:, local], k_all, v_all, out[:, local],
+                                                lses[chunk], q_start=start, doc_starts=own, window=None,
+                                                scale=scale, backend=backend, take_kv=kv_grad.take)
         dq_chunks[chunk] = dq_c.to(acc)
-        kv_grad.add(dk_c, dv_c)
         if chunk == OWN_ORDER[0]:
             ring.advance()
     impl = kernels._backend_impl(backend, q)

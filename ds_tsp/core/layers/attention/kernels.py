@@ -93,18 +93,51 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        lse: torch.Tensor, *, q_start: int, scale: float,
                        backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_forward; `out`, `lse` are what it returned (same backend!)."""
+    pieces = KVPieces()
+    dq = attention_backward_pieces(dout, q, k, v, out, lse, q_start=q_start, scale=scale, backend=backend,
+                                   take_kv=pieces)
+    return dq, *pieces.whole()
+
+
+class KVPieces:
+    """A take_kv that keeps the key blocks' dK / dV in order; whole() concatenates them along the keys."""
+
+    def __init__(self):
+        self.dk, self.dv = [], []
+
+    def __call__(self, start: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        self.dk.append(dk)
+        self.dv.append(dv)
+
+    def whole(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.dk) == 1:
+            return self.dk[0], self.dv[0]
+        return torch.cat(self.dk, dim=1), torch.cat(self.dv, dim=1)
+
+
+def attention_backward_pieces(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, *, q_start: int, scale: float,
+                              backend: str | None, take_kv) -> torch.Tensor:
+    """attention_backward with dK / dV handed over per key block as each kernel returns it: take_kv(key start,
+    dk, dv) (keys [0, q_start), then [q_start, q_start + Lq)); returns dq. The caller adds each block where it
+    belongs, so no [B, Lk] dK / dV is concatenated and the first block's are gone before the second kernel runs."""
     _check_shapes(q, k, v, q_start)
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
     impl = _backend_impl(backend, q)
     if q.shape[1] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        take_kv(0, torch.zeros_like(k), torch.zeros_like(v))
+        return torch.zeros_like(q)
     if q_start == 0:
-        return impl.backward(dout, q, k, v, out, lse, causal=True, scale=scale)
-    dq1, dk1, dv1 = impl.backward(dout, q, k[:, :q_start], v[:, :q_start], out, lse, causal=False, scale=scale)
-    dq2, dk2, dv2 = impl.backward(dout, q, k[:, q_start:], v[:, q_start:], out, lse, causal=True, scale=scale)
-    dq = (dq1.float() + dq2.float()).to(q.dtype) if q.dtype in _HALF else dq1 + dq2
-    return dq, torch.cat((dk1, dk2), dim=1), torch.cat((dv1, dv2), dim=1)
+        dq, dk, dv = impl.backward(dout, q, k, v, out, lse, causal=True, scale=scale)
+        take_kv(0, dk, dv)
+        return dq
+    dq1, dk, dv = impl.backward(dout, q, k[:, :q_start], v[:, :q_start], out, lse, causal=False, scale=scale)
+    take_kv(0, dk, dv)
+    del dk, dv
+    dq2, dk, dv = impl.backward(dout, q, k[:, q_start:], v[:, q_start:], out, lse, causal=True, scale=scale)
+    take_kv(q_start, dk, dv)
+    return (dq1.float() + dq2.float()).to(q.dtype) if q.dtype in _HALF else dq1 + dq2
 
 
 # ----------------------------------------------------------------------------------------------------------------

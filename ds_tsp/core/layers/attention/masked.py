@@ -99,17 +99,30 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, q_start: int, doc_star
                               scale: float, backend: str | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of masked_attention_forward, given the (out, lse) it returned (same arguments)."""
+    pieces = kernels.KVPieces()
+    dq = masked_attention_backward_pieces(dout, q, k, v, out, lse, q_start=q_start, doc_starts=doc_starts,
+                                          window=window, scale=scale, backend=backend, take_kv=pieces)
+    return dq, *pieces.whole()
+
+
+def masked_attention_backward_pieces(dout, q, k, v, out, lse, *, q_start: int, doc_starts, window: int | None,
+                                     scale: float, backend: str | None, take_kv) -> torch.Tensor:
+    """masked_attention_backward handing dK / dV to take_kv(key start, dk, dv) (kernels.attention_backward_pieces:
+    per key block without masks, whole otherwise); returns dq."""
     layouts = _check_inputs(q, k, v, q_start, doc_starts, window)
     Lk = k.shape[1]
     if not layouts.masked(window, Lk):
-        return kernels.attention_backward(dout, q, k, v, out, lse, q_start=q_start, scale=scale, backend=backend)
+        return kernels.attention_backward_pieces(dout, q, k, v, out, lse, q_start=q_start, scale=scale,
+                                                 backend=backend, take_kv=take_kv)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (q.shape[0], q.shape[2], q.shape[1]):
         raise ValueError(f"dout {tuple(dout.shape)}, out {tuple(out.shape)} must have q's shape {tuple(q.shape)} "
                          f"and lse {tuple(lse.shape)} must be [B, Hq, Lq]")
     kernels._backend_impl(backend, q)
     packed = _varlen(backend, q, layouts, window, q_start, Lk)
     if packed is not None:
-        return varlen.backward(dout, q, k, v, out, lse, *packed, scale=scale)
+        dq, dk, dv = varlen.backward(dout, q, k, v, out, lse, *packed, scale=scale)
+        take_kv(0, dk, dv)
+        return dq
     acc = kernels.accumulation_dtype(q.dtype)  # a row / key gets up to two partial gradients
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
     for idx, starts in _groups(layouts, q.device):
@@ -126,7 +139,8 @@ def masked_attention_backward(dout, q, k, v, out, lse, *, q_start: int, doc_star
             dvg[:, blk.k0:blk.k1] += _cut(gv, 0, blk.k1 - blk.k0, f)
         if not isinstance(idx, slice):
             dq[idx], dk[idx], dv[idx] = dqg, dkg, dvg
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    take_kv(0, dk.to(k.dtype), dv.to(v.dtype))
+    return dq.to(q.dtype)
 
 
 def _varlen(backend, q, layouts: LayoutCut, window, q_start, key_len):

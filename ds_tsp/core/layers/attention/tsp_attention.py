@@ -111,7 +111,7 @@ from ds_tsp.core.layers.attention.cp_all_to_all import (
     post_queries,
 )
 from ds_tsp.core.layers.attention.cp_ring import cp_attention_backward, cp_attention_forward
-from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.layers.attention.masked import masked_attention_backward_pieces, masked_attention_forward
 from ds_tsp.core.layers.attention.projection_norm import (
     BlockNorm,
     ProjectionNormGrads,
@@ -615,11 +615,11 @@ class _TSPAttention(torch.autograd.Function):
                     for (local, start), lse in zip(_chunks(p, D, L), lses):
                         end = start + local.stop - local.start
                         k_all, v_all = kv_prefix(kv_all, end)
-                        dq_c, dk_c, dv_c = masked_attention_backward(
+                        # each kernel's dK/dV go straight into the rank-ordered buffer (no [B, end] concatenation)
+                        dq_chunks.append(masked_attention_backward_pieces(
                             dout[:, local], q[:, local], k_all, v_all, out[:, local], lse, q_start=start,
-                            doc_starts=doc_starts, window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
-                        dq_chunks.append(dq_c)
-                        dkv.add(dk_c, dv_c)
+                            doc_starts=doc_starts, window=spec.window, scale=spec.scale, backend=spec.kernel_backend,
+                            take_kv=dkv.take))
                 if pending is not None:  # the previous group's dK/dV scatter ran behind this attention backward
                     finish_group(pending)
                     pending = None
