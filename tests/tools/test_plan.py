@@ -348,22 +348,25 @@ def _tsp_tracked_peak(shape, seq):
 
 
 # (shape, seq, the phase that peaks): the MLP's backward at a tiny width; the attention backward with a wide head
-# (its gathered K/V, dK/dV buffers and the kernels' dK/dV of each key block grow with S)
+# (its gathered K/V, dK/dV buffers and the kernels' dK/dV of each key block grow with S), with per-head q/k norms
+# too (the raw q and k their backward reads)
+WIDE_HEAD = dict(hidden_size=256, intermediate_size=704, num_heads=4, num_kv_heads=4, head_dim=128)
 LIVE_PEAKS = {
     "mlp": (dict(hidden_size=64, intermediate_size=192, num_heads=4, num_kv_heads=4), 512, "mlp_bwd"),
-    "attention": (dict(hidden_size=256, intermediate_size=704, num_heads=4, num_kv_heads=4, head_dim=128), 2048,
-                  "attention_bwd"),
+    "attention": (WIDE_HEAD, 2048, "attention_bwd"),
+    "attention_qk_norm": ({**WIDE_HEAD, "qk_norm": True}, 4096, "attention_bwd"),
 }
 
 
 @pytest.mark.parametrize("case", list(LIVE_PEAKS))
-def test_tsp_peak_within_6_percent_of_a_live_measurement(case):
+def test_tsp_peak_from_3_percent_under_to_8_percent_over_a_live_measurement(case):
+    """The plan may round up (it is what a user sizes a job by), never down by more than a rounding."""
     kwargs, seq, phase = LIVE_PEAKS[case]
     shape = ModelShape(vocab_size=512, num_layers=2, **kwargs)
     measured = max(run_on_local_ranks(_tsp_tracked_peak, 2, shape, seq, timeout_s=240))
     plan = plan_tsp(PlanInput(model=shape, seq=seq, degree=2, dtype="fp32"))
-    assert abs(plan.peak_bytes_per_rank - measured) <= 0.06 * measured, (plan.peak_bytes_per_rank, measured,
-                                                                         plan.peak_phase)
+    assert 0.97 * measured <= plan.peak_bytes_per_rank <= 1.08 * measured, (plan.peak_bytes_per_rank, measured,
+                                                                            plan.peak_phase)
     assert plan.peak_phase == phase
 
 

@@ -22,7 +22,8 @@ against MemTracker per module, tests/fixtures/plan_bench.json):
   the re-gathered K/V (+ the next group's in flight), dK/dV accumulated in place in the rank-ordered buffer the
   reduce-scatter sends (no zeros / reorder / cat copies) and the previous group's scatter still in flight, the
   kernel's dK/dV of one key block (the largest: every key before the last zigzag chunk) until it is added there,
-  the recomputed local k/v and their grads, q / dout / dq, dx and the incoming dy.
+  the recomputed local k/v and their grads, q / dout / dq, dx and the incoming dy; with per-head q/k norms the raw
+  q (kept to the dq tail), the group's raw k and the norms' backward temporaries.
 - MLP: the shards of the weight ring in flight; gate, up, silu(gate), their product ([L, F/D] each), y.
   Backward adds the grad shards travelling with the ring, the packed grad being formed and the SwiGLU
   derivative's temporaries (9 [L, F/D] tensors at once).
@@ -125,7 +126,11 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
         "attention_bwd": (2 * shard_in + g.A * b + reducer + kv_bufs_bwd * kvb + kernel_dkv + 2 * kv_local + 4 * qb
                           + 2 * x
                           # OLMo's whole-projection q/k norms: every block's dn kept through the loop
-                          + (T * (dims.nq + dims.nkv) * dims.d * b if inp.model.projection_qk_norm else 0)),
+                          + (T * (dims.nq + dims.nkv) * dims.d * b if inp.model.projection_qk_norm else 0)
+                          # per-head q/k norms (Qwen3): the raw q kept to the dq tail, the raw k of the group and
+                          # the norm backward's temporaries
+                          + (2 * qb + kv_local // 2 if inp.model.qk_norm and not inp.model.projection_qk_norm
+                             else 0)),
         "mlp_fwd": min(D - 1, 2) * g.M * b + 4 * T * f * b + x,
         "mlp_bwd": (ring_buffers(D) + 1) * g.M * b + 9 * T * f * b + 2 * x,
         "lm_head_fwd": logits + (g.Vd * dims.h * b if D > 1 else 0),
