@@ -357,8 +357,8 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     matrices, 9.5 [dk + dv] rows and 3.5 / C transitions per value head and token, 6 times the gathered
     transitions) are FITTED to MemTracker over head sizes dk = dv = 4 .. 128, S = 256 .. 1024 and D = 2, 4: peaks
     within -2% / +4% at 20 points (tests/tools/test_plan_hybrid.py checks two head sizes). At real head sizes the
-    rows and transitions dominate, so a fit at one small head size cannot stand for them (the count fitted at
-    dk = 4 alone, 7.5 [C, C] matrices, planned 20% short at dk = 16 and 60% short at dk = 128).
+    rows and transitions dominate, so a fit at one small head size cannot stand for them (a count of [C, C]
+    matrices alone, fitted at dk = 4, plans 20% short at dk = 16 and 60% short at dk = 128).
     This is the pure-torch kernel (CPU, or without flash-linear-attention); fla's fused kernel holds less, so the
     plan is an upper bound there."""
     g, b, B = hg.tsp, inp.dtype_bytes, inp.batch
