@@ -151,7 +151,7 @@ def _overlap_events(comm, replicas: int) -> list[tuple[str, str]]:
     from ds_tsp.core.tokens.rope import rope_cos_sin
 
     events: list[tuple[str, str]] = []
-    real_wait, real_fwd, real_bwd = Handle.wait, a2a.masked_attention_forward, a2a.masked_attention_backward
+    real_wait, real_fwd, real_bwd = Handle.wait, a2a.masked_attention_forward, a2a.masked_attention_backward_pieces
 
     def wait(self):
         if self._works and self._blocked is not None and self._blocked.comm is comm.cp:
@@ -173,12 +173,13 @@ def _overlap_events(comm, replicas: int) -> list[tuple[str, str]]:
     x = torch.randn(1, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     cos, sin = rope_cos_sin(torch.arange(4)[None], 4, 10000.0, torch.float64)  # any positions: only order matters
     Handle.wait, a2a.masked_attention_forward = wait, kernel(real_fwd, "forward")
-    a2a.masked_attention_backward = kernel(real_bwd, "backward")
+    a2a.masked_attention_backward_pieces = kernel(real_bwd, "backward")
     try:
         with comm.recording(_CpEvents(tuple(comm.cp._ranks), events)):
             tsp_attention(x, shard, cos, sin, spec, comm).pow(2).sum().backward()
     finally:
-        Handle.wait, a2a.masked_attention_forward, a2a.masked_attention_backward = real_wait, real_fwd, real_bwd
+        Handle.wait, a2a.masked_attention_forward, a2a.masked_attention_backward_pieces = (real_wait, real_fwd,
+                                                                                            real_bwd)
     return events
 
 

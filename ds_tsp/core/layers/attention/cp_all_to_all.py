@@ -56,7 +56,7 @@ from ds_tsp.core.comm.communicator import Handle, TSPComm
 from ds_tsp.core.comm.kv_gather import kv_prefix
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.core.layers.attention import kernels
-from ds_tsp.core.layers.attention.masked import masked_attention_backward, masked_attention_forward
+from ds_tsp.core.layers.attention.masked import masked_attention_backward_pieces, masked_attention_forward
 from ds_tsp.core.tokens.documents import DocumentLayout
 from ds_tsp.core.tokens.zigzag import zigzag_chunks
 
@@ -215,9 +215,14 @@ class A2AKVGrad:
 
     def add(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """dk, dv [B, end, nkv', d]: grads of the keys 0 .. end-1."""
-        end = dk.shape[1]
-        self.buffer[:end, :, 0] += dk.transpose(0, 1)
-        self.buffer[:end, :, 1] += dv.transpose(0, 1)
+        self.take(0, dk, dv)
+
+    def take(self, start: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """dk, dv [B, n, nkv', d]: grads of the keys start .. start+n-1 (a take_kv of
+        kernels.attention_backward_pieces: each kernel call's as it returns)."""
+        end = start + dk.shape[1]
+        self.buffer[start:end, :, 0] += dk.transpose(0, 1)
+        self.buffer[start:end, :, 1] += dv.transpose(0, 1)
 
     def scatter(self, comm: TSPComm) -> tuple[torch.Tensor, _ScatterBack]:
         """Post the reduce-scatter over the TSP group: returns (this rank's [2, c, B, 2, nkv, d], filled by the
@@ -335,9 +340,7 @@ def a2a_attention_backward(sent: SentGradInputs, kv_full: torch.Tensor, kv_grad:
     for i, half, g in query_chunks(cp.size, comm.size, comm.rank):
         local = slice(half * c, (half + 1) * c)
         k, v = kv_prefix(kv_full, (g + 1) * c)
-        dq_c, dk, dv = masked_attention_backward(douts[i][:, local], qs[i][:, local], k, v, outs[i][:, local],
-                                                 lse[i][:, :, local], q_start=g * c, doc_starts=doc_starts,
-                                                 window=window, scale=scale, backend=backend)
-        dq[i][:, local] = dq_c
-        kv_grad.add(dk, dv)
+        dq[i][:, local] = masked_attention_backward_pieces(
+            douts[i][:, local], qs[i][:, local], k, v, outs[i][:, local], lse[i][:, :, local], q_start=g * c,
+            doc_starts=doc_starts, window=window, scale=scale, backend=backend, take_kv=kv_grad.take)
     return SentDq(cp, dq, sent.q_dtype)
