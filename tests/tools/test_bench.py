@@ -160,7 +160,7 @@ def test_report_without_matplotlib_still_writes_json_and_table(tmp_path, monkeyp
 
 def test_flags_map_to_configs():
     from ds_tsp.tools.bench.cli import configs_from_args
-    from ds_tsp.tools.bench.tsp import tsp_options
+    from ds_tsp.tools.bench.common import tsp_options
 
     quick = configs_from_args(build_parser().parse_args(["--quick"]))
     assert [c.layout for c in quick] == ["single", "tsp", "tsp_speed", "dtensor_tp_sp", "ulysses_zero3",
@@ -177,6 +177,13 @@ def test_flags_map_to_configs():
     every = configs_from_args(build_parser().parse_args(["--activation-checkpointing", "all", "--layouts", "tsp"]))
     assert every[0].checkpointing() is True
     assert tsp_options("speed", False).keep_gathered_kv and not tsp_options("memory", False).keep_gathered_kv
+    # the schedule between them runs when named (never in "all"): projections kept, K/V re-gathered
+    kept = tsp_options("projections", False)
+    assert not kept.recompute_projections and not kept.keep_gathered_kv
+    assert tsp_options("memory", False).recompute_projections
+    named = configs_from_args(build_parser().parse_args(["--layouts", "tsp,tsp_kept_projections", "--tsp", "2"]))
+    assert [c.layout for c in named] == ["tsp", "tsp_kept_projections"]
+    assert "tsp_kept_projections" not in {c.layout for c in configs_from_args(build_parser().parse_args([]))}
 
 
 @pytest.mark.parametrize("argv, message", [

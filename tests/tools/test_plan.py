@@ -335,36 +335,40 @@ def test_peak_within_10_percent_of_recorded_bench(record):
                                                                          plan.peak_phase)
 
 
-def _tsp_tracked_peak(shape, seq):
+def _tsp_tracked_peak(shape, seq, mode):
     """One TSP training step (bench's own session and MemTracker protocol) at a tiny shape; this rank's peak."""
     from ds_tsp.tools.bench import tsp
     from ds_tsp.tools.bench.config import BenchConfig
     from ds_tsp.tools.bench.measure import tracked_step
 
     cfg = BenchConfig(layout="tsp", seqs=(seq,), tsp=dist.get_world_size(), shape=shape)
-    workload = tsp.build(cfg, {"mode": "memory"}).workload(seq)
+    workload = tsp.build(cfg, {"mode": mode}).workload(seq)
     workload.step()  # optimizer state exists from here on, as in the bench's warm-up
     return tracked_step(workload)["peak_bytes"]
 
 
-# (shape, seq, the phase that peaks): the MLP's backward at a tiny width; the attention backward with a wide head
-# (its gathered K/V, dK/dV buffers and the kernels' dK/dV of each key block grow with S), with per-head q/k norms
-# too (the raw q and k their backward reads)
+# (shape, seq, bench mode, the phase that peaks): the MLP's backward at a tiny width, memory-optimal and with the
+# projections kept (the bench's tsp_kept_projections); the attention backward with a wide head (its gathered K/V,
+# dK/dV buffers and the kernels' dK/dV of each key block grow with S), with per-head q/k norms too (the raw q and k
+# their backward reads)
 WIDE_HEAD = dict(hidden_size=256, intermediate_size=704, num_heads=4, num_kv_heads=4, head_dim=128)
+TINY_MLP = dict(hidden_size=64, intermediate_size=192, num_heads=4, num_kv_heads=4)
 LIVE_PEAKS = {
-    "mlp": (dict(hidden_size=64, intermediate_size=192, num_heads=4, num_kv_heads=4), 512, "mlp_bwd"),
-    "attention": (WIDE_HEAD, 2048, "attention_bwd"),
-    "attention_qk_norm": ({**WIDE_HEAD, "qk_norm": True}, 4096, "attention_bwd"),
+    "mlp": (TINY_MLP, 512, "memory", "mlp_bwd"),
+    "mlp_projections_kept": (TINY_MLP, 512, "projections", "mlp_bwd"),
+    "attention": (WIDE_HEAD, 2048, "memory", "attention_bwd"),
+    "attention_qk_norm": ({**WIDE_HEAD, "qk_norm": True}, 4096, "memory", "attention_bwd"),
 }
 
 
 @pytest.mark.parametrize("case", list(LIVE_PEAKS))
 def test_tsp_peak_from_3_percent_under_to_8_percent_over_a_live_measurement(case):
     """The plan may round up (it is what a user sizes a job by), never down by more than a rounding."""
-    kwargs, seq, phase = LIVE_PEAKS[case]
+    kwargs, seq, mode, phase = LIVE_PEAKS[case]
     shape = ModelShape(vocab_size=512, num_layers=2, **kwargs)
-    measured = max(run_on_local_ranks(_tsp_tracked_peak, 2, shape, seq, timeout_s=240))
-    plan = plan_tsp(PlanInput(model=shape, seq=seq, degree=2, dtype="fp32"))
+    measured = max(run_on_local_ranks(_tsp_tracked_peak, 2, shape, seq, mode, timeout_s=240))
+    plan = plan_tsp(PlanInput(model=shape, seq=seq, degree=2, dtype="fp32",
+                              recompute_projections=mode != "projections"))
     assert 0.97 * measured <= plan.peak_bytes_per_rank <= 1.08 * measured, (plan.peak_bytes_per_rank, measured,
                                                                             plan.peak_phase)
     assert plan.peak_phase == phase
@@ -485,6 +489,36 @@ def test_recommend_takes_tsp_speed_mode_where_it_fits(capsys):
     rc, obj = _recommend(capsys, [*argv, "--keep-gathered-kv", "--save-projections"])
     labels = [(c["degree"], c["activation_checkpointing"]) for c in [obj["recommended"], *obj["rejected"]]]
     assert len(labels) == len(set(labels)) and obj["recommended"]["speed_mode"]
+
+
+def test_recommend_keeps_the_projections_where_they_fit_and_speed_mode_does_not(capsys):
+    """Projections kept moves what the memory-optimal mode moves (both re-gather the K/V) without recomputing the
+    projections' GEMMs, so on equal comm it wins where its peak fits: 7b at 32k on D=2 plans 99.9 GiB kept, 107.9
+    GiB in speed mode, 66.4 GiB memory-optimal. Ulysses with checkpointing moves less there: the TSP rows are
+    compared among themselves first (recommend's layouts), then in the CLI's full list."""
+    from ds_tsp.tools.plan.inputs import PRESETS
+    from ds_tsp.tools.plan.recommend import recommend
+
+    rec = recommend(PlanInput(model=PRESETS["7b"], seq=32768), gpu_mem_gib=104, devices=2, layouts=("tsp",))
+    best = rec.best
+    assert (best.degree, best.projections_kept, best.speed_mode, best.activation_checkpointing) == (2, True, False,
+                                                                                                  False)
+    assert best.tsp_settings == {"recompute_projections": False}
+    memory = [c for c in rec.rejected if not c.projections_kept and not c.activation_checkpointing]
+    assert len(memory) == 1 and memory[0].fits and memory[0].comm_bytes_per_step == best.comm_bytes_per_step
+    assert memory[0].peak_bytes_per_rank < best.peak_bytes_per_rank
+    assert memory[0].verdict == "fits with the same comm, but recomputes forward GEMMs in backward"
+    speed = [c for c in rec.rejected if c.speed_mode]
+    assert len(speed) == 1 and not speed[0].fits
+    # with room for speed mode it moves less and wins; with no room for the kept projections the memory-optimal
+    # schedule is what fits
+    assert recommend(PlanInput(model=PRESETS["7b"], seq=32768), gpu_mem_gib=110, devices=2,
+                     layouts=("tsp",)).best.speed_mode
+    low = recommend(PlanInput(model=PRESETS["7b"], seq=32768), gpu_mem_gib=90, devices=2, layouts=("tsp",)).best
+    assert (low.projections_kept, low.activation_checkpointing) == (False, False)
+    rc, obj = _recommend(capsys, ["--model", "7b", "--seq", "32k", "--gpu-mem-gib", "104", "--devices", "2"])
+    tsp = [c for c in obj["rejected"] if c["layout"] == "tsp" and c["fits"] and not c["activation_checkpointing"]]
+    assert rc == 0 and [c["projections_kept"] for c in tsp] == [True, False]  # the same comm: kept ranks first
 
 
 def test_recommend_text_and_errors(capsys):

@@ -5,6 +5,7 @@ others still run:
 
     single          HF Llama on one process (baseline)           single.py
     tsp, tsp_speed  TSP memory-optimal / keep gathered K/V       tsp.py
+    tsp_kept_projections  TSP without recompute, K/V re-gathered (runs when named)   tsp.py
     dtensor_tp_sp   PyTorch DTensor TP + sequence parallel       dtensor_tp_sp.py
     ulysses_zero3   DeepSpeed Ulysses (ALST) + ZeRO-3            ulysses.py
     ulysses_zero1   DeepSpeed Ulysses (ALST) + ZeRO-1            ulysses.py

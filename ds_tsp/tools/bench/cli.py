@@ -194,7 +194,7 @@ def configs_from_args(args: argparse.Namespace):
         # a single-rank layout does not depend on D: measured once, with the first degree
         return [c for c in configs if not c.spec.single_rank or c is single[0]]
     if args.layouts.strip() == "all":
-        layouts = list(LAYOUTS)
+        layouts = [name for name, spec in LAYOUTS.items() if not spec.named_only]
     else:
         layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
         unknown = [name for name in layouts if name not in LAYOUTS]

@@ -6,6 +6,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.zigzag import shift_labels
 from ds_tsp.tools.bench.config import INSTALL_HINT, BenchConfig
@@ -18,6 +19,15 @@ def require(package: str):
     except ImportError as exc:
         raise ImportError(f"this layout needs {package}: {INSTALL_HINT.get(package, 'pip install ' + package)}") \
             from exc
+
+
+def tsp_options(mode: str, activation_checkpointing: bool, moe_dispatch: str = "auto") -> TSPOptions:
+    """A TSP layout's options from its LayoutSpec mode: "memory" (TSPOptions()), "projections"
+    (recompute_projections off) or "speed" (TSPOptions.speed())."""
+    extra = {"activation_checkpointing": activation_checkpointing, "moe_dispatch": moe_dispatch}
+    if mode == "projections":
+        return TSPOptions(recompute_projections=False, **extra)
+    return TSPOptions(**extra) if mode == "memory" else TSPOptions.speed(**extra)
 
 
 def rank_and_world() -> tuple[int, int]:

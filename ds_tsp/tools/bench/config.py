@@ -22,6 +22,7 @@ class LayoutSpec:
     single_rank: bool = False  # runs on one process instead of D
     requires: tuple[str, ...] = ()  # importable packages the layout needs
     data_parallel: bool = False  # every rank runs its own sequences (tokens per step: ranks x batch x S)
+    named_only: bool = False  # runs when --layouts names it, never as part of "all"
 
     @property
     def option_dict(self) -> dict:
@@ -32,6 +33,9 @@ LAYOUTS: dict[str, LayoutSpec] = {spec.name: spec for spec in (
     LayoutSpec("single", "single", "single device (HF Llama)", single_rank=True, requires=("transformers",)),
     LayoutSpec("tsp", "tsp", "TSP memory-optimal", options=(("mode", "memory"),)),
     LayoutSpec("tsp_speed", "tsp", "TSP speed mode", options=(("mode", "speed"),)),
+    # the schedule between the two: local projections kept (no recompute), gathered K/V re-gathered (O(S/D) memory)
+    LayoutSpec("tsp_kept_projections", "tsp", "TSP projections kept", options=(("mode", "projections"),),
+               named_only=True),
     # C TSP groups of D ranks (--tsp D --cp C; ds_tsp.tools.bench.tsp_cp), on C x D ranks; only with --cp >= 2
     LayoutSpec("tsp_cp", "tsp_cp", "TSP x cp ring", options=(("mode", "memory"),)),
     LayoutSpec("dtensor_tp_sp", "dtensor_tp_sp", "TP+SP (DTensor)", requires=("transformers",)),
@@ -49,7 +53,7 @@ LAYOUTS: dict[str, LayoutSpec] = {spec.name: spec for spec in (
     # transformers' own model, torch FSDP2 data parallel, a whole sequence per rank: the hybrid models' second
     # peer; runs when named (not in "all")
     LayoutSpec("hf_fsdp2_dp", "fsdp2_dp", "HF model + FSDP2 DP (whole S per rank)", requires=("transformers",),
-               data_parallel=True),
+               data_parallel=True, named_only=True),
 )}
 
 INSTALL_HINT = {

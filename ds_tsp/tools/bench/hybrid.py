@@ -26,7 +26,6 @@ from dataclasses import replace
 from ds_tsp.core.shape.model_shape import ModelShape
 
 HYBRID_PEER = "hf_zero3_dp"  # the peer that runs transformers' own hybrid model
-NAMED_ONLY = ("hf_fsdp2_dp",)  # transformers' model under FSDP2 data parallel: runs when named, never in "all"
 _RUNS_HYBRIDS = ("tsp", "tsp_cp", "zero3_dp", "fsdp2_dp", "single")  # layout modules that build the hybrid model
 
 
@@ -37,7 +36,7 @@ def hybrid_layouts(shape: ModelShape, layouts_flag: str, layouts: list[str]) -> 
 
     explicit = layouts_flag.strip() != "all"
     if not explicit:
-        layouts = [name for name in layouts if name not in NAMED_ONLY]
+        layouts = [name for name in layouts if not LAYOUTS[name].named_only]
     if shape.layer_types is None:
         return layouts if explicit else [name for name in layouts if name != HYBRID_PEER]
     if not explicit:

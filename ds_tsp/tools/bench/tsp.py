@@ -1,11 +1,12 @@
 """TSP: ds_tsp's ShardedCausalLM on D ranks (1/D of every weight, zigzag 1/D of the tokens), torch AdamW.
 
-Modes: memory-optimal (TSPOptions(), the default) and speed (TSPOptions.speed(): keeps each head block's gathered
-K/V and the local projections for backward, O(S) memory, no re-gather). An MoE shape runs cfg.moe_dispatch's
-schedule (ds_tsp.tools.bench.moe_report sets it beside the plan's "auto" choice). The schedule already saves only O(S/D)
-per layer, so activation checkpointing applies to TSP only with `--activation-checkpointing all`. Comm bytes
-come from the model's own CommCounter (logical volume, see ds_tsp.core.comm.communicator); its wait_s per step is the
-exposed (not overlapped) communication.
+Modes: memory-optimal (TSPOptions(), the default), speed (TSPOptions.speed(): keeps each head block's gathered
+K/V and the local projections for backward, O(S) memory, no re-gather) and, between them, projections kept
+(TSPOptions(recompute_projections=False): no recomputed GEMM, the K/V re-gathered, O(S/D) memory). An MoE shape
+runs cfg.moe_dispatch's schedule (ds_tsp.tools.bench.moe_report sets it beside the plan's "auto" choice). The
+schedule already saves only O(S/D) per layer, so activation checkpointing applies to TSP only with
+`--activation-checkpointing all`. Comm bytes come from the model's own CommCounter (logical volume, see
+ds_tsp.core.comm.communicator); its wait_s per step is the exposed (not overlapped) communication.
 """
 from __future__ import annotations
 
@@ -13,19 +14,13 @@ import torch
 import torch.distributed as dist
 
 from ds_tsp.core.comm.communicator import TSPComm
-from ds_tsp.core.config import TSPOptions
 from ds_tsp.core.tokens.zigzag import shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
-from ds_tsp.tools.bench.common import global_batch, options_record
+from ds_tsp.tools.bench.common import global_batch, options_record, tsp_options
 from ds_tsp.tools.bench.config import BenchConfig
 from ds_tsp.tools.bench.measure import Workload
 
 SETUP = "ds_tsp ShardedCausalLM on one TSP group of D ranks; torch.optim.AdamW; streaming vocab-sharded loss"
-
-
-def tsp_options(mode: str, activation_checkpointing: bool, moe_dispatch: str = "auto") -> TSPOptions:
-    extra = {"activation_checkpointing": activation_checkpointing, "moe_dispatch": moe_dispatch}
-    return TSPOptions(**extra) if mode == "memory" else TSPOptions.speed(**extra)
 
 
 class Session:

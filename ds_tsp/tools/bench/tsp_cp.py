@@ -23,10 +23,9 @@ from ds_tsp.core.grads.data_parallel import average_grads
 from ds_tsp.core.parallel.runtime import build_runtime
 from ds_tsp.core.tokens.zigzag import shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
-from ds_tsp.tools.bench.common import global_batch, options_record
+from ds_tsp.tools.bench.common import global_batch, options_record, tsp_options
 from ds_tsp.tools.bench.config import BenchConfig
 from ds_tsp.tools.bench.measure import Workload
-from ds_tsp.tools.bench.tsp import tsp_options
 
 SETUP = ("ds_tsp ShardedCausalLM on C TSP groups of D ranks (build_runtime, tsp.cp_size=C; K/V around the cp "
          "ring); grads averaged over cp in one flat all-reduce; torch.optim.AdamW")

@@ -174,16 +174,15 @@ class TSPSession:
         import torch.distributed as dist
 
         from ds_tsp.core.comm.communicator import TSPComm
-        from ds_tsp.core.config import TSPOptions
         from ds_tsp.core.shape.hf_config import import_transformers
         from ds_tsp.model.hf_conditional_generation import TSPForConditionalGeneration
+        from ds_tsp.tools.bench.common import tsp_options
 
         self.cfg = cfg
         group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
         weights = dist.new_group(list(range(dist.get_world_size()))) if group is not None else None
         self.comm = TSPComm(group, weight_group=weights)
-        extra = {"activation_checkpointing": cfg.activation_checkpointing == "all", "moe_dispatch": cfg.moe_dispatch}
-        self.options = TSPOptions(**extra) if options["mode"] == "memory" else TSPOptions.speed(**extra)
+        self.options = tsp_options(options["mode"], cfg.activation_checkpointing == "all", cfg.moe_dispatch)
         torch.manual_seed(cfg.seed)  # the tower's init, identical on every rank (replicated)
         config = import_transformers().AutoConfig.for_model(**cfg.vision.config)
         self.model = TSPForConditionalGeneration(config, self.comm, options=self.options)

@@ -2,15 +2,19 @@
 
 Candidates: every layout of RECOMMEND_LAYOUTS, every degree D > 1 dividing N that the model's shape allows (the
 rest of the devices data-parallel, dp = N/D; D = 1 would be plain data parallelism, the same for every layout,
-so it is a candidate only when N = 1), with and without activation checkpointing, and for TSP its speed mode too
-(TSPOptions.speed(): gathered K/V and local projections kept for backward, no re-gather, no recompute; it moves
-fewer bytes than the memory-optimal mode, so it is recommended wherever it fits). A candidate fits when its
-planned peak per rank is at most G GiB (the plan has no CUDA context / allocator slack: leave some).
+so it is a candidate only when N = 1), with and without activation checkpointing, and for TSP two more schedules
+than the memory-optimal one: speed mode (TSPOptions.speed(): gathered K/V and local projections kept for backward,
+no re-gather, no recompute; it moves fewer bytes than the memory-optimal mode, so it is recommended wherever it
+fits) and projections kept (TSPOptions(recompute_projections=False): the local q/k/v, MLP gate/up and Gated
+DeltaNet blocks kept, the K/V re-gathered; the memory-optimal mode's bytes, O(S/D) memory, none of its recomputed
+GEMMs). A candidate fits when its planned peak per rank is at most G GiB (the plan has no CUDA context / allocator
+slack: leave some).
 
 Equal work: every candidate trains the same global batch per step, `N / D_min` micro-batches of `batch`
 sequences (D_min the smallest degree considered); a candidate with fewer data-parallel replicas runs the
 difference as gradient-accumulation micro-steps, so its per-micro-batch traffic counts that many times and its
-gradient sync once. Ties on comm go to the lower peak.
+gradient sync once. Ties on comm go to the candidate that recomputes nothing (no activation checkpointing, TSP
+with its projections kept), then to the lower peak.
 
 With offload (`recommend(..., offload=True)`, `--offload-activations`), TSP candidates also run checkpointing with
 the layer inputs in host memory: such a candidate fits when its device peak fits G and its host pool fits
@@ -43,18 +47,26 @@ class Candidate:
     offload_activations: bool = False
     host_bytes_per_rank: int = 0
     speed_mode: bool = False  # TSPOptions.speed(): gathered K/V and local projections kept for backward
+    projections_kept: bool = False  # TSP's local projections kept for backward (speed mode keeps them too)
 
     @property
     def label(self) -> str:
-        return (f"{self.layout} D={self.degree} dp={self.dp}"
-                f"{' +speed mode' if self.speed_mode else ''}"
+        schedule = " +speed mode" if self.speed_mode else " +projections kept" if self.projections_kept else ""
+        return (f"{self.layout} D={self.degree} dp={self.dp}{schedule}"
                 f"{' +activation checkpointing' if self.activation_checkpointing else ''}"
                 f"{' +offload' if self.offload_activations else ''}")
 
     @property
+    def recomputes(self) -> bool:
+        """Whether its backward runs forward GEMMs again: activation checkpointing, or TSP recomputing its
+        projections (the memory-optimal schedule)."""
+        return self.activation_checkpointing or (self.layout == "tsp" and not self.projections_kept)
+
+    @property
     def tsp_settings(self) -> dict:
         """The "tsp" block's schedule keys this candidate runs with (TSP layouts; {} for the defaults)."""
-        return {**({"keep_gathered_kv": True, "recompute_projections": False} if self.speed_mode else {}),
+        return {**({"keep_gathered_kv": True} if self.speed_mode else {}),
+                **({"recompute_projections": False} if self.projections_kept else {}),
                 **({"activation_checkpointing": True} if self.activation_checkpointing else {}),
                 **({"offload_activations": True} if self.offload_activations else {})}
 
@@ -81,16 +93,18 @@ def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS, offload:
     degrees = [d for d in range(2 if devices > 1 else 1, devices + 1) if devices % d == 0]
     planned = []
     memory_optimal = inp.recompute_projections and not inp.keep_gathered_kv
+    # (activation checkpointing, offload, the TSP schedule's overrides): the input's schedule, and from the
+    # memory-optimal one also projections kept and speed mode (both without checkpointing, which recomputes anyway)
+    kept = {"recompute_projections": False}
     for name in layouts:
-        variants = [(False, False, False), (True, False, False)] + \
-            ([(True, True, False)] if offload and name == "tsp" else []) + \
-            ([(False, False, True)] if name == "tsp" and memory_optimal else [])
+        variants = [(False, False, {}), (True, False, {})] + \
+            ([(True, True, {})] if offload and name == "tsp" else []) + \
+            ([(False, False, kept), (False, False, {**kept, "keep_gathered_kv": True})]
+             if name == "tsp" and memory_optimal else [])
         for degree in degrees:
-            for ac, off, speed in variants:
+            for ac, off, schedule in variants:
                 trial = replace(inp, degree=degree, dp=devices // degree, pp=1, activation_checkpointing=ac,
-                                offload_activations=off)
-                if speed:
-                    trial = replace(trial, keep_gathered_kv=True, recompute_projections=False)
+                                offload_activations=off, **schedule)
                 try:
                     planned.append((trial, LAYOUTS[name](trial)))
                 except PlanInputError:
@@ -107,8 +121,20 @@ def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS, offload:
                              plan.peak_bytes_per_rank, comm, micro, False,
                              offload_activations=trial.offload_activations,
                              host_bytes_per_rank=plan.host_bytes_per_rank,
-                             speed_mode=not trial.recompute_projections and trial.keep_gathered_kv))
+                             speed_mode=not trial.recompute_projections and trial.keep_gathered_kv,
+                             projections_kept=plan.layout == "tsp" and not trial.recompute_projections))
     return out
+
+
+def _fits_but(c: Candidate, best: Candidate) -> str:
+    """Why a candidate that fits lost to `best` (the sort key of recommend, in its order)."""
+    if c.comm_bytes_per_step > best.comm_bytes_per_step:
+        return f"fits but more comm: {c.comm_bytes_per_step / GIB:.2f} GiB/step"
+    if c.offload_activations and not best.offload_activations:
+        return "fits with the same comm, but offloads activations over PCIe"
+    if c.recomputes and not best.recomputes:
+        return "fits with the same comm, but recomputes forward GEMMs in backward"
+    return f"fits with the same comm at a higher peak: {c.peak_bytes_per_rank / GIB:.2f} GiB"
 
 
 def _no_fit(c: Candidate, limit: int) -> str:
@@ -134,8 +160,10 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int, layouts=RECOM
     if not cands:
         raise PlanInputError("devices", f"no layout of {list(layouts)} splits this model over any degree dividing "
                                         f"{devices} devices")
-    fitting = sorted((c for c in cands if c.fits),
-                     key=lambda c: (c.comm_bytes_per_step, c.offload_activations, c.peak_bytes_per_rank))
+    def rank(c: Candidate) -> tuple:
+        return c.comm_bytes_per_step, c.offload_activations, c.recomputes, c.peak_bytes_per_rank
+
+    fitting = sorted((c for c in cands if c.fits), key=rank)
     if not fitting:
         smallest = min(cands, key=lambda c: c.peak_bytes_per_rank)
         rejected = tuple(replace(c, verdict=_no_fit(c, limit))
@@ -146,9 +174,9 @@ def recommend(inp: PlanInput, *, gpu_mem_gib: float, devices: int, layouts=RECOM
     best = replace(fitting[0], verdict="recommended")
     rest = [c for c in cands if c is not fitting[0] and c != fitting[0]]
     rejected = []
-    for c in sorted(rest, key=lambda c: (not c.fits, c.comm_bytes_per_step if c.fits else c.peak_bytes_per_rank)):
+    for c in sorted(rest, key=lambda c: (False, *rank(c)) if c.fits else (True, c.peak_bytes_per_rank)):
         if c.fits:
-            rejected.append(replace(c, verdict=f"fits but more comm: {c.comm_bytes_per_step / GIB:.2f} GiB/step"))
+            rejected.append(replace(c, verdict=_fits_but(c, best)))
         else:
             rejected.append(replace(c, verdict=_no_fit(c, limit)))
     n_fit = len(fitting)

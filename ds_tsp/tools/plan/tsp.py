@@ -26,7 +26,8 @@ against MemTracker per module, tests/fixtures/plan_bench.json):
   q (kept to the dq tail), the group's raw k and the norms' backward temporaries.
 - MLP: the shards of the weight ring in flight; gate, up, silu(gate), their product ([L, F/D] each), y.
   Backward adds the grad shards travelling with the ring, the packed grad being formed and the SwiGLU
-  derivative's temporaries (9 [L, F/D] tensors at once).
+  derivative's temporaries (9 [L, F/D] tensors at once, 7 with the projections kept: gate and up are read from
+  what forward saved).
 - LM head + loss: per vocab shard one tile of logits [chunk, V/D] (compute dtype; softmax and its grad are
   formed in place; + its dtype copy under bf16), at most `lm_head_chunk_tokens` local tokens at a time; the
   ring's shard and grad buffers (+ the grad being accumulated tile by tile); dx [L, h].
@@ -132,7 +133,7 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
                           + (2 * qb + kv_local // 2 if inp.model.qk_norm and not inp.model.projection_qk_norm
                              else 0)),
         "mlp_fwd": min(D - 1, 2) * g.M * b + 4 * T * f * b + x,
-        "mlp_bwd": (ring_buffers(D) + 1) * g.M * b + 9 * T * f * b + 2 * x,
+        "mlp_bwd": (ring_buffers(D) + 1) * g.M * b + (9 if inp.recompute_projections else 7) * T * f * b + 2 * x,
         "lm_head_fwd": logits + (g.Vd * dims.h * b if D > 1 else 0),
         "lm_head_bwd": logits + (ring_buffers(D) + 1) * g.Vd * dims.h * b + x,
     }
