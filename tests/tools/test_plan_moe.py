@@ -1,8 +1,8 @@
 """`ds-tsp plan` on mixture-of-experts shapes: per-rank params / grads equal a real TSP MoE model's (D = 1, 2, 4),
 the comm formula equals CommCounter per kind for both schedules (EXACT: top_k = num_experts sends every token to every
 expert, so the all_to_all rows equal the plan's even-routing count), saved activations against saved-tensor hooks
-(within 10%, as tests/tools/test_plan.py: the ring's row order lives on its ctx, not in saved_tensors), the CLI flags and
---hf-config on config.json files written by transformers. GLM-4.5's sparse layers (grouped sigmoid routing, the
+(within 10%, as tests/tools/test_plan.py: the ring's row order lives on its ctx, not in saved_tensors), the CLI flags
+and --hf-config on config.json files written by transformers. GLM-4.5's sparse layers (grouped sigmoid routing, the
 ungated shared expert's ring and shard, q/k/v bias, partial rotary, a dense first layer) are planned the same way."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ds_tsp.core.shape.model_shape import ModelShape
 from ds_tsp.core.tokens.zigzag import shard_batch
 from ds_tsp.model.causal_lm import ShardedCausalLM
 from ds_tsp.tools.cli import build_parser
-from ds_tsp.tools.plan import PlanInput, plan_tsp, tsp_counter_bytes
+from ds_tsp.tools.plan import PlanInput, PlanInputError, plan_tsp, tsp_counter_bytes
 
 SCHEDULES = ("ring", "all_to_all")
 # Qwen3-MoE-like (q/k norms), layer 1 dense (mixed sparse / dense stack), vocab 99 and seq 30 padded.
@@ -192,14 +192,15 @@ def test_cli_bad_moe_flags_exit_2_naming_them(capsys, argv, flag):
     assert err.startswith(f"ds-tsp plan: error: {flag}") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("argv,flag", [(["--moe-ffn", "x"], "--moe-ffn"), (["--num-experts", "-1"], "--num-experts")])
+@pytest.mark.parametrize("argv,flag", [(["--moe-ffn", "x"], "--moe-ffn"), (["--num-experts", "-1"], "--num-experts"),
+                                       (["--moe-load", "0.5"], "--moe-load")])
 def test_cli_malformed_moe_number_is_one_line_naming_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as exc:
         _run(["--model", "7b", "--seq", "4k", "--num-experts", "8", *argv])
     assert exc.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert any(f"error: argument {flag}: {m} (see" in line for m in (
-        "'x' is not an integer; write e.g. 4096, 128k or 1m", "-1 must be >= 0")), line
+        "'x' is not an integer; write e.g. 4096, 128k or 1m", "-1 must be >= 0", "0.5 must be >= 1.0")), line
 
 
 def test_foreign_moe_config_refused(tmp_path, capsys):
@@ -234,3 +235,75 @@ def test_ring_rows_per_step_are_the_owners_rows():
                                   activation_checkpointing=True))
         assert plan.moe["host_reads_per_layer"] == 2
         assert any("host reads: 1 + 1 recompute per sparse layer forward" in note for note in plan.notes), plan.notes
+
+
+def test_moe_load_scales_the_busiest_expert_and_its_owner_up_to_their_caps():
+    """--moe-load L: the busiest expert at L x its even share R/E (the loop path's GEMM block, at most T rows), its
+    owner at (L + E_r - 1) / E_r x R/D rows per ring step (at most T min(top_k, E_r)) and as many times R rows
+    delivered by all_to_all; bytes stay at even routing; L < 1 is refused naming the field."""
+    shape = ModelShape(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                       num_kv_heads=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+    T, R = 8192 // 2, 8192 // 2 * 2
+
+    def plan(load, schedule="ring"):
+        return plan_tsp(PlanInput(model=shape, seq=8192, degree=2, dtype="fp32", moe_dispatch=schedule,
+                                  moe_load=load))
+
+    even, skewed, capped = plan(1), plan(3), plan(100)
+    assert even.moe["ring_rows_per_step"] == R // 2
+    assert skewed.moe["ring_rows_per_step"] == (3 + 4 - 1) * R // 2 // 4  # E_r = 4: 1.5 x R/D
+    assert capped.moe["ring_rows_per_step"] == T * 2  # every row of every token meets the one owner
+    assert even.moe["bytes_per_layer"] == skewed.moe["bytes_per_layer"]
+    assert even.transients["mlp_bwd"] < skewed.transients["mlp_bwd"] < capped.transients["mlp_bwd"]
+    assert plan(1, "all_to_all").transients["mlp_bwd"] < plan(3, "all_to_all").transients["mlp_bwd"]
+    assert any("R/D x 1.5, the busiest expert at --moe-load 3 x its share" in n for n in skewed.notes), skewed.notes
+    with pytest.raises(PlanInputError, match="moe_load"):
+        PlanInput(model=shape, seq=8192, degree=2, moe_load=0.9)
+
+
+def _peaks_and_busiest_expert(cases):
+    """Per case: this rank's MemTracker peak of one bench step and the largest per-expert row count this rank routed
+    in that step (the ring reads the counts once per layer forward: _StepRows)."""
+    from ds_tsp.core.layers.moe import ring
+    from ds_tsp.tools.bench import tsp
+    from ds_tsp.tools.bench.config import BenchConfig
+    from ds_tsp.tools.bench.measure import tracked_step
+
+    counts = []
+    original = ring._StepRows.__init__
+
+    def recording(self, plan, experts_per_rank, path):
+        original(self, plan, experts_per_rank, path)
+        counts.append(max(plan.counts.tolist()))
+
+    ring._StepRows.__init__ = recording
+    out = []
+    for shape, seq, schedule in cases:
+        cfg = BenchConfig(layout="tsp", seqs=(seq,), tsp=dist.get_world_size(), shape=shape, moe_dispatch=schedule)
+        workload = tsp.build(cfg, {"mode": "memory"}).workload(seq)
+        workload.step()
+        counts.clear()
+        out.append((tracked_step(workload)["peak_bytes"], max(counts, default=0)))
+    return out
+
+
+def test_plan_at_the_measured_routing_load_covers_the_measured_peak():
+    """At random init the routing is skewed (here one expert meets ~3.8x its share and its owner ~1.7x): the
+    even-routing plan is short of MemTracker's peak. Planned at the measured busiest-expert load (--moe-load) the
+    ring is within -3% / +8% of it, the all_to_all over it by at most 25% (the owner's other experts planned at their
+    even share)."""
+    shape = ModelShape(vocab_size=512, num_layers=2, hidden_size=256, intermediate_size=704, num_heads=4,
+                       num_kv_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+    seq = 2048
+    cases = [(shape, seq, "ring"), (shape, seq, "all_to_all")]
+    ranks = run_on_local_ranks(_peaks_and_busiest_expert, 2, cases, timeout_s=300)
+    even_share = seq // 2 * 2 / 8  # T x top_k / E rows per expert
+    load = max(busiest for rank in ranks for _, busiest in rank[:1]) / even_share  # the ring's step counted them
+    assert load > 2, load
+    for i, (_, _, schedule) in enumerate(cases):
+        measured = max(rank[i][0] for rank in ranks)
+        at_even, at_load = (plan_tsp(PlanInput(model=shape, seq=seq, degree=2, dtype="fp32", moe_dispatch=schedule,
+                                               moe_load=value)).peak_bytes_per_rank for value in (1, load))
+        assert at_even < 0.97 * measured, (schedule, at_even, measured)
+        top = 1.08 if schedule == "ring" else 1.25
+        assert 0.97 * measured <= at_load <= top * measured, (schedule, at_load, measured, load)

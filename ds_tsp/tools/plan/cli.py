@@ -21,7 +21,7 @@ import argparse
 import json
 
 from ds_tsp.core.errors import TSPConfigError
-from ds_tsp.tools.cli_types import GIB, MIB, integer, non_negative, positive
+from ds_tsp.tools.cli_types import GIB, MIB, at_least, integer, non_negative, positive
 
 __all__ = ["register", "run"]
 
@@ -32,6 +32,7 @@ _FLAGS = {"degree": "--tsp/--tp", "seq": "--seq", "batch": "--batch", "dp": "--d
           "vocab": "--vocab", "devices": "--devices", "gpu_mem_gib": "--gpu-mem-gib",
           "zero_bucket_elements": "--zero-bucket", "lm_head_chunk_tokens": "--lm-head-chunk-tokens",
           "num_experts": "--num-experts", "top_k": "--top-k", "moe_ffn": "--moe-ffn", "moe_dispatch": "--moe-dispatch",
+          "moe_load": "--moe-load",
           "offload_activations": "--offload-activations", "host_mem_gib": "--host-mem-gib", "images": "--images"}
 _MOE_FLAGS = (("--num-experts", "num_experts", "experts per sparse layer (0: dense); a dense model becomes an MoE "
                                               "with every layer sparse"),
@@ -72,6 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         p.add_argument(flag, type=non_negative(integer), default=None, metavar="N", help=f"mixture of experts: {what}")
     p.add_argument("--moe-dispatch", default="auto", choices=("auto", "ring", "all_to_all"),
                    help="TSP's MoE schedule (TSPOptions.moe_dispatch; default auto = fewer bytes per layer)")
+    p.add_argument("--moe-load", type=at_least(1.0, float), default=1.0, metavar="F",
+                   help="mixture of experts: plan the busiest expert at F times its even share of the routed rows "
+                        "(default 1, even routing; its GEMM block and its owner's rows, per ring step or delivered "
+                        "by all_to_all, grow with F, capped at what one expert / owner can receive; bytes stay at "
+                        "even routing)")
     p.add_argument("--seq", type=count, default=4096, help="global sequence length per sample (default 4096)")
     p.add_argument("--batch", type=count, default=1, help="micro-batch size in sequences (default 1)")
     p.add_argument("--tsp", type=count, default=None, help="degree D of the one parallel axis (default 8)")
@@ -173,7 +179,7 @@ def _plan_input(args: argparse.Namespace):
                     offload_activations=args.offload_activations, keep_gathered_kv=args.keep_gathered_kv,
                     recompute_projections=not args.save_projections, zero_stage=args.zero_stage,
                     lm_head_chunk_tokens=args.lm_head_chunk_tokens, zero_bucket_elements=args.zero_bucket,
-                    moe_dispatch=args.moe_dispatch)
+                    moe_dispatch=args.moe_dispatch, moe_load=args.moe_load)
     return inp, model_name
 
 

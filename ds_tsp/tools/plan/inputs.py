@@ -47,6 +47,9 @@ class PlanInput:
     zero_bucket_elements: DeepSpeed's reduce_bucket_size (its default 5e8; ds-tsp bench uses 5e6), a buffer
         ZeRO-2/3 keeps for the whole run.
     moe_dispatch: TSP's mixture-of-experts schedule (TSPOptions.moe_dispatch): "auto", "ring" or "all_to_all".
+    moe_load: the busiest expert's routed rows over its even-routing share (>= 1; 1 = even routing): its GEMM
+        block, and its owner's rows (the ring's rows per step, the rows all_to_all delivers), are planned with it,
+        capped at what one expert / owner can receive (ds_tsp.tools.plan.moe_terms).
     offload_activations: TSP keeps each checkpointed layer input in host memory (TSPOptions.offload_activations;
         needs activation_checkpointing; ds_tsp.tools.plan.offload).
     """
@@ -65,6 +68,7 @@ class PlanInput:
     lm_head_chunk_tokens: int = 4096
     zero_bucket_elements: int = 500_000_000
     moe_dispatch: str = "auto"
+    moe_load: float = 1.0
     offload_activations: bool = False
 
     def __post_init__(self):
@@ -80,6 +84,10 @@ class PlanInput:
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise PlanInputError("moe_dispatch", f"moe_dispatch={self.moe_dispatch!r}: choose one of "
                                                  f"{', '.join(MOE_DISPATCHES)}")
+        if isinstance(self.moe_load, bool) or not isinstance(self.moe_load, (int, float)) or \
+                not 1 <= self.moe_load < float("inf"):
+            raise PlanInputError("moe_load", f"moe_load={self.moe_load!r}: must be a finite number >= 1 (1 = even "
+                                             "routing; 2 plans the busiest expert at twice its share of the rows)")
         if self.offload_activations and not self.activation_checkpointing:
             raise PlanInputError("offload_activations", "offload_activations needs activation_checkpointing: what "
                                                         "goes to host memory is each checkpointed layer's input")

@@ -27,7 +27,12 @@ picks it: per expert on the CPU / non-bf16 ("loop"), per ring step with grouped 
 - ring rows per step (MoEGeometry.ring_step_rows): every step slices exactly its owner's rows on both GEMM paths
   (ds_tsp.core.layers.moe.ring bounds them by one host read of the per-expert counts per layer forward), so the
   gathers, GEMMs, SiLU and scatters of a step touch the owner's rows only; planned at the balanced expectation
-  R/D = T x top_k / D (a skewed routing puts up to T x min(top_k, E_r) on one owner). `ds-tsp plan` reports it
+  R/D = T x top_k / D at even routing. PlanInput.moe_load L (1: even routing) plans a skewed one: the busiest
+  expert meets L times its even share R/E (the loop path's per-expert GEMM block, at most T rows) and its owner's
+  other experts their even share, so the owner meets (L + E_r - 1) / E_r times R/D per ring step (at most
+  T x min(top_k, E_r)) and all_to_all delivers it that many times R rows (at most D T min(top_k, E_r)). Measured
+  at random init (8 experts, top-2, D=2): one expert with 3.9x its share, its owner 1.7x. Bytes stay at even
+  routing. `ds-tsp plan` reports it
   (ring_rows_per_step, ring_row_bytes_per_step, a note) and the host reads per sparse layer (host_reads_per_layer:
   one per forward, one more for the recompute under activation checkpointing, none in backward; all_to_all the same).
 - ring fwd: the foreign shards of the ring in flight (as the dense MLP), y, this step's gathered rows, outputs
@@ -36,9 +41,10 @@ picks it: per expert on the CPU / non-bf16 ("loop"), per ring step with grouped 
 - ring bwd: the ring's shard and grad buffers plus the loop's zeroed expert-grad views, dx / dy, the routing
   weight grads, this step's rows, dy rows and row grads and indices, one block's ~10 F-wide backward temporaries.
 - all_to_all fwd: rows out, rows in, the rows sorted by expert ([R, h] each), one block's gate/up/act, y.
-- all_to_all bwd: the received [R, 2h+1] rows and their expert-order copy (alive together for one copy; both freed
-  before the expert GEMMs), the rows and dy rows copies, the row grads, the expert grads and
-  their packed copy (2 shards), one expert's backward temporaries, dx and the incoming dy.
+- all_to_all bwd: the larger of the received [R, 2h+1] rows with their expert-order copy (alive together for one
+  copy; both freed before the expert GEMMs) and the GEMMs' moment: the rows and dy rows copies, the routing weights,
+  the row grads and one expert's backward temporaries; plus the expert grads and their packed copy (2 shards), dx
+  and the incoming dy.
 """
 from __future__ import annotations
 
@@ -74,6 +80,7 @@ class MoEGeometry:
     checkpointing: bool = False  # activation checkpointing: each sparse layer's forward (and its host read) reruns
     biases: bool = False  # GPT-OSS: every expert's gate_up / down biases (in the shard), the router's bias
     topk_softmax: bool = False  # GPT-OSS's routing: the softmax over the top-k logits only
+    load: float = 1.0  # PlanInput.moe_load: the busiest expert's rows over its even share
 
     @property
     def shard(self) -> int:
@@ -89,11 +96,27 @@ class MoEGeometry:
         """(token, slot) rows this rank routes: T x top_k."""
         return self.T * self.k
 
+    @staticmethod
+    def _loaded(even: int, factor: float, cap: int) -> int:
+        """`even` rows `factor` times (rounded up), at most `cap`."""
+        return even if factor == 1 else min(cap, -int(-even * factor // 1))
+
+    @property
+    def owner_load(self) -> float:
+        """The busiest owner's rows over its even share: its busiest expert at `load`, the others at theirs."""
+        return (self.load + self.E_r - 1) / self.E_r
+
     @property
     def ring_step_rows(self) -> int:
         """Rows one ring step gathers, computes and scatters: the owner's rows, on either GEMM path (host bounds,
-        one read per layer); R/D at even routing, the balanced expectation planned here."""
-        return ceil_div(self.rows, self.D)
+        one read per layer); R/D at even routing, owner_load times that planned (at most T min(top_k, E_r))."""
+        return self._loaded(ceil_div(self.rows, self.D), self.owner_load, self.T * min(self.k, self.E_r))
+
+    @property
+    def arrived_rows(self) -> int:
+        """Rows all_to_all delivers to this rank's experts: R at even routing, owner_load times that planned (at
+        most D T min(top_k, E_r): every rank's rows that can meet them)."""
+        return self._loaded(self.rows, self.owner_load, self.D * self.T * min(self.k, self.E_r))
 
     @property
     def host_reads_per_layer(self) -> int:
@@ -106,8 +129,9 @@ class MoEGeometry:
         rank's R/E rows per expert at even routing (loop); all_to_all, the R rows arrived for the owned experts
         (grouped: one block; loop: R/E_r per expert)."""
         if self.schedule == "ring":
-            return self.ring_step_rows if grouped else ceil_div(self.rows, self.E)
-        return self.rows if grouped else ceil_div(self.rows, self.E_r)
+            return self.ring_step_rows if grouped else self._loaded(ceil_div(self.rows, self.E), self.load, self.T)
+        return self.arrived_rows if grouped else self._loaded(ceil_div(self.rows, self.E_r), self.load,
+                                                              self.D * self.T)
 
 
 def moe_geometry(inp: PlanInput, tokens_per_rank: int, schedule: str | None = None) -> MoEGeometry | None:
@@ -128,7 +152,7 @@ def moe_geometry(inp: PlanInput, tokens_per_rank: int, schedule: str | None = No
     return MoEGeometry(m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.num_experts // D,
                        m.hidden_size, D, tokens_per_rank, b, chosen, auto, cost, grouped=inp.dtype == "bf16",
                        checkpointing=inp.activation_checkpointing, biases=m.moe_biases,
-                       topk_softmax=m.moe_routing == "topk_softmax")
+                       topk_softmax=m.moe_routing == "topk_softmax", load=inp.moe_load)
 
 
 def stage_layer_ids(inp: PlanInput, stage: Stage) -> range:
@@ -236,9 +260,10 @@ def moe_saved(inp: PlanInput, m: MoEGeometry) -> int:
     if model.norm_topk_prob and not m.topk_softmax:
         saved += R * 4 + T * 4  # the division's numerator and denominator
     if m.schedule == "all_to_all":
-        saved += R * INDEX_BYTES  # arrival permutation (even routing: R rows arrive)
-    if not inp.recompute_projections:
-        saved += R * 2 * m.F * b + (R * m.h * b if m.schedule == "all_to_all" else 0)
+        saved += m.arrived_rows * INDEX_BYTES  # arrival permutation (even routing: R rows arrive)
+    if not inp.recompute_projections:  # ring: every own row's gate / up; all_to_all: the arrived rows' and the rows
+        saved += (R if m.schedule == "ring" else m.arrived_rows) * (2 * m.F * b + (m.h * b if m.schedule ==
+                                                                                  "all_to_all" else 0))
     if model.output_router_logits:
         saved += 2 * T * m.E * b  # logits kept for the aux loss, and its softmax
     return saved
@@ -258,10 +283,12 @@ def moe_transients(inp: PlanInput, m: MoEGeometry, ring_buffers: int) -> dict[st
         return {"mlp_fwd": min(D - 1, 2) * shard + x + 3 * step * h * b + index + 4 * blk * F * b + logits,
                 "mlp_bwd": (ring_buffers + 2) * shard + 2 * x + R * b + 3 * step * h * b + index
                 + 10 * blk * F * b}
-    # backward: the received rows (2h+1) and their expert-order copy are both alive for one permutation copy
-    # (~R(4h+2); the expert GEMMs that follow hold less); ds_tsp.core.layers.moe.all_to_all
-    return {"mlp_fwd": 3 * R * h * b + 4 * blk * F * b + x + logits,
-            "mlp_bwd": R * (4 * h + 1) * b + 3 * R * h * b + 2 * shard + 10 * blk * F * b + 2 * x}
+    # backward (ds_tsp.core.layers.moe.all_to_all), the larger of two moments: the received rows (2h+1) and their
+    # expert-order copy, alive together for the permutation copy; then the expert GEMMs over the rows and dy rows
+    # copies, the routing weights, the row grads and one expert block's temporaries
+    A = m.arrived_rows  # rows out are this rank's R; rows in (and their expert order) the owner's
+    return {"mlp_fwd": (R + 2 * A) * h * b + 4 * blk * F * b + x + logits,
+            "mlp_bwd": max(2 * A * (2 * h + 1) * b, 3 * A * h * b + A * b + 10 * blk * F * b) + 2 * shard + 2 * x}
 
 
 def ring_row_bytes_per_step(m: MoEGeometry) -> int:
@@ -286,8 +313,10 @@ def moe_summary(m: MoEGeometry, per_schedule_peak: dict[str, int] | None = None)
 def moe_note(m: MoEGeometry, sparse: int, layers: int) -> str:
     mib = {s: m.bytes_per_layer[s] / MIB for s in SCHEDULES}
     rows = m.ring_step_rows
+    share = ("R/D at even routing" if m.load == 1 else
+             f"R/D x {m.owner_load:.3g}, the busiest expert at --moe-load {m.load:g} x its share")
     window = (f"; ring rows per step {rows} of {m.rows} ({ring_row_bytes_per_step(m) / MIB:.2f} MiB of row "
-              f"traffic per step, the owner's rows: R/D at even routing)" if m.schedule == "ring" and m.D > 1 else "")
+              f"traffic per step, the owner's rows: {share})" if m.schedule == "ring" and m.D > 1 else "")
     recompute = " + 1 recompute" if m.checkpointing else ""
     return (f"MoE: {sparse} of {layers} layers sparse, {m.E} experts ({m.E_r}/rank) top-{m.k}, F_moe={m.F}; bytes "
             f"per sparse layer ring {mib['ring']:.2f} MiB, all_to_all {mib['all_to_all']:.2f} MiB (even routing): "
