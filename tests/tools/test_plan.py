@@ -347,30 +347,32 @@ def _tsp_tracked_peak(shape, seq, mode):
     return tracked_step(workload)["peak_bytes"]
 
 
-# (shape, seq, bench mode, the phase that peaks): the MLP's backward at a tiny width, memory-optimal and with the
-# projections kept (the bench's tsp_kept_projections); the attention backward with a wide head (its gathered K/V,
-# dK/dV buffers and the kernels' dK/dV of each key block grow with S), with per-head q/k norms too (the raw q and k
-# their backward reads)
+# (shape, seq, bench mode, the phase that peaks, the plan's bound over the measurement): the MLP's backward at a tiny
+# width, memory-optimal and with the projections kept (the bench's tsp_kept_projections); the attention backward
+# with a wide head (its gathered K/V, dK/dV buffers and the kernels' dK/dV of each key block grow with S), with
+# per-head q/k norms too (the raw q and k their backward reads), and with the projections kept (q and the local
+# k/v saved, not recomputed: planned up to 12% over, the safe side)
 WIDE_HEAD = dict(hidden_size=256, intermediate_size=704, num_heads=4, num_kv_heads=4, head_dim=128)
 TINY_MLP = dict(hidden_size=64, intermediate_size=192, num_heads=4, num_kv_heads=4)
 LIVE_PEAKS = {
-    "mlp": (TINY_MLP, 512, "memory", "mlp_bwd"),
-    "mlp_projections_kept": (TINY_MLP, 512, "projections", "mlp_bwd"),
-    "attention": (WIDE_HEAD, 2048, "memory", "attention_bwd"),
-    "attention_qk_norm": ({**WIDE_HEAD, "qk_norm": True}, 4096, "memory", "attention_bwd"),
+    "mlp": (TINY_MLP, 512, "memory", "mlp_bwd", 1.08),
+    "mlp_projections_kept": (TINY_MLP, 512, "projections", "mlp_bwd", 1.08),
+    "attention": (WIDE_HEAD, 2048, "memory", "attention_bwd", 1.08),
+    "attention_qk_norm": ({**WIDE_HEAD, "qk_norm": True}, 4096, "memory", "attention_bwd", 1.08),
+    "attention_projections_kept": (WIDE_HEAD, 2048, "projections", "attention_bwd", 1.12),
 }
 
 
 @pytest.mark.parametrize("case", list(LIVE_PEAKS))
-def test_tsp_peak_from_3_percent_under_to_8_percent_over_a_live_measurement(case):
+def test_tsp_peak_from_3_percent_under_to_its_bound_over_a_live_measurement(case):
     """The plan may round up (it is what a user sizes a job by), never down by more than a rounding."""
-    kwargs, seq, mode, phase = LIVE_PEAKS[case]
+    kwargs, seq, mode, phase, over = LIVE_PEAKS[case]
     shape = ModelShape(vocab_size=512, num_layers=2, **kwargs)
     measured = max(run_on_local_ranks(_tsp_tracked_peak, 2, shape, seq, mode, timeout_s=240))
     plan = plan_tsp(PlanInput(model=shape, seq=seq, degree=2, dtype="fp32",
                               recompute_projections=mode != "projections"))
-    assert 0.97 * measured <= plan.peak_bytes_per_rank <= 1.08 * measured, (plan.peak_bytes_per_rank, measured,
-                                                                            plan.peak_phase)
+    assert 0.97 * measured <= plan.peak_bytes_per_rank <= over * measured, (plan.peak_bytes_per_rank, measured,
+                                                                             plan.peak_phase)
     assert plan.peak_phase == phase
 
 

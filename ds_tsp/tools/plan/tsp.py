@@ -124,8 +124,9 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
     logits = Tc * g.Vd * cb + (Tc * g.Vd * b if b < cb else 0)
     return {
         "attention_fwd": 2 * shard_in + in_flight * (kvb + kv_local) + 3 * qb + x,
-        "attention_bwd": (2 * shard_in + g.A * b + reducer + kv_bufs_bwd * kvb + kernel_dkv + 2 * kv_local + 4 * qb
-                          + 2 * x
+        # the recomputed local k/v and q are saved instead when the projections are kept: their grads remain
+        "attention_bwd": (2 * shard_in + g.A * b + reducer + kv_bufs_bwd * kvb + kernel_dkv
+                          + (2 * kv_local + 4 * qb if inp.recompute_projections else kv_local + 3 * qb) + 2 * x
                           # OLMo's whole-projection q/k norms: every block's dn kept through the loop
                           + (T * (dims.nq + dims.nkv) * dims.d * b if inp.model.projection_qk_norm else 0)
                           # per-head q/k norms (Qwen3): the raw q kept to the dq tail, the raw k of the group and
