@@ -3,7 +3,8 @@
 Reference: HF LlamaRMSNorm written out (compute in float32, or the input dtype if wider; `weight * normed.to(input
 dtype)`), differentiated by autograd. Tolerances (norm-wise relative): forward bitwise equal in every dtype (the
 same ops in the same order); backward float64 1e-13 (the written-out backward reorders a few sums: measured 9e-17 dx,
-dweight bitwise), float32 1e-6 (measured 6e-8), bfloat16 1e-2 (measured bitwise: both round the same fp32 values). The Function must save exactly (x, rstd [..., 1] in the compute dtype): asserted with saved_tensors_hooks.
+dweight bitwise), float32 1e-6 (measured 6e-8), bfloat16 1e-2 (measured bitwise: both round the same fp32 values).
+The Function must save exactly (x, rstd [..., 1] in the compute dtype): asserted with saved_tensors_hooks.
 """
 from __future__ import annotations
 
@@ -67,6 +68,38 @@ def test_written_out_pair_still_matches_autograd():
     assert torch.equal(y, hf_rms_norm(x, w, EPS).detach())
     dx, dw = rms_norm_backward(dy, x.detach(), w.detach(), EPS)
     assert _rel(dx, dx_ref) < 1e-13 and _rel(dw, dw_ref) < 1e-13
+
+
+def _formula_backward(dy, x, rstd, weight, zero_centred):
+    """The backward's formula written out of place, op for op in the order the module runs them."""
+    n = x.to(rstd.dtype) * rstd
+    if weight is None:
+        dn = dy.to(rstd.dtype)
+    elif zero_centred:
+        dn = dy.to(rstd.dtype) * (1.0 + weight.to(rstd.dtype))
+    else:
+        dn = (dy * weight).to(rstd.dtype)
+    return (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32), (torch.float64, torch.float64)])
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_in_place_steps_give_the_formulas_bits_and_leave_the_inputs(dtype, weight_dtype, zero_centred, weighted):
+    """The forward's weight product and the backward's row-sized steps run in place in the function's own fresh
+    buffers: the same bits as the out-of-place formula (and HF's forward), and x / dy untouched, even where a
+    float32 dy would be its own compute-dtype copy (no weight)."""
+    x, w, dy = (t.detach() for t in _inputs(dtype, shape=(3, 7, 32)))
+    w = w.to(weight_dtype) if weighted else None
+    x0, dy0 = x.clone(), dy.clone()
+    rstd = torch.rsqrt(x.to(torch.promote_types(dtype, torch.float32)).pow(2).mean(-1, keepdim=True) + EPS)
+    y = rms_norm(x, w, EPS, zero_centred)
+    if weighted and not zero_centred:
+        assert torch.equal(y, hf_rms_norm(x, w, EPS)) and y.dtype == torch.result_type(w, x)
+    dx, _ = rms_norm_backward(dy, x, w, EPS, zero_centred)
+    assert torch.equal(dx, _formula_backward(dy, x, rstd, w, zero_centred))
+    assert torch.equal(x, x0) and torch.equal(dy, dy0)
 
 
 def _saved(fn, x, w) -> list[torch.Tensor]:

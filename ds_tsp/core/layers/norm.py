@@ -35,21 +35,26 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _normed_times_weight(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
                          zero_centred: bool = False) -> torch.Tensor:
+    # x * rstd is a fresh tensor: the weight multiplies it in place where the product keeps its dtype (the same
+    # operation and rounding as the out-of-place product, one [..., h] temporary less)
     if weight is None:  # Gemma 4's v_norm: no scale, normalised in the compute dtype, rounded at the end
         return (x.to(rstd.dtype) * rstd).to(x.dtype)
     if zero_centred:  # HF Qwen3_5RMSNorm: (x_hat * (1 + w)) in the compute dtype, then rounded to the input dtype
-        return (x.to(rstd.dtype) * rstd * (1.0 + weight.to(rstd.dtype))).to(x.dtype)
+        return (x.to(rstd.dtype) * rstd).mul_(1.0 + weight.to(rstd.dtype)).to(x.dtype)
     # HF LlamaRMSNorm: the normalised rows are rounded to the input dtype BEFORE the weight multiplies them
-    return weight * (x.to(rstd.dtype) * rstd).to(x.dtype)
+    normed = (x.to(rstd.dtype) * rstd).to(x.dtype)
+    return normed.mul_(weight) if torch.result_type(normed, weight) == normed.dtype else weight * normed
 
 
 def _backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
               zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """With n = x * r, r = rstd: dx = r * (dn - n * mean(dn * n)), dn = dy * weight; dweight = sum dy * n
-    (zero-centred: the scale is 1 + weight, all in the compute dtype)."""
+    (zero-centred: the scale is 1 + weight, all in the compute dtype). The row-sized steps after dn run in place in
+    n's and dn's own buffers (fresh tensors here, never x or dy): the same operations in the same order as the
+    formula, so the same bits, with three [..., h] temporaries instead of seven."""
     n = x.to(rstd.dtype) * rstd
     if weight is None:
-        dweight, dn = None, dy.to(rstd.dtype)
+        dweight, dn = None, dy.to(rstd.dtype, copy=True)
     elif zero_centred:
         dyc = dy.to(rstd.dtype)
         dweight = (dyc * n).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
@@ -57,7 +62,8 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: tor
     else:
         dweight = (dy * n.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
         dn = (dy * weight).to(rstd.dtype)
-    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+    mean = (dn * n).mean(-1, keepdim=True)
+    dx = dn.sub_(n.mul_(mean)).mul_(rstd)
     return dx.to(x.dtype), dweight
 
 
