@@ -35,8 +35,8 @@ picks it: per expert on the CPU / non-bf16 ("loop"), per ring step with grouped 
   routing. `ds-tsp plan` reports it
   (ring_rows_per_step, ring_row_bytes_per_step, a note) and the host reads per sparse layer (host_reads_per_layer:
   one per forward, one more for the recompute under activation checkpointing, none in backward; all_to_all the same).
-- ring fwd: the foreign shards of the ring in flight (as the dense MLP), y, this step's gathered rows, outputs
-  and weighted outputs ([rows per step, h] each) and their int64 token ids, one GEMM block's gate/up, SiLU and
+- ring fwd: the foreign shards of the ring in flight (as the dense MLP), y, this step's gathered rows and
+  outputs (weighted in place; [rows per step, h] each) and their int64 token ids, one GEMM block's gate/up, SiLU and
   product, the router logits [T, E].
 - ring bwd: the ring's shard and grad buffers plus the loop's zeroed expert-grad views, dx / dy, the routing
   weight grads, this step's rows, dy rows and row grads and indices, one block's ~10 F-wide backward temporaries.
@@ -280,7 +280,7 @@ def moe_transients(inp: PlanInput, m: MoEGeometry, ring_buffers: int) -> dict[st
     if m.schedule == "ring":
         step = m.ring_step_rows
         index = step * INDEX_BYTES  # the step's token ids (its sorted rows are a view of the layer's order)
-        return {"mlp_fwd": min(D - 1, 2) * shard + x + 3 * step * h * b + index + 4 * blk * F * b + logits,
+        return {"mlp_fwd": min(D - 1, 2) * shard + x + 2 * step * h * b + index + 4 * blk * F * b + logits,
                 "mlp_bwd": (ring_buffers + 2) * shard + 2 * x + R * b + 3 * step * h * b + index
                 + 10 * blk * F * b}
     # backward (ds_tsp.core.layers.moe.all_to_all), the larger of two moments: the received rows (2h+1) and their

@@ -67,7 +67,8 @@ class MoEAllToAll(torch.autograd.Function):
         back = x2d.new_empty((tok.numel(), h))
         comm.all_to_all(back, out_arrived, in_splits, out_splits, what="moe expert outputs").wait()
         del out_arrived
-        y = torch.zeros_like(x2d).index_add_(0, tok, back * top_w.reshape(-1)[plan.order][:, None])
+        # back is the receive buffer, read once: weighted in place
+        y = torch.zeros_like(x2d).index_add_(0, tok, back.mul_(top_w.reshape(-1)[plan.order][:, None]))
 
         ctx.spec, ctx.comm, ctx.groups = spec, comm, groups
         ctx.splits = (in_splits, out_splits)

@@ -94,7 +94,7 @@ class MoERing(torch.autograd.Function):
                 return
             tok = plan.tokens(rows)
             out, gu = experts_forward(x2d[tok], w, groups, spec.glu, keep_projections=not spec.recompute_projections)
-            y.index_add_(0, tok, out * w_flat[rows][:, None])
+            y.index_add_(0, tok, out.mul_(w_flat[rows][:, None]))  # out is this step's own buffer: weighted in place
             if gu is not None:
                 kept.append(gu)
 
