@@ -183,6 +183,7 @@ def test_cli_moe_flags_on_a_preset(capsys):
 @pytest.mark.parametrize("argv,flag", [
     (["--num-experts", "6", "--tsp", "4"], "--tsp"),  # experts do not split over D
     (["--top-k", "2"], "--top-k"),  # no experts
+    (["--moe-load", "2"], "--moe-load"),  # no experts: nothing it could plan
     (["--num-experts", "8", "--top-k", "9"], "--top-k"),
     (["--num-experts", "8", "--layout", "tsp,ulysses"], "--layout"),  # peers refuse MoE shapes
 ])

@@ -167,6 +167,9 @@ def _plan_input(args: argparse.Namespace):
     from ds_tsp.tools.plan import DTYPE_BYTES, PlanInput
 
     shape, model_name = _moe_shape(args, *_shape(args))
+    if args.moe_load != 1 and not shape.num_experts:
+        raise _UsageError("--moe-load", f"{args.moe_load:g} on {model_name}, which has no experts: the load plans "
+                                        "an MoE routing; drop it or add --num-experts")
     if args.tsp is not None and args.tp is not None and args.tsp != args.tp:
         raise _UsageError("--tsp/--tp", f"--tsp {args.tsp} and --tp {args.tp} disagree; they name the same degree: "
                                         "give one")
