@@ -521,6 +521,10 @@ def test_recommend_keeps_the_projections_where_they_fit_and_speed_mode_does_not(
     rc, obj = _recommend(capsys, ["--model", "7b", "--seq", "32k", "--gpu-mem-gib", "104", "--devices", "2"])
     tsp = [c for c in obj["rejected"] if c["layout"] == "tsp" and c["fits"] and not c["activation_checkpointing"]]
     assert rc == 0 and [c["projections_kept"] for c in tsp] == [True, False]  # the same comm: kept ranks first
+    # a plan asked with the K/V kept alone: the "tsp" block recommended says so
+    only_kv = recommend(PlanInput(model=PRESETS["7b"], seq=32768, keep_gathered_kv=True), gpu_mem_gib=200, devices=2,
+                        layouts=("tsp",)).best
+    assert only_kv.tsp_settings == {"keep_gathered_kv": True} and not only_kv.speed_mode
 
 
 def test_recommend_text_and_errors(capsys):

@@ -48,6 +48,7 @@ class Candidate:
     host_bytes_per_rank: int = 0
     speed_mode: bool = False  # TSPOptions.speed(): gathered K/V and local projections kept for backward
     projections_kept: bool = False  # TSP's local projections kept for backward (speed mode keeps them too)
+    gathered_kv_kept: bool = False  # TSP's gathered K/V kept for backward (speed mode, or the input's own setting)
 
     @property
     def label(self) -> str:
@@ -65,7 +66,7 @@ class Candidate:
     @property
     def tsp_settings(self) -> dict:
         """The "tsp" block's schedule keys this candidate runs with (TSP layouts; {} for the defaults)."""
-        return {**({"keep_gathered_kv": True} if self.speed_mode else {}),
+        return {**({"keep_gathered_kv": True} if self.gathered_kv_kept else {}),
                 **({"recompute_projections": False} if self.projections_kept else {}),
                 **({"activation_checkpointing": True} if self.activation_checkpointing else {}),
                 **({"offload_activations": True} if self.offload_activations else {})}
@@ -122,7 +123,8 @@ def candidates(inp: PlanInput, devices: int, layouts=RECOMMEND_LAYOUTS, offload:
                              offload_activations=trial.offload_activations,
                              host_bytes_per_rank=plan.host_bytes_per_rank,
                              speed_mode=not trial.recompute_projections and trial.keep_gathered_kv,
-                             projections_kept=plan.layout == "tsp" and not trial.recompute_projections))
+                             projections_kept=plan.layout == "tsp" and not trial.recompute_projections,
+                             gathered_kv_kept=plan.layout == "tsp" and trial.keep_gathered_kv))
     return out
 
 
