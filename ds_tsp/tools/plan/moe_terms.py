@@ -48,6 +48,7 @@ picks it: per expert on the CPU / non-bf16 ("loop"), per ring step with grouped 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ds_tsp.core.layers.moe.cost import SCHEDULES, choose_moe_dispatch, moe_bytes_per_layer
@@ -99,7 +100,7 @@ class MoEGeometry:
     @staticmethod
     def _loaded(even: int, factor: float, cap: int) -> int:
         """`even` rows `factor` times (rounded up), at most `cap`."""
-        return even if factor == 1 else min(cap, -int(-even * factor // 1))
+        return even if factor == 1 else min(cap, math.ceil(even * factor))
 
     @property
     def owner_load(self) -> float:
