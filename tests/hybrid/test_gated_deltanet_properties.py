@@ -448,17 +448,23 @@ def test_backward_runs_the_delta_rule_and_the_projections_once_per_head_block(mo
 
 def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypatch):
     """Forward: block j's transition gather is posted, block j+1's chunks run, then it is waited (it travels behind
-    them); backward: each block's transition-grad reduce-scatter is waited after the out projection's weight grad.
-    D=3 threads; the posted collectives stay the same on every rank (_case_errors checks)."""
+    them); backward: block j's re-gather is posted, block j-1's projection GEMMs run, then it is waited (the first
+    block's has nothing before it), and each block's transition-grad reduce-scatter is waited after the out
+    projection's weight grad. D=3 threads; the posted collectives stay the same on every rank (_case_errors
+    checks)."""
     from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
 
     events = {}
-    real_local, real_keep = gdn._block_local, gdn._keep_block
+    real_local, real_keep, real_projection_grads = gdn._block_local, gdn._keep_block, gdn._projection_grads
     real_gather, real_scatter = gdn.TransitionGather, gdn.TransitionGradScatter
     real_grad = torch.autograd.grad
     log = lambda what: events.setdefault(threading.get_ident(), []).append(what)  # noqa: E731
 
     class Gather(real_gather):
+        def __init__(self, *args):
+            log("gather post")
+            super().__init__(*args)
+
         def wait(self):
             log("gather wait")
             return super().wait()
@@ -476,6 +482,10 @@ def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypat
         log("chunks")
         return real_keep(*args)
 
+    def projection_grads(*args):
+        log("projection grads")
+        return real_projection_grads(*args)
+
     def grad(outputs, inputs, *args, **kwargs):
         if isinstance(inputs, torch.Tensor):  # the one call with a single input: the out projection's weight grad
             log("out weight grad")
@@ -483,6 +493,7 @@ def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypat
 
     monkeypatch.setattr(gdn, "_block_local", block_local)
     monkeypatch.setattr(gdn, "_keep_block", keep_block)
+    monkeypatch.setattr(gdn, "_projection_grads", projection_grads)
     monkeypatch.setattr(gdn, "TransitionGather", Gather)
     monkeypatch.setattr(gdn, "TransitionGradScatter", Scatter)
     monkeypatch.setattr(gdn.torch.autograd, "grad", grad)
@@ -490,9 +501,11 @@ def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypat
     assert max(errors.values()) < TOL, errors
     assert len(events) == 3
     for per_rank in events.values():
-        forward, backward = per_rank[:6], per_rank[6:]
-        assert forward == ["chunks", "chunks", "gather wait", "chunks", "gather wait", "gather wait"], per_rank
-        assert backward == ["chunks", "gather wait", "out weight grad", "scatter wait"] * 3, per_rank
+        forward, backward = per_rank[:9], per_rank[9:]
+        assert forward == ["chunks", "gather post", "chunks", "gather post", "gather wait", "chunks", "gather post",
+                           "gather wait", "gather wait"], per_rank
+        block = ["chunks", "gather post", "projection grads", "gather wait", "out weight grad", "scatter wait"]
+        assert backward == [*block[:2], *block[3:], *block * 2, "projection grads"], per_rank
 
 
 def test_host_values_reach_cuda_in_one_non_blocking_copy_from_pinned_memory(monkeypatch):

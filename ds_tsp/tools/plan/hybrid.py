@@ -353,10 +353,11 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     walked once by the one-pass backward (the [C, C] matrices, the per-head [dk] / [dv] rows the kernel
     derives from q, k, v (k_beta, the solves' results, the sub-chunks' reads), the sub-chunks' [dk, dk + dv]
     transitions (one per C tokens), more of the gathered transitions' size: their grads, the composed prefixes),
-    twice the token-sized tensors, the grad reducer's shards and dx. The backward's four counts (6.75 [C, C]
-    matrices, 9.5 [dk + dv] rows and 3.5 / C transitions per value head and token, 6 times the gathered
-    transitions) are FITTED to MemTracker over head sizes dk = dv = 4 .. 128, S = 256 .. 1024 and D = 2, 4: peaks
-    within -2% / +4% at 20 points (tests/tools/test_plan_hybrid.py checks two head sizes). At real head sizes the
+    the block before's projection grads (their GEMMs run while this block's transitions are re-gathered), twice
+    the token-sized tensors, the grad reducer's shards and dx. The backward's four counts (6.875 [C, C] matrices,
+    7 [dk + dv] rows and 4 / C transitions per value head and token, 5.75 times the gathered transitions) are
+    FITTED to MemTracker over head sizes dk = dv = 4 .. 128, S = 256 .. 1024 and D = 2, 4: peaks within -3% / +5%
+    at 20 points (tests/tools/test_plan_hybrid.py checks two head sizes). At real head sizes the
     rows and transitions dominate, so a fit at one small head size cannot stand for them (a count of [C, C]
     matrices alone, fitted at dk = 4, plans 20% short at dk = 16 and 60% short at dk = 128).
     This is the pure-torch kernel (CPU, or without flash-linear-attention); fla's fused kernel holds less, so the
@@ -374,8 +375,8 @@ def gdn_transients(inp: PlanInput, hg: HybridGeometry) -> dict[str, int]:
     states = T * hg.vb * hg.dk * (hg.dk + hg.dv) // C * cb  # one [dk, dk + dv] transition per value head, C tokens
     trans = D * 2 * B * hg.vb * hg.dk * (hg.dk + hg.dv) * cb
     return {"gdn_fwd": 2 * shard_in + halo + 2 * block + 5 * square + trans + x,
-            "gdn_bwd": 2 * shard_in + min(D - 1, 3) * hg.G * b + halo + 2 * block + 6 * trans
-            + 27 * square // 4 + 19 * rows // 2 + 7 * states // 2 + 2 * x}
+            "gdn_bwd": 2 * shard_in + min(D - 1, 3) * hg.G * b + halo + 2 * block + 23 * trans // 4
+            + 55 * square // 8 + 7 * rows + 4 * states + 2 * x}
 
 
 def sparse_mlp_transients(inp: PlanInput, hg: HybridGeometry, attention_mlp_transients, ring_buffers

@@ -35,9 +35,11 @@ cu_seq_lens.
 
 Backward (hand-written loop, autograd inside each block): for j in 0..D-1 the shard is broadcast again and the
 block's forward recomputed from x and the halo the way speed mode keeps it (below: the projections cut off as graph
-leaves, the conv and chunk kernels under autograd) and its transitions gathered again; its chunk results (o_local,
-q_eff, z) are cut off as fresh leaves, so every op's backward runs ONCE per block, in three stages around the one
-explicit collective:
+leaves, the conv and chunk kernels under autograd) and its transitions gathered again, posted before block j-1's
+projection GEMMs' backward (stage 3's second half) and waited after it, so they travel behind those GEMMs (with cp
+the cross-node stage does, the TSP stage is posted after them; the first block's have nothing before them); its
+chunk results (o_local, q_eff, z) are cut off as fresh leaves, so every op's backward runs ONCE per block, in three
+stages around the one explicit collective:
     1. the output side (out projection's dX, gated norm, the start-state GEMMs and their composition): grads of
        this rank's chunk results, of the norm weight and of EVERY rank's gathered (M, U); no chunk kernel, no
        projection
@@ -45,9 +47,10 @@ explicit collective:
        read no state: autograd alone would skip it there and the other ranks would wait); the out projection's
        weight grad is computed while it travels
     3. one autograd pass through the chunk kernels (the torch kernel's graph or FLA's backward) and the conv to the
-       projections with both cotangents at once: the chunk results' (stage 1) and the transitions' (stage 2); then
-       the q/k/v/z/a/b projections' GEMMs' backward by hand (dx accumulated in place, the weight grads from the
-       re-broadcast shard) -> the grads of x, the halo and the shard.
+       projections with both cotangents at once: the chunk results' (stage 1) and the transitions' (stage 2); the
+       block's graph is freed there. Then, in block j+1 (after the loop for the last block), the q/k/v/z/a/b
+       projections' GEMMs' backward by hand (dx accumulated in place, the weight grads from the re-broadcast
+       shard) -> the grads of x, the halo and the shard; it reads the grads and the shard only.
 Speed mode (spec.keep_activations: TSPOptions.speed() without activation checkpointing) keeps each block's
 forward instead: its projections cut off as graph leaves (the weights are not kept: the shard is broadcast again),
 the graph of its conv and chunk kernels, and its gathered transitions. Backward then recomputes nothing and
@@ -309,10 +312,10 @@ def kept_tensors(x, halo, w: dict, spec: GatedDeltaNetSpec, plans: tuple[ChunkPl
             if t is not None]
 
 
-def _kept_block_grads(kept: _KeptBlock, d_outputs: list, d_local, x, halo, spec: GatedDeltaNetSpec, shard,
-                      need_w: bool):
-    """(dx, dhalo, the block's packed weight grad but the out projection's, or None) of a kept block: ONE pass
-    through its kept chunk graph to the projections, then their GEMMs' backward by hand (no forward recompute)."""
+def _chunk_graph_grads(kept: _KeptBlock, d_outputs: list, d_local) -> tuple:
+    """(d pre, d pre_halo or None, d b, d a, d z, [d conv, d A_log, d dt_bias]) of a kept block: ONE pass through its
+    kept chunk graph to the projections (no forward recompute), both cotangents at once (the chunk results' and the
+    transitions')."""
     d_o, d_q, d_z = d_outputs
     local = kept.local
     pairs = [(t, g) for t, g in ((local.o_local, d_o), (local.q_eff, d_q), (local.transitions, d_local))
@@ -324,8 +327,15 @@ def _kept_block_grads(kept: _KeptBlock, d_outputs: list, d_local, x, halo, spec:
     grads = [torch.zeros_like(t) if g is None and t is not None else g for t, g in zip((*kept.leaves, *kept.small),
                                                                                         grads)]
     d_pre, d_pre_halo, d_b, d_a, *d_small = grads
+    return d_pre, d_pre_halo, d_b, d_a, (torch.zeros_like(local.z) if d_z is None else d_z), d_small
+
+
+def _projection_grads(chunk_grads: tuple, x, halo, spec: GatedDeltaNetSpec, shard, need_w: bool):
+    """(dx, dhalo, the block's packed weight grad pieces but the out projection's, or None) from _chunk_graph_grads:
+    the q/k/v/z/a/b projections' GEMMs' backward by hand. Reads no graph, only the grads, x, the halo and the
+    shard: the layer's backward runs it while the next block's transitions travel."""
+    d_pre, d_pre_halo, d_b, d_a, d_z, d_small = chunk_grads
     B, L, h = x.shape
-    d_z = torch.zeros_like(local.z) if d_z is None else d_z
     w_qkv, w_z, w_b, w_a = _projections(spec.layout.unpack(shard), spec)
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
     d_rows = [flat(d_pre), flat(d_z.reshape(B, L, -1)), flat(d_b), flat(d_a)]
@@ -441,15 +451,31 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
         shards = ShardStream(comm, packed_shard)
         reducer = ShardGradReducer(comm)
         kept, ctx.kept = ctx.kept, None
+        behind = None  # the block before's projection GEMMs' backward: it runs while this block's transitions travel
+
+        def projections_backward(j, chunk_grads, shard, d_out):
+            d_x, d_halo, pieces = _projection_grads(chunk_grads, x, halo, spec, shard, need_w)
+            dx.add_(d_x)
+            if d_halo is not None:  # None: the empty halo of a kernel-1 conv
+                dhalo.add_(d_halo)
+            if need_w:
+                reducer.reduce(j, _packed_grad({**pieces, "out": d_out}, spec, shard))
+
         for j in range(comm.size):
-            shards.next_block(j)
             shard = shards.take(j)
+            gather = None
             if kept is None:  # the block's forward again, kept the way speed mode keeps it; its transitions again
                 with torch.no_grad():
                     block = _keep_block(x, halo, spec.layout.unpack(shard), spec, plans)
-                block.everyone = TransitionGather(block.local.transitions.detach(), comm).wait()
+                gather = TransitionGather(block.local.transitions.detach(), comm)
             else:  # speed mode: the forward's chunk graph and gathered transitions
                 block, kept[j] = kept[j], None
+            if behind is not None:  # block j-1's projection GEMMs: block j's transitions travel behind them (with
+                behind()  # cp: the cross-node stage; the TSP stage is posted after them)
+                behind = None
+            shards.next_block(j)  # after block j-1's GEMMs, which read its shard
+            if gather is not None:
+                block.everyone = gather.wait()
             with torch.enable_grad():
                 nw_ = norm_weight.detach().requires_grad_()  # x: only its shape and dtype are read here
                 w = _piece_leaves(shard, spec, need_w)
@@ -467,14 +493,15 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 d_out = torch.autograd.grad(y, w["out"], dy)[0] if need_w else None
                 del y, cut, everyone
                 d_local = scatter.wait()
-            # 3. ONE pass through the block's chunk graph to its projections, then their GEMMs' backward by hand
-            second = _kept_block_grads(block, list(first[2:]), d_local, x, halo, spec, shard, need_w)
-            del block
-            for acc, grad in zip((dx, dhalo, dnorm), (second[0], second[1], first[1])):
-                if grad is not None:  # None: unused (the empty halo of a kernel-1 conv)
-                    acc.add_(grad)
-            if need_w:
-                reducer.reduce(j, _packed_grad({**second[2], "out": d_out}, spec, shard))
+            if first[1] is not None:
+                dnorm.add_(first[1])
+            # 3. ONE pass through the block's chunk graph to its projections; their GEMMs' backward (by hand) runs
+            # in the next block, behind its transition gather, or after the loop for the last block
+            chunk_grads = _chunk_graph_grads(block, list(first[2:]), d_local)
+            del block, first
+            behind = lambda j=j, g=chunk_grads, s=shard, d=d_out: projections_backward(j, g, s, d)  # noqa: E731
+            del chunk_grads, d_out
+        behind()
         grad_shard = reducer.finish() if need_w else None
         return dx, dhalo, grad_shard, dnorm, None, None, None
 
