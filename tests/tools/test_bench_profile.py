@@ -57,14 +57,25 @@ def test_attribute_charges_each_self_time_once():
     assert layer_of(gdn[-1]) == layer_of(nest([_event("_TSPGatedDeltaNetBackward", 0, 1)])[0]) == "gdn"
 
 
-def test_bench_profile_tiny(tmp_path):
+def _profiled_tiny_run(out) -> dict:
     rc = main(["--profile", "--layouts", "tsp,dtensor_tp_sp", "--tsp", "2", "--seq", "64", "--layers", "1",
                "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab", "256", "--steps", "1", "--warmup", "1",
-               "--quiet", "--out", str(tmp_path)])
+               "--quiet", "--out", str(out)])
     assert rc == 0
-    row = json.loads((tmp_path / "results.json").read_text())
+    row = json.loads((out / "results.json").read_text())
     rows = row["results"] if isinstance(row, dict) else row
-    by_layout = {r["layout"]: r for r in rows}
+    return {r["layout"]: r for r in rows}
+
+
+def _counter_within_the_profiled_waits(tsp: dict) -> bool:
+    """The counter times each wait from outside its profiler range (+ entering/leaving it): the same waits, a bit
+    more."""
+    return tsp["blocked_s"] <= tsp["counter_wait_s"] * 1.01 + 1e-3 and \
+        tsp["counter_wait_s"] <= tsp["blocked_s"] * 1.1 + 2e-3
+
+
+def test_bench_profile_tiny(tmp_path):
+    by_layout = _profiled_tiny_run(tmp_path)
     for r in by_layout.values():
         prof = r["profile"]
         assert all(prof[k] >= 0 for k in KEYS)
@@ -74,13 +85,17 @@ def test_bench_profile_tiny(tmp_path):
     layers = tsp["by_layer"]
     assert layers["attention"]["attention_s"] > 0 and layers["mlp"]["gemm_s"] > 0 and layers["vocab"]["gemm_s"] > 0
     assert layers["mlp"]["attention_s"] == 0 and layers["attention"]["comm_wait_s"] > 0
-    # the counter times each wait from outside its profiler range (+ entering/leaving it): same waits, a bit more
-    assert tsp["blocked_s"] <= tsp["counter_wait_s"] * 1.01 + 1e-3
-    assert tsp["counter_wait_s"] <= tsp["blocked_s"] * 1.1 + 2e-3
     # comm_wait also counts posting the collectives
     assert tsp["comm_wait_s"] >= tsp["blocked_s"] * 0.99
     assert "step_s" in by_layout["tsp"] and "comm_bytes" in by_layout["tsp"]  # existing keys kept
     assert "| layer type |" in (tmp_path / "results.md").read_text()
+    # A time cross-check: one loaded full-suite run measured the counter 5.8 ms over the bound (22.8 ms against
+    # 17.0 ms profiled). A wait missing from the profile shows in every run: a run over the bound is profiled once
+    # more, and the test fails only if that run is over it too.
+    if not _counter_within_the_profiled_waits(tsp):
+        (tmp_path / "again").mkdir()
+        tsp = _profiled_tiny_run(tmp_path / "again")["tsp"]["profile"]
+    assert _counter_within_the_profiled_waits(tsp), (tsp["blocked_s"], tsp["counter_wait_s"])
 
 
 def test_counted_work_charges_gemm_flops_and_the_counters_marks_to_layer_types():
