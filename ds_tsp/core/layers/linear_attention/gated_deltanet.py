@@ -60,8 +60,9 @@ The block's packed weight grad is reduced to its owner (ShardGradReducer). The h
 holding those tokens once, after the blocks (conv_halo's autograd dual: a reduce-scatter). Saved for backward: x,
 the halo and the parameters (a LoRA-merged shard as its base and factors, rebuilt in backward: shard_rebuild; no
 per-block activation, no foreign shard): memory O(B L h) + one block's recompute
-graph (O(B L vb (2 dk + 3 dv)) + O(D B vb dk (dk + dv))) + at most 3 packed shards in flight; forward holds two
-blocks' chunk results at once (block j's while block j+1's run). Compute: the forward twice (the price of keeping
+graph (O(B L vb (2 dk + 3 dv)) + O(D B vb dk (dk + dv))), with the block before's projection grads beside it while
+its GEMMs run, + at most 3 packed shards in flight; forward holds two blocks' chunk results at once (block j's
+while block j+1's run). Compute: the forward twice (the price of keeping
 nothing per block) and the backward once.
 
 Bytes per layer per rank (elements x dtype bytes; rho = (D-1)/D; W = the layer's sharded weights):
