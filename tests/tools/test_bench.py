@@ -181,6 +181,8 @@ def test_flags_map_to_configs():
     kept = tsp_options("projections", False)
     assert not kept.recompute_projections and not kept.keep_gathered_kv
     assert tsp_options("memory", False).recompute_projections
+    with pytest.raises(ValueError, match="'speeed'.*'memory', 'projections', 'speed'"):
+        tsp_options("speeed", False)  # a mode the bench does not know is no silent speed mode
     named = configs_from_args(build_parser().parse_args(["--layouts", "tsp,tsp_kept_projections", "--tsp", "2"]))
     assert [c.layout for c in named] == ["tsp", "tsp_kept_projections"]
     assert "tsp_kept_projections" not in {c.layout for c in configs_from_args(build_parser().parse_args([]))}

@@ -25,9 +25,13 @@ def tsp_options(mode: str, activation_checkpointing: bool, moe_dispatch: str = "
     """A TSP layout's options from its LayoutSpec mode: "memory" (TSPOptions()), "projections"
     (recompute_projections off) or "speed" (TSPOptions.speed())."""
     extra = {"activation_checkpointing": activation_checkpointing, "moe_dispatch": moe_dispatch}
+    if mode == "memory":
+        return TSPOptions(**extra)
     if mode == "projections":
         return TSPOptions(recompute_projections=False, **extra)
-    return TSPOptions(**extra) if mode == "memory" else TSPOptions.speed(**extra)
+    if mode == "speed":
+        return TSPOptions.speed(**extra)
+    raise ValueError(f"TSP layout mode {mode!r}: one of 'memory', 'projections', 'speed'")
 
 
 def rank_and_world() -> tuple[int, int]:

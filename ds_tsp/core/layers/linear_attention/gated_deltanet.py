@@ -331,25 +331,26 @@ def _chunk_graph_grads(kept: _KeptBlock, d_outputs: list, d_local) -> tuple:
     return d_pre, d_pre_halo, d_b, d_a, (torch.zeros_like(local.z) if d_z is None else d_z), d_small
 
 
-def _projection_grads(chunk_grads: tuple, x, halo, spec: GatedDeltaNetSpec, shard, need_w: bool):
-    """(dx, dhalo, the block's packed weight grad pieces but the out projection's, or None) from _chunk_graph_grads:
-    the q/k/v/z/a/b projections' GEMMs' backward by hand. Reads no graph, only the grads, x, the halo and the
-    shard: the layer's backward runs it while the next block's transitions travel."""
+def _projection_grads(chunk_grads: tuple, x, halo, spec: GatedDeltaNetSpec, shard, need_w: bool,
+                      dx: torch.Tensor):
+    """(dhalo, the block's packed weight grad pieces but the out projection's, or None) from _chunk_graph_grads,
+    the block's dx added into `dx` in place: the q/k/v/z/a/b projections' GEMMs' backward by hand. Reads no graph,
+    only the grads, x, the halo and the shard: the layer's backward runs it while the next block's transitions
+    travel."""
     d_pre, d_pre_halo, d_b, d_a, d_z, d_small = chunk_grads
     B, L, h = x.shape
     w_qkv, w_z, w_b, w_a = _projections(spec.layout.unpack(shard), spec)
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
     d_rows = [flat(d_pre), flat(d_z.reshape(B, L, -1)), flat(d_b), flat(d_a)]
-    dx = torch.zeros_like(x)
     for d, weight in zip(d_rows, (w_qkv, w_z, w_b, w_a)):
         dx.view(-1, h).addmm_(d, weight)
     dhalo = None if d_pre_halo is None else (d_pre_halo @ w_qkv)
     if not need_w:
-        return dx, dhalo, None
+        return dhalo, None
     x2d = x.reshape(-1, h)
     d_weights = [d.t() @ x2d for d in d_rows]
     if d_pre_halo is not None:
-        d_weights[0] = d_weights[0] + flat(d_pre_halo).t() @ halo.reshape(-1, h)
+        d_weights[0].addmm_(flat(d_pre_halo).t(), halo.reshape(-1, h))
     # the projections' rows and the small weights back to the packed layout's pieces: the backward of
     # _projections' views (Qwen3-Next's per-key-head regrouping), one grad per piece
     with torch.enable_grad():
@@ -358,7 +359,7 @@ def _projection_grads(chunk_grads: tuple, x, halo, spec: GatedDeltaNetSpec, shar
         names = [name for name in pieces if name != "out"]
         grads = torch.autograd.grad(ws, [pieces[name] for name in names], (*d_weights, *d_small),
                                     allow_unused=True)
-    return dx, dhalo, dict(zip(names, grads))
+    return dhalo, dict(zip(names, grads))
 
 
 def _piece_leaves(shard: torch.Tensor, spec: GatedDeltaNetSpec, need_w: bool) -> dict:
@@ -452,11 +453,10 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
         shards = ShardStream(comm, packed_shard)
         reducer = ShardGradReducer(comm)
         kept, ctx.kept = ctx.kept, None
-        behind = None  # the block before's projection GEMMs' backward: it runs while this block's transitions travel
+        behind = None  # (j, chunk grads, shard, out-projection grad) of the block whose projection GEMMs are to run
 
         def projections_backward(j, chunk_grads, shard, d_out):
-            d_x, d_halo, pieces = _projection_grads(chunk_grads, x, halo, spec, shard, need_w)
-            dx.add_(d_x)
+            d_halo, pieces = _projection_grads(chunk_grads, x, halo, spec, shard, need_w, dx)
             if d_halo is not None:  # None: the empty halo of a kernel-1 conv
                 dhalo.add_(d_halo)
             if need_w:
@@ -472,7 +472,7 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
             else:  # speed mode: the forward's chunk graph and gathered transitions
                 block, kept[j] = kept[j], None
             if behind is not None:  # block j-1's projection GEMMs: block j's transitions travel behind them (with
-                behind()  # cp: the cross-node stage; the TSP stage is posted after them)
+                projections_backward(*behind)  # cp its cross-node stage; the TSP stage is posted after them)
                 behind = None
             shards.next_block(j)  # after block j-1's GEMMs, which read its shard
             if gather is not None:
@@ -500,9 +500,9 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
             # in the next block, behind its transition gather, or after the loop for the last block
             chunk_grads = _chunk_graph_grads(block, list(first[2:]), d_local)
             del block, first
-            behind = lambda j=j, g=chunk_grads, s=shard, d=d_out: projections_backward(j, g, s, d)  # noqa: E731
+            behind = (j, chunk_grads, shard, d_out)
             del chunk_grads, d_out
-        behind()
+        projections_backward(*behind)
         grad_shard = reducer.finish() if need_w else None
         return dx, dhalo, grad_shard, dnorm, None, None, None
 
