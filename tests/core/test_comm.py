@@ -80,6 +80,20 @@ def _primitives():
         out["ring_grad_after"] = ring_backward(comm, _coded(p), step).clone()
     out["ring_after_events"] = events
     out["ring_after_ops"] = [o["what"] for o in rec.ops]
+
+    # reduce-scatter (gloo: an all-to-all and a local sum at wait): piece r of rank q is 1000 q + 10 r + position;
+    # rank p gets sum_q (1000 q + 10 p + position), also with overlap off (waited where posted)
+    for overlap in (True, False):
+        comm.overlap = overlap
+        full = torch.stack([1000.0 * p + 10.0 * r + torch.arange(N, dtype=torch.float64) for r in range(D)])
+        got = torch.full((N,), -1.0, dtype=torch.float64)
+        with comm.recording() as rec:
+            handle = comm.reduce_scatter(got, full.t().contiguous().t(), what="coded pieces")  # non-contiguous
+        out[f"rs_before_wait_{overlap}"] = got.clone()
+        handle.wait()
+        out[f"rs_{overlap}"] = got.clone()
+        out[f"rs_ops_{overlap}"] = [(o["kind"], o["what"]) for o in rec.ops]
+    comm.overlap = True
     return out
 
 
@@ -120,6 +134,13 @@ def test_primitives_exact(tsp, primitives_on):
             step_at, after_at = r["ring_after_events"][2 * k][1], r["ring_after_events"][2 * k + 1][1]
             assert r["ring_after_events"][2 * k][0] == "step" and r["ring_after_events"][2 * k + 1][0] == "after"
             assert step_at <= hop < after_at, (k, ops, r["ring_after_events"])
+        expected = sum(1000.0 * q for q in range(tsp)) + tsp * (10.0 * p + torch.arange(N, dtype=torch.float64))
+        for overlap in (True, False):
+            assert torch.equal(r[f"rs_{overlap}"], expected), (overlap, r[f"rs_{overlap}"], expected)
+            assert r[f"rs_ops_{overlap}"] == [("reduce_scatter", "coded pieces")]  # recorded as what it is
+        # posted with overlap: nothing lands before the wait (the sum is the wait's); without: done on return
+        assert torch.equal(r["rs_before_wait_True"], torch.full((N,), -1.0, dtype=torch.float64))
+        assert torch.equal(r["rs_before_wait_False"], expected)
 
 
 def test_byte_counters_follow_the_formula(primitives_on):

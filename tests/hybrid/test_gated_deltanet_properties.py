@@ -446,12 +446,14 @@ def test_backward_runs_the_delta_rule_and_the_projections_once_per_head_block(mo
     assert calls.count("qkv projection backward") == D * ranks, calls
 
 
-def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypatch):
+@pytest.mark.parametrize("keep", [False, True], ids=["memory_optimal", "speed"])
+def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypatch, keep):
     """Forward: block j's transition gather is posted, block j+1's chunks run, then it is waited (it travels behind
     them); backward: block j's re-gather is posted, block j-1's projection GEMMs run, then it is waited (the first
     block's has nothing before it), and each block's transition-grad reduce-scatter is waited after the out
-    projection's weight grad. D=3 threads; the posted collectives stay the same on every rank (_case_errors
-    checks)."""
+    projection's weight grad. Speed mode re-gathers nothing: block j-1's projection GEMMs run between block j's
+    grad scatter and its wait instead. D=3 threads; the posted collectives stay the same on every rank
+    (_case_errors checks)."""
     from ds_tsp.core.layers.linear_attention import gated_deltanet as gdn
 
     events = {}
@@ -470,6 +472,10 @@ def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypat
             return super().wait()
 
     class Scatter(real_scatter):
+        def __init__(self, *args):
+            log("scatter post")
+            super().__init__(*args)
+
         def wait(self):
             log("scatter wait")
             return super().wait()
@@ -497,14 +503,19 @@ def test_each_transition_gather_is_waited_after_the_next_blocks_chunks(monkeypat
     monkeypatch.setattr(gdn, "TransitionGather", Gather)
     monkeypatch.setattr(gdn, "TransitionGradScatter", Scatter)
     monkeypatch.setattr(gdn.torch.autograd, "grad", grad)
-    errors = _case_errors(D=3, fmt="qwen3_5", nk=3, nv=3, kernel=3, S=12, docs=((0, 5),), seed=4)
+    errors = _case_errors(D=3, fmt="qwen3_5", nk=3, nv=3, kernel=3, S=12, docs=((0, 5),), seed=4, keep=keep)
     assert max(errors.values()) < TOL, errors
     assert len(events) == 3
     for per_rank in events.values():
         forward, backward = per_rank[:9], per_rank[9:]
         assert forward == ["chunks", "gather post", "chunks", "gather post", "gather wait", "chunks", "gather post",
                            "gather wait", "gather wait"], per_rank
-        block = ["chunks", "gather post", "projection grads", "gather wait", "out weight grad", "scatter wait"]
+        if keep:  # nothing recomputed or re-gathered
+            block = ["scatter post", "out weight grad", "projection grads", "scatter wait"]
+            assert backward == [block[0], block[1], block[3], *block * 2, "projection grads"], per_rank
+            continue
+        block = ["chunks", "gather post", "projection grads", "gather wait", "scatter post", "out weight grad",
+                 "scatter wait"]
         assert backward == [*block[:2], *block[3:], *block * 2, "projection grads"], per_rank
 
 

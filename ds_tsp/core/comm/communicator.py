@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -73,22 +73,25 @@ class Handle:
 
     @classmethod
     def started(cls, works: list, counter: CommCounter, keep_alive: tuple, overlap: bool,
-                blocked: Blocked | None = None, timeout_s: float | None = None) -> "Handle":
-        handle = cls(works, counter, keep_alive, blocked, timeout_s)
+                blocked: Blocked | None = None, timeout_s: float | None = None,
+                finish: Callable[[], None] | None = None) -> "Handle":
+        handle = cls(works, counter, keep_alive, blocked, timeout_s, finish)
         if not overlap:
             handle.wait()
         return handle
 
     def __init__(self, works: list, counter: CommCounter, keep_alive: tuple = (), blocked: Blocked | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, finish: Callable[[], None] | None = None):
         self._works = [w for w in works if w is not None]
         self._counter = counter
         self._keep_alive = keep_alive  # buffers a pending op reads or writes must outlive it
         self._blocked = blocked  # what to report if the wait fails or outlives timeout_s
         self._timeout_s = timeout_s
+        self._finish = finish  # local work that completes the op once the transfer is in (a reduce-scatter's sum)
 
     def wait(self) -> None:
         if not self._works:
+            self._run_finish()
             return
         start = time.perf_counter()
         with record_function(COMM_WAIT_RANGE) if torch.autograd._profiler_enabled() else nullcontext():
@@ -102,8 +105,14 @@ class Handle:
                 watched_wait(self._works, self._blocked, self._timeout_s,
                              poll=device if device is not None and device.type != "cpu" else None)
         self._counter.wait_s += time.perf_counter() - start
+        self._run_finish()
         self._works = []
         self._keep_alive = ()
+
+    def _run_finish(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -266,12 +275,30 @@ class TSPComm:
             return Handle([], self.counter)
         self.counter.add("reduce_scatter", _nbytes(full) * (self.size - 1) // self.size)
         self._record("reduce_scatter", out, what)
+        full = full.contiguous().view(-1)
+        if full.device.type == "cpu":
+            return self._reduce_scatter_by_all_to_all(out, full, what)
         try:
-            work = _reduce_scatter_single(out.view(-1), full.contiguous().view(-1), op=dist.ReduceOp.SUM,
-                                          group=self.group, async_op=True)
+            work = _reduce_scatter_single(out.view(-1), full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as err:
             self._post_failed(err, "reduce_scatter", ("group",), what)
         return self._started([work], (out, full), "reduce_scatter", ("group",), what)
+
+    def _reduce_scatter_by_all_to_all(self, out: torch.Tensor, full: torch.Tensor, what: str | None) -> Handle:
+        """Gloo (CPU tensors): its reduce-scatter all-reduces the whole buffer (2-3x the time of an all-to-all of it at
+        D=2 and 4: docs/benchmarks.md). The all-to-all moves the same (D-1)/D of the buffer and this rank sums its D
+        pieces, in rank order, when the handle is waited: one buffer of full's size on top while it travels."""
+        pieces = torch.empty_like(full)
+        try:
+            work = dist.all_to_all_single(pieces, full, group=self.group, async_op=True)
+        except RuntimeError as err:
+            self._post_failed(err, "reduce_scatter", ("group",), what)
+
+        def add_pieces():
+            torch.sum(pieces.view(self.size, -1), dim=0, out=out.view(-1))
+
+        return Handle.started([work], self.counter, (out, full, pieces), self.overlap,
+                              Blocked(self, "reduce_scatter", ("group",), what), self.timeout_s, add_pieces)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce", what: str | None = None,
                    context: str | None = None) -> Handle:

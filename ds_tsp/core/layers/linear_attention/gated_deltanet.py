@@ -54,7 +54,8 @@ stages around the one explicit collective:
 Speed mode (spec.keep_activations: TSPOptions.speed() without activation checkpointing) keeps each block's
 forward instead: its projections cut off as graph leaves (the weights are not kept: the shard is broadcast again),
 the graph of its conv and chunk kernels, and its gathered transitions. Backward then recomputes nothing and
-re-gathers nothing: the same three stages on the kept block. Memory: O(B L) per block, every block
+re-gathers nothing: the same three stages on the kept block, block j-1's projection GEMMs run while block j's
+transition grads are reduce-scattered (stage 2: there is no gather to hide). Memory: O(B L) per block, every block
 (ds_tsp.tools.plan.gdn_kept traces it for the planner).
 The block's packed weight grad is reduced to its owner (ShardGradReducer). The halo's grad returns to the ranks
 holding those tokens once, after the blocks (conv_halo's autograd dual: a reduce-scatter). Saved for backward: x,
@@ -471,10 +472,11 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 gather = TransitionGather(block.local.transitions.detach(), comm)
             else:  # speed mode: the forward's chunk graph and gathered transitions
                 block, kept[j] = kept[j], None
-            if behind is not None:  # block j-1's projection GEMMs: block j's transitions travel behind them (with
-                projections_backward(*behind)  # cp its cross-node stage; the TSP stage is posted after them)
-                behind = None
-            shards.next_block(j)  # after block j-1's GEMMs, which read its shard
+            if behind is not None and gather is not None:  # block j-1's projection GEMMs: block j's transitions
+                projections_backward(*behind)  # travel behind them (with cp its cross-node stage; the TSP stage
+                behind = None  # is posted after them). Speed mode gathers nothing: they cover its grad scatter
+            if behind is None:
+                shards.next_block(j)  # after block j-1's GEMMs, which read its shard
             if gather is not None:
                 block.everyone = gather.wait()
             with torch.enable_grad():
@@ -493,11 +495,16 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 scatter = TransitionGradScatter(d_everyone, comm)
                 d_out = torch.autograd.grad(y, w["out"], dy)[0] if need_w else None
                 del y, cut, everyone
+                if behind is not None:  # speed mode: block j-1's projection GEMMs (with cp the scatter's TSP
+                    projections_backward(*behind)  # stage travels behind them, its cross-node stage after)
+                    behind = None
+                    shards.next_block(j)
                 d_local = scatter.wait()
             if first[1] is not None:
                 dnorm.add_(first[1])
             # 3. ONE pass through the block's chunk graph to its projections; their GEMMs' backward (by hand) runs
-            # in the next block, behind its transition gather, or after the loop for the last block
+            # in the next block, behind its transition gather (speed mode: its grad scatter), or after the loop for
+            # the last block
             chunk_grads = _chunk_graph_grads(block, list(first[2:]), d_local)
             del block, first
             behind = (j, chunk_grads, shard, d_out)
