@@ -37,6 +37,10 @@ from ds_tsp.core.reliability.watchdog import Blocked, Guard, TSPCommError, guard
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
+# point-to-point tag of the CPU reduce-scatter's pieces (TSPComm._reduce_scatter_by_exchange): apart from the weight
+# ring's hops (ds_tsp.core.comm.primitives), which may be in flight between the same ranks at the same time
+REDUCE_SCATTER_TAG = 7103
+
 # torch.profiler range around every blocked wait: lets a profile charge waiting to the layer that waits
 COMM_WAIT_RANGE = "ds_tsp::comm_wait"
 
@@ -277,27 +281,38 @@ class TSPComm:
         self._record("reduce_scatter", out, what)
         full = full.contiguous().view(-1)
         if full.device.type == "cpu":
-            return self._reduce_scatter_by_all_to_all(out, full, what)
+            return self._reduce_scatter_by_exchange(out, full, what)
         try:
             work = _reduce_scatter_single(out.view(-1), full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as err:
             self._post_failed(err, "reduce_scatter", ("group",), what)
         return self._started([work], (out, full), "reduce_scatter", ("group",), what)
 
-    def _reduce_scatter_by_all_to_all(self, out: torch.Tensor, full: torch.Tensor, what: str | None) -> Handle:
-        """Gloo (CPU tensors): its reduce-scatter all-reduces the whole buffer (2-3x the time of an all-to-all of it at
-        D=2 and 4: docs/benchmarks.md). The all-to-all moves the same (D-1)/D of the buffer and this rank sums its D
-        pieces, in rank order, when the handle is waited: one buffer of full's size on top while it travels."""
-        pieces = torch.empty_like(full)
+    def _reduce_scatter_by_exchange(self, out: torch.Tensor, full: torch.Tensor, what: str | None) -> Handle:
+        """Gloo (CPU tensors): its reduce-scatter all-reduces the whole buffer, 2-3x the time of an all-to-all of it
+        at D=2 and 4 (docs/benchmarks.md). Here every rank sends piece r of `full` to rank r and receives the D-1
+        pieces addressed to it, all in one batch_isend_irecv (the bytes of a reduce-scatter), and sums them onto its
+        own piece, in rank order, when the handle is waited: (D-1)/D of full's size on top while they travel."""
+        n, p = out.numel(), self.rank
+        others = [r for r in range(self.size) if r != p]
+        received = full.new_empty(len(others), n)
+        ops = []
+        for r, buf in zip(others, received):
+            ops.append(dist.P2POp(dist.isend, full[r * n:(r + 1) * n], peer=self._global(r), group=self.group,
+                                  tag=REDUCE_SCATTER_TAG))
+            ops.append(dist.P2POp(dist.irecv, buf, peer=self._global(r), group=self.group, tag=REDUCE_SCATTER_TAG))
         try:
-            work = dist.all_to_all_single(pieces, full, group=self.group, async_op=True)
+            works = dist.batch_isend_irecv(ops)
         except RuntimeError as err:
             self._post_failed(err, "reduce_scatter", ("group",), what)
 
         def add_pieces():
-            torch.sum(pieces.view(self.size, -1), dim=0, out=out.view(-1))
+            flat = out.view(-1)
+            flat.copy_(full[p * n:(p + 1) * n])
+            for piece in received:
+                flat.add_(piece)
 
-        return Handle.started([work], self.counter, (out, full, pieces), self.overlap,
+        return Handle.started(works, self.counter, (out, full, received), self.overlap,
                               Blocked(self, "reduce_scatter", ("group",), what), self.timeout_s, add_pieces)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce", what: str | None = None,
