@@ -289,13 +289,14 @@ class TSPComm:
         return self._started([work], (out, full), "reduce_scatter", ("group",), what)
 
     def _reduce_scatter_by_exchange(self, out: torch.Tensor, full: torch.Tensor, what: str | None) -> Handle:
-        """Gloo (CPU tensors): its reduce-scatter all-reduces the whole buffer, 2-3x the time of an all-to-all of it
-        at D=2 and 4 (docs/benchmarks.md). Here every rank sends piece r of `full` to rank r and receives the D-1
-        pieces addressed to it, all in one batch_isend_irecv (the bytes of a reduce-scatter), and sums them onto its
-        own piece, in rank order, when the handle is waited: (D-1)/D of full's size on top while they travel."""
+        """CPU tensors (gloo): every rank sends piece r of `full` to rank r and receives the D-1 pieces addressed to
+        it, all in one batch_isend_irecv (the bytes of a reduce-scatter): the first into `out` itself, the others
+        into (D-2)/D of full's size on top (nothing at D=2); its own piece and those are added onto it, in rank
+        order, when the handle is waited. Gloo's own reduce-scatter took 1.4-2.4x as long at D=2 and 2.3-4.4x at
+        D=4, 96 KiB to 16 MiB (benchmarks/gloo_reduce_scatter.py)."""
         n, p = out.numel(), self.rank
         others = [r for r in range(self.size) if r != p]
-        received = full.new_empty(len(others), n)
+        received = [out.view(-1), *full.new_empty(len(others) - 1, n)]
         ops = []
         for r, buf in zip(others, received):
             ops.append(dist.P2POp(dist.isend, full[r * n:(r + 1) * n], peer=self._global(r), group=self.group,
@@ -307,12 +308,12 @@ class TSPComm:
             self._post_failed(err, "reduce_scatter", ("group",), what)
 
         def add_pieces():
-            flat = out.view(-1)
-            flat.copy_(full[p * n:(p + 1) * n])
-            for piece in received:
-                flat.add_(piece)
+            first, *rest = received
+            first.add_(full[p * n:(p + 1) * n])
+            for piece in rest:
+                first.add_(piece)
 
-        return Handle.started(works, self.counter, (out, full, received), self.overlap,
+        return Handle.started(works, self.counter, (out, full, *received[1:]), self.overlap,
                               Blocked(self, "reduce_scatter", ("group",), what), self.timeout_s, add_pieces)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce", what: str | None = None,
