@@ -292,8 +292,8 @@ class TSPComm:
         """CPU tensors (gloo): every rank sends piece r of `full` to rank r and receives the D-1 pieces addressed to
         it, all in one batch_isend_irecv (the bytes of a reduce-scatter): the first into `out` itself, the others
         into (D-2)/D of full's size on top (nothing at D=2); its own piece and those are added onto it, in rank
-        order, when the handle is waited. Gloo's own reduce-scatter took 1.4-2.4x as long at D=2 and 2.3-4.4x at
-        D=4, 96 KiB to 16 MiB (benchmarks/gloo_reduce_scatter.py)."""
+        order, when the handle is waited. Gloo's own reduce-scatter took 1.7-6.7x as long at D=2 and 2.7-5.2x at
+        D=4, 96 KiB to 16 MiB (benchmarks/gloo_reduce_scatter.py, docs/benchmarks.md)."""
         n, p = out.numel(), self.rank
         others = [r for r in range(self.size) if r != p]
         received = [out.view(-1), *full.new_empty(len(others) - 1, n)]
