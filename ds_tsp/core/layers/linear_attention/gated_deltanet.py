@@ -495,11 +495,11 @@ class _TSPGatedDeltaNet(torch.autograd.Function):
                 scatter = TransitionGradScatter(d_everyone, comm)
                 d_out = torch.autograd.grad(y, w["out"], dy)[0] if need_w else None
                 del y, cut, everyone
-                if behind is not None:  # speed mode: block j-1's projection GEMMs (with cp the scatter's TSP
-                    projections_backward(*behind)  # stage travels behind them, its cross-node stage after)
-                    behind = None
-                    shards.next_block(j)
-                d_local = scatter.wait()
+            if behind is not None:  # speed mode: block j-1's projection GEMMs (with cp the scatter's TSP stage
+                projections_backward(*behind)  # travels behind them, its cross-node stage after)
+                behind = None
+                shards.next_block(j)
+            d_local = scatter.wait()
             if first[1] is not None:
                 dnorm.add_(first[1])
             # 3. ONE pass through the block's chunk graph to its projections; their GEMMs' backward (by hand) runs
