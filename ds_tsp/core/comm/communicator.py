@@ -40,6 +40,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 # point-to-point tag of the CPU reduce-scatter's pieces (TSPComm._reduce_scatter_by_exchange): apart from the weight
 # ring's hops (ds_tsp.core.comm.primitives), which may be in flight between the same ranks at the same time
 REDUCE_SCATTER_TAG = 7103
+ALL_GATHER_TAG = 7104  # the CPU all-gather's (TSPComm._all_gather_by_exchange)
 
 # torch.profiler range around every blocked wait: lets a profile charge waiting to the layer that waits
 COMM_WAIT_RANGE = "ds_tsp::comm_wait"
@@ -266,11 +267,33 @@ class TSPComm:
             return Handle([], self.counter)
         self.counter.add("all_gather", _nbytes(out) * (self.size - 1) // self.size)
         self._record("all_gather", local, what)
+        local = local.contiguous().view(-1)
+        if local.device.type == "cpu":
+            return self._all_gather_by_exchange(out.view(-1), local, what)
         try:
-            work = _all_gather_single(out.view(-1), local.contiguous().view(-1), group=self.group, async_op=True)
+            work = _all_gather_single(out.view(-1), local, group=self.group, async_op=True)
         except RuntimeError as err:
             self._post_failed(err, "all_gather", ("group",), what)
         return self._started([work], (out, local), "all_gather", ("group",), what)
+
+    def _all_gather_by_exchange(self, out: torch.Tensor, local: torch.Tensor, what: str | None) -> Handle:
+        """CPU tensors (gloo): `local` sent to every other rank and each rank's piece received straight into its
+        slot of `out`, in one batch_isend_irecv (the bytes of an all-gather, no buffer on top); this rank's slot is
+        a local copy. Gloo's own all-gather took 1.0-1.6x as long at D=2 and 1.2-4.7x at D=4 for 24 KiB to 4 MiB
+        per rank (docs/benchmarks.md)."""
+        n, p = local.numel(), self.rank
+        ops = []
+        for r in range(self.size):
+            if r != p:
+                ops.append(dist.P2POp(dist.isend, local, peer=self._global(r), group=self.group, tag=ALL_GATHER_TAG))
+                ops.append(dist.P2POp(dist.irecv, out[r * n:(r + 1) * n], peer=self._global(r), group=self.group,
+                                      tag=ALL_GATHER_TAG))
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:
+            self._post_failed(err, "all_gather", ("group",), what)
+        out[p * n:(p + 1) * n].copy_(local)
+        return self._started(works, (out, local), "all_gather", ("group",), what)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str | None = None) -> Handle:
         """full in rank order (chunk r goes to rank r); out receives the sum of every rank's chunk `self.rank`."""
@@ -293,7 +316,7 @@ class TSPComm:
         it, all in one batch_isend_irecv (the bytes of a reduce-scatter): the first into `out` itself, the others
         into (D-2)/D of full's size on top (nothing at D=2); its own piece and those are added onto it, in rank
         order, when the handle is waited. Gloo's own reduce-scatter took 1.7-6.7x as long at D=2 and 2.7-5.2x at
-        D=4, 96 KiB to 16 MiB (benchmarks/gloo_reduce_scatter.py, docs/benchmarks.md)."""
+        D=4, 96 KiB to 16 MiB (benchmarks/gloo_collectives.py, docs/benchmarks.md)."""
         n, p = out.numel(), self.rank
         others = [r for r in range(self.size) if r != p]
         received = [out.view(-1), *full.new_empty(len(others) - 1, n)]

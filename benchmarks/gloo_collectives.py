@@ -1,11 +1,11 @@
-"""Time TSPComm.reduce_scatter on CPU tensors (one batch of point-to-point pieces and a sum at wait) against gloo's
-own reduce-scatter, on local gloo processes; checks that both give the same sums first.
+"""Time TSPComm.reduce_scatter and TSPComm.all_gather on CPU tensors (one batch of point-to-point pieces) against
+gloo's own reduce-scatter and all-gather, on local gloo processes; checks that both give the same results first.
 
-    python benchmarks/gloo_reduce_scatter.py --ranks 2 4 --kib 96 512 4096 16384
+    python benchmarks/gloo_collectives.py --ranks 2 4 --kib 96 512 4096 16384
 
-Prints one markdown row per (ranks, size): milliseconds per call (median of --repeats timed calls after 3 untimed
-ones, rank 0's clock, every rank posting in lockstep) and gloo's time over TSPComm's. Run it with nothing else on
-the machine.
+Prints one markdown row per (op, ranks, size): milliseconds per call (median of --repeats timed calls after 3
+untimed ones, rank 0's clock, every rank posting in lockstep) and gloo's time over TSPComm's. --kib is the whole
+buffer a rank reduce-scatters, and the whole buffer an all-gather fills. Run it with nothing else on the machine.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from ds_tsp.core.comm.communicator import TSPComm
 
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_gloo_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def _timed(call, repeats: int) -> float:
@@ -52,7 +53,15 @@ def _run(rank: int, world: int, port: int, sizes_kib: list[int], repeats: int, q
             raise AssertionError(f"D={world}, {kib} KiB: TSPComm.reduce_scatter differs from gloo's")
         gloo_ms = _timed(lambda: _gloo_reduce_scatter(theirs, full), repeats)
         tsp_ms = _timed(lambda: comm.reduce_scatter(ours, full).wait(), repeats)
-        rows.append((world, kib, gloo_ms, tsp_ms))
+        rows.append(("reduce_scatter", world, kib, gloo_ms, tsp_ms))
+        gathered_ours, gathered_theirs = torch.empty(world * n), torch.empty(world * n)
+        comm.all_gather(gathered_ours, ours).wait()
+        _gloo_all_gather(gathered_theirs, ours)
+        if not torch.equal(gathered_ours, gathered_theirs):
+            raise AssertionError(f"D={world}, {kib} KiB: TSPComm.all_gather differs from gloo's")
+        gloo_ms = _timed(lambda: _gloo_all_gather(gathered_theirs, ours), repeats)
+        tsp_ms = _timed(lambda: comm.all_gather(gathered_ours, ours).wait(), repeats)
+        rows.append(("all_gather", world, kib, gloo_ms, tsp_ms))
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -68,16 +77,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kib", type=int, nargs="+", default=[96, 512, 4096, 16384],
-                        help="size of the whole buffer each rank reduce-scatters, KiB")
+                        help="the whole buffer, KiB")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    print("| D | buffer KiB | gloo reduce_scatter ms | TSPComm.reduce_scatter ms | gloo / TSPComm |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| op | D | buffer KiB | gloo ms | TSPComm ms | gloo / TSPComm |")
+    print("|---|---:|---:|---:|---:|---:|")
     for world in args.ranks:
         queue = mp.get_context("spawn").Queue()
         mp.spawn(_run, args=(world, _free_port(), args.kib, args.repeats, queue), nprocs=world)
-        for d, kib, gloo_ms, tsp_ms in queue.get():
-            print(f"| {d} | {kib} | {gloo_ms:.2f} | {tsp_ms:.2f} | {gloo_ms / tsp_ms:.2f}x |")
+        for op, d, kib, gloo_ms, tsp_ms in queue.get():
+            print(f"| {op} | {d} | {kib} | {gloo_ms:.2f} | {tsp_ms:.2f} | {gloo_ms / tsp_ms:.2f}x |")
 
 
 if __name__ == "__main__":
