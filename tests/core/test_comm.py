@@ -93,6 +93,16 @@ def _primitives():
         handle.wait()
         out[f"rs_{overlap}"] = got.clone()
         out[f"rs_ops_{overlap}"] = [(o["kind"], o["what"]) for o in rec.ops]
+    # all-gather (gloo: point-to-point pieces straight into their slots): rank q's piece is 1000 q + position
+    for overlap in (True, False):
+        comm.overlap = overlap
+        local = (1000.0 * p + torch.arange(2 * N, dtype=torch.float64)).view(2, N).t()  # non-contiguous
+        got = torch.full((D, N, 2), -1.0, dtype=torch.float64)
+        with comm.recording() as rec:
+            handle = comm.all_gather(got, local, what="coded gather")
+        handle.wait()
+        out[f"ag_{overlap}"] = got.clone()
+        out[f"ag_ops_{overlap}"] = [(o["kind"], o["what"]) for o in rec.ops]
     comm.overlap = True
     return out
 
@@ -139,6 +149,11 @@ def test_primitives_exact(tsp, primitives_on):
             assert torch.equal(r[f"rs_{overlap}"], expected), (overlap, r[f"rs_{overlap}"], expected)
             assert r[f"rs_ops_{overlap}"] == [("reduce_scatter", "coded pieces")]  # recorded as what it is
         assert torch.equal(r["rs_on_return_False"], expected)  # overlap off: summed before the call returns
+        gathered = torch.stack([(1000.0 * q + torch.arange(2 * N, dtype=torch.float64)).view(2, N).t()
+                                for q in range(tsp)])
+        for overlap in (True, False):
+            assert torch.equal(r[f"ag_{overlap}"], gathered), (overlap, r[f"ag_{overlap}"])
+            assert r[f"ag_ops_{overlap}"] == [("all_gather", "coded gather")]
 
 
 def test_byte_counters_follow_the_formula(primitives_on):

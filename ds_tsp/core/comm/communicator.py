@@ -279,8 +279,8 @@ class TSPComm:
     def _all_gather_by_exchange(self, out: torch.Tensor, local: torch.Tensor, what: str | None) -> Handle:
         """CPU tensors (gloo): `local` sent to every other rank and each rank's piece received straight into its
         slot of `out`, in one batch_isend_irecv (the bytes of an all-gather, no buffer on top); this rank's slot is
-        a local copy. Gloo's own all-gather took 1.0-1.6x as long at D=2 and 1.2-4.7x at D=4 for 24 KiB to 4 MiB
-        per rank (docs/benchmarks.md)."""
+        a local copy. Gloo's own all-gather took 0.97-1.32x as long at D=2 and 1.5-5.2x at D=4, 96 KiB to 16 MiB
+        gathered (benchmarks/gloo_collectives.py, docs/benchmarks.md)."""
         n, p = local.numel(), self.rank
         ops = []
         for r in range(self.size):
