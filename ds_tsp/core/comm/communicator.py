@@ -222,9 +222,10 @@ class TSPComm:
             self.recorder.add(kind, tuple(self._ranks), t, what, self.context if context is None else context,
                               channel=channel, **extra)
 
-    def _started(self, works: list, keep_alive: tuple, kind: str, peer: tuple, what: str | None) -> Handle:
+    def _started(self, works: list, keep_alive: tuple, kind: str, peer: tuple, what: str | None,
+                 finish: Callable[[], None] | None = None) -> Handle:
         return Handle.started(works, self.counter, keep_alive, self.overlap, Blocked(self, kind, peer, what),
-                              self.timeout_s)
+                              self.timeout_s, finish)
 
     def _post_failed(self, err: RuntimeError, kind: str, peer: tuple, what: str | None):
         post_failed(Blocked(self, kind, peer, what), err, self.timeout_s)
@@ -314,7 +315,7 @@ class TSPComm:
     def _reduce_scatter_by_exchange(self, out: torch.Tensor, full: torch.Tensor, what: str | None) -> Handle:
         """CPU tensors (gloo): every rank sends piece r of `full` to rank r and receives the D-1 pieces addressed to
         it, all in one batch_isend_irecv (the bytes of a reduce-scatter): the first into `out` itself, the others
-        into (D-2)/D of full's size on top (nothing at D=2); its own piece and those are added onto it, in rank
+        into (D-2)/D of full's size on top (nothing at D=2); its own piece and those are added onto it, in a fixed
         order, when the handle is waited. Gloo's own reduce-scatter took 1.7-6.7x as long at D=2 and 2.7-5.2x at
         D=4, 96 KiB to 16 MiB (benchmarks/gloo_collectives.py, docs/benchmarks.md)."""
         n, p = out.numel(), self.rank
@@ -336,8 +337,7 @@ class TSPComm:
             for piece in rest:
                 first.add_(piece)
 
-        return Handle.started(works, self.counter, (out, full, *received[1:]), self.overlap,
-                              Blocked(self, "reduce_scatter", ("group",), what), self.timeout_s, add_pieces)
+        return self._started(works, (out, full, *received[1:]), "reduce_scatter", ("group",), what, add_pieces)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce", what: str | None = None,
                    context: str | None = None) -> Handle:
