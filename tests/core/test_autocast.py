@@ -171,7 +171,7 @@ def test_loss_and_fp32_grads_close_to_fp32_reference(runs, tsp):
 def test_ring_carries_bf16_shards_and_obeys_nccl_rules(runs):
     D, ranks = 2, runs[2]["ranks"]
     shape, rows = SHAPE, -(-SHAPE.vocab_size // D)
-    hops = (D - 1) + (D - 1) + D  # per ring layer: forward D-1 weight hops; backward D-1 weight hops and D grad hops
+    hops = 3 * (D - 1)  # per ring layer: forward D-1 weight hops; backward D-1 weight hops and D-1 grad hops
     mlp_numel = 3 * shape.hidden_size * shape.intermediate_size // D
     saved = 2 * hops * (shape.num_layers * mlp_numel + rows * shape.hidden_size)  # 4 -> 2 bytes per element
     for r in ranks:

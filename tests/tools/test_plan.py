@@ -149,8 +149,9 @@ def test_tsp_comm_formula_equals_counters_exactly(measured, world, name):
 
 
 def test_tsp_comm_matches_design_formula_at_7b():
-    """Design doc: fwd rho*W + rho*2KV; bwd rho*W + (rho*W_attn + W_mlp) + 2*rho*2KV; the norm grads of the whole
-    model are one bucketed all-reduce per step (ds_tsp.core.grads.replicated)."""
+    """Design doc: fwd rho*W + rho*2KV; bwd rho*W + (rho*W_attn + W_mlp) + 2*rho*2KV, except that the MLP grads
+    take rho*W_mlp (the ring's D-1 grad hops: each owner's own part stays home); the norm grads of the whole model
+    are one bucketed all-reduce per step (ds_tsp.core.grads.replicated)."""
     shape, D, S, B, b = PRESETS["7b"], 8, 131072, 1, 2
     h, F, kv = shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.dim_per_head
     rho = Fraction(D - 1, D)
@@ -158,7 +159,7 @@ def test_tsp_comm_matches_design_formula_at_7b():
     KV = B * S * kv
     plan = plan_tsp(PlanInput(model=shape, seq=S, batch=B, degree=D, dtype="bf16"))
     assert plan.comm_bytes_per_layer_fwd == rho * (w_attn + w_mlp) * b + rho * 2 * KV * b
-    assert plan.comm_bytes_per_layer_bwd == (rho * (w_attn + w_mlp) + rho * w_attn + w_mlp + 2 * rho * 2 * KV) * b
+    assert plan.comm_bytes_per_layer_bwd == (rho * (w_attn + w_mlp) + rho * (w_attn + w_mlp) + 2 * rho * 2 * KV) * b
     (norms,) = [t for t in plan.step_terms if t.kind == "replicated_grad"]
     assert norms.calls == 1 and norms.payload_bytes == (2 * shape.num_layers + 1) * h * b
     keep = plan_tsp(PlanInput(model=shape, seq=S, batch=B, degree=D, dtype="bf16", keep_gathered_kv=True))
@@ -496,8 +497,9 @@ def test_recommend_takes_tsp_speed_mode_where_it_fits(capsys):
 def test_recommend_keeps_the_projections_where_they_fit_and_speed_mode_does_not(capsys):
     """Projections kept moves what the memory-optimal mode moves (both re-gather the K/V) without recomputing the
     projections' GEMMs, so on equal comm it wins where its peak fits: 7b at 32k on D=2 plans 99.9 GiB kept, 107.9
-    GiB in speed mode, 66.4 GiB memory-optimal. Ulysses with checkpointing moves less there: the TSP rows are
-    compared among themselves first (recommend's layouts), then in the CLI's full list."""
+    GiB in speed mode, 66.4 GiB memory-optimal. The TSP rows are compared among themselves first (recommend's
+    layouts), then in the CLI's full list, where the kept projections win too: they move a little less than Ulysses
+    with checkpointing (the MLP grads ride D-1 ring hops)."""
     from ds_tsp.tools.plan.inputs import PRESETS
     from ds_tsp.tools.plan.recommend import recommend
 
@@ -519,8 +521,10 @@ def test_recommend_keeps_the_projections_where_they_fit_and_speed_mode_does_not(
     low = recommend(PlanInput(model=PRESETS["7b"], seq=32768), gpu_mem_gib=90, devices=2, layouts=("tsp",)).best
     assert (low.projections_kept, low.activation_checkpointing) == (False, False)
     rc, obj = _recommend(capsys, ["--model", "7b", "--seq", "32k", "--gpu-mem-gib", "104", "--devices", "2"])
-    tsp = [c for c in obj["rejected"] if c["layout"] == "tsp" and c["fits"] and not c["activation_checkpointing"]]
+    tsp = [c for c in [obj["recommended"], *obj["rejected"]]
+           if c["layout"] == "tsp" and c["fits"] and not c["activation_checkpointing"]]
     assert rc == 0 and [c["projections_kept"] for c in tsp] == [True, False]  # the same comm: kept ranks first
+    assert obj["recommended"]["layout"] == "tsp" and obj["recommended"]["projections_kept"]
     # a plan asked with the K/V kept alone: the "tsp" block recommended says so
     only_kv = recommend(PlanInput(model=PRESETS["7b"], seq=32768, keep_gathered_kv=True), gpu_mem_gib=200, devices=2,
                         layouts=("tsp",)).best

@@ -7,7 +7,7 @@ computing on the current one:
 | primitive            | forward                                  | backward                                      |
 |----------------------|------------------------------------------|-----------------------------------------------|
 | shard broadcast      | ShardStream: rank j's packed shard to all | ShardGradReducer: weight grads summed on j   |
-| weight ring          | pass shards to rank p+1, D-1 hops        | grads travel with the shard, D hops to owner  |
+| weight ring          | pass shards to rank p+1, D-1 hops        | grads travel with the shard, D-1 hops home    |
 | sequence all-gather  | ds_tsp.core.comm.kv_gather: K/V straight | dK/dV reduce-scattered from rank order        |
 |                      | into global token order                  |                                               |
 
@@ -122,14 +122,17 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
     """Run the ring again; step(owner, shard) returns this rank's grad contribution for that owner's shard (or a
     GradStep: the contribution and the work to run once it is on its way).
 
-    The grad buffer travels with the shard and every rank adds its part, so after D hops it lands on the owner
-    holding the sum: a reduce-scatter folded into the ring. Returns the summed grad of `own_shard`.
-    The grad hop of step k overlaps the GEMMs of step k+1 (it is only awaited when the next sum is formed), and a
-    GradStep's `after` (the last hop's only cover).
+    The grad buffer travels with the shard and every rank adds its part: a reduce-scatter folded into the ring, in
+    D-1 hops (the bytes of a reduce-scatter). The owner's own contribution (step 0, its own shard) stays home: the
+    buffer for owner o starts at rank o+1 (step 1), gathers ranks o+2 .. o-1 and its last hop lands on o, which adds
+    its own part. Returns the summed grad of `own_shard`; every owner's sum is formed in the same order (o+1, o+2,
+    .., o-1, then o). The grad hop of step k overlaps the GEMMs of step k+1 (it is only awaited when the next sum is
+    formed), and a GradStep's `after` (the last hop's only cover).
     """
     if comm.size == 1:
         return _run_after(step(comm.rank, own_shard.detach()))
     shard = own_shard.detach()
+    own_grad: torch.Tensor | None = None
     grad_in: torch.Tensor | None = None
     grad_hop: Handle | None = None
     sent: list[Handle] = []
@@ -138,12 +141,16 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
         nxt, weight_hop = _post_weight_hop(comm, shard, k)
         result = step(owner, shard)
         contribution, after = result if isinstance(result, GradStep) else (result, None)
-        if grad_hop is not None:
-            grad_hop.wait()
-            contribution = contribution.add_(grad_in)  # a fresh buffer of the step's: summed in place
-        grad_in = torch.empty_like(contribution)
-        grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG, what=f"grad hop {k + 1}/{comm.size}")
-        sent.append(grad_hop)
+        if k == 0:  # this rank's part of its own grad: added when the others' sum comes home
+            own_grad = contribution
+        else:
+            if grad_hop is not None:
+                grad_hop.wait()
+                contribution = contribution.add_(grad_in)  # a fresh buffer of the step's: summed in place
+            grad_in = torch.empty_like(contribution)
+            grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG,
+                                          what=f"grad hop {k}/{comm.size - 1}")
+            sent.append(grad_hop)
         del contribution, result
         if after is not None:
             after()
@@ -153,7 +160,7 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
             shard = nxt
     for handle in sent:
         handle.wait()
-    return grad_in
+    return own_grad.add_(grad_in)
 
 
 def _run_after(result: torch.Tensor | GradStep | None) -> torch.Tensor | None:

@@ -47,13 +47,13 @@ def minimum_work(shape: ModelShape, seq: int, batch: int, tsp: int, cp: int = 1,
     plain_mlp = shape.mlp_activation == "silu" and not shape.fused_gate_up
     mlp_shard = 3 * h * shape.intermediate_size // tsp * dtype_bytes
     out["mlp"] = {"gemm_flops": 18 * n * h * shape.intermediate_size * len(dense) if plain_mlp else None,
-                  "comm_bytes": (3 * tsp - 2) * mlp_shard * len(dense) if tsp > 1 and plain_mlp else None}
+                  "comm_bytes": 3 * (tsp - 1) * mlp_shard * len(dense) if tsp > 1 and plain_mlp else None}
     if sparse:
         e, k, f = shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size
         plain = not (shape.moe_biases or shape.shared_expert_intermediate_size or shape.expert_activation != "silu")
         schedule = choose_moe_dispatch(moe_dispatch, n, h, f, e, k, tsp, dtype_bytes, shape.moe_biases)
         if schedule == "ring":
-            per_layer = (3 * tsp - 2) * (e // tsp) * 3 * f * h * dtype_bytes
+            per_layer = 3 * (tsp - 1) * (e // tsp) * 3 * f * h * dtype_bytes
         else:
             rows = n * k * (tsp - 1) // tsp
             per_layer = rows * ((5 if recompute_projections else 4) * h + 2) * dtype_bytes \

@@ -156,14 +156,14 @@ def mlp_terms(inp: PlanInput, hg: HybridGeometry, sparse: bool) -> tuple[list[Co
     if not sparse:
         mlp = hg.tsp.M * b
         return ([term("MLP weight ring (D-1 hops)", "ring", mlp, D - 1, (D - 1) * mlp)],
-                [term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp)])
+                [term("MLP ring (D-1 weight + D-1 grad hops)", "ring", mlp, 2 * (D - 1), 2 * (D - 1) * mlp)])
     fwd, bwd = moe_mlp_terms(hg.moe)
     shared, h = hg.Ms * b, hg.tsp.dims.h
     # on a pipeline stage the shared expert's gate [1, h] reduces its own grad (the router's: moe_step_terms)
     gate = [term("shared expert gate grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D))]
     return (fwd + [term("shared expert weight ring (D-1 hops)", "ring", shared, D - 1, (D - 1) * shared)],
-            bwd + [term("shared expert ring (D-1 weight + D grad hops)", "ring", shared, 2 * D - 1,
-                        (2 * D - 1) * shared)] + (gate if inp.pp > 1 else []))
+            bwd + [term("shared expert ring (D-1 weight + D-1 grad hops)", "ring", shared, 2 * (D - 1),
+                        2 * (D - 1) * shared)] + (gate if inp.pp > 1 else []))
 
 
 def keeps_gdn_blocks(inp: PlanInput) -> bool:

@@ -178,9 +178,10 @@ def moe_mlp_terms(m: MoEGeometry) -> tuple[list[CommTerm], list[CommTerm]]:
     if D == 1:
         return [], []
     if m.schedule == "ring":
-        shard = total // (3 * D - 2)  # the ring moves (3D-2) shards per layer
+        shard = total // (3 * (D - 1))  # the ring moves 3(D-1) shards per layer
         return ([term("MoE expert ring (D-1 hops)", "ring", shard, D - 1, (D - 1) * shard)],
-                [term("MoE expert ring (D-1 weight + D grad hops)", "ring", shard, 2 * D - 1, (2 * D - 1) * shard)])
+                [term("MoE expert ring (D-1 weight + D-1 grad hops)", "ring", shard, 2 * (D - 1),
+                      2 * (D - 1) * shard)])
     counts = moe_bytes_per_layer(0, m.h, m.F, m.E, m.k, D, m.b)["all_to_all"]  # the count exchange alone
     unit = (total - counts) // (5 * m.h + 2)  # bytes of one element in each of the R rows that leave the rank
     return ([term("MoE expert row counts all-to-all", "all_to_all", counts, 1, counts),
@@ -215,8 +216,8 @@ def sparse_layer_terms(inp: PlanInput, dense_fwd: list[CommTerm], dense_bwd: lis
     shared = shared_expert_shard(inp) * m.b
     if shared and m.D > 1:
         fwd = fwd + [term("shared expert weight ring (D-1 hops)", "ring", shared, m.D - 1, (m.D - 1) * shared)]
-        bwd = bwd + [term("shared expert ring (D-1 weight + D grad hops)", "ring", shared, 2 * m.D - 1,
-                          (2 * m.D - 1) * shared)]
+        bwd = bwd + [term("shared expert ring (D-1 weight + D-1 grad hops)", "ring", shared, 2 * (m.D - 1),
+                          2 * (m.D - 1) * shared)]
     return (attention_only(dense_fwd) + fwd,
             attention_only(dense_bwd) + bwd + (recompute(fwd) if inp.activation_checkpointing else []))
 

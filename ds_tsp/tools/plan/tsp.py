@@ -25,9 +25,9 @@ against MemTracker per module, tests/fixtures/plan_bench.json):
   the recomputed local k/v and their grads, q / dout / dq, dx and the incoming dy; with per-head q/k norms the raw
   q (kept to the dq tail), the group's raw k and the norms' backward temporaries.
 - MLP: the shards of the weight ring in flight; gate, up, silu(gate), their product ([L, F/D] each), y.
-  Backward adds the grad shards travelling with the ring, the packed grad being formed and the SwiGLU
-  derivative's temporaries (9 [L, F/D] tensors at once, 7 with the projections kept: gate and up are read from
-  what forward saved).
+  Backward adds the grad shards travelling with the ring, this rank's own grad kept home (ring_buffers), the packed
+  grad being formed and the SwiGLU derivative's temporaries (9 [L, F/D] tensors at once, 7 with the projections
+  kept: gate and up are read from what forward saved).
 - LM head + loss: per vocab shard one tile of logits [chunk, V/D] (compute dtype; softmax and its grad are
   formed in place; + its dtype copy under bf16), at most `lm_head_chunk_tokens` local tokens at a time; the
   ring's shard and grad buffers (+ the grad being accumulated tile by tile); dx [L, h].
@@ -96,9 +96,13 @@ def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
 
 
 def ring_buffers(D: int) -> int:
-    """Shard-sized buffers a ring step holds besides the owned shard: the received shard, the next one in
-    flight (until the last hop), the grad arriving and the one being formed."""
-    return 2 + min(D - 1, 2) if D > 1 else 1
+    """Shard-sized buffers a ring backward step holds besides the owned shard and the grad it is forming
+    (ds_tsp.core.comm.primitives.ring_backward): the received shard and this rank's own grad, kept home until the
+    others' sum arrives; from D=3 on (steps 2..) the grad arriving and the one sent before it; from D=4 on the next
+    shard in flight beside them."""
+    if D == 1:
+        return 1
+    return 2 + (2 if D >= 3 else 0) + (1 if D >= 4 else 0)
 
 
 def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:

@@ -2,7 +2,7 @@
 check it per kind).
 
 Design-doc terms (W = a layer's weights, KV = B*S*h_kv, rho = (D-1)/D): fwd rho*W + rho*2KV; bwd rho*W
-(re-stream) + rho*W_attn + W_mlp (grads to owners: the ring's D grad hops carry D/D of W_mlp) + rho*2KV
+(re-stream) + rho*W_attn + rho*W_mlp (grads to owners: the ring's D-1 grad hops) + rho*2KV
 (re-gather) + rho*2KV (reduce-scatter).
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
     forward:  (D-1) attention shard broadcasts, one K/V all-gather per kv group (D groups of one block, or
               n_kv groups of D/n_kv blocks sharing a kv head when n_kv < D), D-1 MLP ring hops.
     backward: the broadcasts again (re-stream), D-1 grad reduces to the owners, one K/V re-gather per group (none
-              with keep_gathered_kv), one dK/dV reduce-scatter per group, MLP ring D-1 weight hops + D grad hops,
+              with keep_gathered_kv), one dK/dV reduce-scatter per group, MLP ring D-1 weight hops + D-1 grad hops,
               and with kv_replicas > 1 one all-gather of the kv weight grads (replica sum); with activation
               checkpointing the forward terms once more (the recompute). The 2 norm-grad all-reduces are
               per layer only on a pipeline stage (pp > 1); ShardedCausalLM buckets every replicated grad into one
@@ -105,13 +105,13 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
         term("K/V re-gather (per kv group)", "all_gather", kv_out, regather, regather * gather_bytes(kv_out, D)),
         term("dK/dV reduce-scatter (per kv group)", "reduce_scatter", kv_out, groups,
              groups * gather_bytes(kv_out, D)),
-        term("MLP ring (D-1 weight + D grad hops)", "ring", mlp, 2 * D - 1, (2 * D - 1) * mlp),
+        term("MLP ring (D-1 weight + D-1 grad hops)", "ring", mlp, 2 * (D - 1), 2 * (D - 1) * mlp),
     ]
     gate = per_layer_gate_shard(inp, D) * b  # Gemma 4: the per-layer input gate / projection ring, like the MLP's
     if gate:
         fwd.append(term("per-layer input gate ring (D-1 hops)", "ring", gate, D - 1, (D - 1) * gate))
-        bwd.append(term("per-layer input gate ring (D-1 weight + D grad hops)", "ring", gate, 2 * D - 1,
-                        (2 * D - 1) * gate))
+        bwd.append(term("per-layer input gate ring (D-1 weight + D-1 grad hops)", "ring", gate, 2 * (D - 1),
+                        2 * (D - 1) * gate))
     if qk:
         bwd += [term("q/k rows re-broadcast (whole-projection norm grads)", "broadcast", qk, D - 1, (D - 1) * qk),
                 term("q/k rows grad reduce to owner", "reduce", qk, D - 1, (D - 1) * qk)]
@@ -192,18 +192,18 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
                           f"{DOCUMENT_LAYOUT_SLOTS} int64 per rank)", "all_gather", check, 1, gather_bytes(check, D)))
     if stage.embed:
         terms += [term("embedding ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
-                  term("embedding ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
-                       (2 * D - 1) * table)]
+                  term("embedding ring bwd (D-1 weight + D-1 grad hops)", "ring", table, 2 * (D - 1),
+                       2 * (D - 1) * table)]
         if inp.model.per_layer_input_size:  # Gemma 4: the per-layer input table and projection rings
             for name, shard in zip(("per-layer input table", "per-layer model projection"),
                                    per_layer_input_params(inp, D)):
                 terms += [term(f"{name} ring fwd (D-1 hops)", "ring", shard * b, D - 1, (D - 1) * shard * b),
-                          term(f"{name} ring bwd (D-1 weight + D grad hops)", "ring", shard * b, 2 * D - 1,
-                               (2 * D - 1) * shard * b)]
+                          term(f"{name} ring bwd (D-1 weight + D-1 grad hops)", "ring", shard * b, 2 * (D - 1),
+                               2 * (D - 1) * shard * b)]
     if stage.head:
         terms += [term("LM head ring fwd (D-1 hops)", "ring", table, D - 1, (D - 1) * table),
-                  term("LM head ring bwd (D-1 weight + D grad hops)", "ring", table, 2 * D - 1,
-                       (2 * D - 1) * table)]
+                  term("LM head ring bwd (D-1 weight + D-1 grad hops)", "ring", table, 2 * (D - 1),
+                       2 * (D - 1) * table)]
     if inp.pp > 1:
         if stage.head:  # + the loss denominator (ds_tsp.model.loss.count_valid_tokens: one int64)
             terms += [term("final norm grad all-reduce", "replicated_grad", h * b, 1, all_reduce_bytes(h * b, D)),

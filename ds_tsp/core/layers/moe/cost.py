@@ -2,7 +2,7 @@
 
 Counted exactly as TSPComm's CommCounter counts them (tests/moe/test_moe_core.py asserts it):
 - ring: the dense MLP's weight ring over the packed experts (E_r x 3 x F x h, + E_r x (2F + h) biases for GPT-OSS):
-  D-1 weight hops forward, D-1 weight hops and D grad hops backward (ds_tsp.core.comm.primitives.ring_forward /
+  D-1 weight hops forward, D-1 weight hops and D-1 grad hops backward (ds_tsp.core.comm.primitives.ring_forward /
   ring_backward); trainable experts.
 - all_to_all (ds_tsp.core.layers.moe.all_to_all): R = tokens x top_k x (D-1) / D rows leave the rank per
   direction when routing spreads rows evenly over the owners (the expected value; the counter counts the real
@@ -31,7 +31,7 @@ def moe_bytes_per_layer(tokens_per_rank: int, hidden: int, moe_ffn: int, num_exp
     shard = experts_per_rank * (3 * moe_ffn * hidden + ((2 * moe_ffn + hidden) if biases else 0)) * dtype_bytes
     rows = tokens_per_rank * top_k * (tsp - 1) // tsp
     counts = (tsp - 1) * experts_per_rank * COUNT_BYTES
-    return {"all_to_all": rows * (5 * hidden + 2) * dtype_bytes + counts, "ring": (3 * tsp - 2) * shard}
+    return {"all_to_all": rows * (5 * hidden + 2) * dtype_bytes + counts, "ring": 3 * (tsp - 1) * shard}
 
 
 def choose_moe_dispatch(requested: str, tokens_per_rank: int, hidden: int, moe_ffn: int, num_experts: int,
