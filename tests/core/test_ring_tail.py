@@ -1,6 +1,7 @@
 """The weight ring's backward hides its last grad hop: each ring step of the gated MLP, of Gemma's per-layer input
-projections and of the MoE expert ring posts its weight grad's hop BEFORE its dx GEMM runs (ring_backward's
-GradStep), so the final hop to the owner travels behind a GEMM. Recorded on a one-process ring stand-in (D=2, the
+projections and of the MoE expert ring that sends a grad (every step but the first, whose grad stays home) posts
+its weight grad's hop BEFORE its dx GEMM runs (ring_backward's GradStep), so the final hop to the owner travels
+behind a GEMM. Recorded on a one-process ring stand-in (D=2, the
 hops loop back): only the order is checked here; the numerics are the layers' exactness tests'."""
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _backward_events(layer) -> list:
 
 
 def _assert_each_dx_after_its_grad_hop(events):
-    assert events == ["grad hop 1/2", "dx", "grad hop 2/2", "dx"], events
+    # step 0 (the own shard) keeps its grad home: no hop; step 1's hop, the last one to the owner, before its dx
+    assert events == ["dx", "grad hop 1/1", "dx"], events
 
 
 def test_gated_mlp_backward_sends_each_grad_before_its_dx():
