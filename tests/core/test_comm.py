@@ -7,8 +7,15 @@ import torch.distributed as dist
 from comm_autograd import all_gather_sequence, broadcast_shard
 from local_ranks import run_on_local_ranks
 
-from ds_tsp.core.comm.communicator import TSPComm
-from ds_tsp.core.comm.primitives import GradStep, ShardStream, replicated_param, ring_backward, ring_forward
+from ds_tsp.core.comm.communicator import CommCounter, TSPComm
+from ds_tsp.core.comm.primitives import (
+    GradStep,
+    ShardStream,
+    replicated_param,
+    ring_backward,
+    ring_forward,
+)
+from ds_tsp.core.reliability.stall_message import Blocked
 
 N = 6  # elements per shard
 
@@ -170,6 +177,22 @@ def test_byte_counters_follow_the_formula(primitives_on):
         assert c["broadcast"] == elem * N * (3 + (0 if p == 3 else 1))
         # ring_forward (3 hops) + ring_backward (3 weight hops + 3 grad hops: a reduce-scatter's bytes)
         assert c["ring"] == elem * N * (3 + 3 + 3)
+
+
+def test_counter_charges_each_wait_to_its_collective():
+    """CommCounter.add_wait (what Handle.wait calls): the total, and per collective under a label with every number
+    written #, so the blocks and hops of one collective add up; reset forgets both."""
+    counter = CommCounter()
+    counter.add_wait(0.5, Blocked(None, "ring", ("ring", 0, 1), "grad hop 1/3"))
+    counter.add_wait(0.25, Blocked(None, "ring", ("ring", 0, 1), "grad hop 2/3"))
+    counter.add_wait(0.125, Blocked(None, "broadcast", ("src", 1), "shard of block 1"))
+    counter.add_wait(0.0625, Blocked(None, "all_reduce", ("group",)))
+    counter.add_wait(0.03125, None)
+    assert counter.wait_s == 0.96875
+    assert counter.snapshot()["wait_by"] == {"ring: grad hop #/#": 0.75, "broadcast: shard of block #": 0.125,
+                                             "all_reduce": 0.0625, "unlabelled": 0.03125}
+    counter.reset()
+    assert counter.wait_s == 0.0 and counter.wait_by_collective() == {}
 
 
 def test_degree_one_is_local():

@@ -60,12 +60,21 @@ def test_quick_end_to_end(tmp_path, capsys):
         assert r["comm_bytes"] == r["comm_bytes_c10d"], r
         assert 0.0 <= r["exposed_comm_fraction"] <= 1.0
         assert r["peak_breakdown"]["optimizer"] > 0 or r["state_breakdown"]["optimizer"] > 0
+        # the exposed seconds per collective add up to the exposed total (one timed step: its median is its mean)
+        waits = r["exposed_by_collective"]
+        assert sum(w["mean_s"] for w in waits.values()) == pytest.approx(r["exposed_comm_s"], rel=1e-9, abs=1e-12)
+        assert all(0 <= w["mean_s"] <= w["max_s"] for w in waits.values())
+        assert not any(c.isdigit() for label in waits for c in label), list(waits)  # numbers written #
+        assert {"broadcast: shard of block #", "ring: weight hop #/#", "ring: grad hop #/#"} <= set(waits), list(waits)
+        assert [w["mean_s"] for w in waits.values()] == sorted((w["mean_s"] for w in waits.values()), reverse=True)
     # K/V gathers grow with S, weight traffic does not
     assert tsp[64]["comm_by_op"]["all_gather"] > tsp[32]["comm_by_op"]["all_gather"]
     assert tsp[64]["comm_by_op"]["ring"] == tsp[32]["comm_by_op"]["ring"]
 
     table = (out / "results.md").read_text()
     assert "| tsp | 64 |" in table and "| ulysses_zero1 | 32 |" in table
+    waits = table.split("## Where TSP waits", 1)[1]
+    assert "| tsp | 64 | 2 |" in waits and "ulysses_zero1" not in waits  # TSP's rows only
     if importlib.util.find_spec("matplotlib") is None:  # plots are optional (ds_tsp[bench]); the table says so
         assert "No plots: matplotlib is not installed" in table
     else:

@@ -124,19 +124,21 @@ def test_marked_counters_count_as_before_and_mark_inside_the_open_layer():
     from torch.profiler import ProfilerActivity, profile
 
     from ds_tsp.core.comm.communicator import CommCounter
+    from ds_tsp.core.reliability.stall_message import Blocked
     from ds_tsp.tools.bench.profile import _marked_counters, counted_work
 
     counters = SimpleNamespace(tsp=CommCounter(), cp=CommCounter())
     with _marked_counters(counters), profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("MoEAllToAll"):
             counters.tsp.add("all_to_all", 4096)
-            counters.tsp.wait_s += 0.125
+            counters.tsp.add_wait(0.125, Blocked(None, "all_to_all", ("group",), "rows of step 3"))
         with record_function("_TSPGatedDeltaNet"):
             counters.cp.add("all_gather", 512)
-            counters.cp.wait_s += 0.25
+            counters.cp.add_wait(0.25, None)
     assert type(counters.tsp) is type(counters.cp) is CommCounter
     assert counters.tsp.snapshot() == {"bytes": {"all_to_all": 4096}, "calls": {"all_to_all": 1},
-                                       "total_bytes": 4096, "wait_s": 0.125}
+                                       "total_bytes": 4096, "wait_s": 0.125,
+                                       "wait_by": {"all_to_all: rows of step #": 0.125}}
     assert counters.cp.total_bytes == 512 and counters.cp.wait_s == 0.25
     work = counted_work(nest(prof.events()))
     assert (work["moe"]["comm_bytes"], work["moe"]["cp_wait_s"]) == (4096, 0.0)

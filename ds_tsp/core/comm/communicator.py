@@ -19,6 +19,7 @@ NCCL.
 """
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -41,22 +42,39 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 # ring's hops (ds_tsp.core.comm.primitives), which may be in flight between the same ranks at the same time
 REDUCE_SCATTER_TAG = 7103
 ALL_GATHER_TAG = 7104  # the CPU all-gather's (TSPComm._all_gather_by_exchange)
+_NUMBER = re.compile(r"\d+")  # block, hop and layer numbers in a wait's label (CommCounter.wait_by_collective)
 
 # torch.profiler range around every blocked wait: lets a profile charge waiting to the layer that waits
 COMM_WAIT_RANGE = "ds_tsp::comm_wait"
 
 
 class CommCounter:
-    """Bytes moved and seconds spent blocked on handles, per primitive kind (one instance per model)."""
+    """Bytes moved per primitive kind, and seconds spent blocked on handles, in all and per collective (one instance
+    per model)."""
 
     def __init__(self):
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.wait_s = 0.0
+        self._waits: dict[tuple[str, str | None], float] = defaultdict(float)
 
     def add(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += int(nbytes)
         self.calls[kind] += 1
+
+    def add_wait(self, seconds: float, blocked: Blocked | None) -> None:
+        """Charge `seconds` blocked on a handle to the total and to the collective waited for (its kind and what it
+        moves; None: an unlabelled handle)."""
+        self.wait_s += seconds
+        self._waits[(blocked.kind, blocked.what) if blocked is not None else ("unlabelled", None)] += seconds
+
+    def wait_by_collective(self) -> dict[str, float]:
+        """Seconds blocked per collective, labelled "kind: what" with every number written # ("ring: grad hop #/#"),
+        so the blocks, hops and layers of one collective add up."""
+        out: dict[str, float] = defaultdict(float)
+        for (kind, what), seconds in self._waits.items():
+            out[kind if what is None else f"{kind}: {_NUMBER.sub('#', what)}"] += seconds
+        return dict(out)
 
     @property
     def total_bytes(self) -> int:
@@ -66,10 +84,11 @@ class CommCounter:
         self.bytes.clear()
         self.calls.clear()
         self.wait_s = 0.0
+        self._waits.clear()
 
     def snapshot(self) -> dict:
         return {"bytes": dict(self.bytes), "calls": dict(self.calls), "total_bytes": self.total_bytes,
-                "wait_s": self.wait_s}
+                "wait_s": self.wait_s, "wait_by": self.wait_by_collective()}
 
 
 class Handle:
@@ -109,7 +128,7 @@ class Handle:
                 device = self._keep_alive[0].device if self._keep_alive else None
                 watched_wait(self._works, self._blocked, self._timeout_s,
                              poll=device if device is not None and device.type != "cpu" else None)
-        self._counter.wait_s += time.perf_counter() - start
+        self._counter.add_wait(time.perf_counter() - start, self._blocked)
         self._run_finish()
         self._works = []
         self._keep_alive = ()

@@ -93,7 +93,7 @@ def probe(workload, warmup: int) -> dict:
     if counter is not None:
         snap = counter.snapshot()
         out.update(tsp_comm_bytes=[int(snap["total_bytes"])], tsp_wait_s=[float(snap["wait_s"])],
-                   tsp_comm_by_kind=dict(snap["bytes"]))
+                   tsp_comm_by_kind=dict(snap["bytes"]), tsp_wait_by=[dict(snap["wait_by"])])
     return out
 
 

@@ -59,6 +59,7 @@ def timed_steps(workload: Workload, n: int, on_step: Callable[[int, float], None
     sensitive than wall time to other load on a shared machine) and those of the thread that runs the step alone
     (the rest is communication threads' work), TSP counter bytes and wait seconds."""
     seconds, cpu_seconds, main_cpu, tsp_bytes, tsp_wait, tsp_by_kind, losses = [], [], [], [], [], {}, []
+    tsp_wait_by = []
     for i in range(n):
         _barrier()
         if workload.tsp_counter is not None:
@@ -75,13 +76,15 @@ def timed_steps(workload: Workload, n: int, on_step: Callable[[int, float], None
             snap = workload.tsp_counter.snapshot()
             tsp_bytes.append(int(snap["total_bytes"]))
             tsp_wait.append(float(snap["wait_s"]))
+            tsp_wait_by.append(dict(snap["wait_by"]))
             tsp_by_kind = dict(snap["bytes"])
         if on_step is not None:
             on_step(i, elapsed)
     out = {"step_s": seconds, "cpu_s": cpu_seconds, "main_thread_cpu_s": main_cpu,
            "loss": losses[-1] if losses else None}
     if workload.tsp_counter is not None:
-        out.update(tsp_comm_bytes=tsp_bytes, tsp_wait_s=tsp_wait, tsp_comm_by_kind=tsp_by_kind)
+        out.update(tsp_comm_bytes=tsp_bytes, tsp_wait_s=tsp_wait, tsp_comm_by_kind=tsp_by_kind,
+                   tsp_wait_by=tsp_wait_by)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Write a benchmark's results: results.json (the objects as measured), results.md (a table), PNG plots.
+"""Write a benchmark's results: results.json (the objects as measured), results.md (a table, and where TSP's rows
+waited, per collective), PNG plots.
 
 Plots (matplotlib, Agg backend; skipped with a note in the table if matplotlib is missing):
     memory_vs_seq.png       peak MiB per rank vs sequence length, one line per layout (and degree D, when a run
@@ -17,6 +18,7 @@ from ds_tsp.tools.cli_types import MIB
 
 BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "temporaries", "other")
 PLOTS = ("memory_vs_seq.png", "throughput_vs_seq.png", "memory_breakdown.png")
+WAITS_SHOWN = 5  # collectives listed per row in results.md's "Where TSP waits"
 
 
 def _mib(value) -> str:
@@ -91,9 +93,32 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
               "compare within one run."]
     if notes:
         lines += ["", "Failures:", *notes]
+    waits = waits_table(results)
+    if waits:
+        lines += ["", waits]
     if meta and meta.get("plot_note"):
         lines += ["", meta["plot_note"]]
     return "\n".join(lines) + "\n"
+
+
+def waits_table(results: Sequence[dict], top: int = WAITS_SHOWN) -> str:
+    """Where TSP's exposed communication goes: per TSP row the `top` collectives it waited on longest (runner's
+    exposed_by_collective); "" when no row has them."""
+    rows = [r for r in results if r.get("ok") and r.get("exposed_by_collective")]
+    if not rows:
+        return ""
+    lines = ["## Where TSP waits", "",
+             f"Seconds per step blocked on each collective, the {top} largest per row: the mean over timed steps "
+             "and ranks, and in brackets the rank that waited most. A label is the collective's kind and what it "
+             "moves (every block, hop and layer number written #, so they add up); `exposed comm` above is their "
+             "sum over the step time.", "",
+             "| layout | S | D | exposed s/step | waits: s/step (most on one rank) |", "|---|---:|---:|---:|---|"]
+    for r in rows:
+        waits = list(r["exposed_by_collective"].items())[:top]
+        cells = "; ".join(f"{label} {w['mean_s']:.3f} ({w['max_s']:.3f})" for label, w in waits)
+        lines.append(f"| {_name(r)} | {r['seq']} | {r.get('tsp')} | {_num(r.get('exposed_comm_s'), '.3f')} | "
+                     f"{cells} |")
+    return "\n".join(lines)
 
 
 def _first_line(error) -> str:

@@ -142,7 +142,23 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
         fractions = [statistics.median(w / s for w, s in zip(r["tsp_wait_s"], r["step_s"])) for r in ranks]
         result["exposed_comm_fraction"] = statistics.mean(fractions)
         result["exposed_comm_s"] = statistics.mean(statistics.median(r["tsp_wait_s"]) for r in ranks)
+        result["exposed_by_collective"] = waits_by_collective([r["tsp_wait_by"] for r in ranks])
     return result
+
+
+def waits_by_collective(ranks: list[list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """label -> {"mean_s", "max_s"}: seconds per timed step blocked on that collective (CommCounter's
+    wait_by_collective), averaged over the steps, then over the ranks (mean) or the rank that waited most (max);
+    largest mean first."""
+    per_rank = []
+    for steps in ranks:
+        labels = {label for step in steps for label in step}
+        per_rank.append({label: sum(step.get(label, 0.0) for step in steps) / max(len(steps), 1)
+                         for label in labels})
+    labels = {label for rank in per_rank for label in rank}
+    out = {label: {"mean_s": statistics.mean(rank.get(label, 0.0) for rank in per_rank),
+                   "max_s": max(rank.get(label, 0.0) for rank in per_rank)} for label in labels}
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1]["mean_s"], kv[0])))
 
 
 def failure(cfg: BenchConfig, seq: int, error: str) -> dict:

@@ -47,7 +47,8 @@ class TSPAndCpCounters:
         tsp, cp = self.tsp.snapshot(), self.cp.snapshot()
         return {"bytes": {**tsp["bytes"], **{CP_PREFIX + k: v for k, v in cp["bytes"].items()}},
                 "calls": {**tsp["calls"], **{CP_PREFIX + k: v for k, v in cp["calls"].items()}},
-                "total_bytes": tsp["total_bytes"] + cp["total_bytes"], "wait_s": tsp["wait_s"] + cp["wait_s"]}
+                "total_bytes": tsp["total_bytes"] + cp["total_bytes"], "wait_s": tsp["wait_s"] + cp["wait_s"],
+                "wait_by": {**tsp["wait_by"], **{CP_PREFIX + k: v for k, v in cp["wait_by"].items()}}}
 
 
 class Session:

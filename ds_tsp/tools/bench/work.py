@@ -15,8 +15,8 @@ A layer type whose floor is not a closed form here (Gated DeltaNet, gated or sin
 biases) gets None: its counted work is shown without a ratio.
 
 Bytes (the CommCounter's logical volume, per rank): the weight ring of the dense MLP and of the MoE ring schedule
-carries a rank's packed shard D-1 hops forward, D-1 hops backward and its grad D hops home, (3D-2) x shard bytes per
-layer (ds_tsp.core.comm.primitives); the MoE all_to_all schedule's volume follows its rows
+carries a rank's packed shard D-1 hops forward, D-1 hops backward and its grad D-1 hops home, 3 (D-1) x shard bytes
+per layer (ds_tsp.core.comm.primitives); the MoE all_to_all schedule's volume follows its rows
 (ds_tsp.core.layers.moe.cost: R (5h + 2) with the rows re-sent in backward, R (4h + 2) when recompute_projections is
 off and the owner keeps them), R taken at even routing, so its ratio also shows how uneven the routing was.
 """

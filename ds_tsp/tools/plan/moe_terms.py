@@ -11,7 +11,7 @@ ModelShape.is_moe_layer (Qwen3-MoE's decoder_sparse_step / mlp_only_layers; dens
 
 Bytes per layer: ds_tsp.core.layers.moe.cost.moe_bytes_per_layer is the single source of truth (what the
 CommCounter counts; "all_to_all" at even routing, R = T x top_k x (D-1)/D rows leaving the rank). The split into
-forward and backward follows its docstring: ring D-1 of its 3D-2 shard hops forward; all_to_all forward the count
+forward and backward follows its docstring: ring D-1 of its 3(D-1) shard hops forward; all_to_all forward the count
 exchange plus 2h of the 5h+2 elements per row. "auto" is choose_moe_dispatch for this batch shape (T = B x S_pad/D
 local tokens), the same call TSPSparseMoE makes.
 
