@@ -110,8 +110,8 @@ def waits_table(results: Sequence[dict], top: int = WAITS_SHOWN) -> str:
     lines = ["## Where TSP waits", "",
              f"Seconds per step blocked on each collective, the {top} largest per row: the mean over timed steps "
              "and ranks, and in brackets the rank that waited most. A label is the collective's kind and what it "
-             "moves (every block, hop and layer number written #, so they add up); `exposed comm` above is their "
-             "sum over the step time.", "",
+             "moves (every block, hop and layer number written #, so they add up). Summed over every collective, a "
+             "step's waits are its exposed comm (the table above takes the median step, this one the mean).", "",
              "| layout | S | D | exposed s/step | waits: s/step (most on one rank) |", "|---|---:|---:|---:|---|"]
     for r in rows:
         waits = list(r["exposed_by_collective"].items())[:top]
