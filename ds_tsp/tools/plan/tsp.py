@@ -99,9 +99,9 @@ def ring_buffers(D: int) -> int:
     """Shard-sized buffers a ring backward step holds besides the owned shard and the grad it is forming
     (ds_tsp.core.comm.primitives.ring_backward): the received shard and this rank's own grad, kept home until the
     others' sum arrives; from D=3 on (steps 2..) the grad arriving and the one sent before it; from D=4 on the next
-    shard in flight beside them."""
+    shard in flight beside them; none at D=1 (no ring: the step's grad is the result)."""
     if D == 1:
-        return 1
+        return 0
     return 2 + (2 if D >= 3 else 0) + (1 if D >= 4 else 0)
 
 
