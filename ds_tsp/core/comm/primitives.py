@@ -134,8 +134,7 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
     shard = own_shard.detach()
     own_grad: torch.Tensor | None = None
     grad_in: torch.Tensor | None = None
-    grad_hop: Handle | None = None
-    sent: list[Handle] = []
+    grad_hop: Handle | None = None  # the last grad hop posted: each is waited by the next step, the last one here
     for k in range(comm.size):
         owner = (comm.rank - k) % comm.size
         nxt, weight_hop = _post_weight_hop(comm, shard, k)
@@ -150,7 +149,6 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
             grad_in = torch.empty_like(contribution)
             grad_hop = comm.ring_exchange(contribution, grad_in, GRAD_TAG,
                                           what=f"grad hop {k}/{comm.size - 1}")
-            sent.append(grad_hop)
         del contribution, result
         if after is not None:
             after()
@@ -158,8 +156,7 @@ def ring_backward(comm: TSPComm, own_shard: torch.Tensor,
         if weight_hop is not None:
             weight_hop.wait()
             shard = nxt
-    for handle in sent:
-        handle.wait()
+    grad_hop.wait()
     return own_grad.add_(grad_in)
 
 
