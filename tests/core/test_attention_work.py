@@ -1,7 +1,8 @@
 """The attention's GEMM work per mode, counted op by op: every projection weight W [out, in] costs 2 n |W| forward
 and 4 n |W| backward (n local tokens); the memory-optimal mode adds exactly one re-projection of q, k and v (the
 backward K/V re-gather and the q its kernels read), never a second one for the raw projection a q / k norm's
-backward reads; speed mode (projections saved) re-projects at most the raw k / v those norms read. OLMo's
+backward reads; with the projections saved (speed mode, or recompute_projections off alone) nothing is projected
+twice: the raw k / v those norms read are saved with them (AttentionSpec.saved_per_kv_group). OLMo's
 whole-projection norm adds its two documented [wq, wk] passes (ds_tsp.core.layers.attention.projection_norm) in
 every mode. One rank (D=1): the count is per block and does not depend on D."""
 from __future__ import annotations
@@ -69,8 +70,8 @@ def test_gemm_flops_are_the_minimum_plus_the_modes_recompute(name, mode):
     kv = [w for w in ("wk", "wv") if w in sizes]
     if recompute:  # q for its kernels; k and v for the re-gather (kept K/V: only the raw k the k norm reads)
         extra = ["wq"] + (kv if not keep_kv else (["wk"] if k_norm else []))
-    else:  # the saved q is its raw projection when a q norm reads that; the raw k / v the norms read are not saved
-        extra = (["wk"] if k_norm else []) + (["wv"] if fields.get("value_norm_eps") and "wv" in sizes else [])
+    else:  # the saved q is its raw projection when a q norm reads that; the raw k / v the norms read are saved
+        extra = []
     if fields.get("projection_norm"):  # the sums of squares before the blocks, the raw grads after them
         extra += ["wq", "wk"] * 2
     assert flops == minimum + sum(2 * n * sizes[w] for w in extra), (flops, minimum, extra)

@@ -157,3 +157,31 @@ def test_global_batch_gives_every_layout_the_same_sequences_per_step(hybrid_dir,
     assert rows["tsp"]["batch"] == 2 and rows["hf_zero3_dp"]["batch"] == 1
     assert rows["tsp"]["tokens_per_step"] == rows["hf_zero3_dp"]["tokens_per_step"] == 2 * 32
     assert "global batch 2 sequences per step" in (out / "results.md").read_text()
+
+
+def test_profiled_hybrid_work_against_its_closed_form_floors(hybrid_dir, tmp_path, capsys):
+    """--profile on a hybrid: the gated attention's projections and the dense MLP against
+    ds_tsp.tools.bench.work's floors (forward + backward, nothing recomputed), exactly. Speed mode recomputes
+    nothing: 1.0 each. The memory-optimal mode recomputes its q | gate, k, v projections (2 n h d (2 H + 2 H_kv)
+    more than 6 n h d (3 H + 2 H_kv)) and the MLP's gate / up (22/18)."""
+    from ds_tsp.tools.plan.shapes import shape_from_hf_config
+
+    shape = shape_from_hf_config(hybrid_dir)
+    out = tmp_path / "bench"
+    args = build_parser().parse_args(["--hf-config", str(hybrid_dir), "--tsp", "2", "--seq", "32", "--steps", "1",
+                                      "--warmup", "0", "--layouts", "tsp,tsp_speed", "--profile", "--timeout", "300",
+                                      "--quiet", "--out", str(out)])
+    with forked_ranks():
+        assert args.run(args) == 0, capsys.readouterr().err[-3000:]
+    work = {r["layout"]: r["profile"]["work"] for r in json.loads((out / "results.json").read_text())}
+    heads, kv = shape.num_heads, shape.num_kv_heads
+    n, h, d = 32 // 2, shape.hidden_size, shape.dim_per_head
+    attention_layers = shape.layer_types.count("full_attention")
+    least = 2 * 6 * n * h * d * (3 * heads + 2 * kv) * attention_layers  # both ranks
+    for layout, extra in (("tsp_speed", 0), ("tsp", 2 * 2 * n * h * d * (2 * heads + 2 * kv) * attention_layers)):
+        attention, mlp = work[layout]["attention"], work[layout]["mlp"]
+        assert attention["min_gemm_flops"] == least
+        assert attention["gemm_flops"] == least + extra, layout
+        assert mlp["min_gemm_flops"] == 2 * 18 * n * h * shape.intermediate_size * shape.num_layers
+        assert mlp["gemm_flops"] * 18 == mlp["min_gemm_flops"] * (18 if layout == "tsp_speed" else 22)
+    assert work["tsp"]["gdn"]["min_gemm_flops"] is None  # no closed form: counted, without a ratio

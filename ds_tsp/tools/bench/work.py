@@ -8,11 +8,13 @@ rows, dropless: each token meets exactly top_k experts).
 - mlp: a dense gated MLP layer (gate, up, down: 3 h F matrices) 18 n h F;
 - moe: the experts of an MoE layer (the same three matrices of width F_moe over n top_k rows) 18 n k h F_moe; the
   router GEMM runs outside the experts' Function (layer type "rest", as transformers' router is outside its experts);
-- attention: the q, k, v, o projections 6 n h d (2 H + 2 H_kv); the attention kernel itself is no GEMM op on these
-  paths, so it is on neither side of the ratio;
+- attention: the q, k, v, o projections 6 n h d (2 H + 2 H_kv) per attention layer; gated attention (Qwen3.5,
+  Qwen3-Next: q_proj emits a gate beside every query head) 6 n h d (3 H + 2 H_kv); in a hybrid only its full
+  attention layers count. The attention kernel itself is no GEMM op on these paths, so it is on neither side of
+  the ratio;
 - vocab: the LM head 6 n h V (the embedding lookup is no GEMM).
-A layer type whose floor is not a closed form here (Gated DeltaNet, gated or sink attention, shared experts, GPT-OSS
-biases) gets None: its counted work is shown without a ratio.
+A layer type whose floor is not a closed form here (Gated DeltaNet, sink attention, shared experts, GPT-OSS biases)
+gets None: its counted work is shown without a ratio.
 
 Bytes (the CommCounter's logical volume, per rank): the weight ring of the dense MLP and of the MoE ring schedule
 carries a rank's packed shard D-1 hops forward, D-1 hops backward and its grad D-1 hops home, 3 (D-1) x shard bytes
@@ -26,9 +28,10 @@ from ds_tsp.core.layers.moe.cost import COUNT_BYTES, choose_moe_dispatch
 from ds_tsp.core.shape.model_shape import ModelShape
 
 
-def _plain_attention(shape: ModelShape) -> bool:
-    return not (shape.attn_output_gate or shape.attention_sinks or shape.fused_qkv or shape.full_head_dim
-                or shape.kv_shared_layers or shape.full_values_from_keys)
+def _closed_form_attention(shape: ModelShape) -> bool:
+    """Whether the attention layers' projections are q (optionally with its gate), k, v, o of one head size."""
+    return not (shape.attention_sinks or shape.fused_qkv or shape.full_head_dim or shape.kv_shared_layers
+                or shape.full_values_from_keys)
 
 
 def moe_layers(shape: ModelShape) -> list[int]:
@@ -61,9 +64,11 @@ def minimum_work(shape: ModelShape, seq: int, batch: int, tsp: int, cp: int = 1,
         out["moe"] = {"gemm_flops": 18 * n * k * h * f * len(sparse) if plain else None,
                       "comm_bytes": per_layer * len(sparse) if tsp > 1 and plain else None, "schedule": schedule}
     d = shape.dim_per_head
-    if _plain_attention(shape) and shape.layer_types is None:  # a hybrid's attention layers are gated
-        out["attention"] = {"gemm_flops": 6 * n * h * d * (2 * shape.num_heads + 2 * shape.num_kv_heads)
-                            * shape.num_layers, "comm_bytes": None}
+    attention = sum(shape.layer_type(i) == "full_attention" for i in range(shape.num_layers))
+    if _closed_form_attention(shape) and attention:
+        q_rows = (2 if shape.attn_output_gate else 1) * shape.num_heads  # gated: [q, gate] per head
+        out["attention"] = {"gemm_flops": 6 * n * h * d * (q_rows + shape.num_heads + 2 * shape.num_kv_heads)
+                            * attention, "comm_bytes": None}
     out["vocab"] = {"gemm_flops": 6 * n * h * shape.vocab_size, "comm_bytes": None}
     return out
 

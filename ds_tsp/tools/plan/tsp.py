@@ -92,6 +92,11 @@ def tsp_layer_saved(inp: PlanInput, g: TSPGeometry) -> int:
         saved += T * dims.nq * dims.d * b + 2 * T * dims.F * b  # q of every block; MLP gate and up
         if not inp.keep_gathered_kv and not dims.kv_import:  # (a KV-sharing layer projects none)
             saved += groups * 2 * T * g.nkv_b * dims.d * b  # local k/v of every kv group
+        if not dims.kv_import:  # the raw k / v projections a k or v norm reads in backward (AttentionSpec)
+            m = inp.model
+            raws = int(m.qk_norm or m.projection_qk_norm or (m.value_norm and dims.values_from_keys)) \
+                + int(m.value_norm and not dims.values_from_keys)
+            saved += groups * raws * T * g.nkv_b * dims.d * b
     return saved
 
 
@@ -135,8 +140,8 @@ def tsp_transients(inp: PlanInput, g: TSPGeometry) -> dict[str, int]:
                           + (T * (dims.nq + dims.nkv) * dims.d * b if inp.model.projection_qk_norm else 0)
                           # per-head q/k norms (Qwen3): the raw q kept to the dq tail, the raw k of the group and
                           # the norm backward's temporaries
-                          + (2 * qb + kv_local // 2 if inp.model.qk_norm and not inp.model.projection_qk_norm
-                             else 0)),
+                          + (2 * qb + (kv_local // 2 if inp.recompute_projections else 0)
+                             if inp.model.qk_norm and not inp.model.projection_qk_norm else 0)),
         "mlp_fwd": min(D - 1, 2) * g.M * b + 4 * T * f * b + x,
         "mlp_bwd": (ring_buffers(D) + 1) * g.M * b + (9 if inp.recompute_projections else 7) * T * f * b + 2 * x,
         "lm_head_fwd": logits + (g.Vd * dims.h * b if D > 1 else 0),

@@ -44,8 +44,11 @@ each block's shard, recomputes the cheap local projections q, k, v from x (three
 [B, L, (nq + 2 nkv) d] per block), re-gathers K/V, runs the kernel backward with the saved output and
 log-sum-exp (no attention recomputation), reduce-scatters dK/dV to the token owners and reduces the packed weight
 grad to the block owner. No foreign shard and no gathered K/V is kept, unless `keep_gathered_kv` trades O(S)
-memory per kv group for skipping the backward re-gather. A frozen shard (requires_grad False, alike on every rank)
-still re-broadcasts for dx but computes no weight grad and reduces nothing to the owners.
+memory per kv group for skipping the backward re-gather. With `recompute_projections` off every block's q (and
+gate) and every kv group's local K/V are saved instead, with the raw k / v projections a k or v norm's backward
+reads (spec.saved_per_kv_group): backward then runs no projection GEMM twice. A frozen shard (requires_grad
+False, alike on every rank) still re-broadcasts for dx but computes no weight grad and reduces nothing to the
+owners.
 
 Overlap schedule. NCCL runs each communicator as ONE in-order stream, so what is posted on a channel waits behind
 everything posted there before it. Weights travel on `comm.weight_channel` (a second communicator over the same
@@ -147,10 +150,19 @@ class AttentionSpec:
         return ("out", "lse0", "lse1", "q") + (("gate",) if self.output_gate else ())
 
     def saved_per_kv_group(self) -> tuple[str, ...]:
-        """Names saved once per kv group (the kv_replicas consecutive blocks that read the same kv heads)."""
-        if self.keep_gathered_kv:
-            return ("kv_all",)
-        return () if self.recompute_projections else ("kv_local",)
+        """Names saved once per kv group (the kv_replicas consecutive blocks that read the same kv heads). With the
+        projections kept, also the raw k / v projections a norm's backward reads (saved, not projected again)."""
+        kept = ("kv_all",) if self.keep_gathered_kv else (() if self.recompute_projections else ("kv_local",))
+        return kept if self.recompute_projections else kept + self.raw_kv_read_in_backward()
+
+    def raw_kv_read_in_backward(self) -> tuple[str, ...]:
+        """The raw (pre-norm, unroped) projections the kv backward reads: k under a k norm (per head or over the
+        whole projection) or as Gemma 4's normed values' source, v under the weightless v norm."""
+        if self.kv_role == "import":  # no kv projection here: its dK/dV go back to the layer that made them
+            return ()
+        raw_k = self.qk_norm_eps is not None or (self.value_norm_eps is not None and self.values_from_keys)
+        raw_v = self.value_norm_eps is not None and not self.values_from_keys
+        return ("raw_k",) * raw_k + ("raw_v",) * raw_v
 
     kernel_backend: str | None = None  # None: kernels.select_backend picks per device/dtype
     window: int | None = None  # sliding window (HF semantics: key s visible to query t iff t - window < s <= t)
@@ -273,10 +285,6 @@ def _project_kv_and_raw(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
                             raw_v if spec.value_norm_eps is not None else None)
 
 
-def _project_kv(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
-    return _project_kv_and_raw(x, w, spec, cos, sin, k_norm)[0]
-
-
 def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
     """Grad w.r.t. the raw projection (and the norm weight's grad, or None) from the grad of the roped one."""
     d = apply_rope_backward(d_roped, cos, sin)
@@ -331,9 +339,11 @@ class _TSPAttention(torch.autograd.Function):
         shards = ShardStream(comm, packed_shard)
 
         def group_kv(g, take):
-            """This rank's K/V of kv group g: given (KV sharing) or projected with its block's shard."""
-            return kv_in[g] if spec.kv_role == "import" else _project_kv(x, spec.layout.unpack(take()), spec, cos,
-                                                                         sin, k_norm_of(g))
+            """This rank's K/V of kv group g: given (KV sharing) or projected with its block's shard; and the raw
+            (k, v) projections a norm reads (None where none does)."""
+            if spec.kv_role == "import":
+                return kv_in[g], (None, None)
+            return _project_kv_and_raw(x, spec.layout.unpack(take()), spec, cos, sin, k_norm_of(g))
 
         a2a = _all_to_all(comm, spec)
         keep_raw_q = not spec.recompute_projections  # speed mode saves the raw q (finish); memory mode nothing
@@ -352,7 +362,7 @@ class _TSPAttention(torch.autograd.Function):
             block = {"out": out, "lse0": lses[0], "lse1": lses[1], "q": q if raw_q is None else raw_q, "gate": gate}
             saved_blocks.extend(block[name] for name in spec.saved_per_block())
 
-        kv_local = group_kv(0, lambda: shards.take(0))
+        kv_local, raw_kv = group_kv(0, lambda: shards.take(0))
         gather = _kv_gather(comm, kv_local, spec)
         ahead = post_q(0, spec.layout.unpack(shards.take(0))) if a2a else None
         behind = None  # all-to-all: the previous block's output on its way back, and what its wo reads
@@ -362,7 +372,7 @@ class _TSPAttention(torch.autograd.Function):
             w = spec.layout.unpack(shards.take(j))
             first, last = _kv_group(j, spec)
             if last and j + 1 < D:  # the next kv group's K/V travel while this block's attention runs
-                next_local = group_kv(j // spec.kv_replicas + 1, lambda: shards.take(j + 1))
+                next_local, next_raw = group_kv(j // spec.kv_replicas + 1, lambda: shards.take(j + 1))
                 next_gather = _kv_gather(comm, next_local, spec)
             if a2a:  # block j+1's q travels to the cp ranks while this block's attention runs
                 q, gate, raw_q, sent_q = ahead
@@ -373,7 +383,7 @@ class _TSPAttention(torch.autograd.Function):
                 kv_all = gather.wait()
                 if spec.kv_role == "export":
                     exported.append(kv_local)
-                group = {"kv_all": kv_all, "kv_local": kv_local}
+                group = {"kv_all": kv_all, "kv_local": kv_local, "raw_k": raw_kv[0], "raw_v": raw_kv[1]}
                 saved_groups += [group[name] for name in spec.saved_per_kv_group()]
             if a2a:  # this rank's cp heads over the whole sequence (cp_all_to_all); the output goes back behind
                 sent_out = a2a_attention_forward(sent_q, kv_all, comm, _head_split(spec, comm), doc_starts=doc_starts,
@@ -399,9 +409,9 @@ class _TSPAttention(torch.autograd.Function):
                     out = torch.cat(outs, dim=1)
                 finish(w, out, lses, q, gate, raw_q)
             if last:  # memory-optimal: this group's gathered K/V is dropped; at most the next one is in flight
-                kv_all = kv_local = gather = None
+                kv_all = kv_local = gather = raw_kv = None
                 if j + 1 < D:
-                    kv_local, gather = next_local, next_gather
+                    kv_local, gather, raw_kv = next_local, next_gather, next_raw
         if behind is not None:  # the last block's output
             w_prev, sent_prev, q_prev, gate_prev, raw_prev = behind
             finish(w_prev, *sent_prev.wait(), q_prev, gate_prev, raw_prev)
@@ -454,10 +464,10 @@ class _TSPAttention(torch.autograd.Function):
             the raw (k, v) projections its norms' backward reads when they were projected again here, else
             (None, None))."""
             group = dict(zip(group_names, saved_groups[len(group_names) * g:len(group_names) * (g + 1)]))
+            raws = (group.get("raw_k"), group.get("raw_v"))  # saved with the kept projections, else None
             if spec.keep_gathered_kv:
-                return group["kv_all"], (None, None)
+                return group["kv_all"], raws
             kv_local = kv_in[g] if kv_in is not None else group.get("kv_local")
-            raws = (None, None)
             if kv_local is None:
                 kv_local, raws = _project_kv_and_raw(x, w, spec, cos, sin, k_norm_of(g))
             return _kv_gather(comm, kv_local, spec), raws
