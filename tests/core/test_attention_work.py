@@ -42,7 +42,7 @@ CASES = {  # name -> (AttentionSpec fields, q norm, k norm)
 }
 
 
-def _run(fields: dict, recompute: bool, keep_kv: bool) -> tuple[int, dict]:
+def _run(fields: dict, recompute: bool, keep_kv: bool, grads: list | None = None) -> tuple[int, dict]:
     spec = AttentionSpec(**{"hidden": HID, "heads_per_block": H, "kv_heads_per_block": HKV, "head_dim": DH,
                             "qkv_bias": False, "recompute_projections": recompute, "keep_gathered_kv": keep_kv,
                             **fields})
@@ -56,6 +56,8 @@ def _run(fields: dict, recompute: bool, keep_kv: bool) -> tuple[int, dict]:
         qk_norm = tuple(torch.randn(n, generator=gen, dtype=torch.float64, requires_grad=True) for n in width)
     with _GemmFlops() as counted:
         tsp_attention(x, shard, cos, sin, spec, TSPComm(None), qk_norm=qk_norm).pow(2).sum().backward()
+    if grads is not None:
+        grads += [x.grad, shard.grad, *(w.grad for w in qk_norm or ())]
     return counted.flops, {name: shape[0] * shape[1] for name, shape in spec.layout.pieces if name.startswith("w")}
 
 
@@ -75,3 +77,18 @@ def test_gemm_flops_are_the_minimum_plus_the_modes_recompute(name, mode):
     if fields.get("projection_norm"):  # the sums of squares before the blocks, the raw grads after them
         extra += ["wq", "wk"] * 2
     assert flops == minimum + sum(2 * n * sizes[w] for w in extra), (flops, minimum, extra)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_saved_projections_give_the_memory_modes_grads(name):
+    """What the modes save instead of projecting again (q, the local K/V, the raw k / v the norms read) gives the
+    same grads as projecting again (float64; x, the packed shard and the q / k norm weights)."""
+    fields = CASES[name][0]
+    reference: list = []
+    _run(fields, True, False, reference)
+    for recompute, keep_kv in ((False, False), (False, True), (True, True)):
+        got: list = []
+        _run(fields, recompute, keep_kv, got)
+        for a, b in zip(got, reference, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+

@@ -338,12 +338,18 @@ class _TSPAttention(torch.autograd.Function):
         q_norm_of, k_norm_of = _block_norms(norms, q_norm, k_norm)
         shards = ShardStream(comm, packed_shard)
 
+        saved_raws = spec.saved_per_kv_group()
+
         def group_kv(g, take):
             """This rank's K/V of kv group g: given (KV sharing) or projected with its block's shard; and the raw
-            (k, v) projections a norm reads (None where none does)."""
+            (k, v) projections backward reads, where they are saved (else None: not held past the projection)."""
             if spec.kv_role == "import":
                 return kv_in[g], (None, None)
-            return _project_kv_and_raw(x, spec.layout.unpack(take()), spec, cos, sin, k_norm_of(g))
+            kv_local, (raw_k, raw_v) = _project_kv_and_raw(x, spec.layout.unpack(take()), spec, cos, sin,
+                                                            k_norm_of(g))
+            if spec.values_from_keys and raw_k is None:  # Gemma 4's v norm reads k's raw projection as v
+                raw_k = raw_v
+            return kv_local, (raw_k if "raw_k" in saved_raws else None, raw_v if "raw_v" in saved_raws else None)
 
         a2a = _all_to_all(comm, spec)
         keep_raw_q = not spec.recompute_projections  # speed mode saves the raw q (finish); memory mode nothing
