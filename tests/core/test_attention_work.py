@@ -39,6 +39,8 @@ CASES = {  # name -> (AttentionSpec fields, q norm, k norm)
     "qk_norm_gated": ({"qk_norm_eps": 1e-6, "output_gate": True, "qkv_bias": True}, True, True),
     "projection_norm": ({"qk_norm_eps": 1e-6, "projection_norm": True}, True, True),
     "value_norm_k_eq_v": ({"qk_norm_eps": 1e-6, "value_norm_eps": 1e-6, "values_from_keys": True}, True, True),
+    # no k norm: the v norm alone reads k's raw projection (as v)
+    "value_norm_k_eq_v_no_qk_norm": ({"value_norm_eps": 1e-6, "values_from_keys": True}, False, False),
 }
 
 

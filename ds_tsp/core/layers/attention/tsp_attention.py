@@ -275,14 +275,16 @@ def _raw_v(x, w, spec: AttentionSpec):
 def _project_kv_and_raw(x, w, spec: AttentionSpec, cos, sin, k_norm=None):
     """This rank's K (normed, roped) and V (normed without a weight under value_norm_eps) of one kv head block,
     chunk-major for the gather: [2, c, B, 2, nkv, d]; and the raw (k, v) projections that a k norm / the v norm
-    read in backward (None where no norm reads them)."""
+    read in backward (None where no norm reads them; with values_from_keys the v norm reads the raw k, returned as
+    k's)."""
     raw_k = _raw_k(x, w, spec)
     k = apply_rope(_norm(raw_k, k_norm, spec), cos, sin)
-    raw_v = v = raw_k if spec.values_from_keys else _raw_v(x, w, spec)
-    if spec.value_norm_eps is not None:
-        v = rms_norm(v, None, spec.value_norm_eps)
-    return local_kv(k, v), (raw_k if k_norm is not None else None,
-                            raw_v if spec.value_norm_eps is not None else None)
+    v = raw_k if spec.values_from_keys else _raw_v(x, w, spec)
+    v_normed = spec.value_norm_eps is not None
+    if v_normed:
+        v_raw, v = v, rms_norm(v, None, spec.value_norm_eps)
+    k_read = k_norm is not None or (v_normed and spec.values_from_keys)
+    return local_kv(k, v), (raw_k if k_read else None, v_raw if v_normed and not spec.values_from_keys else None)
 
 
 def _unproject(d_roped, cos, sin, norm_weight, raw, spec: AttentionSpec):
@@ -347,8 +349,6 @@ class _TSPAttention(torch.autograd.Function):
                 return kv_in[g], (None, None)
             kv_local, (raw_k, raw_v) = _project_kv_and_raw(x, spec.layout.unpack(take()), spec, cos, sin,
                                                             k_norm_of(g))
-            if spec.values_from_keys and raw_k is None:  # Gemma 4's v norm reads k's raw projection as v
-                raw_k = raw_v
             return kv_local, (raw_k if "raw_k" in saved_raws else None, raw_v if "raw_v" in saved_raws else None)
 
         a2a = _all_to_all(comm, spec)
