@@ -255,7 +255,7 @@ def test_moe_cell_per_schedule_runs_and_reports_the_auto_choice(tmp_path, capsys
         moe = r["profile"]["work"]["moe"]
         # expert GEMMs: forward + backward + the memory-optimal gate/up recompute (22/18), exactly
         assert moe["gemm_flops"] * 18 == moe["min_gemm_flops"] * 22 == 22 * 18 * 2 * 32 * 2 * 32 * 16
-    # the ring moves exactly (3D - 2) packed expert shards per layer and rank; all_to_all its real rows (the
+    # the ring moves exactly 3(D - 1) packed expert shards per layer and rank; all_to_all its real rows (the
     # minimum takes them at even routing)
     assert results[0]["profile"]["work"]["moe"]["bytes_over_min"] == 1.0
     assert 0.5 < results[1]["profile"]["work"]["moe"]["bytes_over_min"] < 1.5

@@ -340,7 +340,7 @@ class _TSPAttention(torch.autograd.Function):
         q_norm_of, k_norm_of = _block_norms(norms, q_norm, k_norm)
         shards = ShardStream(comm, packed_shard)
 
-        saved_raws = spec.saved_per_kv_group()
+        group_names = spec.saved_per_kv_group()  # what forward saves per kv group
 
         def group_kv(g, take):
             """This rank's K/V of kv group g: given (KV sharing) or projected with its block's shard; and the raw
@@ -349,7 +349,7 @@ class _TSPAttention(torch.autograd.Function):
                 return kv_in[g], (None, None)
             kv_local, (raw_k, raw_v) = _project_kv_and_raw(x, spec.layout.unpack(take()), spec, cos, sin,
                                                             k_norm_of(g))
-            return kv_local, (raw_k if "raw_k" in saved_raws else None, raw_v if "raw_v" in saved_raws else None)
+            return kv_local, (raw_k if "raw_k" in group_names else None, raw_v if "raw_v" in group_names else None)
 
         a2a = _all_to_all(comm, spec)
         keep_raw_q = not spec.recompute_projections  # speed mode saves the raw q (finish); memory mode nothing
@@ -390,7 +390,7 @@ class _TSPAttention(torch.autograd.Function):
                 if spec.kv_role == "export":
                     exported.append(kv_local)
                 group = {"kv_all": kv_all, "kv_local": kv_local, "raw_k": raw_kv[0], "raw_v": raw_kv[1]}
-                saved_groups += [group[name] for name in spec.saved_per_kv_group()]
+                saved_groups += [group[name] for name in group_names]
             if a2a:  # this rank's cp heads over the whole sequence (cp_all_to_all); the output goes back behind
                 sent_out = a2a_attention_forward(sent_q, kv_all, comm, _head_split(spec, comm), doc_starts=doc_starts,
                                                  window=spec.window, scale=spec.scale, backend=spec.kernel_backend)
