@@ -20,9 +20,9 @@ def expected_order(D: int, replicas: int) -> list[tuple[str, str, str]]:
     def bcast(j):
         return ("broadcast", "weights", f"shard of block {j}")
 
-    def gather():
+    def gather():  # causal: the second halves point to point, to the ranks that read them (kv_gather)
         return [("all_gather", "tsp", "K/V gather, first zigzag half"),
-                ("all_gather", "tsp", "K/V gather, second zigzag half")]
+                ("p2p", "tsp", "K/V gather, second zigzag half")]
 
     def last(j):
         return j % replicas == replicas - 1
@@ -42,7 +42,7 @@ def expected_order(D: int, replicas: int) -> list[tuple[str, str, str]]:
                 ops.append(("reduce", "weights", f"grad of block {pending}"))
                 pending = None
             if last(j):
-                ops.append(("reduce_scatter", "tsp", "dK/dV scatter"))
+                ops.append(("p2p", "tsp", "dK/dV scatter"))
                 pending = j
             else:
                 ops.append(("reduce", "weights", f"grad of block {j}"))
@@ -117,7 +117,7 @@ def test_a_groups_dkdv_scatter_travels_behind_its_last_blocks_dq_tail(recorded, 
     done, before its dq tail (dx and the wq grad) runs, and no block's tail runs before its group's scatter."""
     D, replicas, _ = case
     ops, tails = recorded[GROUPS[D][0]][case]
-    scatters = [i for i, o in enumerate(ops) if o["kind"] == "reduce_scatter"]
+    scatters = [i for i, o in enumerate(ops) if o["what"] == "dK/dV scatter"]
     assert len(tails) == D and len(scatters) == D // replicas
     for j, posted_before_tail in enumerate(tails):
         if j % replicas == replicas - 1:  # the group's last block: its scatter is already out

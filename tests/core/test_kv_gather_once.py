@@ -1,9 +1,14 @@
 """GQA/MQA with fewer kv heads than ranks: each kv head's K/V is gathered (and its grad scattered) ONCE per layer.
 
 One attention layer, forward + backward, bytes from CommCounter. With n_kv kv heads, B rows, padded S, head dim d
-and b bytes per element, the logical K/V volume per rank (rho = (D-1)/D) is
-    all-gather:     n_kv * 2 * B * S * d * b * rho   forward, again in backward unless keep_gathered_kv
-    reduce-scatter: n_kv * 2 * B * S * d * b * rho   backward (dK/dV back to the token owners)
+and b bytes per element, the logical K/V volume rank p sends is, in zigzag chunks of c = S/(2D) tokens
+(n_kv * 2 * B * c * d * b bytes each) and attention being causal (rank q never reads global chunks 2D-q .. 2D-1;
+ds_tsp.core.comm.kv_gather):
+    all-gather:     D-1+p chunks   its first half to the D-1 other ranks, its second half to the p ranks before it;
+                                   forward, again in backward unless keep_gathered_kv
+    reduce-scatter: 2D-2-p chunks  backward, dK/dV back to the token owners: first halves to every other rank,
+                                   second halves to the ranks q > p whose keys this rank's queries read
+(2(D-1) chunks, rho = (D-1)/D of the sequence, at most; 3/4 of that over all ranks.)
 plus, when kv_replicas = D/n_kv > 1, the all-gather of the kv weight grads that sums them over the replicas
 (D * (2*d*h) * b * rho: weights, not activations). Gathering per head block instead would count D/n_kv times more.
 """
@@ -41,10 +46,11 @@ def _one_layer(group, n_kv: int, keep_gathered_kv: bool) -> dict:
     return dict(comm.counter.bytes)
 
 
-def _expected(D: int, n_kv: int, keep_gathered_kv: bool) -> dict:
+def _expected(D: int, n_kv: int, keep_gathered_kv: bool, p: int) -> dict:
     b, h = 4, HEADS * HEAD_DIM
-    kv = n_kv * 2 * B * S * HEAD_DIM * b * (D - 1) // D
-    gather = kv * (1 if keep_gathered_kv else 2)
+    chunk = n_kv * 2 * B * (S // (2 * D)) * HEAD_DIM * b
+    kv = chunk * (2 * D - 2 - p)
+    gather = chunk * (D - 1 + p) * (1 if keep_gathered_kv else 2)
     if D > n_kv:  # the replica sum of the kv weight grads (one kv head of wk and wv per rank)
         gather += D * 2 * HEAD_DIM * h * b * (D - 1) // D
     return {"all_gather": gather, "reduce_scatter": kv}
@@ -64,6 +70,6 @@ def test_each_kv_head_is_gathered_once():
     per_rank = run_on_local_ranks(_measure_all, 4, timeout_s=120)
     for rank, measured in enumerate(per_rank):
         for (D, n_kv, keep), counted in zip(CASES, measured):
-            want = _expected(D, n_kv, keep)
+            want = _expected(D, n_kv, keep, rank % D)  # D=2 on the pairs {0, 1}, {2, 3}
             got = {k: counted.get(k, 0) for k in want}
             assert got == want, (rank, D, n_kv, keep, got, want)

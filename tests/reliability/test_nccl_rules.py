@@ -18,9 +18,15 @@ import torch.distributed as dist
 from local_ranks import run_on_local_ranks
 from nccl_rules import check, op, p2p, unbatched
 
+from ds_tsp.core.comm.communicator import KV_GRAD_TAG, KV_LATE_HALF_TAG
 from ds_tsp.core.config import TSPOptions
 
-KINDS = {"broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce", "p2p"}
+KINDS = {"broadcast", "reduce", "all_gather", "all_reduce", "p2p"}
+SEQUENCE_P2P = {KV_LATE_HALF_TAG, KV_GRAD_TAG}  # the causal K/V gather's and dK/dV scatter's pieces (kv_gather)
+
+
+def _carries_weights(o: dict) -> bool:
+    return o["kind"] in ("broadcast", "reduce") or (o["kind"] == "p2p" and o.get("tag") not in SEQUENCE_P2P)
 
 
 def _configs(D: int) -> dict[str, dict]:
@@ -164,12 +170,12 @@ def test_training_step_obeys_nccl_rules(recorded):
         assert KINDS <= {o["kind"] for o in first}, (D, name)  # every primitive was recorded
         assert all(o["group"] == tuple(GROUPS[D]) for rank_ops in ops.values() for o in rank_ops)
         # weights (shard broadcasts, grad reduces, ring hops) on their own channel when the comm has one
-        weight_kinds = {"broadcast", "reduce", "p2p"}
         want = "weights" if _configs(D)[name].get("weight_channel") else "tsp"
-        assert {o["channel"] for o in first if o["kind"] in weight_kinds} == {want}, (D, name)
-        assert {o["channel"] for o in first if o["kind"] not in weight_kinds} == {"tsp"}, (D, name)
+        assert {o["channel"] for o in first if _carries_weights(o)} == {want}, (D, name)
+        assert {o["channel"] for o in first if not _carries_weights(o)} == {"tsp"}, (D, name)
+        assert any(o["kind"] == "p2p" and o["what"] == "dK/dV scatter" for o in first), (D, name)
         assert all(o["layer"] for rank_ops in ops.values() for o in rank_ops), [o for o in first if not o["layer"]][:3]
-        ring = [o for o in first if o["kind"] == "p2p"]
+        ring = [o for o in first if o["kind"] == "p2p" and o["tag"] not in SEQUENCE_P2P]
         assert any(o["layer"].endswith("mlp forward") for o in ring) and any("backward" in o["layer"] for o in ring)
         assert all(o["batched"] and {peer for _, peer in o["p2p"]} <= set(GROUPS[D]) for o in ring)
         # posted as bare isend then irecv (the old ring_exchange), the same step hangs NCCL

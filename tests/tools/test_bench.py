@@ -270,7 +270,10 @@ def test_moe_cell_per_schedule_runs_and_reports_the_auto_choice(tmp_path, capsys
     assert {r["measured_faster"] for r in rows} <= {"ring", "all_to_all"}
     assert all(isinstance(r[key], bool) for r in rows for key in ("auto_within_10pct", "auto_within_10pct_cpu"))
     ring = next(r for r in rows if r["schedule"] == "ring")
-    assert ring["comm_bytes_per_step"] == ring["plan_comm_bytes_per_step"]  # the ring's bytes are routing-free
+    # the ring's bytes are routing-free; the plan's are the busiest rank's per kind (every rank's on CUDA), and on
+    # CPU tensors the causal K/V exchange sends less on every rank but one per kind (exact per rank:
+    # tests/tools/test_plan_moe.py)
+    assert 0.9 * ring["plan_comm_bytes_per_step"] < ring["comm_bytes_per_step"] <= ring["plan_comm_bytes_per_step"]
     assert "plan's auto" in (out / "results.md").read_text()
 
 

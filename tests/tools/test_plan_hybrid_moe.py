@@ -89,8 +89,9 @@ def _input(name: str) -> PlanInput:
 def test_comm_params_and_grads_equal_the_measured_step(measured, name):
     inp = _input(name)
     predicted = hybrid_counter_bytes(inp)
-    for rank, per_rank in enumerate(measured):
-        assert per_rank[name]["bytes"] == predicted, (rank, per_rank[name]["bytes"], predicted)
+    for rank, per_rank in enumerate(measured):  # the later ranks move less of the causal K/V (at_rank)
+        want = hybrid_counter_bytes(inp, rank=rank)
+        assert per_rank[name]["bytes"] == want, (rank, per_rank[name]["bytes"], want)
     plan = plan_tsp(inp)
     for per_rank in measured:
         assert per_rank[name]["params"] == plan.params_bytes and per_rank[name]["grads"] == plan.grads_bytes

@@ -5,7 +5,9 @@ parameter all-reduce are in ds_tsp.core.comm.primitives.
 
 Byte accounting (`CommCounter`) follows the algorithm's logical volume per rank: a broadcast counts on receivers,
 a reduce on senders, all-gather counts the (D-1)/D of its output that arrives, reduce-scatter the (D-1)/D of its
-input that leaves, a ring hop counts what is sent. Summed over a full head-block loop every rank counts the same.
+input that leaves, a ring hop and an `exchange` count what is sent. Summed over a full head-block loop every rank
+counts the same, but for the causal K/V gather and dK/dV scatter on CPU tensors (ds_tsp.core.comm.kv_gather), which
+move only the chunks their receivers read: rank p sends D-1+p chunks in the gather, 2D-2-p in the scatter.
 
 Every blocking wait is bounded by `TSPComm.timeout_s` (ds_tsp.core.reliability.watchdog): a dead or stalled peer ends
 the rank with one stderr line naming the collective, the layer (`comm.context`, kept by
@@ -42,6 +44,10 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 # ring's hops (ds_tsp.core.comm.primitives), which may be in flight between the same ranks at the same time
 REDUCE_SCATTER_TAG = 7103
 ALL_GATHER_TAG = 7104  # the CPU all-gather's (TSPComm._all_gather_by_exchange)
+# the causal K/V gather's and dK/dV scatter's pieces (ds_tsp.core.comm.kv_gather, through TSPComm.exchange): apart
+# from the all-gather of the first zigzag half posted just before them between the same ranks
+KV_LATE_HALF_TAG = 7105
+KV_GRAD_TAG = 7106
 _NUMBER = re.compile(r"\d+")  # block, hop and layer numbers in a wait's label (CommCounter.wait_by_collective)
 
 # torch.profiler range around every blocked wait: lets a profile charge waiting to the layer that waits
@@ -357,6 +363,36 @@ class TSPComm:
                 first.add_(piece)
 
         return self._started(works, (out, full, *received[1:]), "reduce_scatter", ("group",), what, add_pieces)
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], kind: str,
+                 tag: int, about: torch.Tensor, what: str | None = None,
+                 finish: Callable[[], None] | None = None) -> Handle:
+        """Point-to-point on the TSP group, in one batch_isend_irecv: each (group rank, tensor) of `sends` sent to
+        that rank, each of `recvs` received into. For collectives whose pieces not every rank reads: every rank
+        derives its pairs from the same static rule, so each send meets its peer's receive of the same size (a rank
+        with neither posts nothing). Counted under `kind` as the bytes sent, as a ring hop is (and as torch's
+        dispatcher charges point-to-point: ds_tsp.tools.bench.comm_count), so an exchange that replaces a symmetric
+        all-gather or reduce-scatter counts what that collective would where every piece travels. finish: local work
+        run once the transfers are in (when the handle is waited), e.g. a sum of the received pieces. about: what
+        the recording shows as the op's tensor, the same shape on every rank (the pieces' sizes are in its links)."""
+        sends = [(r, t.contiguous()) for r, t in sends]
+        for r, t in (*sends, *recvs):
+            if not (0 <= r < self.size) or r == self.rank:
+                raise ValueError(f"TSPComm.exchange: peer {r} is not another rank of this group of {self.size}")
+        self.counter.add(kind, sum(_nbytes(t) for _, t in sends))
+        if not sends and not recvs:
+            return Handle.started([], self.counter, (), self.overlap, finish=finish)
+        links = tuple((d, self._global(r), t.numel()) for d, pairs in (("send", sends), ("recv", recvs))
+                      for r, t in pairs)
+        self._record("p2p", about, what, p2p=links, batched=True, tag=tag)
+        ops = ([dist.P2POp(dist.isend, t, peer=self._global(r), group=self.group, tag=tag) for r, t in sends]
+               + [dist.P2POp(dist.irecv, t, peer=self._global(r), group=self.group, tag=tag) for r, t in recvs])
+        peer = ("group",)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:
+            self._post_failed(err, kind, peer, what)
+        return self._started(works, tuple(t for _, t in (*sends, *recvs)), kind, peer, what, finish)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce", what: str | None = None,
                    context: str | None = None) -> Handle:

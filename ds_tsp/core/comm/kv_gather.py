@@ -11,12 +11,22 @@ The buffer, `[S, B, 2, nkv, d]` token-major, is in global order; K and V of a ke
 Backward goes the other way: the kernels' dK/dV `[B, end, nkv, d]` are added chunk by chunk into
 `[D, 2, c, B, 2, nkv, d]` (RankOrderedKVGrad), where rank r's two chunks are contiguous, as reduce-scatter takes
 them: no zero-filled global buffer, no reorder copy, no cat. Chunks no query of this rank sees are zeroed alone.
+
+Causal attention reads less than the whole sequence: rank p's last query is in global chunk 2D-1-p, so it never
+reads chunks 2D-p .. 2D-1, the second halves of ranks 0 .. p-1, and sends them no dK/dV (every rank reads every
+first half). With `causal=True` on CPU tensors both directions skip those pieces (TSPComm.exchange: one batch of
+point-to-point ops): the second halves arrive straight into global order (no swap) in a buffer of the
+(2D-p) c tokens rank p reads, and the dK/dV scatter sends rank q's second half only from ranks p < q. That is
+D(D-1)/2 of the 2D(D-1) chunks each direction moved, a quarter of the K/V traffic; rank p sends D-1+p chunks in the
+gather and 2D-2-p in the scatter, and receives 2D-2-p and D-1+p. On CUDA tensors NCCL's all-gather and
+reduce-scatter move every chunk as before: a collective takes as long as the rank that moves the most (rank 0
+receives every chunk of the gather here as well); the buffer is returned as the same prefix.
 """
 from __future__ import annotations
 
 import torch
 
-from ds_tsp.core.comm.communicator import Handle, TSPComm
+from ds_tsp.core.comm.communicator import KV_GRAD_TAG, KV_LATE_HALF_TAG, Handle, TSPComm
 
 
 def local_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -42,21 +52,36 @@ def kv_prefix(kv_global: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Te
 
 class GlobalKVGather:
     """All-gather of every rank's local_kv into one global-order buffer: two collectives (one per zigzag half)
-    posted at construction; wait() returns the [S, B, 2, nkv, d] buffer."""
+    posted at construction; wait() returns the [S, B, 2, nkv, d] buffer. causal: only the keys this rank's queries
+    read arrive, wait() returns the [(2D-p) c, B, 2, nkv, d] prefix (module doc; what moves less on CPU tensors)."""
 
-    def __init__(self, comm: TSPComm, kv_chunks: torch.Tensor, what: str = "K/V"):
-        self.tsp = comm.size
+    def __init__(self, comm: TSPComm, kv_chunks: torch.Tensor, what: str = "K/V", causal: bool = False):
+        D, p = comm.size, comm.rank
+        self.tsp = D
         two, c, B, _, n, d = kv_chunks.shape
         self.chunk = c
-        self.buffer = kv_chunks.new_empty((2 * self.tsp * c, B, 2, n, d))
-        half = self.tsp * c
-        self._handles: list[Handle] = [
-            comm.all_gather(self.buffer[:half], kv_chunks[0], what=f"{what} gather, first zigzag half"),
-            comm.all_gather(self.buffer[half:], kv_chunks[1], what=f"{what} gather, second zigzag half")]
+        self.reads = (2 * D - p) * c if causal else 2 * D * c  # the keys this rank's queries read
+        self.in_order = causal and kv_chunks.device.type == "cpu" and D > 1  # second halves straight into order
+        half = D * c
+        self.buffer = kv_chunks.new_empty((self.reads if self.in_order else 2 * half, B, 2, n, d))
+        first = comm.all_gather(self.buffer[:half], kv_chunks[0], what=f"{what} gather, first zigzag half")
+        if not self.in_order:
+            second = comm.all_gather(self.buffer[half:], kv_chunks[1], what=f"{what} gather, second zigzag half")
+        else:  # rank q's second half is global chunk 2D-1-q, read by ranks 0 .. q
+            self.buffer[(2 * D - 1 - p) * c:(2 * D - p) * c].copy_(kv_chunks[1])
+            second = comm.exchange(
+                sends=[(q, kv_chunks[1]) for q in range(p)],
+                recvs=[(q, self.buffer[(2 * D - 1 - q) * c:(2 * D - q) * c]) for q in range(p + 1, D)],
+                kind="all_gather", tag=KV_LATE_HALF_TAG, about=kv_chunks[1],
+                what=f"{what} gather, second zigzag half")
+        self._handles: list[Handle] = [first, second]
 
     def wait(self) -> torch.Tensor:
         for handle in self._handles:
             handle.wait()
+        if not self._handles or self.in_order:
+            self._handles = []
+            return self.buffer[:self.reads]
         self._handles = []
         D, c = self.tsp, self.chunk
         second = self.buffer[D * c:].view(D, c, *self.buffer.shape[1:])
@@ -65,7 +90,7 @@ class GlobalKVGather:
             scratch = a.clone()
             a.copy_(b)
             b.copy_(scratch)
-        return self.buffer
+        return self.buffer[:self.reads]
 
 
 def _owner(g: int, tsp: int) -> tuple[int, int]:
@@ -76,9 +101,11 @@ def _owner(g: int, tsp: int) -> tuple[int, int]:
 class RankOrderedKVGrad:
     """dK/dV of one kv group in rank order, [D, 2, c, B, 2, nkv, d]; add() takes the kernels' key-prefix grads."""
 
-    def __init__(self, kv_global: torch.Tensor, tsp: int):
+    def __init__(self, kv_global: torch.Tensor, tsp: int, chunk: int | None = None, causal: bool = False):
+        """kv_global: the gathered K/V (GlobalKVGather.wait(): the whole sequence, or with causal its prefix, so
+        give `chunk` then); causal: scatter() sends no rank the dK/dV of keys none of its own queries read."""
         S, B, _, n, d = kv_global.shape
-        self.tsp, self.chunk = tsp, S // (2 * tsp)
+        self.tsp, self.chunk, self.causal = tsp, chunk if chunk is not None else S // (2 * tsp), causal
         self.buffer = kv_global.new_empty((tsp, 2, self.chunk, B, 2, n, d))
         self._written = 0  # global chunks 0 .. _written-1 hold a value; the rest are uninitialised
 
@@ -108,11 +135,50 @@ class RankOrderedKVGrad:
 
     def scatter(self, comm: TSPComm) -> tuple[torch.Tensor, Handle]:
         """Post the reduce-scatter: returns (this rank's summed [2, c, B, 2, nkv, d], handle)."""
+        if self.causal and self.buffer.device.type == "cpu" and comm.size > 1:
+            return self._scatter_read_chunks(comm)
         for g in range(self._written, 2 * self.tsp):  # keys after every query of this rank: no grad from here
             r, half = _owner(g, self.tsp)
             self.buffer[r, half].zero_()
         out = self.buffer.new_empty(self.buffer.shape[1:])
         return out, comm.reduce_scatter(out, self.buffer, what="dK/dV scatter")
+
+    def _scatter_read_chunks(self, comm: TSPComm) -> tuple[torch.Tensor, Handle]:
+        """The causal reduce-scatter (module doc): rank q's first half gets every rank's grads, its second half
+        (global chunk 2D-1-q) those of ranks p < q only. The first piece received lands in `out` itself, the
+        others in buffers the size of what they are; the sum (own piece first, then rank order) runs at wait()."""
+        D, p = self.tsp, comm.rank
+        if self._written < 2 * D - p:
+            raise RuntimeError(f"RankOrderedKVGrad: rank {p} scattered before its keys up to global chunk "
+                               f"{2 * D - p - 1} were added")
+        out = self.buffer.new_empty(self.buffer.shape[1:])
+        sends = [(q, self.buffer[q] if q > p else self.buffer[q, 0]) for q in range(D) if q != p]
+        # from ranks q < p both halves ([2, c, ...]), from q > p the first half only
+        both, first_only = list(range(p)), list(range(p + 1, D))
+        if both:  # the first into out itself
+            into_both = [out, *out.new_empty((len(both) - 1, *out.shape))]
+            into_first = list(out.new_empty((len(first_only), *out.shape[1:])))
+        else:  # rank 0: nothing for its second half; the first of the first halves into out[0]
+            into_both = []
+            into_first = [out[0], *out.new_empty((len(first_only) - 1, *out.shape[1:]))]
+        own = self.buffer[p]
+
+        def add_pieces():
+            if both:
+                out.add_(own)
+                for piece in into_both[1:]:
+                    out.add_(piece)
+                extra_first = into_first
+            else:
+                out[0].add_(own[0])
+                out[1].copy_(own[1])
+                extra_first = into_first[1:]
+            for piece in extra_first:
+                out[0].add_(piece)
+
+        return out, comm.exchange(sends, list(zip(both, into_both)) + list(zip(first_only, into_first)),
+                                  kind="reduce_scatter", tag=KV_GRAD_TAG, about=out, what="dK/dV scatter",
+                                  finish=add_pieces)
 
     def add_share(self, rank: int, grad: torch.Tensor) -> None:
         """grad [2, c, B, 2, nkv, d]: more grads of rank `rank`'s two chunks (local_kv's layout), added after an

@@ -75,7 +75,7 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
         parts = r.get("peak_breakdown") or {}
         fraction = r.get("exposed_comm_fraction")
         row = [_name(r), str(r["seq"]), str(r.get("tsp")), _mib(r["peak_bytes_per_rank"]),
-               *(_mib(parts.get(k)) for k in BREAKDOWN_KEYS), _mib(r.get("comm_bytes")),
+               *(_mib(parts.get(k)) for k in BREAKDOWN_KEYS), _comm_cell(r),
                _num(r.get("step_s"), ".3f"), _num(r.get("tokens_per_s"), ".0f"),
                _num(r.get("cpu_s_per_step"), ".2f"),
                "-" if fraction is None else f"{100 * fraction:.0f}%"]
@@ -83,8 +83,9 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
     lines += ["", "Peak: MemTracker's peak per rank (max over ranks), broken down by category AT the peak; "
               "`other` = persistent framework buffers outside modules and optimizer states (DeepSpeed flat "
               "partitions, gradient buckets). Comm: logical bytes per rank per step (ds_tsp.core.comm.communicator "
-              "convention); TSP from its own counter, peers from every c10d / functional collective seen by the "
-              "dispatcher. "
+              "convention); TSP from its own counter (the busiest rank's, and in brackets the mean over ranks where "
+              "it is less: the causal K/V gather and dK/dV scatter send different amounts per rank), peers from "
+              "every c10d / functional collective seen by the dispatcher. "
               "Step s: median over timed steps of the slowest rank's wall time; tokens/s = B*S / step s "
               "(hf_zero3_dp, hf_fsdp2_dp: D*B*S, a sequence per rank). "
               "CPU s/step: CPU seconds of all ranks together per step (less disturbed by other load than wall "
@@ -99,6 +100,14 @@ def markdown_table(results: Sequence[dict], meta: dict | None = None) -> str:
     if meta and meta.get("plot_note"):
         lines += ["", meta["plot_note"]]
     return "\n".join(lines) + "\n"
+
+
+def _comm_cell(r: dict) -> str:
+    """Comm MiB: the busiest rank's, with the mean over ranks in brackets where it is lower by 0.1 MiB or more."""
+    most, mean = r.get("comm_bytes"), r.get("comm_bytes_mean")
+    if most is None or mean is None or most - mean < 0.05 * MIB:
+        return _mib(most)
+    return f"{_mib(most)} (mean {_mib(mean)})"
 
 
 def waits_table(results: Sequence[dict], top: int = WAITS_SHOWN) -> str:

@@ -137,6 +137,8 @@ def aggregate(cfg: BenchConfig, seq: int, ranks: list[dict]) -> dict:
     if "tsp_comm_bytes" in ranks[0]:
         # TSP's own counter: the same logical convention, counted on every timed step (deterministic per step).
         result["comm_bytes"] = max(r["tsp_comm_bytes"][-1] for r in ranks)
+        # the causal K/V gather and dK/dV scatter send different amounts per rank (ds_tsp.core.comm.kv_gather)
+        result["comm_bytes_mean"] = statistics.mean(r["tsp_comm_bytes"][-1] for r in ranks)
         result["comm_source"] = "ds_tsp CommCounter (per timed step)"
         result["comm_by_op"] = ranks[0]["tsp_comm_by_kind"]
         fractions = [statistics.median(w / s for w, s in zip(r["tsp_wait_s"], r["step_s"])) for r in ranks]

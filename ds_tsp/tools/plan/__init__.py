@@ -24,7 +24,9 @@ memory.py (state and the peak over phases), peer_stage.py, assemble.py. recommen
 Model inputs: inputs.py (PlanInput, PRESETS), shapes.py (HF config.json, shape overrides).
 
 `comm_bytes_per_step` is one forward and backward of ONE micro-batch of `batch` sequences on the busiest stage,
-plus one gradient synchronisation over dp (grads in `dtype`) and the pipeline hops of that micro-batch.
+plus one gradient synchronisation over dp (grads in `dtype`) and the pipeline hops of that micro-batch: what every
+TSP rank moves on CUDA; on CPU tensors the causal K/V gather and dK/dV scatter send less on some ranks (each kind's
+figure is its busiest rank's; ds_tsp.tools.plan.tsp_comm.at_rank gives each rank's).
 Peaks are checked against `ds-tsp bench`'s MemTracker readings (tests/fixtures/plan_bench.json, within 10%).
 """
 from __future__ import annotations

@@ -68,7 +68,13 @@ from ds_tsp.tools.plan.moe_terms import (
 from ds_tsp.tools.plan.offload import device_held_inputs, offload_note, with_offload
 from ds_tsp.tools.plan.result import CommTerm, LayoutPlan
 from ds_tsp.tools.plan.shape_terms import Stage
-from ds_tsp.tools.plan.tsp_comm import TSPGeometry, stage_positions_regather, tsp_extra_terms, tsp_layer_terms
+from ds_tsp.tools.plan.tsp_comm import (
+    TSPGeometry,
+    at_rank,
+    stage_positions_regather,
+    tsp_extra_terms,
+    tsp_layer_terms,
+)
 
 
 def check_hybrid_input(inp: PlanInput) -> None:
@@ -248,9 +254,11 @@ def hybrid_extra_terms(inp: PlanInput, hg: HybridGeometry, stage: Stage) -> list
     return out
 
 
-def hybrid_counter_bytes(inp: PlanInput, stage: Stage | None = None) -> dict[str, int]:
+def hybrid_counter_bytes(inp: PlanInput, stage: Stage | None = None, rank: int | None = None) -> dict[str, int]:
     """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of a hybrid model: the whole model
-    (pp = 1), or with pipeline stages one micro-batch through `stage` (one of shape_terms.stages(inp))."""
+    (pp = 1), or with pipeline stages one micro-batch through `stage` (one of shape_terms.stages(inp)); of TSP rank
+    `rank` on CPU tensors (tsp_comm.at_rank: the full-attention layers' causal K/V), else the busiest rank's per
+    kind."""
     check_hybrid_input(inp)
     if stage is None and inp.pp > 1:
         raise PlanInputError("pp", f"pp={inp.pp}: the counter bytes are per stage; pass one of stages(inp)")
@@ -261,7 +269,7 @@ def hybrid_counter_bytes(inp: PlanInput, stage: Stage | None = None) -> dict[str
         return out
     kinds = layer_kinds(inp)
     terms = [t for i in stage_layer_ids(inp, stage) for t in (lambda f, b: [*f, *b])(*layer_terms(inp, hg, kinds[i]))]
-    for t in terms + hybrid_extra_terms(inp, hg, stage):
+    for t in [at_rank(t, hg.tsp.D, rank) for t in terms] + hybrid_extra_terms(inp, hg, stage):
         if t.bytes:
             out[t.kind] = out.get(t.kind, 0) + t.bytes
     return out

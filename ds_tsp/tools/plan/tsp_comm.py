@@ -7,7 +7,7 @@ Design-doc terms (W = a layer's weights, KV = B*S*h_kv, rho = (D-1)/D): fwd rho*
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ds_tsp.core.errors import TSPConfigError
 from ds_tsp.tools.plan.comm_terms import all_reduce_bytes, gather_bytes, recompute, term
@@ -221,9 +221,26 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
     return terms + moe_step_terms(inp, stage)
 
 
-def tsp_counter_bytes(inp: PlanInput, stage: Stage | None = None) -> dict[str, int]:
+# The attention terms the causal K/V gather and dK/dV scatter trim (ds_tsp.core.comm.kv_gather): on CPU tensors
+# rank p sends D-1+p of the 2(D-1) zigzag chunks a whole all-gather sends (the first halves to every rank, its
+# second half to the p ranks before it) and 2D-2-p of the reduce-scatter's; the plan's terms are the busiest rank's
+# per kind (rank D-1's gathers, rank 0's scatter), every rank's on CUDA tensors (NCCL's collectives).
+CAUSAL_KV_TERMS = frozenset({"K/V all-gather (per kv group)", "K/V re-gather (per kv group)",
+                             "dK/dV reduce-scatter (per kv group)"})
+
+
+def at_rank(t: CommTerm, D: int, rank: int | None) -> CommTerm:
+    """Term `t` as TSP rank `rank` counts it on CPU tensors (None: as planned, the busiest rank's of its kind)."""
+    if rank is None or t.name.removeprefix("recompute: ") not in CAUSAL_KV_TERMS:
+        return t
+    chunks = D - 1 + (rank if t.kind == "all_gather" else D - 1 - rank)
+    return replace(t, bytes=t.bytes // (2 * D - 2) * chunks)
+
+
+def tsp_counter_bytes(inp: PlanInput, stage: Stage | None = None, rank: int | None = None) -> dict[str, int]:
     """Predicted CommCounter.bytes (kind -> bytes) of one TSP forward + backward of the whole model (pp = 1), or
-    with pipeline stages of one micro-batch through `stage` (one of shape_terms.stages(inp))."""
+    with pipeline stages of one micro-batch through `stage` (one of shape_terms.stages(inp)); of TSP rank `rank`
+    on CPU tensors (at_rank), else the busiest rank's per kind."""
     if inp.model.layer_types is not None:  # counting Llama layers would be silently wrong
         raise PlanInputError("model", "a hybrid model (layer_types): its TSP counter bytes are "
                                       "ds_tsp.tools.plan.hybrid.hybrid_counter_bytes")
@@ -246,7 +263,7 @@ def tsp_counter_bytes(inp: PlanInput, stage: Stage | None = None) -> dict[str, i
         sparse = sparse_count(inp, stage)
         s_fwd, s_bwd = sparse_layer_terms(inp, fwd, bwd, moe_geometry(inp, inp.batch * g.L))
         layer_terms = [*fwd, *bwd] * (stage.layers - sparse) + [*s_fwd, *s_bwd] * sparse
-    for t in layer_terms + tsp_extra_terms(inp, stage):
+    for t in [at_rank(t, inp.degree, rank) for t in layer_terms] + tsp_extra_terms(inp, stage):
         if t.bytes:
             out[t.kind] = out.get(t.kind, 0) + t.bytes
     return out

@@ -315,7 +315,8 @@ def _kv_gather(comm: TSPComm, kv_local: torch.Tensor, spec: AttentionSpec):
     all-to-all the whole sequence's K/V of this rank's cp heads."""
     if _all_to_all(comm, spec):
         return A2AKVGather(comm, kv_local, _head_split(spec, comm))
-    return GlobalKVGather(comm, kv_local)
+    # without a cp axis this rank's queries read the keys up to its second chunk only: no later chunk travels here
+    return GlobalKVGather(comm, kv_local, causal=comm.cp is None)
 
 
 def _kv_weights(w: dict) -> dict:
@@ -607,7 +608,7 @@ class _TSPAttention(torch.autograd.Function):
                 kv_source = None
                 # summed over the group's blocks, scattered once (all-to-all: the whole sequence's of its cp heads)
                 dkv = (A2AKVGrad(kv_all, comm, _head_split(spec, comm), spec.kv_heads_per_block)
-                       if a2a else RankOrderedKVGrad(kv_all, D))
+                       if a2a else RankOrderedKVGrad(kv_all, D, chunk=L // 2, causal=comm.cp is None))
             if a2a:  # dq goes back behind the next block's attention backward
                 sent_dq = a2a_attention_backward(sent, kv_all, dkv, comm, doc_starts=doc_starts, window=spec.window,
                                                  scale=spec.scale, backend=spec.kernel_backend)
