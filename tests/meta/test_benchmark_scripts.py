@@ -1,0 +1,21 @@
+"""The benchmark scripts under benchmarks/ that run on the CPU start and print their row at a tiny size."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attention_pieces_times_both_splits(capsys):
+    _load("attention_pieces").main(["--tsp", "2", "--seq", "64", "--heads", "2", "--head-dim", "8", "--repeats", "1"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("D=2 S=64 H=2 d=8: Ulysses' rank ") and "TSP's ranks" in line, line
+    assert float(line.rsplit(" ", 1)[1]) > 0, line
