@@ -256,6 +256,13 @@ class TSPComm:
         post_failed(Blocked(self, kind, peer, what), err, self.timeout_s)
         raise err  # not reached: post_failed exits the process or raises TSPCommError
 
+    def _post_batch(self, ops: list, kind: str, peer: tuple, what: str | None) -> list:
+        """dist.batch_isend_irecv(ops), a failed post reported like any collective's (kind, peer, what)."""
+        try:
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as err:
+            self._post_failed(err, kind, peer, what)
+
     # --- raw async collectives ---------------------------------------------------------------------------
     # `what` (optional) says what moves, for the report of a failed or stalled wait: "shard of head block 2".
     # broadcast, reduce and ring_exchange carry weights and weight grads: they run on weight_channel; the sequence
@@ -314,10 +321,7 @@ class TSPComm:
                 ops.append(dist.P2POp(dist.isend, local, peer=self._global(r), group=self.group, tag=ALL_GATHER_TAG))
                 ops.append(dist.P2POp(dist.irecv, out[r * n:(r + 1) * n], peer=self._global(r), group=self.group,
                                       tag=ALL_GATHER_TAG))
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as err:
-            self._post_failed(err, "all_gather", ("group",), what)
+        works = self._post_batch(ops, "all_gather", ("group",), what)
         out[p * n:(p + 1) * n].copy_(local)
         return self._started(works, (out, local), "all_gather", ("group",), what)
 
@@ -351,10 +355,7 @@ class TSPComm:
             ops.append(dist.P2POp(dist.isend, full[r * n:(r + 1) * n], peer=self._global(r), group=self.group,
                                   tag=REDUCE_SCATTER_TAG))
             ops.append(dist.P2POp(dist.irecv, buf, peer=self._global(r), group=self.group, tag=REDUCE_SCATTER_TAG))
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as err:
-            self._post_failed(err, "reduce_scatter", ("group",), what)
+        works = self._post_batch(ops, "reduce_scatter", ("group",), what)
 
         def add_pieces():
             first, *rest = received
@@ -387,12 +388,8 @@ class TSPComm:
         self._record("p2p", about, what, p2p=links, batched=True, tag=tag)
         ops = ([dist.P2POp(dist.isend, t, peer=self._global(r), group=self.group, tag=tag) for r, t in sends]
                + [dist.P2POp(dist.irecv, t, peer=self._global(r), group=self.group, tag=tag) for r, t in recvs])
-        peer = ("group",)
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as err:
-            self._post_failed(err, kind, peer, what)
-        return self._started(works, tuple(t for _, t in (*sends, *recvs)), kind, peer, what, finish)
+        works = self._post_batch(ops, kind, ("group",), what)
+        return self._started(works, tuple(t for _, t in (*sends, *recvs)), kind, ("group",), what, finish)
 
     def all_reduce(self, tensor: torch.Tensor, kind: str = "all_reduce", what: str | None = None,
                    context: str | None = None) -> Handle:
@@ -440,12 +437,9 @@ class TSPComm:
         peer = ("ring", prv, nxt)
         self._record("p2p", send, what, p2p=(("send", self._global(nxt)), ("recv", self._global(prv))), batched=True,
                      tag=tag, weights=True)
-        try:
-            works = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, send, peer=self._global(nxt), group=self.weight_channel, tag=tag),
-                dist.P2POp(dist.irecv, recv, peer=self._global(prv), group=self.weight_channel, tag=tag)])
-        except RuntimeError as err:
-            self._post_failed(err, "ring", peer, what)
+        ops = [dist.P2POp(dist.isend, send, peer=self._global(nxt), group=self.weight_channel, tag=tag),
+               dist.P2POp(dist.irecv, recv, peer=self._global(prv), group=self.weight_channel, tag=tag)]
+        works = self._post_batch(ops, "ring", peer, what)
         return self._started(works, (send, recv), "ring", peer, what)
 
     def shift_exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, shift: int, tag: int,
@@ -467,10 +461,7 @@ class TSPComm:
         peer = ("ring", prv, nxt)
         self._record("p2p", send if send is not None else recv, what, p2p=tuple(links), batched=True, tag=tag,
                      weights=True)
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as err:
-            self._post_failed(err, "ring", peer, what)
+        works = self._post_batch(ops, "ring", peer, what)
         return self._started(works, tuple(t for t in (send, recv) if t is not None), "ring", peer, what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],

@@ -67,6 +67,14 @@ def per_layer_input_params(inp: PlanInput, D: int) -> tuple[int, int]:
     return ceil_div(m.per_layer_input_vocab_size, D) * N, (N // D) * m.hidden_size
 
 
+# The K/V terms of an attention layer (names of tsp_layer_terms' CommTerms): the gather, the backward's re-gather and
+# the dK/dV reduce-scatter of each kv group
+KV_GATHER_TERM = "K/V all-gather (per kv group)"
+KV_REGATHER_TERM = "K/V re-gather (per kv group)"
+KV_SCATTER_TERM = "dK/dV reduce-scatter (per kv group)"
+KV_TERMS = (KV_GATHER_TERM, KV_REGATHER_TERM, KV_SCATTER_TERM)
+
+
 def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[CommTerm], list[CommTerm]]:
     """One decoder layer's CommCounter terms (of decoder layer `layer` where layers differ in attention shape).
 
@@ -89,7 +97,7 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
     groups = D // g.kv_replicas
     fwd = [
         term("attention shard broadcast", "broadcast", shard, D - 1, (D - 1) * shard),
-        term("K/V all-gather (per kv group)", "all_gather", kv_out, groups, groups * gather_bytes(kv_out, D)),
+        term(KV_GATHER_TERM, "all_gather", kv_out, groups, groups * gather_bytes(kv_out, D)),
         term("MLP weight ring (D-1 hops)", "ring", mlp, D - 1, (D - 1) * mlp),
     ]
     regather = 0 if inp.keep_gathered_kv else groups
@@ -102,8 +110,8 @@ def tsp_layer_terms(inp: PlanInput, layer: int | None = None) -> tuple[list[Comm
     bwd = [
         term("attention shard re-broadcast", "broadcast", shard, D - 1, (D - 1) * shard),
         term("attention grad reduce to owner", "reduce", shard - qk, D - 1, (D - 1) * (shard - qk)),
-        term("K/V re-gather (per kv group)", "all_gather", kv_out, regather, regather * gather_bytes(kv_out, D)),
-        term("dK/dV reduce-scatter (per kv group)", "reduce_scatter", kv_out, groups,
+        term(KV_REGATHER_TERM, "all_gather", kv_out, regather, regather * gather_bytes(kv_out, D)),
+        term(KV_SCATTER_TERM, "reduce_scatter", kv_out, groups,
              groups * gather_bytes(kv_out, D)),
         term("MLP ring (D-1 weight + D-1 grad hops)", "ring", mlp, 2 * (D - 1), 2 * (D - 1) * mlp),
     ]
@@ -221,17 +229,14 @@ def tsp_extra_terms(inp: PlanInput, stage: Stage) -> list[CommTerm]:
     return terms + moe_step_terms(inp, stage)
 
 
-# The attention terms the causal K/V gather and dK/dV scatter trim (ds_tsp.core.comm.kv_gather): on CPU tensors
-# rank p sends D-1+p of the 2(D-1) zigzag chunks a whole all-gather sends (the first halves to every rank, its
-# second half to the p ranks before it) and 2D-2-p of the reduce-scatter's; the plan's terms are the busiest rank's
-# per kind (rank D-1's gathers, rank 0's scatter), every rank's on CUDA tensors (NCCL's collectives).
-CAUSAL_KV_TERMS = frozenset({"K/V all-gather (per kv group)", "K/V re-gather (per kv group)",
-                             "dK/dV reduce-scatter (per kv group)"})
-
-
 def at_rank(t: CommTerm, D: int, rank: int | None) -> CommTerm:
-    """Term `t` as TSP rank `rank` counts it on CPU tensors (None: as planned, the busiest rank's of its kind)."""
-    if rank is None or t.name.removeprefix("recompute: ") not in CAUSAL_KV_TERMS:
+    """Term `t` as TSP rank `rank` counts it on CPU tensors (None: as planned, the busiest rank's of its kind).
+
+    The causal K/V gather and dK/dV scatter (ds_tsp.core.comm.kv_gather) trim the K/V terms there: rank p sends
+    D-1+p of the 2(D-1) zigzag chunks a whole all-gather sends (its first half to every rank, its second half to the
+    p ranks before it) and 2D-2-p of the reduce-scatter's; the plan's terms are the busiest rank's per kind (rank
+    D-1's gathers, rank 0's scatter), every rank's on CUDA tensors (NCCL's collectives)."""
+    if rank is None or t.name.removeprefix("recompute: ") not in KV_TERMS:
         return t
     chunks = D - 1 + (rank if t.kind == "all_gather" else D - 1 - rank)
     return replace(t, bytes=t.bytes // (2 * D - 2) * chunks)

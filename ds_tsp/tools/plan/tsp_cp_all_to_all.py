@@ -41,6 +41,7 @@ from ds_tsp.tools.plan.result import LayoutPlan
 from ds_tsp.tools.plan.shape_terms import stages
 from ds_tsp.tools.plan.tsp import plan_tsp
 from ds_tsp.tools.plan.tsp_comm import (
+    KV_TERMS,
     TSPGeometry,
     tsp_counter_bytes,
     tsp_layer_terms,
@@ -50,7 +51,6 @@ from ds_tsp.tools.plan.tsp_cp import ATTENTION_BACKWARD_FLOPS, INTER_NODE_GBPS, 
 __all__ = ["plan_tsp_cp_all_to_all", "all_to_all_lines", "tsp_counter_bytes_all_to_all", "CP_COMMS"]
 
 CP_COMMS = ("ring", "all_to_all")  # the schedules a plan models (tsp.cp_comm also takes "auto": tsp_cp_auto)
-_KV_TERMS = ("K/V all-gather (per kv group)", "K/V re-gather (per kv group)", "dK/dV reduce-scatter (per kv group)")
 
 
 def _heads(g: TSPGeometry, C: int) -> tuple[int, int, int]:
@@ -67,7 +67,7 @@ def _scaled_kv_terms(terms, r: int, D: int):
     """The TSP group's K/V gather / re-gather / dK/dV reduce-scatter terms of the whole sequence's nkv' heads."""
     out = []
     for t in terms:
-        if r > 1 and any(t.name.endswith(name) for name in _KV_TERMS):
+        if r > 1 and any(t.name.endswith(name) for name in KV_TERMS):
             t = replace(t, payload_bytes=t.payload_bytes * r, bytes=t.calls * gather_bytes(t.payload_bytes * r, D))
         out.append(t)
     return tuple(out)
