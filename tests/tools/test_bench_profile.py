@@ -7,7 +7,7 @@ import pytest
 from local_ranks import forked_ranks
 
 from ds_tsp.tools.bench.cli import main
-from ds_tsp.tools.bench.profile import KEYS, attribute, layer_of, nest, phase_of
+from ds_tsp.tools.bench.profile import KEYS, attribute, layer_of, nest, op_seconds_by_layer, phase_of, top_ops_table
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -57,6 +57,27 @@ def test_attribute_charges_each_self_time_once():
     assert layer_of(gdn[-1]) == layer_of(nest([_event("_TSPGatedDeltaNetBackward", 0, 1)])[0]) == "gdn"
 
 
+def test_op_seconds_by_layer_names_each_layer_types_ops_by_self_time():
+    events = [
+        _event("_TSPAttentionBackward", 0, 100),
+        _event("aten::mm", 10, 50),
+        _event("aten::mul", 50, 60),
+        _event("aten::copy_", 52, 56),  # inside the mul: the mul's self time is 6, the copy's 4
+        _event("aten::mm", 70, 80),
+        _event("_TSPGatedMLP", 110, 135),
+        _event("aten::mul", 112, 132),
+        _event("aten::add", 140, 143),  # outside every layer: rest
+    ]
+    by_layer = op_seconds_by_layer(nest(events))
+    assert by_layer["attention"] == pytest.approx({"aten::mm": 50e-6, "aten::mul": 6e-6, "aten::copy_": 4e-6})
+    assert by_layer["mlp"] == pytest.approx({"aten::mul": 20e-6})
+    assert by_layer["rest"] == pytest.approx({"aten::add": 3e-6})
+    row = {"layout": "tsp", "seq": 64, "tsp": 2, "profile": {"top_ops_by_layer": {
+        "attention": [["aten::mm", 5e-5], ["aten::mul", 6e-6]]}}}
+    assert "| tsp | 64 | 2 | attention | mm 0.000, mul 0.000 |" in top_ops_table([row])
+    assert top_ops_table([{"layout": "tsp", "seq": 64}]) == ""
+
+
 def _profiled_tiny_run(out) -> dict:
     rc = main(["--profile", "--layouts", "tsp,dtensor_tp_sp", "--tsp", "2", "--seq", "64", "--layers", "1",
                "--hidden", "64", "--heads", "4", "--ffn", "128", "--vocab", "256", "--steps", "1", "--warmup", "1",
@@ -88,7 +109,12 @@ def test_bench_profile_tiny(tmp_path):
     # comm_wait also counts posting the collectives
     assert tsp["comm_wait_s"] >= tsp["blocked_s"] * 0.99
     assert "step_s" in by_layout["tsp"] and "comm_bytes" in by_layout["tsp"]  # existing keys kept
-    assert "| layer type |" in (tmp_path / "results.md").read_text()
+    md = (tmp_path / "results.md").read_text()
+    assert "| layer type |" in md and "| ops by self seconds |" in md
+    for layer, ops in tsp["top_ops_by_layer"].items():  # the layer's busiest aten ops, within its seconds
+        seconds = [s for _, s in ops]
+        assert ops and all(name.startswith("aten::") for name, _ in ops) and seconds == sorted(seconds, reverse=True)
+        assert sum(seconds) <= sum(layers[layer].values()) * 1.01 + 1e-4, layer
     # A time cross-check: one loaded full-suite run measured the counter 5.8 ms over the bound (22.8 ms against
     # 17.0 ms profiled). A wait missing from the profile shows in every run: a run over the bound is profiled once
     # more, and the test fails only if that run is over it too.

@@ -221,6 +221,24 @@ def _main_thread_events(prof):
     return [e for e in events if e.thread == main]
 
 
+TOP_OPS_PER_LAYER = 6  # aten ops per layer type in results.json's top_ops_by_layer and results.md's table
+
+
+def op_seconds_by_layer(nodes: list[_Node]) -> dict[str, dict[str, float]]:
+    """layer type -> aten op -> self seconds in a profiled step: which kernels each layer type's time is (a phase
+    such as "elementwise" sums many ops; this names them)."""
+    out: dict[str, dict[str, float]] = {}
+    for node in nodes:
+        if node.name.startswith("aten::"):
+            layer_ops = out.setdefault(layer_of(node), {})
+            layer_ops[node.name] = layer_ops.get(node.name, 0.0) + node.self_s
+    return out
+
+
+def _top(ops: dict[str, float], n: int) -> list:
+    return [[name, round(seconds, 6)] for name, seconds in sorted(ops.items(), key=lambda kv: -kv[1])[:n]]
+
+
 def profile_step(workload) -> dict:
     """Seconds per phase (and per layer type x phase) of one step of `workload` on this rank, its wall time and
     the top ops by self time; for TSP also this rank's work per layer type ("work": counted_work, which the runner
@@ -237,16 +255,16 @@ def profile_step(workload) -> dict:
     wall = time.perf_counter() - start  # includes profiler overhead: the phases are shares of THIS step
     nodes = nest(_main_thread_events(prof))
     totals, by_layer = attribute(nodes, wall)
+    blocked = sum(node.seconds for node in nodes if node.name == COMM_WAIT_RANGE)
+    per_layer = op_seconds_by_layer(nodes)
     ops: dict[str, float] = {}
-    blocked = 0.0
-    for node in nodes:
-        if node.name.startswith("aten::"):
-            ops[node.name] = ops.get(node.name, 0.0) + node.self_s
-        elif node.name == COMM_WAIT_RANGE:
-            blocked += node.seconds
+    for layer_ops in per_layer.values():
+        for name, seconds in layer_ops.items():
+            ops[name] = ops.get(name, 0.0) + seconds
     out = {**totals, "wall_s": wall, "blocked_s": blocked,
            "by_layer": {layer: cells for layer, cells in by_layer.items() if any(cells.values())},
-           "top_ops": [[name, round(s, 6)] for name, s in sorted(ops.items(), key=lambda kv: -kv[1])[:10]]}
+           "top_ops": _top(ops, 10),
+           "top_ops_by_layer": {layer: _top(layer_ops, TOP_OPS_PER_LAYER) for layer, layer_ops in per_layer.items()}}
     if counter is not None:
         out["counter_wait_s"] = float(counter.snapshot()["wait_s"])  # cross-check of blocked_s (TSP only)
         out["work"] = counted_work(nodes)
@@ -273,6 +291,20 @@ def profile_table(results: list[dict]) -> str:
             if r["layout"].startswith("tsp"):
                 lines.append(f"| | | | {layer} | " + " | ".join(_cells(cells, p["wall_s"]))
                              + f" | {sum(cells.values()):.3f} |")
+    return "\n".join(lines)
+
+
+def top_ops_table(results: list[dict]) -> str:
+    """Markdown: per profiled (layout, S) and layer type, its aten ops with the most self time."""
+    rows = [r for r in results if r.get("profile", {}).get("top_ops_by_layer")]
+    if not rows:
+        return ""
+    lines = ["| layout | S | D | layer type | ops by self seconds |", "|---|---:|---:|---|---|"]
+    for r in rows:
+        label = r.get("label") or r["layout"]
+        for layer, ops in r["profile"]["top_ops_by_layer"].items():
+            named = ", ".join(f"{name.removeprefix('aten::')} {seconds:.3f}" for name, seconds in ops)
+            lines.append(f"| {label} | {r['seq']} | {r.get('tsp')} | {layer} | {named} |")
     return "\n".join(lines)
 
 
@@ -319,3 +351,6 @@ def append_profile(md_path: str, results: list[dict]) -> None:
             "the experts (gate/up again), above 1 for attention (q/k/v again: 1.25 with as many kv heads as "
             "heads) and 8/6 = 1.333 for the vocab "
             "(the logits rebuilt per tile).", work_table(results))
+    section("the ops behind each layer type's seconds",
+            f"The same profiled step: per layer type (a peer's whole step is \"rest\"), its {TOP_OPS_PER_LAYER} aten "
+            "ops with the most self time, in seconds.", top_ops_table(results))
