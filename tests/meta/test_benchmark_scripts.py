@@ -19,3 +19,15 @@ def test_attention_pieces_times_both_splits(capsys):
     line = capsys.readouterr().out.strip()
     assert line.startswith("D=2 S=64 H=2 d=8: Ulysses' rank ") and "TSP's ranks" in line, line
     assert float(line.rsplit(" ", 1)[1]) > 0, line
+
+
+def test_attention_pieces_per_pair_names_every_piece_shape(capsys):
+    _load("attention_pieces").main(["--per-pair", "--tsp", "2", "--seq", "64", "--heads", "2", "--head-dim", "8",
+                                    "--repeats", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("D=2 S=64 H=2 d=8 (H / D = 1 per call)"), lines
+    shapes = [line.strip().split(":")[0] for line in lines[1:]]
+    assert shapes == ["Ulysses' causal 64 x 64", "causal diagonal 16 x 16", "unmasked 16 x 16", "unmasked 16 x 48"]
+    for line in lines[1:]:
+        fwd, bwd = (float(x) for x in line.rsplit(":", 1)[1].split("/"))
+        assert fwd > 0 and bwd > 0, line
