@@ -73,8 +73,8 @@ def test_op_seconds_by_layer_names_each_layer_types_ops_by_self_time():
     assert by_layer["mlp"] == pytest.approx({"aten::mul": 20e-6})
     assert by_layer["rest"] == pytest.approx({"aten::add": 3e-6})
     row = {"layout": "tsp", "seq": 64, "tsp": 2, "profile": {"top_ops_by_layer": {
-        "attention": [["aten::mm", 5e-5], ["aten::mul", 6e-6]]}}}
-    assert "| tsp | 64 | 2 | attention | mm 0.000, mul 0.000 |" in top_ops_table([row])
+        "attention": [["aten::mm", 1.25], ["aten::mul", 0.5]]}}}
+    assert "| tsp | 64 | 2 | attention | mm 1.250, mul 0.500 |" in top_ops_table([row])
     assert top_ops_table([{"layout": "tsp", "seq": 64}]) == ""
 
 

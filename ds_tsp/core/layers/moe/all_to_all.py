@@ -54,11 +54,11 @@ class MoEAllToAll(torch.autograd.Function):
         perm = _arrival_order_by_expert(recv_counts, n_in, e_r)
 
         tok = plan.tokens(plan.order)
-        send = x2d[tok]
+        send = x2d.index_select(0, tok)  # not x2d[tok]: the same rows, faster than advanced indexing on CPU
         recv = x2d.new_empty((n_in, h))
         comm.all_to_all(recv, send, out_splits, in_splits, what="moe token rows").wait()
         del send
-        rows = recv[perm]
+        rows = recv.index_select(0, perm)
         del recv
         w = spec.layout.unpack(experts_shard)
         out_sorted, gu = experts_forward(rows, w, groups, spec.glu, keep_projections=not spec.recompute_projections)
@@ -68,7 +68,7 @@ class MoEAllToAll(torch.autograd.Function):
         comm.all_to_all(back, out_arrived, in_splits, out_splits, what="moe expert outputs").wait()
         del out_arrived
         # back is the receive buffer, read once: weighted in place
-        y = torch.zeros_like(x2d).index_add_(0, tok, back.mul_(top_w.reshape(-1)[plan.order][:, None]))
+        y = torch.zeros_like(x2d).index_add_(0, tok, back.mul_(top_w.reshape(-1).index_select(0, plan.order)[:, None]))
 
         ctx.spec, ctx.comm, ctx.groups = spec, comm, groups
         ctx.splits = (in_splits, out_splits)
@@ -93,7 +93,7 @@ class MoEAllToAll(torch.autograd.Function):
         recv = send.new_empty((perm.numel(), send.shape[1]))
         comm.all_to_all(recv, send, out_splits, in_splits, what="moe backward rows").wait()
         del send
-        got = recv[perm]
+        got = recv.index_select(0, perm)
         del recv
         # contiguous operands: the grouped kernels need aligned row strides, and both paths then run the same
         # GEMMs on the same layout (their results agree to the bit, tests/moe/test_moe_core.py)

@@ -93,8 +93,10 @@ class MoERing(torch.autograd.Function):
             if not rows.numel():  # none of this rank's rows meet owner's experts (a host-known bound): no work
                 return
             tok = plan.tokens(rows)
-            out, gu = experts_forward(x2d[tok], w, groups, spec.glu, keep_projections=not spec.recompute_projections)
-            y.index_add_(0, tok, out.mul_(w_flat[rows][:, None]))  # out is this step's own buffer: weighted in place
+            # index_select, not x2d[tok]: the same rows, 3-5x faster than advanced indexing on CPU tensors
+            out, gu = experts_forward(x2d.index_select(0, tok), w, groups, spec.glu,
+                                      keep_projections=not spec.recompute_projections)
+            y.index_add_(0, tok, out.mul_(w_flat.index_select(0, rows)[:, None]))  # out: this step's own buffer
             if gu is not None:
                 kept.append(gu)
 
@@ -122,7 +124,7 @@ class MoERing(torch.autograd.Function):
             tok = plan.tokens(rows)
             grad = shard.new_empty(shard.shape) if need_w else None  # the expert GEMMs write it, every element
             drows, dw, _ = experts_backward(
-                x2d[tok], dy[tok], w_flat[rows], w, groups, spec.glu,
+                x2d.index_select(0, tok), dy.index_select(0, tok), w_flat.index_select(0, rows), w, groups, spec.glu,
                 projections=None if spec.recompute_projections else next(kept), need_weight_grad=need_w,
                 grad_into=spec.layout.unpack(grad) if need_w else None, rows_later=need_w)
             dw_flat.index_add_(0, rows, dw)
