@@ -131,6 +131,13 @@ def _case_ids():
 
 # --- (a) communication: exact ----------------------------------------------------------------------------------------
 
+def test_counter_bytes_at_a_rank_of_one_rank_and_out_of_range():
+    name = next(iter(CASES))
+    assert tsp_counter_bytes(_input(name, 1), rank=0) == tsp_counter_bytes(_input(name, 1))  # nothing is trimmed
+    with pytest.raises(ValueError, match="rank=2: a TSP rank is in 0 .. 1"):
+        tsp_counter_bytes(_input(name, 2), rank=2)
+
+
 @pytest.mark.parametrize("world,name", _case_ids(), ids=[f"D{w}-{n}" for w, n in _case_ids()])
 def test_tsp_comm_formula_equals_counters_exactly(measured, world, name):
     inp = _input(name, world)
@@ -138,6 +145,8 @@ def test_tsp_comm_formula_equals_counters_exactly(measured, world, name):
     for rank, per_rank in enumerate(measured[world]):  # the later ranks move less of the causal K/V (at_rank)
         want = tsp_counter_bytes(inp, rank=rank)
         assert per_rank[name]["bytes"] == want, (rank, per_rank[name]["bytes"], want)
+    # the plan's figure of each kind is its busiest rank's
+    assert predicted == {kind: max(r[name]["bytes"].get(kind, 0) for r in measured[world]) for kind in predicted}
     plan = plan_tsp(inp)
     for per_rank in measured[world]:
         assert per_rank[name]["params"] == plan.params_bytes and per_rank[name]["grads"] == plan.grads_bytes

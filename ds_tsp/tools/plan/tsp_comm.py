@@ -235,8 +235,10 @@ def at_rank(t: CommTerm, D: int, rank: int | None) -> CommTerm:
     The causal K/V gather and dK/dV scatter (ds_tsp.core.comm.kv_gather) trim the K/V terms there: rank p sends
     D-1+p of the 2(D-1) zigzag chunks a whole all-gather sends (its first half to every rank, its second half to the
     p ranks before it) and 2D-2-p of the reduce-scatter's; the plan's terms are the busiest rank's per kind (rank
-    D-1's gathers, rank 0's scatter), every rank's on CUDA tensors (NCCL's collectives)."""
-    if rank is None or t.name.removeprefix("recompute: ") not in KV_TERMS:
+    D-1's gathers, rank 0's scatter), every rank's on CUDA tensors (NCCL's collectives). D = 1 moves nothing."""
+    if rank is not None and not 0 <= rank < D:
+        raise ValueError(f"rank={rank}: a TSP rank is in 0 .. {D - 1} (D={D})")
+    if rank is None or D == 1 or t.name.removeprefix("recompute: ") not in KV_TERMS:
         return t
     chunks = D - 1 + (rank if t.kind == "all_gather" else D - 1 - rank)
     return replace(t, bytes=t.bytes // (2 * D - 2) * chunks)
