@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import timeit
 
 import torch
 
@@ -27,13 +28,9 @@ from ds_tsp.core.layers.attention.kernels import attention_backward, attention_f
 
 
 def _best(call, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls, after one untimed call."""
     call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timeit.repeat(call, number=1, repeat=repeats))
 
 
 def _forward_backward(q, k, v, q_start: int, scale: float) -> None:

@@ -22,7 +22,7 @@ every value head, for both decays: does either kernel's cost depend on how fast 
 from __future__ import annotations
 
 import argparse
-import time
+import timeit
 
 import torch
 
@@ -51,13 +51,9 @@ def _inputs(rows: int, heads: int, c: int, d: int, strong: bool, seed: int = 0):
 
 
 def _best(call, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls, after one untimed call."""
     call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timeit.repeat(call, number=1, repeat=repeats))
 
 
 def _forward(inputs, chunk: int):
