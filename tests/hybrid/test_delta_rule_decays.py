@@ -139,3 +139,31 @@ def test_the_decays_grads_are_the_exps_where_nothing_is_flushed():
     cut = torch.ones(8, 8, dtype=torch.bool).triu(1) | (seg.unsqueeze(-1) != seg.unsqueeze(-2))
     assert torch.autograd.gradcheck(lambda c: pairwise_decay(c, cut), (cum,))
     assert torch.autograd.gradcheck(flushed_exp, (cum,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_kernel_hands_its_products_no_denormal_decay(dtype, monkeypatch):
+    """Every decay the kernel computes (from the sub-chunk start, to its end, the whole sub-chunk and every pair)
+    goes through flushed_exp / pairwise_decay, and with heads decaying up to 60 per token none is denormal: the
+    CPU's slow path for every product and solve that reads them."""
+    from ds_tsp.core.layers.linear_attention import delta_rule
+
+    seen = []
+
+    def spy(fn):
+        def wrapped(*args):
+            out = fn(*args)
+            seen.append((fn.__name__, out.detach()))
+            return out
+        return wrapped
+
+    monkeypatch.setattr(delta_rule, "flushed_exp", spy(delta_rule.flushed_exp))
+    monkeypatch.setattr(delta_rule, "pairwise_decay", spy(delta_rule.pairwise_decay))
+    q, k, v, decay, beta, s0 = _strong_case(dtype)
+    _kernel(q, k, v, decay, beta, s0, 16)
+    assert [name for name, _ in seen] == ["flushed_exp"] * 3 + ["pairwise_decay"]
+    tiny = torch.finfo(dtype).tiny
+    for name, out in seen:
+        assert not ((out != 0) & (out.abs() < tiny)).any(), name
+    if dtype == torch.float32:  # the case this is for: beside the 120 of 256 pairs cut (later tokens), a good
+        assert (seen[-1][1] == 0).float().mean() > 0.55  # share of the kept ones flushed
