@@ -132,7 +132,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     cut = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)  # [C, C]: j after i
     from_start = flushed_exp(cum)  # decay from the sub-chunk's start state to token i
     to_end = flushed_exp(cum[..., -1:] - cum)  # decay from token j to the sub-chunk's end state
-    gamma = flushed_exp(cum[..., -1])  # start state -> end state
+    gamma = from_start[..., -1]  # start state -> end state
     if reset is not None:  # segment index inside each sub-chunk: a document start opens a new one
         if pad:
             reset = torch.nn.functional.pad(reset, (0, pad))
@@ -160,7 +160,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     # one GEMM per step; then every sub-chunk's read of the state it starts from (q_sub_i T_{i-1} = its q_eff | its
     # output's correction) in ONE batched GEMM after the loop.
     m_and_u = torch.cat([m_sub, u_sub], dim=-1)  # [N, H, n, dk, dk + dv]
-    zero_and_u = torch.cat([u_sub.new_zeros(*u_sub.shape[:-1], dk), u_sub], dim=-1)  # cat: 6x faster than F.pad
+    zero_and_u = torch.nn.functional.pad(u_sub, (dk, 0))
     transition = m_and_u[:, :, 0]
     before = []  # T_0 .. T_{n-2}: what sub-chunks 1 .. n-1 start from
     for i in range(1, n):
